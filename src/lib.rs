@@ -1,0 +1,26 @@
+//! kv-indexer: a standalone KV-cache indexer for LLM serving.
+//!
+//! Inference engines (vLLM, SGLang, TensorRT-LLM) publish what their prefix caches hold as
+//! KV-cache events over ZeroMQ, one PUB socket per data-parallel rank. kv-indexer subscribes to
+//! every rank of every engine listed in `indexer.toml`, keeps an index of which rank holds which
+//! blocks, and tells a router, per rank, how long a prompt's cached prefix is.
+//!
+//! Data flows one way:
+//!
+//! ```text
+//! config (parse, validate) → plan (engines × ranks → listener specs)
+//!   → registry (running listeners; register / deregister / reload diff)
+//!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
+//! http (routes, JSON) reads the index and the registry;  metrics is written by all.
+//! ```
+//!
+//! `sim` is a simulated engine speaking the real protocol, used by tests, examples and
+//! benchmarks; the indexer itself never uses it.
+
+pub mod config;
+pub mod index;
+pub mod listener;
+pub mod metrics;
+pub mod plan;
+pub mod sim;
+pub mod wire;
