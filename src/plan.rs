@@ -26,3 +26,10 @@ pub struct ListenerSpec {
     /// Model served by the engine, for `/query` filtering.
     pub model: Option<String>,
 }
+
+use crate::config::Config;
+
+/// One spec per rank of every engine, in config order then rank order.
+pub fn expand(config: &Config) -> Vec<ListenerSpec> {
+    todo!("config helper: {config:?}")
+}
