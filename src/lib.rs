@@ -22,5 +22,6 @@ pub mod index;
 pub mod listener;
 pub mod metrics;
 pub mod plan;
+pub mod service;
 pub mod sim;
 pub mod wire;
