@@ -70,7 +70,9 @@ fn url_host(host: &str) -> String {
 
 /// The plan as a text table, one row per rank, columns aligned; absent values are `-`.
 pub fn render_table(specs: &[ListenerSpec]) -> String {
-    const HEADER: [&str; 7] = ["ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL"];
+    const HEADER: [&str; 7] = [
+        "ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL",
+    ];
     let rows: Vec<[String; 7]> = specs
         .iter()
         .map(|spec| {
@@ -160,21 +162,43 @@ mod tests {
         let specs = expand(&config(vec![vllm]));
         let ranks: Vec<_> = specs
             .iter()
-            .map(|s| (s.key.dp_rank, s.endpoint.as_str(), s.replay.as_deref(), s.recover.as_deref()))
+            .map(|s| {
+                (
+                    s.key.dp_rank,
+                    s.endpoint.as_str(),
+                    s.replay.as_deref(),
+                    s.recover.as_deref(),
+                )
+            })
             .collect();
         assert_eq!(
             ranks,
             vec![
-                (0, "tcp://10.0.0.5:5557", Some("tcp://10.0.0.5:5600"), Some("http://10.0.0.5:8200/kv_recover")),
-                (1, "tcp://10.0.0.5:5558", Some("tcp://10.0.0.5:5601"), Some("http://10.0.0.5:8201/kv_recover")),
+                (
+                    0,
+                    "tcp://10.0.0.5:5557",
+                    Some("tcp://10.0.0.5:5600"),
+                    Some("http://10.0.0.5:8200/kv_recover")
+                ),
+                (
+                    1,
+                    "tcp://10.0.0.5:5558",
+                    Some("tcp://10.0.0.5:5601"),
+                    Some("http://10.0.0.5:8201/kv_recover")
+                ),
             ]
         );
-        assert!(specs.iter().all(|s| s.topic == "kv" && s.model.as_deref() == Some("Qwen/Qwen3-8B")));
+        assert!(specs
+            .iter()
+            .all(|s| s.topic == "kv" && s.model.as_deref() == Some("Qwen/Qwen3-8B")));
     }
 
     #[test]
     fn dp_size_8_keeps_config_order_then_rank_order() {
-        let specs = expand(&config(vec![engine("big", "gpu-1", 8), engine("small", "gpu-2", 1)]));
+        let specs = expand(&config(vec![
+            engine("big", "gpu-1", 8),
+            engine("small", "gpu-2", 1),
+        ]));
         let keys: Vec<(&str, u32, &str)> = specs
             .iter()
             .map(|s| (s.key.engine.as_str(), s.key.dp_rank, s.endpoint.as_str()))
@@ -183,8 +207,10 @@ mod tests {
             .map(|r| ("big", r, format!("tcp://gpu-1:{}", 5557 + r)))
             .collect();
         expected.push(("small", 0, "tcp://gpu-2:5557".into()));
-        let expected: Vec<(&str, u32, &str)> =
-            expected.iter().map(|(e, r, ep)| (*e, *r, ep.as_str())).collect();
+        let expected: Vec<(&str, u32, &str)> = expected
+            .iter()
+            .map(|(e, r, ep)| (*e, *r, ep.as_str()))
+            .collect();
         assert_eq!(keys, expected);
     }
 
@@ -197,7 +223,10 @@ mod tests {
         assert_eq!(specs[0].endpoint, "tcp://[::1]:5557");
         assert_eq!(specs[1].endpoint, "tcp://[::1]:5558");
         assert_eq!(specs[1].replay.as_deref(), Some("tcp://[::1]:5601"));
-        assert_eq!(specs[1].recover.as_deref(), Some("http://[::1]:8201/kv_recover"));
+        assert_eq!(
+            specs[1].recover.as_deref(),
+            Some("http://[::1]:8201/kv_recover")
+        );
     }
 
     #[test]
