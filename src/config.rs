@@ -484,8 +484,8 @@ impl EngineFields {
 }
 
 /// A section that must be a table: reported when it is not.
-fn as_table<'v, 'i>(
-    value: &'v Spanned<DeValue<'i>>,
+fn as_table<'i>(
+    value: &Spanned<DeValue<'i>>,
     section: &str,
     problems: &mut Problems<'_>,
 ) -> Option<Spanned<DeTable<'i>>> {

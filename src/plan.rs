@@ -199,19 +199,15 @@ mod tests {
             engine("big", "gpu-1", 8),
             engine("small", "gpu-2", 1),
         ]));
-        let keys: Vec<(&str, u32, &str)> = specs
+        let rows: Vec<String> = specs
             .iter()
-            .map(|s| (s.key.engine.as_str(), s.key.dp_rank, s.endpoint.as_str()))
+            .map(|s| format!("{}/{} {}", s.key.engine, s.key.dp_rank, s.endpoint))
             .collect();
-        let mut expected: Vec<(&str, u32, String)> = (0..8)
-            .map(|r| ("big", r, format!("tcp://gpu-1:{}", 5557 + r)))
+        let mut expected: Vec<String> = (0..8)
+            .map(|rank| format!("big/{rank} tcp://gpu-1:{}", 5557 + rank))
             .collect();
-        expected.push(("small", 0, "tcp://gpu-2:5557".into()));
-        let expected: Vec<(&str, u32, &str)> = expected
-            .iter()
-            .map(|(e, r, ep)| (*e, *r, ep.as_str()))
-            .collect();
-        assert_eq!(keys, expected);
+        expected.push("small/0 tcp://gpu-2:5557".into());
+        assert_eq!(rows, expected);
     }
 
     #[test]
