@@ -357,7 +357,7 @@ impl SectionChecker<'_, '_> {
         &mut self,
         key: &str,
         value: Option<Spanned<String>>,
-        check: impl Fn(&str) -> Option<&'static str>,
+        check: impl Fn(&str) -> Option<String>,
     ) -> Checked<String> {
         if self.dropped.iter().any(|dropped| dropped == key) {
             return Checked::Rejected;
@@ -392,7 +392,7 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
     let listen = checker.text("listen", raw.listen, |addr| {
         validate_listen(addr)
             .err()
-            .map(|_| "is neither IP:port nor hostname:port (IPv6 in brackets: \"[::1]:8090\")")
+            .map(|why| format!("is invalid: {why}"))
     });
     let block_size = checker.int("block_size", raw.block_size, "1..=4294967295", |n| {
         u32::try_from(n).ok().filter(|&size| size > 0)
@@ -440,13 +440,13 @@ impl EngineFields {
             problems,
         };
         let name = checker.text("name", raw.name, |name| {
-            name.is_empty().then_some("is empty")
+            name.is_empty().then(|| "is empty".to_string())
         });
         let host = checker.text("host", raw.host, |host| {
             if host.trim().is_empty() {
-                Some("is empty")
+                Some("is empty".to_string())
             } else if host.starts_with('[') {
-                Some("must be written without brackets, also for IPv6 (\"::1\")")
+                Some("must be written without brackets, also for IPv6 (\"::1\")".to_string())
             } else {
                 None
             }
