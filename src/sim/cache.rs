@@ -120,10 +120,15 @@ impl RankCache {
         hits
     }
 
-    /// A process restart: the cache is empty and engine hashes come from a new seed.
-    pub fn reset(&mut self) {
+    /// Drops every block, as vLLM's `/reset_prefix_cache`; the engine hashes stay the same.
+    pub fn clear(&mut self) {
         self.blocks.clear();
         self.lru.clear();
+    }
+
+    /// A process restart: the cache is empty and engine hashes come from a new seed.
+    pub fn reset(&mut self) {
+        self.clear();
         self.seed = mix(self.seed, 0x5EED);
     }
 
@@ -336,6 +341,10 @@ mod tests {
         assert_eq!(a.true_prefix_hit(&p), 0);
         let after = stored(&a.serve(&p).events)[0].block_hashes.clone();
         assert_ne!(after, ha);
+        // A prefix-cache reset keeps the process, hence its hashes.
+        a.clear();
+        assert!(a.is_empty());
+        assert_eq!(stored(&a.serve(&p).events)[0].block_hashes, after);
     }
 
     #[test]
