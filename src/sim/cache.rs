@@ -220,7 +220,12 @@ impl RankCache {
     }
 
     /// Caches `new_blocks` after `parent` (at depth `first_depth`) and describes them.
-    fn store(&mut self, parent: Option<u64>, first_depth: usize, new_blocks: &[&[u32]]) -> BlockStored {
+    fn store(
+        &mut self,
+        parent: Option<u64>,
+        first_depth: usize,
+        new_blocks: &[&[u32]],
+    ) -> BlockStored {
         let mut event = self.stored_event(parent);
         let mut parent = parent;
         for (offset, tokens) in new_blocks.iter().enumerate() {
@@ -305,7 +310,10 @@ mod tests {
         assert_eq!(s[0].block_hashes.len(), 3);
         assert_eq!(s[0].token_ids, p[..12].to_vec());
         assert_eq!(s[0].block_size, 4);
-        assert_eq!((s[0].medium.as_deref(), s[0].group_idx), (Some("GPU"), Some(0)));
+        assert_eq!(
+            (s[0].medium.as_deref(), s[0].group_idx),
+            (Some("GPU"), Some(0))
+        );
         assert_eq!(cache.true_prefix_hit(&p), 3);
 
         let again = cache.serve(&p);

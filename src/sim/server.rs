@@ -374,7 +374,10 @@ impl RankState {
 fn validate(config: &SimConfig) -> Result<()> {
     ensure!(config.dp_size >= 1, "dp_size must be at least 1");
     ensure!(config.block_size >= 1, "block_size must be at least 1");
-    ensure!(config.capacity_blocks >= 1, "capacity_blocks must be at least 1");
+    ensure!(
+        config.capacity_blocks >= 1,
+        "capacity_blocks must be at least 1"
+    );
     ensure!(
         (0.0..=1.0).contains(&config.drop_fraction),
         "drop_fraction {} is not in [0, 1]",
@@ -463,7 +466,10 @@ fn serve_replays(rank: &Rank, socket: &zmq::Socket, stopping: &AtomicBool) {
             .context("receiving a replay request")
             .and_then(|frames| answer_replay(rank, socket, &frames));
         if let Err(error) = answered {
-            warn!("rank {}: replay request not answered: {error:#}", rank.index);
+            warn!(
+                "rank {}: replay request not answered: {error:#}",
+                rank.index
+            );
         }
     }
 }
@@ -525,7 +531,12 @@ struct PrefixHitRequest {
 }
 
 fn answer_http(rank: &Rank, mut request: tiny_http::Request) {
-    let path = request.url().split('?').next().unwrap_or_default().to_string();
+    let path = request
+        .url()
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .to_string();
     let (status, body) = match (request.method(), path.as_str()) {
         (tiny_http::Method::Get, "/kv_recover") => (200, rank.snapshot_body()),
         (tiny_http::Method::Post, "/prefix_hit") => prefix_hit(rank, &mut request),
@@ -556,15 +567,25 @@ fn prefix_hit(rank: &Rank, request: &mut tiny_http::Request) -> (u16, Vec<u8>) {
     match serde_json::from_slice::<PrefixHitRequest>(&body) {
         Ok(query) => {
             let matched = rank.lock().cache.true_prefix_hit(&query.token_ids);
-            (200, serde_json::json!({ "matched_blocks": matched }).to_string().into_bytes())
+            (
+                200,
+                serde_json::json!({ "matched_blocks": matched })
+                    .to_string()
+                    .into_bytes(),
+            )
         }
-        Err(error) => error_reply(400, &format!("expected {{\"token_ids\": [u32...]}}: {error}")),
+        Err(error) => error_reply(
+            400,
+            &format!("expected {{\"token_ids\": [u32...]}}: {error}"),
+        ),
     }
 }
 
 fn error_reply(status: u16, message: &str) -> (u16, Vec<u8>) {
     (
         status,
-        serde_json::json!({ "error": message }).to_string().into_bytes(),
+        serde_json::json!({ "error": message })
+            .to_string()
+            .into_bytes(),
     )
 }

@@ -70,7 +70,10 @@ fn trace_prompt(line: &str, block_size: u32) -> Result<Vec<u32>> {
         };
         prompt.extend((0..tokens).map(|offset| {
             let sub_block = offset / block_size;
-            let key = mix(id, ((sub_block as u64) << 32) | (offset % block_size) as u64);
+            let key = mix(
+                id,
+                ((sub_block as u64) << 32) | (offset % block_size) as u64,
+            );
             (key % VOCABULARY) as u32
         }));
     }
@@ -218,7 +221,10 @@ mod tests {
             r#"{"timestamp": 2, "input_length": 30, "output_length": 1, "hash_ids": [8]}"#,
         ]);
         let prompts = load_trace(file.path(), 16).expect("valid trace");
-        assert_eq!(prompts.iter().map(Vec::len).collect::<Vec<_>>(), [1100, 1024, 30]);
+        assert_eq!(
+            prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+            [1100, 1024, 30]
+        );
         assert_eq!(prompts[0][..512], prompts[1][..512]);
         assert_ne!(prompts[0][512..1024], prompts[1][512..1024]);
         // Same id, other position: same tokens (the chained engine hashes still differ).
@@ -231,9 +237,15 @@ mod tests {
     #[test]
     fn bad_trace_lines_are_errors_naming_the_line() {
         for (line, why) in [
-            (r#"{"input_length": 2000, "hash_ids": [1, 2]}"#, "does not fit"),
+            (
+                r#"{"input_length": 2000, "hash_ids": [1, 2]}"#,
+                "does not fit",
+            ),
             (r#"{"input_length": 10, "hash_ids": []}"#, "no hash_ids"),
-            (r#"{"input_length": -1, "hash_ids": [1]}"#, "not a trace request"),
+            (
+                r#"{"input_length": -1, "hash_ids": [1]}"#,
+                "not a trace request",
+            ),
             ("not json", "not a trace request"),
         ] {
             let file = trace_file(&[r#"{"input_length": 3, "hash_ids": [1]}"#, line]);
@@ -284,7 +296,10 @@ mod tests {
             .map(|head| sticky.rank_for(&[head, 0, 0, 0, 9]))
             .collect();
         for head in 0..64u32 {
-            assert_eq!(sticky.rank_for(&[head, 0, 0, 0, 1, 2]), heads[head as usize]);
+            assert_eq!(
+                sticky.rank_for(&[head, 0, 0, 0, 1, 2]),
+                heads[head as usize]
+            );
         }
         assert!(heads.iter().all(|&r| r < 4));
         assert!((0..4).all(|r| heads.contains(&r)), "spreads over ranks");
