@@ -6,6 +6,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -39,12 +40,34 @@ struct CachedBlock {
 /// as vLLM's free-block queue does.
 type LruKey = (u64, Reverse<u32>, u64);
 
+/// Engine hashes are xxh3 digests, already uniform: hashing them again would only cost time.
+#[derive(Default)]
+struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, digest: u64) {
+        self.0 = digest;
+    }
+}
+
+type ByDigest<V> = HashMap<u64, V, BuildHasherDefault<DigestHasher>>;
+
 /// One rank's prefix cache.
 pub struct RankCache {
     block_size: u32,
     capacity: usize,
     seed: u64,
-    blocks: HashMap<u64, CachedBlock>,
+    blocks: ByDigest<CachedBlock>,
     lru: BTreeSet<LruKey>,
     tick: u64,
 }
@@ -57,7 +80,7 @@ impl RankCache {
             block_size: block_size.max(1),
             capacity: capacity.max(1),
             seed,
-            blocks: HashMap::new(),
+            blocks: ByDigest::default(),
             lru: BTreeSet::new(),
             tick: 0,
         }
