@@ -92,6 +92,14 @@ impl<'t> LazyKeys<'t> {
         }
     }
 
+    /// Keys hashed beforehand.
+    pub(super) fn precomputed(keys: &[u64]) -> Self {
+        LazyKeys {
+            chain: KeyChain::new(&[], 1, None),
+            keys: keys.to_vec(),
+        }
+    }
+
     /// Full blocks in the prompt.
     pub(super) fn len(&self) -> usize {
         self.keys.len() + self.chain.remaining()

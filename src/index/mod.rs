@@ -155,11 +155,20 @@ impl Index {
         lora_name: Option<&str>,
         include: &dyn Fn(WorkerId) -> bool,
     ) -> Vec<Score> {
-        let mut keys = LazyKeys::new(KeyChain::for_prompt(
+        let keys = LazyKeys::new(KeyChain::for_prompt(
             tokens,
             self.block_size as usize,
             lora_name,
         ));
+        self.search(keys, include)
+    }
+
+    /// `query` for a prompt whose keys (`block_keys`) are already known.
+    pub fn query_keys(&self, keys: &[u64], include: &dyn Fn(WorkerId) -> bool) -> Vec<Score> {
+        self.search(LazyKeys::precomputed(keys), include)
+    }
+
+    fn search(&self, mut keys: LazyKeys<'_>, include: &dyn Fn(WorkerId) -> bool) -> Vec<Score> {
         if keys.len() == 0 {
             return Vec::new();
         }
