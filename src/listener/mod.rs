@@ -1,5 +1,7 @@
 //! One listener per data-parallel rank.
 
+mod sequence;
+
 /// A listener's state, as shown on `/workers` (SPEC.md "Listeners: one per rank").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum State {
