@@ -2,7 +2,8 @@
 //! `Listener` subscribes to it, and the index is read the way `/query` reads it.
 //!
 //! - latency: from a PUB send to the block being visible to `Index::query` (p50/p99/max);
-//! - ingestion: 32-block stores sent back to back, blocks per second until the last is applied.
+//! - ingestion: 32-block stores sent back to back, blocks per second until the last is applied,
+//!   and the same batches decoded and applied in-process for comparison.
 //!
 //! `cargo run --release --example bench_listener [latency_sends] [ingest_batches]`
 
@@ -10,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use kv_indexer::index::Index;
+use kv_indexer::index::{ApplyOutcome, Index};
 use kv_indexer::listener::Listener;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::{ListenerSpec, WorkerKey};
 use kv_indexer::sim::encode::{encode_batch, message_frames, Form};
-use kv_indexer::wire::{BlockStored, Event, EventBatch};
+use kv_indexer::wire::{self, BlockStored, Event, EventBatch};
 
 const BLOCK_SIZE: u32 = 16;
 const INGEST_BLOCKS_PER_BATCH: u32 = 32;
@@ -152,6 +153,25 @@ fn main() -> anyhow::Result<()> {
         status.lost_batches,
         status.blocks
     );
+
+    // The same batches decoded and applied in-process, no sockets: what the transport costs.
+    let mut outcome = ApplyOutcome::default();
+    let in_process = {
+        // Its blocks leave the index when it goes out of scope.
+        let mut reference = index.add_worker();
+        let started = Instant::now();
+        for payload in &payloads {
+            for event in &wire::decode_batch(payload)?.events {
+                reference.apply(event, &mut outcome);
+            }
+        }
+        started.elapsed()
+    };
+    println!(
+        "same batches decoded + applied in-process: {:.2} M blocks/s",
+        outcome.stored_blocks as f64 / in_process.as_secs_f64() / 1e6
+    );
+
     let started = Instant::now();
     listener.stop();
     println!(

@@ -238,7 +238,7 @@ impl RankLoop {
             let ok = covered.is_some_and(|c| c >= through);
             status.metrics().recovery("replay", ok);
         }
-        if !covered.is_some_and(|c| c >= through) && self.applier.spec.recover.is_some() {
+        if covered.is_none_or(|c| c < through) && self.applier.spec.recover.is_some() {
             match self.snapshot(through) {
                 Snapshot::Covered(seq) => {
                     covered = Some(seq);
