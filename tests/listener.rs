@@ -616,8 +616,10 @@ fn malformed_messages_are_counted_dropped_and_the_listener_goes_on() {
     for reason in ["frames", "seq", "payload"] {
         assert!(
             text.lines()
-                .any(|line| line.contains("malformed") && line.contains(reason)),
-            "no malformed {reason} series in:\n{text}"
+                .any(|line| line.contains("malformed_messages_total")
+                    && line.contains(&format!("reason=\"{reason}\""))
+                    && line.ends_with(" 1")),
+            "malformed {reason} not counted once in:\n{text}"
         );
     }
 }
@@ -637,7 +639,7 @@ fn dp_rank_mismatch_is_applied_to_the_listeners_rank_and_counted() {
     let text = fixture.metrics_text();
     assert!(
         text.lines()
-            .any(|line| line.contains("mismatch") && line.trim_end().ends_with(" 1")),
+            .any(|line| line.contains("dp_rank_mismatch_total") && line.ends_with(" 1")),
         "no dp_rank mismatch counted in:\n{text}"
     );
 }
