@@ -1,0 +1,223 @@
+//! End to end on a simulated vLLM fleet (2 engines × 2 ranks, real sockets on 127.0.0.1): the
+//! first trace requests are served on ranks that evict, and afterwards, for every prompt and
+//! every rank, the prefix hit the indexer predicts must equal what the rank holds — clean, with
+//! dropped batches repaired by replay or by snapshot, across a rank restart, and through the
+//! real binary over HTTP.
+
+mod support;
+
+use std::time::Duration;
+
+use kv_indexer::sim::server::SimConfig;
+use kv_indexer::sim::workload::Route;
+use support::{
+    assert_exact, settle, start_on_consecutive_ports, total, trace_prompts, warm_up, Fleet,
+    IndexerProcess, InProcess, OverHttp, RankRef, RankView, BLOCK_SIZE,
+};
+
+const ENGINES: usize = 2;
+const DP_SIZE: u32 = 2;
+const REQUESTS: usize = 300;
+/// Far below what 300 requests store on a rank, so every rank evicts.
+const CAPACITY_BLOCKS: usize = 4_000;
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// How the engines lose batches and what they offer to repair it.
+#[derive(Clone, Copy)]
+struct Faults {
+    replay: bool,
+    recover: bool,
+    drop_fraction: f64,
+}
+
+const CLEAN: Faults = Faults {
+    replay: true,
+    recover: true,
+    drop_fraction: 0.0,
+};
+
+fn engine_config(engine: usize, faults: Faults) -> SimConfig {
+    SimConfig {
+        dp_size: DP_SIZE,
+        replay_port: faults.replay.then_some(0),
+        recover_port: faults.recover.then_some(0),
+        block_size: BLOCK_SIZE,
+        capacity_blocks: CAPACITY_BLOCKS,
+        drop_fraction: faults.drop_fraction,
+        seed: 0xE2E0 + engine as u64,
+        ..SimConfig::default()
+    }
+}
+
+/// A fleet with an in-process indexer on it, warmed up: every listener has seen its rank.
+struct Setup {
+    prompts: Vec<Vec<u32>>,
+    fleet: Fleet,
+    indexer: InProcess,
+    warm: Vec<RankView>,
+}
+
+fn setup(faults: Faults) -> Option<Setup> {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS)?;
+    let fleet = Fleet::start(ENGINES, |i| engine_config(i, faults)).expect("fleet");
+    let mut indexer = InProcess::start(&fleet).expect("listeners");
+    let warm = warm_up(&fleet, &mut indexer, DEADLINE);
+    Some(Setup {
+        prompts,
+        fleet,
+        indexer,
+        warm,
+    })
+}
+
+/// Serves every prompt, settles and checks exactness; returns the settled views.
+fn serve_and_check(setup: &mut Setup, route: Route) -> Vec<RankView> {
+    let mut router = setup.fleet.router(route);
+    let placed = setup.fleet.serve_all(&mut router, &setup.prompts);
+    check(setup, &placed)
+}
+
+fn check(setup: &mut Setup, placed: &[RankRef]) -> Vec<RankView> {
+    let views = settle(&setup.fleet, &mut setup.indexer, DEADLINE);
+    let accuracy = assert_exact(
+        &setup.fleet,
+        &mut setup.indexer,
+        &views,
+        &setup.prompts,
+        placed,
+    );
+    assert_eq!(
+        accuracy.pairs,
+        (REQUESTS * ENGINES) as u64 * u64::from(DP_SIZE)
+    );
+    assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");
+    views
+}
+
+fn dropped(fleet: &Fleet) -> u64 {
+    fleet
+        .ranks()
+        .into_iter()
+        .map(|at| fleet.engine(at).dropped_batches(at.rank).expect("rank"))
+        .sum()
+}
+
+fn gaps_since(warm: &[RankView], views: &[RankView]) -> u64 {
+    total(views, |v| v.gaps) - total(warm, |v| v.gaps)
+}
+
+#[test]
+fn clean_stream_sticky_routing_is_exact() {
+    let Some(mut setup) = setup(CLEAN) else {
+        return;
+    };
+    let views = serve_and_check(&mut setup, Route::Sticky);
+    assert_eq!(gaps_since(&setup.warm, &views), 0, "{views:#?}");
+}
+
+#[test]
+fn clean_stream_round_robin_routing_is_exact() {
+    let Some(mut setup) = setup(CLEAN) else {
+        return;
+    };
+    let views = serve_and_check(&mut setup, Route::RoundRobin);
+    assert_eq!(gaps_since(&setup.warm, &views), 0, "{views:#?}");
+}
+
+/// Dropped batches are detected as gaps and repaired: `gaps` counts one per run of drops.
+fn dropped_batches_are_repaired(faults: Faults) {
+    let Some(mut setup) = setup(faults) else {
+        return;
+    };
+    let dropped_before = dropped(&setup.fleet);
+    let views = serve_and_check(&mut setup, Route::Sticky);
+    let dropped = dropped(&setup.fleet) - dropped_before;
+    let gaps = gaps_since(&setup.warm, &views);
+    assert!(
+        gaps > 0 && gaps <= dropped,
+        "{gaps} gaps for {dropped} dropped batches"
+    );
+    assert_eq!(total(&views, |v| v.lost_batches), 0);
+}
+
+#[test]
+fn dropped_batches_are_repaired_by_replay_and_stay_exact() {
+    dropped_batches_are_repaired(Faults {
+        replay: true,
+        recover: false,
+        drop_fraction: 0.1,
+    });
+}
+
+#[test]
+fn dropped_batches_without_replay_are_repaired_by_snapshot_and_stay_exact() {
+    dropped_batches_are_repaired(Faults {
+        replay: false,
+        recover: true,
+        drop_fraction: 0.1,
+    });
+}
+
+#[test]
+fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
+    let Some(mut setup) = setup(CLEAN) else {
+        return;
+    };
+    let restarted = RankRef { engine: 0, rank: 1 };
+    let name = Fleet::name(restarted.engine);
+    let view_of = |views: &[RankView]| {
+        views
+            .iter()
+            .find(|v| v.engine == name && v.dp_rank == restarted.rank)
+            .cloned()
+            .expect("the restarted rank's listener")
+    };
+    let half = setup.prompts.len() / 2;
+    let mut router = setup.fleet.router(Route::RoundRobin);
+    let mut placed = setup
+        .fleet
+        .serve_all(&mut router, &setup.prompts[..half]);
+    let before = view_of(&settle(&setup.fleet, &mut setup.indexer, DEADLINE));
+    assert!(before.blocks > 0);
+
+    setup
+        .fleet
+        .engine(restarted)
+        .restart_rank(restarted.rank)
+        .expect("restart");
+    // The new process's first batch (seq 0) tells the listener the old one is gone.
+    setup.fleet.nudge(restarted);
+    let after = view_of(&settle(&setup.fleet, &mut setup.indexer, DEADLINE));
+    assert_eq!(after.last_seq, Some(0));
+    assert_eq!(after.blocks, 1, "only the new process's block: {after:?}");
+    assert!(after.gaps > before.gaps, "the restart is a hole: {after:?}");
+
+    placed.extend(
+        setup
+            .fleet
+            .serve_all(&mut router, &setup.prompts[half..]),
+    );
+    check(&mut setup, &placed);
+}
+
+#[test]
+fn the_binary_over_http_is_exact() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let Some(prompts) = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS) else {
+        return;
+    };
+    let fleet = start_on_consecutive_ports(ENGINES, |i| engine_config(i, CLEAN)).expect("fleet");
+    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
+    let process = IndexerProcess::start(binary, &fleet, DEADLINE).expect("kv-indexer");
+    let mut indexer = OverHttp::new(process.address);
+    let warm = warm_up(&fleet, &mut indexer, DEADLINE);
+    assert_eq!(warm.len(), ENGINES * DP_SIZE as usize);
+
+    let mut router = fleet.router(Route::Sticky);
+    let placed = fleet.serve_all(&mut router, &prompts);
+    let views = settle(&fleet, &mut indexer, DEADLINE);
+    let accuracy = assert_exact(&fleet, &mut indexer, &views, &prompts, &placed);
+    assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");
+    assert_eq!(gaps_since(&warm, &views), 0, "{views:#?}");
+}
