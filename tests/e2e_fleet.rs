@@ -12,7 +12,7 @@ use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::workload::Route;
 use support::{
     assert_exact, settle, start_on_consecutive_ports, total, trace_prompts, warm_up, Fleet,
-    IndexerProcess, InProcess, OverHttp, RankRef, RankView, BLOCK_SIZE,
+    InProcess, IndexerProcess, OverHttp, RankRef, RankView, BLOCK_SIZE,
 };
 
 const ENGINES: usize = 2;
@@ -175,9 +175,7 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
     };
     let half = setup.prompts.len() / 2;
     let mut router = setup.fleet.router(Route::RoundRobin);
-    let mut placed = setup
-        .fleet
-        .serve_all(&mut router, &setup.prompts[..half]);
+    let mut placed = setup.fleet.serve_all(&mut router, &setup.prompts[..half]);
     let before = view_of(&settle(&setup.fleet, &mut setup.indexer, DEADLINE));
     assert!(before.blocks > 0);
 
@@ -193,11 +191,7 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
     assert_eq!(after.blocks, 1, "only the new process's block: {after:?}");
     assert!(after.gaps > before.gaps, "the restart is a hole: {after:?}");
 
-    placed.extend(
-        setup
-            .fleet
-            .serve_all(&mut router, &setup.prompts[half..]),
-    );
+    placed.extend(setup.fleet.serve_all(&mut router, &setup.prompts[half..]));
     check(&mut setup, &placed);
 }
 

@@ -42,11 +42,7 @@ impl HttpClient {
     }
 
     /// `request` with a JSON body, expecting status 200 and a JSON reply.
-    pub fn post_json(
-        &mut self,
-        path: &str,
-        body: &serde_json::Value,
-    ) -> Result<serde_json::Value> {
+    pub fn post_json(&mut self, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
         let (status, reply) = self.request("POST", path, body.to_string().as_bytes())?;
         json_ok(status, &reply, path)
     }
@@ -97,7 +93,9 @@ fn send_and_receive(
         .context("sending")?;
 
     let mut line = String::new();
-    connection.read_line(&mut line).context("reading the status line")?;
+    connection
+        .read_line(&mut line)
+        .context("reading the status line")?;
     let status: u16 = line
         .split_whitespace()
         .nth(1)
@@ -107,7 +105,11 @@ fn send_and_receive(
     let mut keep_alive = true;
     loop {
         line.clear();
-        if connection.read_line(&mut line).context("reading a header")? == 0 {
+        if connection
+            .read_line(&mut line)
+            .context("reading a header")?
+            == 0
+        {
             bail!("connection closed inside the headers");
         }
         let header = line.trim_end();
@@ -126,7 +128,9 @@ fn send_and_receive(
     }
     let length = length.ok_or_else(|| anyhow!("status {status}: no Content-Length"))?;
     let mut reply = vec![0; length];
-    connection.read_exact(&mut reply).context("reading the body")?;
+    connection
+        .read_exact(&mut reply)
+        .context("reading the body")?;
     Ok((status, reply, keep_alive))
 }
 

@@ -7,6 +7,9 @@
 //! It never decides what a test expects beyond that exactness; each test asserts its own
 //! counters (gaps, restarts) on the `RankView`s it gets back.
 
+// Each test crate and `examples/loadgen.rs` includes this module and uses a different part of it.
+#![allow(dead_code)]
+
 pub mod http;
 
 use std::collections::HashMap;
@@ -129,8 +132,12 @@ impl Fleet {
     /// Makes a rank publish one more batch: a fresh one-block prompt nothing else shares.
     pub fn nudge(&self, at: RankRef) {
         let n = self.nudges.fetch_add(1, Ordering::Relaxed);
-        let prompt: Vec<u32> = (0..BLOCK_SIZE).map(|i| 1_000_000 + n * BLOCK_SIZE + i).collect();
-        self.engine(at).serve(at.rank, &prompt).expect("serve a nudge");
+        let prompt: Vec<u32> = (0..BLOCK_SIZE)
+            .map(|i| 1_000_000 + n * BLOCK_SIZE + i)
+            .collect();
+        self.engine(at)
+            .serve(at.rank, &prompt)
+            .expect("serve a nudge");
     }
 
     /// The ground truth of every rank for `prompt`.
@@ -138,7 +145,10 @@ impl Fleet {
         self.ranks()
             .into_iter()
             .map(|at| {
-                let hit = self.engine(at).true_prefix_hit(at.rank, prompt).expect("rank");
+                let hit = self
+                    .engine(at)
+                    .true_prefix_hit(at.rank, prompt)
+                    .expect("rank");
                 (at, hit)
             })
             .collect()
@@ -316,7 +326,9 @@ pub fn parse_scores(reply: &serde_json::Value) -> Result<HashMap<(String, u32), 
         .map(|score| {
             let instance = score["instance"].as_str().context("no instance")?;
             let dp_rank = score["dp_rank"].as_u64().context("no dp_rank")?;
-            let matched = score["matched_blocks"].as_u64().context("no matched_blocks")?;
+            let matched = score["matched_blocks"]
+                .as_u64()
+                .context("no matched_blocks")?;
             Ok((
                 (instance.to_string(), u32::try_from(dp_rank)?),
                 u32::try_from(matched)?,
@@ -391,6 +403,15 @@ pub struct Accuracy {
 }
 
 impl Accuracy {
+    /// Disagreements kept for the report.
+    const SHOWN: usize = 10;
+
+    fn note(&mut self, mismatch: String) {
+        if self.mismatches.len() < Self::SHOWN {
+            self.mismatches.push(mismatch);
+        }
+    }
+
     pub fn fraction(&self) -> f64 {
         self.exact as f64 / self.pairs.max(1) as f64
     }
@@ -406,28 +427,29 @@ pub fn compare(
     prompts: &[Vec<u32>],
     placed: &[RankRef],
 ) -> Accuracy {
-    const SHOWN: usize = 10;
     let mut accuracy = Accuracy::default();
-    let mut mismatch = |accuracy: &mut Accuracy, what: String| {
-        if accuracy.mismatches.len() < SHOWN {
-            accuracy.mismatches.push(what);
-        }
-    };
     for at in fleet.ranks() {
         let name = Fleet::name(at.engine);
         let cached = fleet.engine(at).cached_blocks(at.rank).expect("rank") as u64;
-        match views.iter().find(|v| v.engine == name && v.dp_rank == at.rank) {
+        match views
+            .iter()
+            .find(|v| v.engine == name && v.dp_rank == at.rank)
+        {
             Some(view) if view.blocks == cached => {}
-            other => mismatch(
-                &mut accuracy,
-                format!("{name}/{}: rank caches {cached} blocks, indexer {other:?}", at.rank),
-            ),
+            other => accuracy.note(format!(
+                "{name}/{}: rank caches {cached} blocks, indexer {other:?}",
+                at.rank
+            )),
         }
     }
     for (i, prompt) in prompts.iter().enumerate() {
-        let mut predicted = indexer.matched(prompt).expect("the indexer answers a query");
+        let mut predicted = indexer
+            .matched(prompt)
+            .expect("the indexer answers a query");
         for (at, truth) in fleet.truth(prompt) {
-            let got = predicted.remove(&(Fleet::name(at.engine), at.rank)).unwrap_or(0);
+            let got = predicted
+                .remove(&(Fleet::name(at.engine), at.rank))
+                .unwrap_or(0);
             accuracy.pairs += 1;
             accuracy.hits += u64::from(truth > 0);
             if got == truth {
@@ -437,18 +459,16 @@ pub fn compare(
                     "prompt {i} on sim-{}/{}: indexer {got}, rank holds {truth}",
                     at.engine, at.rank
                 );
-                mismatch(&mut accuracy, what);
+                accuracy.note(what);
             }
-            if placed.get(i) == Some(&at) && (truth as usize) < prompt.len() / BLOCK_SIZE as usize
-            {
+            if placed.get(i) == Some(&at) && (truth as usize) < prompt.len() / BLOCK_SIZE as usize {
                 accuracy.evicted += 1;
             }
         }
         for (worker, got) in predicted {
-            mismatch(
-                &mut accuracy,
-                format!("prompt {i}: score {got} for {worker:?}, no such rank"),
-            );
+            accuracy.note(format!(
+                "prompt {i}: score {got} for {worker:?}, no such rank"
+            ));
         }
     }
     accuracy
@@ -470,7 +490,10 @@ pub fn assert_exact(
         accuracy.pairs,
         accuracy.mismatches
     );
-    assert!(accuracy.hits > 0, "no rank held any prompt: nothing was checked");
+    assert!(
+        accuracy.hits > 0,
+        "no rank held any prompt: nothing was checked"
+    );
     accuracy
 }
 
@@ -568,7 +591,10 @@ impl IndexerProcess {
         let child = Command::new(binary)
             .arg("--config")
             .arg(&config)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", binary.display()))?;
@@ -579,6 +605,11 @@ impl IndexerProcess {
         };
         process.wait_healthy(deadline)?;
         Ok(process)
+    }
+
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     fn wait_healthy(&mut self, deadline: Duration) -> Result<()> {
@@ -592,7 +623,10 @@ impl IndexerProcess {
                 return Ok(());
             }
             if started.elapsed() > deadline {
-                bail!("kv-indexer not healthy on {} after {deadline:?}", self.address);
+                bail!(
+                    "kv-indexer not healthy on {} after {deadline:?}",
+                    self.address
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
