@@ -1,16 +1,22 @@
 //! Load benchmark: the whole Mooncake trace replayed through a simulated fleet (8 engines × 2
-//! ranks, sticky routing, 20,000-block caches) as fast as the generator can serve it, against
-//! the real `kv-indexer` binary running as a child process on a generated config.
+//! ranks, sticky routing, 20,000-block caches) against the real `kv-indexer` binary running as a
+//! child process on a generated config, in two rounds (fresh fleet and indexer each):
+//!
+//! - **live**: the generator serves as fast as it can while the indexer ingests, as in a fleet;
+//!   on a small machine the generator, not the indexer, sets the pace (see "indexer lag").
+//! - **burst**: the indexer is paused (SIGSTOP) while the generator publishes everything into
+//!   the ZMQ queues, then resumed: the time to drain them is the indexer's own ingest rate.
 //!
 //! Why the binary and not `service::run` on a thread: the binary is what gets deployed (command
 //! line, config load, registry, listeners, HTTP server, logging), and a separate process keeps
-//! the generator's threads, allocations and locks out of the indexer's address space; every
-//! figure is taken from the outside, the way a router sees the indexer (ZMQ in, HTTP out).
+//! the generator's threads, allocations and locks out of the indexer's address space (and lets
+//! the burst round pause it); every figure is taken from the outside, the way a router sees the
+//! indexer (ZMQ in, HTTP out).
 //!
-//! Reports: blocks/s ingested end to end (stored blocks published / time until `/workers` shows
-//! every listener at its rank's last seq), `POST /query` latency p50/p99 while ingesting (one
-//! thread sending trace prompts over a kept-alive connection), and accuracy at the end: the
-//! fraction of (prompt, rank) pairs where the indexer equals the rank's ground truth.
+//! Reports per round: blocks/s ingested end to end (stored blocks published / time until
+//! `/workers` shows every listener at its rank's last seq), `POST /query` latency p50/p99 while
+//! ingesting (one thread sending trace prompts over a kept-alive connection), and accuracy at the
+//! end: the fraction of (prompt, rank) pairs where the indexer equals the rank's ground truth.
 //!
 //! ```text
 //! cargo run --release --example loadgen            # builds the binary first if needed
@@ -58,6 +64,29 @@ struct Args {
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
+/// How the generator and the indexer share the run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The indexer ingests while the generator serves: a fleet's pace, both on the same cores.
+    Live,
+    /// The indexer is paused (SIGSTOP) while the generator publishes everything into the ZMQ
+    /// queues, then resumed: the time to drain them is the indexer's own ingest rate.
+    Burst,
+}
+
+/// One round's figures.
+struct Round {
+    stored_blocks: u64,
+    served: Duration,
+    ingest: Duration,
+    gaps: u64,
+    lost_batches: u64,
+    latencies: Vec<Duration>,
+    indexed: u64,
+    rss_mib: Option<(u64, u64)>,
+    accuracy: support::Accuracy,
+}
+
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
@@ -71,7 +100,19 @@ fn main() -> Result<()> {
         Some(path) => path.clone(),
         None => build_indexer()?,
     };
+    let live = run_round(&args, &binary, &prompts, Mode::Live)?;
+    let burst = run_round(&args, &binary, &prompts, Mode::Burst)?;
+    print_table(&args, &prompts, &live, &burst);
+    for round in [&live, &burst] {
+        if !round.accuracy.mismatches.is_empty() {
+            bail!("the indexer is not exact: {:#?}", round.accuracy.mismatches);
+        }
+    }
+    Ok(())
+}
 
+/// A fresh fleet and indexer; the whole trace served with sticky routing; figures.
+fn run_round(args: &Args, binary: &Path, prompts: &[Vec<u32>], mode: Mode) -> Result<Round> {
     let fleet = start_on_consecutive_ports(args.engines, |i| SimConfig {
         dp_size: args.dp_size,
         capacity_blocks: args.capacity_blocks,
@@ -79,119 +120,138 @@ fn main() -> Result<()> {
         seed: 0x10AD + i as u64,
         ..SimConfig::default()
     })?;
-    let process = IndexerProcess::start(&binary, &fleet, Duration::from_secs(10))?;
+    let process = IndexerProcess::start(binary, &fleet, Duration::from_secs(10))?;
     let mut indexer = OverHttp::new(process.address);
     let warm = warm_up(&fleet, &mut indexer, DEADLINE);
     let rss_before = rss_kib(process.pid());
 
-    // Where each prompt goes and how many blocks it will store are fixed by the sticky router.
+    // Where each prompt goes is fixed by the sticky router.
     let mut router = fleet.router(Route::Sticky);
     let placed: Vec<RankRef> = prompts.iter().map(|p| router.pick(p)).collect();
 
-    let ingesting = Arc::new(AtomicBool::new(true));
-    let querier = spawn_querier(process.address, prompts.clone(), Arc::clone(&ingesting))?;
-
-    let started = Instant::now();
-    let stored_blocks = serve_in_parallel(
-        &fleet,
-        &prompts,
-        &placed,
-        args.generators,
-        args.capacity_blocks,
-    )?;
-    let served = started.elapsed();
+    let querying = Arc::new(AtomicBool::new(true));
+    let (stored_blocks, served, started, querier) = match mode {
+        Mode::Live => {
+            let querier = spawn_querier(process.address, prompts, Arc::clone(&querying))?;
+            let started = Instant::now();
+            let stored = serve_in_parallel(&fleet, prompts, &placed, args)?;
+            (stored, started.elapsed(), started, querier)
+        }
+        Mode::Burst => {
+            signal(process.pid(), "STOP")?;
+            let serving = Instant::now();
+            let stored = serve_in_parallel(&fleet, prompts, &placed, args);
+            let served = serving.elapsed();
+            // Resumed even when serving failed, so that the child can be killed cleanly.
+            signal(process.pid(), "CONT")?;
+            let started = Instant::now();
+            let querier = spawn_querier(process.address, prompts, Arc::clone(&querying))?;
+            (stored?, served, started, querier)
+        }
+    };
     let views = settle(&fleet, &mut indexer, DEADLINE);
-    let ingested = started.elapsed();
-    ingesting.store(false, Ordering::Relaxed);
+    let ingest = started.elapsed();
+    querying.store(false, Ordering::Relaxed);
     let mut latencies = querier
         .join()
         .map_err(|_| anyhow::anyhow!("the query thread panicked"))??;
-    let rss_after = rss_kib(process.pid());
-
-    let accuracy = compare(&fleet, &mut indexer, &views, &prompts, &placed);
     latencies.sort_unstable();
+    let rss_after = rss_kib(process.pid());
+    let accuracy = compare(&fleet, &mut indexer, &views, prompts, &placed);
+    Ok(Round {
+        stored_blocks,
+        served,
+        ingest,
+        gaps: total(&views, |v| v.gaps) - total(&warm, |v| v.gaps),
+        lost_batches: total(&views, |v| v.lost_batches),
+        latencies,
+        indexed: total(&views, |v| v.blocks),
+        rss_mib: rss_before.zip(rss_after).map(|(b, a)| (b / 1024, a / 1024)),
+        accuracy,
+    })
+}
 
-    let indexed: u64 = total(&views, |v| v.blocks);
-    let row = |name: &str, value: String| println!("| {name:<44} | {value:>22} |");
-    println!("| {:<44} | {:>22} |", "measure", "value");
-    println!("|{:-<46}|{:-<24}|", "", "");
-    row("requests (trace)", prompts.len().to_string());
-    row(
-        "engines x ranks",
-        format!("{} x {}", args.engines, args.dp_size),
+fn print_table(args: &Args, prompts: &[Vec<u32>], live: &Round, burst: &Round) {
+    let row = |name: &str, figure: &dyn Fn(&Round) -> String| {
+        println!(
+            "| {name:<42} | {:>24} | {:>24} |",
+            figure(live),
+            figure(burst)
+        );
+    };
+    println!(
+        "trace: {} requests; {} engines x {} ranks, {} blocks per rank, sticky routing",
+        prompts.len(),
+        args.engines,
+        args.dp_size,
+        args.capacity_blocks
     );
-    row("stored blocks published", stored_blocks.to_string());
-    row(
-        "generator: all requests served in",
-        format!("{:.3} s", served.as_secs_f64()),
+    println!(
+        "| {:<42} | {:>24} | {:>24} |",
+        "", "live", "burst (indexer paused)"
     );
-    row(
-        "indexer: everything applied after",
-        format!("{:.3} s", ingested.as_secs_f64()),
-    );
-    row(
-        "indexer lag after the last publish",
-        format!("{:.1} ms", (ingested - served).as_secs_f64() * 1e3),
-    );
-    row(
-        "ingested end to end",
+    println!("|{:-<44}|{:-<26}|{:-<26}|", "", "", "");
+    row("stored blocks published", &|r| r.stored_blocks.to_string());
+    row("generator: every request served in", &|r| {
+        format!("{:.3} s", r.served.as_secs_f64())
+    });
+    row("indexer: everything applied after", &|r| {
+        format!("{:.3} s", r.ingest.as_secs_f64())
+    });
+    row("ingested end to end", &|r| {
         format!(
             "{:.0} blocks/s",
-            stored_blocks as f64 / ingested.as_secs_f64()
-        ),
-    );
-    row(
-        "gaps during the run (lost batches)",
-        format!(
-            "{} ({})",
-            total(&views, |v| v.gaps) - total(&warm, |v| v.gaps),
-            total(&views, |v| v.lost_batches)
-        ),
-    );
-    row("queries while ingesting", latencies.len().to_string());
-    row(
-        "query latency p50 (HTTP, loopback)",
-        micros(percentile(&latencies, 0.50)),
-    );
-    row(
-        "query latency p99 (HTTP, loopback)",
-        micros(percentile(&latencies, 0.99)),
-    );
-    row(
-        "indexed (worker, block) pairs at the end",
-        indexed.to_string(),
-    );
-    if let (Some(before), Some(after)) = (rss_before, rss_after) {
-        row(
-            "indexer RSS before / after",
-            format!("{} / {} MiB", before / 1024, after / 1024),
-        );
-    }
-    row(
-        "accuracy: exact (prompt, rank) pairs",
-        format!(
-            "{} / {} = {:.4}%",
-            accuracy.exact,
-            accuracy.pairs,
-            100.0 * accuracy.fraction()
-        ),
-    );
-    row("pairs with a prefix hit", accuracy.hits.to_string());
-    if !accuracy.mismatches.is_empty() {
-        bail!("the indexer is not exact: {:#?}", accuracy.mismatches);
-    }
+            r.stored_blocks as f64 / r.ingest.as_secs_f64()
+        )
+    });
+    row("gaps (lost batches) during the run", &|r| {
+        format!("{} ({})", r.gaps, r.lost_batches)
+    });
+    row("queries while ingesting", &|r| {
+        r.latencies.len().to_string()
+    });
+    row("query latency p50 over HTTP", &|r| {
+        micros(percentile(&r.latencies, 0.50))
+    });
+    row("query latency p99 over HTTP", &|r| {
+        micros(percentile(&r.latencies, 0.99))
+    });
+    row("indexed (worker, block) pairs at the end", &|r| {
+        r.indexed.to_string()
+    });
+    row("indexer RSS before / after", &|r| {
+        r.rss_mib
+            .map_or_else(|| "-".into(), |(b, a)| format!("{b} / {a} MiB"))
+    });
+    row("exact (prompt, rank) pairs", &|r| {
+        format!("{} / {}", r.accuracy.exact, r.accuracy.pairs)
+    });
+    row("accuracy", &|r| {
+        format!("{:.4} %", 100.0 * r.accuracy.fraction())
+    });
+    row("pairs with a prefix hit", &|r| r.accuracy.hits.to_string());
+}
+
+/// Sends a signal to our own child process, by its pid.
+fn signal(pid: u32, name: &str) -> Result<()> {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .with_context(|| format!("sending SIG{name} to {pid}"))?;
+    ensure!(status.success(), "kill -{name} {pid} failed");
     Ok(())
 }
 
-/// Serves every prompt on its rank, `generators` threads each owning the engines `i` with
+/// Serves every prompt on its rank, `--generators` threads each owning the engines `i` with
 /// `i % generators == thread`, in trace order; returns the blocks stored (published).
 fn serve_in_parallel(
     fleet: &Fleet,
     prompts: &[Vec<u32>],
     placed: &[RankRef],
-    generators: usize,
-    capacity: usize,
+    args: &Args,
 ) -> Result<u64> {
+    let (generators, capacity) = (args.generators, args.capacity_blocks);
     std::thread::scope(|scope| {
         let workers: Vec<_> = (0..generators)
             .map(|thread| {
@@ -222,7 +282,7 @@ fn serve_in_parallel(
 /// query's latency.
 fn spawn_querier(
     address: std::net::SocketAddr,
-    prompts: Vec<Vec<u32>>,
+    prompts: &[Vec<u32>],
     running: Arc<AtomicBool>,
 ) -> Result<std::thread::JoinHandle<Result<Vec<Duration>>>> {
     // Bodies built beforehand: the figure is the indexer's, not serde_json's.
