@@ -96,12 +96,21 @@ fn main() -> Result<()> {
         .clone()
         .unwrap_or_else(|| support::trace_path(env!("CARGO_MANIFEST_DIR")));
     let prompts = load_trace(&trace, BLOCK_SIZE)?;
+    // Query bodies built beforehand: the figures are the indexer's, not serde_json's.
+    let queries: Arc<[Vec<u8>]> = prompts
+        .iter()
+        .map(|p| {
+            serde_json::json!({ "token_ids": p })
+                .to_string()
+                .into_bytes()
+        })
+        .collect();
     let binary = match &args.indexer {
         Some(path) => path.clone(),
         None => build_indexer()?,
     };
-    let live = run_round(&args, &binary, &prompts, Mode::Live)?;
-    let burst = run_round(&args, &binary, &prompts, Mode::Burst)?;
+    let live = run_round(&args, &binary, &prompts, &queries, Mode::Live)?;
+    let burst = run_round(&args, &binary, &prompts, &queries, Mode::Burst)?;
     print_table(&args, &prompts, &live, &burst);
     for round in [&live, &burst] {
         if !round.accuracy.mismatches.is_empty() {
@@ -112,7 +121,13 @@ fn main() -> Result<()> {
 }
 
 /// A fresh fleet and indexer; the whole trace served with sticky routing; figures.
-fn run_round(args: &Args, binary: &Path, prompts: &[Vec<u32>], mode: Mode) -> Result<Round> {
+fn run_round(
+    args: &Args,
+    binary: &Path,
+    prompts: &[Vec<u32>],
+    queries: &Arc<[Vec<u8>]>,
+    mode: Mode,
+) -> Result<Round> {
     let fleet = start_on_consecutive_ports(args.engines, |i| SimConfig {
         dp_size: args.dp_size,
         capacity_blocks: args.capacity_blocks,
@@ -132,7 +147,8 @@ fn run_round(args: &Args, binary: &Path, prompts: &[Vec<u32>], mode: Mode) -> Re
     let querying = Arc::new(AtomicBool::new(true));
     let (stored_blocks, served, started, querier) = match mode {
         Mode::Live => {
-            let querier = spawn_querier(process.address, prompts, Arc::clone(&querying))?;
+            let querier =
+                spawn_querier(process.address, Arc::clone(queries), Arc::clone(&querying))?;
             let started = Instant::now();
             let stored = serve_in_parallel(&fleet, prompts, &placed, args)?;
             (stored, started.elapsed(), started, querier)
@@ -145,7 +161,8 @@ fn run_round(args: &Args, binary: &Path, prompts: &[Vec<u32>], mode: Mode) -> Re
             // Resumed even when serving failed, so that the child can be killed cleanly.
             signal(process.pid(), "CONT")?;
             let started = Instant::now();
-            let querier = spawn_querier(process.address, prompts, Arc::clone(&querying))?;
+            let querier =
+                spawn_querier(process.address, Arc::clone(queries), Arc::clone(&querying))?;
             (stored?, served, started, querier)
         }
     };
@@ -278,22 +295,13 @@ fn serve_in_parallel(
     })
 }
 
-/// Sends trace prompts to `POST /query` one after another while `running`; returns each
+/// Sends the query bodies to `POST /query` one after another while `running`; returns each
 /// query's latency.
 fn spawn_querier(
     address: std::net::SocketAddr,
-    prompts: &[Vec<u32>],
+    bodies: Arc<[Vec<u8>]>,
     running: Arc<AtomicBool>,
 ) -> Result<std::thread::JoinHandle<Result<Vec<Duration>>>> {
-    // Bodies built beforehand: the figure is the indexer's, not serde_json's.
-    let bodies: Vec<Vec<u8>> = prompts
-        .iter()
-        .map(|p| {
-            serde_json::json!({ "token_ids": p })
-                .to_string()
-                .into_bytes()
-        })
-        .collect();
     std::thread::Builder::new()
         .name("loadgen-query".into())
         .spawn(move || {
