@@ -196,6 +196,10 @@ fn print_table(args: &Args, prompts: &[Vec<u32>], live: &Round, burst: &Round) {
             figure(burst)
         );
     };
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load = load.split_whitespace().next().unwrap_or("?");
+    println!("machine: {cores} cores, load average {load} (1 min) at the end");
     println!(
         "trace: {} requests; {} engines x {} ranks, {} blocks per rank, sticky routing",
         prompts.len(),
