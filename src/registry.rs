@@ -1,0 +1,360 @@
+//! The running listeners, one per (engine, dp_rank), and the only code that starts or stops them.
+//!
+//! Owns: `register` / `deregister` of whole engines, the reload diff (`apply`), the list of
+//! engines whose start failed and must be retried, and the read-side views HTTP serves
+//! (`snapshot` for `/workers` and `/ready`, `directory` for `/query`).
+//! Never: opens a socket itself (the listener does), retries on its own (the service drives
+//! `retry_pending` with backoff), or blocks `/query` (queries read the directory, not the map).
+//!
+//! Invariants, true whenever no `&mut self` method is running:
+//! - every `WorkerKey` in `running` has exactly one started listener, and that listener has
+//!   exactly one index worker; no key is both running and pending;
+//! - an engine's additions start all or nothing: when one rank fails, the ranks of that
+//!   engine started by the same call are stopped again before the call returns, so an engine
+//!   is never half-subscribed by one attempt;
+//! - a listener that was removed or replaced is stopped, and its blocks are gone from the
+//!   index, before the call that removed it returns;
+//! - a listener whose spec did not change is never touched by `apply`: same socket, same
+//!   worker, not a single block re-learned;
+//! - the directory lists exactly the workers of `running`; a worker leaves the directory
+//!   before its listener stops and joins it after its listener started, so a query never names
+//!   a worker whose blocks are being torn down.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use anyhow::Context;
+use log::{info, warn};
+
+use crate::index::{Index, WorkerId};
+use crate::listener::{Listener, ListenerStatus};
+use crate::metrics::Metrics;
+use crate::plan::{ListenerSpec, WorkerKey};
+
+/// Who an index worker is, as `/query` names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerInfo {
+    pub instance: String,
+    pub dp_rank: u32,
+    pub model: Option<String>,
+}
+
+/// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after
+/// every change of the registry.
+#[derive(Debug, Default)]
+pub struct WorkerDirectory {
+    by_id: Vec<Option<WorkerInfo>>,
+}
+
+impl WorkerDirectory {
+    pub fn get(&self, worker: WorkerId) -> Option<&WorkerInfo> {
+        self.by_id.get(worker as usize).and_then(Option::as_ref)
+    }
+}
+
+/// A cheap, cloneable handle on the current `WorkerDirectory`; readers never wait for a reload.
+#[derive(Clone, Default)]
+pub struct DirectoryReader(Arc<RwLock<Arc<WorkerDirectory>>>);
+
+impl DirectoryReader {
+    pub fn current(&self) -> Arc<WorkerDirectory> {
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn publish(&self, directory: WorkerDirectory) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(directory);
+    }
+}
+
+/// One configured rank as `/workers` shows it. `status` and `worker` are `None` for a rank of
+/// an engine whose start failed and waits for a retry.
+#[derive(Clone, Debug)]
+pub struct ListenerView {
+    pub spec: ListenerSpec,
+    pub worker: Option<WorkerId>,
+    pub status: Option<ListenerStatus>,
+}
+
+/// What `apply` did, by listener.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReloadDiff {
+    pub added: Vec<WorkerKey>,
+    pub removed: Vec<WorkerKey>,
+    pub replaced: Vec<WorkerKey>,
+    pub unchanged: usize,
+    /// Engines whose additions failed to start (rolled back, retried later): the error text.
+    pub failed: Vec<String>,
+}
+
+/// The running listeners and the index, metrics and ZMQ context they share.
+pub struct Registry {
+    zmq: zmq::Context,
+    index: Arc<Index>,
+    metrics: Arc<Metrics>,
+    running: BTreeMap<WorkerKey, Listener>,
+    /// Specs of the current plan that are not running because their engine failed to start,
+    /// by engine name, with the last error.
+    pending: BTreeMap<String, (Vec<ListenerSpec>, String)>,
+    directory: DirectoryReader,
+}
+
+impl Registry {
+    pub fn new(zmq: zmq::Context, index: Arc<Index>, metrics: Arc<Metrics>) -> Registry {
+        Registry {
+            zmq,
+            index,
+            metrics,
+            running: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            directory: DirectoryReader::default(),
+        }
+    }
+
+    /// Starts every rank in `specs` (the ranks of one engine). Rejects a key already running;
+    /// if any rank fails to start, the ranks this call started are stopped before the error
+    /// returns.
+    pub fn register(&mut self, specs: Vec<ListenerSpec>) -> anyhow::Result<()> {
+        if let Some(spec) = specs.iter().find(|s| self.running.contains_key(&s.key)) {
+            anyhow::bail!(
+                "engine {} rank {} ({}) is already registered",
+                spec.key.engine,
+                spec.key.dp_rank,
+                spec.endpoint
+            );
+        }
+        let started = self.start_all_or_nothing(specs)?;
+        self.insert_running(started);
+        self.publish_directory();
+        Ok(())
+    }
+
+    /// Stops every listener of `engine` (their blocks leave the index) and forgets any pending
+    /// start of it. Returns the keys that were running.
+    pub fn deregister(&mut self, engine: &str) -> Vec<WorkerKey> {
+        self.pending.remove(engine);
+        let keys: Vec<WorkerKey> = self
+            .running
+            .keys()
+            .filter(|k| k.engine == engine)
+            .cloned()
+            .collect();
+        self.remove_running(&keys);
+        keys
+    }
+
+    /// Makes the running set equal to `plan`, touching only listeners whose spec changed
+    /// (SPEC.md "The registry"). Additions are grouped by engine, each group all or nothing;
+    /// a failed group becomes pending for `retry_pending`.
+    pub fn apply(&mut self, plan: Vec<ListenerSpec>) -> ReloadDiff {
+        let mut diff = ReloadDiff::default();
+        let mut wanted: BTreeMap<WorkerKey, ListenerSpec> =
+            plan.into_iter().map(|s| (s.key.clone(), s)).collect();
+
+        let mut leaving = Vec::new();
+        for (key, listener) in &self.running {
+            match wanted.get(key) {
+                Some(spec) if spec == listener.spec() => {
+                    wanted.remove(key);
+                    diff.unchanged += 1;
+                }
+                Some(_) => leaving.push(key.clone()),
+                None => {
+                    leaving.push(key.clone());
+                    diff.removed.push(key.clone());
+                }
+            }
+        }
+        self.remove_running(&leaving);
+
+        // What is left of `wanted` must be started; group it by engine in plan order.
+        let mut groups: BTreeMap<String, Vec<ListenerSpec>> = BTreeMap::new();
+        for (key, spec) in wanted {
+            groups.entry(key.engine.clone()).or_default().push(spec);
+        }
+        self.pending.clear();
+        for (engine, specs) in groups {
+            let keys: Vec<WorkerKey> = specs.iter().map(|s| s.key.clone()).collect();
+            match self.start_all_or_nothing(specs.clone()) {
+                Ok(started) => {
+                    for key in keys {
+                        if leaving.contains(&key) {
+                            diff.replaced.push(key);
+                        } else {
+                            diff.added.push(key);
+                        }
+                    }
+                    self.insert_running(started);
+                }
+                Err(err) => {
+                    let err = format!("{err:#}");
+                    diff.failed.push(err.clone());
+                    self.pending.insert(engine, (specs, err));
+                }
+            }
+        }
+        self.publish_directory();
+        diff
+    }
+
+    /// Tries again to start every pending engine. Returns the errors of those still failing.
+    pub fn retry_pending(&mut self) -> Vec<String> {
+        let mut still_failing = Vec::new();
+        for (engine, (specs, _)) in std::mem::take(&mut self.pending) {
+            match self.start_all_or_nothing(specs.clone()) {
+                Ok(started) => {
+                    info!("engine {engine}: started on retry");
+                    self.insert_running(started);
+                }
+                Err(err) => {
+                    let err = format!("{err:#}");
+                    still_failing.push(err.clone());
+                    self.pending.insert(engine, (specs, err));
+                }
+            }
+        }
+        self.publish_directory();
+        still_failing
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Every configured rank, running or pending, sorted by (engine, dp_rank).
+    pub fn snapshot(&self) -> Vec<ListenerView> {
+        let running = self.running.values().map(|l| ListenerView {
+            spec: l.spec().clone(),
+            worker: Some(l.worker()),
+            status: Some(l.status()),
+        });
+        let pending = self.pending.values().flat_map(|(specs, _)| {
+            specs.iter().map(|spec| ListenerView {
+                spec: spec.clone(),
+                worker: None,
+                status: None,
+            })
+        });
+        let mut views: Vec<ListenerView> = running.chain(pending).collect();
+        views.sort_by(|a, b| a.spec.key.cmp(&b.spec.key));
+        views
+    }
+
+    /// The handle `/query` reads worker names from.
+    pub fn directory(&self) -> DirectoryReader {
+        self.directory.clone()
+    }
+
+    pub fn running_count(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Stops every listener (shutdown).
+    pub fn stop_all(&mut self) {
+        self.pending.clear();
+        let keys: Vec<WorkerKey> = self.running.keys().cloned().collect();
+        self.remove_running(&keys);
+    }
+
+    /// Starts each spec; on the first failure stops those already started and returns the
+    /// error naming engine, rank and endpoint.
+    fn start_all_or_nothing(&self, specs: Vec<ListenerSpec>) -> anyhow::Result<Vec<Listener>> {
+        let mut started = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let what = format!(
+                "engine {} rank {} ({})",
+                spec.key.engine, spec.key.dp_rank, spec.endpoint
+            );
+            match Listener::start(spec, &self.zmq, &self.index, &self.metrics)
+                .with_context(|| format!("starting {what}"))
+            {
+                Ok(listener) => started.push(listener),
+                Err(err) => {
+                    let rolled_back = started.len();
+                    stop_in_parallel(started);
+                    if rolled_back > 0 {
+                        warn!("{what} failed; stopped the {rolled_back} ranks already started");
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(started)
+    }
+
+    fn insert_running(&mut self, started: Vec<Listener>) {
+        for listener in started {
+            let spec = listener.spec();
+            info!(
+                "listening to engine {} rank {} at {} (worker {})",
+                spec.key.engine,
+                spec.key.dp_rank,
+                spec.endpoint,
+                listener.worker()
+            );
+            self.running.insert(spec.key.clone(), listener);
+        }
+    }
+
+    /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
+    /// index) and drops their metric series.
+    fn remove_running(&mut self, keys: &[WorkerKey]) {
+        let leaving: Vec<Listener> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
+        if leaving.is_empty() {
+            return;
+        }
+        self.publish_directory();
+        for listener in &leaving {
+            let key = &listener.spec().key;
+            info!("stopping engine {} rank {}", key.engine, key.dp_rank);
+        }
+        stop_in_parallel(leaving);
+        for key in keys {
+            self.metrics.forget_rank(&key.engine, key.dp_rank);
+        }
+    }
+
+    fn publish_directory(&self) {
+        let mut by_id: Vec<Option<WorkerInfo>> = Vec::new();
+        for listener in self.running.values() {
+            let slot = listener.worker() as usize;
+            if by_id.len() <= slot {
+                by_id.resize(slot + 1, None);
+            }
+            let spec = listener.spec();
+            by_id[slot] = Some(WorkerInfo {
+                instance: spec.key.engine.clone(),
+                dp_rank: spec.key.dp_rank,
+                model: spec.model.clone(),
+            });
+        }
+        self.directory.publish(WorkerDirectory { by_id });
+    }
+}
+
+/// Each stop waits for its listener thread (up to 100 ms): stop many at once so removing an
+/// engine of 8 ranks, or shutting down 8,000, stays well under a second.
+fn stop_in_parallel(listeners: Vec<Listener>) {
+    const STOPPERS: usize = 64;
+    if listeners.len() <= 1 {
+        listeners.into_iter().for_each(Listener::stop);
+        return;
+    }
+    let stoppers = STOPPERS.min(listeners.len());
+    let queue = Mutex::new(listeners);
+    let next = || queue.lock().unwrap_or_else(PoisonError::into_inner).pop();
+    std::thread::scope(|scope| {
+        for _ in 0..stoppers {
+            scope.spawn(|| {
+                while let Some(listener) = next() {
+                    listener.stop();
+                }
+            });
+        }
+    });
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
