@@ -358,3 +358,131 @@ impl Drop for Registry {
         self.stop_all();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
+        ListenerSpec {
+            key: WorkerKey {
+                engine: engine.to_owned(),
+                dp_rank,
+            },
+            endpoint: endpoint.to_owned(),
+            replay: None,
+            recover: None,
+            topic: String::new(),
+            model: None,
+        }
+    }
+
+    /// An endpoint nobody publishes on: ZMQ connects asynchronously, so it starts fine.
+    fn quiet_endpoint() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+        format!("tcp://{}", listener.local_addr().expect("addr"))
+    }
+
+    /// An endpoint ZMQ refuses at connect time.
+    const BROKEN: &str = "nosuch://127.0.0.1:1";
+
+    fn registry() -> Registry {
+        Registry::new(
+            zmq::Context::new(),
+            Index::new(16, 8),
+            Arc::new(Metrics::new()),
+        )
+    }
+
+    fn keys(registry: &Registry) -> Vec<String> {
+        registry
+            .snapshot()
+            .iter()
+            .map(|v| format!("{}/{}", v.spec.key.engine, v.spec.key.dp_rank))
+            .collect()
+    }
+
+    #[test]
+    fn register_rejects_a_running_key_and_rolls_back_a_failed_engine() {
+        let mut registry = registry();
+        registry
+            .register(vec![spec("a", 0, &quiet_endpoint())])
+            .expect("register a");
+        let twice = registry.register(vec![spec("a", 0, &quiet_endpoint())]);
+        let err = format!("{:#}", twice.expect_err("a/0 twice"));
+        assert!(err.contains("engine a rank 0") && err.contains("already registered"), "{err}");
+
+        let half = registry.register(vec![
+            spec("b", 0, &quiet_endpoint()),
+            spec("b", 1, BROKEN),
+        ]);
+        let err = format!("{:#}", half.expect_err("b has a broken rank"));
+        assert!(err.contains("engine b rank 1") && err.contains(BROKEN), "{err}");
+        assert_eq!(keys(&registry), ["a/0"], "b/0 was rolled back");
+
+        let worker = registry.snapshot()[0].worker.expect("a/0 runs");
+        let directory = registry.directory().current();
+        assert_eq!(directory.get(worker).map(|w| w.instance.as_str()), Some("a"));
+        assert_eq!(registry.deregister("a").len(), 1);
+        assert!(registry.directory().current().get(worker).is_none());
+        assert!(keys(&registry).is_empty());
+    }
+
+    #[test]
+    fn apply_touches_only_what_changed() {
+        let mut registry = registry();
+        let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
+        let first = registry.apply(vec![spec("a", 0, &a0), spec("a", 1, &a1)]);
+        assert_eq!(first.added.len(), 2);
+        let worker_of = |registry: &Registry, key: &str| {
+            registry
+                .snapshot()
+                .iter()
+                .find(|v| format!("{}/{}", v.spec.key.engine, v.spec.key.dp_rank) == key)
+                .and_then(|v| v.worker)
+        };
+        let a0_worker = worker_of(&registry, "a/0");
+
+        let mut retopic = spec("a", 1, &a1);
+        retopic.topic = "kv".into();
+        let diff = registry.apply(vec![spec("a", 0, &a0), retopic, spec("b", 0, &b0)]);
+        let key = |engine: &str, dp_rank| WorkerKey {
+            engine: engine.into(),
+            dp_rank,
+        };
+        assert_eq!(diff.added, [key("b", 0)]);
+        assert_eq!(diff.replaced, [key("a", 1)]);
+        assert!(diff.removed.is_empty() && diff.failed.is_empty());
+        assert_eq!(diff.unchanged, 1);
+        assert_eq!(worker_of(&registry, "a/0"), a0_worker, "a/0 untouched");
+
+        let diff = registry.apply(vec![spec("b", 0, &b0)]);
+        assert_eq!(diff.removed, [key("a", 0), key("a", 1)]);
+        assert_eq!(diff.unchanged, 1);
+        assert_eq!(keys(&registry), ["b/0"]);
+    }
+
+    #[test]
+    fn a_failing_engine_is_pending_shown_stopped_and_dropped_when_unconfigured() {
+        let mut registry = registry();
+        let diff = registry.apply(vec![
+            spec("bad", 0, &quiet_endpoint()),
+            spec("bad", 1, BROKEN),
+            spec("good", 0, &quiet_endpoint()),
+        ]);
+        assert_eq!(diff.added.len(), 1);
+        assert_eq!(diff.failed.len(), 1);
+        assert!(diff.failed[0].contains("engine bad rank 1"), "{:?}", diff.failed);
+        assert!(registry.has_pending());
+        let views = registry.snapshot();
+        assert_eq!(keys(&registry), ["bad/0", "bad/1", "good/0"]);
+        assert!(views[..2].iter().all(|v| v.status.is_none() && v.worker.is_none()));
+        assert_eq!(registry.running_count(), 1);
+        assert_eq!(registry.retry_pending().len(), 1, "still broken");
+
+        let good_only: Vec<ListenerSpec> = views[2..].iter().map(|v| v.spec.clone()).collect();
+        let diff = registry.apply(good_only);
+        assert_eq!(diff.unchanged, 1);
+        assert!(!registry.has_pending());
+    }
+}
