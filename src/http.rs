@@ -204,7 +204,10 @@ impl Reply {
             .with_status_code(self.status)
             // Always a Content-Length, never chunked: simpler for every client.
             .with_chunked_threshold(usize::MAX);
-        let headers = [("Content-Type", Some(self.content_type)), ("Allow", self.allow)];
+        let headers = [
+            ("Content-Type", Some(self.content_type)),
+            ("Allow", self.allow),
+        ];
         for (name, value) in headers {
             // Names and values are ASCII constants of this file: from_bytes accepts them.
             if let Some(Ok(header)) = value.map(|v| Header::from_bytes(name, v)) {
@@ -216,7 +219,12 @@ impl Reply {
 }
 
 fn route(api: &Api, request: &mut Request) -> Reply {
-    let path = request.url().split('?').next().unwrap_or_default().to_owned();
+    let path = request
+        .url()
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
     let (allow, wants_post) = match path.as_str() {
         "/query" | "/reload" => ("POST", true),
         "/workers" | "/health" | "/ready" | "/metrics" => ("GET, HEAD", false),
@@ -230,7 +238,10 @@ fn route(api: &Api, request: &mut Request) -> Reply {
     if !method_ok {
         let mut reply = Reply::error(
             405,
-            format!("{} {path}: method not allowed; use {allow}", request.method()),
+            format!(
+                "{} {path}: method not allowed; use {allow}",
+                request.method()
+            ),
         );
         reply.allow = Some(allow);
         return reply;
@@ -266,13 +277,21 @@ fn read_body(request: &mut Request) -> Result<Vec<u8>, Reply> {
         inner: request.as_reader(),
         until: Instant::now() + BODY_DEADLINE,
     };
-    match reader.take(MAX_BODY_BYTES as u64 + 1).read_to_end(&mut body) {
+    match reader
+        .take(MAX_BODY_BYTES as u64 + 1)
+        .read_to_end(&mut body)
+    {
         Ok(_) if body.len() > MAX_BODY_BYTES => Err(Reply::error(
             413,
             format!("body is over the limit of {MAX_BODY_BYTES} bytes"),
         )),
         Ok(_) => Ok(body),
-        Err(err) if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+        Err(err)
+            if matches!(
+                err.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
             Err(Reply::error(408, "body not received in time"))
         }
         Err(err) => Err(Reply::error(400, format!("body could not be read: {err}"))),

@@ -86,12 +86,54 @@ pub struct ReloadDiff {
     pub failed: Vec<String>,
 }
 
-/// The running listeners and the index, metrics and ZMQ context they share.
+/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS, which
+/// the zmq crate cannot raise) and a listener may use a few (SUB, monitor, replay DEALER).
+const LISTENERS_PER_CONTEXT: usize = 256;
+
+/// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
+/// ranks fit.
+struct ContextPool {
+    contexts: Vec<(zmq::Context, usize)>,
+}
+
+impl ContextPool {
+    /// The index and a handle of a context with room for one more listener.
+    fn take(&mut self) -> (usize, zmq::Context) {
+        let slot = match self
+            .contexts
+            .iter()
+            .position(|(_, used)| *used < LISTENERS_PER_CONTEXT)
+        {
+            Some(slot) => slot,
+            None => {
+                self.contexts.push((zmq::Context::new(), 0));
+                self.contexts.len() - 1
+            }
+        };
+        let (context, used) = &mut self.contexts[slot];
+        *used += 1;
+        (slot, context.clone())
+    }
+
+    fn give_back(&mut self, slot: usize) {
+        if let Some((_, used)) = self.contexts.get_mut(slot) {
+            *used = used.saturating_sub(1);
+        }
+    }
+}
+
+/// A started listener and the pool slot of its context.
+struct Running {
+    listener: Listener,
+    context_slot: usize,
+}
+
+/// The running listeners and the index, metrics and ZMQ contexts they share.
 pub struct Registry {
-    zmq: zmq::Context,
+    contexts: ContextPool,
     index: Arc<Index>,
     metrics: Arc<Metrics>,
-    running: BTreeMap<WorkerKey, Listener>,
+    running: BTreeMap<WorkerKey, Running>,
     /// Specs of the current plan that are not running because their engine failed to start,
     /// by engine name, with the last error.
     pending: BTreeMap<String, (Vec<ListenerSpec>, String)>,
@@ -99,9 +141,12 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// `zmq` is the first context listeners use; more are made as the registry grows.
     pub fn new(zmq: zmq::Context, index: Arc<Index>, metrics: Arc<Metrics>) -> Registry {
         Registry {
-            zmq,
+            contexts: ContextPool {
+                contexts: vec![(zmq, 0)],
+            },
             index,
             metrics,
             running: BTreeMap::new(),
@@ -151,9 +196,9 @@ impl Registry {
             plan.into_iter().map(|s| (s.key.clone(), s)).collect();
 
         let mut leaving = Vec::new();
-        for (key, listener) in &self.running {
+        for (key, running) in &self.running {
             match wanted.get(key) {
-                Some(spec) if spec == listener.spec() => {
+                Some(spec) if spec == running.listener.spec() => {
                     wanted.remove(key);
                     diff.unchanged += 1;
                 }
@@ -222,10 +267,10 @@ impl Registry {
 
     /// Every configured rank, running or pending, sorted by (engine, dp_rank).
     pub fn snapshot(&self) -> Vec<ListenerView> {
-        let running = self.running.values().map(|l| ListenerView {
-            spec: l.spec().clone(),
-            worker: Some(l.worker()),
-            status: Some(l.status()),
+        let running = self.running.values().map(|r| ListenerView {
+            spec: r.listener.spec().clone(),
+            worker: Some(r.listener.worker()),
+            status: Some(r.listener.status()),
         });
         let pending = self.pending.values().flat_map(|(specs, _)| {
             specs.iter().map(|spec| ListenerView {
@@ -257,23 +302,30 @@ impl Registry {
 
     /// Starts each spec; on the first failure stops those already started and returns the
     /// error naming engine, rank and endpoint.
-    fn start_all_or_nothing(&self, specs: Vec<ListenerSpec>) -> anyhow::Result<Vec<Listener>> {
-        let mut started = Vec::with_capacity(specs.len());
+    fn start_all_or_nothing(&mut self, specs: Vec<ListenerSpec>) -> anyhow::Result<Vec<Running>> {
+        let mut started: Vec<Running> = Vec::with_capacity(specs.len());
         for spec in specs {
             let what = format!(
                 "engine {} rank {} ({})",
                 spec.key.engine, spec.key.dp_rank, spec.endpoint
             );
-            match Listener::start(spec, &self.zmq, &self.index, &self.metrics)
+            let (context_slot, context) = self.contexts.take();
+            match Listener::start(spec, &context, &self.index, &self.metrics)
                 .with_context(|| format!("starting {what}"))
             {
-                Ok(listener) => started.push(listener),
+                Ok(listener) => started.push(Running {
+                    listener,
+                    context_slot,
+                }),
                 Err(err) => {
-                    let rolled_back = started.len();
-                    stop_in_parallel(started);
-                    if rolled_back > 0 {
-                        warn!("{what} failed; stopped the {rolled_back} ranks already started");
+                    self.contexts.give_back(context_slot);
+                    if !started.is_empty() {
+                        warn!(
+                            "{what} failed; stopping the {} ranks already started",
+                            started.len()
+                        );
                     }
+                    self.stop(started);
                     return Err(err);
                 }
             }
@@ -281,41 +333,63 @@ impl Registry {
         Ok(started)
     }
 
-    fn insert_running(&mut self, started: Vec<Listener>) {
-        for listener in started {
-            let spec = listener.spec();
+    fn insert_running(&mut self, started: Vec<Running>) {
+        if let Some(first) = started.first() {
+            let endpoints: Vec<&str> = started
+                .iter()
+                .map(|r| r.listener.spec().endpoint.as_str())
+                .collect();
             info!(
-                "listening to engine {} rank {} at {} (worker {})",
-                spec.key.engine,
-                spec.key.dp_rank,
-                spec.endpoint,
-                listener.worker()
+                "engine {}: listening to {} ranks at {}",
+                first.listener.spec().key.engine,
+                started.len(),
+                endpoints.join(" ")
             );
-            self.running.insert(spec.key.clone(), listener);
+        }
+        for running in started {
+            self.running
+                .insert(running.listener.spec().key.clone(), running);
         }
     }
 
     /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
     /// index) and drops their metric series.
     fn remove_running(&mut self, keys: &[WorkerKey]) {
-        let leaving: Vec<Listener> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
+        let leaving: Vec<Running> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
         if leaving.is_empty() {
             return;
         }
         self.publish_directory();
-        for listener in &leaving {
-            let key = &listener.spec().key;
-            info!("stopping engine {} rank {}", key.engine, key.dp_rank);
-        }
-        stop_in_parallel(leaving);
+        let names: Vec<String> = leaving
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}/{}",
+                    r.listener.spec().key.engine,
+                    r.listener.spec().key.dp_rank
+                )
+            })
+            .collect();
+        info!("stopping {} listeners: {}", names.len(), names.join(" "));
+        self.stop(leaving);
         for key in keys {
             self.metrics.forget_rank(&key.engine, key.dp_rank);
         }
     }
 
+    fn stop(&mut self, listeners: Vec<Running>) {
+        let mut stopping = Vec::with_capacity(listeners.len());
+        for running in listeners {
+            self.contexts.give_back(running.context_slot);
+            stopping.push(running.listener);
+        }
+        stop_in_parallel(stopping);
+    }
+
     fn publish_directory(&self) {
         let mut by_id: Vec<Option<WorkerInfo>> = Vec::new();
-        for listener in self.running.values() {
+        for running in self.running.values() {
+            let listener = &running.listener;
             let slot = listener.worker() as usize;
             if by_id.len() <= slot {
                 by_id.resize(slot + 1, None);
@@ -410,19 +484,25 @@ mod tests {
             .expect("register a");
         let twice = registry.register(vec![spec("a", 0, &quiet_endpoint())]);
         let err = format!("{:#}", twice.expect_err("a/0 twice"));
-        assert!(err.contains("engine a rank 0") && err.contains("already registered"), "{err}");
+        assert!(
+            err.contains("engine a rank 0") && err.contains("already registered"),
+            "{err}"
+        );
 
-        let half = registry.register(vec![
-            spec("b", 0, &quiet_endpoint()),
-            spec("b", 1, BROKEN),
-        ]);
+        let half = registry.register(vec![spec("b", 0, &quiet_endpoint()), spec("b", 1, BROKEN)]);
         let err = format!("{:#}", half.expect_err("b has a broken rank"));
-        assert!(err.contains("engine b rank 1") && err.contains(BROKEN), "{err}");
+        assert!(
+            err.contains("engine b rank 1") && err.contains(BROKEN),
+            "{err}"
+        );
         assert_eq!(keys(&registry), ["a/0"], "b/0 was rolled back");
 
         let worker = registry.snapshot()[0].worker.expect("a/0 runs");
         let directory = registry.directory().current();
-        assert_eq!(directory.get(worker).map(|w| w.instance.as_str()), Some("a"));
+        assert_eq!(
+            directory.get(worker).map(|w| w.instance.as_str()),
+            Some("a")
+        );
         assert_eq!(registry.deregister("a").len(), 1);
         assert!(registry.directory().current().get(worker).is_none());
         assert!(keys(&registry).is_empty());
@@ -472,11 +552,17 @@ mod tests {
         ]);
         assert_eq!(diff.added.len(), 1);
         assert_eq!(diff.failed.len(), 1);
-        assert!(diff.failed[0].contains("engine bad rank 1"), "{:?}", diff.failed);
+        assert!(
+            diff.failed[0].contains("engine bad rank 1"),
+            "{:?}",
+            diff.failed
+        );
         assert!(registry.has_pending());
         let views = registry.snapshot();
         assert_eq!(keys(&registry), ["bad/0", "bad/1", "good/0"]);
-        assert!(views[..2].iter().all(|v| v.status.is_none() && v.worker.is_none()));
+        assert!(views[..2]
+            .iter()
+            .all(|v| v.status.is_none() && v.worker.is_none()));
         assert_eq!(registry.running_count(), 1);
         assert_eq!(registry.retry_pending().len(), 1, "still broken");
 

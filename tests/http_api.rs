@@ -151,8 +151,15 @@ fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
         unknown,
         json!({"block_size": 16, "query_blocks": 3, "scores": []})
     );
-    let with_lora = query(addr, json!({ "token_ids": setup.prompt, "lora_name": "adapter" }));
-    assert_eq!(with_lora["scores"], json!([]), "a LoRA prompt has other keys");
+    let with_lora = query(
+        addr,
+        json!({ "token_ids": setup.prompt, "lora_name": "adapter" }),
+    );
+    assert_eq!(
+        with_lora["scores"],
+        json!([]),
+        "a LoRA prompt has other keys"
+    );
     let short = query(addr, json!({ "token_ids": [1, 2, 3] }));
     assert_eq!(
         short,
@@ -272,7 +279,10 @@ fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     assert_eq!(ready.json(), json!({"ready": true}));
 
     let health = get(addr, "/health");
-    assert_eq!((health.status, health.json()), (200, json!({"status": "ok"})));
+    assert_eq!(
+        (health.status, health.json()),
+        (200, json!({"status": "ok"}))
+    );
 
     let reload = post(addr, "/reload", b"");
     assert_eq!(reload.status, 200, "{}", reload.text());
@@ -313,11 +323,23 @@ fn bad_requests_get_a_reason_naming_the_problem() {
     let addr = running.addr();
     let cases: [(&str, &str); 7] = [
         ("{\"token_ids\": [1, 2", "body is not valid JSON: "),
-        ("{\"token_ids\": [1, \"2\"]}", "token_ids[1]: expected an integer in 0..=4294967295, got \"2\""),
-        ("{\"token_ids\": [1, 2, 3, -1]}", "token_ids[3]: expected an integer in 0..=4294967295, got -1"),
-        ("{\"token_ids\": [4294967296]}", "token_ids[0]: expected an integer in 0..=4294967295, got 4294967296"),
+        (
+            "{\"token_ids\": [1, \"2\"]}",
+            "token_ids[1]: expected an integer in 0..=4294967295, got \"2\"",
+        ),
+        (
+            "{\"token_ids\": [1, 2, 3, -1]}",
+            "token_ids[3]: expected an integer in 0..=4294967295, got -1",
+        ),
+        (
+            "{\"token_ids\": [4294967296]}",
+            "token_ids[0]: expected an integer in 0..=4294967295, got 4294967296",
+        ),
         ("{\"model\": \"m\"}", "token_ids: missing"),
-        ("{\"token_ids\": [], \"lora_name\": 3}", "lora_name: expected a string or null"),
+        (
+            "{\"token_ids\": [], \"lora_name\": 3}",
+            "lora_name: expected a string or null",
+        ),
         ("", "body is not valid JSON: "),
     ];
     for (body, reason) in cases {
@@ -352,8 +374,7 @@ fn oversized_bodies_get_413_declared_or_chunked() {
 
     // Chunked past the limit: refused once 16 MiB have been read.
     let mut connection = Connection::open(addr);
-    connection
-        .write_raw(b"POST /query HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n");
+    connection.write_raw(b"POST /query HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n");
     let chunk = vec![b' '; 64 << 10];
     let mut chunk_frame = format!("{:x}\r\n", chunk.len()).into_bytes();
     chunk_frame.extend(&chunk);

@@ -56,7 +56,10 @@ impl Connection {
 
     /// Writes raw bytes (a hand-made request head or body part).
     pub fn write_raw(&mut self, bytes: &[u8]) {
-        self.reader.get_mut().write_all(bytes).expect("write request");
+        self.reader
+            .get_mut()
+            .write_all(bytes)
+            .expect("write request");
     }
 
     pub fn set_read_timeout(&mut self, timeout: Duration) {
