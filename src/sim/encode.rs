@@ -1,7 +1,13 @@
 //! Encoding of event batches into the engines' msgpack payloads and ZMQ frames: the inverse of
 //! `wire`, used by simulated engines and tests.
+//!
+//! It writes exactly what vLLM sends (0.24+ tagged maps, 0.22 twelve-element tagged arrays), so
+//! a decoder tested against it is tested against the real layout. It never decodes anything.
 
-use crate::wire::{BlockStored, EventBatch};
+use rmp::encode::{self as mp, ByteBuf};
+use serde_json::json;
+
+use crate::wire::{BlockRemoved, BlockStored, Event, EventBatch};
 
 /// The two event encodings of PROTOCOL.md.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,25 +18,193 @@ pub enum Form {
     Array,
 }
 
+/// The replay end marker's seq.
+const END_SEQ: u64 = u64::MAX;
+
 /// Encodes a batch as a msgpack KVEventBatch `[ts, events, dp_rank]`.
 pub fn encode_batch(batch: &EventBatch, form: Form) -> Vec<u8> {
-    todo!("wire helper: {batch:?} {form:?}")
+    let mut out = Writer::default();
+    out.array(3);
+    out.float(batch.ts);
+    out.array(batch.events.len());
+    for event in &batch.events {
+        match (event, form) {
+            (Event::Stored(stored), Form::Map) => stored_map(&mut out, stored),
+            (Event::Stored(stored), Form::Array) => stored_array(&mut out, stored),
+            (Event::Removed(removed), Form::Map) => removed_map(&mut out, removed),
+            (Event::Removed(removed), Form::Array) => removed_array(&mut out, removed),
+            (Event::Cleared, Form::Map) => {
+                out.map(1);
+                out.str("type");
+                out.str("AllBlocksCleared");
+            }
+            (Event::Cleared, Form::Array) => {
+                out.array(1);
+                out.str("AllBlocksCleared");
+            }
+        }
+    }
+    out.optional_uint(batch.dp_rank.map(u64::from));
+    out.0.into_vec()
+}
+
+/// vLLM 0.24+: `{type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+/// lora_name, extra_keys, group_idx}`, `group_idx` left out when unset.
+fn stored_map(out: &mut Writer, stored: &BlockStored) {
+    out.map(9 + usize::from(stored.group_idx.is_some()));
+    out.str("type");
+    out.str("BlockStored");
+    out.str("block_hashes");
+    out.uints(&stored.block_hashes);
+    out.str("parent_block_hash");
+    out.optional_uint(stored.parent);
+    out.str("token_ids");
+    out.tokens(&stored.token_ids);
+    out.str("block_size");
+    out.uint(u64::from(stored.block_size));
+    out.str("lora_id");
+    out.nil();
+    out.str("medium");
+    out.optional_str(stored.medium.as_deref());
+    out.str("lora_name");
+    out.optional_str(stored.lora_name.as_deref());
+    out.str("extra_keys");
+    extra_keys(out, stored);
+    if let Some(group_idx) = stored.group_idx {
+        out.str("group_idx");
+        out.uint(u64::from(group_idx));
+    }
+}
+
+/// vLLM 0.22: `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
+/// extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`.
+fn stored_array(out: &mut Writer, stored: &BlockStored) {
+    out.array(12);
+    out.str("BlockStored");
+    out.uints(&stored.block_hashes);
+    out.optional_uint(stored.parent);
+    out.tokens(&stored.token_ids);
+    out.uint(u64::from(stored.block_size));
+    out.nil();
+    out.optional_str(stored.medium.as_deref());
+    out.optional_str(stored.lora_name.as_deref());
+    extra_keys(out, stored);
+    out.optional_uint(stored.group_idx.map(u64::from));
+    out.nil();
+    out.nil();
+}
+
+/// One entry per block, as vLLM sends: the adapter name when there is one, else nil.
+fn extra_keys(out: &mut Writer, stored: &BlockStored) {
+    out.array(stored.block_hashes.len());
+    for _ in &stored.block_hashes {
+        match stored.lora_name.as_deref() {
+            Some(name) => {
+                out.array(1);
+                out.str(name);
+            }
+            None => out.nil(),
+        }
+    }
+}
+
+fn removed_map(out: &mut Writer, removed: &BlockRemoved) {
+    out.map(3 + usize::from(removed.group_idx.is_some()));
+    out.str("type");
+    out.str("BlockRemoved");
+    out.str("block_hashes");
+    out.uints(&removed.block_hashes);
+    out.str("medium");
+    out.optional_str(removed.medium.as_deref());
+    if let Some(group_idx) = removed.group_idx {
+        out.str("group_idx");
+        out.uint(u64::from(group_idx));
+    }
+}
+
+fn removed_array(out: &mut Writer, removed: &BlockRemoved) {
+    out.array(4);
+    out.str("BlockRemoved");
+    out.uints(&removed.block_hashes);
+    out.optional_str(removed.medium.as_deref());
+    out.optional_uint(removed.group_idx.map(u64::from));
+}
+
+/// A msgpack writer over an in-memory buffer, whose writes cannot fail.
+#[derive(Default)]
+struct Writer(ByteBuf);
+
+/// msgpack lengths are 32-bit; the events this module encodes are built in-process and far
+/// smaller, so a longer one is a caller bug.
+fn len32(len: usize) -> u32 {
+    u32::try_from(len).expect("msgpack containers hold at most u32::MAX elements")
+}
+
+impl Writer {
+    fn array(&mut self, len: usize) {
+        let Ok(_) = mp::write_array_len(&mut self.0, len32(len));
+    }
+    fn map(&mut self, len: usize) {
+        let Ok(_) = mp::write_map_len(&mut self.0, len32(len));
+    }
+    fn str(&mut self, text: &str) {
+        let Ok(()) = mp::write_str(&mut self.0, text);
+    }
+    fn uint(&mut self, value: u64) {
+        let Ok(_) = mp::write_uint(&mut self.0, value);
+    }
+    fn float(&mut self, value: f64) {
+        let Ok(()) = mp::write_f64(&mut self.0, value);
+    }
+    fn nil(&mut self) {
+        let Ok(()) = mp::write_nil(&mut self.0);
+    }
+    fn optional_uint(&mut self, value: Option<u64>) {
+        match value {
+            Some(value) => self.uint(value),
+            None => self.nil(),
+        }
+    }
+    fn optional_str(&mut self, text: Option<&str>) {
+        match text {
+            Some(text) => self.str(text),
+            None => self.nil(),
+        }
+    }
+    fn uints(&mut self, values: &[u64]) {
+        self.array(values.len());
+        for &value in values {
+            self.uint(value);
+        }
+    }
+    fn tokens(&mut self, tokens: &[u32]) {
+        self.array(tokens.len());
+        for &token in tokens {
+            self.uint(u64::from(token));
+        }
+    }
 }
 
 /// The three frames of a live message: `[topic, seq big-endian, payload]`.
 pub fn message_frames(topic: &[u8], seq: u64, payload: &[u8]) -> Vec<Vec<u8>> {
-    todo!("wire helper: {topic:?} {seq} {payload:?}")
+    vec![topic.to_vec(), seq.to_be_bytes().to_vec(), payload.to_vec()]
 }
 
 /// One replay reply as a ROUTER sends it after the client's identity frame: the empty delimiter
 /// then `[topic, seq, payload]` (new layout, `topic` is `Some`) or `[seq, payload]` (old).
 pub fn replay_frames(topic: Option<&[u8]>, seq: u64, payload: &[u8]) -> Vec<Vec<u8>> {
-    todo!("wire helper: {topic:?} {seq} {payload:?}")
+    let mut frames = vec![Vec::new()];
+    if let Some(topic) = topic {
+        frames.push(topic.to_vec());
+    }
+    frames.push(seq.to_be_bytes().to_vec());
+    frames.push(payload.to_vec());
+    frames
 }
 
 /// The replay end marker in the given layout.
 pub fn replay_end_frames(topic: Option<&[u8]>) -> Vec<Vec<u8>> {
-    todo!("wire helper: {topic:?}")
+    replay_frames(topic, END_SEQ, &[])
 }
 
 /// A `GET /kv_recover` JSON body; `seq` `None` is written as -1.
@@ -40,5 +214,26 @@ pub fn encode_snapshot(
     block_size: u32,
     events: &[BlockStored],
 ) -> Vec<u8> {
-    todo!("wire helper: {seq:?} {dp_rank} {block_size} {events:?}")
+    let events: Vec<_> = events
+        .iter()
+        .map(|stored| {
+            json!({
+                "type": "BlockStored",
+                "block_hashes": stored.block_hashes,
+                "parent_block_hash": stored.parent,
+                "token_ids": stored.token_ids,
+                "block_size": stored.block_size,
+                "lora_name": stored.lora_name,
+                "medium": stored.medium,
+                "group_idx": stored.group_idx,
+            })
+        })
+        .collect();
+    let body = json!({
+        "seq": seq.map_or(json!(-1), |seq| json!(seq)),
+        "dp_rank": dp_rank,
+        "block_size": block_size,
+        "events": events,
+    });
+    body.to_string().into_bytes()
 }

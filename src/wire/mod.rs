@@ -1,0 +1,225 @@
+//! The engines' KV-event wire format: ZMQ frames and msgpack payloads → typed events.
+//!
+//! Owns every encoding quirk of every released vLLM, SGLang and TensorRT-LLM version
+//! (PROTOCOL.md). It never touches the index or a socket, and never panics on any input.
+//!
+//! `msgpack` is a zero-copy cursor, `batch` decodes KVEventBatch payloads with it, `snapshot`
+//! decodes `GET /kv_recover` bodies; the frame layouts live here.
+
+mod batch;
+mod msgpack;
+mod snapshot;
+
+pub use batch::decode_batch;
+pub use snapshot::decode_snapshot;
+
+/// One engine event, as far as the index cares.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Stored(BlockStored),
+    Removed(BlockRemoved),
+    /// The rank's whole cache is gone.
+    Cleared,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockStored {
+    /// Engine hashes of the newly cached blocks, in order (signed ints bit-cast; bytes: last 8
+    /// bytes big-endian).
+    pub block_hashes: Vec<u64>,
+    /// Engine hash of the block before the first one; `None` starts a sequence.
+    pub parent: Option<u64>,
+    /// All tokens of all blocks, concatenated.
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub lora_name: Option<String>,
+    /// `None` or `"GPU"` is GPU residency.
+    pub medium: Option<String>,
+    pub group_idx: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockRemoved {
+    pub block_hashes: Vec<u64>,
+    pub medium: Option<String>,
+    pub group_idx: Option<u32>,
+}
+
+/// One KVEventBatch payload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventBatch {
+    pub ts: f64,
+    /// `None` when the payload carries no rank (vLLM 0.9.0) or nil.
+    pub dp_rank: Option<u32>,
+    pub events: Vec<Event>,
+    /// Events skipped without failing the batch: unknown types and unindexable events.
+    pub skipped: u32,
+}
+
+/// A live message split into its three frames.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Message<'a> {
+    pub topic: &'a [u8],
+    pub seq: u64,
+    pub payload: &'a [u8],
+}
+
+/// One item of a replay reply.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ReplayItem<'a> {
+    /// A buffered batch; `topic` is empty in the old 2-frame layout.
+    Batch(Message<'a>),
+    /// The end marker (seq `u64::MAX`, empty payload).
+    End,
+}
+
+/// A rank's `GET /kv_recover` snapshot (SPEC.md "Snapshot endpoint").
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// Seq of the last batch published before the snapshot; `None` when the body says -1.
+    pub seq: Option<u64>,
+    pub dp_rank: Option<u32>,
+    pub block_size: u32,
+    /// Every parent before its children.
+    pub events: Vec<BlockStored>,
+}
+
+/// The seq of the replay end marker.
+const END_SEQ: u64 = u64::MAX;
+
+/// Splits a live message: exactly 3 frames, the seq frame 8 bytes big-endian.
+pub fn parse_message(frames: &[Vec<u8>]) -> Result<Message<'_>, FrameError> {
+    match frames {
+        [topic, seq, payload] => Ok(Message {
+            topic,
+            seq: parse_seq(seq)?,
+            payload,
+        }),
+        _ => Err(FrameError::FrameCount(frames.len())),
+    }
+}
+
+/// Parses one reply of a replay socket as received by a DEALER (starting with the empty
+/// delimiter): `["", topic, seq, payload]` (new) or `["", seq, payload]` (old), or the end marker.
+pub fn parse_replay_reply(frames: &[Vec<u8>]) -> Result<ReplayItem<'_>, FrameError> {
+    let (topic, seq, payload): (&[u8], _, _) = match frames {
+        [delimiter, ..] if !delimiter.is_empty() => return Err(FrameError::MissingDelimiter),
+        [_, topic, seq, payload] => (topic, seq, payload),
+        [_, seq, payload] => (&[], seq, payload),
+        [] => return Err(FrameError::MissingDelimiter),
+        [_, rest @ ..] => return Err(FrameError::ReplayFrameCount(rest.len())),
+    };
+    match parse_seq(seq)? {
+        END_SEQ if payload.is_empty() => Ok(ReplayItem::End),
+        END_SEQ => Err(FrameError::EndWithPayload(payload.len())),
+        seq => Ok(ReplayItem::Batch(Message {
+            topic,
+            seq,
+            payload,
+        })),
+    }
+}
+
+fn parse_seq(frame: &[u8]) -> Result<u64, FrameError> {
+    let bytes: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| FrameError::SeqLength(frame.len()))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// Why a set of frames is not a message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    /// A live message with other than 3 frames (the count).
+    FrameCount(usize),
+    /// A seq frame that is not 8 bytes (its length).
+    SeqLength(usize),
+    /// A replay reply whose first frame is missing or not empty.
+    MissingDelimiter,
+    /// A replay reply with other than 2 or 3 frames after the delimiter (the count).
+    ReplayFrameCount(usize),
+    /// The end-marker seq with a payload (its length).
+    EndWithPayload(usize),
+}
+
+/// Why a payload is not a batch (or a body not a snapshot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// The payload is not a msgpack array.
+    NotAnArray,
+    /// The batch array has fewer than 2 elements (the count).
+    TooShort(usize),
+    /// The first element is not a number.
+    BadTimestamp,
+    /// The second element is not an array.
+    BadEvents,
+    /// The third element is neither nil nor an int in `0..=u32::MAX`.
+    BadDpRank,
+    /// The payload ends inside the batch.
+    Truncated,
+    /// A byte that msgpack never uses, where a value should start.
+    BadMarker { offset: usize },
+    /// A snapshot body that is not JSON (serde_json's message).
+    Json(String),
+    /// A snapshot field that is missing or of the wrong type.
+    SnapshotField {
+        field: String,
+        expected: &'static str,
+    },
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::FrameCount(count) => {
+                write!(f, "expected 3 frames (topic, seq, payload), got {count}")
+            }
+            FrameError::SeqLength(len) => {
+                write!(f, "seq frame must be 8 bytes (big-endian u64), got {len}")
+            }
+            FrameError::MissingDelimiter => {
+                write!(
+                    f,
+                    "replay reply does not start with the empty delimiter frame"
+                )
+            }
+            FrameError::ReplayFrameCount(count) => write!(
+                f,
+                "expected 3 (topic, seq, payload) or 2 (seq, payload) frames after the replay \
+                 delimiter, got {count}"
+            ),
+            FrameError::EndWithPayload(len) => write!(
+                f,
+                "replay end marker (seq 0xFFFFFFFFFFFFFFFF) carries a {len}-byte payload, \
+                 expected none"
+            ),
+        }
+    }
+}
+impl std::error::Error for FrameError {}
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeError::NotAnArray => write!(f, "payload is not a msgpack array"),
+            DecodeError::TooShort(len) => write!(
+                f,
+                "batch array has {len} elements, expected at least 2 (ts, events)"
+            ),
+            DecodeError::BadTimestamp => write!(f, "batch timestamp (element 0) is not a number"),
+            DecodeError::BadEvents => write!(f, "batch events (element 1) is not an array"),
+            DecodeError::BadDpRank => write!(
+                f,
+                "batch data_parallel_rank (element 2) is neither nil nor an int in 0..=4294967295"
+            ),
+            DecodeError::Truncated => write!(f, "payload ends inside the batch"),
+            DecodeError::BadMarker { offset } => {
+                write!(f, "byte 0xc1 at offset {offset} is not a msgpack value")
+            }
+            DecodeError::Json(message) => write!(f, "snapshot body is not JSON: {message}"),
+            DecodeError::SnapshotField { field, expected } => {
+                write!(f, "snapshot field `{field}`: expected {expected}")
+            }
+        }
+    }
+}
+impl std::error::Error for DecodeError {}

@@ -1,0 +1,180 @@
+//! `GET /kv_recover` JSON bodies → `Snapshot` (SPEC.md "Snapshot endpoint").
+//!
+//! A snapshot replaces what the index knows about a rank, so it is all or nothing: any bad field
+//! fails the whole body with an error naming the field. It never guesses a missing required value.
+
+use serde_json::{Map, Value};
+
+use super::{BlockStored, DecodeError, Snapshot};
+
+/// Decodes a `GET /kv_recover` JSON body.
+pub fn decode_snapshot(body: &[u8]) -> Result<Snapshot, DecodeError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|error| DecodeError::Json(error.to_string()))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| field("(body)", "a JSON object"))?;
+    let seq = match object.get("seq") {
+        Some(Value::Number(number)) if number.as_i64() == Some(-1) => None,
+        Some(Value::Number(number)) => Some(
+            number
+                .as_u64()
+                .ok_or_else(|| field("seq", "an unsigned 64-bit int or -1"))?,
+        ),
+        _ => return Err(field("seq", "an unsigned 64-bit int or -1")),
+    };
+    let dp_rank = optional_u32(object, "dp_rank", "dp_rank")?;
+    let block_size = required_u32(object, "block_size", "block_size")?;
+    let raw_events = object
+        .get("events")
+        .and_then(Value::as_array)
+        .ok_or_else(|| field("events", "an array of BlockStored objects"))?;
+    let events = raw_events
+        .iter()
+        .enumerate()
+        .map(|(index, event)| block_stored(event, index))
+        .collect::<Result<_, _>>()?;
+    Ok(Snapshot {
+        seq,
+        dp_rank,
+        block_size,
+        events,
+    })
+}
+
+fn field(name: impl Into<String>, expected: &'static str) -> DecodeError {
+    DecodeError::SnapshotField {
+        field: name.into(),
+        expected,
+    }
+}
+
+fn block_stored(event: &Value, index: usize) -> Result<BlockStored, DecodeError> {
+    let path = |key: &str| format!("events[{index}].{key}");
+    let object = event
+        .as_object()
+        .ok_or_else(|| field(format!("events[{index}]"), "a BlockStored object"))?;
+    if let Some(kind) = object.get("type") {
+        if kind.as_str() != Some("BlockStored") {
+            return Err(field(path("type"), "\"BlockStored\""));
+        }
+    }
+    let block_hashes = object
+        .get("block_hashes")
+        .and_then(Value::as_array)
+        .and_then(|hashes| hashes.iter().map(hash).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| field(path("block_hashes"), "an array of 64-bit ints"))?;
+    let parent = match object.get("parent_block_hash") {
+        None | Some(Value::Null) => None,
+        Some(value) => Some(
+            hash(value).ok_or_else(|| field(path("parent_block_hash"), "a 64-bit int or null"))?,
+        ),
+    };
+    let token_ids = object
+        .get("token_ids")
+        .and_then(Value::as_array)
+        .and_then(|tokens| tokens.iter().map(as_u32).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| field(path("token_ids"), "an array of ints in 0..=4294967295"))?;
+    Ok(BlockStored {
+        block_hashes,
+        parent,
+        token_ids,
+        block_size: required_u32(object, "block_size", &path("block_size"))?,
+        lora_name: optional_string(object, "lora_name", &path("lora_name"))?,
+        medium: optional_string(object, "medium", &path("medium"))?,
+        group_idx: optional_u32(object, "group_idx", &path("group_idx"))?,
+    })
+}
+
+/// A hash as JSON carries it: a u64, or an i64 bit-cast.
+fn hash(value: &Value) -> Option<u64> {
+    value
+        .as_u64()
+        .or_else(|| value.as_i64().map(|signed| signed as u64))
+}
+
+fn as_u32(value: &Value) -> Option<u32> {
+    value.as_u64().and_then(|wide| u32::try_from(wide).ok())
+}
+
+fn required_u32(object: &Map<String, Value>, key: &str, path: &str) -> Result<u32, DecodeError> {
+    object
+        .get(key)
+        .and_then(as_u32)
+        .ok_or_else(|| field(path, "an int in 0..=4294967295"))
+}
+
+fn optional_u32(
+    object: &Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<Option<u32>, DecodeError> {
+    match object.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => as_u32(value)
+            .map(Some)
+            .ok_or_else(|| field(path, "an int in 0..=4294967295 or null")),
+    }
+}
+
+fn optional_string(
+    object: &Map<String, Value>,
+    key: &str,
+    path: &str,
+) -> Result<Option<String>, DecodeError> {
+    match object.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => Ok(Some(text.clone())),
+        Some(_) => Err(field(path, "a string or null")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_field() {
+        let body = br#"{"seq": 3, "dp_rank": 0, "block_size": 4,
+            "events": [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, "x"],
+                        "block_size": 4}]}"#;
+        let error = decode_snapshot(body).map(|_| ());
+        assert_eq!(
+            error,
+            Err(field(
+                "events[0].token_ids",
+                "an array of ints in 0..=4294967295"
+            ))
+        );
+        assert_eq!(
+            decode_snapshot(br#"{"seq": -2, "block_size": 4, "events": []}"#).map(|_| ()),
+            Err(field("seq", "an unsigned 64-bit int or -1"))
+        );
+        assert!(matches!(decode_snapshot(b"{"), Err(DecodeError::Json(_))));
+    }
+
+    #[test]
+    fn minus_one_seq_and_signed_hashes_are_read() {
+        let body = br#"{"seq": -1, "dp_rank": 2, "block_size": 4,
+            "events": [{"type": "BlockStored", "block_hashes": [-2], "parent_block_hash": null,
+                        "token_ids": [1, 2, 3, 4], "block_size": 4, "medium": "GPU"}]}"#;
+        let snapshot = decode_snapshot(body);
+        assert_eq!(
+            snapshot,
+            Ok(Snapshot {
+                seq: None,
+                dp_rank: Some(2),
+                block_size: 4,
+                events: vec![BlockStored {
+                    block_hashes: vec![u64::MAX - 1],
+                    parent: None,
+                    token_ids: vec![1, 2, 3, 4],
+                    block_size: 4,
+                    lora_name: None,
+                    medium: Some("GPU".into()),
+                    group_idx: None,
+                }],
+            })
+        );
+    }
+}
