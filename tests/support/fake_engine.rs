@@ -21,6 +21,8 @@ impl FakeRank {
     pub fn bind(zmq: &zmq::Context, dp_rank: u32) -> FakeRank {
         let socket = zmq.socket(zmq::XPUB).expect("XPUB socket");
         socket.set_rcvtimeo(10_000).expect("rcvtimeo");
+        // Never drop a batch for a slow subscriber: tests count on every block arriving.
+        socket.set_sndhwm(0).expect("sndhwm");
         socket.bind("tcp://127.0.0.1:*").expect("bind XPUB");
         let endpoint = socket
             .get_last_endpoint()
@@ -43,6 +45,8 @@ impl FakeRank {
     pub fn bind_at(zmq: &zmq::Context, port: u16, dp_rank: u32) -> Option<FakeRank> {
         let socket = zmq.socket(zmq::XPUB).expect("XPUB socket");
         socket.set_rcvtimeo(10_000).expect("rcvtimeo");
+        // Never drop a batch for a slow subscriber: tests count on every block arriving.
+        socket.set_sndhwm(0).expect("sndhwm");
         socket.bind(&format!("tcp://127.0.0.1:{port}")).ok()?;
         Some(FakeRank {
             socket,
