@@ -27,9 +27,216 @@ pub struct ListenerSpec {
     pub model: Option<String>,
 }
 
-use crate::config::Config;
+use crate::config::{Config, EngineConfig};
 
 /// One spec per rank of every engine, in config order then rank order.
 pub fn expand(config: &Config) -> Vec<ListenerSpec> {
-    todo!("config helper: {config:?}")
+    config.engines.iter().flat_map(expand_engine).collect()
+}
+
+/// One spec per rank of `engine`: rank `r` is on `port + r` for every socket kind.
+pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
+    // Arithmetic in u32: a validated engine never passes 65535, and an unvalidated one yields a
+    // URL that fails to connect rather than a panic.
+    let on_rank = |port: u16, rank: u32| u32::from(port) + rank;
+    let host = url_host(&engine.host);
+    (0..engine.dp_size)
+        .map(|rank| ListenerSpec {
+            key: WorkerKey {
+                engine: engine.name.clone(),
+                dp_rank: rank,
+            },
+            endpoint: format!("tcp://{host}:{}", on_rank(engine.zmq_port, rank)),
+            replay: engine
+                .replay_port
+                .map(|port| format!("tcp://{host}:{}", on_rank(port, rank))),
+            recover: engine
+                .recover_port
+                .map(|port| format!("http://{host}:{}/kv_recover", on_rank(port, rank))),
+            topic: engine.topic.clone(),
+            model: engine.model.clone(),
+        })
+        .collect()
+}
+
+/// The host as it goes into a URL: IPv6 literals in brackets.
+fn url_host(host: &str) -> String {
+    if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    }
+}
+
+/// The plan as a text table, one row per rank, columns aligned; absent values are `-`.
+pub fn render_table(specs: &[ListenerSpec]) -> String {
+    const HEADER: [&str; 7] = [
+        "ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL",
+    ];
+    let rows: Vec<[String; 7]> = specs
+        .iter()
+        .map(|spec| {
+            [
+                spec.key.engine.clone(),
+                spec.key.dp_rank.to_string(),
+                spec.endpoint.clone(),
+                spec.replay.clone().unwrap_or_else(|| "-".into()),
+                spec.recover.clone().unwrap_or_else(|| "-".into()),
+                format!("{:?}", spec.topic),
+                spec.model.clone().unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let mut widths = HEADER.map(str::len);
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let header = HEADER.map(String::from);
+    let mut table = String::new();
+    for row in std::iter::once(&header).chain(&rows) {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
+        table.push_str(cells.join("  ").trim_end());
+        table.push('\n');
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(name: &str, host: &str, dp_size: u32) -> EngineConfig {
+        EngineConfig {
+            name: name.into(),
+            host: host.into(),
+            zmq_port: 5557,
+            dp_size,
+            replay_port: None,
+            recover_port: None,
+            model: None,
+            topic: String::new(),
+        }
+    }
+
+    fn config(engines: Vec<EngineConfig>) -> Config {
+        Config {
+            listen: "127.0.0.1:8090".into(),
+            block_size: 16,
+            shards: 64,
+            engines,
+        }
+    }
+
+    #[test]
+    fn dp_size_1_is_one_listener_on_the_port() {
+        let specs = expand(&config(vec![engine("local", "127.0.0.1", 1)]));
+        assert_eq!(
+            specs,
+            vec![ListenerSpec {
+                key: WorkerKey {
+                    engine: "local".into(),
+                    dp_rank: 0
+                },
+                endpoint: "tcp://127.0.0.1:5557".into(),
+                replay: None,
+                recover: None,
+                topic: String::new(),
+                model: None,
+            }]
+        );
+    }
+
+    #[test]
+    fn dp_size_2_puts_rank_r_on_port_plus_r_for_every_socket() {
+        let mut vllm = engine("vllm-a", "10.0.0.5", 2);
+        vllm.replay_port = Some(5600);
+        vllm.recover_port = Some(8200);
+        vllm.model = Some("Qwen/Qwen3-8B".into());
+        vllm.topic = "kv".into();
+        let specs = expand(&config(vec![vllm]));
+        let ranks: Vec<_> = specs
+            .iter()
+            .map(|s| {
+                (
+                    s.key.dp_rank,
+                    s.endpoint.as_str(),
+                    s.replay.as_deref(),
+                    s.recover.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            ranks,
+            vec![
+                (
+                    0,
+                    "tcp://10.0.0.5:5557",
+                    Some("tcp://10.0.0.5:5600"),
+                    Some("http://10.0.0.5:8200/kv_recover")
+                ),
+                (
+                    1,
+                    "tcp://10.0.0.5:5558",
+                    Some("tcp://10.0.0.5:5601"),
+                    Some("http://10.0.0.5:8201/kv_recover")
+                ),
+            ]
+        );
+        assert!(specs
+            .iter()
+            .all(|s| s.topic == "kv" && s.model.as_deref() == Some("Qwen/Qwen3-8B")));
+    }
+
+    #[test]
+    fn dp_size_8_keeps_config_order_then_rank_order() {
+        let specs = expand(&config(vec![
+            engine("big", "gpu-1", 8),
+            engine("small", "gpu-2", 1),
+        ]));
+        let rows: Vec<String> = specs
+            .iter()
+            .map(|s| format!("{}/{} {}", s.key.engine, s.key.dp_rank, s.endpoint))
+            .collect();
+        let mut expected: Vec<String> = (0..8)
+            .map(|rank| format!("big/{rank} tcp://gpu-1:{}", 5557 + rank))
+            .collect();
+        expected.push("small/0 tcp://gpu-2:5557".into());
+        assert_eq!(rows, expected);
+    }
+
+    #[test]
+    fn ipv6_hosts_get_brackets_in_every_url() {
+        let mut v6 = engine("v6", "::1", 2);
+        v6.replay_port = Some(5600);
+        v6.recover_port = Some(8200);
+        let specs = expand(&config(vec![v6]));
+        assert_eq!(specs[0].endpoint, "tcp://[::1]:5557");
+        assert_eq!(specs[1].endpoint, "tcp://[::1]:5558");
+        assert_eq!(specs[1].replay.as_deref(), Some("tcp://[::1]:5601"));
+        assert_eq!(
+            specs[1].recover.as_deref(),
+            Some("http://[::1]:8201/kv_recover")
+        );
+    }
+
+    #[test]
+    fn table_has_a_header_and_one_aligned_row_per_rank() {
+        let mut vllm = engine("vllm-a", "10.0.0.5", 2);
+        vllm.model = Some("m".into());
+        let table = render_table(&expand(&config(vec![vllm])));
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[0].starts_with("ENGINE"));
+        assert!(lines[1].contains("tcp://10.0.0.5:5557") && lines[1].contains(" m"));
+        assert!(lines[2].contains("tcp://10.0.0.5:5558"));
+        let column = |line: &str| line.find("tcp://");
+        assert_eq!(column(lines[1]), column(lines[2]));
+        assert_eq!(column(lines[1]), lines[0].find("ENDPOINT"));
+    }
 }

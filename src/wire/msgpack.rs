@@ -202,29 +202,27 @@ impl<'a> Reader<'a> {
         let len = self.array_len()?;
         let mut tokens = Vec::with_capacity(len.min(self.remaining()));
         for _ in 0..len {
-            tokens.push(self.token_id()?);
+            // The hot loop of the whole decoder: the usual encodings matched on the slice, with
+            // one length check each, before the general path.
+            let rest = self.buf.get(self.pos..).unwrap_or_default();
+            let (token, size) = match *rest {
+                [marker @ 0x00..=0x7f, ..] => (u32::from(marker), 1),
+                [0xcc, byte, ..] => (u32::from(byte), 2),
+                [0xcd, b0, b1, ..] => (u32::from(u16::from_be_bytes([b0, b1])), 3),
+                [0xce, b0, b1, b2, b3, ..] => (u32::from_be_bytes([b0, b1, b2, b3]), 5),
+                _ => {
+                    let token = match self.header()? {
+                        Header::Uint(value) => u32::try_from(value).map_err(|_| Unexpected)?,
+                        Header::Int(value) => u32::try_from(value).map_err(|_| Unexpected)?,
+                        _ => return Err(Unexpected),
+                    };
+                    (token, 0)
+                }
+            };
+            tokens.push(token);
+            self.pos += size;
         }
         Ok(tokens)
-    }
-
-    #[inline]
-    fn token_id(&mut self) -> Result<u32, Unexpected> {
-        // The common encodings first, read without going through `header`.
-        let marker = self.byte()?;
-        match marker {
-            0x00..=0x7f => Ok(u32::from(marker)),
-            0xcc => Ok(u32::from(self.byte()?)),
-            0xcd => Ok(u32::from(u16::from_be_bytes(self.array()?))),
-            0xce => Ok(u32::from_be_bytes(self.array()?)),
-            _ => {
-                self.pos -= 1;
-                match self.header()? {
-                    Header::Uint(value) => u32::try_from(value).map_err(|_| Unexpected),
-                    Header::Int(value) => u32::try_from(value).map_err(|_| Unexpected),
-                    _ => Err(Unexpected),
-                }
-            }
-        }
     }
 }
 

@@ -1,0 +1,110 @@
+//! Block keys: our own chained hash of token content (SPEC.md "The index" → Keys).
+//!
+//! The same code hashes events and queries, so a block stored by any engine and the same tokens
+//! in a prompt always meet on one key, whatever the engines' own hash seeds. It never looks at
+//! engine hashes and never touches the index.
+
+use std::slice::ChunksExact;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+const SEED: u64 = 1337;
+
+/// The key of a block whose predecessor (or LoRA root) is `parent` and whose own tokens hash to
+/// `local`.
+pub(super) fn chain(parent: u64, local: u64) -> u64 {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&parent.to_le_bytes());
+    bytes[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&bytes, SEED)
+}
+
+/// The value a LoRA adapter's first block chains from.
+pub(super) fn lora_root(lora_name: &str) -> u64 {
+    xxh3_64_with_seed(lora_name.as_bytes(), SEED)
+}
+
+/// The keys of consecutive full blocks, computed one at a time (a query stops hashing where its
+/// search stops).
+pub(super) struct KeyChain<'t> {
+    blocks: ChunksExact<'t, u32>,
+    /// What the next block chains from: the previous key, or the parent's key / LoRA root for the
+    /// first block; `None` makes the first key the block's local hash.
+    previous: Option<u64>,
+    bytes: Vec<u8>,
+}
+
+impl<'t> KeyChain<'t> {
+    /// Keys of `tokens`' full blocks. `block_size` must be non-zero.
+    pub(super) fn new(tokens: &'t [u32], block_size: usize, chained_from: Option<u64>) -> Self {
+        KeyChain {
+            blocks: tokens.chunks_exact(block_size),
+            previous: chained_from,
+            bytes: Vec::with_capacity(block_size * 4),
+        }
+    }
+
+    /// The chain of a prompt (or of an event without parent) for an optional LoRA adapter.
+    pub(super) fn for_prompt(tokens: &'t [u32], block_size: usize, lora: Option<&str>) -> Self {
+        Self::new(tokens, block_size, lora.map(lora_root))
+    }
+
+    /// Full blocks not yet hashed.
+    pub(super) fn remaining(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+impl Iterator for KeyChain<'_> {
+    type Item = u64;
+
+    fn next(&mut self) -> Option<u64> {
+        let block = self.blocks.next()?;
+        self.bytes.clear();
+        for token in block {
+            self.bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        let local = xxh3_64_with_seed(&self.bytes, SEED);
+        let key = match self.previous {
+            Some(previous) => chain(previous, local),
+            None => local,
+        };
+        self.previous = Some(key);
+        Some(key)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.blocks.len(), Some(self.blocks.len()))
+    }
+}
+
+/// A prompt's keys, hashed on demand and kept.
+pub(super) struct LazyKeys<'t> {
+    chain: KeyChain<'t>,
+    keys: Vec<u64>,
+}
+
+impl<'t> LazyKeys<'t> {
+    pub(super) fn new(chain: KeyChain<'t>) -> Self {
+        LazyKeys {
+            keys: Vec::with_capacity(chain.remaining()),
+            chain,
+        }
+    }
+
+    /// Full blocks in the prompt.
+    pub(super) fn len(&self) -> usize {
+        self.keys.len() + self.chain.remaining()
+    }
+
+    /// Key `i`, hashing up to it if needed. `i` must be below `len()`.
+    pub(super) fn get(&mut self, i: usize) -> u64 {
+        while self.keys.len() <= i {
+            match self.chain.next() {
+                Some(key) => self.keys.push(key),
+                None => break,
+            }
+        }
+        self.keys[i]
+    }
+}

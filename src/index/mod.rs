@@ -1,0 +1,806 @@
+//! The lock-sharded index of cached blocks: which worker holds which block.
+//!
+//! Owns the index's data (shards of `key → holders`, one `engine hash → key` map per worker)
+//! and its two operations: applying a worker's events and answering prefix queries. It never
+//! decodes bytes, never touches a socket, and never blocks a reader behind a whole batch: a
+//! writer takes one shard lock per block.
+//!
+//! Exact prefix matches without checking every block: a worker's holding is an *orphan* when the
+//! worker does not hold the key's parent (its previous block). Stores always chain from a held
+//! parent, so only removals of inner blocks create orphans; the shards keep each worker's orphan
+//! count exact (see `shard`). A worker with no orphan holds, for every key it holds, the whole
+//! chain before it, so its matched prefix is found by galloping and bisection over the prompt's
+//! keys; a worker with orphans is checked block by block.
+
+/// A worker (one engine rank) inside the index: a small integer, reused after the worker is
+/// removed.
+pub type WorkerId = u32;
+
+/// One worker's answer to a query.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Score {
+    pub worker: WorkerId,
+    /// Consecutive blocks of the prompt, from the start, that the worker holds.
+    pub matched_blocks: u32,
+    /// How many blocks (engine hashes) the worker holds in all.
+    pub cached_blocks: u64,
+}
+
+/// What applying events did, accumulated over a batch. Event counts unless the name says
+/// blocks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// BlockStored events applied, and the blocks they added.
+    pub stored: u64,
+    pub stored_blocks: u64,
+    /// BlockRemoved events applied, and the block hashes they removed.
+    pub removed: u64,
+    pub removed_blocks: u64,
+    /// AllBlocksCleared events applied.
+    pub cleared: u64,
+    /// Stores skipped because the parent hash is unknown on this worker.
+    pub parent_missing: u64,
+    /// Removed hashes unknown on this worker.
+    pub unknown_block: u64,
+    /// Stores skipped because their block_size differs from the index's.
+    pub block_size_mismatch: u64,
+    /// Stores skipped because token_ids.len() != blocks × block_size.
+    pub invalid_event: u64,
+    /// Events (stores and removals) about a medium other than GPU.
+    pub ignored_medium: u64,
+    /// Events (stores and removals) about a KV-cache group other than 0.
+    pub ignored_group: u64,
+}
+
+mod keys;
+mod shard;
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use hashbrown::hash_table::Entry as TableEntry;
+use hashbrown::HashTable;
+use parking_lot::RwLock;
+
+use crate::wire::{BlockRemoved, BlockStored, Event};
+use keys::{lora_root, KeyChain, LazyKeys};
+use shard::Shard;
+
+/// The shared index: shards of `key → holders`. Readers (`query`) and every worker's writer use
+/// it concurrently.
+pub struct Index {
+    block_size: u32,
+    shard_mask: u64,
+    shards: Box<[Padded<RwLock<Shard>>]>,
+    workers: RwLock<Registry>,
+}
+
+/// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
+/// contend.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// The live workers, by id; ids of removed workers are reused.
+#[derive(Default)]
+struct Registry {
+    live: Vec<Option<Arc<WorkerStats>>>,
+    free: Vec<WorkerId>,
+}
+
+/// What readers need about a worker, kept current by its writer.
+#[derive(Default)]
+struct WorkerStats {
+    blocks: AtomicU64,
+    /// Holdings whose parent key the worker does not hold; 0 means its holdings are closed under
+    /// prefixes.
+    orphans: AtomicI64,
+}
+
+impl Index {
+    /// An empty index for blocks of `block_size` tokens (non-zero), with `shards` lock shards (a
+    /// power of two; other values are rounded up to one).
+    pub fn new(block_size: u32, shards: usize) -> Arc<Index> {
+        assert!(block_size > 0, "the block size must be positive");
+        let shards = shards.max(1).next_power_of_two();
+        Arc::new(Index {
+            block_size,
+            shard_mask: shards as u64 - 1,
+            shards: (0..shards)
+                .map(|_| Padded(RwLock::new(Shard::default())))
+                .collect(),
+            workers: RwLock::new(Registry::default()),
+        })
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Adds a worker; the returned writer is the only way to change what it holds.
+    pub fn add_worker(self: &Arc<Self>) -> WorkerBlocks {
+        let stats = Arc::new(WorkerStats::default());
+        let mut registry = self.workers.write();
+        let id = match registry.free.pop() {
+            Some(id) => {
+                registry.live[id as usize] = Some(stats.clone());
+                id
+            }
+            None => {
+                registry.live.push(Some(stats.clone()));
+                WorkerId::try_from(registry.live.len() - 1).unwrap_or(WorkerId::MAX)
+            }
+        };
+        WorkerBlocks {
+            index: self.clone(),
+            id,
+            stats,
+            blocks: HashTable::new(),
+            keys: Vec::new(),
+        }
+    }
+
+    /// Blocks (engine hashes) a live worker holds.
+    pub fn worker_blocks(&self, worker: WorkerId) -> Option<u64> {
+        let registry = self.workers.read();
+        let stats = registry.live.get(worker as usize)?.as_ref()?;
+        Some(stats.blocks.load(Ordering::Relaxed))
+    }
+
+    /// Every worker that holds the prompt's first block and passes `include`, with its matched
+    /// prefix, sorted by `matched_blocks` descending then worker ascending. Trailing tokens that
+    /// do not fill a block are ignored.
+    pub fn query(
+        &self,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        include: &dyn Fn(WorkerId) -> bool,
+    ) -> Vec<Score> {
+        let mut keys = LazyKeys::new(KeyChain::for_prompt(
+            tokens,
+            self.block_size as usize,
+            lora_name,
+        ));
+        if keys.len() == 0 {
+            return Vec::new();
+        }
+        let mut holders = Vec::new();
+        self.holders(keys.get(0), &mut holders);
+        let mut scores = Vec::with_capacity(holders.len());
+        let mut closed = Vec::new();
+        let mut with_orphans = Vec::new();
+        {
+            let registry = self.workers.read();
+            for &worker in &holders {
+                if !include(worker) {
+                    continue;
+                }
+                let Some(Some(stats)) = registry.live.get(worker as usize) else {
+                    continue;
+                };
+                if stats.orphans.load(Ordering::Relaxed) == 0 {
+                    closed.push(scores.len());
+                } else {
+                    with_orphans.push(scores.len());
+                }
+                scores.push(Score {
+                    worker,
+                    matched_blocks: 1,
+                    cached_blocks: stats.blocks.load(Ordering::Relaxed),
+                });
+            }
+        }
+        let mut search = Search {
+            index: self,
+            keys,
+            holders,
+            scores,
+        };
+        search.gallop(closed);
+        search.scan(with_orphans);
+        let mut scores = search.scores;
+        scores.sort_unstable_by(|a, b| {
+            b.matched_blocks
+                .cmp(&a.matched_blocks)
+                .then(a.worker.cmp(&b.worker))
+        });
+        scores
+    }
+
+    /// Distinct keys indexed.
+    pub fn key_count(&self) -> u64 {
+        self.shards.iter().map(|s| s.0.read().held_keys()).sum()
+    }
+
+    fn shard(&self, key: u64) -> &RwLock<Shard> {
+        // The mask keeps the index below the shard count.
+        &self.shards[(key & self.shard_mask) as usize].0
+    }
+
+    /// Replaces `out` with the workers holding `key`.
+    fn holders(&self, key: u64, out: &mut Vec<WorkerId>) {
+        out.clear();
+        self.shard(key).read().holders(key, out);
+    }
+}
+
+/// One query's search for each candidate's matched prefix.
+struct Search<'a, 't> {
+    index: &'a Index,
+    keys: LazyKeys<'t>,
+    /// Scratch: the holders of the last probed key.
+    holders: Vec<WorkerId>,
+    /// Candidates; `matched_blocks` is filled in by the search.
+    scores: Vec<Score>,
+}
+
+impl Search<'_, '_> {
+    /// Splits `group` (indices into `scores`) into the candidates that hold key `i` and those
+    /// that do not.
+    fn split(&mut self, i: usize, group: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
+        let key = self.keys.get(i);
+        self.index.holders(key, &mut self.holders);
+        group
+            .into_iter()
+            .partition(|&c| self.holders.contains(&self.scores[c].worker))
+    }
+
+    fn set_matched(&mut self, group: &[usize], matched: usize) {
+        let matched = u32::try_from(matched).unwrap_or(u32::MAX);
+        for &c in group {
+            self.scores[c].matched_blocks = matched;
+        }
+    }
+
+    /// Candidates without orphans, which hold a key only together with every key before it:
+    /// probes keys 1, 3, 7, 15, … and bisects the interval where a candidate drops out.
+    fn gallop(&mut self, mut group: Vec<usize>) {
+        let blocks = self.keys.len();
+        let (mut low, mut step) = (1, 1);
+        while !group.is_empty() {
+            if low >= blocks {
+                self.set_matched(&group, blocks);
+                return;
+            }
+            let probe = (low + step - 1).min(blocks - 1);
+            let (holding, dropped) = self.split(probe, group);
+            self.bisect(low, probe, dropped);
+            group = holding;
+            low = probe + 1;
+            step *= 2;
+        }
+    }
+
+    /// Every candidate of `group` matched between `low` and `high` blocks (both included).
+    fn bisect(&mut self, low: usize, high: usize, group: Vec<usize>) {
+        if group.is_empty() {
+            return;
+        }
+        if low == high {
+            self.set_matched(&group, low);
+            return;
+        }
+        let middle = low + (high - low) / 2;
+        let (holding, dropped) = self.split(middle, group);
+        self.bisect(middle + 1, high, holding);
+        self.bisect(low, middle, dropped);
+    }
+
+    /// Candidates with orphans: block by block until each drops out.
+    fn scan(&mut self, mut group: Vec<usize>) {
+        let blocks = self.keys.len();
+        for i in 1..blocks {
+            if group.is_empty() {
+                return;
+            }
+            let (holding, dropped) = self.split(i, group);
+            self.set_matched(&dropped, i);
+            group = holding;
+        }
+        self.set_matched(&group, blocks);
+    }
+}
+
+/// The chained keys of a prompt's full blocks (SPEC.md "The index" → Keys).
+pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    KeyChain::for_prompt(tokens, block_size as usize, lora_name).collect()
+}
+
+/// One worker's writer: owns the worker's `engine hash → key` map. Dropping it removes every
+/// block the worker holds from the index and frees its id.
+pub struct WorkerBlocks {
+    index: Arc<Index>,
+    id: WorkerId,
+    stats: Arc<WorkerStats>,
+    /// `(engine hash, key)`, one per engine hash the worker holds.
+    blocks: HashTable<(u64, u64)>,
+    /// Scratch: the keys of the event being applied.
+    keys: Vec<u64>,
+}
+
+/// Engine hashes come from the engines and need not be uniform (small integers, say): mix them
+/// before they pick a bucket.
+fn engine_table_hash(engine_hash: u64) -> u64 {
+    let product = u128::from(engine_hash) * 0x9E37_79B9_7F4A_7C15;
+    (product as u64) ^ ((product >> 64) as u64)
+}
+
+fn is_gpu(medium: &Option<String>) -> bool {
+    matches!(medium.as_deref(), None | Some("GPU"))
+}
+
+fn is_full_attention(group_idx: Option<u32>) -> bool {
+    matches!(group_idx, None | Some(0))
+}
+
+impl WorkerBlocks {
+    pub fn id(&self) -> WorkerId {
+        self.id
+    }
+
+    /// Applies one event, counting what happened into `outcome`.
+    pub fn apply(&mut self, event: &Event, outcome: &mut ApplyOutcome) {
+        match event {
+            Event::Stored(stored) => self.store(stored, outcome),
+            Event::Removed(removed) => self.remove(removed, outcome),
+            Event::Cleared => {
+                self.clear();
+                outcome.cleared += 1;
+            }
+        }
+        self.stats
+            .blocks
+            .store(self.blocks.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Removes every block the worker holds (AllBlocksCleared, publisher restart, snapshot).
+    pub fn clear(&mut self) {
+        for (_, key) in std::mem::take(&mut self.blocks) {
+            self.drop_holding(key);
+        }
+        debug_assert_eq!(self.stats.orphans.load(Ordering::Relaxed), 0);
+        self.stats.orphans.store(0, Ordering::Relaxed);
+        self.stats.blocks.store(0, Ordering::Relaxed);
+    }
+
+    /// Blocks (engine hashes) the worker holds.
+    pub fn blocks(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+
+    /// A store chains from its parent's key. Re-storing an engine hash the worker already has
+    /// with the same content changes nothing; with different content (the engine reused the
+    /// hash) the old block is removed first, so the hash always names its latest content.
+    fn store(&mut self, stored: &BlockStored, outcome: &mut ApplyOutcome) {
+        if !is_gpu(&stored.medium) {
+            outcome.ignored_medium += 1;
+            return;
+        }
+        if !is_full_attention(stored.group_idx) {
+            outcome.ignored_group += 1;
+            return;
+        }
+        if stored.block_size != self.index.block_size {
+            outcome.block_size_mismatch += 1;
+            return;
+        }
+        let block_size = stored.block_size as usize;
+        if stored.block_hashes.len().checked_mul(block_size) != Some(stored.token_ids.len()) {
+            outcome.invalid_event += 1;
+            return;
+        }
+        let parent_key = match stored.parent {
+            None => None,
+            Some(parent) => match self.key_of(parent) {
+                Some(key) => Some(key),
+                None => {
+                    outcome.parent_missing += 1;
+                    return;
+                }
+            },
+        };
+        let chained_from = parent_key.or_else(|| stored.lora_name.as_deref().map(lora_root));
+        let mut keys = std::mem::take(&mut self.keys);
+        keys.clear();
+        keys.extend(KeyChain::new(&stored.token_ids, block_size, chained_from));
+        let hashes = &stored.block_hashes;
+
+        // Each new holding is counted as a child of its parent key: the event's parent here, the
+        // previous block below (in the same shard visit as that block's own holding).
+        if let (Some(parent_key), Some(&hash), Some(&key)) =
+            (parent_key, hashes.first(), keys.first())
+        {
+            if self.key_of(hash) != Some(key) {
+                self.add(parent_key, None, 0, 1);
+            }
+        }
+        let mut added = 0;
+        for (i, (&hash, &key)) in hashes.iter().zip(&keys).enumerate() {
+            let holding = match self.key_of(hash) {
+                Some(held) if held == key => 0,
+                Some(replaced) => {
+                    self.drop_holding(replaced);
+                    1
+                }
+                None => 1,
+            };
+            if holding == 1 {
+                self.record(hash, key);
+                added += 1;
+            }
+            let child = match (hashes.get(i + 1), keys.get(i + 1)) {
+                (Some(&next_hash), Some(&next_key)) => {
+                    u32::from(self.key_of(next_hash) != Some(next_key))
+                }
+                _ => 0,
+            };
+            if holding + child > 0 {
+                let parent = if i == 0 {
+                    parent_key
+                } else {
+                    Some(keys[i - 1])
+                };
+                self.add(key, parent, holding, child);
+            }
+        }
+        self.keys = keys;
+        outcome.stored += 1;
+        outcome.stored_blocks += added;
+    }
+
+    fn remove(&mut self, removed: &BlockRemoved, outcome: &mut ApplyOutcome) {
+        if !is_gpu(&removed.medium) {
+            outcome.ignored_medium += 1;
+            return;
+        }
+        if !is_full_attention(removed.group_idx) {
+            outcome.ignored_group += 1;
+            return;
+        }
+        for &hash in &removed.block_hashes {
+            let found = self
+                .blocks
+                .find_entry(engine_table_hash(hash), |e| e.0 == hash);
+            match found {
+                Ok(entry) => {
+                    let ((_, key), _) = entry.remove();
+                    self.drop_holding(key);
+                    outcome.removed_blocks += 1;
+                }
+                Err(_) => outcome.unknown_block += 1,
+            }
+        }
+        outcome.removed += 1;
+    }
+
+    fn key_of(&self, engine_hash: u64) -> Option<u64> {
+        self.blocks
+            .find(engine_table_hash(engine_hash), |e| e.0 == engine_hash)
+            .map(|e| e.1)
+    }
+
+    fn record(&mut self, engine_hash: u64, key: u64) {
+        match self.blocks.entry(
+            engine_table_hash(engine_hash),
+            |e| e.0 == engine_hash,
+            |e| engine_table_hash(e.0),
+        ) {
+            TableEntry::Occupied(mut occupied) => occupied.get_mut().1 = key,
+            TableEntry::Vacant(vacant) => {
+                vacant.insert((engine_hash, key));
+            }
+        }
+    }
+
+    fn add(&mut self, key: u64, parent: Option<u64>, holdings: u32, children: u32) {
+        let change = self
+            .index
+            .shard(key)
+            .write()
+            .add(key, parent, self.id, holdings, children);
+        self.stats
+            .orphans
+            .fetch_add(change.orphans, Ordering::Relaxed);
+    }
+
+    /// Drops one holding of `key` (its engine hash is already out of the map), and its count as
+    /// a child of its parent.
+    fn drop_holding(&mut self, key: u64) {
+        let change = self.index.shard(key).write().remove(key, self.id, 1, 0);
+        let mut orphans = change.orphans;
+        if let Some(parent) = change.parent {
+            orphans += self
+                .index
+                .shard(parent)
+                .write()
+                .remove(parent, self.id, 0, 1)
+                .orphans;
+        }
+        self.stats.orphans.fetch_add(orphans, Ordering::Relaxed);
+    }
+}
+
+impl Drop for WorkerBlocks {
+    fn drop(&mut self) {
+        self.clear();
+        let mut registry = self.index.workers.write();
+        if let Some(slot) = registry.live.get_mut(self.id as usize) {
+            *slot = None;
+            registry.free.push(self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{BlockRemoved, BlockStored};
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> Event {
+        Event::Stored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent,
+            token_ids: tokens,
+            block_size: 4,
+            lora_name: None,
+            medium: None,
+            group_idx: None,
+        })
+    }
+
+    fn removed(hashes: &[u64]) -> Event {
+        Event::Removed(BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium: None,
+            group_idx: None,
+        })
+    }
+
+    fn matched(index: &Index, tokens: &[u32]) -> Vec<(WorkerId, u32, u64)> {
+        index
+            .query(tokens, None, &|_| true)
+            .into_iter()
+            .map(|s| (s.worker, s.matched_blocks, s.cached_blocks))
+            .collect()
+    }
+
+    fn apply(worker: &mut WorkerBlocks, event: Event) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        worker.apply(&event, &mut outcome);
+        outcome
+    }
+
+    #[test]
+    fn keys_match_the_known_answers() {
+        assert_eq!(
+            block_keys(&[1, 2, 3, 4], 4, None),
+            vec![14643705804678351452]
+        );
+        let tokens: Vec<u32> = (1..=8).collect();
+        assert_eq!(
+            block_keys(&tokens, 4, None),
+            vec![14643705804678351452, 4945711292740353085]
+        );
+        // Trailing tokens that do not fill a block are ignored.
+        assert_eq!(block_keys(&(1..=10).collect::<Vec<_>>(), 4, None).len(), 2);
+    }
+
+    #[test]
+    fn lora_keys_differ_from_base_keys_and_between_adapters() {
+        let tokens: Vec<u32> = (1..=8).collect();
+        let base = block_keys(&tokens, 4, None);
+        let a = block_keys(&tokens, 4, Some("a"));
+        let b = block_keys(&tokens, 4, Some("b"));
+        let second_local = block_keys(&tokens[4..], 4, None)[0];
+        assert_eq!(a[0], keys::chain(keys::lora_root("a"), base[0]));
+        assert_eq!(a[1], keys::chain(a[0], second_local));
+        assert_eq!(base[1], keys::chain(base[0], second_local));
+        assert!(base.iter().all(|k| !a.contains(k) && !b.contains(k)));
+        assert!(a.iter().all(|k| !b.contains(k)));
+    }
+
+    #[test]
+    fn store_chains_from_the_parent_key_and_query_counts_the_prefix() {
+        let index = Index::new(4, 4);
+        let mut w0 = index.add_worker();
+        let mut w1 = index.add_worker();
+        let tokens: Vec<u32> = (1..=12).collect();
+        // w0 stores the three blocks in two events, the second chained from the first.
+        let outcome = apply(&mut w0, stored(&[10, 11], None, tokens[..8].to_vec()));
+        assert_eq!((outcome.stored, outcome.stored_blocks), (1, 2));
+        apply(&mut w0, stored(&[12], Some(11), tokens[8..].to_vec()));
+        // w1 has only the first block, under another engine hash.
+        apply(&mut w1, stored(&[99], None, tokens[..4].to_vec()));
+        assert_eq!(matched(&index, &tokens), vec![(0, 3, 3), (1, 1, 1)]);
+        assert_eq!(matched(&index, &tokens[..9]), vec![(0, 2, 3), (1, 1, 1)]);
+        assert_eq!(matched(&index, &[7, 7, 7, 7]), vec![]);
+        assert_eq!(index.key_count(), 3);
+        let only_w1 = index.query(&tokens, None, &|w| w == 1);
+        assert_eq!(only_w1.len(), 1);
+        assert_eq!(only_w1[0].worker, 1);
+        assert_eq!(index.worker_blocks(0), Some(3));
+    }
+
+    #[test]
+    fn removing_an_inner_block_cuts_the_prefix_there() {
+        let index = Index::new(4, 2);
+        let mut w = index.add_worker();
+        let tokens: Vec<u32> = (1..=16).collect();
+        apply(&mut w, stored(&[1, 2, 3, 4], None, tokens.clone()));
+        assert_eq!(matched(&index, &tokens), vec![(0, 4, 4)]);
+        let outcome = apply(&mut w, removed(&[2]));
+        assert_eq!((outcome.removed, outcome.removed_blocks), (1, 1));
+        assert_eq!(matched(&index, &tokens), vec![(0, 1, 3)]);
+        // Storing the block again (under a new engine hash) restores the whole prefix.
+        apply(&mut w, stored(&[5], Some(1), tokens[4..8].to_vec()));
+        assert_eq!(matched(&index, &tokens), vec![(0, 4, 4)]);
+        apply(&mut w, removed(&[1]));
+        assert_eq!(matched(&index, &tokens), vec![]);
+        assert_eq!(index.key_count(), 3);
+    }
+
+    #[test]
+    fn a_key_held_under_two_engine_hashes_stays_until_the_last_goes() {
+        let index = Index::new(4, 1);
+        let mut w = index.add_worker();
+        let tokens: Vec<u32> = (1..=4).collect();
+        apply(&mut w, stored(&[1], None, tokens.clone()));
+        apply(&mut w, stored(&[2], None, tokens.clone()));
+        assert_eq!(w.blocks(), 2);
+        assert_eq!(index.key_count(), 1);
+        apply(&mut w, removed(&[1]));
+        assert_eq!(matched(&index, &tokens), vec![(0, 1, 1)]);
+        apply(&mut w, removed(&[2]));
+        assert_eq!(matched(&index, &tokens), vec![]);
+        assert_eq!(index.key_count(), 0);
+    }
+
+    #[test]
+    fn re_storing_an_engine_hash_counts_once_and_takes_new_content() {
+        let index = Index::new(4, 2);
+        let mut w = index.add_worker();
+        let tokens: Vec<u32> = (1..=8).collect();
+        apply(&mut w, stored(&[1, 2], None, tokens.clone()));
+        let outcome = apply(&mut w, stored(&[1, 2], None, tokens.clone()));
+        assert_eq!((outcome.stored, outcome.stored_blocks), (1, 0));
+        assert_eq!(w.blocks(), 2);
+        apply(&mut w, removed(&[2]));
+        assert_eq!(matched(&index, &tokens), vec![(0, 1, 1)]);
+        // Hash 1 reused for other content: the old key goes, the new one is held.
+        let other = vec![9, 9, 9, 9];
+        apply(&mut w, stored(&[1], None, other.clone()));
+        assert_eq!(w.blocks(), 1);
+        assert_eq!(matched(&index, &tokens), vec![]);
+        assert_eq!(matched(&index, &other), vec![(0, 1, 1)]);
+        assert_eq!(index.key_count(), 1);
+    }
+
+    #[test]
+    fn every_outcome_is_counted() {
+        let index = Index::new(4, 2);
+        let mut w = index.add_worker();
+        let base = BlockStored {
+            block_hashes: vec![1],
+            parent: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 4,
+            lora_name: None,
+            medium: Some("GPU".into()),
+            group_idx: Some(0),
+        };
+        let mut outcome = ApplyOutcome::default();
+        let cases = [
+            BlockStored {
+                parent: Some(77),
+                ..base.clone()
+            },
+            BlockStored {
+                block_size: 8,
+                token_ids: vec![0; 8],
+                ..base.clone()
+            },
+            BlockStored {
+                token_ids: vec![1, 2, 3],
+                ..base.clone()
+            },
+            BlockStored {
+                medium: Some("CPU".into()),
+                ..base.clone()
+            },
+            BlockStored {
+                group_idx: Some(1),
+                ..base.clone()
+            },
+            base.clone(),
+        ];
+        for case in cases {
+            w.apply(&Event::Stored(case), &mut outcome);
+        }
+        let removals = [
+            BlockRemoved {
+                block_hashes: vec![1, 5],
+                medium: None,
+                group_idx: None,
+            },
+            BlockRemoved {
+                block_hashes: vec![1],
+                medium: Some("CPU_TIER".into()),
+                group_idx: None,
+            },
+            BlockRemoved {
+                block_hashes: vec![1],
+                medium: None,
+                group_idx: Some(2),
+            },
+        ];
+        for removal in removals {
+            w.apply(&Event::Removed(removal), &mut outcome);
+        }
+        w.apply(&Event::Cleared, &mut outcome);
+        let expected = ApplyOutcome {
+            stored: 1,
+            stored_blocks: 1,
+            removed: 1,
+            removed_blocks: 1,
+            cleared: 1,
+            parent_missing: 1,
+            unknown_block: 1,
+            block_size_mismatch: 1,
+            invalid_event: 1,
+            ignored_medium: 2,
+            ignored_group: 2,
+        };
+        assert_eq!(outcome, expected);
+        assert_eq!(index.key_count(), 0);
+    }
+
+    #[test]
+    fn clear_and_drop_remove_everything_and_ids_are_reused() {
+        let index = Index::new(4, 4);
+        let mut w0 = index.add_worker();
+        let mut w1 = index.add_worker();
+        let tokens: Vec<u32> = (1..=8).collect();
+        apply(&mut w0, stored(&[1, 2], None, tokens.clone()));
+        apply(&mut w1, stored(&[3, 4], None, tokens.clone()));
+        let outcome = apply(&mut w0, Event::Cleared);
+        assert_eq!(outcome.cleared, 1);
+        assert_eq!(w0.blocks(), 0);
+        assert_eq!(matched(&index, &tokens), vec![(1, 2, 2)]);
+        apply(&mut w0, stored(&[1], None, tokens[..4].to_vec()));
+        assert_eq!(index.key_count(), 2);
+        drop(w1);
+        assert_eq!(matched(&index, &tokens), vec![(0, 1, 1)]);
+        assert_eq!(index.key_count(), 1);
+        assert_eq!(index.worker_blocks(1), None);
+        let again = index.add_worker();
+        assert_eq!(again.id(), 1);
+        assert_eq!(again.blocks(), 0);
+        assert_eq!(index.add_worker().id(), 2);
+        w0.clear();
+        assert_eq!(index.key_count(), 0);
+    }
+
+    #[test]
+    fn lora_stores_meet_lora_queries_only() {
+        let index = Index::new(4, 2);
+        let mut w = index.add_worker();
+        let tokens: Vec<u32> = (1..=8).collect();
+        let event = Event::Stored(BlockStored {
+            block_hashes: vec![1, 2],
+            parent: None,
+            token_ids: tokens.clone(),
+            block_size: 4,
+            lora_name: Some("adapter".into()),
+            medium: None,
+            group_idx: None,
+        });
+        apply(&mut w, event);
+        assert_eq!(matched(&index, &tokens), vec![]);
+        let scores = index.query(&tokens, Some("adapter"), &|_| true);
+        assert_eq!(scores.len(), 1);
+        assert_eq!(scores[0].matched_blocks, 2);
+        assert!(index.query(&tokens, Some("other"), &|_| true).is_empty());
+    }
+}

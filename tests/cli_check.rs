@@ -1,0 +1,125 @@
+//! The real binary's `--check`: the shipped file, a multi-rank file, and broken input.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn check(config: &Path, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .arg("--check")
+        .arg("--config")
+        .arg(config)
+        .args(extra)
+        .output()
+        .unwrap_or_else(|err| panic!("running kv-indexer: {err}"))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn temp_config(body: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("temp dir: {err}"));
+    let path = dir.path().join("indexer.toml");
+    std::fs::write(&path, body).unwrap_or_else(|err| panic!("writing {path:?}: {err}"));
+    (dir, path)
+}
+
+#[test]
+fn the_shipped_file_checks_clean_and_subscribes_to_the_vllm_default_endpoint() {
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("indexer.toml");
+    let output = check(&shipped, &[]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|line| line.starts_with("local "))
+        .collect();
+    assert_eq!(rows.len(), 1, "{stdout}");
+    assert!(rows[0].contains("tcp://127.0.0.1:5557"), "{stdout}");
+    assert!(
+        stdout.contains("1 engine, 1 listener; listen 127.0.0.1:8090, block_size 16, shards 64"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn every_rank_gets_a_row_on_port_plus_rank() {
+    let (_dir, path) = temp_config(
+        "[[engine]]\nname = \"vllm-a\"\nhost = \"10.0.0.5\"\nzmq_port = 5557\ndp_size = 2\nreplay_port = 5600\nmodel = \"m\"\n",
+    );
+    let output = check(&path, &["--listen", "0.0.0.0:9000"]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|line| line.starts_with("vllm-a"))
+        .map(|line| line.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            vec![
+                "vllm-a",
+                "0",
+                "tcp://10.0.0.5:5557",
+                "tcp://10.0.0.5:5600",
+                "-",
+                "\"\"",
+                "m"
+            ],
+            vec![
+                "vllm-a",
+                "1",
+                "tcp://10.0.0.5:5558",
+                "tcp://10.0.0.5:5601",
+                "-",
+                "\"\"",
+                "m"
+            ],
+        ],
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("1 engine, 2 listeners; listen 0.0.0.0:9000"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_broken_file_prints_every_problem_naming_the_file_and_exits_1() {
+    let (_dir, path) = temp_config(
+        "shards = 3\n[[engine]]\nname = \"a\"\nhost = \"h\"\ndp_size = 2\nreplay_port = 5558\n",
+    );
+    let output = check(&path, &["--listen", "nonsense"]);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(output.stdout.is_empty(), "{output:?}");
+    let file = path.display().to_string();
+    let problem = |words: &[&str]| {
+        stderr
+            .lines()
+            .any(|line| words.iter().all(|w| line.contains(w)))
+    };
+    assert!(problem(&[&format!("{file}:1:"), "`shards`"]), "{stderr}");
+    assert!(
+        problem(&[
+            &format!("{file}:2:"),
+            "engine \"a\"",
+            "replay ports 5558..5559"
+        ]),
+        "{stderr}"
+    );
+    assert!(problem(&["--listen", "nonsense"]), "{stderr}");
+}
+
+#[test]
+fn an_unreadable_file_names_the_path_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("temp dir: {err}"));
+    let path = dir.path().join("missing.toml");
+    let output = check(&path, &[]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(
+        text(&output.stderr).contains(&path.display().to_string()),
+        "{output:?}"
+    );
+}

@@ -1,0 +1,313 @@
+//! The deployment files agree with each other: docker-compose.yml's engines publish where the
+//! indexer TOML files they are paired with look, the indexer containers mount their TOML where
+//! the Dockerfile's command reads it, the TOML files pass the indexer's own validation, and the
+//! systemd unit reloads with SIGHUP.
+
+use std::path::Path;
+
+use kv_indexer::config::Config;
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn read(file: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
+fn compose() -> Yaml {
+    let mut docs = YamlLoader::load_from_str(&read("docker-compose.yml"))
+        .unwrap_or_else(|e| panic!("docker-compose.yml: {e}"));
+    assert_eq!(docs.len(), 1, "docker-compose.yml: one document");
+    docs.remove(0)
+}
+
+fn service<'a>(compose: &'a Yaml, name: &str) -> &'a Yaml {
+    let service = &compose["services"][name];
+    assert!(
+        !service.is_badvalue(),
+        "docker-compose.yml: no service {name}"
+    );
+    service
+}
+
+fn strings(list: &Yaml, what: &str) -> Vec<String> {
+    list.as_vec()
+        .unwrap_or_else(|| panic!("{what}: not a list"))
+        .iter()
+        .map(|item| {
+            item.as_str()
+                .unwrap_or_else(|| panic!("{what}: {item:?} is not a string (quote numbers)"))
+                .to_owned()
+        })
+        .collect()
+}
+
+/// The value of `--name` in `args`, given as `--name value` or `--name=value`.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    let prefixed = format!("{name}=");
+    args.iter().enumerate().find_map(|(i, arg)| {
+        if arg == name {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            arg.strip_prefix(&prefixed)
+        }
+    })
+}
+
+fn port_of(endpoint: &str) -> i64 {
+    endpoint
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in endpoint {endpoint:?}"))
+}
+
+/// A TOML file's only `[[engine]]`, read as plain TOML so these checks do not depend on
+/// `Config`; `deploy_tomls_pass_config_validation` checks the files with `Config` itself.
+fn only_engine(file: &str) -> (toml::Table, toml::Table) {
+    let table: toml::Table = read(file).parse().unwrap_or_else(|e| panic!("{file}: {e}"));
+    let engines = table["engine"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{file}: no [[engine]]"));
+    assert_eq!(engines.len(), 1, "{file}: one engine");
+    let engine = engines[0]
+        .as_table()
+        .unwrap_or_else(|| panic!("{file}: [[engine]] is not a table"))
+        .clone();
+    (table, engine)
+}
+
+fn int(table: &toml::Table, key: &str, file: &str) -> i64 {
+    table
+        .get(key)
+        .and_then(toml::Value::as_integer)
+        .unwrap_or_else(|| panic!("{file}: no integer {key}"))
+}
+
+fn text<'a>(table: &'a toml::Table, key: &str, file: &str) -> &'a str {
+    table
+        .get(key)
+        .and_then(toml::Value::as_str)
+        .unwrap_or_else(|| panic!("{file}: no string {key}"))
+}
+
+fn parse_int(value: Option<&str>, what: &str) -> i64 {
+    value
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{what}: missing or not an integer: {value:?}"))
+}
+
+#[test]
+fn vllm_publishes_where_indexer_compose_toml_subscribes() {
+    let file = "deploy/indexer.compose.toml";
+    let (top, engine) = only_engine(file);
+    let compose = compose();
+    let args = strings(&service(&compose, "vllm")["command"], "vllm command");
+
+    assert_eq!(
+        text(&engine, "host", file),
+        "vllm",
+        "{file}: host is the vllm service"
+    );
+    assert_eq!(
+        parse_int(
+            flag(&args, "--data-parallel-size"),
+            "vllm --data-parallel-size"
+        ),
+        int(&engine, "dp_size", file)
+    );
+    assert_eq!(
+        parse_int(flag(&args, "--block-size"), "vllm --block-size"),
+        int(&top, "block_size", file)
+    );
+    assert_eq!(flag(&args, "--model"), Some(text(&engine, "model", file)));
+    assert!(args.iter().any(|a| a == "--enable-prefix-caching"));
+
+    let events: serde_json::Value = flag(&args, "--kv-events-config")
+        .map(serde_json::from_str)
+        .unwrap_or_else(|| panic!("vllm: no --kv-events-config"))
+        .unwrap_or_else(|e| panic!("vllm --kv-events-config: {e}"));
+    assert_eq!(events["enable_kv_cache_events"], true);
+    assert_eq!(events["publisher"], "zmq");
+    let endpoint = |key: &str| {
+        events[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("--kv-events-config: no {key}"))
+            .to_owned()
+    };
+    assert_eq!(
+        port_of(&endpoint("endpoint")),
+        int(&engine, "zmq_port", file)
+    );
+    assert_eq!(
+        port_of(&endpoint("replay_endpoint")),
+        int(&engine, "replay_port", file)
+    );
+    assert_eq!(
+        events["topic"].as_str().unwrap_or(""),
+        engine
+            .get("topic")
+            .and_then(toml::Value::as_str)
+            .unwrap_or("")
+    );
+}
+
+#[test]
+fn mock_engine_publishes_where_indexer_mock_toml_subscribes() {
+    let file = "deploy/indexer.mock.toml";
+    let (_, engine) = only_engine(file);
+    let compose = compose();
+    for name in ["mock-engine", "indexer-mock"] {
+        let profiles = strings(&service(&compose, name)["profiles"], "profiles");
+        assert_eq!(profiles, ["mock"], "{name}: only in the mock profile");
+    }
+    let args = strings(
+        &service(&compose, "mock-engine")["command"],
+        "mock-engine command",
+    );
+    assert_eq!(text(&engine, "host", file), "mock-engine");
+    assert_eq!(flag(&args, "--bind"), Some("0.0.0.0"));
+    for (flag_name, key) in [
+        ("--dp-size", "dp_size"),
+        ("--port", "zmq_port"),
+        ("--replay-port", "replay_port"),
+        ("--recover-port", "recover_port"),
+    ] {
+        assert_eq!(
+            parse_int(flag(&args, flag_name), flag_name),
+            int(&engine, key, file),
+            "mock-engine {flag_name} vs {file} {key}"
+        );
+    }
+}
+
+/// The Dockerfile stage named `name`: its lines from `FROM ... AS name` to the next `FROM`.
+fn stage<'a>(dockerfile: &'a str, name: &str) -> Vec<&'a str> {
+    let header = format!(" AS {name}");
+    dockerfile
+        .lines()
+        .skip_while(|l| !(l.starts_with("FROM ") && l.ends_with(&header)))
+        .enumerate()
+        .take_while(|(i, l)| *i == 0 || !l.starts_with("FROM "))
+        .map(|(_, l)| l)
+        .collect()
+}
+
+/// The JSON (exec) form of a single-line instruction such as `CMD [...]`.
+fn exec_form(stage: &[&str], instruction: &str) -> Vec<String> {
+    let prefix = format!("{instruction} ");
+    let lines: Vec<&str> = stage
+        .iter()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .collect();
+    assert_eq!(lines.len(), 1, "Dockerfile: one {instruction} in the stage");
+    serde_json::from_str(lines[0])
+        .unwrap_or_else(|e| panic!("Dockerfile {instruction} is not exec form: {e}"))
+}
+
+#[test]
+fn indexer_containers_mount_their_toml_where_the_dockerfile_reads_it() {
+    let dockerfile = read("Dockerfile");
+    let last_from = dockerfile
+        .lines()
+        .filter(|l| l.starts_with("FROM "))
+        .last()
+        .unwrap_or_default();
+    assert!(
+        last_from.ends_with(" AS indexer"),
+        "the default (last) stage is the indexer"
+    );
+    let indexer = stage(&dockerfile, "indexer");
+    assert_eq!(
+        exec_form(&indexer, "ENTRYPOINT"),
+        ["/usr/local/bin/kv-indexer"]
+    );
+    let cmd = exec_form(&indexer, "CMD");
+    let config_path = flag(&cmd, "--config").unwrap_or_else(|| panic!("CMD: no --config"));
+    let listen_port = port_of(flag(&cmd, "--listen").unwrap_or_else(|| panic!("CMD: no --listen")));
+    assert!(indexer.contains(&format!("EXPOSE {listen_port}").as_str()));
+    let healthcheck = indexer.join("\n");
+    assert!(
+        healthcheck.contains(&format!("127.0.0.1:{listen_port}/health")),
+        "HEALTHCHECK probes /health on the listen port"
+    );
+
+    let compose = compose();
+    for (name, toml_file) in [
+        ("indexer", "deploy/indexer.compose.toml"),
+        ("indexer-mock", "deploy/indexer.mock.toml"),
+    ] {
+        let service = service(&compose, name);
+        assert_eq!(
+            service["build"]["target"].as_str(),
+            Some("indexer"),
+            "{name}"
+        );
+        let mounts = strings(&service["volumes"], "volumes");
+        let wanted = format!("./{toml_file}:{config_path}");
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m == &wanted || m == &format!("{wanted}:ro")),
+            "{name}: mounts {mounts:?}, wanted {wanted}"
+        );
+        let ports = strings(&service["ports"], "ports");
+        assert!(
+            ports
+                .iter()
+                .any(|p| p.ends_with(&format!(":{listen_port}"))),
+            "{name}: publishes container port {listen_port}: {ports:?}"
+        );
+    }
+}
+
+#[test]
+fn deploy_tomls_pass_config_validation() {
+    for file in ["deploy/indexer.compose.toml", "deploy/indexer.mock.toml"] {
+        let config = Config::parse(&read(file), file).unwrap_or_else(|e| panic!("{e}"));
+        let (_, engine) = only_engine(file);
+        assert_eq!(config.engines.len(), 1, "{file}");
+        assert_eq!(
+            i64::from(config.engines[0].dp_size),
+            int(&engine, "dp_size", file)
+        );
+    }
+}
+
+#[test]
+fn systemd_unit_runs_the_installed_binary_and_reloads_with_sighup() {
+    let unit = read("deploy/kv-indexer.service");
+    let service: Vec<(&str, &str)> = unit
+        .lines()
+        .skip_while(|l| l.trim() != "[Service]")
+        .skip(1)
+        .take_while(|l| !l.starts_with('['))
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .collect();
+    let value = |key: &str| {
+        let values: Vec<&str> = service
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, v)| *v)
+            .collect();
+        assert_eq!(values.len(), 1, "[Service] {key} once");
+        values[0]
+    };
+    let dockerfile = read("Dockerfile");
+    let cmd = exec_form(&stage(&dockerfile, "indexer"), "CMD");
+    let config_path = flag(&cmd, "--config").unwrap_or_default();
+    assert_eq!(
+        value("ExecStart"),
+        format!("/usr/local/bin/kv-indexer --config {config_path}")
+    );
+    assert_eq!(value("ExecReload"), "/bin/kill -HUP $MAINPID");
+    assert_eq!(value("Restart"), "on-failure");
+    for hardening in [
+        "DynamicUser",
+        "NoNewPrivileges",
+        "ProtectHome",
+        "PrivateTmp",
+    ] {
+        assert_eq!(value(hardening), "yes", "{hardening}");
+    }
+    assert_eq!(value("ProtectSystem"), "strict");
+}
