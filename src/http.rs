@@ -5,11 +5,12 @@
 //! except through the reload callback, panics on a request, or leaves a connection without an
 //! answer.
 //!
-//! tiny_http reads request heads (and bodies up to 1 KiB) on its own per-connection threads;
-//! larger bodies are read by the pool thread that took the request. Accepted sockets inherit a
-//! read and write timeout from the listening socket, and a body must arrive within a deadline,
-//! so a slow client holds at most one pool thread for a bounded time while the rest keep
-//! serving.
+//! tiny_http reads request heads (and bodies up to 1 KiB) on its own per-connection threads.
+//! A request whose body is still on the socket is served on a thread of its own, so a slow
+//! upload never holds a pool thread: at most one such thread per connection, the same bound as
+//! tiny_http's own connection threads. (Socket timeouts are not an option: tiny_http does not
+//! expose accepted sockets, and a timeout on the listening socket would make its accept loop
+//! quit.)
 
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpListener};
@@ -20,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use log::{debug, info};
+use log::{debug, info, warn};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tiny_http::{Header, Method, Request, Response, Server};
@@ -33,12 +34,10 @@ use crate::registry::{DirectoryReader, ListenerView, Registry, ReloadDiff};
 
 /// Larger bodies are refused with 413.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
-/// Threads answering requests; a slow upload holds one of them for at most `BODY_DEADLINE`.
-const POOL_THREADS: usize = 16;
-/// Read and write timeout of every accepted socket (also the keep-alive idle timeout).
-const SOCKET_TIMEOUT: Duration = Duration::from_secs(5);
-/// A whole request body must arrive within this.
-const BODY_DEADLINE: Duration = Duration::from_secs(15);
+/// Threads answering requests whose body, if any, is already read.
+const POOL_THREADS: usize = 8;
+/// tiny_http reads bodies up to this size before handing a request over.
+const BUFFERED_BODY_BYTES: usize = 1024;
 /// How often idle pool threads look at the stop flag.
 const STOP_POLL: Duration = Duration::from_millis(50);
 
@@ -70,8 +69,7 @@ impl HttpServer {
         let addr = listener
             .local_addr()
             .with_context(|| format!("reading the bound address of {listen}"))?;
-        inherit_socket_timeouts(&listener, SOCKET_TIMEOUT)
-            .with_context(|| format!("setting socket timeouts on {addr}"))?;
+        inherit_no_delay(&listener).with_context(|| format!("setting TCP_NODELAY on {addr}"))?;
         let server = Server::from_listener(listener, None)
             .map_err(|err| anyhow::anyhow!("starting the HTTP server on {addr}: {err}"))?;
         let server = Arc::new(server);
@@ -110,34 +108,32 @@ impl HttpServer {
     }
 }
 
-/// Linux copies SO_RCVTIMEO and SO_SNDTIMEO from a listening socket to the sockets it accepts,
-/// which tiny_http does not let us reach.
-fn inherit_socket_timeouts(listener: &TcpListener, timeout: Duration) -> io::Result<()> {
-    let value = libc::timeval {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+/// Linux copies TCP_NODELAY from a listening socket to the sockets it accepts (tiny_http does
+/// not let us reach those): without it, a response whose head and body leave in two writes
+/// waits for the client's delayed ACK, 40 ms.
+fn inherit_no_delay(listener: &TcpListener) -> io::Result<()> {
+    let on: libc::c_int = 1;
+    // SAFETY: a valid socket fd, a pointer to a live c_int and its exact size.
+    let rc = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
     };
-    for option in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
-        // SAFETY: a valid socket fd, a pointer to a live timeval and its exact size.
-        let rc = unsafe {
-            libc::setsockopt(
-                listener.as_raw_fd(),
-                libc::SOL_SOCKET,
-                option,
-                (&value as *const libc::timeval).cast(),
-                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
-    Ok(())
 }
 
-fn serve_until_stopped(server: &Server, stopping: &AtomicBool, api: &Api) {
+fn serve_until_stopped(server: &Server, stopping: &AtomicBool, api: &Arc<Api>) {
     while !stopping.load(Ordering::SeqCst) {
         match server.recv_timeout(STOP_POLL) {
+            Ok(Some(request)) if body_on_socket(&request) => serve_on_own_thread(api, request),
             Ok(Some(request)) => serve(api, request),
             Ok(None) => {}
             Err(err) => debug!("HTTP accept error: {err}"),
@@ -146,6 +142,28 @@ fn serve_until_stopped(server: &Server, stopping: &AtomicBool, api: &Api) {
     // Drain: answer what was already received before leaving.
     while let Ok(Some(request)) = server.try_recv() {
         serve(api, request);
+    }
+}
+
+/// Whether reading the body may wait for the client (tiny_http buffered only small bodies sent
+/// without `Expect: 100-continue`).
+fn body_on_socket(request: &Request) -> bool {
+    let has = |name: &'static str| request.headers().iter().any(|h| h.field.equiv(name));
+    match request.body_length() {
+        Some(0) => false,
+        Some(length) => length > BUFFERED_BODY_BYTES || has("Expect"),
+        None => has("Transfer-Encoding"),
+    }
+}
+
+fn serve_on_own_thread(api: &Arc<Api>, request: Request) {
+    let api = api.clone();
+    let spawned = std::thread::Builder::new()
+        .name("http-upload".into())
+        .spawn(move || serve(&api, request));
+    if let Err(err) = spawned {
+        // The request went down with the closure: tiny_http answers it 500.
+        warn!("no thread for a request with a large body: {err}");
     }
 }
 
@@ -273,43 +291,14 @@ fn read_body(request: &mut Request) -> Result<Vec<u8>, Reply> {
         ));
     }
     let mut body = Vec::with_capacity(declared.unwrap_or(0));
-    let reader = Deadline {
-        inner: request.as_reader(),
-        until: Instant::now() + BODY_DEADLINE,
-    };
-    match reader
-        .take(MAX_BODY_BYTES as u64 + 1)
-        .read_to_end(&mut body)
-    {
+    let mut limited = request.as_reader().take(MAX_BODY_BYTES as u64 + 1);
+    match limited.read_to_end(&mut body) {
         Ok(_) if body.len() > MAX_BODY_BYTES => Err(Reply::error(
             413,
             format!("body is over the limit of {MAX_BODY_BYTES} bytes"),
         )),
         Ok(_) => Ok(body),
-        Err(err)
-            if matches!(
-                err.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            ) =>
-        {
-            Err(Reply::error(408, "body not received in time"))
-        }
         Err(err) => Err(Reply::error(400, format!("body could not be read: {err}"))),
-    }
-}
-
-/// Fails reads once `until` has passed, so a body trickled byte by byte still ends.
-struct Deadline<R> {
-    inner: R,
-    until: Instant,
-}
-
-impl<R: Read> Read for Deadline<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if Instant::now() > self.until {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        self.inner.read(buf)
     }
 }
 

@@ -87,8 +87,9 @@ pub struct ReloadDiff {
 }
 
 /// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS, which
-/// the zmq crate cannot raise) and a listener may use a few (SUB, monitor, replay DEALER).
-const LISTENERS_PER_CONTEXT: usize = 256;
+/// the zmq crate cannot raise) and a listener uses up to 6 (SUB, the monitor's PAIR pair, the
+/// stop PAIR pair, a replay DEALER while recovering): 128 leaves room to spare.
+const LISTENERS_PER_CONTEXT: usize = 128;
 
 /// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
 /// ranks fit.

@@ -49,6 +49,7 @@ impl Connection {
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .expect("set read timeout");
+        stream.set_nodelay(true).expect("set TCP_NODELAY");
         Connection {
             reader: BufReader::new(stream),
         }
@@ -75,8 +76,9 @@ impl Connection {
             "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             body.len()
         );
-        self.write_raw(head.as_bytes());
-        self.write_raw(body);
+        let mut request = head.into_bytes();
+        request.extend_from_slice(body);
+        self.write_raw(&request);
         self.read_reply()
     }
 
