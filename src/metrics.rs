@@ -61,7 +61,7 @@ enum EventType {
     cleared,
     /// Stores and removals together: `ApplyOutcome` counts ignored media and groups for both.
     any,
-    /// Events the decoder skipped: unknown type, or a field that failed to decode.
+    /// Events the decoder skipped: unknown type, or an event it could not decode or index.
     unknown,
 }
 
@@ -984,6 +984,58 @@ mod tests {
             ),
             Some(2.0)
         );
+    }
+
+    #[test]
+    fn render_reads_the_index_key_count_and_batches_count_what_the_index_applied() {
+        use crate::wire::{BlockStored, Event};
+        let block_size = 4;
+        let index = Index::new(block_size, 8);
+        let metrics = Metrics::new();
+        let store = |blocks: u32| {
+            Event::Stored(BlockStored {
+                block_hashes: (1..=u64::from(blocks)).collect(),
+                parent: None,
+                token_ids: (0..blocks * block_size).collect(),
+                block_size,
+                lora_name: None,
+                medium: None,
+                group_idx: None,
+            })
+        };
+        // Two ranks cache the same prompt, one of them only its first two blocks: 3 keys.
+        let mut workers = Vec::new();
+        for (dp_rank, blocks) in [(0, 3), (1, 2)] {
+            let mut worker = index.add_worker();
+            let mut outcome = ApplyOutcome::default();
+            worker.apply(&store(blocks), &mut outcome);
+            let rank = metrics.rank("e", dp_rank);
+            rank.batch(&outcome, 0);
+            rank.set_blocks(worker.blocks());
+            workers.push(worker);
+        }
+        let scrape = parse(&metrics.render(&index));
+        assert_eq!(index.key_count(), 3);
+        assert_eq!(sample(&scrape, "kv_indexer_index_keys", &[]), Some(3.0));
+        for (dp_rank, blocks) in [("0", 3.0), ("1", 2.0)] {
+            let r = ("e", dp_rank);
+            assert_eq!(
+                rank_sample(&scrape, "kv_indexer_blocks_stored_total", r, &[]),
+                blocks
+            );
+            assert_eq!(
+                rank_sample(&scrape, "kv_indexer_worker_blocks", r, &[]),
+                blocks
+            );
+            let stored = [("type", "stored"), ("outcome", "applied")];
+            assert_eq!(
+                rank_sample(&scrape, "kv_indexer_events_total", r, &stored),
+                1.0
+            );
+        }
+        drop(workers);
+        let scrape = parse(&metrics.render(&index));
+        assert_eq!(sample(&scrape, "kv_indexer_index_keys", &[]), Some(0.0));
     }
 
     #[test]

@@ -208,8 +208,7 @@ fn indexer_containers_mount_their_toml_where_the_dockerfile_reads_it() {
     let dockerfile = read("Dockerfile");
     let last_from = dockerfile
         .lines()
-        .filter(|l| l.starts_with("FROM "))
-        .last()
+        .rfind(|l| l.starts_with("FROM "))
         .unwrap_or_default();
     assert!(
         last_from.ends_with(" AS indexer"),

@@ -10,6 +10,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const SEED: u64 = 1337;
 
+/// Blocks up to this many tokens are serialised on the stack.
+const STACK_TOKENS: usize = 64;
+
 /// The key of a block whose predecessor (or LoRA root) is `parent` and whose own tokens hash to
 /// `local`.
 pub(super) fn chain(parent: u64, local: u64) -> u64 {
@@ -40,7 +43,7 @@ impl<'t> KeyChain<'t> {
         KeyChain {
             blocks: tokens.chunks_exact(block_size),
             previous: chained_from,
-            bytes: Vec::with_capacity(block_size * 4),
+            bytes: Vec::new(),
         }
     }
 
@@ -60,11 +63,19 @@ impl Iterator for KeyChain<'_> {
 
     fn next(&mut self) -> Option<u64> {
         let block = self.blocks.next()?;
-        self.bytes.clear();
-        for token in block {
-            self.bytes.extend_from_slice(&token.to_le_bytes());
-        }
-        let local = xxh3_64_with_seed(&self.bytes, SEED);
+        let local = if block.len() <= STACK_TOKENS {
+            let mut bytes = [0u8; STACK_TOKENS * 4];
+            for (slot, token) in bytes.chunks_exact_mut(4).zip(block) {
+                slot.copy_from_slice(&token.to_le_bytes());
+            }
+            xxh3_64_with_seed(&bytes[..block.len() * 4], SEED)
+        } else {
+            self.bytes.clear();
+            for token in block {
+                self.bytes.extend_from_slice(&token.to_le_bytes());
+            }
+            xxh3_64_with_seed(&self.bytes, SEED)
+        };
         let key = match self.previous {
             Some(previous) => chain(previous, local),
             None => local,
@@ -89,6 +100,14 @@ impl<'t> LazyKeys<'t> {
         LazyKeys {
             keys: Vec::with_capacity(chain.remaining()),
             chain,
+        }
+    }
+
+    /// Keys hashed beforehand.
+    pub(super) fn precomputed(keys: &[u64]) -> Self {
+        LazyKeys {
+            chain: KeyChain::new(&[], 1, None),
+            keys: keys.to_vec(),
         }
     }
 

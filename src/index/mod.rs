@@ -58,7 +58,6 @@ mod shard;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hashbrown::hash_table::Entry as TableEntry;
 use hashbrown::HashTable;
 use parking_lot::RwLock;
 
@@ -155,11 +154,20 @@ impl Index {
         lora_name: Option<&str>,
         include: &dyn Fn(WorkerId) -> bool,
     ) -> Vec<Score> {
-        let mut keys = LazyKeys::new(KeyChain::for_prompt(
+        let keys = LazyKeys::new(KeyChain::for_prompt(
             tokens,
             self.block_size as usize,
             lora_name,
         ));
+        self.search(keys, include)
+    }
+
+    /// `query` for a prompt whose keys (`block_keys`) are already known.
+    pub fn query_keys(&self, keys: &[u64], include: &dyn Fn(WorkerId) -> bool) -> Vec<Score> {
+        self.search(LazyKeys::precomputed(keys), include)
+    }
+
+    fn search(&self, mut keys: LazyKeys<'_>, include: &dyn Fn(WorkerId) -> bool) -> Vec<Score> {
         if keys.len() == 0 {
             return Vec::new();
         }
@@ -193,6 +201,7 @@ impl Index {
             index: self,
             keys,
             holders,
+            members: Vec::new(),
             scores,
         };
         search.gallop(closed);
@@ -229,6 +238,8 @@ struct Search<'a, 't> {
     keys: LazyKeys<'t>,
     /// Scratch: the holders of the last probed key.
     holders: Vec<WorkerId>,
+    /// Scratch: a bit per worker id, set for the holders being compared.
+    members: Vec<u64>,
     /// Candidates; `matched_blocks` is filled in by the search.
     scores: Vec<Score>,
 }
@@ -239,9 +250,25 @@ impl Search<'_, '_> {
     fn split(&mut self, i: usize, group: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
         let key = self.keys.get(i);
         self.index.holders(key, &mut self.holders);
-        group
-            .into_iter()
-            .partition(|&c| self.holders.contains(&self.scores[c].worker))
+        for &worker in &self.holders {
+            let word = worker as usize / 64;
+            if word >= self.members.len() {
+                self.members.resize(word + 1, 0);
+            }
+            self.members[word] |= 1 << (worker % 64);
+        }
+        let members = &self.members;
+        let scores = &self.scores;
+        let split = group.into_iter().partition(|&c| {
+            let worker = scores[c].worker;
+            members
+                .get(worker as usize / 64)
+                .is_some_and(|word| word & (1 << (worker % 64)) != 0)
+        });
+        for &worker in &self.holders {
+            self.members[worker as usize / 64] = 0;
+        }
+        split
     }
 
     fn set_matched(&mut self, group: &[usize], matched: usize) {
@@ -408,31 +435,36 @@ impl WorkerBlocks {
         let hashes = &stored.block_hashes;
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
-        // previous block below (in the same shard visit as that block's own holding).
-        if let (Some(parent_key), Some(&hash), Some(&key)) =
-            (parent_key, hashes.first(), keys.first())
-        {
-            if self.key_of(hash) != Some(key) {
+        // previous block below (in the same shard visit as that block's own holding). Which
+        // blocks are new is looked up one block ahead, once per block.
+        let mut held_as = hashes.first().and_then(|&hash| self.key_of(hash));
+        if let (Some(parent_key), Some(&key)) = (parent_key, keys.first()) {
+            if held_as != Some(key) {
                 self.add(parent_key, None, 0, 1);
             }
         }
         let mut added = 0;
         for (i, (&hash, &key)) in hashes.iter().zip(&keys).enumerate() {
-            let holding = match self.key_of(hash) {
+            let holding = match held_as {
                 Some(held) if held == key => 0,
                 Some(replaced) => {
                     self.drop_holding(replaced);
+                    self.record(hash, key);
                     1
                 }
-                None => 1,
+                None => {
+                    self.blocks
+                        .insert_unique(engine_table_hash(hash), (hash, key), |e| {
+                            engine_table_hash(e.0)
+                        });
+                    1
+                }
             };
-            if holding == 1 {
-                self.record(hash, key);
-                added += 1;
-            }
+            added += u64::from(holding);
             let child = match (hashes.get(i + 1), keys.get(i + 1)) {
                 (Some(&next_hash), Some(&next_key)) => {
-                    u32::from(self.key_of(next_hash) != Some(next_key))
+                    held_as = self.key_of(next_hash);
+                    u32::from(held_as != Some(next_key))
                 }
                 _ => 0,
             };
@@ -481,16 +513,13 @@ impl WorkerBlocks {
             .map(|e| e.1)
     }
 
+    /// Points an engine hash the worker already has at new content.
     fn record(&mut self, engine_hash: u64, key: u64) {
-        match self.blocks.entry(
-            engine_table_hash(engine_hash),
-            |e| e.0 == engine_hash,
-            |e| engine_table_hash(e.0),
-        ) {
-            TableEntry::Occupied(mut occupied) => occupied.get_mut().1 = key,
-            TableEntry::Vacant(vacant) => {
-                vacant.insert((engine_hash, key));
-            }
+        if let Some(entry) = self
+            .blocks
+            .find_mut(engine_table_hash(engine_hash), |e| e.0 == engine_hash)
+        {
+            entry.1 = key;
         }
     }
 

@@ -1,0 +1,220 @@
+//! A simulated vLLM engine with `--dp-size` ranks that speaks the real KV-event protocol: PUB on
+//! `--port + r`, replay ROUTER on `--replay-port + r`, `GET /kv_recover` and the ground truth
+//! `POST /prefix_hit` on `--recover-port + r`. It runs a workload (the Mooncake trace or synthetic
+//! conversations), then keeps serving snapshots and ground truth until Ctrl-C.
+//!
+//! ```text
+//! cargo run --example mock_engine -- --dp-size 2 --requests 500 --rate 50
+//! ```
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use log::info;
+
+use kv_indexer::sim::encode::Form;
+use kv_indexer::sim::server::{SimConfig, SimEngine};
+use kv_indexer::sim::workload::{load_trace, take_cycled, Conversations, Route, Router};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Workload {
+    Trace,
+    Synthetic,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum RouteArg {
+    RoundRobin,
+    Sticky,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FormArg {
+    Map,
+    Array,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "A simulated vLLM engine publishing KV-cache events over ZeroMQ")]
+struct Args {
+    #[arg(long, default_value_t = 1)]
+    dp_size: u32,
+    #[arg(long, default_value_t = 5557)]
+    port: u16,
+    /// Rank 0's replay ROUTER port; 0 disables replay.
+    #[arg(long, default_value_t = 5600)]
+    replay_port: u16,
+    /// Rank 0's HTTP port (/kv_recover, /prefix_hit); 0 disables it.
+    #[arg(long, default_value_t = 8200)]
+    recover_port: u16,
+    /// Host to bind: an IP, `*` or an IPv6 literal.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: String,
+    #[arg(long, default_value = "")]
+    topic: String,
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Cache capacity per rank, in blocks.
+    #[arg(long, default_value_t = 20_000)]
+    capacity_blocks: usize,
+    #[arg(long, value_enum, default_value_t = Workload::Trace)]
+    workload: Workload,
+    #[arg(long, default_value = "../shared/data/synthetic_trace.jsonl")]
+    trace: PathBuf,
+    /// Requests to run (cycling through the workload); default: the whole trace, or 1,000
+    /// synthetic turns.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Requests per second over all ranks; 0 runs as fast as possible.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
+    #[arg(long, value_enum, default_value_t = RouteArg::RoundRobin)]
+    route: RouteArg,
+    #[arg(long, value_enum, default_value_t = FormArg::Map)]
+    form: FormArg,
+    /// Fraction of batches not sent on PUB (they stay in the replay history).
+    #[arg(long, default_value_t = 0.0)]
+    drop_fraction: f64,
+    /// Restart `--restart-rank` after this many requests (seq back to 0, empty cache).
+    #[arg(long)]
+    restart_rank_after: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    restart_rank: u32,
+    /// Answer replays in the 2-frame layout of vLLM < 0.26.
+    #[arg(long)]
+    old_replay_layout: bool,
+    /// Seed of engine hashes, drops and synthetic prompts; default: from the clock.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+fn main() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let args = Args::parse();
+    let seed = args.seed.unwrap_or_else(clock_seed);
+    let prompts = workload(&args, seed)?;
+
+    let engine = SimEngine::start(SimConfig {
+        dp_size: args.dp_size,
+        bind: args.bind.clone(),
+        port: args.port,
+        replay_port: (args.replay_port != 0).then_some(args.replay_port),
+        recover_port: (args.recover_port != 0).then_some(args.recover_port),
+        topic: args.topic.clone(),
+        block_size: args.block_size,
+        capacity_blocks: args.capacity_blocks,
+        form: match args.form {
+            FormArg::Map => Form::Map,
+            FormArg::Array => Form::Array,
+        },
+        old_replay_layout: args.old_replay_layout,
+        drop_fraction: args.drop_fraction,
+        seed,
+        ..SimConfig::default()
+    })
+    .context("starting the simulated engine")?;
+    for (rank, ports) in engine.ports().iter().enumerate() {
+        info!(
+            "rank {rank}: PUB tcp://{}:{}, replay {:?}, recover {:?}",
+            args.bind, ports.publish, ports.replay, ports.recover
+        );
+    }
+    info!(
+        "seed {seed}; {} requests, rate {}",
+        prompts.len(),
+        if args.rate > 0.0 {
+            format!("{}/s", args.rate)
+        } else {
+            "unlimited".to_string()
+        }
+    );
+
+    run_workload(&engine, &args, prompts)?;
+    info!("workload done; serving snapshots and ground truth until Ctrl-C");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the signal runtime")?
+        .block_on(tokio::signal::ctrl_c())
+        .context("waiting for Ctrl-C")?;
+    info!("stopping");
+    engine.stop();
+    Ok(())
+}
+
+fn workload(args: &Args, seed: u64) -> Result<Vec<Vec<u32>>> {
+    match args.workload {
+        Workload::Trace => {
+            let prompts = load_trace(&args.trace, args.block_size)?;
+            let count = args.requests.unwrap_or(prompts.len());
+            Ok(take_cycled(prompts, count).collect())
+        }
+        Workload::Synthetic => {
+            let shape = Conversations::default();
+            let count = args.requests.unwrap_or(1_000);
+            let conversations = count.div_ceil(shape.turns.max(1));
+            let prompts = Conversations {
+                conversations,
+                seed,
+                ..shape
+            }
+            .prompts();
+            Ok(prompts.into_iter().take(count).collect())
+        }
+    }
+}
+
+fn run_workload(engine: &SimEngine, args: &Args, prompts: Vec<Vec<u32>>) -> Result<()> {
+    let route = match args.route {
+        RouteArg::RoundRobin => Route::RoundRobin,
+        RouteArg::Sticky => Route::Sticky,
+    };
+    let mut router = Router::new(route, args.dp_size, args.block_size);
+    let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
+    let started = Instant::now();
+    let total = prompts.len();
+    let (mut hit_blocks, mut full_blocks) = (0u64, 0u64);
+    for (done, prompt) in prompts.into_iter().enumerate() {
+        if let Some(interval) = interval {
+            let due = started + interval.mul_f64(done as f64);
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
+        let rank = router.rank_for(&prompt);
+        hit_blocks += u64::from(engine.serve(rank, &prompt)?);
+        full_blocks += (prompt.len() / args.block_size as usize) as u64;
+        if args.restart_rank_after == Some(done + 1) {
+            engine.restart_rank(args.restart_rank)?;
+            info!(
+                "restarted rank {} after {} requests",
+                args.restart_rank,
+                done + 1
+            );
+        }
+        if (done + 1) % 500 == 0 || done + 1 == total {
+            info!(
+                "{}/{total} requests, prefix hit rate {:.1}%, {:.1} s",
+                done + 1,
+                100.0 * hit_blocks as f64 / full_blocks.max(1) as f64,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    for rank in 0..engine.dp_size() {
+        info!(
+            "rank {rank}: last seq {:?}, {} blocks cached, {} batches dropped",
+            engine.last_seq(rank)?,
+            engine.cached_blocks(rank)?,
+            engine.dropped_batches(rank)?
+        );
+    }
+    Ok(())
+}
+
+fn clock_seed() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_nanos() as u64)
+        .unwrap_or(0)
+}

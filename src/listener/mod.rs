@@ -1,0 +1,248 @@
+//! One listener per data-parallel rank: the fix for indexers that subscribe to rank 0 only.
+//!
+//! Every rank of every engine gets its own `Listener`, and what the rank caches goes into the
+//! index under its own worker, so `/query` sees all of them.
+//!
+//! **A thread per listener.** A ZMQ socket must be used by one thread only, and a recovery
+//! (a replay of up to 10 s, a snapshot download) must never hold up another rank or a query.
+//! So each listener is one OS thread that owns its SUB socket, the socket monitor, a stop
+//! socket (inproc PAIR) and the rank's `WorkerBlocks` — the only writer of that worker. It
+//! sleeps in `zmq::poll` on those three sockets (no timer while healthy), so stop is immediate
+//! and an idle rank costs nothing.
+//!
+//! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
+//! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
+//! then hands them to the thread, which for each live message: `wire::parse_message` → the
+//! sequence rules (`sequence`) → `wire::decode_batch` → `WorkerBlocks::apply` per event →
+//! `status` (read by HTTP threads through `Listener::status`, and mirrored into the rank's
+//! metrics). A hole in the history (gap, mid-stream join, publisher restart, undecodable
+//! batch) runs `recovery` on the same thread: replay, else snapshot, else `degraded` with the
+//! lost batches counted. Meanwhile live messages wait in the SUB socket's queue, bounded by
+//! its RCVHWM; what overflows is lost by ZMQ and shows up as the next gap.
+//!
+//! **What it never does.** It never writes another worker's blocks, never panics on what the
+//! network sends (bad frames and payloads are counted and dropped, the socket stays), never
+//! blocks on a peer without also watching its stop socket, and never leaves blocks behind: when
+//! `stop` returns, the thread has ended and dropping its `WorkerBlocks` removed every block of
+//! the rank from the index. A `parent_missing` store is counted but does not start a recovery:
+//! holes are detected by seq numbers, which also see the losses that carry no store.
+
+mod recovery;
+mod run;
+mod sequence;
+mod status;
+
+/// A listener's state, as shown on `/workers` (SPEC.md "Listeners: one per rank").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum State {
+    Connecting,
+    Active,
+    Recovering,
+    Degraded,
+    Stopped,
+}
+
+impl State {
+    pub const ALL: [State; 5] = [
+        State::Connecting,
+        State::Active,
+        State::Recovering,
+        State::Degraded,
+        State::Stopped,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Connecting => "connecting",
+            State::Active => "active",
+            State::Recovering => "recovering",
+            State::Degraded => "degraded",
+            State::Stopped => "stopped",
+        }
+    }
+}
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use anyhow::Context as _;
+
+use crate::index::{Index, WorkerId};
+use crate::metrics::Metrics;
+use crate::plan::ListenerSpec;
+use recovery::Stop;
+use run::{RankLoop, Sockets};
+use status::StatusCell;
+
+/// Queued live messages per rank before ZMQ drops (and the seq rules notice the loss).
+const RECEIVE_HIGH_WATER_MARK: i32 = 100_000;
+
+/// A listener's counters and state, as `/workers` shows them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenerStatus {
+    pub state: State,
+    pub connected: bool,
+    /// The last seq applied (live, replayed, or covered by a snapshot).
+    pub last_seq: Option<u64>,
+    /// Batches applied.
+    pub batches: u64,
+    /// Blocks (engine hashes) the rank holds in the index.
+    pub blocks: u64,
+    /// Holes detected: gaps, mid-stream joins, publisher restarts, undecodable batches.
+    pub gaps: u64,
+    /// Batches known lost and not recovered.
+    pub lost_batches: u64,
+    /// Stores skipped because their parent was unknown: the symptom of lost events.
+    pub parent_missing: u64,
+    pub last_event_ms_ago: Option<u64>,
+}
+
+/// A running listener for one rank. Dropping it stops it, like `stop`.
+pub struct Listener {
+    spec: ListenerSpec,
+    worker: WorkerId,
+    status: Arc<StatusCell>,
+    metrics: Arc<Metrics>,
+    /// The caller's end of the stop PAIR; behind a lock only so that `Listener` is `Sync`.
+    stop: Mutex<zmq::Socket>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Listener {
+    /// Connects a SUB socket to `spec.endpoint` and starts applying its events to a new worker
+    /// of `index`. Fails (with nothing left running) if the socket cannot be set up.
+    pub fn start(
+        spec: ListenerSpec,
+        zmq: &zmq::Context,
+        index: &Arc<Index>,
+        metrics: &Arc<Metrics>,
+    ) -> anyhow::Result<Listener> {
+        let what = format!(
+            "engine {} rank {} endpoint {}",
+            spec.key.engine, spec.key.dp_rank, spec.endpoint
+        );
+        let (sockets, stop) =
+            open_sockets(&spec, zmq).with_context(|| format!("starting the listener of {what}"))?;
+        let blocks = index.add_worker();
+        let worker = blocks.id();
+        let status = Arc::new(StatusCell::new(
+            metrics.rank(&spec.key.engine, spec.key.dp_rank),
+        ));
+        let rank_loop = RankLoop::new(
+            spec.clone(),
+            zmq.clone(),
+            sockets,
+            Arc::clone(index),
+            blocks,
+            Arc::clone(&status),
+        );
+        let thread_what = what.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvi-rank-{}", spec.key.dp_rank))
+            .spawn(move || {
+                if let Err(error) = rank_loop.run() {
+                    log::error!("listener of {thread_what} ended: {error:#}");
+                }
+            });
+        let thread = match spawned {
+            Ok(thread) => thread,
+            Err(error) => {
+                metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
+                return Err(error).with_context(|| format!("spawning the listener of {what}"));
+            }
+        };
+        Ok(Listener {
+            spec,
+            worker,
+            status,
+            metrics: Arc::clone(metrics),
+            stop: Mutex::new(stop),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn spec(&self) -> &ListenerSpec {
+        &self.spec
+    }
+
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    pub fn status(&self) -> ListenerStatus {
+        self.status.snapshot()
+    }
+
+    /// Stops within 100 ms; when it returns, the rank's blocks are gone from the index.
+    pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        {
+            let stop = self.stop.lock().unwrap_or_else(PoisonError::into_inner);
+            // Fails only when the thread is already gone, which is what stop wants anyway.
+            let _ = stop.send(&b""[..], zmq::DONTWAIT);
+        }
+        if let Some(thread) = self.thread.take() {
+            // The thread owns the WorkerBlocks: once joined, the rank's blocks are removed.
+            if thread.join().is_err() {
+                log::error!(
+                    "listener of engine {} rank {} panicked",
+                    self.spec.key.engine,
+                    self.spec.key.dp_rank
+                );
+            }
+        }
+        self.status.stopped();
+        self.metrics
+            .forget_rank(&self.spec.key.engine, self.spec.key.dp_rank);
+    }
+}
+
+/// The listener thread's sockets, and the caller's end of the stop PAIR. The monitor is
+/// attached before `connect`, or the first CONNECTED event could be missed.
+fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, zmq::Socket)> {
+    static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let monitor_endpoint = format!("inproc://kv-indexer-listener-{id}-monitor");
+    let stop_endpoint = format!("inproc://kv-indexer-listener-{id}-stop");
+
+    let sub = zmq.socket(zmq::SUB).context("creating the SUB socket")?;
+    sub.set_linger(0).context("setting LINGER")?;
+    sub.set_rcvhwm(RECEIVE_HIGH_WATER_MARK)
+        .context("setting RCVHWM")?;
+    sub.set_subscribe(spec.topic.as_bytes())
+        .with_context(|| format!("subscribing to topic {:?}", spec.topic))?;
+    sub.monitor(&monitor_endpoint, zmq::SocketEvent::ALL.to_raw().into())
+        .context("attaching the socket monitor")?;
+    let monitor = zmq
+        .socket(zmq::PAIR)
+        .context("creating the monitor socket")?;
+    monitor
+        .connect(&monitor_endpoint)
+        .context("connecting the monitor socket")?;
+    sub.connect(&spec.endpoint)
+        .with_context(|| format!("connecting to {}", spec.endpoint))?;
+
+    let stop_receiver = zmq.socket(zmq::PAIR).context("creating the stop socket")?;
+    stop_receiver
+        .bind(&stop_endpoint)
+        .context("binding the stop socket")?;
+    let stop_sender = zmq.socket(zmq::PAIR).context("creating the stop socket")?;
+    stop_sender.set_linger(0).context("setting LINGER")?;
+    stop_sender
+        .connect(&stop_endpoint)
+        .context("connecting the stop socket")?;
+    Ok((
+        Sockets {
+            sub,
+            monitor,
+            stop: Stop(stop_receiver),
+        },
+        stop_sender,
+    ))
+}

@@ -1,0 +1,497 @@
+//! The listener thread: owns the rank's sockets and its `WorkerBlocks`, turns each live message
+//! into index changes under the sequence rules, and runs recoveries. Everything here happens on
+//! that one thread; the outside world sees only `StatusCell` and the index.
+
+use std::ops::RangeInclusive;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+
+use super::recovery::{self, Fetched, Replayed, Stop};
+use super::sequence::{Sequence, Step};
+use super::status::StatusCell;
+use crate::index::{ApplyOutcome, Index, WorkerBlocks};
+use crate::plan::ListenerSpec;
+use crate::wire::{self, Event, EventBatch};
+
+/// Live messages taken in one go before stop and the monitor are looked at again.
+const DRAIN_BATCH: usize = 256;
+const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
+const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// The sockets a listener thread owns, created by `Listener::start` so that setup errors
+/// surface there.
+pub(super) struct Sockets {
+    pub(super) sub: zmq::Socket,
+    pub(super) monitor: zmq::Socket,
+    pub(super) stop: Stop,
+}
+
+/// The state of one listener thread.
+pub(super) struct RankLoop {
+    context: zmq::Context,
+    sockets: Sockets,
+    applier: Applier,
+    sequence: Sequence,
+    /// While lost history may still be repaired by a snapshot: the next attempt and the
+    /// backoff after it.
+    snapshot_retry: Option<(Instant, Duration)>,
+}
+
+/// Applies batches and snapshots to the rank's worker, counting what happened.
+struct Applier {
+    spec: ListenerSpec,
+    index: Arc<Index>,
+    blocks: WorkerBlocks,
+    status: Arc<StatusCell>,
+    warned_dp_rank: bool,
+    warned_block_size: bool,
+}
+
+/// The message that revealed a hole, applied after the recovery unless it went past it.
+struct Pending {
+    seq: u64,
+    batch: EventBatch,
+}
+
+/// How handling a message ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Recovery {
+    /// Handled; any hole it revealed is accounted for (recovered or given up).
+    Done,
+    /// Stop was requested during a recovery.
+    Stopped,
+}
+
+impl RankLoop {
+    pub(super) fn new(
+        spec: ListenerSpec,
+        context: zmq::Context,
+        sockets: Sockets,
+        index: Arc<Index>,
+        blocks: WorkerBlocks,
+        status: Arc<StatusCell>,
+    ) -> RankLoop {
+        RankLoop {
+            context,
+            sockets,
+            applier: Applier {
+                spec,
+                index,
+                blocks,
+                status,
+                warned_dp_rank: false,
+                warned_block_size: false,
+            },
+            sequence: Sequence::new(),
+            snapshot_retry: None,
+        }
+    }
+
+    /// Runs until stop is requested (or the ZMQ context is terminated).
+    pub(super) fn run(mut self) -> anyhow::Result<()> {
+        loop {
+            let timeout = self.snapshot_retry.map_or(-1, |(at, _)| {
+                i64::try_from(at.saturating_duration_since(Instant::now()).as_millis())
+                    .unwrap_or(i64::MAX)
+            });
+            let mut items = [
+                self.sockets.sub.as_poll_item(zmq::POLLIN),
+                self.sockets.monitor.as_poll_item(zmq::POLLIN),
+                self.sockets.stop.0.as_poll_item(zmq::POLLIN),
+            ];
+            zmq::poll(&mut items, timeout).context("polling the listener sockets")?;
+            let [live, monitor, stop] = items.map(|item| item.is_readable());
+            if stop {
+                return Ok(());
+            }
+            if monitor {
+                self.drain_monitor()?;
+            }
+            if live && self.drain_live()? == Recovery::Stopped {
+                return Ok(());
+            }
+            if self
+                .snapshot_retry
+                .is_some_and(|(at, _)| Instant::now() >= at)
+                && self.retry_snapshot() == Recovery::Stopped
+            {
+                return Ok(());
+            }
+        }
+    }
+
+    fn drain_monitor(&mut self) -> anyhow::Result<()> {
+        while let Some(frames) = receive(&self.sockets.monitor)? {
+            // Frame 0: u16 event id (native order), u32 value; frame 1: the endpoint.
+            let Some(event) = frames
+                .first()
+                .and_then(|frame| frame.get(..2))
+                .and_then(|id| <[u8; 2]>::try_from(id).ok())
+                .map(u16::from_ne_bytes)
+            else {
+                continue;
+            };
+            if event == zmq::SocketEvent::CONNECTED.to_raw() {
+                self.applier.status.set_connected(true);
+            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                self.applier.status.set_connected(false);
+            }
+        }
+        Ok(())
+    }
+
+    fn drain_live(&mut self) -> anyhow::Result<Recovery> {
+        for _ in 0..DRAIN_BATCH {
+            let Some(frames) = receive(&self.sockets.sub)? else {
+                break;
+            };
+            if self.on_live(&frames) == Recovery::Stopped {
+                return Ok(Recovery::Stopped);
+            }
+        }
+        Ok(Recovery::Done)
+    }
+
+    fn on_live(&mut self, frames: &[Vec<u8>]) -> Recovery {
+        let status = Arc::clone(&self.applier.status);
+        let message = match wire::parse_message(frames) {
+            Ok(message) => message,
+            Err(error) => {
+                let reason = if frames.len() == 3 { "seq" } else { "frames" };
+                log::debug!(
+                    "{}: dropped a malformed message: {error}",
+                    self.applier.who()
+                );
+                status.metrics().malformed(reason);
+                return Recovery::Done;
+            }
+        };
+        let seq = message.seq;
+        let (restart, join, missing) = match self.sequence.observe(seq) {
+            Step::Duplicate => return Recovery::Done,
+            Step::Apply => {
+                return match self.applier.decode(message.payload) {
+                    Some(batch) => {
+                        self.applier.apply_batch(seq, &batch);
+                        Recovery::Done
+                    }
+                    None => {
+                        status.gap(false);
+                        self.recover(seq..=seq, None)
+                    }
+                }
+            }
+            Step::Hole {
+                restart,
+                join,
+                missing,
+            } => (restart, join, missing),
+        };
+        status.gap(restart);
+        if restart {
+            log::warn!(
+                "{}: publisher restarted (seq {seq} after {:?}); dropping the rank's blocks",
+                self.applier.who(),
+                status.snapshot().last_seq
+            );
+            self.applier.clear();
+            status.restarted(seq == 0);
+            self.snapshot_retry = None;
+        } else if !missing.is_empty() {
+            let what = if join { "joined mid-stream" } else { "gap" };
+            log::warn!(
+                "{}: {what}: batches {}..={} missing",
+                self.applier.who(),
+                missing.start,
+                missing.end - 1
+            );
+        }
+        match self.applier.decode(message.payload) {
+            Some(batch) if missing.is_empty() => {
+                self.applier.apply_batch(seq, &batch);
+                Recovery::Done
+            }
+            Some(batch) => self.recover(
+                missing.start..=missing.end - 1,
+                Some(Pending { seq, batch }),
+            ),
+            None => self.recover(missing.start..=seq, None),
+        }
+    }
+
+    /// Recovers `hole` (SPEC.md "Recovery": replay, else snapshot, else degraded), then applies
+    /// `pending` unless the recovery went past it. Live messages arriving meanwhile stay queued
+    /// in the SUB socket (bounded by its RCVHWM; what overflows shows up as a gap afterwards).
+    fn recover(&mut self, hole: RangeInclusive<u64>, pending: Option<Pending>) -> Recovery {
+        let (from, through) = (*hole.start(), *hole.end());
+        let status = Arc::clone(&self.applier.status);
+        status.set_recovering(true);
+        let mut covered: Option<u64> = None;
+        let mut whole_state = false;
+        if let Some(endpoint) = self.applier.spec.replay.clone() {
+            let Some(replayed) = self.replay(&endpoint, from, through) else {
+                return Recovery::Stopped;
+            };
+            covered = replayed;
+            let ok = covered.is_some_and(|c| c >= through);
+            status.metrics().recovery("replay", ok);
+        }
+        if covered.is_none_or(|c| c < through) && self.applier.spec.recover.is_some() {
+            match self.snapshot(through) {
+                Snapshot::Covered(seq) => {
+                    covered = Some(seq);
+                    whole_state = true;
+                }
+                Snapshot::Unusable => {}
+                Snapshot::Stopped => return Recovery::Stopped,
+            }
+        }
+        match covered.filter(|&c| c >= through) {
+            Some(c) => {
+                log::info!("{}: recovered batches {from}..={c}", self.applier.who());
+                self.sequence.covered_through(c);
+                status.recovered(whole_state);
+                if whole_state {
+                    self.snapshot_retry = None;
+                }
+            }
+            None => {
+                let first_lost = covered.map_or(from, |c| c + 1);
+                let lost = through - first_lost + 1;
+                log::warn!(
+                    "{}: batches {first_lost}..={through} lost and not recovered",
+                    self.applier.who()
+                );
+                status.lost(lost);
+                self.sequence.covered_through(through);
+                self.schedule_snapshot_retry();
+            }
+        }
+        status.set_recovering(false);
+        if let Some(pending) = pending {
+            if covered.is_none_or(|c| c < pending.seq) {
+                self.applier.apply_batch(pending.seq, &pending.batch);
+            }
+        }
+        Recovery::Done
+    }
+
+    /// Replays from `from`, applying each contiguous batch. `None` when stopped, else the
+    /// highest seq applied.
+    fn replay(&mut self, endpoint: &str, from: u64, through: u64) -> Option<Option<u64>> {
+        let applier = &mut self.applier;
+        let result = recovery::replay(
+            &self.context,
+            endpoint,
+            from,
+            through,
+            &self.sockets.stop,
+            &mut |seq, payload| match applier.decode(payload) {
+                Some(batch) => {
+                    applier.apply_batch(seq, &batch);
+                    true
+                }
+                None => false,
+            },
+        );
+        match result {
+            Ok(Replayed::Stopped) => None,
+            Ok(Replayed::Covered { through, ended }) => {
+                log::info!(
+                    "{}: replay from {from} covered up to {through:?} (end marker: {ended})",
+                    self.applier.who()
+                );
+                Some(through)
+            }
+            Err(error) => {
+                log::warn!("{}: replay failed: {error:#}", self.applier.who());
+                Some(None)
+            }
+        }
+    }
+
+    /// Fetches the rank's snapshot and, when it covers `need`, makes it the rank's whole state.
+    fn snapshot(&mut self, need: u64) -> Snapshot {
+        let Some(url) = self.applier.spec.recover.clone() else {
+            return Snapshot::Unusable;
+        };
+        let outcome = match recovery::fetch_snapshot(&url, &self.sockets.stop) {
+            Fetched::Stopped => return Snapshot::Stopped,
+            Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
+            Fetched::Body(Err(error)) => Err(error),
+        };
+        let metrics = self.applier.status.metrics();
+        match outcome {
+            Ok(seq) => {
+                metrics.recovery("snapshot", true);
+                Snapshot::Covered(seq)
+            }
+            Err(error) => {
+                metrics.recovery("snapshot", false);
+                log::warn!(
+                    "{}: snapshot recovery failed: {error:#}",
+                    self.applier.who()
+                );
+                Snapshot::Unusable
+            }
+        }
+    }
+
+    /// After history was lost: when the engine serves snapshots, try again later.
+    fn schedule_snapshot_retry(&mut self) {
+        if self.applier.spec.recover.is_none() {
+            return;
+        }
+        let backoff = self
+            .snapshot_retry
+            .map_or(SNAPSHOT_RETRY_FIRST, |(_, backoff)| backoff);
+        self.snapshot_retry = Some((
+            Instant::now() + backoff,
+            (backoff * 2).min(SNAPSHOT_RETRY_MAX),
+        ));
+    }
+
+    /// A later attempt to repair lost history: the snapshot must be at least as new as every
+    /// batch applied since.
+    fn retry_snapshot(&mut self) -> Recovery {
+        let Some(need) = self.sequence.next().map(|next| next.saturating_sub(1)) else {
+            self.snapshot_retry = None;
+            return Recovery::Done;
+        };
+        let status = Arc::clone(&self.applier.status);
+        status.set_recovering(true);
+        let result = self.snapshot(need);
+        status.set_recovering(false);
+        match result {
+            Snapshot::Stopped => return Recovery::Stopped,
+            Snapshot::Covered(seq) => {
+                log::info!(
+                    "{}: lost history repaired by a snapshot at seq {seq}",
+                    self.applier.who()
+                );
+                self.sequence.covered_through(seq);
+                status.recovered(true);
+                self.snapshot_retry = None;
+            }
+            Snapshot::Unusable => self.schedule_snapshot_retry(),
+        }
+        Recovery::Done
+    }
+}
+
+/// How a snapshot attempt ended.
+enum Snapshot {
+    /// Applied; it covers up to this seq.
+    Covered(u64),
+    Unusable,
+    Stopped,
+}
+
+impl Applier {
+    fn who(&self) -> String {
+        format!(
+            "engine {} rank {} ({})",
+            self.spec.key.engine, self.spec.key.dp_rank, self.spec.endpoint
+        )
+    }
+
+    /// Decodes a payload; an undecodable one is counted, and is a lost batch for the caller.
+    fn decode(&self, payload: &[u8]) -> Option<EventBatch> {
+        match wire::decode_batch(payload) {
+            Ok(batch) => Some(batch),
+            Err(error) => {
+                log::warn!("{}: undecodable batch: {error}", self.who());
+                self.status.metrics().malformed("payload");
+                None
+            }
+        }
+    }
+
+    fn apply_batch(&mut self, seq: u64, batch: &EventBatch) {
+        if let Some(payload_rank) = batch.dp_rank.filter(|&rank| rank != self.spec.key.dp_rank) {
+            if !self.warned_dp_rank {
+                self.warned_dp_rank = true;
+                log::warn!(
+                    "{}: batches carry dp_rank {payload_rank}: another rank publishes on this \
+                     port; check zmq_port and dp_size (applied to rank {} anyway)",
+                    self.who(),
+                    self.spec.key.dp_rank
+                );
+            }
+            self.status.metrics().dp_rank_mismatch();
+        }
+        let mut outcome = ApplyOutcome::default();
+        for event in &batch.events {
+            self.blocks.apply(event, &mut outcome);
+        }
+        self.note_block_size(&outcome);
+        self.status
+            .applied(seq, &outcome, batch.skipped, self.blocks.blocks());
+    }
+
+    /// Decodes a snapshot body and, when it is usable and covers `need`, makes it the rank's
+    /// whole state. Returns the seq it covers.
+    fn apply_snapshot(&mut self, body: &[u8], need: u64) -> anyhow::Result<u64> {
+        let snapshot = wire::decode_snapshot(body).context("decoding the snapshot")?;
+        let block_size = self.index.block_size();
+        anyhow::ensure!(
+            snapshot.block_size == block_size,
+            "snapshot block_size {} differs from the index's {block_size}",
+            snapshot.block_size
+        );
+        let seq = snapshot.seq.filter(|&seq| seq >= need).with_context(|| {
+            format!(
+                "snapshot at seq {:?} is older than seq {need}: it does not cover the hole",
+                snapshot.seq
+            )
+        })?;
+        if let Some(rank) = snapshot
+            .dp_rank
+            .filter(|&rank| rank != self.spec.key.dp_rank)
+        {
+            log::warn!("{}: snapshot says dp_rank {rank}", self.who());
+            self.status.metrics().dp_rank_mismatch();
+        }
+        self.blocks.clear();
+        let mut outcome = ApplyOutcome::default();
+        for stored in snapshot.events {
+            self.blocks.apply(&Event::Stored(stored), &mut outcome);
+        }
+        self.note_block_size(&outcome);
+        self.status
+            .snapshot_applied(seq, &outcome, self.blocks.blocks());
+        Ok(seq)
+    }
+
+    fn clear(&mut self) {
+        self.blocks.clear();
+        self.status.set_blocks(self.blocks.blocks());
+    }
+
+    fn note_block_size(&mut self, outcome: &ApplyOutcome) {
+        if outcome.block_size_mismatch == 0 {
+            return;
+        }
+        if !self.warned_block_size {
+            self.warned_block_size = true;
+            log::error!(
+                "{}: stores with a block size other than the index's {}: nothing they say can \
+                 match a prompt; set block_size to the engine's --block-size",
+                self.who(),
+                self.index.block_size()
+            );
+        }
+        self.status.block_size_mismatch();
+    }
+}
+
+/// One multipart message if one is waiting.
+fn receive(socket: &zmq::Socket) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
+    match socket.recv_multipart(zmq::DONTWAIT) {
+        Ok(frames) => Ok(Some(frames)),
+        Err(zmq::Error::EAGAIN) => Ok(None),
+        Err(error) => Err(error).context("receiving"),
+    }
+}

@@ -1,0 +1,498 @@
+//! One simulated rank's prefix cache: which full blocks of which prompts it holds, the engine
+//! hashes it gives them, LRU eviction, and the KV events a vLLM engine core would emit for it.
+//!
+//! It owns the ground truth the indexer is measured against. It never touches a socket and never
+//! encodes anything: it produces `wire` events and answers questions about its own content.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::sim::rng::mix;
+use crate::wire::{BlockRemoved, BlockStored, Event};
+
+/// The medium every simulated block lives in.
+const GPU: &str = "GPU";
+
+/// What serving one prompt did to the cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Served {
+    /// Leading full blocks of the prompt that were cached before it ran.
+    pub hit_blocks: u32,
+    /// Evictions (one `BlockRemoved` per hash) then at most one `BlockStored` for the new run.
+    pub events: Vec<Event>,
+}
+
+struct CachedBlock {
+    parent: Option<u64>,
+    tokens: Vec<u32>,
+    children: Vec<u64>,
+    depth: u32,
+    last_used: u64,
+}
+
+/// LRU order: oldest tick first and, within one tick, deepest block first. A parent is touched
+/// whenever its child is (prompts are walked from the root), so a parent is never older than its
+/// child and the first entry is always a leaf: evicting in this order never leaves a cached
+/// block without its cached parent, and evicts the tails of prompts before their shared heads,
+/// as vLLM's free-block queue does.
+type LruKey = (u64, Reverse<u32>, u64);
+
+/// Engine hashes are xxh3 digests, already uniform: hashing them again would only cost time.
+#[derive(Default)]
+struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, digest: u64) {
+        self.0 = digest;
+    }
+}
+
+type ByDigest<V> = HashMap<u64, V, BuildHasherDefault<DigestHasher>>;
+
+/// One rank's prefix cache.
+pub struct RankCache {
+    block_size: u32,
+    capacity: usize,
+    seed: u64,
+    blocks: ByDigest<CachedBlock>,
+    lru: BTreeSet<LruKey>,
+    tick: u64,
+}
+
+impl RankCache {
+    /// An empty cache of `capacity` blocks of `block_size` tokens (both at least 1) whose engine
+    /// hashes depend on `seed`, as a vLLM process's hashes depend on its random per-process seed.
+    pub fn new(block_size: u32, capacity: usize, seed: u64) -> Self {
+        Self {
+            block_size: block_size.max(1),
+            capacity: capacity.max(1),
+            seed,
+            blocks: ByDigest::default(),
+            lru: BTreeSet::new(),
+            tick: 0,
+        }
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Number of cached blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Runs a prompt: its leading cached blocks are hits and become most recently used; its other
+    /// full blocks are cached, evicting least recently used blocks not used by this prompt. A
+    /// prompt longer than the whole cache caches only its first `capacity` blocks.
+    pub fn serve(&mut self, prompt: &[u32]) -> Served {
+        self.tick += 1;
+        let cacheable: Vec<&[u32]> = self.full_blocks(prompt).take(self.capacity).collect();
+        let mut parent = None;
+        let mut hit_blocks = 0;
+        for tokens in &cacheable {
+            let hash = self.block_hash(parent, tokens);
+            if !self.blocks.contains_key(&hash) {
+                break;
+            }
+            self.touch(hash);
+            parent = Some(hash);
+            hit_blocks += 1;
+        }
+        let new_blocks = &cacheable[hit_blocks..];
+        let mut events = self.evict(new_blocks.len());
+        if !new_blocks.is_empty() {
+            events.push(Event::Stored(self.store(parent, hit_blocks, new_blocks)));
+        }
+        Served {
+            hit_blocks: hit_blocks as u32,
+            events,
+        }
+    }
+
+    /// Ground truth: how many leading full blocks of `prompt` are cached now. Does not count as a
+    /// use.
+    pub fn true_prefix_hit(&self, prompt: &[u32]) -> u32 {
+        let mut parent = None;
+        let mut hits = 0;
+        for tokens in self.full_blocks(prompt) {
+            let hash = self.block_hash(parent, tokens);
+            if !self.blocks.contains_key(&hash) {
+                break;
+            }
+            parent = Some(hash);
+            hits += 1;
+        }
+        hits
+    }
+
+    /// Drops every block, as vLLM's `/reset_prefix_cache`; the engine hashes stay the same.
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.lru.clear();
+    }
+
+    /// A process restart: the cache is empty and engine hashes come from a new seed.
+    pub fn reset(&mut self) {
+        self.clear();
+        self.seed = mix(self.seed, 0x5EED);
+    }
+
+    /// Every cached block as `BlockStored` events, one per unbranched root-to-fork run, every
+    /// parent before its children.
+    pub fn snapshot_events(&self) -> Vec<BlockStored> {
+        let mut pending: Vec<u64> = self
+            .blocks
+            .iter()
+            .filter(|(_, block)| block.parent.is_none())
+            .map(|(&hash, _)| hash)
+            .collect();
+        let mut events = Vec::new();
+        while let Some(first) = pending.pop() {
+            let Some(first_block) = self.blocks.get(&first) else {
+                continue;
+            };
+            let mut event = self.stored_event(first_block.parent);
+            let mut current = first;
+            while let Some(block) = self.blocks.get(&current) {
+                event.block_hashes.push(current);
+                event.token_ids.extend_from_slice(&block.tokens);
+                match block.children.as_slice() {
+                    [only] => current = *only,
+                    forks => {
+                        pending.extend_from_slice(forks);
+                        break;
+                    }
+                }
+            }
+            events.push(event);
+        }
+        events
+    }
+
+    fn full_blocks<'p>(&self, prompt: &'p [u32]) -> std::slice::ChunksExact<'p, u32> {
+        prompt.chunks_exact(self.block_size as usize)
+    }
+
+    /// The engine hash: chained over the parent's hash and seeded per process, like vLLM's.
+    fn block_hash(&self, parent: Option<u64>, tokens: &[u32]) -> u64 {
+        let mut bytes = Vec::with_capacity(8 + 4 * tokens.len());
+        if let Some(parent) = parent {
+            bytes.extend_from_slice(&parent.to_le_bytes());
+        }
+        for token in tokens {
+            bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        xxh3_64_with_seed(&bytes, self.seed)
+    }
+
+    fn touch(&mut self, hash: u64) {
+        let tick = self.tick;
+        if let Some(block) = self.blocks.get_mut(&hash) {
+            self.lru
+                .remove(&(block.last_used, Reverse(block.depth), hash));
+            block.last_used = tick;
+            self.lru.insert((tick, Reverse(block.depth), hash));
+        }
+    }
+
+    /// Frees room for `incoming` blocks, never evicting a block the current prompt uses.
+    fn evict(&mut self, incoming: usize) -> Vec<Event> {
+        let mut removed = Vec::new();
+        while self.blocks.len() + incoming > self.capacity {
+            let Some(&oldest) = self.lru.first() else {
+                break;
+            };
+            let (last_used, _, hash) = oldest;
+            if last_used == self.tick {
+                // Everything left is used by the running prompt; `serve` caps a prompt at the
+                // capacity, so this only guards the invariant.
+                break;
+            }
+            self.lru.remove(&oldest);
+            if let Some(block) = self.blocks.remove(&hash) {
+                debug_assert!(block.children.is_empty(), "LRU order evicts leaves first");
+                if let Some(parent) = block.parent.and_then(|p| self.blocks.get_mut(&p)) {
+                    parent.children.retain(|&child| child != hash);
+                }
+            }
+            removed.push(Event::Removed(BlockRemoved {
+                block_hashes: vec![hash],
+                medium: Some(GPU.to_string()),
+                group_idx: Some(0),
+            }));
+        }
+        removed
+    }
+
+    /// Caches `new_blocks` after `parent` (at depth `first_depth`) and describes them.
+    fn store(
+        &mut self,
+        parent: Option<u64>,
+        first_depth: usize,
+        new_blocks: &[&[u32]],
+    ) -> BlockStored {
+        let mut event = self.stored_event(parent);
+        let mut parent = parent;
+        for (offset, tokens) in new_blocks.iter().enumerate() {
+            let hash = self.block_hash(parent, tokens);
+            let depth = (first_depth + offset) as u32;
+            self.blocks.insert(
+                hash,
+                CachedBlock {
+                    parent,
+                    tokens: tokens.to_vec(),
+                    children: Vec::new(),
+                    depth,
+                    last_used: self.tick,
+                },
+            );
+            self.lru.insert((self.tick, Reverse(depth), hash));
+            if let Some(parent_block) = parent.and_then(|p| self.blocks.get_mut(&p)) {
+                parent_block.children.push(hash);
+            }
+            event.block_hashes.push(hash);
+            event.token_ids.extend_from_slice(tokens);
+            parent = Some(hash);
+        }
+        event
+    }
+
+    /// An empty vLLM 0.33-style store event after `parent`.
+    fn stored_event(&self, parent: Option<u64>) -> BlockStored {
+        BlockStored {
+            block_hashes: Vec::new(),
+            parent,
+            token_ids: Vec::new(),
+            block_size: self.block_size,
+            lora_name: None,
+            medium: Some(GPU.to_string()),
+            group_idx: Some(0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prompt of `blocks` full blocks of 4 tokens, distinct per `tag`, plus `extra` tokens.
+    fn prompt(tag: u32, blocks: u32, extra: u32) -> Vec<u32> {
+        (0..blocks * 4 + extra).map(|i| tag * 10_000 + i).collect()
+    }
+
+    fn stored(events: &[Event]) -> Vec<&BlockStored> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Stored(s) => Some(s),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn removed(events: &[Event]) -> Vec<u64> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Removed(r) => {
+                    assert_eq!(r.block_hashes.len(), 1, "vLLM sends one hash per removal");
+                    Some(r.block_hashes[0])
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn first_serve_stores_full_blocks_then_hits() {
+        let mut cache = RankCache::new(4, 100, 1);
+        let p = prompt(1, 3, 2);
+        let first = cache.serve(&p);
+        assert_eq!(first.hit_blocks, 0);
+        let s = stored(&first.events);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].parent, None);
+        assert_eq!(s[0].block_hashes.len(), 3);
+        assert_eq!(s[0].token_ids, p[..12].to_vec());
+        assert_eq!(s[0].block_size, 4);
+        assert_eq!(
+            (s[0].medium.as_deref(), s[0].group_idx),
+            (Some("GPU"), Some(0))
+        );
+        assert_eq!(cache.true_prefix_hit(&p), 3);
+
+        let again = cache.serve(&p);
+        assert_eq!(again.hit_blocks, 3);
+        assert!(again.events.is_empty());
+    }
+
+    #[test]
+    fn extension_stores_only_the_new_blocks_after_the_last_hit() {
+        let mut cache = RankCache::new(4, 100, 1);
+        let short = prompt(1, 2, 0);
+        let first_hashes = stored(&cache.serve(&short).events)[0].block_hashes.clone();
+        let long = prompt(1, 5, 0);
+        let served = cache.serve(&long);
+        assert_eq!(served.hit_blocks, 2);
+        let s = stored(&served.events);
+        assert_eq!(s[0].parent, Some(first_hashes[1]));
+        assert_eq!(s[0].token_ids, long[8..20].to_vec());
+        assert_eq!(cache.true_prefix_hit(&long), 5);
+        assert_eq!(cache.len(), 5);
+    }
+
+    #[test]
+    fn engine_hashes_differ_between_seeds_and_after_reset() {
+        let p = prompt(1, 2, 0);
+        let mut a = RankCache::new(4, 100, 1);
+        let mut b = RankCache::new(4, 100, 2);
+        let ha = stored(&a.serve(&p).events)[0].block_hashes.clone();
+        let hb = stored(&b.serve(&p).events)[0].block_hashes.clone();
+        assert_ne!(ha, hb);
+        a.reset();
+        assert!(a.is_empty());
+        assert_eq!(a.true_prefix_hit(&p), 0);
+        let after = stored(&a.serve(&p).events)[0].block_hashes.clone();
+        assert_ne!(after, ha);
+        // A prefix-cache reset keeps the process, hence its hashes.
+        a.clear();
+        assert!(a.is_empty());
+        assert_eq!(stored(&a.serve(&p).events)[0].block_hashes, after);
+    }
+
+    #[test]
+    fn lru_evicts_the_least_recently_used_tail_first_and_never_the_running_prompt() {
+        let mut cache = RankCache::new(4, 6, 1);
+        let a = prompt(1, 3, 0);
+        let b = prompt(2, 3, 0);
+        let a_hashes = stored(&cache.serve(&a).events)[0].block_hashes.clone();
+        cache.serve(&b);
+        cache.serve(&a); // a is now more recently used than b
+        let c = prompt(3, 2, 0);
+        let served = cache.serve(&c);
+        // Two blocks of b go, deepest first; a is untouched.
+        assert_eq!(removed(&served.events).len(), 2);
+        assert_eq!(cache.true_prefix_hit(&a), 3);
+        assert_eq!(cache.true_prefix_hit(&b), 1);
+        assert_eq!(cache.true_prefix_hit(&c), 2);
+        assert_eq!(cache.len(), 6);
+        // Removals come before the store in the batch.
+        assert!(matches!(served.events.last(), Some(Event::Stored(_))));
+
+        // A prompt that shares a's head pins it while evicting.
+        let mut a_ext = a.clone();
+        a_ext.extend(prompt(4, 3, 0));
+        let served = cache.serve(&a_ext);
+        assert_eq!(served.hit_blocks, 3);
+        let gone = removed(&served.events);
+        assert!(gone.iter().all(|h| !a_hashes.contains(h)));
+        assert_eq!(cache.true_prefix_hit(&a_ext), 6);
+        assert_eq!(cache.len(), 6);
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_cache_caches_its_head() {
+        let mut cache = RankCache::new(4, 3, 1);
+        cache.serve(&prompt(1, 2, 0));
+        let big = prompt(2, 10, 0);
+        let served = cache.serve(&big);
+        assert_eq!(removed(&served.events).len(), 2);
+        assert_eq!(stored(&served.events)[0].block_hashes.len(), 3);
+        assert_eq!(cache.true_prefix_hit(&big), 3);
+    }
+
+    #[test]
+    fn true_prefix_hit_does_not_touch_lru() {
+        let mut cache = RankCache::new(4, 4, 1);
+        let a = prompt(1, 2, 0);
+        let b = prompt(2, 2, 0);
+        cache.serve(&a);
+        cache.serve(&b);
+        assert_eq!(cache.true_prefix_hit(&a), 2); // must not make a recent
+        cache.serve(&prompt(3, 2, 0));
+        assert_eq!(cache.true_prefix_hit(&a), 0);
+        assert_eq!(cache.true_prefix_hit(&b), 2);
+    }
+
+    /// Replays a snapshot into a model of (hash → parent, tokens) and checks every parent comes
+    /// first and every cached block is present once.
+    #[test]
+    fn snapshot_lists_every_block_once_parents_first() {
+        let mut cache = RankCache::new(4, 50, 3);
+        let mut shared = prompt(1, 3, 0);
+        for branch in 0..4 {
+            let mut p = shared.clone();
+            p.extend(prompt(10 + branch, 2, 1));
+            cache.serve(&p);
+        }
+        shared.extend(prompt(20, 1, 0));
+        cache.serve(&shared);
+        cache.serve(&prompt(30, 2, 0));
+
+        let mut seen: HashMap<u64, Vec<u32>> = HashMap::new();
+        for event in cache.snapshot_events() {
+            if let Some(parent) = event.parent {
+                assert!(seen.contains_key(&parent), "parent before child");
+            }
+            assert_eq!(event.token_ids.len(), event.block_hashes.len() * 4);
+            for (hash, tokens) in event.block_hashes.iter().zip(event.token_ids.chunks(4)) {
+                assert!(seen.insert(*hash, tokens.to_vec()).is_none(), "listed once");
+            }
+        }
+        assert_eq!(seen.len(), cache.len());
+        assert_eq!(seen.len(), 3 + 4 * 2 + 1 + 2);
+    }
+
+    #[test]
+    fn random_workload_keeps_capacity_and_no_orphans() {
+        let mut rng = crate::sim::rng::SplitMix64::new(9);
+        let mut cache = RankCache::new(4, 40, 5);
+        let mut live: HashMap<u64, Option<u64>> = HashMap::new();
+        for _ in 0..500 {
+            let head = rng.below(5) as u32;
+            let mut p = prompt(head, 1 + rng.below(6) as u32, 0);
+            p.extend(prompt(100 + rng.below(20) as u32, rng.below(8) as u32, 3));
+            let expected_hit = cache.true_prefix_hit(&p);
+            let served = cache.serve(&p);
+            assert_eq!(served.hit_blocks, expected_hit);
+            for event in &served.events {
+                match event {
+                    Event::Removed(r) => {
+                        let hash = r.block_hashes[0];
+                        assert!(live.values().all(|p| *p != Some(hash)), "no orphan child");
+                        assert!(live.remove(&hash).is_some());
+                    }
+                    Event::Stored(s) => {
+                        let mut parent = s.parent;
+                        assert!(parent.is_none_or(|p| live.contains_key(&p)));
+                        for &hash in &s.block_hashes {
+                            live.insert(hash, parent);
+                            parent = Some(hash);
+                        }
+                    }
+                    Event::Cleared => unreachable!("the cache never clears itself"),
+                }
+            }
+            assert!(cache.len() <= 40);
+            assert_eq!(live.len(), cache.len());
+        }
+    }
+}
