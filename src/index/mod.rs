@@ -271,12 +271,6 @@ impl Search<'_, '_> {
         split
     }
 
-    /// Starts loading the place of key `i` (already hashed, or hashed now).
-    fn prefetch(&mut self, i: usize) {
-        let key = self.keys.get(i);
-        self.index.shard(key).prefetch(key);
-    }
-
     fn set_matched(&mut self, group: &[usize], matched: usize) {
         let matched = u32::try_from(matched).unwrap_or(u32::MAX);
         for &c in group {
@@ -295,7 +289,6 @@ impl Search<'_, '_> {
                 return;
             }
             let probe = (low + step - 1).min(blocks - 1);
-            self.prefetch(low + (probe - low) / 2);
             let (holding, dropped) = self.split(probe, group);
             self.bisect(low, probe, dropped);
             group = holding;
@@ -314,9 +307,6 @@ impl Search<'_, '_> {
             return;
         }
         let middle = low + (high - low) / 2;
-        // Whichever way the candidates split, the next probes are the middles of both halves.
-        self.prefetch(middle + 1 + (high - middle - 1) / 2);
-        self.prefetch(low + (middle - low) / 2);
         let (holding, dropped) = self.split(middle, group);
         self.bisect(middle + 1, high, holding);
         self.bisect(low, middle, dropped);
