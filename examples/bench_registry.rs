@@ -24,6 +24,7 @@ fn config(engines: u32) -> Config {
             // From 20000 up, below 60000 for up to 5,000 engines: loopback ports nobody
             // listens on.
             zmq_port: (20_000 + i * RANKS) as u16,
+            dp_rank_start: 0,
             dp_size: RANKS,
             replay_port: None,
             recover_port: None,
