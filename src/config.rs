@@ -34,7 +34,12 @@ pub struct Config {
 pub struct EngineConfig {
     pub name: String,
     pub host: String,
+    /// Rank 0's port, the base the engine was given; rank r publishes on `zmq_port + r`.
     pub zmq_port: u16,
+    /// The first global data-parallel rank this engine runs (vLLM's
+    /// `--data-parallel-start-rank`): its listeners are ranks `dp_rank_start..dp_rank_start +
+    /// dp_size`. 0 unless one deployment spans several nodes.
+    pub dp_rank_start: u32,
     pub dp_size: u32,
     pub replay_port: Option<u16>,
     pub recover_port: Option<u16>,
@@ -53,6 +58,8 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub const DEFAULT_SHARDS: usize = 64;
 pub const DEFAULT_ZMQ_PORT: u16 = 5557;
 pub const DEFAULT_DP_SIZE: u32 = 1;
+pub const DEFAULT_DP_RANK_START: u32 = 0;
+/// Global data-parallel ranks are below this: it bounds `dp_size` and `dp_rank_start + dp_size`.
 pub const MAX_DP_SIZE: u32 = 1024;
 /// More shards than this buys no concurrency on any real machine and costs memory.
 pub const MAX_SHARDS: usize = 1 << 16;
@@ -270,6 +277,7 @@ struct RawEngine {
     name: Option<Spanned<String>>,
     host: Option<Spanned<String>>,
     zmq_port: Option<Spanned<Int>>,
+    dp_rank_start: Option<Spanned<Int>>,
     dp_size: Option<Spanned<Int>>,
     replay_port: Option<Spanned<Int>>,
     recover_port: Option<Spanned<Int>>,
@@ -420,6 +428,7 @@ struct EngineFields {
     name: Checked<String>,
     host: Checked<String>,
     zmq_port: Checked<u16>,
+    dp_rank_start: Checked<u32>,
     dp_size: Checked<u32>,
     replay_port: Checked<u16>,
     recover_port: Checked<u16>,
@@ -456,10 +465,18 @@ impl EngineFields {
                 .ok()
                 .filter(|size| (1..=MAX_DP_SIZE).contains(size))
         });
+        let last_rank = MAX_DP_SIZE - 1;
+        let dp_rank_start = checker.int(
+            "dp_rank_start",
+            raw.dp_rank_start,
+            &format!("0..={last_rank}"),
+            |n| u32::try_from(n).ok().filter(|&start| start <= last_rank),
+        );
         EngineFields {
             name,
             host,
             zmq_port: checker.port("zmq_port", raw.zmq_port),
+            dp_rank_start,
             dp_size,
             replay_port: checker.port("replay_port", raw.replay_port),
             recover_port: checker.port("recover_port", raw.recover_port),
@@ -474,6 +491,7 @@ impl EngineFields {
             name: self.name.clone(),
             host: self.host.clone(),
             zmq_port: self.zmq_port.or(&defaults.zmq_port),
+            dp_rank_start: self.dp_rank_start.or(&defaults.dp_rank_start),
             dp_size: self.dp_size.or(&defaults.dp_size),
             replay_port: self.replay_port.or(&defaults.replay_port),
             recover_port: self.recover_port.or(&defaults.recover_port),
@@ -578,12 +596,30 @@ fn check_engines(
             }
         }
         let fields = EngineFields::check(raw, &dropped, &section, problems).or(defaults);
-        let (Checked::Valid(host), Some(dp_size)) = (
+        let (Checked::Valid(host), Some(dp_size), Some(dp_rank_start)) = (
             fields.host.clone(),
             fields.dp_size.clone().or_default_to(DEFAULT_DP_SIZE),
+            fields
+                .dp_rank_start
+                .clone()
+                .or_default_to(DEFAULT_DP_RANK_START),
         ) else {
             continue;
         };
+        let ranks = RankRange {
+            start: dp_rank_start,
+            size: dp_size,
+        };
+        if ranks.end() > MAX_DP_SIZE {
+            let why = format!(
+                "global ranks {}..{} run past {} (`dp_rank_start` {dp_rank_start} + `dp_size` {dp_size} must be at most {MAX_DP_SIZE})",
+                ranks.start,
+                ranks.end() - 1,
+                MAX_DP_SIZE - 1
+            );
+            problems.add(Some(span.clone()), &section, why);
+            continue;
+        }
         let ports = [
             (
                 SocketKind::Zmq,
@@ -604,11 +640,12 @@ fn check_engines(
         let mut ranges_fit = true;
         for (kind, key, port) in ports {
             let Some(port) = port else { continue };
-            let range = PortRange::of_ranks(kind, port, dp_size);
+            let range = PortRange::of_ranks(kind, port, ranks);
             if range.last > u32::from(u16::MAX) {
                 let why = format!(
-                    "{} run past 65535 (`{key}` {port} + dp_size {dp_size} - 1)",
-                    range.describe()
+                    "{} run past 65535 (`{key}` {port} + {})",
+                    range.describe(),
+                    ranks.describe_last()
                 );
                 problems.add(Some(span.clone()), &section, why);
                 ranges_fit = false;
@@ -631,6 +668,7 @@ fn check_engines(
                 name: fields.name.optional()??,
                 host,
                 zmq_port: fields.zmq_port.or_default_to(DEFAULT_ZMQ_PORT)?,
+                dp_rank_start,
                 dp_size,
                 replay_port: fields.replay_port.optional()?,
                 recover_port: fields.recover_port.optional()?,
@@ -661,7 +699,29 @@ impl SocketKind {
     }
 }
 
-/// The ports one socket kind of an engine occupies: `first + rank` for every rank.
+/// The global data-parallel ranks of one engine: `start..start + size`, `size` at least 1.
+#[derive(Clone, Copy)]
+struct RankRange {
+    start: u32,
+    size: u32,
+}
+
+impl RankRange {
+    /// One past the last rank.
+    fn end(self) -> u32 {
+        self.start + self.size
+    }
+
+    /// How the last rank's offset is computed, for messages; the start only when it is set.
+    fn describe_last(self) -> String {
+        match self.start {
+            0 => format!("dp_size {} - 1", self.size),
+            start => format!("dp_rank_start {start} + dp_size {} - 1", self.size),
+        }
+    }
+}
+
+/// The ports one socket kind of an engine occupies: `port + rank` for every global rank.
 struct PortRange {
     kind: SocketKind,
     first: u32,
@@ -669,12 +729,12 @@ struct PortRange {
 }
 
 impl PortRange {
-    fn of_ranks(kind: SocketKind, port: u16, dp_size: u32) -> PortRange {
-        let first = u32::from(port);
+    fn of_ranks(kind: SocketKind, port: u16, ranks: RankRange) -> PortRange {
+        let first = u32::from(port) + ranks.start;
         PortRange {
             kind,
             first,
-            last: first + dp_size - 1,
+            last: first + ranks.size - 1,
         }
     }
 
@@ -766,6 +826,7 @@ mod tests {
                     name: "local".into(),
                     host: "127.0.0.1".into(),
                     zmq_port: 5557,
+                    dp_rank_start: 0,
                     dp_size: 1,
                     replay_port: None,
                     recover_port: None,
@@ -1099,6 +1160,142 @@ replay_port = 7001
             ],
         );
         assert_eq!(found.len(), 3, "{found:#?}");
+    }
+
+    #[test]
+    fn dp_rank_start_comes_from_the_engine_else_defaults_else_0() {
+        let text = r#"
+[defaults]
+dp_rank_start = 4
+[[engine]]
+name = "inherits"
+host = "h1"
+[[engine]]
+name = "node-b"
+host = "h2"
+dp_rank_start = 2
+dp_size = 2
+"#;
+        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
+        let starts: Vec<(u32, u32)> = config
+            .engines
+            .iter()
+            .map(|engine| (engine.dp_rank_start, engine.dp_size))
+            .collect();
+        assert_eq!(starts, vec![(4, 1), (2, 2)]);
+        let plain = Config::parse(ENGINE_A, "f").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(plain.engines[0].dp_rank_start, 0);
+    }
+
+    #[test]
+    fn dp_rank_start_and_the_last_global_rank_stay_below_1024() {
+        let text = r#"
+[defaults]
+dp_rank_start = -1
+[[engine]]
+name = "a"
+host = "h"
+dp_rank_start = 1024
+[[engine]]
+name = "b"
+host = "h2"
+dp_rank_start = 1000
+dp_size = 25
+[[engine]]
+name = "c"
+host = "h3"
+dp_rank_start = 1000
+dp_size = 24
+[[engine]]
+name = "d"
+host = "h4"
+dp_rank_start = "2"
+"#;
+        let found = problems(text);
+        find(
+            &found,
+            &[
+                "indexer.toml:3:",
+                "[defaults]",
+                "`dp_rank_start`",
+                "0..=1023, found -1",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:7:",
+                "engine \"a\"",
+                "`dp_rank_start`",
+                "found 1024",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:8:",
+                "engine \"b\"",
+                "global ranks 1000..1024 run past 1023",
+                "`dp_rank_start` 1000 + `dp_size` 25",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:21:",
+                "engine \"d\"",
+                "`dp_rank_start`",
+                "expected an integer",
+            ],
+        );
+        assert_eq!(found.len(), 4, "{found:#?}");
+    }
+
+    #[test]
+    fn port_ranges_with_dp_rank_start_are_checked_where_the_ranks_really_are() {
+        // Node B of a 2-node deployment: ranks 2 and 3 on 5559 and 5560, 5557 and 5558 free.
+        let text = r#"
+[[engine]]
+name = "node-b"
+host = "h"
+zmq_port = 5557
+dp_rank_start = 2
+dp_size = 2
+[[engine]]
+name = "below"
+host = "h"
+zmq_port = 5557
+dp_size = 2
+[[engine]]
+name = "into-node-b"
+host = "h"
+zmq_port = 6000
+replay_port = 5560
+[[engine]]
+name = "past-65535"
+host = "h2"
+zmq_port = 65534
+dp_rank_start = 1
+dp_size = 2
+"#;
+        let found = problems(text);
+        find(
+            &found,
+            &[
+                "indexer.toml:13:",
+                "engine \"into-node-b\"",
+                "replay ports 5560..5560 overlap zmq ports of engine \"node-b\" (5559..5560)",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:18:",
+                "engine \"past-65535\"",
+                "zmq ports 65535..65536 run past 65535 (`zmq_port` 65534 + dp_rank_start 1 + dp_size 2 - 1)",
+            ],
+        );
+        assert_eq!(found.len(), 2, "{found:#?}");
     }
 
     #[test]

@@ -18,10 +18,12 @@
 //! benchmarks; the indexer itself never uses it.
 
 pub mod config;
+pub mod http;
 pub mod index;
 pub mod listener;
 pub mod metrics;
 pub mod plan;
+pub mod registry;
 pub mod service;
 pub mod sim;
 pub mod wire;

@@ -1,9 +1,11 @@
 //! Expansion of the validated configuration into one listener spec per data-parallel rank.
 //!
-//! Owns the rule "rank r of an engine lives on port + r" (SPEC.md "Expansion"). It never opens
-//! a socket: it only computes what the registry should be running.
+//! Owns the rule "rank r of an engine lives on port + r" (SPEC.md "Expansion"), r being the
+//! global data-parallel rank (`dp_rank_start..dp_rank_start + dp_size`, for one deployment spread
+//! over several nodes). It never opens a socket: it only computes what the registry should be
+//! running.
 
-/// Identity of one listener: the worker (engine name, dp_rank).
+/// Identity of one listener: the worker (engine name, global dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct WorkerKey {
     pub engine: String,
@@ -34,13 +36,15 @@ pub fn expand(config: &Config) -> Vec<ListenerSpec> {
     config.engines.iter().flat_map(expand_engine).collect()
 }
 
-/// One spec per rank of `engine`: rank `r` is on `port + r` for every socket kind.
+/// One spec per rank of `engine`: global rank `r` (from `dp_rank_start`) is on `port + r` for
+/// every socket kind.
 pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
-    // Arithmetic in u32: a validated engine never passes 65535, and an unvalidated one yields a
+    // Arithmetic in u64: a validated engine never passes 65535, and an unvalidated one yields a
     // URL that fails to connect rather than a panic.
-    let on_rank = |port: u16, rank: u32| u32::from(port) + rank;
+    let on_rank = |port: u16, rank: u32| u64::from(port) + u64::from(rank);
     let host = url_host(&engine.host);
-    (0..engine.dp_size)
+    let first = engine.dp_rank_start;
+    (first..first.saturating_add(engine.dp_size))
         .map(|rank| ListenerSpec {
             key: WorkerKey {
                 engine: engine.name.clone(),
@@ -68,7 +72,7 @@ fn url_host(host: &str) -> String {
     }
 }
 
-/// The plan as a text table, one row per rank, columns aligned; absent values are `-`.
+/// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
 pub fn render_table(specs: &[ListenerSpec]) -> String {
     const HEADER: [&str; 7] = [
         "ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL",
@@ -116,6 +120,7 @@ mod tests {
             name: name.into(),
             host: host.into(),
             zmq_port: 5557,
+            dp_rank_start: 0,
             dp_size,
             replay_port: None,
             recover_port: None,
@@ -208,6 +213,51 @@ mod tests {
             .collect();
         expected.push("small/0 tcp://gpu-2:5557".into());
         assert_eq!(rows, expected);
+    }
+
+    #[test]
+    fn dp_rank_start_makes_ranks_global_and_offsets_every_port_from_the_base() {
+        // vLLM node B of `--data-parallel-size 4 --data-parallel-size-local 2
+        // --data-parallel-start-rank 2`, kv-events endpoint 5557.
+        let mut node_b = engine("llama-node-b", "10.0.0.6", 2);
+        node_b.dp_rank_start = 2;
+        node_b.replay_port = Some(5600);
+        node_b.recover_port = Some(8200);
+        let rows: Vec<_> = expand(&config(vec![node_b]))
+            .into_iter()
+            .map(|s| (s.key.dp_rank, s.endpoint, s.replay, s.recover))
+            .collect();
+        let row = |rank: u32, zmq: u32, replay: u32, recover: u32| {
+            (
+                rank,
+                format!("tcp://10.0.0.6:{zmq}"),
+                Some(format!("tcp://10.0.0.6:{replay}")),
+                Some(format!("http://10.0.0.6:{recover}/kv_recover")),
+            )
+        };
+        assert_eq!(
+            rows,
+            vec![row(2, 5559, 5602, 8202), row(3, 5560, 5603, 8203)]
+        );
+    }
+
+    #[test]
+    fn table_shows_the_global_rank() {
+        let mut node_b = engine("llama-node-b", "10.0.0.6", 2);
+        node_b.dp_rank_start = 2;
+        let table = render_table(&expand(&config(vec![node_b])));
+        let rows: Vec<Vec<&str>> = table
+            .lines()
+            .skip(1)
+            .map(|line| line.split_whitespace().take(3).collect())
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                vec!["llama-node-b", "2", "tcp://10.0.0.6:5559"],
+                vec!["llama-node-b", "3", "tcp://10.0.0.6:5560"],
+            ]
+        );
     }
 
     #[test]

@@ -1,11 +1,281 @@
 //! The running process: index, metrics, registry, HTTP server, signals.
+//!
+//! Owns: start-up order, the configuration in effect, reload (SIGHUP and `POST /reload`, one at
+//! a time), the background retry of engines that failed to start, and clean shutdown.
+//! Never: touches a socket of an engine or the index's contents itself (the registry and the
+//! listeners do), or exits without stopping the HTTP server and every listener.
 
-use std::path::Path;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
-use crate::config::Config;
+use anyhow::Context;
+use log::{error, info, warn};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::config::{Config, ConfigError};
+use crate::http::{Api, HttpServer};
+use crate::index::Index;
+use crate::metrics::Metrics;
+use crate::plan;
+use crate::registry::{Registry, ReloadDiff};
+
+/// First wait before retrying an engine that failed to start; doubles up to `RETRY_MAX`.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
 pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
-    todo!("service helper: {config_path:?} {config:?} {listen:?}")
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the signal runtime")?;
+    runtime.block_on(async {
+        // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
+        let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+        let mut terminate =
+            signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        let mut interrupt =
+            signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+        let service = Service::start(config_path, config, listen)?;
+        loop {
+            tokio::select! {
+                _ = hangup.recv() => {
+                    info!("SIGHUP: reloading {}", config_path.display());
+                    // The outcome is logged by reload itself.
+                    let _ = service.reload();
+                }
+                _ = terminate.recv() => {
+                    info!("SIGTERM: shutting down");
+                    break;
+                }
+                _ = interrupt.recv() => {
+                    info!("SIGINT: shutting down");
+                    break;
+                }
+            }
+        }
+        service.shutdown();
+        Ok(())
+    })
+}
+
+/// Everything the process runs, started and stopped as one.
+pub struct Service {
+    http: HttpServer,
+    registry: Arc<Mutex<Registry>>,
+    reloader: Arc<Reloader>,
+    retry: Retry,
+}
+
+impl Service {
+    /// Builds the index and the registry, subscribes to every engine (one that fails is logged
+    /// and retried in the background) and serves HTTP on `listen` or else the file's `listen`.
+    pub fn start(
+        config_path: &Path,
+        config: Config,
+        listen: Option<String>,
+    ) -> anyhow::Result<Service> {
+        let index = Index::new(config.block_size, config.shards);
+        let metrics = Arc::new(Metrics::new());
+        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
+        let directory = registry.directory();
+        let registry = Arc::new(Mutex::new(registry));
+
+        let plan = plan::expand(&config);
+        info!(
+            "configuration {}: block_size {}, {} shards, {} engines, {} ranks",
+            config_path.display(),
+            config.block_size,
+            config.shards,
+            config.engines.len(),
+            plan.len()
+        );
+        let diff = lock(&registry).apply(plan);
+        for failure in &diff.failed {
+            warn!("{failure}; retrying in the background");
+        }
+        info!(
+            "subscribed to {} ranks ({} engines failed to start)",
+            diff.added.len(),
+            diff.failed.len()
+        );
+
+        let listen = listen.unwrap_or_else(|| config.listen.clone());
+        let reloader = Arc::new(Reloader {
+            config_path: config_path.to_owned(),
+            applied: Mutex::new(config),
+            registry: registry.clone(),
+            metrics: metrics.clone(),
+        });
+        let reload_for_http = reloader.clone();
+        let api = Arc::new(Api {
+            index,
+            metrics,
+            registry: registry.clone(),
+            directory,
+            reload: Box::new(move || reload_for_http.reload()),
+        });
+        let http = HttpServer::start(&listen, api)?;
+        let retry = Retry::spawn(registry.clone())?;
+        Ok(Service {
+            http,
+            registry,
+            reloader,
+            retry,
+        })
+    }
+
+    /// The address the HTTP API is bound to.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http.addr()
+    }
+
+    /// Re-reads the configuration file and applies it (SIGHUP).
+    pub fn reload(&self) -> Result<ReloadDiff, ConfigError> {
+        self.reloader.reload()
+    }
+
+    /// Stops HTTP (answering what was already received), the retries and every listener.
+    pub fn shutdown(self) {
+        self.http.stop();
+        self.retry.stop();
+        let mut registry = lock(&self.registry);
+        let ranks = registry.running_count();
+        registry.stop_all();
+        info!("stopped {ranks} listeners; bye");
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Applies the configuration file to the registry; its lock serializes reloads.
+struct Reloader {
+    config_path: PathBuf,
+    /// The file's configuration as last applied, with the values in effect for the keys that
+    /// only a restart changes (`listen`, `block_size`, `shards`).
+    applied: Mutex<Config>,
+    registry: Arc<Mutex<Registry>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Reloader {
+    fn reload(&self) -> Result<ReloadDiff, ConfigError> {
+        let mut applied = lock(&self.applied);
+        let path = self.config_path.display();
+        let mut config = match Config::load(&self.config_path) {
+            Ok(config) => config,
+            Err(rejected) => {
+                for problem in &rejected.problems {
+                    error!("reload rejected: {problem}");
+                }
+                error!("reload of {path} rejected; the running configuration is unchanged");
+                self.metrics.reload(false);
+                return Err(rejected);
+            }
+        };
+        keep_for_restart(
+            "listen",
+            &mut config.listen,
+            &applied.listen,
+            &self.config_path,
+        );
+        keep_for_restart(
+            "block_size",
+            &mut config.block_size,
+            &applied.block_size,
+            &self.config_path,
+        );
+        keep_for_restart(
+            "shards",
+            &mut config.shards,
+            &applied.shards,
+            &self.config_path,
+        );
+        let diff = lock(&self.registry).apply(plan::expand(&config));
+        let names = |keys: &[plan::WorkerKey]| -> String {
+            keys.iter()
+                .map(|k| format!("{}/{}", k.engine, k.dp_rank))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        info!(
+            "reload of {path} applied: added [{}], removed [{}], replaced [{}], {} unchanged",
+            names(&diff.added),
+            names(&diff.removed),
+            names(&diff.replaced),
+            diff.unchanged
+        );
+        for failure in &diff.failed {
+            warn!("{failure}; retrying in the background");
+        }
+        *applied = config;
+        self.metrics.reload(true);
+        Ok(diff)
+    }
+}
+
+/// A key that cannot change while running: warn and keep the value in effect.
+fn keep_for_restart<T: PartialEq + std::fmt::Display + Clone>(
+    key: &str,
+    new: &mut T,
+    in_effect: &T,
+    path: &Path,
+) {
+    if new != in_effect {
+        warn!(
+            "{}: {key} changed from {in_effect} to {new}; restart kv-indexer to apply it (keeping {in_effect})",
+            path.display()
+        );
+        *new = in_effect.clone();
+    }
+}
+
+/// The background thread that retries engines that failed to start, with backoff. It holds the
+/// registry lock only while starting, so reloads and queries never wait for a backoff.
+struct Retry {
+    stop: Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl Retry {
+    fn spawn(registry: Arc<Mutex<Registry>>) -> anyhow::Result<Retry> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("engine-retry".into())
+            .spawn(move || {
+                let mut backoff = RETRY_MIN;
+                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(backoff) {
+                    let mut registry = lock(&registry);
+                    if !registry.has_pending() {
+                        backoff = RETRY_MIN;
+                        continue;
+                    }
+                    let failing = registry.retry_pending();
+                    drop(registry);
+                    backoff = if failing.is_empty() {
+                        RETRY_MIN
+                    } else {
+                        (backoff * 2).min(RETRY_MAX)
+                    };
+                    for failure in failing {
+                        warn!("{failure}; next retry in {}s", backoff.as_secs());
+                    }
+                }
+            })
+            .context("spawning the engine retry thread")?;
+        Ok(Retry { stop, thread })
+    }
+
+    fn stop(self) {
+        // Dropping the sender also wakes the thread; send makes the intent explicit.
+        let _ = self.stop.send(());
+        let _ = self.thread.join();
+    }
 }

@@ -1,4 +1,5 @@
-//! The real binary's `--check`: the shipped file, a multi-rank file, and broken input.
+//! The real binary's `--check`: the shipped file, a multi-rank file, a two-node deployment, and
+//! broken input.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -83,6 +84,64 @@ fn every_rank_gets_a_row_on_port_plus_rank() {
         stdout.contains("1 engine, 2 listeners; listen 0.0.0.0:9000"),
         "{stdout}"
     );
+}
+
+#[test]
+fn a_two_node_deployment_lists_node_b_under_its_global_ranks_on_base_port_plus_rank() {
+    let (_dir, path) = temp_config(
+        r#"
+[defaults]
+zmq_port = 5557
+replay_port = 5600
+dp_size = 2
+[[engine]]
+name = "llama-node-a"
+host = "10.0.0.7"
+[[engine]]
+name = "llama-node-b"
+host = "10.0.0.8"
+dp_rank_start = 2
+"#,
+    );
+    let output = check(&path, &[]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|line| line.starts_with("llama-node-"))
+        .map(|line| line.split_whitespace().take(4).collect())
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            vec![
+                "llama-node-a",
+                "0",
+                "tcp://10.0.0.7:5557",
+                "tcp://10.0.0.7:5600"
+            ],
+            vec![
+                "llama-node-a",
+                "1",
+                "tcp://10.0.0.7:5558",
+                "tcp://10.0.0.7:5601"
+            ],
+            vec![
+                "llama-node-b",
+                "2",
+                "tcp://10.0.0.8:5559",
+                "tcp://10.0.0.8:5602"
+            ],
+            vec![
+                "llama-node-b",
+                "3",
+                "tcp://10.0.0.8:5560",
+                "tcp://10.0.0.8:5603"
+            ],
+        ],
+        "{stdout}"
+    );
+    assert!(stdout.contains("2 engines, 4 listeners"), "{stdout}");
 }
 
 #[test]

@@ -10,9 +10,6 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const SEED: u64 = 1337;
 
-/// Blocks up to this many tokens are serialised on the stack.
-const STACK_TOKENS: usize = 64;
-
 /// The key of a block whose predecessor (or LoRA root) is `parent` and whose own tokens hash to
 /// `local`.
 pub(super) fn chain(parent: u64, local: u64) -> u64 {
@@ -20,6 +17,24 @@ pub(super) fn chain(parent: u64, local: u64) -> u64 {
     bytes[..8].copy_from_slice(&parent.to_le_bytes());
     bytes[8..].copy_from_slice(&local.to_le_bytes());
     xxh3_64_with_seed(&bytes, SEED)
+}
+
+/// The hash of one block's tokens, as little-endian u32 bytes.
+fn local_hash(block: &[u32]) -> u64 {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: the bytes of a `[u32]` on a little-endian target are its tokens' little-endian
+        // bytes: same address, `size_of_val` bytes long, no padding, and `u8` needs no alignment.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block))
+        };
+        xxh3_64_with_seed(bytes, SEED)
+    }
+    #[cfg(target_endian = "big")]
+    {
+        let bytes: Vec<u8> = block.iter().flat_map(|token| token.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, SEED)
+    }
 }
 
 /// The value a LoRA adapter's first block chains from.
@@ -34,7 +49,6 @@ pub(super) struct KeyChain<'t> {
     /// What the next block chains from: the previous key, or the parent's key / LoRA root for the
     /// first block; `None` makes the first key the block's local hash.
     previous: Option<u64>,
-    bytes: Vec<u8>,
 }
 
 impl<'t> KeyChain<'t> {
@@ -43,7 +57,6 @@ impl<'t> KeyChain<'t> {
         KeyChain {
             blocks: tokens.chunks_exact(block_size),
             previous: chained_from,
-            bytes: Vec::new(),
         }
     }
 
@@ -63,19 +76,7 @@ impl Iterator for KeyChain<'_> {
 
     fn next(&mut self) -> Option<u64> {
         let block = self.blocks.next()?;
-        let local = if block.len() <= STACK_TOKENS {
-            let mut bytes = [0u8; STACK_TOKENS * 4];
-            for (slot, token) in bytes.chunks_exact_mut(4).zip(block) {
-                slot.copy_from_slice(&token.to_le_bytes());
-            }
-            xxh3_64_with_seed(&bytes[..block.len() * 4], SEED)
-        } else {
-            self.bytes.clear();
-            for token in block {
-                self.bytes.extend_from_slice(&token.to_le_bytes());
-            }
-            xxh3_64_with_seed(&self.bytes, SEED)
-        };
+        let local = local_hash(block);
         let key = match self.previous {
             Some(previous) => chain(previous, local),
             None => local,

@@ -63,14 +63,14 @@ use parking_lot::RwLock;
 
 use crate::wire::{BlockRemoved, BlockStored, Event};
 use keys::{lora_root, KeyChain, LazyKeys};
-use shard::Shard;
+use shard::LockedShard;
 
 /// The shared index: shards of `key → holders`. Readers (`query`) and every worker's writer use
 /// it concurrently.
 pub struct Index {
     block_size: u32,
     shard_mask: u64,
-    shards: Box<[Padded<RwLock<Shard>>]>,
+    shards: Box<[Padded<LockedShard>]>,
     workers: RwLock<Registry>,
 }
 
@@ -105,7 +105,7 @@ impl Index {
             block_size,
             shard_mask: shards as u64 - 1,
             shards: (0..shards)
-                .map(|_| Padded(RwLock::new(Shard::default())))
+                .map(|_| Padded(LockedShard::default()))
                 .collect(),
             workers: RwLock::new(Registry::default()),
         })
@@ -220,7 +220,7 @@ impl Index {
         self.shards.iter().map(|s| s.0.read().held_keys()).sum()
     }
 
-    fn shard(&self, key: u64) -> &RwLock<Shard> {
+    fn shard(&self, key: u64) -> &LockedShard {
         // The mask keeps the index below the shard count.
         &self.shards[(key & self.shard_mask) as usize].0
     }
@@ -433,6 +433,14 @@ impl WorkerBlocks {
         keys.clear();
         keys.extend(KeyChain::new(&stored.token_ids, block_size, chained_from));
         let hashes = &stored.block_hashes;
+        // Start every cache miss of the event before the first lock: the shard places of its
+        // keys, and the worker map's buckets (looked up again, in order, below).
+        for &key in parent_key.iter().chain(&keys) {
+            self.index.shard(key).prefetch(key);
+        }
+        for &hash in hashes {
+            std::hint::black_box(self.key_of(hash));
+        }
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
         // previous block below (in the same shard visit as that block's own holding). Which
@@ -491,6 +499,8 @@ impl WorkerBlocks {
             outcome.ignored_group += 1;
             return;
         }
+        let mut keys = std::mem::take(&mut self.keys);
+        keys.clear();
         for &hash in &removed.block_hashes {
             let found = self
                 .blocks
@@ -498,12 +508,19 @@ impl WorkerBlocks {
             match found {
                 Ok(entry) => {
                     let ((_, key), _) = entry.remove();
-                    self.drop_holding(key);
-                    outcome.removed_blocks += 1;
+                    keys.push(key);
                 }
                 Err(_) => outcome.unknown_block += 1,
             }
         }
+        for &key in &keys {
+            self.index.shard(key).prefetch(key);
+        }
+        for &key in &keys {
+            self.drop_holding(key);
+        }
+        outcome.removed_blocks += keys.len() as u64;
+        self.keys = keys;
         outcome.removed += 1;
     }
 
@@ -527,27 +544,34 @@ impl WorkerBlocks {
         let change = self
             .index
             .shard(key)
-            .write()
-            .add(key, parent, self.id, holdings, children);
-        self.stats
-            .orphans
-            .fetch_add(change.orphans, Ordering::Relaxed);
+            .write(|shard| shard.add(key, parent, self.id, holdings, children));
+        self.count_orphans(change.orphans);
     }
 
     /// Drops one holding of `key` (its engine hash is already out of the map), and its count as
     /// a child of its parent.
     fn drop_holding(&mut self, key: u64) {
-        let change = self.index.shard(key).write().remove(key, self.id, 1, 0);
+        let id = self.id;
+        let change = self
+            .index
+            .shard(key)
+            .write(|shard| shard.remove(key, id, 1, 0));
         let mut orphans = change.orphans;
         if let Some(parent) = change.parent {
             orphans += self
                 .index
                 .shard(parent)
-                .write()
-                .remove(parent, self.id, 0, 1)
+                .write(|shard| shard.remove(parent, id, 0, 1))
                 .orphans;
         }
-        self.stats.orphans.fetch_add(orphans, Ordering::Relaxed);
+        self.count_orphans(orphans);
+    }
+
+    /// Most changes leave the orphan count alone: skip the atomic write then.
+    fn count_orphans(&self, change: i64) {
+        if change != 0 {
+            self.stats.orphans.fetch_add(change, Ordering::Relaxed);
+        }
     }
 }
 

@@ -34,6 +34,8 @@ pub(super) struct RankLoop {
     sockets: Sockets,
     applier: Applier,
     sequence: Sequence,
+    /// Reused for every live message.
+    live_frames: Frames,
     /// While lost history may still be repaired by a snapshot: the next attempt and the
     /// backoff after it.
     snapshot_retry: Option<(Instant, Duration)>,
@@ -85,6 +87,7 @@ impl RankLoop {
                 warned_block_size: false,
             },
             sequence: Sequence::new(),
+            live_frames: Frames::default(),
             snapshot_retry: None,
         }
     }
@@ -123,9 +126,11 @@ impl RankLoop {
     }
 
     fn drain_monitor(&mut self) -> anyhow::Result<()> {
-        while let Some(frames) = receive(&self.sockets.monitor)? {
+        let mut frames = Frames::default();
+        while frames.receive(&self.sockets.monitor)? {
             // Frame 0: u16 event id (native order), u32 value; frame 1: the endpoint.
             let Some(event) = frames
+                .as_slice()
                 .first()
                 .and_then(|frame| frame.get(..2))
                 .and_then(|id| <[u8; 2]>::try_from(id).ok())
@@ -143,18 +148,23 @@ impl RankLoop {
     }
 
     fn drain_live(&mut self) -> anyhow::Result<Recovery> {
+        // Taken out of `self` for the drain, so that `on_live` may borrow both.
+        let mut frames = std::mem::take(&mut self.live_frames);
+        let mut outcome = Recovery::Done;
         for _ in 0..DRAIN_BATCH {
-            let Some(frames) = receive(&self.sockets.sub)? else {
+            if !frames.receive(&self.sockets.sub)? {
                 break;
-            };
-            if self.on_live(&frames) == Recovery::Stopped {
-                return Ok(Recovery::Stopped);
+            }
+            outcome = self.on_live(frames.as_slice());
+            if outcome == Recovery::Stopped {
+                break;
             }
         }
-        Ok(Recovery::Done)
+        self.live_frames = frames;
+        Ok(outcome)
     }
 
-    fn on_live(&mut self, frames: &[Vec<u8>]) -> Recovery {
+    fn on_live(&mut self, frames: &[zmq::Message]) -> Recovery {
         let status = Arc::clone(&self.applier.status);
         let message = match wire::parse_message(frames) {
             Ok(message) => message,
@@ -487,11 +497,39 @@ impl Applier {
     }
 }
 
-/// One multipart message if one is waiting.
-fn receive(socket: &zmq::Socket) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
-    match socket.recv_multipart(zmq::DONTWAIT) {
-        Ok(frames) => Ok(Some(frames)),
-        Err(zmq::Error::EAGAIN) => Ok(None),
-        Err(error) => Err(error).context("receiving"),
+/// The frames of one multipart message, received in place into ZMQ messages kept from one
+/// message to the next: receiving allocates and copies nothing of its own.
+#[derive(Default)]
+struct Frames {
+    frames: Vec<zmq::Message>,
+    received: usize,
+}
+
+impl Frames {
+    /// Receives one message if one is waiting; `false` when none is.
+    fn receive(&mut self, socket: &zmq::Socket) -> anyhow::Result<bool> {
+        self.received = 0;
+        loop {
+            if self.received == self.frames.len() {
+                self.frames.push(zmq::Message::new());
+            }
+            let frame = &mut self.frames[self.received]; // pushed above when missing
+                                                         // ZMQ delivers a multipart message whole: only its first frame can be missing.
+            let flags = if self.received == 0 { zmq::DONTWAIT } else { 0 };
+            match socket.recv(frame, flags) {
+                Ok(()) => {}
+                Err(zmq::Error::EAGAIN) if self.received == 0 => return Ok(false),
+                Err(error) => return Err(error).context("receiving"),
+            }
+            self.received += 1;
+            if !frame.get_more() {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// The frames of the last message received.
+    fn as_slice(&self) -> &[zmq::Message] {
+        self.frames.get(..self.received).unwrap_or_default()
     }
 }

@@ -87,8 +87,11 @@ pub struct Snapshot {
 /// The seq of the replay end marker.
 const END_SEQ: u64 = u64::MAX;
 
-/// Splits a live message: exactly 3 frames, the seq frame 8 bytes big-endian.
-pub fn parse_message(frames: &[Vec<u8>]) -> Result<Message<'_>, FrameError> {
+/// Splits a live message: exactly 3 frames, the seq frame 8 bytes big-endian. The frames may be
+/// owned bytes or ZMQ messages received in place.
+pub fn parse_message<F: std::ops::Deref<Target = [u8]>>(
+    frames: &[F],
+) -> Result<Message<'_>, FrameError> {
     match frames {
         [topic, seq, payload] => Ok(Message {
             topic,

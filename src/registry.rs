@@ -1,0 +1,575 @@
+//! The running listeners, one per (engine, dp_rank), and the only code that starts or stops them.
+//!
+//! Owns: `register` / `deregister` of whole engines, the reload diff (`apply`), the list of
+//! engines whose start failed and must be retried, and the read-side views HTTP serves
+//! (`snapshot` for `/workers` and `/ready`, `directory` for `/query`).
+//! Never: opens a socket itself (the listener does), retries on its own (the service drives
+//! `retry_pending` with backoff), or blocks `/query` (queries read the directory, not the map).
+//!
+//! Invariants, true whenever no `&mut self` method is running:
+//! - every `WorkerKey` in `running` has exactly one started listener, and that listener has
+//!   exactly one index worker; no key is both running and pending;
+//! - an engine's additions start all or nothing: when one rank fails, the ranks of that
+//!   engine started by the same call are stopped again before the call returns, so an engine
+//!   is never half-subscribed by one attempt;
+//! - a listener that was removed or replaced is stopped, and its blocks are gone from the
+//!   index, before the call that removed it returns;
+//! - a listener whose spec did not change is never touched by `apply`: same socket, same
+//!   worker, not a single block re-learned;
+//! - the directory lists exactly the workers of `running`; a worker leaves the directory
+//!   before its listener stops and joins it after its listener started, so a query never names
+//!   a worker whose blocks are being torn down.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use anyhow::Context;
+use log::{info, warn};
+
+use crate::index::{Index, WorkerId};
+use crate::listener::{Listener, ListenerStatus};
+use crate::metrics::Metrics;
+use crate::plan::{ListenerSpec, WorkerKey};
+
+/// Who an index worker is, as `/query` names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerInfo {
+    pub instance: String,
+    pub dp_rank: u32,
+    pub model: Option<String>,
+}
+
+/// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after
+/// every change of the registry.
+#[derive(Debug, Default)]
+pub struct WorkerDirectory {
+    by_id: Vec<Option<WorkerInfo>>,
+}
+
+impl WorkerDirectory {
+    pub fn get(&self, worker: WorkerId) -> Option<&WorkerInfo> {
+        self.by_id.get(worker as usize).and_then(Option::as_ref)
+    }
+}
+
+/// A cheap, cloneable handle on the current `WorkerDirectory`; readers never wait for a reload.
+#[derive(Clone, Default)]
+pub struct DirectoryReader(Arc<RwLock<Arc<WorkerDirectory>>>);
+
+impl DirectoryReader {
+    pub fn current(&self) -> Arc<WorkerDirectory> {
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn publish(&self, directory: WorkerDirectory) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(directory);
+    }
+}
+
+/// One configured rank as `/workers` shows it. `status` and `worker` are `None` for a rank of
+/// an engine whose start failed and waits for a retry.
+#[derive(Clone, Debug)]
+pub struct ListenerView {
+    pub spec: ListenerSpec,
+    pub worker: Option<WorkerId>,
+    pub status: Option<ListenerStatus>,
+}
+
+/// What `apply` did, by listener.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReloadDiff {
+    pub added: Vec<WorkerKey>,
+    pub removed: Vec<WorkerKey>,
+    pub replaced: Vec<WorkerKey>,
+    pub unchanged: usize,
+    /// Engines whose additions failed to start (rolled back, retried later): the error text.
+    pub failed: Vec<String>,
+}
+
+/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS, which
+/// the zmq crate cannot raise) and a listener uses up to 6 (SUB, the monitor's PAIR pair, the
+/// stop PAIR pair, a replay DEALER while recovering): 128 leaves room to spare.
+const LISTENERS_PER_CONTEXT: usize = 128;
+
+/// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
+/// ranks fit.
+struct ContextPool {
+    contexts: Vec<(zmq::Context, usize)>,
+}
+
+impl ContextPool {
+    /// The index and a handle of a context with room for one more listener.
+    fn take(&mut self) -> (usize, zmq::Context) {
+        let slot = match self
+            .contexts
+            .iter()
+            .position(|(_, used)| *used < LISTENERS_PER_CONTEXT)
+        {
+            Some(slot) => slot,
+            None => {
+                self.contexts.push((zmq::Context::new(), 0));
+                self.contexts.len() - 1
+            }
+        };
+        let (context, used) = &mut self.contexts[slot];
+        *used += 1;
+        (slot, context.clone())
+    }
+
+    fn give_back(&mut self, slot: usize) {
+        if let Some((_, used)) = self.contexts.get_mut(slot) {
+            *used = used.saturating_sub(1);
+        }
+    }
+}
+
+/// A started listener and the pool slot of its context.
+struct Running {
+    listener: Listener,
+    context_slot: usize,
+}
+
+/// The running listeners and the index, metrics and ZMQ contexts they share.
+pub struct Registry {
+    contexts: ContextPool,
+    index: Arc<Index>,
+    metrics: Arc<Metrics>,
+    running: BTreeMap<WorkerKey, Running>,
+    /// Specs of the current plan that are not running because their engine failed to start,
+    /// by engine name, with the last error.
+    pending: BTreeMap<String, (Vec<ListenerSpec>, String)>,
+    directory: DirectoryReader,
+}
+
+impl Registry {
+    /// `zmq` is the first context listeners use; more are made as the registry grows.
+    pub fn new(zmq: zmq::Context, index: Arc<Index>, metrics: Arc<Metrics>) -> Registry {
+        Registry {
+            contexts: ContextPool {
+                contexts: vec![(zmq, 0)],
+            },
+            index,
+            metrics,
+            running: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            directory: DirectoryReader::default(),
+        }
+    }
+
+    /// Starts every rank in `specs` (the ranks of one engine). Rejects a key already running;
+    /// if any rank fails to start, the ranks this call started are stopped before the error
+    /// returns.
+    pub fn register(&mut self, specs: Vec<ListenerSpec>) -> anyhow::Result<()> {
+        if let Some(spec) = specs.iter().find(|s| self.running.contains_key(&s.key)) {
+            anyhow::bail!(
+                "engine {} rank {} ({}) is already registered",
+                spec.key.engine,
+                spec.key.dp_rank,
+                spec.endpoint
+            );
+        }
+        let started = self.start_all_or_nothing(specs)?;
+        self.insert_running(started);
+        self.publish_directory();
+        Ok(())
+    }
+
+    /// Stops every listener of `engine` (their blocks leave the index) and forgets any pending
+    /// start of it. Returns the keys that were running.
+    pub fn deregister(&mut self, engine: &str) -> Vec<WorkerKey> {
+        self.pending.remove(engine);
+        let keys: Vec<WorkerKey> = self
+            .running
+            .keys()
+            .filter(|k| k.engine == engine)
+            .cloned()
+            .collect();
+        self.remove_running(&keys);
+        keys
+    }
+
+    /// Makes the running set equal to `plan`, touching only listeners whose spec changed
+    /// (SPEC.md "The registry"). Additions are grouped by engine, each group all or nothing;
+    /// a failed group becomes pending for `retry_pending`.
+    pub fn apply(&mut self, plan: Vec<ListenerSpec>) -> ReloadDiff {
+        let mut diff = ReloadDiff::default();
+        let mut wanted: BTreeMap<WorkerKey, ListenerSpec> =
+            plan.into_iter().map(|s| (s.key.clone(), s)).collect();
+
+        let mut leaving = Vec::new();
+        for (key, running) in &self.running {
+            match wanted.get(key) {
+                Some(spec) if spec == running.listener.spec() => {
+                    wanted.remove(key);
+                    diff.unchanged += 1;
+                }
+                Some(_) => leaving.push(key.clone()),
+                None => {
+                    leaving.push(key.clone());
+                    diff.removed.push(key.clone());
+                }
+            }
+        }
+        self.remove_running(&leaving);
+
+        // What is left of `wanted` must be started; group it by engine in plan order.
+        let mut groups: BTreeMap<String, Vec<ListenerSpec>> = BTreeMap::new();
+        for (key, spec) in wanted {
+            groups.entry(key.engine.clone()).or_default().push(spec);
+        }
+        self.pending.clear();
+        for (engine, specs) in groups {
+            let keys: Vec<WorkerKey> = specs.iter().map(|s| s.key.clone()).collect();
+            match self.start_all_or_nothing(specs.clone()) {
+                Ok(started) => {
+                    for key in keys {
+                        if leaving.contains(&key) {
+                            diff.replaced.push(key);
+                        } else {
+                            diff.added.push(key);
+                        }
+                    }
+                    self.insert_running(started);
+                }
+                Err(err) => {
+                    let err = format!("{err:#}");
+                    diff.failed.push(err.clone());
+                    self.pending.insert(engine, (specs, err));
+                }
+            }
+        }
+        self.publish_directory();
+        diff
+    }
+
+    /// Tries again to start every pending engine. Returns the errors of those still failing.
+    pub fn retry_pending(&mut self) -> Vec<String> {
+        let mut still_failing = Vec::new();
+        for (engine, (specs, _)) in std::mem::take(&mut self.pending) {
+            match self.start_all_or_nothing(specs.clone()) {
+                Ok(started) => {
+                    info!("engine {engine}: started on retry");
+                    self.insert_running(started);
+                }
+                Err(err) => {
+                    let err = format!("{err:#}");
+                    still_failing.push(err.clone());
+                    self.pending.insert(engine, (specs, err));
+                }
+            }
+        }
+        self.publish_directory();
+        still_failing
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Every configured rank, running or pending, sorted by (engine, dp_rank).
+    pub fn snapshot(&self) -> Vec<ListenerView> {
+        let running = self.running.values().map(|r| ListenerView {
+            spec: r.listener.spec().clone(),
+            worker: Some(r.listener.worker()),
+            status: Some(r.listener.status()),
+        });
+        let pending = self.pending.values().flat_map(|(specs, _)| {
+            specs.iter().map(|spec| ListenerView {
+                spec: spec.clone(),
+                worker: None,
+                status: None,
+            })
+        });
+        let mut views: Vec<ListenerView> = running.chain(pending).collect();
+        views.sort_by(|a, b| a.spec.key.cmp(&b.spec.key));
+        views
+    }
+
+    /// The handle `/query` reads worker names from.
+    pub fn directory(&self) -> DirectoryReader {
+        self.directory.clone()
+    }
+
+    pub fn running_count(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Stops every listener (shutdown).
+    pub fn stop_all(&mut self) {
+        self.pending.clear();
+        let keys: Vec<WorkerKey> = self.running.keys().cloned().collect();
+        self.remove_running(&keys);
+    }
+
+    /// Starts each spec; on the first failure stops those already started and returns the
+    /// error naming engine, rank and endpoint.
+    fn start_all_or_nothing(&mut self, specs: Vec<ListenerSpec>) -> anyhow::Result<Vec<Running>> {
+        let mut started: Vec<Running> = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let what = format!(
+                "engine {} rank {} ({})",
+                spec.key.engine, spec.key.dp_rank, spec.endpoint
+            );
+            let (context_slot, context) = self.contexts.take();
+            match Listener::start(spec, &context, &self.index, &self.metrics)
+                .with_context(|| format!("starting {what}"))
+            {
+                Ok(listener) => started.push(Running {
+                    listener,
+                    context_slot,
+                }),
+                Err(err) => {
+                    self.contexts.give_back(context_slot);
+                    if !started.is_empty() {
+                        warn!(
+                            "{what} failed; stopping the {} ranks already started",
+                            started.len()
+                        );
+                    }
+                    self.stop(started);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(started)
+    }
+
+    fn insert_running(&mut self, started: Vec<Running>) {
+        if let Some(first) = started.first() {
+            let endpoints: Vec<&str> = started
+                .iter()
+                .map(|r| r.listener.spec().endpoint.as_str())
+                .collect();
+            info!(
+                "engine {}: listening to {} ranks at {}",
+                first.listener.spec().key.engine,
+                started.len(),
+                endpoints.join(" ")
+            );
+        }
+        for running in started {
+            self.running
+                .insert(running.listener.spec().key.clone(), running);
+        }
+    }
+
+    /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
+    /// index) and drops their metric series.
+    fn remove_running(&mut self, keys: &[WorkerKey]) {
+        let leaving: Vec<Running> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
+        if leaving.is_empty() {
+            return;
+        }
+        self.publish_directory();
+        let names: Vec<String> = leaving
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}/{}",
+                    r.listener.spec().key.engine,
+                    r.listener.spec().key.dp_rank
+                )
+            })
+            .collect();
+        info!("stopping {} listeners: {}", names.len(), names.join(" "));
+        self.stop(leaving);
+        for key in keys {
+            self.metrics.forget_rank(&key.engine, key.dp_rank);
+        }
+    }
+
+    fn stop(&mut self, listeners: Vec<Running>) {
+        let mut stopping = Vec::with_capacity(listeners.len());
+        for running in listeners {
+            self.contexts.give_back(running.context_slot);
+            stopping.push(running.listener);
+        }
+        stop_in_parallel(stopping);
+    }
+
+    fn publish_directory(&self) {
+        let mut by_id: Vec<Option<WorkerInfo>> = Vec::new();
+        for running in self.running.values() {
+            let listener = &running.listener;
+            let slot = listener.worker() as usize;
+            if by_id.len() <= slot {
+                by_id.resize(slot + 1, None);
+            }
+            let spec = listener.spec();
+            by_id[slot] = Some(WorkerInfo {
+                instance: spec.key.engine.clone(),
+                dp_rank: spec.key.dp_rank,
+                model: spec.model.clone(),
+            });
+        }
+        self.directory.publish(WorkerDirectory { by_id });
+    }
+}
+
+/// Each stop waits for its listener thread (up to 100 ms): stop many at once so removing an
+/// engine of 8 ranks, or shutting down 8,000, stays well under a second.
+fn stop_in_parallel(listeners: Vec<Listener>) {
+    const STOPPERS: usize = 64;
+    if listeners.len() <= 1 {
+        listeners.into_iter().for_each(Listener::stop);
+        return;
+    }
+    let stoppers = STOPPERS.min(listeners.len());
+    let queue = Mutex::new(listeners);
+    let next = || queue.lock().unwrap_or_else(PoisonError::into_inner).pop();
+    std::thread::scope(|scope| {
+        for _ in 0..stoppers {
+            scope.spawn(|| {
+                while let Some(listener) = next() {
+                    listener.stop();
+                }
+            });
+        }
+    });
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
+        ListenerSpec {
+            key: WorkerKey {
+                engine: engine.to_owned(),
+                dp_rank,
+            },
+            endpoint: endpoint.to_owned(),
+            replay: None,
+            recover: None,
+            topic: String::new(),
+            model: None,
+        }
+    }
+
+    /// An endpoint nobody publishes on: ZMQ connects asynchronously, so it starts fine.
+    fn quiet_endpoint() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+        format!("tcp://{}", listener.local_addr().expect("addr"))
+    }
+
+    /// An endpoint ZMQ refuses at connect time.
+    const BROKEN: &str = "nosuch://127.0.0.1:1";
+
+    fn registry() -> Registry {
+        Registry::new(
+            zmq::Context::new(),
+            Index::new(16, 8),
+            Arc::new(Metrics::new()),
+        )
+    }
+
+    fn keys(registry: &Registry) -> Vec<String> {
+        registry
+            .snapshot()
+            .iter()
+            .map(|v| format!("{}/{}", v.spec.key.engine, v.spec.key.dp_rank))
+            .collect()
+    }
+
+    #[test]
+    fn register_rejects_a_running_key_and_rolls_back_a_failed_engine() {
+        let mut registry = registry();
+        registry
+            .register(vec![spec("a", 0, &quiet_endpoint())])
+            .expect("register a");
+        let twice = registry.register(vec![spec("a", 0, &quiet_endpoint())]);
+        let err = format!("{:#}", twice.expect_err("a/0 twice"));
+        assert!(
+            err.contains("engine a rank 0") && err.contains("already registered"),
+            "{err}"
+        );
+
+        let half = registry.register(vec![spec("b", 0, &quiet_endpoint()), spec("b", 1, BROKEN)]);
+        let err = format!("{:#}", half.expect_err("b has a broken rank"));
+        assert!(
+            err.contains("engine b rank 1") && err.contains(BROKEN),
+            "{err}"
+        );
+        assert_eq!(keys(&registry), ["a/0"], "b/0 was rolled back");
+
+        let worker = registry.snapshot()[0].worker.expect("a/0 runs");
+        let directory = registry.directory().current();
+        assert_eq!(
+            directory.get(worker).map(|w| w.instance.as_str()),
+            Some("a")
+        );
+        assert_eq!(registry.deregister("a").len(), 1);
+        assert!(registry.directory().current().get(worker).is_none());
+        assert!(keys(&registry).is_empty());
+    }
+
+    #[test]
+    fn apply_touches_only_what_changed() {
+        let mut registry = registry();
+        let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
+        let first = registry.apply(vec![spec("a", 0, &a0), spec("a", 1, &a1)]);
+        assert_eq!(first.added.len(), 2);
+        let worker_of = |registry: &Registry, key: &str| {
+            registry
+                .snapshot()
+                .iter()
+                .find(|v| format!("{}/{}", v.spec.key.engine, v.spec.key.dp_rank) == key)
+                .and_then(|v| v.worker)
+        };
+        let a0_worker = worker_of(&registry, "a/0");
+
+        let mut retopic = spec("a", 1, &a1);
+        retopic.topic = "kv".into();
+        let diff = registry.apply(vec![spec("a", 0, &a0), retopic, spec("b", 0, &b0)]);
+        let key = |engine: &str, dp_rank| WorkerKey {
+            engine: engine.into(),
+            dp_rank,
+        };
+        assert_eq!(diff.added, [key("b", 0)]);
+        assert_eq!(diff.replaced, [key("a", 1)]);
+        assert!(diff.removed.is_empty() && diff.failed.is_empty());
+        assert_eq!(diff.unchanged, 1);
+        assert_eq!(worker_of(&registry, "a/0"), a0_worker, "a/0 untouched");
+
+        let diff = registry.apply(vec![spec("b", 0, &b0)]);
+        assert_eq!(diff.removed, [key("a", 0), key("a", 1)]);
+        assert_eq!(diff.unchanged, 1);
+        assert_eq!(keys(&registry), ["b/0"]);
+    }
+
+    #[test]
+    fn a_failing_engine_is_pending_shown_stopped_and_dropped_when_unconfigured() {
+        let mut registry = registry();
+        let diff = registry.apply(vec![
+            spec("bad", 0, &quiet_endpoint()),
+            spec("bad", 1, BROKEN),
+            spec("good", 0, &quiet_endpoint()),
+        ]);
+        assert_eq!(diff.added.len(), 1);
+        assert_eq!(diff.failed.len(), 1);
+        assert!(
+            diff.failed[0].contains("engine bad rank 1"),
+            "{:?}",
+            diff.failed
+        );
+        assert!(registry.has_pending());
+        let views = registry.snapshot();
+        assert_eq!(keys(&registry), ["bad/0", "bad/1", "good/0"]);
+        assert!(views[..2]
+            .iter()
+            .all(|v| v.status.is_none() && v.worker.is_none()));
+        assert_eq!(registry.running_count(), 1);
+        assert_eq!(registry.retry_pending().len(), 1, "still broken");
+
+        let good_only: Vec<ListenerSpec> = views[2..].iter().map(|v| v.spec.clone()).collect();
+        let diff = registry.apply(good_only);
+        assert_eq!(diff.unchanged, 1);
+        assert!(!registry.has_pending());
+    }
+}

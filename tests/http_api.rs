@@ -1,0 +1,422 @@
+//! The HTTP API over real HTTP on 127.0.0.1, served in-process by `Service` over the real
+//! registry, listeners and index, fed by simulated engine ranks over real ZMQ sockets.
+
+#[path = "support/fake_engine.rs"]
+mod fake_engine;
+#[path = "support/http_client.rs"]
+mod http_client;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+
+use fake_engine::{prompt, FakeRank};
+use http_client::{free_port, get, post, wait_for, Connection};
+use kv_indexer::config::Config;
+use kv_indexer::service::Service;
+use serde_json::{json, Value};
+
+/// A service running `toml` (with `listen` overridden to a free port) and its config file.
+struct Running {
+    service: Option<Service>,
+    _dir: tempfile::TempDir,
+}
+
+impl Running {
+    fn start(toml: &str) -> Running {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("indexer.toml");
+        std::fs::write(&path, toml).expect("write config");
+        let config = Config::load(&path).unwrap_or_else(|err| panic!("config: {err}"));
+        let service = Service::start(&path, config, Some("127.0.0.1:0".into()))
+            .unwrap_or_else(|err| panic!("service: {err:#}"));
+        Running {
+            service: Some(service),
+            _dir: dir,
+        }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.service.as_ref().expect("running").http_addr()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(service) = self.service.take() {
+            service.shutdown();
+        }
+    }
+}
+
+fn engine(name: &str, port: u16, model: Option<&str>) -> String {
+    let model = model.map_or(String::new(), |m| format!("model = \"{m}\"\n"));
+    format!("[[engine]]\nname = \"{name}\"\nhost = \"127.0.0.1\"\nzmq_port = {port}\n{model}")
+}
+
+fn config(engines: &[String]) -> String {
+    format!(
+        "listen = \"127.0.0.1:1\"\nblock_size = 16\nshards = 8\n\n{}",
+        engines.join("\n")
+    )
+}
+
+fn query(addr: SocketAddr, body: Value) -> Value {
+    let reply = post(addr, "/query", body.to_string().as_bytes());
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()
+}
+
+fn keys(value: &Value) -> BTreeSet<&str> {
+    value
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {value}"))
+        .keys()
+        .map(String::as_str)
+        .collect()
+}
+
+/// Three engines: `a` (model m1) holds 4 blocks of the prompt, `b` (model m2) and `c` (no
+/// model) hold its first 2.
+struct ThreeEngines {
+    running: Running,
+    _ranks: Vec<FakeRank>,
+    prompt: Vec<u32>,
+}
+
+fn three_engines() -> ThreeEngines {
+    let zmq = zmq::Context::new();
+    let mut ranks: Vec<FakeRank> = (0..3).map(|_| FakeRank::bind(&zmq, 0)).collect();
+    let running = Running::start(&config(&[
+        engine("a", ranks[0].port, Some("m1")),
+        engine("b", ranks[1].port, Some("m2")),
+        engine("c", ranks[2].port, None),
+    ]));
+    let tokens = prompt(100, 4);
+    for (rank, blocks) in ranks.iter_mut().zip([4, 2, 2]) {
+        rank.wait_subscribed();
+        let hashes: Vec<u64> = (1..=blocks as u64).collect();
+        rank.store(&hashes, None, &tokens[..blocks * 16]);
+    }
+    let addr = running.addr();
+    wait_for(10, "every engine's blocks to be indexed", || {
+        let answer = query(addr, json!({ "token_ids": tokens }));
+        (answer["scores"].as_array().map(Vec::len) == Some(3)).then_some(())
+    });
+    ThreeEngines {
+        running,
+        _ranks: ranks,
+        prompt: tokens,
+    }
+}
+
+#[test]
+fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
+    let setup = three_engines();
+    let addr = setup.running.addr();
+    let mut with_tail = setup.prompt.clone();
+    with_tail.extend([7, 7, 7, 7, 7]);
+
+    let answer = query(addr, json!({ "token_ids": with_tail }));
+    assert_eq!(
+        answer,
+        json!({
+            "block_size": 16,
+            "query_blocks": 4,
+            "scores": [
+                {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "matched_tokens": 64, "cached_blocks": 4},
+                {"instance": "b", "dp_rank": 0, "matched_blocks": 2, "matched_tokens": 32, "cached_blocks": 2},
+                {"instance": "c", "dp_rank": 0, "matched_blocks": 2, "matched_tokens": 32, "cached_blocks": 2},
+            ]
+        })
+    );
+
+    let names = |answer: &Value| -> Vec<String> {
+        answer["scores"]
+            .as_array()
+            .expect("scores")
+            .iter()
+            .map(|s| s["instance"].as_str().expect("instance").to_owned())
+            .collect()
+    };
+    let m1 = query(addr, json!({ "token_ids": setup.prompt, "model": "m1" }));
+    assert_eq!(names(&m1), ["a", "c"]);
+    let other = query(addr, json!({ "token_ids": setup.prompt, "model": "other" }));
+    assert_eq!(names(&other), ["c"]);
+    let null_model = query(addr, json!({ "token_ids": setup.prompt, "model": null }));
+    assert_eq!(names(&null_model), ["a", "b", "c"]);
+
+    let unknown = query(addr, json!({ "token_ids": prompt(5000, 3) }));
+    assert_eq!(
+        unknown,
+        json!({"block_size": 16, "query_blocks": 3, "scores": []})
+    );
+    let with_lora = query(
+        addr,
+        json!({ "token_ids": setup.prompt, "lora_name": "adapter" }),
+    );
+    assert_eq!(
+        with_lora["scores"],
+        json!([]),
+        "a LoRA prompt has other keys"
+    );
+    let short = query(addr, json!({ "token_ids": [1, 2, 3] }));
+    assert_eq!(
+        short,
+        json!({"block_size": 16, "query_blocks": 0, "scores": []})
+    );
+}
+
+#[test]
+fn many_clients_at_once_and_keep_alive_connections_get_the_same_answer() {
+    let setup = three_engines();
+    let addr = setup.running.addr();
+    let body = json!({ "token_ids": setup.prompt }).to_string();
+    let expected = query(addr, json!({ "token_ids": setup.prompt }));
+
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                // One connection per client, kept alive for all its queries.
+                let mut connection = Connection::open(addr);
+                for _ in 0..50 {
+                    let reply = connection.send("POST", "/query", Some(body.as_bytes()));
+                    assert_eq!(reply.status, 200, "{}", reply.text());
+                    assert_eq!(reply.json(), expected);
+                }
+            });
+        }
+    });
+
+    let mut connection = Connection::open(addr);
+    assert_eq!(connection.send("GET", "/health", None).status, 200);
+    let second = connection.send("POST", "/query", Some(body.as_bytes()));
+    assert_eq!(second.json(), expected);
+}
+
+#[test]
+fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() {
+    let (zmq_port, replay_port, recover_port, other_port) =
+        (free_port(), free_port(), free_port(), free_port());
+    let running = Running::start(&config(&[
+        format!(
+            "{}replay_port = {replay_port}\nrecover_port = {recover_port}\n",
+            engine("full", zmq_port, Some("m"))
+        ),
+        engine("plain", other_port, None),
+    ]));
+    let reply = get(running.addr(), "/workers");
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("Content-Type"), Some("application/json"));
+    let workers = reply.json();
+    let all_fields: BTreeSet<&str> = [
+        "dp_rank",
+        "endpoint",
+        "replay",
+        "recover",
+        "state",
+        "connected",
+        "last_seq",
+        "batches",
+        "blocks",
+        "gaps",
+        "lost_batches",
+        "parent_missing",
+        "last_event_ms_ago",
+    ]
+    .into();
+    let instances = workers.as_array().expect("an array");
+    assert_eq!(instances.len(), 2);
+    for instance in instances {
+        assert_eq!(keys(instance), ["instance", "listeners", "model"].into());
+        for listener in instance["listeners"].as_array().expect("listeners") {
+            assert_eq!(keys(listener), all_fields);
+        }
+    }
+    let full = &instances[0];
+    assert_eq!(full["instance"], "full");
+    assert_eq!(full["model"], "m");
+    let rank = &full["listeners"][0];
+    assert_eq!(rank["endpoint"], format!("tcp://127.0.0.1:{zmq_port}"));
+    assert_eq!(rank["replay"], format!("tcp://127.0.0.1:{replay_port}"));
+    assert_eq!(
+        rank["recover"],
+        format!("http://127.0.0.1:{recover_port}/kv_recover")
+    );
+    let plain = &instances[1];
+    assert_eq!(plain["instance"], "plain");
+    assert_eq!(plain["model"], Value::Null);
+    let rank = &plain["listeners"][0];
+    for null in ["replay", "recover", "last_seq", "last_event_ms_ago"] {
+        assert_eq!(rank[null], Value::Null, "{null}");
+    }
+    assert_eq!(rank["state"], "connecting");
+    assert_eq!(rank["connected"], false);
+    assert_eq!(rank["batches"], 0);
+
+    let ready = get(running.addr(), "/ready");
+    assert_eq!(ready.status, 503);
+    assert_eq!(
+        ready.json(),
+        json!({"ready": false, "not_ready": [
+            {"instance": "full", "dp_rank": 0, "state": "connecting"},
+            {"instance": "plain", "dp_rank": 0, "state": "connecting"},
+        ]})
+    );
+}
+
+#[test]
+fn ready_health_metrics_and_reload_answer_in_their_shapes() {
+    let zmq = zmq::Context::new();
+    let rank = FakeRank::bind(&zmq, 0);
+    let running = Running::start(&config(&[engine("e", rank.port, None)]));
+    let addr = running.addr();
+    rank.wait_subscribed();
+    let ready = wait_for(10, "/ready to turn 200", || {
+        let reply = get(addr, "/ready");
+        (reply.status == 200).then_some(reply)
+    });
+    assert_eq!(ready.json(), json!({"ready": true}));
+
+    let health = get(addr, "/health");
+    assert_eq!(
+        (health.status, health.json()),
+        (200, json!({"status": "ok"}))
+    );
+
+    let reload = post(addr, "/reload", b"");
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    assert_eq!(
+        reload.json(),
+        json!({"added": [], "removed": [], "replaced": [], "unchanged": 1})
+    );
+
+    let metrics = get(addr, "/metrics");
+    assert_eq!(metrics.status, 200);
+    assert_eq!(
+        metrics.header("Content-Type"),
+        Some("text/plain; version=0.0.4")
+    );
+    assert!(
+        metrics
+            .text()
+            .contains("kv_indexer_config_reloads_total{outcome=\"applied\"} 1"),
+        "{}",
+        metrics.text()
+    );
+}
+
+fn assert_error(reply: &http_client::Reply, status: u16, reason_starts: &str) {
+    assert_eq!(reply.status, status, "{}", reply.text());
+    let body = reply.json();
+    assert_eq!(keys(&body), ["error"].into(), "{body}");
+    let reason = body["error"].as_str().expect("error is a string");
+    assert!(
+        reason.starts_with(reason_starts),
+        "{reason:?} should start with {reason_starts:?}"
+    );
+}
+
+#[test]
+fn bad_requests_get_a_reason_naming_the_problem() {
+    let running = Running::start(&config(&[]));
+    let addr = running.addr();
+    let cases: [(&str, &str); 7] = [
+        ("{\"token_ids\": [1, 2", "body is not valid JSON: "),
+        (
+            "{\"token_ids\": [1, \"2\"]}",
+            "token_ids[1]: expected an integer in 0..=4294967295, got \"2\"",
+        ),
+        (
+            "{\"token_ids\": [1, 2, 3, -1]}",
+            "token_ids[3]: expected an integer in 0..=4294967295, got -1",
+        ),
+        (
+            "{\"token_ids\": [4294967296]}",
+            "token_ids[0]: expected an integer in 0..=4294967295, got 4294967296",
+        ),
+        ("{\"model\": \"m\"}", "token_ids: missing"),
+        (
+            "{\"token_ids\": [], \"lora_name\": 3}",
+            "lora_name: expected a string or null",
+        ),
+        ("", "body is not valid JSON: "),
+    ];
+    for (body, reason) in cases {
+        assert_error(&post(addr, "/query", body.as_bytes()), 400, reason);
+    }
+
+    let wrong = get(addr, "/query");
+    assert_error(&wrong, 405, "GET /query: method not allowed");
+    assert_eq!(wrong.header("Allow"), Some("POST"));
+    let wrong = post(addr, "/workers", b"{}");
+    assert_error(&wrong, 405, "POST /workers");
+    assert_eq!(wrong.header("Allow"), Some("GET, HEAD"));
+    assert_error(&get(addr, "/nope"), 404, "no such path: /nope");
+    assert_error(&get(addr, "/query/extra"), 404, "no such path");
+}
+
+#[test]
+fn oversized_bodies_get_413_declared_or_chunked() {
+    let running = Running::start(&config(&[]));
+    let addr = running.addr();
+
+    // Declared too large: answered from the head alone, nothing of the body sent.
+    let mut connection = Connection::open(addr);
+    connection.write_raw(
+        format!(
+            "POST /query HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n",
+            17 << 20
+        )
+        .as_bytes(),
+    );
+    assert_error(&connection.read_reply(), 413, "body is 17825792 bytes");
+
+    // Chunked past the limit: refused once 16 MiB have been read.
+    let mut connection = Connection::open(addr);
+    connection.write_raw(b"POST /query HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n");
+    let chunk = vec![b' '; 64 << 10];
+    let mut chunk_frame = format!("{:x}\r\n", chunk.len()).into_bytes();
+    chunk_frame.extend(&chunk);
+    chunk_frame.extend(b"\r\n");
+    for _ in 0..(16 << 20) / chunk.len() + 1 {
+        connection.write_raw(&chunk_frame);
+    }
+    connection.write_raw(b"0\r\n\r\n");
+    assert_error(&connection.read_reply(), 413, "body is over the limit");
+
+    // The server is still fine.
+    assert_eq!(get(addr, "/health").status, 200);
+}
+
+#[test]
+fn slow_uploads_hold_no_pool_thread_and_are_answered_when_complete() {
+    let running = Running::start(&config(&[]));
+    let addr = running.addr();
+    // More stalled uploads than the server has pool threads, each body above the 1 KiB that
+    // tiny_http buffers itself, half sent.
+    let tokens: Vec<u32> = (0..400).collect();
+    let body = json!({ "token_ids": tokens }).to_string();
+    let (first_half, second_half) = body.as_bytes().split_at(body.len() / 2);
+    let mut slow: Vec<Connection> = (0..24)
+        .map(|_| {
+            let mut connection = Connection::open(addr);
+            let head = format!(
+                "POST /query HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            connection.write_raw(head.as_bytes());
+            connection.write_raw(first_half);
+            connection
+        })
+        .collect();
+    for _ in 0..20 {
+        let reply = post(addr, "/query", body.as_bytes());
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    for connection in &mut slow {
+        connection.write_raw(second_half);
+        let reply = connection.read_reply();
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.json()["query_blocks"], 25);
+    }
+}

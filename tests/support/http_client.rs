@@ -1,0 +1,155 @@
+//! A minimal HTTP/1.1 client over a raw `TcpStream` for the integration tests: keep-alive,
+//! Content-Length bodies (the API never answers chunked), bounded by a read timeout.
+
+#![allow(dead_code)] // Each test binary uses its own subset.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+/// One response.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|err| {
+            panic!(
+                "status {} body is not JSON ({err}): {}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// One keep-alive connection.
+pub struct Connection {
+    reader: BufReader<TcpStream>,
+}
+
+impl Connection {
+    pub fn open(addr: SocketAddr) -> Connection {
+        let stream = TcpStream::connect(addr).unwrap_or_else(|err| panic!("connect {addr}: {err}"));
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("set read timeout");
+        stream.set_nodelay(true).expect("set TCP_NODELAY");
+        Connection {
+            reader: BufReader::new(stream),
+        }
+    }
+
+    /// Writes raw bytes (a hand-made request head or body part).
+    pub fn write_raw(&mut self, bytes: &[u8]) {
+        self.reader
+            .get_mut()
+            .write_all(bytes)
+            .expect("write request");
+    }
+
+    pub fn set_read_timeout(&mut self, timeout: Duration) {
+        self.reader
+            .get_mut()
+            .set_read_timeout(Some(timeout))
+            .expect("set read timeout");
+    }
+
+    pub fn send(&mut self, method: &str, path: &str, body: Option<&[u8]>) -> Reply {
+        let body = body.unwrap_or_default();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let mut request = head.into_bytes();
+        request.extend_from_slice(body);
+        self.write_raw(&request);
+        self.read_reply()
+    }
+
+    /// Whether the server closed (or reset) the connection, waiting up to the read timeout.
+    pub fn closed_by_peer(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        match self.reader.read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(err) => err.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+
+    pub fn read_reply(&mut self) -> Reply {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).expect("read status line");
+        let status = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            self.reader.read_line(&mut line).expect("read header");
+            let trimmed = line.trim_end();
+            if trimmed.is_empty() {
+                break;
+            }
+            let (name, value) = trimmed.split_once(':').expect("header has a colon");
+            headers.push((name.trim().to_owned(), value.trim().to_owned()));
+        }
+        let length: usize = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("Content-Length"))
+            .map_or(0, |(_, v)| v.parse().expect("numeric Content-Length"));
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).expect("read body");
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> Reply {
+    Connection::open(addr).send("GET", path, None)
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &[u8]) -> Reply {
+    Connection::open(addr).send("POST", path, Some(body))
+}
+
+/// Polls `probe` until it returns `Some`, failing after `seconds`.
+pub fn wait_for<T>(seconds: u64, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + Duration::from_secs(seconds);
+    loop {
+        if let Some(found) = probe() {
+            return found;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {seconds}s waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A TCP port nobody listens on right now (bound by the OS, then released).
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}
