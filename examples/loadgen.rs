@@ -37,7 +37,7 @@ use clap::Parser;
 
 use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::workload::{load_trace, Route};
-use support::http::HttpClient;
+use support::http_client::Connection;
 use support::{
     compare, settle, start_on_consecutive_ports, total, warm_up, Fleet, IndexerProcess, OverHttp,
     RankRef, BLOCK_SIZE,
@@ -309,19 +309,20 @@ fn spawn_querier(
     std::thread::Builder::new()
         .name("loadgen-query".into())
         .spawn(move || {
-            let mut client = HttpClient::new(address, Duration::from_secs(10));
+            let mut connection = Connection::open(address);
             let mut latencies = Vec::new();
             for body in bodies.iter().cycle() {
                 if !running.load(Ordering::Relaxed) {
                     break;
                 }
                 let sent = Instant::now();
-                let (status, reply) = client.request("POST", "/query", body)?;
+                let reply = connection.send("POST", "/query", Some(body));
                 latencies.push(sent.elapsed());
                 ensure!(
-                    status == 200,
-                    "/query: {status}: {}",
-                    String::from_utf8_lossy(&reply)
+                    reply.status == 200,
+                    "/query: {}: {}",
+                    reply.status,
+                    reply.text()
                 );
             }
             Ok(latencies)

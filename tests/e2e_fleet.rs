@@ -49,7 +49,8 @@ fn engine_config(engine: usize, faults: Faults) -> SimConfig {
     }
 }
 
-/// A fleet with an in-process indexer on it, warmed up: every listener has seen its rank.
+/// A fleet with an in-process registry and index on it, warmed up: every listener has seen its
+/// rank.
 struct Setup {
     prompts: Vec<Vec<u32>>,
     fleet: Fleet,

@@ -10,10 +10,10 @@
 // Each test crate and `examples/loadgen.rs` includes this module and uses a different part of it.
 #![allow(dead_code)]
 
-pub mod http;
+pub mod http_client;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -21,14 +21,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use kv_indexer::index::{Index, WorkerId};
-use kv_indexer::listener::Listener;
+use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::{ListenerSpec, WorkerKey};
-use kv_indexer::sim::server::{SimConfig, SimEngine};
+use kv_indexer::registry::Registry;
+use kv_indexer::sim::server::{RankPorts, SimConfig, SimEngine};
 use kv_indexer::sim::workload::{load_trace, Route, Router};
 
-use http::HttpClient;
+use http_client::Connection;
 
 /// Tokens per block, for engines and indexer alike.
 pub const BLOCK_SIZE: u32 = 16;
@@ -187,109 +187,109 @@ pub trait IndexerView {
     fn matched(&mut self, prompt: &[u32]) -> Result<HashMap<(String, u32), u32>>;
 }
 
-/// Listeners on every rank of a fleet feeding one in-process index, as the service wires them.
+/// A registry of listeners on every rank of a fleet feeding one in-process index, wired as the
+/// service wires them (`/workers` reads `snapshot`, `/query` names workers by `directory`).
 pub struct InProcess {
     index: Arc<Index>,
-    listeners: Vec<Listener>,
-    names: HashMap<WorkerId, (String, u32)>,
+    registry: Registry,
 }
 
 impl InProcess {
     pub fn start(fleet: &Fleet) -> Result<InProcess> {
         let index = Index::new(BLOCK_SIZE, 64);
         let metrics = Arc::new(Metrics::new());
-        let context = zmq::Context::new();
-        let mut listeners = Vec::new();
-        for at in fleet.ranks() {
-            let ports = fleet.engine(at).ports()[at.rank as usize];
-            let spec = ListenerSpec {
-                key: WorkerKey {
-                    engine: Fleet::name(at.engine),
-                    dp_rank: at.rank,
-                },
-                endpoint: format!("tcp://127.0.0.1:{}", ports.publish),
-                replay: ports.replay.map(|port| format!("tcp://127.0.0.1:{port}")),
-                recover: ports
-                    .recover
-                    .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),
-                topic: String::new(),
-                model: None,
-            };
-            listeners.push(Listener::start(spec, &context, &index, &metrics)?);
+        let mut registry = Registry::new(zmq::Context::new(), Arc::clone(&index), metrics);
+        for (engine, sim) in fleet.engines.iter().enumerate() {
+            let specs = (0..sim.dp_size())
+                .map(|rank| rank_spec(Fleet::name(engine), rank, sim.ports()[rank as usize]))
+                .collect();
+            registry.register(specs)?;
         }
-        let names = listeners
-            .iter()
-            .map(|listener| {
-                let key = &listener.spec().key;
-                (listener.worker(), (key.engine.clone(), key.dp_rank))
-            })
-            .collect();
-        Ok(InProcess {
-            index,
-            listeners,
-            names,
-        })
+        Ok(InProcess { index, registry })
+    }
+}
+
+/// The listener spec of a rank bound on OS-picked (so not consecutive) ports.
+fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
+    ListenerSpec {
+        key: WorkerKey { engine, dp_rank },
+        endpoint: format!("tcp://127.0.0.1:{}", ports.publish),
+        replay: ports.replay.map(|port| format!("tcp://127.0.0.1:{port}")),
+        recover: ports
+            .recover
+            .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),
+        topic: String::new(),
+        model: None,
     }
 }
 
 impl IndexerView for InProcess {
     fn ranks(&mut self) -> Result<Vec<RankView>> {
-        Ok(self
-            .listeners
-            .iter()
-            .map(|listener| {
-                let status = listener.status();
-                RankView {
-                    engine: listener.spec().key.engine.clone(),
-                    dp_rank: listener.spec().key.dp_rank,
+        self.registry
+            .snapshot()
+            .into_iter()
+            .map(|view| {
+                let status = view
+                    .status
+                    .with_context(|| format!("{:?} is not running", view.spec.key))?;
+                Ok(RankView {
+                    engine: view.spec.key.engine,
+                    dp_rank: view.spec.key.dp_rank,
                     state: status.state.as_str().to_string(),
                     last_seq: status.last_seq,
                     blocks: status.blocks,
                     gaps: status.gaps,
                     lost_batches: status.lost_batches,
-                }
+                })
             })
-            .collect())
+            .collect()
     }
 
     fn matched(&mut self, prompt: &[u32]) -> Result<HashMap<(String, u32), u32>> {
+        let directory = self.registry.directory().current();
         self.index
             .query(prompt, None, &|_| true)
             .into_iter()
             .map(|score| {
-                let name = self
-                    .names
-                    .get(&score.worker)
+                let info = directory
+                    .get(score.worker)
                     .ok_or_else(|| anyhow!("score for unknown worker {}", score.worker))?;
-                Ok((name.clone(), score.matched_blocks))
+                Ok(((info.instance.clone(), info.dp_rank), score.matched_blocks))
             })
             .collect()
     }
 }
 
-/// The indexer's HTTP API (`GET /workers`, `POST /query`).
+/// The indexer's HTTP API (`GET /workers`, `POST /query`) over one kept-alive connection.
 pub struct OverHttp {
-    client: HttpClient,
+    connection: Connection,
 }
 
 impl OverHttp {
     pub fn new(address: SocketAddr) -> OverHttp {
         OverHttp {
-            client: HttpClient::new(address, Duration::from_secs(10)),
+            connection: Connection::open(address),
         }
+    }
+
+    /// The JSON reply of a request that must succeed.
+    fn json(&mut self, method: &str, path: &str, body: Option<&[u8]>) -> Result<serde_json::Value> {
+        let reply = self.connection.send(method, path, body);
+        if reply.status != 200 {
+            bail!("{method} {path}: status {}: {}", reply.status, reply.text());
+        }
+        serde_json::from_slice(&reply.body).with_context(|| format!("{method} {path}: not JSON"))
     }
 }
 
 impl IndexerView for OverHttp {
     fn ranks(&mut self) -> Result<Vec<RankView>> {
-        parse_workers(&self.client.get_json("/workers")?)
+        parse_workers(&self.json("GET", "/workers", None)?)
     }
 
     fn matched(&mut self, prompt: &[u32]) -> Result<HashMap<(String, u32), u32>> {
-        let reply = self
-            .client
-            .post_json("/query", &serde_json::json!({ "token_ids": prompt }))?;
-        parse_scores(&reply)
+        let body = serde_json::json!({ "token_ids": prompt }).to_string();
+        parse_scores(&self.json("POST", "/query", Some(body.as_bytes()))?)
     }
 }
 
@@ -546,12 +546,6 @@ fn free_port_range(span: u16) -> Option<u16> {
     Some(base)
 }
 
-/// A free port a moment ago.
-pub fn free_port() -> Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("probing a free port")?;
-    Ok(listener.local_addr()?.port())
-}
-
 /// The `indexer.toml` for a fleet started by `start_on_consecutive_ports`.
 pub fn indexer_config(fleet: &Fleet, listen: SocketAddr) -> String {
     let mut toml = format!("listen = \"{listen}\"\nblock_size = {BLOCK_SIZE}\nshards = 64\n");
@@ -583,7 +577,7 @@ pub struct IndexerProcess {
 impl IndexerProcess {
     /// Writes the fleet's config, starts `binary` on it and waits until `GET /health` answers.
     pub fn start(binary: &Path, fleet: &Fleet, deadline: Duration) -> Result<IndexerProcess> {
-        let address = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let address = SocketAddr::from(([127, 0, 0, 1], http_client::free_port()));
         let dir = tempfile::tempdir().context("a temp dir for indexer.toml")?;
         let config = dir.path().join("indexer.toml");
         std::fs::write(&config, indexer_config(fleet, address))
@@ -614,12 +608,14 @@ impl IndexerProcess {
 
     fn wait_healthy(&mut self, deadline: Duration) -> Result<()> {
         let started = Instant::now();
-        let mut client = HttpClient::new(self.address, Duration::from_secs(1));
         loop {
             if let Some(status) = self.child.try_wait()? {
                 bail!("kv-indexer exited before serving: {status}");
             }
-            if matches!(client.request("GET", "/health", b""), Ok((200, _))) {
+            // Probed first: the client panics on a refused connection.
+            if TcpStream::connect(self.address).is_ok()
+                && http_client::get(self.address, "/health").status == 200
+            {
                 return Ok(());
             }
             if started.elapsed() > deadline {
