@@ -576,56 +576,66 @@ pub struct IndexerProcess {
 
 impl IndexerProcess {
     /// Writes the fleet's config, starts `binary` on it and waits until `GET /health` answers.
+    /// The listen port is probed free first; a child that exits before serving (another
+    /// process took the port meanwhile) is started again on another port, a few times.
     pub fn start(binary: &Path, fleet: &Fleet, deadline: Duration) -> Result<IndexerProcess> {
-        let address = SocketAddr::from(([127, 0, 0, 1], http_client::free_port()));
+        const ATTEMPTS: usize = 3;
         let dir = tempfile::tempdir().context("a temp dir for indexer.toml")?;
         let config = dir.path().join("indexer.toml");
-        std::fs::write(&config, indexer_config(fleet, address))
-            .with_context(|| format!("writing {}", config.display()))?;
-        let child = Command::new(binary)
-            .arg("--config")
-            .arg(&config)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", binary.display()))?;
-        let mut process = IndexerProcess {
-            child,
-            address,
-            _config: dir,
-        };
-        process.wait_healthy(deadline)?;
-        Ok(process)
+        let mut exits = Vec::new();
+        for _ in 0..ATTEMPTS {
+            let address = SocketAddr::from(([127, 0, 0, 1], http_client::free_port()));
+            std::fs::write(&config, indexer_config(fleet, address))
+                .with_context(|| format!("writing {}", config.display()))?;
+            let mut child = Command::new(binary)
+                .arg("--config")
+                .arg(&config)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+                )
+                .stdin(Stdio::null())
+                .spawn()
+                .with_context(|| format!("starting {}", binary.display()))?;
+            match wait_healthy(&mut child, address, deadline) {
+                Ok(()) => {
+                    return Ok(IndexerProcess {
+                        child,
+                        address,
+                        _config: dir,
+                    })
+                }
+                Err(exit) => exits.push(format!("{exit:#}")),
+            }
+        }
+        bail!("kv-indexer did not start: {exits:?}")
     }
 
     /// The child's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+}
 
-    fn wait_healthy(&mut self, deadline: Duration) -> Result<()> {
-        let started = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                bail!("kv-indexer exited before serving: {status}");
-            }
-            // Probed first: the client panics on a refused connection.
-            if TcpStream::connect(self.address).is_ok()
-                && http_client::get(self.address, "/health").status == 200
-            {
-                return Ok(());
-            }
-            if started.elapsed() > deadline {
-                bail!(
-                    "kv-indexer not healthy on {} after {deadline:?}",
-                    self.address
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
+/// Waits until the child answers `GET /health` on `address`; on failure the child is gone.
+fn wait_healthy(child: &mut Child, address: SocketAddr, deadline: Duration) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!("kv-indexer exited before serving on {address}: {status}");
         }
+        // Probed first: the client panics on a refused connection.
+        if TcpStream::connect(address).is_ok() && http_client::get(address, "/health").status == 200
+        {
+            return Ok(());
+        }
+        if started.elapsed() > deadline {
+            // Our own child, by its handle.
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("kv-indexer not healthy on {address} after {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
