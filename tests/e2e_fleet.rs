@@ -58,18 +58,18 @@ struct Setup {
     warm: Vec<RankView>,
 }
 
-fn setup(faults: Faults) -> Option<Setup> {
+fn setup(faults: Faults) -> Setup {
     let _ = env_logger::builder().is_test(true).try_init();
-    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS)?;
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let fleet = Fleet::start(ENGINES, |i| engine_config(i, faults)).expect("fleet");
     let mut indexer = InProcess::start(&fleet).expect("listeners");
     let warm = warm_up(&fleet, &mut indexer, DEADLINE);
-    Some(Setup {
+    Setup {
         prompts,
         fleet,
         indexer,
         warm,
-    })
+    }
 }
 
 /// Serves every prompt, settles and checks exactness; returns the settled views.
@@ -110,27 +110,21 @@ fn gaps_since(warm: &[RankView], views: &[RankView]) -> u64 {
 
 #[test]
 fn clean_stream_sticky_routing_is_exact() {
-    let Some(mut setup) = setup(CLEAN) else {
-        return;
-    };
+    let mut setup = setup(CLEAN);
     let views = serve_and_check(&mut setup, Route::Sticky);
     assert_eq!(gaps_since(&setup.warm, &views), 0, "{views:#?}");
 }
 
 #[test]
 fn clean_stream_round_robin_routing_is_exact() {
-    let Some(mut setup) = setup(CLEAN) else {
-        return;
-    };
+    let mut setup = setup(CLEAN);
     let views = serve_and_check(&mut setup, Route::RoundRobin);
     assert_eq!(gaps_since(&setup.warm, &views), 0, "{views:#?}");
 }
 
 /// Dropped batches are detected as gaps and repaired: `gaps` counts one per run of drops.
 fn dropped_batches_are_repaired(faults: Faults) {
-    let Some(mut setup) = setup(faults) else {
-        return;
-    };
+    let mut setup = setup(faults);
     let dropped_before = dropped(&setup.fleet);
     let views = serve_and_check(&mut setup, Route::Sticky);
     let dropped = dropped(&setup.fleet) - dropped_before;
@@ -162,9 +156,7 @@ fn dropped_batches_without_replay_are_repaired_by_snapshot_and_stay_exact() {
 
 #[test]
 fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
-    let Some(mut setup) = setup(CLEAN) else {
-        return;
-    };
+    let mut setup = setup(CLEAN);
     let restarted = RankRef { engine: 0, rank: 1 };
     let name = Fleet::name(restarted.engine);
     let view_of = |views: &[RankView]| {
@@ -199,9 +191,7 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
 #[test]
 fn the_binary_over_http_is_exact() {
     let _ = env_logger::builder().is_test(true).try_init();
-    let Some(prompts) = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS) else {
-        return;
-    };
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let fleet = start_on_consecutive_ports(ENGINES, |i| engine_config(i, CLEAN)).expect("fleet");
     let binary = std::path::Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
     let process = IndexerProcess::start(binary, &fleet, DEADLINE).expect("kv-indexer");

@@ -350,12 +350,17 @@ fn prefix_hit_endpoint_answers_ground_truth_and_rejects_bad_requests() {
     engine.serve(0, &head).expect("serve");
     assert_eq!(prefix_hit_over_http(port, &p), 3);
     assert_eq!(prefix_hit_over_http(port, &[]), 0);
+    let (status, last) = http(port, "GET", "/last_prompt", "");
+    assert_eq!(status, 200);
+    let last: serde_json::Value = serde_json::from_slice(&last).expect("JSON");
+    assert_eq!(last, serde_json::json!({ "token_ids": head }));
     for (method, path, body, status) in [
         ("POST", "/prefix_hit", "{\"token_ids\": [1, -2]}", 400),
         ("POST", "/prefix_hit", "{\"token_ids\": [4294967296]}", 400),
         ("POST", "/prefix_hit", "not json", 400),
         ("GET", "/prefix_hit", "", 405),
         ("POST", "/kv_recover", "", 405),
+        ("POST", "/last_prompt", "", 405),
         ("GET", "/nowhere", "", 404),
     ] {
         let (got, reply) = http(port, method, path, body);

@@ -1,7 +1,7 @@
 //! A running simulated engine: `dp_size` ranks in one process, each with its prefix cache, a
 //! bound PUB socket on `port + rank`, an optional replay ROUTER on `replay_port + rank` and an
-//! optional HTTP server on `recover_port + rank` (`GET /kv_recover`, and the ground truth
-//! `POST /prefix_hit`), as vLLM engine cores with kv-events enabled (plus the snapshot patch).
+//! optional HTTP server on `recover_port + rank` (`GET /kv_recover`, the ground truth
+//! `POST /prefix_hit`, and `GET /last_prompt` — the prompt served last, as a `/query` body), as vLLM engine cores with kv-events enabled (plus the snapshot patch).
 //!
 //! It owns sequencing, the replay history and fault injection (dropped batches, restarts). It
 //! never decodes what it publishes, and it never connects: every socket is bound.
@@ -104,6 +104,8 @@ struct RankState {
     history: VecDeque<(u64, Arc<[u8]>)>,
     drops: SplitMix64,
     dropped: u64,
+    /// The prompt served last, for `GET /last_prompt`.
+    last_prompt: Vec<u32>,
 }
 
 struct Rank {
@@ -156,6 +158,7 @@ impl SimEngine {
                     history: VecDeque::new(),
                     drops: SplitMix64::new(mix(rank_seed, 0xD809)),
                     dropped: 0,
+                    last_prompt: Vec::new(),
                 }),
             });
             let replay = match config.replay_port {
@@ -191,6 +194,8 @@ impl SimEngine {
         let rank = self.rank(rank)?;
         let mut state = rank.lock();
         let served = state.cache.serve(prompt);
+        state.last_prompt.clear();
+        state.last_prompt.extend_from_slice(prompt);
         if !served.events.is_empty() {
             state.publish(rank, served.events)?;
         }
@@ -326,6 +331,14 @@ impl Rank {
     fn lock(&self) -> MutexGuard<'_, RankState> {
         // The state stays consistent between statements, so a panicked holder leaves it usable.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The `GET /last_prompt` body, `{"token_ids": [...]}`: ready to send to the indexer's
+    /// `POST /query`.
+    fn last_prompt_body(&self) -> Vec<u8> {
+        serde_json::json!({ "token_ids": self.lock().last_prompt })
+            .to_string()
+            .into_bytes()
     }
 
     /// The `GET /kv_recover` body: the cache and the seq of the last batch, taken together.
@@ -540,7 +553,10 @@ fn answer_http(rank: &Rank, mut request: tiny_http::Request) {
     let (status, body) = match (request.method(), path.as_str()) {
         (tiny_http::Method::Get, "/kv_recover") => (200, rank.snapshot_body()),
         (tiny_http::Method::Post, "/prefix_hit") => prefix_hit(rank, &mut request),
-        (_, "/kv_recover" | "/prefix_hit") => error_reply(405, "method not allowed"),
+        (tiny_http::Method::Get, "/last_prompt") => (200, rank.last_prompt_body()),
+        (_, "/kv_recover" | "/prefix_hit" | "/last_prompt") => {
+            error_reply(405, "method not allowed")
+        }
         _ => error_reply(404, &format!("no route {path}")),
     };
     let mut response = tiny_http::Response::from_data(body).with_status_code(status);

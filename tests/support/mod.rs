@@ -36,8 +36,8 @@ pub const BLOCK_SIZE: u32 = 16;
 /// Environment variable naming the trace when it is not at `../shared/data/` of the crate.
 pub const TRACE_ENV: &str = "KV_INDEXER_TRACE";
 
-/// Where the Mooncake trace is: `$KV_INDEXER_TRACE`, else `../shared/data/synthetic_trace.jsonl`
-/// relative to `manifest_dir`.
+/// Where the whole Mooncake trace is, for benchmarks: `$KV_INDEXER_TRACE`, else
+/// `../shared/data/synthetic_trace.jsonl` relative to `manifest_dir`.
 pub fn trace_path(manifest_dir: &str) -> PathBuf {
     std::env::var_os(TRACE_ENV).map_or_else(
         || Path::new(manifest_dir).join("../shared/data/synthetic_trace.jsonl"),
@@ -45,20 +45,19 @@ pub fn trace_path(manifest_dir: &str) -> PathBuf {
     )
 }
 
-/// The first `count` trace requests as token prompts, or `None` (with the reason printed) when
-/// the trace file is absent.
-pub fn trace_prompts(manifest_dir: &str, count: usize) -> Option<Vec<Vec<u32>>> {
-    let path = trace_path(manifest_dir);
-    if !path.exists() {
-        eprintln!(
-            "SKIPPED: trace {} is absent (set {TRACE_ENV} to its path)",
-            path.display()
-        );
-        return None;
-    }
-    let mut prompts = load_trace(&path, BLOCK_SIZE).expect("the trace parses");
+/// The first `count` requests of the trace shipped in `tests/data/mooncake_head.jsonl`, as
+/// token prompts.
+pub fn trace_prompts(manifest_dir: &str, count: usize) -> Vec<Vec<u32>> {
+    let path = Path::new(manifest_dir).join("tests/data/mooncake_head.jsonl");
+    let mut prompts = load_trace(&path, BLOCK_SIZE).expect("the shipped trace parses");
+    assert!(
+        prompts.len() >= count,
+        "{} has {} requests, the test wants {count}",
+        path.display(),
+        prompts.len()
+    );
     prompts.truncate(count);
-    Some(prompts)
+    prompts
 }
 
 /// One rank of one engine of the fleet.
