@@ -200,6 +200,13 @@ struct Running {
     context_slot: usize,
 }
 
+/// How starting one engine went: its listeners, or the error and the specs to retry.
+struct EngineStart {
+    engine: String,
+    specs: Vec<ListenerSpec>,
+    outcome: anyhow::Result<Vec<Running>>,
+}
+
 /// The running listeners and the index, metrics and ZMQ contexts they share.
 pub struct Registry {
     contexts: ContextPool,
@@ -292,7 +299,12 @@ impl Registry {
             groups.entry(key.engine.clone()).or_default().push(spec);
         }
         self.pending.clear();
-        for (engine, specs, outcome) in self.start_engines(groups.into_iter().collect(), planned) {
+        for EngineStart {
+            engine,
+            specs,
+            outcome,
+        } in self.start_engines(groups.into_iter().collect(), planned)
+        {
             match outcome {
                 Ok(started) => {
                     for key in specs.into_iter().map(|s| s.key) {
@@ -323,7 +335,12 @@ impl Registry {
             .into_iter()
             .map(|(engine, (specs, _))| (engine, specs))
             .collect();
-        for (engine, specs, outcome) in self.start_engines(groups, planned) {
+        for EngineStart {
+            engine,
+            specs,
+            outcome,
+        } in self.start_engines(groups, planned)
+        {
             match outcome {
                 Ok(started) => {
                     info!("engine {engine}: started on retry");
@@ -389,18 +406,18 @@ impl Registry {
                 .sum::<usize>()
     }
 
-    /// Starts engines (each all or nothing, `start_engine`) `STARTERS` at a time; returns each
-    /// with its specs and outcome, in the order given. `planned` is the size of the whole plan,
-    /// for the error when descriptors run out.
-    #[allow(clippy::type_complexity)]
+    /// Starts engines (each all or nothing, `start_engine`) `STARTERS` at a time; returns
+    /// their outcomes in the order given. `planned` is the size of the whole plan, for the
+    /// error when descriptors run out.
     fn start_engines(
         &self,
         groups: Vec<(String, Vec<ListenerSpec>)>,
         planned: usize,
-    ) -> Vec<(String, Vec<ListenerSpec>, anyhow::Result<Vec<Running>>)> {
-        in_parallel(groups, STARTERS, |(engine, specs)| {
-            let outcome = self.start_engine(specs.clone(), planned);
-            (engine, specs, outcome)
+    ) -> Vec<EngineStart> {
+        in_parallel(groups, STARTERS, |(engine, specs)| EngineStart {
+            outcome: self.start_engine(specs.clone(), planned),
+            engine,
+            specs,
         })
     }
 
@@ -693,5 +710,29 @@ mod tests {
         let diff = registry.apply(good_only);
         assert_eq!(diff.unchanged, 1);
         assert!(!registry.has_pending());
+    }
+
+    #[test]
+    fn running_out_of_descriptors_says_how_many_are_needed_and_what_to_raise() {
+        let emfile = anyhow::Error::new(zmq::Error::EMFILE).context("creating the SUB socket");
+        let explained = format!("{:#}", explain_out_of_files(emfile, 8_000));
+        let needed = open_files_needed(8_000).to_string();
+        assert!(
+            explained.contains(&needed)
+                && explained.contains("LimitNOFILE")
+                && explained.contains("ulimit -n"),
+            "{explained}"
+        );
+        let other = anyhow::Error::new(zmq::Error::EINVAL);
+        assert_eq!(
+            format!("{:#}", explain_out_of_files(other, 8_000)),
+            "Invalid argument"
+        );
+    }
+
+    #[test]
+    fn in_parallel_keeps_the_order_of_its_items() {
+        let squares = in_parallel((0..100u64).collect(), 7, |n| n * n);
+        assert_eq!(squares, (0..100u64).map(|n| n * n).collect::<Vec<_>>());
     }
 }
