@@ -478,7 +478,7 @@ impl Registry {
     }
 
     /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
-    /// index) and drops their metric series.
+    /// index and `Listener`'s drop forgets their metric series).
     fn remove_running(&mut self, keys: &[WorkerKey]) {
         let leaving: Vec<Running> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
         if leaving.is_empty() {
@@ -497,9 +497,6 @@ impl Registry {
             .collect();
         info!("stopping {} listeners: {}", names.len(), names.join(" "));
         self.stop(leaving);
-        for key in keys {
-            self.metrics.forget_rank(&key.engine, key.dp_rank);
-        }
     }
 
     /// Each stop waits for its listener thread (up to 100 ms): many at once, so removing an
