@@ -113,6 +113,10 @@ fn main() {
     let started = Instant::now();
     registry.stop_all();
     let stopped = started.elapsed();
+    // Dropping the registry ends its ZMQ contexts, which waits for their reapers to close the
+    // stopped listeners' sockets: then nothing of the listeners may be left.
+    drop(registry);
+    let after_stop = Process::now();
 
     println!(
         "{engines} engines x {RANKS} ranks = {} listeners",
@@ -143,7 +147,11 @@ fn main() {
         (engines - 1) * RANKS
     );
     println!("reload changing nothing: {noop:?}");
-    println!("stop all:               {stopped:?}");
+    println!(
+        "stop all:               {stopped:?} (registry dropped: {} fds and {} threads left over)",
+        after_stop.fds as i64 - idle.fds as i64,
+        after_stop.threads as i64 - idle.threads as i64
+    );
 }
 
 /// What this process holds, from /proc/self.
