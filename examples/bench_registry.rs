@@ -2,17 +2,19 @@
 //! time to expand and register all, time of a reload that changes one engine, and proof from
 //! the diff that the reload touched only that engine.
 //!
-//! `cargo run --release --example bench_registry [engines]` (default 1,000; each listener holds
-//! about ten file descriptors, so the process's RLIMIT_NOFILE caps how many fit).
+//! `cargo run --release --example bench_registry [engines]` (default 1,000). Each listener holds
+//! about `FDS_PER_LISTENER` file descriptors: the bench raises its soft RLIMIT_NOFILE to the
+//! hard limit, like the service, and refuses to start when the hard limit is too low.
+//! Also prints the descriptors, RSS and threads the listeners added.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kv_indexer::config::{Config, EngineConfig};
 use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan;
-use kv_indexer::registry::Registry;
+use kv_indexer::registry::{open_files_needed, raise_open_files_limit, Registry};
 
 const RANKS: u32 = 8;
 
@@ -49,22 +51,46 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let listeners = (engines * RANKS) as usize;
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let (soft_before, limit) = raise_open_files_limit().expect("raising RLIMIT_NOFILE");
+    let needed = open_files_needed(listeners);
+    if needed > limit {
+        let fit = (2..engines)
+            .rev()
+            .find(|&n| open_files_needed((n * RANKS) as usize) <= limit)
+            .unwrap_or(0);
+        eprintln!(
+            "{listeners} listeners need about {needed} file descriptors; the hard limit is {limit} \
+             (raise it with `ulimit -Hn` / LimitNOFILE=). At most {fit} engines fit."
+        );
+        std::process::exit(1);
+    }
     let changed = engines as usize / 2;
     let mut config = config(engines);
     let started = Instant::now();
     let specs = plan::expand(&config);
     let expanded = started.elapsed();
 
+    let idle = Process::now();
     let mut registry = Registry::new(
         zmq::Context::new(),
         Index::new(config.block_size, config.shards),
         Arc::new(Metrics::new()),
     );
     let started = Instant::now();
+    let cpu_before = cpu_time();
     let diff = registry.apply(specs);
     let registered = started.elapsed();
+    let register_cpu = cpu_time() - cpu_before;
     assert!(diff.failed.is_empty(), "failed: {:?}", &diff.failed[..1]);
-    assert_eq!(diff.added.len(), (engines * RANKS) as usize);
+    assert_eq!(diff.added.len(), listeners);
+    let running = Process::now();
 
     // Move one engine to other ports: its 8 listeners are replaced, nothing else is touched.
     config.engines[changed].zmq_port = 60_000;
@@ -88,18 +114,84 @@ fn main() {
     let started = Instant::now();
     registry.stop_all();
     let stopped = started.elapsed();
+    // Dropping the registry ends its ZMQ contexts, which waits for their reapers to close the
+    // stopped listeners' sockets: then nothing of the listeners may be left.
+    drop(registry);
+    let after_stop = Process::now();
 
     println!(
         "{engines} engines x {RANKS} ranks = {} listeners",
         engines * RANKS
     );
+    println!("RLIMIT_NOFILE soft {soft_before} -> {limit}, needed about {needed}");
     println!("expand:                 {expanded:?}");
-    println!("register all:           {registered:?}");
+    println!(
+        "register all:           {registered:?} ({:.0} us per listener)",
+        registered.as_secs_f64() * 1e6 / listeners as f64
+    );
+    println!(
+        "  CPU used registering:  {register_cpu:?} user+sys, all threads ({:.0} us per listener; \
+         load average before the run: {load})",
+        register_cpu.as_secs_f64() * 1e6 / listeners as f64
+    );
+    println!(
+        "listeners added:        {} fds ({:.2} per listener), {} threads, {} MiB RSS ({:.1} KiB per listener)",
+        running.fds - idle.fds,
+        (running.fds - idle.fds) as f64 / listeners as f64,
+        running.threads - idle.threads,
+        (running.rss_kib - idle.rss_kib) / 1024,
+        (running.rss_kib - idle.rss_kib) as f64 / listeners as f64
+    );
     println!(
         "reload changing 1 engine: {reloaded:?} (replaced {}, unchanged {}, added 0, removed 0)",
         RANKS,
         (engines - 1) * RANKS
     );
     println!("reload changing nothing: {noop:?}");
-    println!("stop all:               {stopped:?}");
+    println!(
+        "stop all:               {stopped:?} (registry dropped: {} fds and {} threads left over)",
+        after_stop.fds as i64 - idle.fds as i64,
+        after_stop.threads as i64 - idle.threads as i64
+    );
+}
+
+/// What this process holds, from /proc/self.
+struct Process {
+    fds: u64,
+    rss_kib: u64,
+    threads: u64,
+}
+
+impl Process {
+    fn now() -> Process {
+        let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count() as u64);
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .and_then(|value| value.split_whitespace().next())
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(0)
+        };
+        Process {
+            fds,
+            rss_kib: field("VmRSS:"),
+            threads: field("Threads:"),
+        }
+    }
+}
+
+/// User + system CPU time of the whole process so far.
+fn cpu_time() -> Duration {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the rusage it is given; zeroed is a valid rusage anyway.
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    let time = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    time(usage.ru_utime) + time(usage.ru_stime)
 }

@@ -20,14 +20,14 @@
 //!   before its listener stops and joins it after its listener started, so a query never names
 //!   a worker whose blocks are being torn down.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use anyhow::Context;
 use log::{info, warn};
 
 use crate::index::{Index, WorkerId};
-use crate::listener::{Listener, ListenerStatus};
+use crate::listener::{Listener, ListenerStatus, FDS_PER_LISTENER};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
 
@@ -86,47 +86,125 @@ pub struct ReloadDiff {
     pub failed: Vec<String>,
 }
 
-/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS, which
-/// the zmq crate cannot raise) and a listener uses up to 6 (SUB, the monitor's PAIR pair, the
-/// stop PAIR pair, a replay DEALER while recovering): 128 leaves room to spare.
-const LISTENERS_PER_CONTEXT: usize = 128;
+/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS: the zmq
+/// crate neither sets it nor exposes the raw context to `zmq_ctx_set`) and a listener uses up
+/// to 4 (SUB, the monitor's PAIR pair, a replay DEALER while recovering). Each context adds
+/// two threads and eight descriptors, against 8 descriptors and a thread per listener.
+const LISTENERS_PER_CONTEXT: usize = 250;
+
+/// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
+/// (sockets, a thread) partly serialized by kernel locks, so a few starters suffice.
+const STARTERS: usize = 4;
+/// Listeners stopped at once: each stop mostly waits for its thread to notice.
+const STOPPERS: usize = 64;
+
+/// Descriptors the process needs besides its listeners: HTTP, logs, ZMQ contexts, replays.
+const FDS_RESERVE: u64 = 1_000;
 
 /// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
-/// ranks fit.
+/// ranks fit. Shared by the starter threads, hence the lock.
 struct ContextPool {
-    contexts: Vec<(zmq::Context, usize)>,
+    contexts: Mutex<Vec<(zmq::Context, usize)>>,
 }
 
 impl ContextPool {
     /// The index and a handle of a context with room for one more listener.
-    fn take(&mut self) -> (usize, zmq::Context) {
-        let slot = match self
-            .contexts
+    fn take(&self) -> (usize, zmq::Context) {
+        let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = match contexts
             .iter()
             .position(|(_, used)| *used < LISTENERS_PER_CONTEXT)
         {
             Some(slot) => slot,
             None => {
-                self.contexts.push((zmq::Context::new(), 0));
-                self.contexts.len() - 1
+                contexts.push((zmq::Context::new(), 0));
+                contexts.len() - 1
             }
         };
-        let (context, used) = &mut self.contexts[slot];
+        let (context, used) = &mut contexts[slot];
         *used += 1;
         (slot, context.clone())
     }
 
-    fn give_back(&mut self, slot: usize) {
-        if let Some((_, used)) = self.contexts.get_mut(slot) {
+    fn give_back(&self, slot: usize) {
+        let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, used)) = contexts.get_mut(slot) {
             *used = used.saturating_sub(1);
         }
     }
+}
+
+/// File descriptors a process running `listeners` listeners needs.
+pub fn open_files_needed(listeners: usize) -> u64 {
+    listeners as u64 * FDS_PER_LISTENER + FDS_RESERVE
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit (a listener holds about
+/// `FDS_PER_LISTENER` descriptors and the usual soft default is 1,024). Returns the soft limit
+/// before and after.
+pub fn raise_open_files_limit() -> std::io::Result<(u64, u64)> {
+    let mut limit = open_files_limit()?;
+    let before = limit.rlim_cur;
+    if limit.rlim_cur < limit.rlim_max {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: passes a valid rlimit the kernel only reads.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok((before, limit.rlim_cur))
+}
+
+fn open_files_limit() -> std::io::Result<libc::rlimit> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the valid rlimit it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(limit)
+}
+
+/// Whether `error` comes from running out of file descriptors (the process's or the system's).
+fn out_of_files(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        let code = match cause.downcast_ref::<zmq::Error>() {
+            Some(zmq_error) => Some(zmq_error.to_raw()),
+            None => cause
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::raw_os_error),
+        };
+        code.is_some_and(|code| code == libc::EMFILE || code == libc::ENFILE)
+    })
+}
+
+/// Adds to a start error that ran out of descriptors how many `listeners` need and what to do.
+fn explain_out_of_files(error: anyhow::Error, listeners: usize) -> anyhow::Error {
+    if !out_of_files(&error) {
+        return error;
+    }
+    let needed = open_files_needed(listeners);
+    let limit =
+        open_files_limit().map_or_else(|e| format!("unknown: {e}"), |l| l.rlim_cur.to_string());
+    error.context(format!(
+        "out of file descriptors: {listeners} listeners need about {needed} (open files limit: \
+         {limit}); raise LimitNOFILE= in the systemd unit, or `ulimit -n`, to at least {needed}"
+    ))
 }
 
 /// A started listener and the pool slot of its context.
 struct Running {
     listener: Listener,
     context_slot: usize,
+}
+
+/// How starting one engine went: its listeners, or the error and the specs to retry.
+struct EngineStart {
+    engine: String,
+    specs: Vec<ListenerSpec>,
+    outcome: anyhow::Result<Vec<Running>>,
 }
 
 /// The running listeners and the index, metrics and ZMQ contexts they share.
@@ -146,7 +224,7 @@ impl Registry {
     pub fn new(zmq: zmq::Context, index: Arc<Index>, metrics: Arc<Metrics>) -> Registry {
         Registry {
             contexts: ContextPool {
-                contexts: vec![(zmq, 0)],
+                contexts: Mutex::new(vec![(zmq, 0)]),
             },
             index,
             metrics,
@@ -168,7 +246,8 @@ impl Registry {
                 spec.endpoint
             );
         }
-        let started = self.start_all_or_nothing(specs)?;
+        let planned = self.planned_count() + specs.len();
+        let started = self.start_engine(specs, planned)?;
         self.insert_running(started);
         self.publish_directory();
         Ok(())
@@ -211,18 +290,24 @@ impl Registry {
             }
         }
         self.remove_running(&leaving);
+        let leaving: BTreeSet<WorkerKey> = leaving.into_iter().collect();
 
         // What is left of `wanted` must be started; group it by engine in plan order.
+        let planned = diff.unchanged + wanted.len();
         let mut groups: BTreeMap<String, Vec<ListenerSpec>> = BTreeMap::new();
         for (key, spec) in wanted {
             groups.entry(key.engine.clone()).or_default().push(spec);
         }
         self.pending.clear();
-        for (engine, specs) in groups {
-            let keys: Vec<WorkerKey> = specs.iter().map(|s| s.key.clone()).collect();
-            match self.start_all_or_nothing(specs.clone()) {
+        for EngineStart {
+            engine,
+            specs,
+            outcome,
+        } in self.start_engines(groups.into_iter().collect(), planned)
+        {
+            match outcome {
                 Ok(started) => {
-                    for key in keys {
+                    for key in specs.into_iter().map(|s| s.key) {
                         if leaving.contains(&key) {
                             diff.replaced.push(key);
                         } else {
@@ -245,8 +330,18 @@ impl Registry {
     /// Tries again to start every pending engine. Returns the errors of those still failing.
     pub fn retry_pending(&mut self) -> Vec<String> {
         let mut still_failing = Vec::new();
-        for (engine, (specs, _)) in std::mem::take(&mut self.pending) {
-            match self.start_all_or_nothing(specs.clone()) {
+        let planned = self.planned_count();
+        let groups = std::mem::take(&mut self.pending)
+            .into_iter()
+            .map(|(engine, (specs, _))| (engine, specs))
+            .collect();
+        for EngineStart {
+            engine,
+            specs,
+            outcome,
+        } in self.start_engines(groups, planned)
+        {
+            match outcome {
                 Ok(started) => {
                     info!("engine {engine}: started on retry");
                     self.insert_running(started);
@@ -301,9 +396,38 @@ impl Registry {
         self.remove_running(&keys);
     }
 
-    /// Starts each spec; on the first failure stops those already started and returns the
-    /// error naming engine, rank and endpoint.
-    fn start_all_or_nothing(&mut self, specs: Vec<ListenerSpec>) -> anyhow::Result<Vec<Running>> {
+    /// Listeners running plus those waiting for a retry: what the plan asks for.
+    fn planned_count(&self) -> usize {
+        self.running.len()
+            + self
+                .pending
+                .values()
+                .map(|(specs, _)| specs.len())
+                .sum::<usize>()
+    }
+
+    /// Starts engines (each all or nothing, `start_engine`) `STARTERS` at a time; returns
+    /// their outcomes in the order given. `planned` is the size of the whole plan, for the
+    /// error when descriptors run out.
+    fn start_engines(
+        &self,
+        groups: Vec<(String, Vec<ListenerSpec>)>,
+        planned: usize,
+    ) -> Vec<EngineStart> {
+        in_parallel(groups, STARTERS, |(engine, specs)| EngineStart {
+            outcome: self.start_engine(specs.clone(), planned),
+            engine,
+            specs,
+        })
+    }
+
+    /// Starts each spec of one engine; on the first failure stops those already started and
+    /// returns the error naming engine, rank and endpoint.
+    fn start_engine(
+        &self,
+        specs: Vec<ListenerSpec>,
+        planned: usize,
+    ) -> anyhow::Result<Vec<Running>> {
         let mut started: Vec<Running> = Vec::with_capacity(specs.len());
         for spec in specs {
             let what = format!(
@@ -327,7 +451,7 @@ impl Registry {
                         );
                     }
                     self.stop(started);
-                    return Err(err);
+                    return Err(explain_out_of_files(err, planned));
                 }
             }
         }
@@ -354,7 +478,7 @@ impl Registry {
     }
 
     /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
-    /// index) and drops their metric series.
+    /// index and `Listener`'s drop forgets their metric series).
     fn remove_running(&mut self, keys: &[WorkerKey]) {
         let leaving: Vec<Running> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
         if leaving.is_empty() {
@@ -373,18 +497,15 @@ impl Registry {
             .collect();
         info!("stopping {} listeners: {}", names.len(), names.join(" "));
         self.stop(leaving);
-        for key in keys {
-            self.metrics.forget_rank(&key.engine, key.dp_rank);
-        }
     }
 
-    fn stop(&mut self, listeners: Vec<Running>) {
-        let mut stopping = Vec::with_capacity(listeners.len());
-        for running in listeners {
+    /// Each stop waits for its listener thread (up to 100 ms): many at once, so removing an
+    /// engine of 8 ranks, or shutting down 8,000, stays well under a second.
+    fn stop(&self, listeners: Vec<Running>) {
+        in_parallel(listeners, STOPPERS, |running| {
+            running.listener.stop();
             self.contexts.give_back(running.context_slot);
-            stopping.push(running.listener);
-        }
-        stop_in_parallel(stopping);
+        });
     }
 
     fn publish_directory(&self) {
@@ -406,26 +527,41 @@ impl Registry {
     }
 }
 
-/// Each stop waits for its listener thread (up to 100 ms): stop many at once so removing an
-/// engine of 8 ranks, or shutting down 8,000, stays well under a second.
-fn stop_in_parallel(listeners: Vec<Listener>) {
-    const STOPPERS: usize = 64;
-    if listeners.len() <= 1 {
-        listeners.into_iter().for_each(Listener::stop);
-        return;
+/// `work` on every item, on up to `workers` threads; the results in the items' order.
+fn in_parallel<T: Send, R: Send>(
+    items: Vec<T>,
+    workers: usize,
+    work: impl Fn(T) -> R + Sync,
+) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.into_iter().map(work).collect();
     }
-    let stoppers = STOPPERS.min(listeners.len());
-    let queue = Mutex::new(listeners);
-    let next = || queue.lock().unwrap_or_else(PoisonError::into_inner).pop();
-    std::thread::scope(|scope| {
-        for _ in 0..stoppers {
-            scope.spawn(|| {
-                while let Some(listener) = next() {
-                    listener.stop();
-                }
-            });
-        }
+    let count = items.len();
+    let queue = Mutex::new(items.into_iter().enumerate());
+    let next = || queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers.min(count))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    while let Some((at, item)) = next() {
+                        done.push((at, work(item)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .flat_map(|thread| {
+                thread
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
     });
+    done.sort_unstable_by_key(|(at, _)| *at);
+    done.into_iter().map(|(_, result)| result).collect()
 }
 
 impl Drop for Registry {
@@ -571,5 +707,29 @@ mod tests {
         let diff = registry.apply(good_only);
         assert_eq!(diff.unchanged, 1);
         assert!(!registry.has_pending());
+    }
+
+    #[test]
+    fn running_out_of_descriptors_says_how_many_are_needed_and_what_to_raise() {
+        let emfile = anyhow::Error::new(zmq::Error::EMFILE).context("creating the SUB socket");
+        let explained = format!("{:#}", explain_out_of_files(emfile, 8_000));
+        let needed = open_files_needed(8_000).to_string();
+        assert!(
+            explained.contains(&needed)
+                && explained.contains("LimitNOFILE")
+                && explained.contains("ulimit -n"),
+            "{explained}"
+        );
+        let other = anyhow::Error::new(zmq::Error::EINVAL);
+        assert_eq!(
+            format!("{:#}", explain_out_of_files(other, 8_000)),
+            "Invalid argument"
+        );
+    }
+
+    #[test]
+    fn in_parallel_keeps_the_order_of_its_items() {
+        let squares = in_parallel((0..100u64).collect(), 7, |n| n * n);
+        assert_eq!(squares, (0..100u64).map(|n| n * n).collect::<Vec<_>>());
     }
 }

@@ -21,7 +21,7 @@ use crate::http::{Api, HttpServer};
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::plan;
-use crate::registry::{Registry, ReloadDiff};
+use crate::registry::{self, Registry, ReloadDiff};
 
 /// First wait before retrying an engine that failed to start; doubles up to `RETRY_MAX`.
 const RETRY_MIN: Duration = Duration::from_secs(1);
@@ -95,6 +95,7 @@ impl Service {
             config.engines.len(),
             plan.len()
         );
+        allow_open_files(plan.len());
         let diff = lock(&registry).apply(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
@@ -148,6 +149,26 @@ impl Service {
         let ranks = registry.running_count();
         registry.stop_all();
         info!("stopped {ranks} listeners; bye");
+    }
+}
+
+/// Raises the soft open-files limit to the hard one (each rank holds a few descriptors) and
+/// warns when even that is too low for `listeners`.
+fn allow_open_files(listeners: usize) {
+    let needed = registry::open_files_needed(listeners);
+    match registry::raise_open_files_limit() {
+        Ok((before, after)) => {
+            info!("open files limit: {before} -> {after} (hard limit); {listeners} ranks need about {needed}");
+            if after < needed {
+                warn!(
+                    "the open files limit {after} is below the {needed} that {listeners} ranks need: \
+                     raise LimitNOFILE= in the systemd unit, or `ulimit -Hn`/`ulimit -n`, to at least {needed}"
+                );
+            }
+        }
+        Err(error) => warn!(
+            "cannot raise the open files limit ({error}); {listeners} ranks need about {needed}"
+        ),
     }
 }
 

@@ -6,9 +6,14 @@
 //! **A thread per listener.** A ZMQ socket must be used by one thread only, and a recovery
 //! (a replay of up to 10 s, a snapshot download) must never hold up another rank or a query.
 //! So each listener is one OS thread that owns its SUB socket, the socket monitor, a stop
-//! socket (inproc PAIR) and the rank's `WorkerBlocks` — the only writer of that worker. It
-//! sleeps in `zmq::poll` on those three sockets (no timer while healthy), so stop is immediate
-//! and an idle rank costs nothing.
+//! signal (an eventfd) and the rank's `WorkerBlocks` — the only writer of that worker. It
+//! sleeps in `zmq::poll` on those three (no timer while healthy), so stop is immediate and an
+//! idle rank costs nothing.
+//!
+//! **What a rank costs.** Two ZMQ sockets of ours plus the monitor's own PAIR, each two file
+//! descriptors in this libzmq (its mailboxes are socketpairs), the stop eventfd, and one TCP
+//! socket while connected or connecting: `FDS_PER_LISTENER`. A rank that is down is retried
+//! after 100 ms, backing off to every 5 s, so a thousand dead ranks cost no CPU.
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
@@ -22,7 +27,7 @@
 //!
 //! **What it never does.** It never writes another worker's blocks, never panics on what the
 //! network sends (bad frames and payloads are counted and dropped, the socket stays), never
-//! blocks on a peer without also watching its stop socket, and never leaves blocks behind: when
+//! blocks on a peer without also watching its stop signal, and never leaves blocks behind: when
 //! `stop` returns, the thread has ended and dropping its `WorkerBlocks` removed every block of
 //! the rank from the index. A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
@@ -63,7 +68,7 @@ impl State {
 }
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::Context as _;
@@ -71,12 +76,19 @@ use anyhow::Context as _;
 use crate::index::{Index, WorkerId};
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
-use recovery::Stop;
+use recovery::{Stop, StopHandle};
 use run::{RankLoop, Sockets};
 use status::StatusCell;
 
 /// Queued live messages per rank before ZMQ drops (and the seq rules notice the loss).
 const RECEIVE_HIGH_WATER_MARK: i32 = 100_000;
+/// Reconnecting to a rank that is down: first after this many ms, doubling up to the max.
+const RECONNECT_FIRST_MS: i32 = 100;
+const RECONNECT_MAX_MS: i32 = 5_000;
+
+/// File descriptors a running listener holds: 3 ZMQ sockets × 2, the stop eventfd, the TCP
+/// connection. A replay in progress adds 3 more (its DEALER and connection) for a while.
+pub const FDS_PER_LISTENER: u64 = 8;
 
 /// A listener's counters and state, as `/workers` shows them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,8 +116,7 @@ pub struct Listener {
     worker: WorkerId,
     status: Arc<StatusCell>,
     metrics: Arc<Metrics>,
-    /// The caller's end of the stop PAIR; behind a lock only so that `Listener` is `Sync`.
-    stop: Mutex<zmq::Socket>,
+    stop: StopHandle,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -157,7 +168,7 @@ impl Listener {
             worker,
             status,
             metrics: Arc::clone(metrics),
-            stop: Mutex::new(stop),
+            stop,
             thread: Some(thread),
         })
     }
@@ -182,11 +193,7 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        {
-            let stop = self.stop.lock().unwrap_or_else(PoisonError::into_inner);
-            // Fails only when the thread is already gone, which is what stop wants anyway.
-            let _ = stop.send(&b""[..], zmq::DONTWAIT);
-        }
+        self.stop.raise();
         if let Some(thread) = self.thread.take() {
             // The thread owns the WorkerBlocks: once joined, the rank's blocks are removed.
             if thread.join().is_err() {
@@ -203,21 +210,27 @@ impl Drop for Listener {
     }
 }
 
-/// The listener thread's sockets, and the caller's end of the stop PAIR. The monitor is
-/// attached before `connect`, or the first CONNECTED event could be missed.
-fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, zmq::Socket)> {
+/// The listener thread's sockets and stop signal, and the handle that raises it. The monitor
+/// is attached before `connect`, or the first CONNECTED event could be missed.
+fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, StopHandle)> {
     static NEXT_ID: AtomicU64 = AtomicU64::new(0);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let monitor_endpoint = format!("inproc://kv-indexer-listener-{id}-monitor");
-    let stop_endpoint = format!("inproc://kv-indexer-listener-{id}-stop");
 
     let sub = zmq.socket(zmq::SUB).context("creating the SUB socket")?;
     sub.set_linger(0).context("setting LINGER")?;
     sub.set_rcvhwm(RECEIVE_HIGH_WATER_MARK)
         .context("setting RCVHWM")?;
+    sub.set_reconnect_ivl(RECONNECT_FIRST_MS)
+        .context("setting RECONNECT_IVL")?;
+    sub.set_reconnect_ivl_max(RECONNECT_MAX_MS)
+        .context("setting RECONNECT_IVL_MAX")?;
     sub.set_subscribe(spec.topic.as_bytes())
         .with_context(|| format!("subscribing to topic {:?}", spec.topic))?;
-    sub.monitor(&monitor_endpoint, zmq::SocketEvent::ALL.to_raw().into())
+    // Only the events the listener acts on: with ALL, every failed connect to a rank that is
+    // down (3 events) would wake the thread for nothing.
+    let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
+    sub.monitor(&monitor_endpoint, events.into())
         .context("attaching the socket monitor")?;
     let monitor = zmq
         .socket(zmq::PAIR)
@@ -227,22 +240,6 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sock
         .context("connecting the monitor socket")?;
     sub.connect(&spec.endpoint)
         .with_context(|| format!("connecting to {}", spec.endpoint))?;
-
-    let stop_receiver = zmq.socket(zmq::PAIR).context("creating the stop socket")?;
-    stop_receiver
-        .bind(&stop_endpoint)
-        .context("binding the stop socket")?;
-    let stop_sender = zmq.socket(zmq::PAIR).context("creating the stop socket")?;
-    stop_sender.set_linger(0).context("setting LINGER")?;
-    stop_sender
-        .connect(&stop_endpoint)
-        .context("connecting the stop socket")?;
-    Ok((
-        Sockets {
-            sub,
-            monitor,
-            stop: Stop(stop_receiver),
-        },
-        stop_sender,
-    ))
+    let (stop, stop_handle) = Stop::new().context("creating the stop eventfd")?;
+    Ok((Sockets { sub, monitor, stop }, stop_handle))
 }

@@ -102,7 +102,7 @@ impl RankLoop {
             let mut items = [
                 self.sockets.sub.as_poll_item(zmq::POLLIN),
                 self.sockets.monitor.as_poll_item(zmq::POLLIN),
-                self.sockets.stop.0.as_poll_item(zmq::POLLIN),
+                self.sockets.stop.as_poll_item(),
             ];
             zmq::poll(&mut items, timeout).context("polling the listener sockets")?;
             let [live, monitor, stop] = items.map(|item| item.is_readable());
