@@ -52,18 +52,20 @@ pub struct ApplyOutcome {
     pub ignored_group: u64,
 }
 
+mod engine_map;
 mod keys;
 mod shard;
+mod table;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hashbrown::HashTable;
 use parking_lot::RwLock;
 
 use crate::wire::{BlockRemoved, BlockStored, Event};
+use engine_map::EngineMap;
 use keys::{lora_root, KeyChain, LazyKeys};
-use shard::LockedShard;
+use shard::{LockedShard, CROWDED};
 
 /// The shared index: shards of `key → holders`. Readers (`query`) and every worker's writer use
 /// it concurrently.
@@ -126,14 +128,17 @@ impl Index {
             }
             None => {
                 registry.live.push(Some(stats.clone()));
-                WorkerId::try_from(registry.live.len() - 1).unwrap_or(WorkerId::MAX)
+                let id = WorkerId::try_from(registry.live.len() - 1).unwrap_or(CROWDED);
+                // Four billion workers would not fit in memory first.
+                assert!(id < CROWDED, "worker ids exhausted");
+                id
             }
         };
         WorkerBlocks {
             index: self.clone(),
             id,
             stats,
-            blocks: HashTable::new(),
+            blocks: EngineMap::default(),
             keys: Vec::new(),
         }
     }
@@ -341,18 +346,16 @@ pub struct WorkerBlocks {
     index: Arc<Index>,
     id: WorkerId,
     stats: Arc<WorkerStats>,
-    /// `(engine hash, key)`, one per engine hash the worker holds.
-    blocks: HashTable<(u64, u64)>,
+    blocks: EngineMap,
     /// Scratch: the keys of the event being applied.
     keys: Vec<u64>,
 }
 
-/// Engine hashes come from the engines and need not be uniform (small integers, say): mix them
-/// before they pick a bucket.
-fn engine_table_hash(engine_hash: u64) -> u64 {
-    let product = u128::from(engine_hash) * 0x9E37_79B9_7F4A_7C15;
-    (product as u64) ^ ((product >> 64) as u64)
-}
+/// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
+const CLEAR_CHUNK: usize = 4096;
+
+/// A worker's orphan count while it is being cleared: non-zero, for readers.
+const CLEARING: i64 = i64::MIN;
 
 fn is_gpu(medium: &Option<String>) -> bool {
     matches!(medium.as_deref(), None | Some("GPU"))
@@ -383,13 +386,52 @@ impl WorkerBlocks {
     }
 
     /// Removes every block the worker holds (AllBlocksCleared, publisher restart, snapshot).
+    ///
+    /// In bulk: the worker's keys grouped by shard and sorted (ascending keys sit at ascending
+    /// places, so each group is one sweep of its table), each lock taken once per
+    /// `CLEAR_CHUNK` keys so readers never wait long. Meanwhile the worker's orphan count reads
+    /// non-zero, so readers check it block by block, which is exact whatever order its holdings
+    /// go in.
     pub fn clear(&mut self) {
-        for (_, key) in std::mem::take(&mut self.blocks) {
-            self.drop_holding(key);
-        }
-        debug_assert_eq!(self.stats.orphans.load(Ordering::Relaxed), 0);
-        self.stats.orphans.store(0, Ordering::Relaxed);
+        let blocks = std::mem::take(&mut self.blocks);
         self.stats.blocks.store(0, Ordering::Relaxed);
+        if blocks.len() == 0 {
+            return;
+        }
+        // Slots on keys the worker does not hold exist only while it has orphans (such a slot
+        // counts children and nothing else): they are on parents of held keys.
+        let had_orphans = self.stats.orphans.swap(CLEARING, Ordering::Relaxed) != 0;
+        let mut parents = Vec::new();
+        self.forget(blocks.keys(), |parent| {
+            if had_orphans {
+                parents.push(parent);
+            }
+        });
+        drop(blocks);
+        self.forget(parents.into_iter(), |_| {});
+        self.stats.orphans.store(0, Ordering::Relaxed);
+    }
+
+    /// Drops the worker's slot on every key of `keys`, in bulk (see `clear`); gives `parent`
+    /// the parent of every key that had an entry.
+    fn forget(&mut self, keys: impl Iterator<Item = u64>, mut parent: impl FnMut(u64)) {
+        let mut groups: Vec<Vec<u64>> = vec![Vec::new(); self.index.shards.len()];
+        for key in keys {
+            groups[(key & self.index.shard_mask) as usize].push(key);
+        }
+        for (shard, mut keys) in groups.into_iter().enumerate() {
+            keys.sort_unstable();
+            keys.dedup();
+            for chunk in keys.chunks(CLEAR_CHUNK) {
+                self.index.shards[shard].0.write(|shard| {
+                    for &key in chunk {
+                        if let Some(key_parent) = shard.forget(key, self.id).parent {
+                            parent(key_parent);
+                        }
+                    }
+                });
+            }
+        }
     }
 
     /// Blocks (engine hashes) the worker holds.
@@ -439,7 +481,7 @@ impl WorkerBlocks {
             self.index.shard(key).prefetch(key);
         }
         for &hash in hashes {
-            std::hint::black_box(self.key_of(hash));
+            self.blocks.prefetch(hash);
         }
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
@@ -457,14 +499,11 @@ impl WorkerBlocks {
                 Some(held) if held == key => 0,
                 Some(replaced) => {
                     self.drop_holding(replaced);
-                    self.record(hash, key);
+                    self.blocks.insert(hash, key);
                     1
                 }
                 None => {
-                    self.blocks
-                        .insert_unique(engine_table_hash(hash), (hash, key), |e| {
-                            engine_table_hash(e.0)
-                        });
+                    self.blocks.insert(hash, key);
                     1
                 }
             };
@@ -502,15 +541,9 @@ impl WorkerBlocks {
         let mut keys = std::mem::take(&mut self.keys);
         keys.clear();
         for &hash in &removed.block_hashes {
-            let found = self
-                .blocks
-                .find_entry(engine_table_hash(hash), |e| e.0 == hash);
-            match found {
-                Ok(entry) => {
-                    let ((_, key), _) = entry.remove();
-                    keys.push(key);
-                }
-                Err(_) => outcome.unknown_block += 1,
+            match self.blocks.remove(hash) {
+                Some(key) => keys.push(key),
+                None => outcome.unknown_block += 1,
             }
         }
         for &key in &keys {
@@ -525,19 +558,7 @@ impl WorkerBlocks {
     }
 
     fn key_of(&self, engine_hash: u64) -> Option<u64> {
-        self.blocks
-            .find(engine_table_hash(engine_hash), |e| e.0 == engine_hash)
-            .map(|e| e.1)
-    }
-
-    /// Points an engine hash the worker already has at new content.
-    fn record(&mut self, engine_hash: u64, key: u64) {
-        if let Some(entry) = self
-            .blocks
-            .find_mut(engine_table_hash(engine_hash), |e| e.0 == engine_hash)
-        {
-            entry.1 = key;
-        }
+        self.blocks.get(engine_hash)
     }
 
     fn add(&mut self, key: u64, parent: Option<u64>, holdings: u32, children: u32) {
