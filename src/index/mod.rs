@@ -207,6 +207,7 @@ impl Index {
             keys,
             holders,
             members: Vec::new(),
+            held: vec![0; scores.len()],
             scores,
         };
         search.gallop(closed);
@@ -247,7 +248,16 @@ struct Search<'a, 't> {
     members: Vec<u64>,
     /// Candidates; `matched_blocks` is filled in by the search.
     scores: Vec<Score>,
+    /// Scratch, by candidate: how many of a round's probes it holds.
+    held: Vec<u8>,
 }
+
+/// Keys probed together in one round of the search for candidates without orphans: their cache
+/// misses overlap instead of following one another.
+const ROUND: usize = 8;
+
+/// Gallop offsets per round: a round probes `low + 2^k - 1` for `GALLOP` consecutive `k`.
+const GALLOP: u32 = 4;
 
 impl Search<'_, '_> {
     /// Splits `group` (indices into `scores`) into the candidates that hold key `i` and those
@@ -284,37 +294,135 @@ impl Search<'_, '_> {
     }
 
     /// Candidates without orphans, which hold a key only together with every key before it:
-    /// probes keys 1, 3, 7, 15, … and bisects the interval where a candidate drops out.
+    /// galloping rounds probe keys `low + 2^k - 1` (hashing no further than a round needs), and
+    /// each interval where candidates drop out is narrowed by `refine`.
     fn gallop(&mut self, mut group: Vec<usize>) {
         let blocks = self.keys.len();
-        let (mut low, mut step) = (1, 1);
+        let mut low = 1;
+        let mut exponent = 0;
         while !group.is_empty() {
             if low >= blocks {
                 self.set_matched(&group, blocks);
                 return;
             }
-            let probe = (low + step - 1).min(blocks - 1);
-            let (holding, dropped) = self.split(probe, group);
-            self.bisect(low, probe, dropped);
-            group = holding;
-            low = probe + 1;
-            step *= 2;
+            let mut probes = [0; GALLOP as usize];
+            let mut count = 0;
+            for k in exponent..exponent + GALLOP {
+                let probe = (low + (1 << k) - 1).min(blocks - 1);
+                probes[count] = probe;
+                count += 1;
+                if probe == blocks - 1 {
+                    break;
+                }
+            }
+            let probes = &probes[..count];
+            self.round(probes, &mut group);
+            // Candidates holding every probe gallop on past the last one.
+            let mut beyond = Vec::new();
+            self.narrow(low, probes, &mut group, &mut beyond);
+            group = beyond;
+            low = probes[count - 1] + 1;
+            exponent += GALLOP;
         }
     }
 
-    /// Every candidate of `group` matched between `low` and `high` blocks (both included).
-    fn bisect(&mut self, low: usize, high: usize, group: Vec<usize>) {
+    /// Probes the keys at `probes` (ascending) at once, counts in `held` how many each candidate
+    /// of `group` holds (a prefix of them: it has no orphans), and sorts `group` by that count.
+    fn round(&mut self, probes: &[usize], group: &mut [usize]) {
+        for &probe in probes {
+            let key = self.keys.get(probe);
+            self.index.shard(key).prefetch(key);
+        }
+        for &probe in probes {
+            let key = self.keys.get(probe);
+            self.index.holders(key, &mut self.holders);
+            for &worker in &self.holders {
+                let word = worker as usize / 64;
+                if word >= self.members.len() {
+                    self.members.resize(word + 1, 0);
+                }
+                self.members[word] |= 1 << (worker % 64);
+            }
+            for &c in group.iter() {
+                let worker = self.scores[c].worker;
+                let member = self
+                    .members
+                    .get(worker as usize / 64)
+                    .is_some_and(|word| word & (1 << (worker % 64)) != 0);
+                self.held[c] += u8::from(member);
+            }
+            for &worker in &self.holders {
+                self.members[worker as usize / 64] = 0;
+            }
+        }
+        let held = &self.held;
+        group.sort_unstable_by_key(|&c| held[c]);
+    }
+
+    /// After a round over `probes` (every candidate of `group` matched at least `low` blocks,
+    /// and the probes lie above `low`), refines each run of candidates that held the same number of
+    /// probes to the interval that number leaves; those that held every probe go to `beyond`.
+    fn narrow(
+        &mut self,
+        low: usize,
+        probes: &[usize],
+        group: &mut [usize],
+        beyond: &mut Vec<usize>,
+    ) {
+        let mut start = 0;
+        while start < group.len() {
+            let count = self.held[group[start]] as usize;
+            let end = start
+                + group[start..]
+                    .iter()
+                    .take_while(|&&c| self.held[c] as usize == count)
+                    .count();
+            for &c in &group[start..end] {
+                self.held[c] = 0;
+            }
+            // Holding probes[..count] and not probes[count]: matched in [probe + 1, next probe].
+            let from = if count == 0 {
+                low
+            } else {
+                probes[count - 1] + 1
+            };
+            let run = &mut group[start..end];
+            if count == probes.len() {
+                beyond.extend_from_slice(run);
+            } else {
+                self.refine(from, probes[count], run);
+            }
+            start = end;
+        }
+    }
+
+    /// Every candidate of `group` matched between `low` and `high` blocks (both included):
+    /// rounds of up to `ROUND` evenly spread probes until each is settled.
+    fn refine(&mut self, low: usize, high: usize, group: &mut [usize]) {
         if group.is_empty() {
             return;
         }
         if low == high {
-            self.set_matched(&group, low);
+            self.set_matched(group, low);
             return;
         }
-        let middle = low + (high - low) / 2;
-        let (holding, dropped) = self.split(middle, group);
-        self.bisect(middle + 1, high, holding);
-        self.bisect(low, middle, dropped);
+        // Undecided keys: low..high (holding key i means matching more than i blocks).
+        let span = high - low;
+        let count = span.min(ROUND);
+        let mut probes = [0; ROUND];
+        for (j, probe) in probes[..count].iter_mut().enumerate() {
+            *probe = if span <= ROUND {
+                low + j
+            } else {
+                low + (j + 1) * span / (count + 1)
+            };
+        }
+        let probes = &probes[..count];
+        self.round(probes, group);
+        let mut all = Vec::new();
+        self.narrow(low, probes, group, &mut all);
+        // Those holding every probe matched in [last probe + 1, high].
+        self.refine(probes[count - 1] + 1, high, &mut all);
     }
 
     /// Candidates with orphans: block by block until each drops out.
@@ -854,6 +962,47 @@ mod tests {
         assert_eq!(index.add_worker().id(), 2);
         w0.clear();
         assert_eq!(index.key_count(), 0);
+    }
+
+    /// Workers without orphans holding prefixes of every length class a search round treats
+    /// differently (first probes, round edges, interval ends, the whole prompt).
+    #[test]
+    fn deep_prefixes_of_every_length_are_matched_exactly() {
+        let index = Index::new(4, 4);
+        let blocks = 700;
+        let tokens: Vec<u32> = (0..blocks * 4).collect();
+        let lengths = [
+            1, 2, 3, 8, 9, 10, 16, 17, 24, 25, 40, 137, 138, 300, 511, 699, 700,
+        ];
+        let mut workers: Vec<WorkerBlocks> = Vec::new();
+        for (w, &length) in lengths.iter().enumerate() {
+            let mut worker = index.add_worker();
+            let hashes: Vec<u64> = (0..length as u64).map(|i| (w as u64) << 32 | i).collect();
+            apply(
+                &mut worker,
+                stored(&hashes, None, tokens[..length * 4].to_vec()),
+            );
+            workers.push(worker);
+        }
+        let scores = index.query(&tokens, None, &|_| true);
+        let mut expected: Vec<(WorkerId, u32)> = lengths
+            .iter()
+            .enumerate()
+            .map(|(w, &length)| (w as WorkerId, length as u32))
+            .collect();
+        expected.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let actual: Vec<(WorkerId, u32)> = scores
+            .iter()
+            .map(|s| (s.worker, s.matched_blocks))
+            .collect();
+        assert_eq!(actual, expected);
+        for cut in [1, 5, 9, 26, 139, 600] {
+            let scores = index.query(&tokens[..cut * 4], None, &|_| true);
+            for score in scores {
+                let length = lengths[score.worker as usize].min(cut);
+                assert_eq!(score.matched_blocks as usize, length, "cut {cut}");
+            }
+        }
     }
 
     #[test]
