@@ -65,7 +65,7 @@ use parking_lot::RwLock;
 use crate::wire::{BlockRemoved, BlockStored, Event};
 use engine_map::EngineMap;
 use keys::{lora_root, KeyChain, LazyKeys};
-use shard::{LockedShard, CROWDED};
+use shard::LockedShard;
 
 /// The shared index: shards of `key → holders`. Readers (`query`) and every worker's writer use
 /// it concurrently.
@@ -128,10 +128,7 @@ impl Index {
             }
             None => {
                 registry.live.push(Some(stats.clone()));
-                let id = WorkerId::try_from(registry.live.len() - 1).unwrap_or(CROWDED);
-                // Four billion workers would not fit in memory first.
-                assert!(id < CROWDED, "worker ids exhausted");
-                id
+                WorkerId::try_from(registry.live.len() - 1).unwrap_or(WorkerId::MAX)
             }
         };
         WorkerBlocks {
@@ -1003,6 +1000,61 @@ mod tests {
                 assert_eq!(score.matched_blocks as usize, length, "cut {cut}");
             }
         }
+    }
+
+    /// Counts beyond what a slot stores inline (a key under 300 engine hashes, a key with 300
+    /// children) and keys with more holders than fit inline stay exact.
+    #[test]
+    fn large_counts_and_many_holders_stay_exact() {
+        let index = Index::new(4, 2);
+        let mut w = index.add_worker();
+        let root = vec![1, 1, 1, 1];
+        let parent = vec![2, 2, 2, 2];
+        apply(
+            &mut w,
+            stored(&[1, 2], None, [root.clone(), parent.clone()].concat()),
+        );
+        for child in 0..300u32 {
+            apply(
+                &mut w,
+                stored(&[1000 + u64::from(child)], Some(2), vec![child + 10; 4]),
+            );
+        }
+        let prompt = |child: u32| [root.clone(), parent.clone(), vec![child + 10; 4]].concat();
+        assert_eq!(matched(&index, &prompt(7)), vec![(0, 3, 302)]);
+        // The parent goes: its 300 children become orphans, and come back with it.
+        apply(&mut w, removed(&[2]));
+        assert_eq!(matched(&index, &prompt(7)), vec![(0, 1, 301)]);
+        apply(&mut w, stored(&[3], Some(1), parent.clone()));
+        assert_eq!(matched(&index, &prompt(299)), vec![(0, 3, 302)]);
+        // The root block under 300 more engine hashes: held until the last goes.
+        for hash in 0..300 {
+            apply(&mut w, stored(&[5000 + hash], None, root.clone()));
+        }
+        apply(&mut w, removed(&[1]));
+        apply(&mut w, removed(&(5000..5299).collect::<Vec<_>>()));
+        assert_eq!(matched(&index, &prompt(0)), vec![(0, 3, 302)]);
+        apply(&mut w, removed(&[5299]));
+        assert_eq!(matched(&index, &prompt(0)), vec![]);
+        // Six holders of one chain, more than fit inline, removed in turn.
+        let mut others: Vec<WorkerBlocks> = (0..6).map(|_| index.add_worker()).collect();
+        for other in &mut others {
+            apply(
+                other,
+                stored(&[1, 2], None, [root.clone(), parent.clone()].concat()),
+            );
+        }
+        assert_eq!(index.query(&prompt(0), None, &|_| true).len(), 6);
+        while let Some(mut other) = others.pop() {
+            apply(&mut other, removed(&[2]));
+            let scores = index.query(&prompt(0), None, &|_| true);
+            assert!(scores
+                .iter()
+                .all(|s| s.matched_blocks == 1 || s.worker != other.id()));
+            assert_eq!(scores.len(), others.len() + 1);
+        }
+        w.clear();
+        assert_eq!(index.key_count(), 0);
     }
 
     #[test]

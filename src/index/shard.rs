@@ -6,10 +6,10 @@
 //! `children > 0` so that the worker's orphan count stays exact (see `orphan_weight`). The shard
 //! knows nothing about locks, engine hashes or events.
 //!
-//! Memory is the index's budget, so an entry is 40 bytes: the key, its parent and three 8-byte
-//! slots with 16-bit counts. The rare key with more than three holder slots keeps them in a side
-//! map (`crowded`), and the rare count above `u16::MAX` keeps its excess in another (`excess`);
-//! both are exact.
+//! Memory is the index's budget, so an entry is 32 bytes: the key, its parent and four 4-byte
+//! slots (16-bit worker id, 8-bit counts). The rare key with more than four slots, or with a
+//! worker id above 16 bits, keeps exact slots in a side map (`crowded`); the rare count above
+//! `u8::MAX` keeps its excess in another (`excess`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,19 +19,16 @@ use parking_lot::{RwLock, RwLockReadGuard};
 use super::table::{home, Item, Table};
 use super::WorkerId;
 
-/// The worker id marking an entry whose slots are in `Shard::crowded`; never a real worker's.
-pub(super) const CROWDED: WorkerId = WorkerId::MAX;
-
 /// Slots kept in the entry itself.
-const INLINE: usize = 3;
+const INLINE: usize = 4;
 
-/// A worker's counts on one key as stored: 16-bit, saturated; see `Shard::excess`.
+/// A worker's counts on one key as stored inline: saturated; see `Shard::excess`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
 struct Slot {
-    worker: WorkerId,
-    holdings: u16,
-    children: u16,
+    worker: u16,
+    holdings: u8,
+    children: u8,
 }
 
 impl Slot {
@@ -41,9 +38,16 @@ impl Slot {
     }
 
     fn is_saturated(&self) -> bool {
-        self.holdings == u16::MAX || self.children == u16::MAX
+        self.holdings == u8::MAX || self.children == u8::MAX
     }
 }
+
+/// Marks an entry whose slots are in `Shard::crowded` (a worker id that is never inline).
+const CROWDED_MARK: Slot = Slot {
+    worker: u16::MAX,
+    holdings: u8::MAX,
+    children: u8::MAX,
+};
 
 /// A worker's exact counts on one key.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,27 +70,17 @@ impl Counts {
     fn is_zero(&self) -> bool {
         self.holdings == 0 && self.children == 0
     }
+}
 
-    /// The stored slot and what does not fit in it.
-    fn split(self, worker: WorkerId) -> (Slot, Counts) {
-        let stored = |count: u32| u16::try_from(count).unwrap_or(u16::MAX);
-        let slot = Slot {
-            worker,
-            holdings: stored(self.holdings),
-            children: stored(self.children),
-        };
-        let excess = Counts {
-            holdings: self.holdings - u32::from(slot.holdings),
-            children: self.children - u32::from(slot.children),
-        };
-        (slot, excess)
-    }
+/// A worker's slot with exact counts, as kept in `Shard::crowded`.
+#[derive(Clone, Copy, Debug)]
+struct WideSlot {
+    worker: WorkerId,
+    counts: Counts,
 }
 
 /// One key's record. Live slots come first; an entry whose first slot is not live is a vacant
-/// place, so entries are removed as soon as their last slot goes. When `slots[0].worker` is
-/// `CROWDED` (with both counts at their maximum, so the entry reads as occupied), the slots are
-/// in `Shard::crowded`.
+/// place, so entries are removed as soon as their last slot goes.
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
 struct Entry {
@@ -109,19 +103,18 @@ unsafe impl Item for Entry {
 
 impl Entry {
     fn is_crowded(&self) -> bool {
-        self.slots[0].worker == CROWDED && self.slots[0].is_saturated()
+        self.slots[0] == CROWDED_MARK
     }
 
     fn parent(&self) -> Option<u64> {
         (self.parent != self.key).then_some(self.parent)
     }
-}
 
-const CROWDED_MARK: Slot = Slot {
-    worker: CROWDED,
-    holdings: u16::MAX,
-    children: u16::MAX,
-};
+    fn live(&self) -> &[Slot] {
+        let live = self.slots.iter().take_while(|s| s.is_live()).count();
+        &self.slots[..live]
+    }
+}
 
 /// What a slot change did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -132,17 +125,27 @@ pub(super) struct Change {
     pub parent: Option<u64>,
 }
 
-/// `key → entry` by open addressing (see `table`): a lookup usually reads one or two adjacent
-/// cache lines, and the place a key would be is known before the lock is taken (see
-/// `LockedShard::prefetch`).
+/// `key → entry` by open addressing (see `table`): a lookup usually reads one cache line, and
+/// the place a key would be is known before the lock is taken (see `LockedShard::prefetch`).
 #[derive(Default)]
 pub(super) struct Shard {
     table: Table<Entry>,
-    /// Slots of keys with more than `INLINE` of them.
-    crowded: HashMap<u64, Vec<Slot>>,
-    /// Counts above what a slot stores, by key and worker; the slot then holds `u16::MAX`.
+    /// Slots of keys with more than `INLINE` of them or a worker id above `u16::MAX - 1`.
+    crowded: HashMap<u64, Vec<WideSlot>>,
+    /// Counts above what an inline slot stores, by key and worker; the slot then holds
+    /// `u8::MAX`.
     excess: HashMap<(u64, WorkerId), Counts>,
     held_keys: u64,
+}
+
+/// The inline form of a slot, when its worker id fits and its counts do not saturate.
+fn compact(worker: WorkerId, counts: Counts) -> Option<Slot> {
+    let fits = |count: u32| u8::try_from(count).ok().filter(|&c| c < u8::MAX);
+    Some(Slot {
+        worker: u16::try_from(worker).ok().filter(|&w| w < u16::MAX)?,
+        holdings: fits(counts.holdings)?,
+        children: fits(counts.children)?,
+    })
 }
 
 impl Shard {
@@ -155,28 +158,57 @@ impl Shard {
         self.table.find(key, |entry| entry.key == key)
     }
 
-    /// The live slots of the entry at `place`.
-    fn slots(&self, place: usize) -> &[Slot] {
+    /// The slots of the entry at `place` with exact counts.
+    fn wide_slots(&self, place: usize) -> Vec<WideSlot> {
         let entry = self.table.get(place);
         if entry.is_crowded() {
-            return self.crowded.get(&entry.key).map_or(&[], Vec::as_slice);
+            return self.crowded.get(&entry.key).cloned().unwrap_or_default();
         }
-        let live = entry.slots.iter().take_while(|s| s.is_live()).count();
-        &entry.slots[..live]
+        entry
+            .live()
+            .iter()
+            .map(|&slot| self.widen(entry.key, slot))
+            .collect()
     }
 
-    fn counts(&self, key: u64, slot: Slot) -> Counts {
+    fn widen(&self, key: u64, slot: Slot) -> WideSlot {
+        let worker = WorkerId::from(slot.worker);
         let mut counts = Counts {
             holdings: u32::from(slot.holdings),
             children: u32::from(slot.children),
         };
         if slot.is_saturated() {
-            if let Some(excess) = self.excess.get(&(key, slot.worker)) {
+            if let Some(excess) = self.excess.get(&(key, worker)) {
                 counts.holdings += excess.holdings;
                 counts.children += excess.children;
             }
         }
-        counts
+        WideSlot { worker, counts }
+    }
+
+    /// `worker`'s counts on the entry at `place`, and whether another worker holds the key.
+    fn counts_of(&self, place: usize, worker: WorkerId) -> (Counts, bool) {
+        let entry = self.table.get(place);
+        let mut mine = Counts::default();
+        let mut others_hold = false;
+        if entry.is_crowded() {
+            for slot in self.crowded.get(&entry.key).into_iter().flatten() {
+                if slot.worker == worker {
+                    mine = slot.counts;
+                } else {
+                    others_hold |= slot.counts.holdings > 0;
+                }
+            }
+        } else {
+            for &slot in entry.live() {
+                if WorkerId::from(slot.worker) == worker {
+                    mine = self.widen(entry.key, slot).counts;
+                } else {
+                    others_hold |= slot.holdings > 0;
+                }
+            }
+        }
+        (mine, others_hold)
     }
 
     /// Sets `worker`'s counts on the entry at `place` (creating, replacing or dropping its slot;
@@ -186,49 +218,42 @@ impl Shard {
             return;
         }
         let key = self.table.get(place).key;
-        let mut slots: Vec<Slot> = self.slots(place).to_vec();
+        let mut slots = self.wide_slots(place);
+        for slot in &slots {
+            self.excess.remove(&(key, slot.worker));
+        }
         let index = slots.iter().position(|s| s.worker == worker);
-        let (slot, excess) = counts.split(worker);
         match (index, counts.is_zero()) {
             (Some(i), true) => {
                 slots.swap_remove(i);
             }
-            (Some(i), false) => slots[i] = slot,
-            (None, true) => return,
-            (None, false) => slots.push(slot),
+            (Some(i), false) => slots[i].counts = counts,
+            (None, true) => {}
+            (None, false) => slots.push(WideSlot { worker, counts }),
         }
-        if excess.is_zero() {
-            self.excess.remove(&(key, worker));
-        } else {
-            self.excess.insert((key, worker), excess);
-        }
-        self.store_slots(place, &slots);
+        self.store_slots(place, slots);
     }
 
-    /// `set_counts` in the common case (inline slots, no count at its maximum, room for a new
-    /// slot); false, changing nothing, in any other.
+    /// `set_counts` in the common case (an inline entry, no count saturated before or after, room
+    /// for a new slot); false, changing nothing, in any other.
     fn set_inline(&mut self, place: usize, worker: WorkerId, counts: Counts) -> bool {
-        let fits = |count: u32| count < u32::from(u16::MAX);
-        if !fits(counts.holdings) || !fits(counts.children) {
-            return false;
-        }
         let entry = self.table.get_mut(place);
         if entry.is_crowded() {
             return false;
         }
-        let live = entry.slots.iter().take_while(|s| s.is_live()).count();
-        let new = Slot {
-            worker,
-            holdings: counts.holdings as u16,
-            children: counts.children as u16,
-        };
-        let Some(index) = entry.slots[..live].iter().position(|s| s.worker == worker) else {
-            return match entry.slots.get_mut(live) {
-                Some(free) if !counts.is_zero() => {
+        let live = entry.live().len();
+        let new = compact(worker, counts);
+        let found = entry.slots[..live]
+            .iter()
+            .position(|s| WorkerId::from(s.worker) == worker);
+        let Some(index) = found else {
+            return match (new, entry.slots.get_mut(live)) {
+                _ if counts.is_zero() => true,
+                (Some(new), Some(free)) => {
                     *free = new;
                     true
                 }
-                _ => counts.is_zero(),
+                _ => false,
             };
         };
         if entry.slots[index].is_saturated() {
@@ -240,28 +265,51 @@ impl Shard {
             if live == 1 {
                 self.table.remove_at(place);
             }
-        } else {
-            entry.slots[index] = new;
+            return true;
         }
-        true
+        match new {
+            Some(new) => {
+                entry.slots[index] = new;
+                true
+            }
+            None => false,
+        }
     }
 
-    /// Writes the live slots of the entry at `place`, inline or crowded, removing the entry when
-    /// there are none.
-    fn store_slots(&mut self, place: usize, slots: &[Slot]) {
+    /// Writes the slots of the entry at `place`, inline when they fit, else crowded; removes
+    /// the entry when there are none.
+    fn store_slots(&mut self, place: usize, slots: Vec<WideSlot>) {
         let entry = self.table.get_mut(place);
         let key = entry.key;
+        self.crowded.remove(&key);
         if slots.is_empty() {
-            self.crowded.remove(&key);
             self.table.remove_at(place);
-        } else if slots.len() <= INLINE {
-            entry.slots = [Slot::default(); INLINE];
-            entry.slots[..slots.len()].copy_from_slice(slots);
-            self.crowded.remove(&key);
-        } else {
-            entry.slots = [Slot::default(); INLINE];
+            return;
+        }
+        let inline = slots.len() <= INLINE
+            && slots
+                .iter()
+                .all(|s| u16::try_from(s.worker).is_ok_and(|w| w < u16::MAX));
+        entry.slots = [Slot::default(); INLINE];
+        if !inline {
             entry.slots[0] = CROWDED_MARK;
-            self.crowded.insert(key, slots.to_vec());
+            self.crowded.insert(key, slots);
+            return;
+        }
+        for (stored, slot) in entry.slots.iter_mut().zip(&slots) {
+            let saturate = |count: u32| u8::try_from(count).unwrap_or(u8::MAX);
+            *stored = Slot {
+                worker: slot.worker as u16,
+                holdings: saturate(slot.counts.holdings),
+                children: saturate(slot.counts.children),
+            };
+            let excess = Counts {
+                holdings: slot.counts.holdings - u32::from(stored.holdings),
+                children: slot.counts.children - u32::from(stored.children),
+            };
+            if !excess.is_zero() {
+                self.excess.insert((key, slot.worker), excess);
+            }
         }
     }
 
@@ -275,19 +323,27 @@ impl Shard {
         holdings: u32,
         children: u32,
     ) -> Change {
+        let counts = Counts { holdings, children };
         let Some(place) = self.find(key) else {
-            let counts = Counts { holdings, children };
-            let (slot, excess) = counts.split(worker);
             if counts.is_zero() {
                 return Change::default();
             }
-            self.table.insert(Entry {
+            let mut entry = Entry {
                 key,
                 parent: parent.unwrap_or(key),
-                slots: [slot, Slot::default(), Slot::default()],
-            });
-            if !excess.is_zero() {
-                self.excess.insert((key, worker), excess);
+                slots: [Slot::default(); INLINE],
+            };
+            match compact(worker, counts) {
+                Some(slot) => {
+                    entry.slots[0] = slot;
+                    self.table.insert(entry);
+                }
+                None => {
+                    // Occupied until `store_slots` writes the slot in its wide form.
+                    entry.slots[0] = CROWDED_MARK;
+                    let place = self.table.insert(entry);
+                    self.store_slots(place, vec![WideSlot { worker, counts }]);
+                }
             }
             self.held_keys += u64::from(holdings > 0);
             return Change {
@@ -334,14 +390,8 @@ impl Shard {
         worker: WorkerId,
         update: impl FnOnce(Counts) -> Counts,
     ) -> Change {
-        let entry = self.table.get(place);
-        let (key, parent) = (entry.key, entry.parent());
-        let slots = self.slots(place);
-        let others_hold = slots.iter().any(|s| s.worker != worker && s.holdings > 0);
-        let before = slots
-            .iter()
-            .find(|s| s.worker == worker)
-            .map_or(Counts::default(), |&slot| self.counts(key, slot));
+        let parent = self.table.get(place).parent();
+        let (before, others_hold) = self.counts_of(place, worker);
         let after = update(before);
         if after != before {
             self.set_counts(place, worker, after);
@@ -359,12 +409,20 @@ impl Shard {
 
     /// Appends the workers holding `key` to `out`.
     pub(super) fn holders(&self, key: u64, out: &mut Vec<WorkerId>) {
-        if let Some(place) = self.find(key) {
+        let Some(place) = self.find(key) else {
+            return;
+        };
+        let entry = self.table.get(place);
+        if entry.is_crowded() {
+            let slots = self.crowded.get(&key).into_iter().flatten();
+            out.extend(slots.filter(|s| s.counts.holdings > 0).map(|s| s.worker));
+        } else {
             out.extend(
-                self.slots(place)
+                entry
+                    .live()
                     .iter()
                     .filter(|s| s.holdings > 0)
-                    .map(|s| s.worker),
+                    .map(|s| WorkerId::from(s.worker)),
             );
         }
     }
@@ -435,10 +493,10 @@ mod tests {
     use super::*;
 
     /// Random adds, removals and forgets of large counts, by up to six workers per key (more
-    /// slots than fit inline, counts beyond 16 bits), checked against exact counts: holders,
+    /// slots than fit inline, worker ids beyond 16 bits, counts beyond 8 bits), checked against exact counts: holders,
     /// held keys, the orphan changes reported, and that nothing is left behind.
     #[test]
-    fn counts_stay_exact_when_crowded_and_beyond_sixteen_bits() {
+    fn counts_stay_exact_when_crowded_and_beyond_eight_bits() {
         let mut rng = SmallRng::seed_from_u64(11);
         let mut shard = Shard::default();
         let mut model: HashMap<(u64, WorkerId), Counts> = HashMap::new();
@@ -448,10 +506,10 @@ mod tests {
             .collect();
         for step in 0..40_000 {
             let key = keys[rng.random_range(0..keys.len())];
-            let worker = rng.random_range(0..6);
+            let worker = [0, 1, 2, 3, 65_534, 70_000][rng.random_range(0..6)];
             let big = |rng: &mut SmallRng| {
                 if rng.random_bool(0.1) {
-                    rng.random_range(0..100_000)
+                    rng.random_range(0..1_000)
                 } else {
                     rng.random_range(0..3)
                 }
@@ -509,7 +567,7 @@ mod tests {
             assert_eq!(count, expected);
         }
         for &key in &keys {
-            for worker in 0..6 {
+            for worker in [0, 1, 2, 3, 65_534, 70_000] {
                 shard.forget(key, worker);
             }
         }
