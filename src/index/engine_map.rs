@@ -1,7 +1,7 @@
 //! One worker's `engine hash → key` map: 16 bytes a block in an open-addressing table (see
 //! `table`). It never touches the shards.
 
-use super::table::{home, Item, Table};
+use super::table::{Item, Table};
 
 /// Engine hash 0 marks a vacant place, so the block with that hash (engines may use small
 /// integers) is kept beside the table.
@@ -87,10 +87,6 @@ impl EngineMap {
 
     /// Starts loading the cache lines where `engine_hash`'s probe starts.
     pub(super) fn prefetch(&self, engine_hash: u64) {
-        let capacity = self.table.capacity();
-        if capacity > 0 {
-            let offset = home(spread(engine_hash), capacity) * std::mem::size_of::<Block>();
-            super::shard::prefetch_lines(self.table.address().wrapping_add(offset));
-        }
+        self.table.prefetch(spread(engine_hash));
     }
 }

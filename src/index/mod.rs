@@ -199,12 +199,19 @@ impl Index {
                 });
             }
         }
+        let workers = scores.iter().map(|s| s.worker as usize + 1).max();
+        let mut candidate = vec![NO_CANDIDATE; workers.unwrap_or(0)];
+        for (c, score) in scores.iter().enumerate() {
+            candidate[score.worker as usize] = c as u32;
+        }
         let mut search = Search {
             index: self,
             keys,
             holders,
-            members: Vec::new(),
+            candidate,
             held: vec![0; scores.len()],
+            round_of: vec![0; scores.len()],
+            round: 0,
             scores,
         };
         search.gallop(closed);
@@ -241,13 +248,18 @@ struct Search<'a, 't> {
     keys: LazyKeys<'t>,
     /// Scratch: the holders of the last probed key.
     holders: Vec<WorkerId>,
-    /// Scratch: a bit per worker id, set for the holders being compared.
-    members: Vec<u64>,
+    /// By worker id: its index in `scores`, or `NO_CANDIDATE`.
+    candidate: Vec<u32>,
     /// Candidates; `matched_blocks` is filled in by the search.
     scores: Vec<Score>,
-    /// Scratch, by candidate: how many of a round's probes it holds.
+    /// Scratch, by candidate: how many of a round's probes it holds, counted while
+    /// `round_of` is the current `round` (it is in the round's group).
     held: Vec<u8>,
+    round_of: Vec<u32>,
+    round: u32,
 }
+
+const NO_CANDIDATE: u32 = u32::MAX;
 
 /// Keys probed together in one round of the search for candidates without orphans: their cache
 /// misses overlap instead of following one another.
@@ -259,28 +271,12 @@ const GALLOP: u32 = 4;
 impl Search<'_, '_> {
     /// Splits `group` (indices into `scores`) into the candidates that hold key `i` and those
     /// that do not.
-    fn split(&mut self, i: usize, group: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
-        let key = self.keys.get(i);
-        self.index.holders(key, &mut self.holders);
-        for &worker in &self.holders {
-            let word = worker as usize / 64;
-            if word >= self.members.len() {
-                self.members.resize(word + 1, 0);
-            }
-            self.members[word] |= 1 << (worker % 64);
-        }
-        let members = &self.members;
-        let scores = &self.scores;
-        let split = group.into_iter().partition(|&c| {
-            let worker = scores[c].worker;
-            members
-                .get(worker as usize / 64)
-                .is_some_and(|word| word & (1 << (worker % 64)) != 0)
-        });
-        for &worker in &self.holders {
-            self.members[worker as usize / 64] = 0;
-        }
-        split
+    fn split(&mut self, i: usize, mut group: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
+        self.round(&[i], &mut group);
+        let held = &self.held;
+        let first_holding = group.partition_point(|&c| held[c] == 0);
+        let holding = group.split_off(first_holding);
+        (holding, group)
     }
 
     fn set_matched(&mut self, group: &[usize], matched: usize) {
@@ -326,6 +322,11 @@ impl Search<'_, '_> {
     /// Probes the keys at `probes` (ascending) at once, counts in `held` how many each candidate
     /// of `group` holds (a prefix of them: it has no orphans), and sorts `group` by that count.
     fn round(&mut self, probes: &[usize], group: &mut [usize]) {
+        self.round += 1;
+        for &c in group.iter() {
+            self.held[c] = 0;
+            self.round_of[c] = self.round;
+        }
         for &probe in probes {
             let key = self.keys.get(probe);
             self.index.shard(key).prefetch(key);
@@ -334,22 +335,12 @@ impl Search<'_, '_> {
             let key = self.keys.get(probe);
             self.index.holders(key, &mut self.holders);
             for &worker in &self.holders {
-                let word = worker as usize / 64;
-                if word >= self.members.len() {
-                    self.members.resize(word + 1, 0);
+                let Some(&c) = self.candidate.get(worker as usize) else {
+                    continue;
+                };
+                if c != NO_CANDIDATE && self.round_of[c as usize] == self.round {
+                    self.held[c as usize] += 1;
                 }
-                self.members[word] |= 1 << (worker % 64);
-            }
-            for &c in group.iter() {
-                let worker = self.scores[c].worker;
-                let member = self
-                    .members
-                    .get(worker as usize / 64)
-                    .is_some_and(|word| word & (1 << (worker % 64)) != 0);
-                self.held[c] += u8::from(member);
-            }
-            for &worker in &self.holders {
-                self.members[worker as usize / 64] = 0;
             }
         }
         let held = &self.held;
@@ -374,9 +365,6 @@ impl Search<'_, '_> {
                     .iter()
                     .take_while(|&&c| self.held[c] as usize == count)
                     .count();
-            for &c in &group[start..end] {
-                self.held[c] = 0;
-            }
             // Holding probes[..count] and not probes[count]: matched in [probe + 1, next probe].
             let from = if count == 0 {
                 low

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
 
-use super::table::{home, Item, Table};
+use super::table::{prefetch, Item, Table};
 use super::WorkerId;
 
 /// Slots kept in the entry itself.
@@ -454,33 +454,15 @@ impl LockedShard {
         result
     }
 
-    /// Starts loading the cache lines where `key`'s probe starts.
+    /// Starts loading the cache line where `key`'s probe starts.
     pub(super) fn prefetch(&self, key: u64) {
-        let capacity = self.capacity.load(Ordering::Relaxed);
-        if capacity == 0 {
-            return;
-        }
-        let offset = home(key, capacity) * std::mem::size_of::<Entry>();
-        prefetch_lines(self.table.load(Ordering::Relaxed).wrapping_add(offset));
+        let (table, capacity) = (&self.table, &self.capacity);
+        prefetch::<Entry>(
+            table.load(Ordering::Relaxed),
+            capacity.load(Ordering::Relaxed),
+            key,
+        );
     }
-}
-
-/// Hints the two cache lines at and after `address` (an entry may straddle them).
-#[inline(always)]
-pub(super) fn prefetch_lines(address: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch is a hint to the cache: it never faults and does not access memory
-        // as far as the program is concerned, whatever the address.
-        #[allow(unused_unsafe)]
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(address as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(address.wrapping_add(63) as *const i8);
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = address;
 }
 
 #[cfg(test)]

@@ -63,9 +63,14 @@ impl<T: Item> Table<T> {
         self.places.len
     }
 
-    /// Address of the first place, for prefetching.
+    /// Address of the first place, for `prefetch`.
     pub(super) fn address(&self) -> usize {
         self.places.ptr.as_ptr() as usize
+    }
+
+    /// Starts loading the cache line where `hash`'s probe starts.
+    pub(super) fn prefetch(&self, hash: u64) {
+        prefetch::<T>(self.address(), self.capacity(), hash);
     }
 
     pub(super) fn get(&self, place: usize) -> &T {
@@ -169,8 +174,34 @@ fn zeroed<T: Item>() -> T {
     unsafe { std::mem::zeroed() }
 }
 
-/// Tables at least this big are mapped from the OS in whole huge pages.
+/// Tables at least this big are mapped from the OS, aligned to huge pages.
 const HUGE_PAGE: usize = 2 << 20;
+
+const CACHE_LINE: usize = 64;
+
+/// Starts loading the cache line of the item at `place` of the table at `address` (as published
+/// by `Table::address`) with `capacity` places, for the item of `hash`. A stale address only
+/// makes the hint useless: a prefetch never faults and is never a read.
+#[inline(always)]
+pub(super) fn prefetch<T: Item>(address: usize, capacity: usize, hash: u64) {
+    const { assert!(CACHE_LINE % std::mem::size_of::<T>() == 0) };
+    if capacity == 0 {
+        return;
+    }
+    let line = address.wrapping_add(home(hash, capacity) * std::mem::size_of::<T>());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is a hint to the cache: it never faults and does not access memory
+        // as far as the program is concerned, whatever the address.
+        #[allow(unused_unsafe)]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(line as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = line;
+}
 
 /// `len` zero-initialised places: from the allocator when small, from `mmap` when big.
 struct Places<T> {
@@ -207,7 +238,7 @@ impl<T: Item> Places<T> {
                 mapped,
             };
         }
-        let layout = Layout::array::<T>(len).expect("table size overflows");
+        let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let Some(ptr) = NonNull::new(ptr.cast()) else {
@@ -232,6 +263,16 @@ impl<T: Item> Places<T> {
     }
 }
 
+impl<T> Places<T> {
+    /// Cache-line aligned, like a mapping: an item whose size divides the line never straddles
+    /// two lines, so one prefetch covers it.
+    fn layout(len: usize) -> Layout {
+        Layout::array::<T>(len)
+            .and_then(|layout| layout.align_to(CACHE_LINE))
+            .expect("table size overflows")
+    }
+}
+
 impl<T> Drop for Places<T> {
     fn drop(&mut self) {
         let bytes = self.len * std::mem::size_of::<T>();
@@ -241,9 +282,9 @@ impl<T> Drop for Places<T> {
         if self.mapped > 0 {
             // SAFETY: `ptr` and `mapped` are exactly what `map_huge` mapped, unmapped once.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped) };
-        } else if let Ok(layout) = Layout::array::<T>(self.len) {
+        } else {
             // SAFETY: allocated in `zeroed` with this same layout.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) };
         }
     }
 }
