@@ -62,6 +62,9 @@ struct Workload {
     held: Vec<VecDeque<Held>>,
     /// Turns of each conversation, for queries.
     turns: Vec<usize>,
+    /// Whether to remember what each worker holds, for evictions (memory the index does not
+    /// own: not kept while measuring the index's memory).
+    evictable: bool,
 }
 
 impl Workload {
@@ -72,6 +75,7 @@ impl Workload {
             systems: vec![HashMap::new(); WORKERS],
             held: (0..WORKERS).map(|_| VecDeque::new()).collect(),
             turns: Vec::new(),
+            evictable: true,
         }
     }
 
@@ -113,7 +117,9 @@ impl Workload {
                 );
                 parent = last;
             }
-            self.held[worker].push_back(held);
+            if self.evictable {
+                self.held[worker].push_back(held);
+            }
         }
     }
 
@@ -232,15 +238,44 @@ fn apply_rate() -> (f64, f64, u64) {
     )
 }
 
+/// (4) Removing a worker with 640k blocks (a listener stop): the writer's drop.
+fn drop_time() {
+    let index = Index::new(BLOCK as u32, 64);
+    let mut others: Vec<WorkerBlocks> = (0..WORKERS).map(|_| index.add_worker()).collect();
+    let mut workload = Workload::new(3);
+    let mut outcome = ApplyOutcome::default();
+    let mut big = index.add_worker();
+    while big.blocks() < 640_000 {
+        workload.conversation(|worker, event| {
+            big.apply(&event, &mut outcome);
+            others[worker].apply(&event, &mut outcome);
+        });
+    }
+    let blocks = big.blocks();
+    let cpu = thread_cpu_seconds();
+    let start = Instant::now();
+    drop(big);
+    println!(
+        "| drop of a worker with {blocks} blocks (index of {} keys) | {:.1} ms wall, {:.0} ms CPU | <= 100 ms |",
+        index.key_count(),
+        start.elapsed().as_secs_f64() * 1e3,
+        (thread_cpu_seconds() - cpu) * 1e3
+    );
+    drop(others);
+}
+
 fn main() {
-    // `apply` or `query` runs one part alone (for profiling); no argument runs both.
+    // `query`, `apply` or `drop` runs one part alone (for profiling); no argument runs all.
     let part = std::env::args().nth(1).unwrap_or_default();
     println!("| measure | value | target |");
     println!("| --- | --- | --- |");
-    if part != "apply" {
+    if part.is_empty() || part == "query" {
         memory_and_query();
     }
-    if part != "query" {
+    if part.is_empty() || part == "drop" {
+        drop_time();
+    }
+    if part.is_empty() || part == "apply" {
         let (rate, cpu_rate, applied) = apply_rate();
         println!(
         "| apply, hashing included, 1 thread ({applied} blocks, stores of 32, evictions mixed in) | {:.1} M blocks/s wall, {:.1} M per CPU second | >= 15 M |",
@@ -257,6 +292,7 @@ fn memory_and_query() {
     let index: Arc<Index> = Index::new(BLOCK as u32, 64);
     let mut writers: Vec<WorkerBlocks> = (0..WORKERS).map(|_| index.add_worker()).collect();
     let mut workload = Workload::new(2);
+    workload.evictable = false;
     let mut system_of = Vec::new();
     let before = rss_bytes();
     let mut outcome = ApplyOutcome::default();

@@ -148,3 +148,86 @@ fn concurrent_writers_and_readers_end_consistent() {
     drop(finished);
     assert_eq!(index.key_count(), 0);
 }
+
+/// A worker with orphans is cleared (in bulk, many lock visits) while readers query: its answer
+/// never exceeds what it held before the clear, and another worker's never changes.
+#[test]
+fn readers_during_a_bulk_clear_never_see_more_than_was_held() {
+    const BLOCKS: usize = 20_000;
+    const HOLE: usize = 100;
+    const OTHER: usize = 50;
+    let index = Index::new(BLOCK as u32, 4);
+    let tokens: Vec<u32> = (0..(BLOCKS * BLOCK) as u32).collect();
+    let mut clearing = index.add_worker();
+    let mut other = index.add_worker();
+    let (clearing_id, other_id) = (clearing.id(), other.id());
+    let mut outcome = ApplyOutcome::default();
+    let store =
+        |writer: &mut WorkerBlocks, outcome: &mut ApplyOutcome, blocks: usize, salt: u64| {
+            for (chunk, window) in tokens[..blocks * BLOCK].chunks(32 * BLOCK).enumerate() {
+                let first = (chunk * 32) as u64;
+                let hashes: Vec<u64> = (0..window.len() / BLOCK)
+                    .map(|i| salt + first + i as u64)
+                    .collect();
+                let event = Event::Stored(BlockStored {
+                    block_hashes: hashes,
+                    parent: (chunk > 0).then(|| salt + first - 1),
+                    token_ids: window.to_vec(),
+                    block_size: BLOCK as u32,
+                    lora_name: None,
+                    medium: None,
+                    group_idx: None,
+                });
+                writer.apply(&event, outcome);
+            }
+        };
+    store(&mut other, &mut outcome, OTHER, 1 << 40);
+    // Held for writing while the worker is being filled: readers query only around clears.
+    let filling = Arc::new(std::sync::RwLock::new(()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..READERS)
+        .map(|_| {
+            let (index, stop, tokens) = (index.clone(), stop.clone(), tokens.clone());
+            let filling = filling.clone();
+            thread::spawn(move || {
+                let mut queries = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let _gate = filling.read().unwrap();
+                    for score in index.query(&tokens, None, &|_| true) {
+                        if score.worker == clearing_id {
+                            assert!(score.matched_blocks as usize <= HOLE, "{score:?}");
+                        } else {
+                            assert_eq!((score.worker, score.matched_blocks), (other_id, 50));
+                        }
+                    }
+                    queries += 1;
+                }
+                queries
+            })
+        })
+        .collect();
+    for round in 0..5 {
+        let gate = filling.write().unwrap();
+        store(&mut clearing, &mut outcome, BLOCKS, 0);
+        // Removing an inner block leaves every later block an orphan's descendant.
+        clearing.apply(
+            &Event::Removed(BlockRemoved {
+                block_hashes: vec![HOLE as u64],
+                medium: None,
+                group_idx: None,
+            }),
+            &mut outcome,
+        );
+        let scores = index.query(&tokens, None, &|w| w == clearing_id);
+        assert_eq!(scores[0].matched_blocks as usize, HOLE, "round {round}");
+        drop(gate);
+        clearing.apply(&Event::Cleared, &mut outcome);
+        assert!(index.query(&tokens, None, &|w| w == clearing_id).is_empty());
+    }
+    stop.store(true, Ordering::Relaxed);
+    for reader in readers {
+        assert!(reader.join().unwrap() > 0);
+    }
+    assert_eq!(outcome.parent_missing + outcome.unknown_block, 0);
+    assert_eq!(index.key_count(), OTHER as u64);
+}

@@ -52,16 +52,18 @@ pub struct ApplyOutcome {
     pub ignored_group: u64,
 }
 
+mod engine_map;
 mod keys;
 mod shard;
+mod table;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hashbrown::HashTable;
 use parking_lot::RwLock;
 
 use crate::wire::{BlockRemoved, BlockStored, Event};
+use engine_map::EngineMap;
 use keys::{lora_root, KeyChain, LazyKeys};
 use shard::LockedShard;
 
@@ -133,7 +135,7 @@ impl Index {
             index: self.clone(),
             id,
             stats,
-            blocks: HashTable::new(),
+            blocks: EngineMap::default(),
             keys: Vec::new(),
         }
     }
@@ -197,11 +199,19 @@ impl Index {
                 });
             }
         }
+        let workers = scores.iter().map(|s| s.worker as usize + 1).max();
+        let mut candidate = vec![NO_CANDIDATE; workers.unwrap_or(0)];
+        for (c, score) in scores.iter().enumerate() {
+            candidate[score.worker as usize] = c as u32;
+        }
         let mut search = Search {
             index: self,
             keys,
             holders,
-            members: Vec::new(),
+            candidate,
+            held: vec![0; scores.len()],
+            round_of: vec![0; scores.len()],
+            round: 0,
             scores,
         };
         search.gallop(closed);
@@ -238,37 +248,35 @@ struct Search<'a, 't> {
     keys: LazyKeys<'t>,
     /// Scratch: the holders of the last probed key.
     holders: Vec<WorkerId>,
-    /// Scratch: a bit per worker id, set for the holders being compared.
-    members: Vec<u64>,
+    /// By worker id: its index in `scores`, or `NO_CANDIDATE`.
+    candidate: Vec<u32>,
     /// Candidates; `matched_blocks` is filled in by the search.
     scores: Vec<Score>,
+    /// Scratch, by candidate: how many of a round's probes it holds, counted while
+    /// `round_of` is the current `round` (it is in the round's group).
+    held: Vec<u8>,
+    round_of: Vec<u32>,
+    round: u32,
 }
+
+const NO_CANDIDATE: u32 = u32::MAX;
+
+/// Keys probed together in one round of the search for candidates without orphans: their cache
+/// misses overlap instead of following one another.
+const ROUND: usize = 8;
+
+/// Gallop offsets per round: a round probes `low + 2^k - 1` for `GALLOP` consecutive `k`.
+const GALLOP: u32 = 4;
 
 impl Search<'_, '_> {
     /// Splits `group` (indices into `scores`) into the candidates that hold key `i` and those
     /// that do not.
-    fn split(&mut self, i: usize, group: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
-        let key = self.keys.get(i);
-        self.index.holders(key, &mut self.holders);
-        for &worker in &self.holders {
-            let word = worker as usize / 64;
-            if word >= self.members.len() {
-                self.members.resize(word + 1, 0);
-            }
-            self.members[word] |= 1 << (worker % 64);
-        }
-        let members = &self.members;
-        let scores = &self.scores;
-        let split = group.into_iter().partition(|&c| {
-            let worker = scores[c].worker;
-            members
-                .get(worker as usize / 64)
-                .is_some_and(|word| word & (1 << (worker % 64)) != 0)
-        });
-        for &worker in &self.holders {
-            self.members[worker as usize / 64] = 0;
-        }
-        split
+    fn split(&mut self, i: usize, mut group: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
+        self.round(&[i], &mut group);
+        let held = &self.held;
+        let first_holding = group.partition_point(|&c| held[c] == 0);
+        let holding = group.split_off(first_holding);
+        (holding, group)
     }
 
     fn set_matched(&mut self, group: &[usize], matched: usize) {
@@ -279,37 +287,127 @@ impl Search<'_, '_> {
     }
 
     /// Candidates without orphans, which hold a key only together with every key before it:
-    /// probes keys 1, 3, 7, 15, … and bisects the interval where a candidate drops out.
+    /// galloping rounds probe keys `low + 2^k - 1` (hashing no further than a round needs), and
+    /// each interval where candidates drop out is narrowed by `refine`.
     fn gallop(&mut self, mut group: Vec<usize>) {
         let blocks = self.keys.len();
-        let (mut low, mut step) = (1, 1);
+        let mut low = 1;
+        let mut exponent = 0;
         while !group.is_empty() {
             if low >= blocks {
                 self.set_matched(&group, blocks);
                 return;
             }
-            let probe = (low + step - 1).min(blocks - 1);
-            let (holding, dropped) = self.split(probe, group);
-            self.bisect(low, probe, dropped);
-            group = holding;
-            low = probe + 1;
-            step *= 2;
+            let mut probes = [0; GALLOP as usize];
+            let mut count = 0;
+            for k in exponent..exponent + GALLOP {
+                let probe = (low + (1 << k) - 1).min(blocks - 1);
+                probes[count] = probe;
+                count += 1;
+                if probe == blocks - 1 {
+                    break;
+                }
+            }
+            let probes = &probes[..count];
+            self.round(probes, &mut group);
+            // Candidates holding every probe gallop on past the last one.
+            let mut beyond = Vec::new();
+            self.narrow(low, probes, &mut group, &mut beyond);
+            group = beyond;
+            low = probes[count - 1] + 1;
+            exponent += GALLOP;
         }
     }
 
-    /// Every candidate of `group` matched between `low` and `high` blocks (both included).
-    fn bisect(&mut self, low: usize, high: usize, group: Vec<usize>) {
+    /// Probes the keys at `probes` (ascending) at once, counts in `held` how many each candidate
+    /// of `group` holds (a prefix of them: it has no orphans), and sorts `group` by that count.
+    fn round(&mut self, probes: &[usize], group: &mut [usize]) {
+        self.round += 1;
+        for &c in group.iter() {
+            self.held[c] = 0;
+            self.round_of[c] = self.round;
+        }
+        for &probe in probes {
+            let key = self.keys.get(probe);
+            self.index.shard(key).prefetch(key);
+        }
+        for &probe in probes {
+            let key = self.keys.get(probe);
+            self.index.holders(key, &mut self.holders);
+            for &worker in &self.holders {
+                let Some(&c) = self.candidate.get(worker as usize) else {
+                    continue;
+                };
+                if c != NO_CANDIDATE && self.round_of[c as usize] == self.round {
+                    self.held[c as usize] += 1;
+                }
+            }
+        }
+        let held = &self.held;
+        group.sort_unstable_by_key(|&c| held[c]);
+    }
+
+    /// After a round over `probes` (every candidate of `group` matched at least `low` blocks,
+    /// and the probes lie above `low`), refines each run of candidates that held the same number of
+    /// probes to the interval that number leaves; those that held every probe go to `beyond`.
+    fn narrow(
+        &mut self,
+        low: usize,
+        probes: &[usize],
+        group: &mut [usize],
+        beyond: &mut Vec<usize>,
+    ) {
+        let mut start = 0;
+        while start < group.len() {
+            let count = self.held[group[start]] as usize;
+            let end = start
+                + group[start..]
+                    .iter()
+                    .take_while(|&&c| self.held[c] as usize == count)
+                    .count();
+            // Holding probes[..count] and not probes[count]: matched in [probe + 1, next probe].
+            let from = if count == 0 {
+                low
+            } else {
+                probes[count - 1] + 1
+            };
+            let run = &mut group[start..end];
+            if count == probes.len() {
+                beyond.extend_from_slice(run);
+            } else {
+                self.refine(from, probes[count], run);
+            }
+            start = end;
+        }
+    }
+
+    /// Every candidate of `group` matched between `low` and `high` blocks (both included):
+    /// rounds of up to `ROUND` evenly spread probes until each is settled.
+    fn refine(&mut self, low: usize, high: usize, group: &mut [usize]) {
         if group.is_empty() {
             return;
         }
         if low == high {
-            self.set_matched(&group, low);
+            self.set_matched(group, low);
             return;
         }
-        let middle = low + (high - low) / 2;
-        let (holding, dropped) = self.split(middle, group);
-        self.bisect(middle + 1, high, holding);
-        self.bisect(low, middle, dropped);
+        // Undecided keys: low..high (holding key i means matching more than i blocks).
+        let span = high - low;
+        let count = span.min(ROUND);
+        let mut probes = [0; ROUND];
+        for (j, probe) in probes[..count].iter_mut().enumerate() {
+            *probe = if span <= ROUND {
+                low + j
+            } else {
+                low + (j + 1) * span / (count + 1)
+            };
+        }
+        let probes = &probes[..count];
+        self.round(probes, group);
+        let mut all = Vec::new();
+        self.narrow(low, probes, group, &mut all);
+        // Those holding every probe matched in [last probe + 1, high].
+        self.refine(probes[count - 1] + 1, high, &mut all);
     }
 
     /// Candidates with orphans: block by block until each drops out.
@@ -341,18 +439,16 @@ pub struct WorkerBlocks {
     index: Arc<Index>,
     id: WorkerId,
     stats: Arc<WorkerStats>,
-    /// `(engine hash, key)`, one per engine hash the worker holds.
-    blocks: HashTable<(u64, u64)>,
+    blocks: EngineMap,
     /// Scratch: the keys of the event being applied.
     keys: Vec<u64>,
 }
 
-/// Engine hashes come from the engines and need not be uniform (small integers, say): mix them
-/// before they pick a bucket.
-fn engine_table_hash(engine_hash: u64) -> u64 {
-    let product = u128::from(engine_hash) * 0x9E37_79B9_7F4A_7C15;
-    (product as u64) ^ ((product >> 64) as u64)
-}
+/// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
+const CLEAR_CHUNK: usize = 4096;
+
+/// A worker's orphan count while it is being cleared: non-zero, for readers.
+const CLEARING: i64 = i64::MIN;
 
 fn is_gpu(medium: &Option<String>) -> bool {
     matches!(medium.as_deref(), None | Some("GPU"))
@@ -383,13 +479,52 @@ impl WorkerBlocks {
     }
 
     /// Removes every block the worker holds (AllBlocksCleared, publisher restart, snapshot).
+    ///
+    /// In bulk: the worker's keys grouped by shard and sorted (ascending keys sit at ascending
+    /// places, so each group is one sweep of its table), each lock taken once per
+    /// `CLEAR_CHUNK` keys so readers never wait long. Meanwhile the worker's orphan count reads
+    /// non-zero, so readers check it block by block, which is exact whatever order its holdings
+    /// go in.
     pub fn clear(&mut self) {
-        for (_, key) in std::mem::take(&mut self.blocks) {
-            self.drop_holding(key);
-        }
-        debug_assert_eq!(self.stats.orphans.load(Ordering::Relaxed), 0);
-        self.stats.orphans.store(0, Ordering::Relaxed);
+        let blocks = std::mem::take(&mut self.blocks);
         self.stats.blocks.store(0, Ordering::Relaxed);
+        if blocks.len() == 0 {
+            return;
+        }
+        // Slots on keys the worker does not hold exist only while it has orphans (such a slot
+        // counts children and nothing else): they are on parents of held keys.
+        let had_orphans = self.stats.orphans.swap(CLEARING, Ordering::Relaxed) != 0;
+        let mut parents = Vec::new();
+        self.forget(blocks.keys(), |parent| {
+            if had_orphans {
+                parents.push(parent);
+            }
+        });
+        drop(blocks);
+        self.forget(parents.into_iter(), |_| {});
+        self.stats.orphans.store(0, Ordering::Relaxed);
+    }
+
+    /// Drops the worker's slot on every key of `keys`, in bulk (see `clear`); gives `parent`
+    /// the parent of every key that had an entry.
+    fn forget(&mut self, keys: impl Iterator<Item = u64>, mut parent: impl FnMut(u64)) {
+        let mut groups: Vec<Vec<u64>> = vec![Vec::new(); self.index.shards.len()];
+        for key in keys {
+            groups[(key & self.index.shard_mask) as usize].push(key);
+        }
+        for (shard, mut keys) in groups.into_iter().enumerate() {
+            keys.sort_unstable();
+            keys.dedup();
+            for chunk in keys.chunks(CLEAR_CHUNK) {
+                self.index.shards[shard].0.write(|shard| {
+                    for &key in chunk {
+                        if let Some(key_parent) = shard.forget(key, self.id).parent {
+                            parent(key_parent);
+                        }
+                    }
+                });
+            }
+        }
     }
 
     /// Blocks (engine hashes) the worker holds.
@@ -439,7 +574,7 @@ impl WorkerBlocks {
             self.index.shard(key).prefetch(key);
         }
         for &hash in hashes {
-            std::hint::black_box(self.key_of(hash));
+            self.blocks.prefetch(hash);
         }
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
@@ -457,14 +592,11 @@ impl WorkerBlocks {
                 Some(held) if held == key => 0,
                 Some(replaced) => {
                     self.drop_holding(replaced);
-                    self.record(hash, key);
+                    self.blocks.insert(hash, key);
                     1
                 }
                 None => {
-                    self.blocks
-                        .insert_unique(engine_table_hash(hash), (hash, key), |e| {
-                            engine_table_hash(e.0)
-                        });
+                    self.blocks.insert(hash, key);
                     1
                 }
             };
@@ -502,15 +634,9 @@ impl WorkerBlocks {
         let mut keys = std::mem::take(&mut self.keys);
         keys.clear();
         for &hash in &removed.block_hashes {
-            let found = self
-                .blocks
-                .find_entry(engine_table_hash(hash), |e| e.0 == hash);
-            match found {
-                Ok(entry) => {
-                    let ((_, key), _) = entry.remove();
-                    keys.push(key);
-                }
-                Err(_) => outcome.unknown_block += 1,
+            match self.blocks.remove(hash) {
+                Some(key) => keys.push(key),
+                None => outcome.unknown_block += 1,
             }
         }
         for &key in &keys {
@@ -525,19 +651,7 @@ impl WorkerBlocks {
     }
 
     fn key_of(&self, engine_hash: u64) -> Option<u64> {
-        self.blocks
-            .find(engine_table_hash(engine_hash), |e| e.0 == engine_hash)
-            .map(|e| e.1)
-    }
-
-    /// Points an engine hash the worker already has at new content.
-    fn record(&mut self, engine_hash: u64, key: u64) {
-        if let Some(entry) = self
-            .blocks
-            .find_mut(engine_table_hash(engine_hash), |e| e.0 == engine_hash)
-        {
-            entry.1 = key;
-        }
+        self.blocks.get(engine_hash)
     }
 
     fn add(&mut self, key: u64, parent: Option<u64>, holdings: u32, children: u32) {
@@ -832,6 +946,102 @@ mod tests {
         assert_eq!(again.blocks(), 0);
         assert_eq!(index.add_worker().id(), 2);
         w0.clear();
+        assert_eq!(index.key_count(), 0);
+    }
+
+    /// Workers without orphans holding prefixes of every length class a search round treats
+    /// differently (first probes, round edges, interval ends, the whole prompt).
+    #[test]
+    fn deep_prefixes_of_every_length_are_matched_exactly() {
+        let index = Index::new(4, 4);
+        let blocks = 700;
+        let tokens: Vec<u32> = (0..blocks * 4).collect();
+        let lengths = [
+            1, 2, 3, 8, 9, 10, 16, 17, 24, 25, 40, 137, 138, 300, 511, 699, 700,
+        ];
+        let mut workers: Vec<WorkerBlocks> = Vec::new();
+        for (w, &length) in lengths.iter().enumerate() {
+            let mut worker = index.add_worker();
+            let hashes: Vec<u64> = (0..length as u64).map(|i| (w as u64) << 32 | i).collect();
+            apply(
+                &mut worker,
+                stored(&hashes, None, tokens[..length * 4].to_vec()),
+            );
+            workers.push(worker);
+        }
+        let scores = index.query(&tokens, None, &|_| true);
+        let mut expected: Vec<(WorkerId, u32)> = lengths
+            .iter()
+            .enumerate()
+            .map(|(w, &length)| (w as WorkerId, length as u32))
+            .collect();
+        expected.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let actual: Vec<(WorkerId, u32)> = scores
+            .iter()
+            .map(|s| (s.worker, s.matched_blocks))
+            .collect();
+        assert_eq!(actual, expected);
+        for cut in [1, 5, 9, 26, 139, 600] {
+            let scores = index.query(&tokens[..cut * 4], None, &|_| true);
+            for score in scores {
+                let length = lengths[score.worker as usize].min(cut);
+                assert_eq!(score.matched_blocks as usize, length, "cut {cut}");
+            }
+        }
+    }
+
+    /// Counts beyond what a slot stores inline (a key under 300 engine hashes, a key with 300
+    /// children) and keys with more holders than fit inline stay exact.
+    #[test]
+    fn large_counts_and_many_holders_stay_exact() {
+        let index = Index::new(4, 2);
+        let mut w = index.add_worker();
+        let root = vec![1, 1, 1, 1];
+        let parent = vec![2, 2, 2, 2];
+        apply(
+            &mut w,
+            stored(&[1, 2], None, [root.clone(), parent.clone()].concat()),
+        );
+        for child in 0..300u32 {
+            apply(
+                &mut w,
+                stored(&[1000 + u64::from(child)], Some(2), vec![child + 10; 4]),
+            );
+        }
+        let prompt = |child: u32| [root.clone(), parent.clone(), vec![child + 10; 4]].concat();
+        assert_eq!(matched(&index, &prompt(7)), vec![(0, 3, 302)]);
+        // The parent goes: its 300 children become orphans, and come back with it.
+        apply(&mut w, removed(&[2]));
+        assert_eq!(matched(&index, &prompt(7)), vec![(0, 1, 301)]);
+        apply(&mut w, stored(&[3], Some(1), parent.clone()));
+        assert_eq!(matched(&index, &prompt(299)), vec![(0, 3, 302)]);
+        // The root block under 300 more engine hashes: held until the last goes.
+        for hash in 0..300 {
+            apply(&mut w, stored(&[5000 + hash], None, root.clone()));
+        }
+        apply(&mut w, removed(&[1]));
+        apply(&mut w, removed(&(5000..5299).collect::<Vec<_>>()));
+        assert_eq!(matched(&index, &prompt(0)), vec![(0, 3, 302)]);
+        apply(&mut w, removed(&[5299]));
+        assert_eq!(matched(&index, &prompt(0)), vec![]);
+        // Six holders of one chain, more than fit inline, removed in turn.
+        let mut others: Vec<WorkerBlocks> = (0..6).map(|_| index.add_worker()).collect();
+        for other in &mut others {
+            apply(
+                other,
+                stored(&[1, 2], None, [root.clone(), parent.clone()].concat()),
+            );
+        }
+        assert_eq!(index.query(&prompt(0), None, &|_| true).len(), 6);
+        while let Some(mut other) = others.pop() {
+            apply(&mut other, removed(&[2]));
+            let scores = index.query(&prompt(0), None, &|_| true);
+            assert!(scores
+                .iter()
+                .all(|s| s.matched_blocks == 1 || s.worker != other.id()));
+            assert_eq!(scores.len(), others.len() + 1);
+        }
+        w.clear();
         assert_eq!(index.key_count(), 0);
     }
 

@@ -5,22 +5,58 @@
 //! (`children`). A worker holds the key while `holdings > 0`; the slot lives on while
 //! `children > 0` so that the worker's orphan count stays exact (see `orphan_weight`). The shard
 //! knows nothing about locks, engine hashes or events.
+//!
+//! Memory is the index's budget, so an entry is 32 bytes: the key, its parent and four 4-byte
+//! slots (16-bit worker id, 8-bit counts). The rare key with more than four slots, or with a
+//! worker id above 16 bits, keeps exact slots in a side map (`crowded`); the rare count above
+//! `u8::MAX` keeps its excess in another (`excess`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
-use smallvec::SmallVec;
 
+use super::table::{prefetch, Item, Table};
 use super::WorkerId;
 
-#[derive(Clone, Copy, Debug)]
+/// Slots kept in the entry itself.
+const INLINE: usize = 4;
+
+/// A worker's counts on one key as stored inline: saturated; see `Shard::excess`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
 struct Slot {
-    worker: WorkerId,
+    worker: u16,
+    holdings: u8,
+    children: u8,
+}
+
+impl Slot {
+    /// A slot in use has a count; unused inline slots are all zero.
+    fn is_live(&self) -> bool {
+        self.holdings != 0 || self.children != 0
+    }
+
+    fn is_saturated(&self) -> bool {
+        self.holdings == u8::MAX || self.children == u8::MAX
+    }
+}
+
+/// Marks an entry whose slots are in `Shard::crowded` (a worker id that is never inline).
+const CROWDED_MARK: Slot = Slot {
+    worker: u16::MAX,
+    holdings: u8::MAX,
+    children: u8::MAX,
+};
+
+/// A worker's exact counts on one key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
     holdings: u32,
     children: u32,
 }
 
-impl Slot {
+impl Counts {
     /// This slot's share of its worker's orphans: holdings whose parent key the worker does not
     /// hold. Every change to a slot moves the worker's orphan count by the change of this weight.
     fn orphan_weight(&self) -> i64 {
@@ -30,26 +66,53 @@ impl Slot {
             0
         }
     }
+
+    fn is_zero(&self) -> bool {
+        self.holdings == 0 && self.children == 0
+    }
 }
 
-/// One key's record. An entry with no slots is a vacant place in the table: entries are removed
-/// as soon as their last slot goes.
-#[derive(Default)]
+/// A worker's slot with exact counts, as kept in `Shard::crowded`.
+#[derive(Clone, Copy, Debug)]
+struct WideSlot {
+    worker: WorkerId,
+    counts: Counts,
+}
+
+/// One key's record. Live slots come first; an entry whose first slot is not live is a vacant
+/// place, so entries are removed as soon as their last slot goes.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
 struct Entry {
     key: u64,
     /// The key this one chains from; equal to `key` for the first block of a chain.
     parent: u64,
-    /// Most keys have one to a few holders.
-    slots: SmallVec<[Slot; 2]>,
+    slots: [Slot; INLINE],
+}
+
+// SAFETY: all-zero bytes are an entry whose first slot has no counts: vacant.
+unsafe impl Item for Entry {
+    fn is_vacant(&self) -> bool {
+        !self.slots[0].is_live()
+    }
+
+    fn hash(&self) -> u64 {
+        self.key
+    }
 }
 
 impl Entry {
-    fn is_vacant(&self) -> bool {
-        self.slots.is_empty()
+    fn is_crowded(&self) -> bool {
+        self.slots[0] == CROWDED_MARK
     }
 
-    fn is_held(&self) -> bool {
-        self.slots.iter().any(|slot| slot.holdings > 0)
+    fn parent(&self) -> Option<u64> {
+        (self.parent != self.key).then_some(self.parent)
+    }
+
+    fn live(&self) -> &[Slot] {
+        let live = self.slots.iter().take_while(|s| s.is_live()).count();
+        &self.slots[..live]
     }
 }
 
@@ -62,28 +125,28 @@ pub(super) struct Change {
     pub parent: Option<u64>,
 }
 
-/// `key → entry` by open addressing with linear probing: a lookup usually reads one or two
-/// adjacent cache lines, where a control-byte table reads two lines in different pages, and the
-/// place a key would be is known before the lock is taken (see `LockedShard::prefetch`).
-/// Capacity grows by half when 7/8 full, so the table stays 58–88 % full.
+/// `key → entry` by open addressing (see `table`): a lookup usually reads one cache line, and
+/// the place a key would be is known before the lock is taken (see `LockedShard::prefetch`).
 #[derive(Default)]
 pub(super) struct Shard {
-    entries: Vec<Entry>,
-    len: usize,
+    table: Table<Entry>,
+    /// Slots of keys with more than `INLINE` of them or a worker id above `u16::MAX - 1`.
+    crowded: HashMap<u64, Vec<WideSlot>>,
+    /// Counts above what an inline slot stores, by key and worker; the slot then holds
+    /// `u8::MAX`.
+    excess: HashMap<(u64, WorkerId), Counts>,
     held_keys: u64,
 }
 
-/// Where `key`'s probe starts in a table of `capacity` entries. Keys are uniform hashes whose
-/// low bits pick the shard, so the place comes from the high bits.
-fn home(key: u64, capacity: usize) -> usize {
-    ((u128::from(key) * capacity as u128) >> 64) as usize
+/// The inline form of a slot, when its worker id fits and its counts do not saturate.
+fn compact(worker: WorkerId, counts: Counts) -> Option<Slot> {
+    let fits = |count: u32| u8::try_from(count).ok().filter(|&c| c < u8::MAX);
+    Some(Slot {
+        worker: u16::try_from(worker).ok().filter(|&w| w < u16::MAX)?,
+        holdings: fits(counts.holdings)?,
+        children: fits(counts.children)?,
+    })
 }
-
-/// The fullest a table may get, as a fraction `LOAD_NUMERATOR / LOAD_DENOMINATOR`: linear
-/// probing needs a vacant entry to end every probe.
-const LOAD_NUMERATOR: usize = 7;
-const LOAD_DENOMINATOR: usize = 8;
-const MIN_CAPACITY: usize = 16;
 
 impl Shard {
     /// Keys with at least one holder.
@@ -91,84 +154,161 @@ impl Shard {
         self.held_keys
     }
 
-    /// The place of `key`'s entry, if it has one.
     fn find(&self, key: u64) -> Option<usize> {
-        let capacity = self.entries.len();
-        if capacity == 0 {
-            return None;
+        self.table.find(key, |entry| entry.key == key)
+    }
+
+    /// The slots of the entry at `place` with exact counts.
+    fn wide_slots(&self, place: usize) -> Vec<WideSlot> {
+        let entry = self.table.get(place);
+        if entry.is_crowded() {
+            return self.crowded.get(&entry.key).cloned().unwrap_or_default();
         }
-        let mut place = home(key, capacity);
-        loop {
-            let entry = &self.entries[place];
-            if entry.is_vacant() {
-                return None;
+        entry
+            .live()
+            .iter()
+            .map(|&slot| self.widen(entry.key, slot))
+            .collect()
+    }
+
+    fn widen(&self, key: u64, slot: Slot) -> WideSlot {
+        let worker = WorkerId::from(slot.worker);
+        let mut counts = Counts {
+            holdings: u32::from(slot.holdings),
+            children: u32::from(slot.children),
+        };
+        if slot.is_saturated() {
+            if let Some(excess) = self.excess.get(&(key, worker)) {
+                counts.holdings += excess.holdings;
+                counts.children += excess.children;
             }
-            if entry.key == key {
-                return Some(place);
+        }
+        WideSlot { worker, counts }
+    }
+
+    /// `worker`'s counts on the entry at `place`, and whether another worker holds the key.
+    fn counts_of(&self, place: usize, worker: WorkerId) -> (Counts, bool) {
+        let entry = self.table.get(place);
+        let mut mine = Counts::default();
+        let mut others_hold = false;
+        if entry.is_crowded() {
+            for slot in self.crowded.get(&entry.key).into_iter().flatten() {
+                if slot.worker == worker {
+                    mine = slot.counts;
+                } else {
+                    others_hold |= slot.counts.holdings > 0;
+                }
             }
-            place = if place + 1 == capacity { 0 } else { place + 1 };
+        } else {
+            for &slot in entry.live() {
+                if WorkerId::from(slot.worker) == worker {
+                    mine = self.widen(entry.key, slot).counts;
+                } else {
+                    others_hold |= slot.holdings > 0;
+                }
+            }
+        }
+        (mine, others_hold)
+    }
+
+    /// Sets `worker`'s counts on the entry at `place` (creating, replacing or dropping its slot;
+    /// dropping the entry with its last slot).
+    fn set_counts(&mut self, place: usize, worker: WorkerId, counts: Counts) {
+        if self.set_inline(place, worker, counts) {
+            return;
+        }
+        let key = self.table.get(place).key;
+        let mut slots = self.wide_slots(place);
+        for slot in &slots {
+            self.excess.remove(&(key, slot.worker));
+        }
+        let index = slots.iter().position(|s| s.worker == worker);
+        match (index, counts.is_zero()) {
+            (Some(i), true) => {
+                slots.swap_remove(i);
+            }
+            (Some(i), false) => slots[i].counts = counts,
+            (None, true) => {}
+            (None, false) => slots.push(WideSlot { worker, counts }),
+        }
+        self.store_slots(place, slots);
+    }
+
+    /// `set_counts` in the common case (an inline entry, no count saturated before or after, room
+    /// for a new slot); false, changing nothing, in any other.
+    fn set_inline(&mut self, place: usize, worker: WorkerId, counts: Counts) -> bool {
+        let entry = self.table.get_mut(place);
+        if entry.is_crowded() {
+            return false;
+        }
+        let live = entry.live().len();
+        let new = compact(worker, counts);
+        let found = entry.slots[..live]
+            .iter()
+            .position(|s| WorkerId::from(s.worker) == worker);
+        let Some(index) = found else {
+            return match (new, entry.slots.get_mut(live)) {
+                _ if counts.is_zero() => true,
+                (Some(new), Some(free)) => {
+                    *free = new;
+                    true
+                }
+                _ => false,
+            };
+        };
+        if entry.slots[index].is_saturated() {
+            return false;
+        }
+        if counts.is_zero() {
+            entry.slots[index] = entry.slots[live - 1];
+            entry.slots[live - 1] = Slot::default();
+            if live == 1 {
+                self.table.remove_at(place);
+            }
+            return true;
+        }
+        match new {
+            Some(new) => {
+                entry.slots[index] = new;
+                true
+            }
+            None => false,
         }
     }
 
-    /// The place of `key`'s entry, creating it (chained from `parent`) if it has none.
-    fn find_or_insert(&mut self, key: u64, parent: Option<u64>) -> usize {
-        if let Some(place) = self.find(key) {
-            return place;
+    /// Writes the slots of the entry at `place`, inline when they fit, else crowded; removes
+    /// the entry when there are none.
+    fn store_slots(&mut self, place: usize, slots: Vec<WideSlot>) {
+        let entry = self.table.get_mut(place);
+        let key = entry.key;
+        self.crowded.remove(&key);
+        if slots.is_empty() {
+            self.table.remove_at(place);
+            return;
         }
-        if (self.len + 1) * LOAD_DENOMINATOR > self.entries.len() * LOAD_NUMERATOR {
-            self.grow();
+        let inline = slots.len() <= INLINE
+            && slots
+                .iter()
+                .all(|s| u16::try_from(s.worker).is_ok_and(|w| w < u16::MAX));
+        entry.slots = [Slot::default(); INLINE];
+        if !inline {
+            entry.slots[0] = CROWDED_MARK;
+            self.crowded.insert(key, slots);
+            return;
         }
-        self.len += 1;
-        self.place(Entry {
-            key,
-            parent: parent.unwrap_or(key),
-            slots: SmallVec::new(),
-        })
-    }
-
-    /// Puts an entry whose key is not in the table at the first vacant place of its probe.
-    fn place(&mut self, entry: Entry) -> usize {
-        let capacity = self.entries.len();
-        let mut place = home(entry.key, capacity);
-        while !self.entries[place].is_vacant() {
-            place = if place + 1 == capacity { 0 } else { place + 1 };
-        }
-        self.entries[place] = entry;
-        place
-    }
-
-    fn grow(&mut self) {
-        let capacity = (self.entries.len() + self.entries.len() / 2).max(MIN_CAPACITY);
-        let old = std::mem::replace(
-            &mut self.entries,
-            (0..capacity).map(|_| Entry::default()).collect(),
-        );
-        for entry in old {
-            if !entry.is_vacant() {
-                self.place(entry);
-            }
-        }
-    }
-
-    /// Empties `place` and shifts later entries of the probe back, so that every probe still
-    /// reaches its key before a vacant place (no tombstones).
-    fn remove_at(&mut self, mut hole: usize) {
-        let capacity = self.entries.len();
-        self.entries[hole] = Entry::default();
-        self.len -= 1;
-        let mut next = hole;
-        loop {
-            next = if next + 1 == capacity { 0 } else { next + 1 };
-            if self.entries[next].is_vacant() {
-                return;
-            }
-            let start = home(self.entries[next].key, capacity);
-            // The entry may move back to the hole unless its probe starts after the hole.
-            let from_start = (next + capacity - start) % capacity;
-            let from_hole = (next + capacity - hole) % capacity;
-            if from_start >= from_hole {
-                self.entries.swap(hole, next);
-                hole = next;
+        for (stored, slot) in entry.slots.iter_mut().zip(&slots) {
+            let saturate = |count: u32| u8::try_from(count).unwrap_or(u8::MAX);
+            *stored = Slot {
+                worker: slot.worker as u16,
+                holdings: saturate(slot.counts.holdings),
+                children: saturate(slot.counts.children),
+            };
+            let excess = Counts {
+                holdings: slot.counts.holdings - u32::from(stored.holdings),
+                children: slot.counts.children - u32::from(stored.children),
+            };
+            if !excess.is_zero() {
+                self.excess.insert((key, slot.worker), excess);
             }
         }
     }
@@ -183,32 +323,38 @@ impl Shard {
         holdings: u32,
         children: u32,
     ) -> Change {
-        let place = self.find_or_insert(key, parent);
-        let entry = &mut self.entries[place];
-        let was_held = entry.is_held();
-        let index = match entry.slots.iter().position(|s| s.worker == worker) {
-            Some(index) => index,
-            None => {
-                entry.slots.push(Slot {
-                    worker,
-                    holdings: 0,
-                    children: 0,
-                });
-                entry.slots.len() - 1
+        let counts = Counts { holdings, children };
+        let Some(place) = self.find(key) else {
+            if counts.is_zero() {
+                return Change::default();
             }
+            let mut entry = Entry {
+                key,
+                parent: parent.unwrap_or(key),
+                slots: [Slot::default(); INLINE],
+            };
+            match compact(worker, counts) {
+                Some(slot) => {
+                    entry.slots[0] = slot;
+                    self.table.insert(entry);
+                }
+                None => {
+                    // Occupied until `store_slots` writes the slot in its wide form.
+                    entry.slots[0] = CROWDED_MARK;
+                    let place = self.table.insert(entry);
+                    self.store_slots(place, vec![WideSlot { worker, counts }]);
+                }
+            }
+            self.held_keys += u64::from(holdings > 0);
+            return Change {
+                orphans: counts.orphan_weight(),
+                parent,
+            };
         };
-        let slot = &mut entry.slots[index];
-        let before = slot.orphan_weight();
-        slot.holdings = slot.holdings.saturating_add(holdings);
-        slot.children = slot.children.saturating_add(children);
-        let orphans = slot.orphan_weight() - before;
-        if !was_held && entry.is_held() {
-            self.held_keys += 1;
-        }
-        Change {
-            orphans,
-            parent: (entry.parent != key).then_some(entry.parent),
-        }
+        self.change(place, worker, |counts| Counts {
+            holdings: counts.holdings.saturating_add(holdings),
+            children: counts.children.saturating_add(children),
+        })
     }
 
     /// Removes `holdings` and `children` from `worker`'s slot on `key`, dropping the slot and the
@@ -223,40 +369,60 @@ impl Shard {
         let Some(place) = self.find(key) else {
             return Change::default();
         };
-        let entry = &mut self.entries[place];
-        let parent = (entry.parent != key).then_some(entry.parent);
-        let Some(index) = entry.slots.iter().position(|s| s.worker == worker) else {
-            return Change { orphans: 0, parent };
-        };
-        let was_held = entry.is_held();
-        let slot = &mut entry.slots[index];
-        let before = slot.orphan_weight();
-        slot.holdings = slot.holdings.saturating_sub(holdings);
-        slot.children = slot.children.saturating_sub(children);
-        let orphans = slot.orphan_weight() - before;
-        if slot.holdings == 0 && slot.children == 0 {
-            entry.slots.swap_remove(index);
+        self.change(place, worker, |counts| Counts {
+            holdings: counts.holdings.saturating_sub(holdings),
+            children: counts.children.saturating_sub(children),
+        })
+    }
+
+    /// Drops `worker`'s slot on `key` whatever its counts (the worker is being cleared).
+    pub(super) fn forget(&mut self, key: u64, worker: WorkerId) -> Change {
+        match self.find(key) {
+            Some(place) => self.change(place, worker, |_| Counts::default()),
+            None => Change::default(),
         }
-        let still_held = entry.is_held();
-        let emptied = entry.is_vacant();
-        if was_held && !still_held {
-            self.held_keys -= 1;
+    }
+
+    /// Applies `update` to `worker`'s counts on the entry at `place`.
+    fn change(
+        &mut self,
+        place: usize,
+        worker: WorkerId,
+        update: impl FnOnce(Counts) -> Counts,
+    ) -> Change {
+        let parent = self.table.get(place).parent();
+        let (before, others_hold) = self.counts_of(place, worker);
+        let after = update(before);
+        if after != before {
+            self.set_counts(place, worker, after);
         }
-        if emptied {
-            self.remove_at(place);
+        match (before.holdings > 0, after.holdings > 0) {
+            (false, true) if !others_hold => self.held_keys += 1,
+            (true, false) if !others_hold => self.held_keys -= 1,
+            _ => {}
         }
-        Change { orphans, parent }
+        Change {
+            orphans: after.orphan_weight() - before.orphan_weight(),
+            parent,
+        }
     }
 
     /// Appends the workers holding `key` to `out`.
     pub(super) fn holders(&self, key: u64, out: &mut Vec<WorkerId>) {
-        if let Some(place) = self.find(key) {
+        let Some(place) = self.find(key) else {
+            return;
+        };
+        let entry = self.table.get(place);
+        if entry.is_crowded() {
+            let slots = self.crowded.get(&key).into_iter().flatten();
+            out.extend(slots.filter(|s| s.counts.holdings > 0).map(|s| s.worker));
+        } else {
             out.extend(
-                self.entries[place]
-                    .slots
+                entry
+                    .live()
                     .iter()
                     .filter(|s| s.holdings > 0)
-                    .map(|s| s.worker),
+                    .map(|s| WorkerId::from(s.worker)),
             );
         }
     }
@@ -282,87 +448,112 @@ impl LockedShard {
     pub(super) fn write<T>(&self, change: impl FnOnce(&mut Shard) -> T) -> T {
         let mut shard = self.shard.write();
         let result = change(&mut shard);
-        self.table
-            .store(shard.entries.as_ptr() as usize, Ordering::Relaxed);
-        self.capacity.store(shard.entries.len(), Ordering::Relaxed);
+        self.table.store(shard.table.address(), Ordering::Relaxed);
+        self.capacity
+            .store(shard.table.capacity(), Ordering::Relaxed);
         result
     }
 
-    /// Starts loading the cache lines where `key`'s probe starts.
+    /// Starts loading the cache line where `key`'s probe starts.
     pub(super) fn prefetch(&self, key: u64) {
-        let capacity = self.capacity.load(Ordering::Relaxed);
-        if capacity == 0 {
-            return;
-        }
-        let offset = home(key, capacity) * std::mem::size_of::<Entry>();
-        prefetch_lines(self.table.load(Ordering::Relaxed).wrapping_add(offset));
+        let (table, capacity) = (&self.table, &self.capacity);
+        prefetch::<Entry>(
+            table.load(Ordering::Relaxed),
+            capacity.load(Ordering::Relaxed),
+            key,
+        );
     }
-}
-
-/// Hints the two cache lines at and after `address` (an entry may straddle them).
-#[inline(always)]
-fn prefetch_lines(address: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch is a hint to the cache: it never faults and does not access memory
-        // as far as the program is concerned, whatever the address.
-        #[allow(unused_unsafe)]
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(address as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(address.wrapping_add(63) as *const i8);
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = address;
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
+    use std::collections::{BTreeSet, HashMap};
 
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
 
     use super::*;
 
-    /// Adds and removes random keys, crowded into few places (so probes wrap around the table's
-    /// end and removals shift long runs back), and checks every key against a map.
+    /// Random adds, removals and forgets of large counts, by up to six workers per key (more
+    /// slots than fit inline, worker ids beyond 16 bits, counts beyond 8 bits), checked against exact counts: holders,
+    /// held keys, the orphan changes reported, and that nothing is left behind.
     #[test]
-    fn the_table_finds_exactly_the_keys_it_holds_through_growth_and_removals() {
-        let mut rng = SmallRng::seed_from_u64(7);
+    fn counts_stay_exact_when_crowded_and_beyond_eight_bits() {
+        let mut rng = SmallRng::seed_from_u64(11);
         let mut shard = Shard::default();
-        let mut model: HashMap<u64, u32> = HashMap::new();
-        // High bits pick the place: few distinct high bits, near both ends of the table.
-        let keys: Vec<u64> = (0..400u64)
-            .map(|i| {
-                let high = [0u64, 1, u64::MAX >> 1, u64::MAX][(i % 4) as usize] & !0xFFFF;
-                high | i
-            })
+        let mut model: HashMap<(u64, WorkerId), Counts> = HashMap::new();
+        let mut orphans: HashMap<WorkerId, i64> = HashMap::new();
+        let keys: Vec<u64> = (1..=24u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
             .collect();
-        for step in 0..20_000 {
+        for step in 0..40_000 {
             let key = keys[rng.random_range(0..keys.len())];
-            if rng.random_bool(0.55) {
-                shard.add(key, None, 0, 1, 0);
-                *model.entry(key).or_default() += 1;
-            } else {
-                shard.remove(key, 0, 1, 0);
-                if let Some(count) = model.get_mut(&key) {
-                    *count -= 1;
-                    if *count == 0 {
-                        model.remove(&key);
-                    }
+            let worker = [0, 1, 2, 3, 65_534, 70_000][rng.random_range(0..6)];
+            let big = |rng: &mut SmallRng| {
+                if rng.random_bool(0.1) {
+                    rng.random_range(0..1_000)
+                } else {
+                    rng.random_range(0..3)
                 }
+            };
+            let (holdings, children) = (big(&mut rng), big(&mut rng));
+            let counts = model.entry((key, worker)).or_default();
+            let before = counts.orphan_weight();
+            let change = match rng.random_range(0..10) {
+                0..=4 => {
+                    counts.holdings = counts.holdings.saturating_add(holdings);
+                    counts.children = counts.children.saturating_add(children);
+                    shard.add(key, Some(key ^ 1), worker, holdings, children)
+                }
+                5..=8 => {
+                    counts.holdings = counts.holdings.saturating_sub(holdings);
+                    counts.children = counts.children.saturating_sub(children);
+                    shard.remove(key, worker, holdings, children)
+                }
+                _ => {
+                    *counts = Counts::default();
+                    shard.forget(key, worker)
+                }
+            };
+            assert_eq!(
+                change.orphans,
+                counts.orphan_weight() - before,
+                "step {step}"
+            );
+            *orphans.entry(worker).or_default() += change.orphans;
+            model.retain(|_, counts| !counts.is_zero());
+            for &key in &keys {
+                let mut holders = Vec::new();
+                shard.holders(key, &mut holders);
+                let holders: BTreeSet<WorkerId> = holders.into_iter().collect();
+                let expected: BTreeSet<WorkerId> = model
+                    .iter()
+                    .filter(|((k, _), c)| *k == key && c.holdings > 0)
+                    .map(|((_, w), _)| *w)
+                    .collect();
+                assert_eq!(holders, expected, "step {step}");
             }
-            if step % 97 == 0 {
-                for &key in &keys {
-                    let mut holders = Vec::new();
-                    shard.holders(key, &mut holders);
-                    assert_eq!(holders.is_empty(), !model.contains_key(&key), "key {key:x}");
-                }
-                assert_eq!(shard.held_keys(), model.len() as u64);
-                assert_eq!(shard.len, model.len());
+            let held: BTreeSet<u64> = model
+                .iter()
+                .filter(|(_, c)| c.holdings > 0)
+                .map(|((k, _), _)| *k)
+                .collect();
+            assert_eq!(shard.held_keys(), held.len() as u64);
+        }
+        for (worker, count) in orphans {
+            let expected: i64 = model
+                .iter()
+                .filter(|((_, w), _)| *w == worker)
+                .map(|(_, c)| c.orphan_weight())
+                .sum();
+            assert_eq!(count, expected);
+        }
+        for &key in &keys {
+            for worker in [0, 1, 2, 3, 65_534, 70_000] {
+                shard.forget(key, worker);
             }
         }
+        assert_eq!(shard.table.len(), 0);
+        assert!(shard.crowded.is_empty() && shard.excess.is_empty());
     }
 }
