@@ -50,6 +50,8 @@ pub const POOL_THREADS: usize = 32;
 pub const MAX_UPLOADS: usize = 24;
 /// A body still on the socket must have arrived whole within this time of the first read.
 const BODY_DEADLINE: Duration = Duration::from_secs(30);
+/// What one read of a chunked body asks for.
+const CHUNKED_READ: usize = 64 << 10;
 /// tiny_http reads bodies up to this size before handing a request over.
 const BUFFERED_BODY_BYTES: usize = 1024;
 /// The most unread body bytes we let tiny_http discard: its discard allocates (lazily, so
@@ -241,7 +243,11 @@ fn take_body<'a>(request: &mut Request, uploads: &'a Uploads) -> Result<Vec<u8>,
             slot: uploads.try_take(),
         });
     }
-    let slot = if body_on_socket(request) {
+    let on_socket = body_on_socket(request);
+    if declared == Some(0) || (declared.is_none() && !on_socket) {
+        return Ok(Vec::new());
+    }
+    let slot = if on_socket {
         let Some(slot) = uploads.try_take() else {
             return Err(Refusal {
                 reply: Reply::error(
@@ -260,7 +266,11 @@ fn take_body<'a>(request: &mut Request, uploads: &'a Uploads) -> Result<Vec<u8>,
     let deadline = Instant::now() + BODY_DEADLINE;
     let reader = request.as_reader();
     loop {
-        let failure = if body.len() > MAX_BODY_BYTES {
+        // A declared body is over once its length is read; a chunked one at its end.
+        let want = declared.map_or(CHUNKED_READ, |length| length.saturating_sub(body.len()));
+        let failure = if want == 0 {
+            return Ok(body);
+        } else if body.len() > MAX_BODY_BYTES {
             Reply::error(
                 413,
                 format!("body is over the limit of {MAX_BODY_BYTES} bytes"),
@@ -271,9 +281,9 @@ fn take_body<'a>(request: &mut Request, uploads: &'a Uploads) -> Result<Vec<u8>,
                 format!("body not received within {}s", BODY_DEADLINE.as_secs()),
             )
         } else {
-            match read_some(reader, &mut body) {
-                Ok(true) => continue,
-                Ok(false) => return Ok(body),
+            match read_some(reader, &mut body, want) {
+                Ok(0) => return Ok(body),
+                Ok(_) => continue,
                 Err(err) => Reply::error(400, format!("body could not be read: {err}")),
             }
         };
@@ -285,12 +295,9 @@ fn take_body<'a>(request: &mut Request, uploads: &'a Uploads) -> Result<Vec<u8>,
     }
 }
 
-/// Appends what the next read gives (at least 64 KiB asked, or what is declared); false at the
-/// end of the body.
-fn read_some(reader: &mut dyn Read, body: &mut Vec<u8>) -> io::Result<bool> {
-    const CHUNK: usize = 64 << 10;
+/// Appends what the next read gives, up to `want` bytes; 0 at the end of the body.
+fn read_some(reader: &mut dyn Read, body: &mut Vec<u8>, want: usize) -> io::Result<usize> {
     let filled = body.len();
-    let want = (body.capacity() - filled).max(CHUNK);
     body.resize(filled + want, 0);
     let result = loop {
         match reader.read(&mut body[filled..]) {
@@ -298,9 +305,8 @@ fn read_some(reader: &mut dyn Read, body: &mut Vec<u8>) -> io::Result<bool> {
             other => break other,
         }
     };
-    let got = *result.as_ref().unwrap_or(&0);
-    body.truncate(filled + got);
-    result.map(|n| n > 0)
+    body.truncate(filled + *result.as_ref().unwrap_or(&0));
+    result
 }
 
 /// Whether reading the body may wait for the client (tiny_http buffered only small bodies sent
