@@ -45,10 +45,11 @@ use crate::registry::{DirectoryReader, ListenerView, Registry, ReloadDiff};
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 /// Threads answering requests; each serves a request from its head to its last response byte.
 pub const POOL_THREADS: usize = 32;
-/// At most this many pool threads read a body from the socket at once (a slow client holds
-/// one for up to `BODY_DEADLINE`); an upload beyond it is refused 503 without being read.
+/// At most this many pool threads read a body from the socket at once; an upload beyond it is
+/// refused 503 without being read. A trickling client holds one for up to `BODY_DEADLINE`; one
+/// that sends nothing more blocks its read until it closes (no socket timeouts, see above).
 pub const MAX_UPLOADS: usize = 24;
-/// A body still on the socket must have arrived whole within this time of the first read.
+/// A body still on the socket must have arrived whole within this time (checked between reads).
 const BODY_DEADLINE: Duration = Duration::from_secs(30);
 /// What one read of a chunked body asks for.
 const CHUNKED_READ: usize = 64 << 10;
