@@ -309,8 +309,10 @@ impl RankLoop {
         match result {
             Ok(Replayed::Stopped) => None,
             Ok(Replayed::Covered { through, ended }) => {
+                let covered =
+                    through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
                 log::info!(
-                    "{}: replay from {from} covered up to {through:?} (end marker: {ended})",
+                    "{}: replay from {from} covered {covered} (end marker: {ended})",
                     self.applier.who()
                 );
                 Some(through)
