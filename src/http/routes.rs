@@ -1,0 +1,243 @@
+//! The routes of SPEC.md "HTTP API" and their exact JSON shapes.
+//!
+//! Owns: which path answers which method, and what each answer contains. Never: reads a socket
+//! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
+//! service's reload callback).
+
+use std::sync::PoisonError;
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use tiny_http::{Method, Request};
+
+use super::query_body::parse_query;
+use super::{Api, Reply};
+use crate::listener::State;
+use crate::registry::{ListenerView, ReloadDiff};
+
+pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
+    let path = request.url().split('?').next().unwrap_or_default();
+    let (allow, wants_post) = match path {
+        "/query" | "/reload" => ("POST", true),
+        "/workers" | "/health" | "/ready" | "/metrics" => ("GET, HEAD", false),
+        _ => return Reply::error(404, format!("no such path: {path}")),
+    };
+    let method_ok = match request.method() {
+        Method::Post => wants_post,
+        Method::Get | Method::Head => !wants_post,
+        _ => false,
+    };
+    if !method_ok {
+        let mut reply = Reply::error(
+            405,
+            format!(
+                "{} {path}: method not allowed; use {allow}",
+                request.method()
+            ),
+        );
+        reply.allow = Some(allow);
+        return reply;
+    }
+    match path {
+        "/query" => query(api, body),
+        "/reload" => reload(api),
+        "/workers" => workers(api),
+        "/health" => Reply::json(200, &json!({ "status": "ok" })),
+        "/ready" => ready(api),
+        _ => Reply {
+            status: 200,
+            body: api.metrics.render(&api.index).into_bytes(),
+            content_type: "text/plain; version=0.0.4",
+            allow: None,
+            is_query: false,
+        },
+    }
+}
+
+#[derive(Serialize)]
+struct QueryAnswer<'a> {
+    block_size: u32,
+    query_blocks: usize,
+    scores: Vec<ScoreJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct ScoreJson<'a> {
+    instance: &'a str,
+    dp_rank: u32,
+    matched_blocks: u32,
+    matched_tokens: u64,
+    cached_blocks: u64,
+}
+
+fn query(api: &Api, body: &[u8]) -> Reply {
+    let query = match parse_query(body) {
+        Ok(query) => query,
+        Err(reason) => return Reply::error(400, reason),
+    };
+    let directory = api.directory.current();
+    let model = query.model.as_deref();
+    let include = |worker| {
+        directory.get(worker).is_some_and(|info| {
+            model.is_none() || info.model.is_none() || info.model.as_deref() == model
+        })
+    };
+    let block_size = api.index.block_size();
+    let found = api
+        .index
+        .query(&query.token_ids, query.lora_name.as_deref(), &include);
+    let mut scores: Vec<ScoreJson> = found
+        .iter()
+        .filter_map(|score| {
+            let info = directory.get(score.worker)?;
+            Some(ScoreJson {
+                instance: &info.instance,
+                dp_rank: info.dp_rank,
+                matched_blocks: score.matched_blocks,
+                matched_tokens: u64::from(score.matched_blocks) * u64::from(block_size),
+                cached_blocks: score.cached_blocks,
+            })
+        })
+        .collect();
+    scores.sort_by(|a, b| {
+        b.matched_blocks
+            .cmp(&a.matched_blocks)
+            .then_with(|| a.instance.cmp(b.instance))
+            .then_with(|| a.dp_rank.cmp(&b.dp_rank))
+    });
+    let answer = QueryAnswer {
+        block_size,
+        query_blocks: query.token_ids.len() / block_size.max(1) as usize,
+        scores,
+    };
+    let mut reply = Reply::json(200, &answer);
+    reply.is_query = reply.status == 200;
+    reply
+}
+
+fn snapshot(api: &Api) -> Vec<ListenerView> {
+    api.registry
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .snapshot()
+}
+
+#[derive(Serialize)]
+struct InstanceJson<'a> {
+    instance: &'a str,
+    model: Option<&'a str>,
+    listeners: Vec<ListenerJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct ListenerJson<'a> {
+    dp_rank: u32,
+    endpoint: &'a str,
+    replay: Option<&'a str>,
+    recover: Option<&'a str>,
+    state: &'static str,
+    connected: bool,
+    last_seq: Option<u64>,
+    batches: u64,
+    blocks: u64,
+    gaps: u64,
+    lost_batches: u64,
+    parent_missing: u64,
+    last_event_ms_ago: Option<u64>,
+}
+
+impl<'a> ListenerJson<'a> {
+    fn new(view: &'a ListenerView) -> ListenerJson<'a> {
+        let spec = &view.spec;
+        // A rank whose engine failed to start has no listener yet: shown as stopped.
+        let status = view.status.as_ref();
+        ListenerJson {
+            dp_rank: spec.key.dp_rank,
+            endpoint: &spec.endpoint,
+            replay: spec.replay.as_deref(),
+            recover: spec.recover.as_deref(),
+            state: status.map_or(State::Stopped, |s| s.state).as_str(),
+            connected: status.is_some_and(|s| s.connected),
+            last_seq: status.and_then(|s| s.last_seq),
+            batches: status.map_or(0, |s| s.batches),
+            blocks: status.map_or(0, |s| s.blocks),
+            gaps: status.map_or(0, |s| s.gaps),
+            lost_batches: status.map_or(0, |s| s.lost_batches),
+            parent_missing: status.map_or(0, |s| s.parent_missing),
+            last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
+        }
+    }
+}
+
+fn workers(api: &Api) -> Reply {
+    let views = snapshot(api);
+    let mut instances: Vec<InstanceJson> = Vec::new();
+    // Views come sorted by (engine, dp_rank): one run per engine.
+    for view in &views {
+        let listener = ListenerJson::new(view);
+        match instances.last_mut() {
+            Some(last) if last.instance == view.spec.key.engine => last.listeners.push(listener),
+            _ => instances.push(InstanceJson {
+                instance: &view.spec.key.engine,
+                model: view.spec.model.as_deref(),
+                listeners: vec![listener],
+            }),
+        }
+    }
+    Reply::json(200, &instances)
+}
+
+fn ready(api: &Api) -> Reply {
+    let views = snapshot(api);
+    let not_ready: Vec<Value> = views
+        .iter()
+        .filter(|v| {
+            !v.status
+                .as_ref()
+                .is_some_and(|s| s.connected && s.state == State::Active)
+        })
+        .map(|v| {
+            json!({
+                "instance": v.spec.key.engine,
+                "dp_rank": v.spec.key.dp_rank,
+                "state": v.status.as_ref().map_or(State::Stopped, |s| s.state).as_str(),
+            })
+        })
+        .collect();
+    if not_ready.is_empty() {
+        Reply::json(200, &json!({ "ready": true }))
+    } else {
+        Reply::json(503, &json!({ "ready": false, "not_ready": not_ready }))
+    }
+}
+
+/// The `POST /reload` answer for an applied reload.
+pub fn diff_json(diff: &ReloadDiff) -> Value {
+    let names = |keys: &[crate::plan::WorkerKey]| -> Vec<String> {
+        keys.iter()
+            .map(|k| format!("{}/{}", k.engine, k.dp_rank))
+            .collect()
+    };
+    json!({
+        "added": names(&diff.added),
+        "removed": names(&diff.removed),
+        "replaced": names(&diff.replaced),
+        "unchanged": diff.unchanged,
+    })
+}
+
+fn reload(api: &Api) -> Reply {
+    match (api.reload)() {
+        Ok(diff) => Reply::json(200, &diff_json(&diff)),
+        Err(rejected) => Reply::json(
+            400,
+            &json!({
+                "error": format!(
+                    "configuration rejected ({} problems); the running configuration is unchanged",
+                    rejected.problems.len()
+                ),
+                "problems": rejected.problems,
+            }),
+        ),
+    }
+}
