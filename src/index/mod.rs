@@ -631,6 +631,10 @@ impl WorkerBlocks {
             outcome.ignored_group += 1;
             return;
         }
+        // The map's buckets first: each removal's misses then overlap with the others'.
+        for &hash in &removed.block_hashes {
+            self.blocks.prefetch(hash);
+        }
         let mut keys = std::mem::take(&mut self.keys);
         keys.clear();
         for &hash in &removed.block_hashes {

@@ -151,8 +151,8 @@ impl<T: Item> Table<T> {
             }
             let start = home(places[next].hash(), capacity);
             // The item may move back to the hole unless its probe starts after the hole.
-            let from_start = (next + capacity - start) % capacity;
-            let from_hole = (next + capacity - hole) % capacity;
+            let from_start = distance(start, next, capacity);
+            let from_hole = distance(hole, next, capacity);
             if from_start >= from_hole {
                 places.swap(hole, next);
                 hole = next;
@@ -166,6 +166,16 @@ impl<T: Item> Table<T> {
             .as_slice()
             .iter()
             .filter(|item| !item.is_vacant())
+    }
+}
+
+/// Places from `from` forward to `to`, wrapping at `capacity` (both below it); no division, as
+/// this runs for every item a removal looks at.
+fn distance(from: usize, to: usize, capacity: usize) -> usize {
+    if to >= from {
+        to - from
+    } else {
+        to + capacity - from
     }
 }
 
