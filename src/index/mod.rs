@@ -447,6 +447,10 @@ pub struct WorkerBlocks {
 /// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
 const CLEAR_CHUNK: usize = 4096;
 
+/// How many blocks ahead of its use an event's cache misses are started: enough to cover a
+/// miss's latency, few enough that the CPU keeps every one in flight.
+const AHEAD: usize = 4;
+
 /// A worker's orphan count while it is being cleared: non-zero, for readers.
 const CLEARING: i64 = i64::MIN;
 
@@ -568,13 +572,14 @@ impl WorkerBlocks {
         keys.clear();
         keys.extend(KeyChain::new(&stored.token_ids, block_size, chained_from));
         let hashes = &stored.block_hashes;
-        // Start every cache miss of the event before the first lock: the shard places of its
-        // keys, and the worker map's buckets (looked up again, in order, below).
-        for &key in parent_key.iter().chain(&keys) {
-            self.index.shard(key).prefetch(key);
+        // Cache misses are started `AHEAD` blocks before they are needed (the shard place of a
+        // block's key and the worker map's bucket of its hash): as many overlap as the CPU
+        // tracks, none is dropped for want of room.
+        if let Some(parent_key) = parent_key {
+            self.index.shard(parent_key).prefetch(parent_key);
         }
-        for &hash in hashes {
-            self.blocks.prefetch(hash);
+        for (&hash, &key) in hashes.iter().zip(&keys).take(AHEAD) {
+            self.prefetch_block(hash, key);
         }
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
@@ -588,6 +593,9 @@ impl WorkerBlocks {
         }
         let mut added = 0;
         for (i, (&hash, &key)) in hashes.iter().zip(&keys).enumerate() {
+            if let (Some(&hash), Some(&key)) = (hashes.get(i + AHEAD), keys.get(i + AHEAD)) {
+                self.prefetch_block(hash, key);
+            }
             let holding = match held_as {
                 Some(held) if held == key => 0,
                 Some(replaced) => {
@@ -631,27 +639,39 @@ impl WorkerBlocks {
             outcome.ignored_group += 1;
             return;
         }
-        // The map's buckets first: each removal's misses then overlap with the others'.
-        for &hash in &removed.block_hashes {
+        // Misses started `AHEAD` blocks early, as in `store`.
+        let hashes = &removed.block_hashes;
+        for &hash in hashes.iter().take(AHEAD) {
             self.blocks.prefetch(hash);
         }
         let mut keys = std::mem::take(&mut self.keys);
         keys.clear();
-        for &hash in &removed.block_hashes {
+        for (i, &hash) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + AHEAD) {
+                self.blocks.prefetch(ahead);
+            }
             match self.blocks.remove(hash) {
                 Some(key) => keys.push(key),
                 None => outcome.unknown_block += 1,
             }
         }
-        for &key in &keys {
+        for &key in keys.iter().take(AHEAD) {
             self.index.shard(key).prefetch(key);
         }
-        for &key in &keys {
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + AHEAD) {
+                self.index.shard(ahead).prefetch(ahead);
+            }
             self.drop_holding(key);
         }
         outcome.removed_blocks += keys.len() as u64;
         self.keys = keys;
         outcome.removed += 1;
+    }
+
+    fn prefetch_block(&self, engine_hash: u64, key: u64) {
+        self.index.shard(key).prefetch(key);
+        self.blocks.prefetch(engine_hash);
     }
 
     fn key_of(&self, engine_hash: u64) -> Option<u64> {
