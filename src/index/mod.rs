@@ -658,11 +658,27 @@ impl WorkerBlocks {
         for &key in keys.iter().take(AHEAD) {
             self.index.shard(key).prefetch(key);
         }
+        // Engines evict a chain last block first, so a block's parent is usually the next key:
+        // its count as a parent is then dropped in the same shard visit as its own holding.
+        // Meanwhile the worker's orphan count only reads too high (a parent's dropped child can
+        // only lower it), which readers handle exactly.
+        let mut pending_parent = None;
         for (i, &key) in keys.iter().enumerate() {
             if let Some(&ahead) = keys.get(i + AHEAD) {
                 self.index.shard(ahead).prefetch(ahead);
             }
-            self.drop_holding(key);
+            let children = match pending_parent.take() {
+                Some(parent) if parent == key => 1,
+                Some(parent) => {
+                    self.remove_counts(parent, 0, 1);
+                    0
+                }
+                None => 0,
+            };
+            pending_parent = self.remove_counts(key, 1, children);
+        }
+        if let Some(parent) = pending_parent {
+            self.remove_counts(parent, 0, 1);
         }
         outcome.removed_blocks += keys.len() as u64;
         self.keys = keys;
@@ -689,20 +705,20 @@ impl WorkerBlocks {
     /// Drops one holding of `key` (its engine hash is already out of the map), and its count as
     /// a child of its parent.
     fn drop_holding(&mut self, key: u64) {
+        if let Some(parent) = self.remove_counts(key, 1, 0) {
+            self.remove_counts(parent, 0, 1);
+        }
+    }
+
+    /// Removes counts from the worker's slot on `key`; returns the key's parent.
+    fn remove_counts(&mut self, key: u64, holdings: u32, children: u32) -> Option<u64> {
         let id = self.id;
         let change = self
             .index
             .shard(key)
-            .write(|shard| shard.remove(key, id, 1, 0));
-        let mut orphans = change.orphans;
-        if let Some(parent) = change.parent {
-            orphans += self
-                .index
-                .shard(parent)
-                .write(|shard| shard.remove(parent, id, 0, 1))
-                .orphans;
-        }
-        self.count_orphans(orphans);
+            .write(|shard| shard.remove(key, id, holdings, children));
+        self.count_orphans(change.orphans);
+        change.parent
     }
 
     /// Most changes leave the orphan count alone: skip the atomic write then.
