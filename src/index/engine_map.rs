@@ -58,11 +58,11 @@ impl EngineMap {
         }
         match self
             .table
-            .find(spread(engine_hash), |b| b.engine_hash == engine_hash)
+            .lookup(spread(engine_hash), |b| b.engine_hash == engine_hash)
         {
-            Some(place) => Some(std::mem::replace(&mut self.table.get_mut(place).key, key)),
-            None => {
-                self.table.insert(Block { engine_hash, key });
+            Ok(place) => Some(std::mem::replace(&mut self.table.get_mut(place).key, key)),
+            Err(vacant) => {
+                self.table.insert_at(vacant, Block { engine_hash, key });
                 None
             }
         }

@@ -447,6 +447,10 @@ pub struct WorkerBlocks {
 /// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
 const CLEAR_CHUNK: usize = 4096;
 
+/// How many blocks ahead of its use an event's cache misses are started: enough to cover a
+/// miss's latency, few enough that the CPU keeps every one in flight.
+const AHEAD: usize = 4;
+
 /// A worker's orphan count while it is being cleared: non-zero, for readers.
 const CLEARING: i64 = i64::MIN;
 
@@ -568,13 +572,14 @@ impl WorkerBlocks {
         keys.clear();
         keys.extend(KeyChain::new(&stored.token_ids, block_size, chained_from));
         let hashes = &stored.block_hashes;
-        // Start every cache miss of the event before the first lock: the shard places of its
-        // keys, and the worker map's buckets (looked up again, in order, below).
-        for &key in parent_key.iter().chain(&keys) {
-            self.index.shard(key).prefetch(key);
+        // Cache misses are started `AHEAD` blocks before they are needed (the shard place of a
+        // block's key and the worker map's bucket of its hash): as many overlap as the CPU
+        // tracks, none is dropped for want of room.
+        if let Some(parent_key) = parent_key {
+            self.index.shard(parent_key).prefetch(parent_key);
         }
-        for &hash in hashes {
-            self.blocks.prefetch(hash);
+        for (&hash, &key) in hashes.iter().zip(&keys).take(AHEAD) {
+            self.prefetch_block(hash, key);
         }
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
@@ -588,6 +593,9 @@ impl WorkerBlocks {
         }
         let mut added = 0;
         for (i, (&hash, &key)) in hashes.iter().zip(&keys).enumerate() {
+            if let (Some(&hash), Some(&key)) = (hashes.get(i + AHEAD), keys.get(i + AHEAD)) {
+                self.prefetch_block(hash, key);
+            }
             let holding = match held_as {
                 Some(held) if held == key => 0,
                 Some(replaced) => {
@@ -631,23 +639,55 @@ impl WorkerBlocks {
             outcome.ignored_group += 1;
             return;
         }
+        // Misses started `AHEAD` blocks early, as in `store`.
+        let hashes = &removed.block_hashes;
+        for &hash in hashes.iter().take(AHEAD) {
+            self.blocks.prefetch(hash);
+        }
         let mut keys = std::mem::take(&mut self.keys);
         keys.clear();
-        for &hash in &removed.block_hashes {
+        for (i, &hash) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + AHEAD) {
+                self.blocks.prefetch(ahead);
+            }
             match self.blocks.remove(hash) {
                 Some(key) => keys.push(key),
                 None => outcome.unknown_block += 1,
             }
         }
-        for &key in &keys {
+        for &key in keys.iter().take(AHEAD) {
             self.index.shard(key).prefetch(key);
         }
-        for &key in &keys {
-            self.drop_holding(key);
+        // Engines evict a chain last block first, so a block's parent is usually the next key:
+        // its count as a parent is then dropped in the same shard visit as its own holding.
+        // Meanwhile the worker's orphan count only reads too high (a parent's dropped child can
+        // only lower it), which readers handle exactly.
+        let mut pending_parent = None;
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + AHEAD) {
+                self.index.shard(ahead).prefetch(ahead);
+            }
+            let children = match pending_parent.take() {
+                Some(parent) if parent == key => 1,
+                Some(parent) => {
+                    self.remove_counts(parent, 0, 1);
+                    0
+                }
+                None => 0,
+            };
+            pending_parent = self.remove_counts(key, 1, children);
+        }
+        if let Some(parent) = pending_parent {
+            self.remove_counts(parent, 0, 1);
         }
         outcome.removed_blocks += keys.len() as u64;
         self.keys = keys;
         outcome.removed += 1;
+    }
+
+    fn prefetch_block(&self, engine_hash: u64, key: u64) {
+        self.index.shard(key).prefetch(key);
+        self.blocks.prefetch(engine_hash);
     }
 
     fn key_of(&self, engine_hash: u64) -> Option<u64> {
@@ -665,20 +705,20 @@ impl WorkerBlocks {
     /// Drops one holding of `key` (its engine hash is already out of the map), and its count as
     /// a child of its parent.
     fn drop_holding(&mut self, key: u64) {
+        if let Some(parent) = self.remove_counts(key, 1, 0) {
+            self.remove_counts(parent, 0, 1);
+        }
+    }
+
+    /// Removes counts from the worker's slot on `key`; returns the key's parent.
+    fn remove_counts(&mut self, key: u64, holdings: u32, children: u32) -> Option<u64> {
         let id = self.id;
         let change = self
             .index
             .shard(key)
-            .write(|shard| shard.remove(key, id, 1, 0));
-        let mut orphans = change.orphans;
-        if let Some(parent) = change.parent {
-            orphans += self
-                .index
-                .shard(parent)
-                .write(|shard| shard.remove(parent, id, 0, 1))
-                .orphans;
-        }
-        self.count_orphans(orphans);
+            .write(|shard| shard.remove(key, id, holdings, children));
+        self.count_orphans(change.orphans);
+        change.parent
     }
 
     /// Most changes leave the orphan count alone: skip the atomic write then.

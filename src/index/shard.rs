@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
 
-use super::table::{prefetch, Item, Table};
+use super::table::{prefetch, Item, Table, Vacant};
 use super::WorkerId;
 
 /// Slots kept in the entry itself.
@@ -324,37 +324,50 @@ impl Shard {
         children: u32,
     ) -> Change {
         let counts = Counts { holdings, children };
-        let Some(place) = self.find(key) else {
-            if counts.is_zero() {
-                return Change::default();
-            }
-            let mut entry = Entry {
-                key,
-                parent: parent.unwrap_or(key),
-                slots: [Slot::default(); INLINE],
-            };
-            match compact(worker, counts) {
-                Some(slot) => {
-                    entry.slots[0] = slot;
-                    self.table.insert(entry);
-                }
-                None => {
-                    // Occupied until `store_slots` writes the slot in its wide form.
-                    entry.slots[0] = CROWDED_MARK;
-                    let place = self.table.insert(entry);
-                    self.store_slots(place, vec![WideSlot { worker, counts }]);
-                }
-            }
-            self.held_keys += u64::from(holdings > 0);
-            return Change {
-                orphans: counts.orphan_weight(),
-                parent,
-            };
+        let place = match self.table.lookup(key, |entry| entry.key == key) {
+            Ok(place) => place,
+            Err(vacant) => return self.add_entry(vacant, key, parent, worker, counts),
         };
         self.change(place, worker, |counts| Counts {
             holdings: counts.holdings.saturating_add(holdings),
             children: counts.children.saturating_add(children),
         })
+    }
+
+    /// `add` of a key without an entry: creates it at `vacant`.
+    fn add_entry(
+        &mut self,
+        vacant: Vacant,
+        key: u64,
+        parent: Option<u64>,
+        worker: WorkerId,
+        counts: Counts,
+    ) -> Change {
+        if counts.is_zero() {
+            return Change::default();
+        }
+        let mut entry = Entry {
+            key,
+            parent: parent.unwrap_or(key),
+            slots: [Slot::default(); INLINE],
+        };
+        match compact(worker, counts) {
+            Some(slot) => {
+                entry.slots[0] = slot;
+                self.table.insert_at(vacant, entry);
+            }
+            None => {
+                // Occupied until `store_slots` writes the slot in its wide form.
+                entry.slots[0] = CROWDED_MARK;
+                let place = self.table.insert_at(vacant, entry);
+                self.store_slots(place, vec![WideSlot { worker, counts }]);
+            }
+        }
+        self.held_keys += u64::from(counts.holdings > 0);
+        Change {
+            orphans: counts.orphan_weight(),
+            parent,
+        }
     }
 
     /// Removes `holdings` and `children` from `worker`'s slot on `key`, dropping the slot and the

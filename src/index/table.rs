@@ -84,19 +84,26 @@ impl<T: Item> Table<T> {
     /// The place of the item with `hash` that `is_it` accepts.
     #[inline]
     pub(super) fn find(&self, hash: u64, is_it: impl Fn(&T) -> bool) -> Option<usize> {
+        self.lookup(hash, is_it).ok()
+    }
+
+    /// The place of the item with `hash` that `is_it` accepts, or else the vacant place where
+    /// such an item would go (for `insert_at`): one walk of the run for both.
+    #[inline]
+    pub(super) fn lookup(&self, hash: u64, is_it: impl Fn(&T) -> bool) -> Result<usize, Vacant> {
         let places = self.places.as_slice();
         let capacity = places.len();
         if capacity == 0 {
-            return None;
+            return Err(Vacant(0));
         }
         let mut place = home(hash, capacity);
         loop {
             let item = &places[place];
             if item.is_vacant() {
-                return None;
+                return Err(Vacant(place));
             }
             if is_it(item) {
-                return Some(place);
+                return Ok(place);
             }
             place = if place + 1 == capacity { 0 } else { place + 1 };
         }
@@ -106,11 +113,27 @@ impl<T: Item> Table<T> {
     /// table is full; returns its place.
     pub(super) fn insert(&mut self, item: T) -> usize {
         debug_assert!(!item.is_vacant());
-        if (self.len + 1) * LOAD_DENOMINATOR > self.capacity() * LOAD_NUMERATOR {
+        if self.is_full() {
             self.grow();
         }
         self.len += 1;
         Self::place(self.places.as_mut_slice(), item)
+    }
+
+    /// `insert` at the place a `lookup` for the item's key found vacant, the table unchanged
+    /// since.
+    pub(super) fn insert_at(&mut self, vacant: Vacant, item: T) -> usize {
+        if self.is_full() {
+            return self.insert(item);
+        }
+        debug_assert!(!item.is_vacant() && self.get(vacant.0).is_vacant());
+        self.len += 1;
+        *self.get_mut(vacant.0) = item;
+        vacant.0
+    }
+
+    fn is_full(&self) -> bool {
+        (self.len + 1) * LOAD_DENOMINATOR > self.capacity() * LOAD_NUMERATOR
     }
 
     fn place(places: &mut [T], item: T) -> usize {
@@ -151,8 +174,8 @@ impl<T: Item> Table<T> {
             }
             let start = home(places[next].hash(), capacity);
             // The item may move back to the hole unless its probe starts after the hole.
-            let from_start = (next + capacity - start) % capacity;
-            let from_hole = (next + capacity - hole) % capacity;
+            let from_start = distance(start, next, capacity);
+            let from_hole = distance(hole, next, capacity);
             if from_start >= from_hole {
                 places.swap(hole, next);
                 hole = next;
@@ -168,6 +191,19 @@ impl<T: Item> Table<T> {
             .filter(|item| !item.is_vacant())
     }
 }
+
+/// Places from `from` forward to `to`, wrapping at `capacity` (both below it); no division, as
+/// this runs for every item a removal looks at.
+fn distance(from: usize, to: usize, capacity: usize) -> usize {
+    if to >= from {
+        to - from
+    } else {
+        to + capacity - from
+    }
+}
+
+/// A vacant place, as found by `Table::lookup`.
+pub(super) struct Vacant(usize);
 
 fn zeroed<T: Item>() -> T {
     // SAFETY: `Item` promises that all-zero bytes are a valid (vacant) value.
