@@ -622,9 +622,13 @@ mod tests {
             "null",
         ];
         let space = |rng: &mut SmallRng| SPACES[rng.random_range(0..SPACES.len())];
-        let token = |rng: &mut SmallRng| match rng.random_range(0..4) {
+        let token = |rng: &mut SmallRng| match rng.random_range(0..5) {
             0 => rng.random_range(0..10u32),
-            1 => u32::MAX - rng.random_range(0..3u32),
+            1 => {
+                let digits = rng.random_range(1..10);
+                rng.random_range(0..10u32.pow(digits))
+            }
+            2 => u32::MAX - rng.random_range(0..3u32),
             _ => rng.random(),
         };
         let text = |rng: &mut SmallRng| match rng.random_range(0..=WORDS.len()) {
