@@ -52,10 +52,10 @@ fn parse_any_shape(body: &[u8]) -> Result<QueryRequest, String> {
 fn scan_common_shape(body: &[u8]) -> Option<QueryRequest> {
     let mut scan = Scanner { body, at: 0 };
     let (mut token_ids, mut model, mut lora_name) = (None, None, None);
-    scan.expect(b'{')?;
+    scan.require(b'{')?;
     loop {
         let key = scan.plain_string()?;
-        scan.expect(b':')?;
+        scan.require(b':')?;
         // A repeated key means "the last one wins" to serde; rare enough to leave to it.
         match key {
             b"token_ids" if token_ids.is_none() => token_ids = Some(scan.token_ids()?),
@@ -102,14 +102,14 @@ impl<'a> Scanner<'a> {
         Some(byte)
     }
 
-    fn expect(&mut self, wanted: u8) -> Option<()> {
+    fn require(&mut self, wanted: u8) -> Option<()> {
         (self.next_byte()? == wanted).then_some(())
     }
 
     /// A string's bytes between its quotes, if it holds no escape and no control character
     /// (which JSON forbids unescaped).
     fn plain_string(&mut self) -> Option<&'a [u8]> {
-        self.expect(b'"')?;
+        self.require(b'"')?;
         let rest = self.body.get(self.at..)?;
         let length = rest
             .iter()
@@ -132,7 +132,7 @@ impl<'a> Scanner<'a> {
     }
 
     fn token_ids(&mut self) -> Option<Vec<u32>> {
-        self.expect(b'[')?;
+        self.require(b'[')?;
         let mut tokens = Vec::new();
         self.skip_whitespace();
         if self.body.get(self.at) == Some(&b']') {
