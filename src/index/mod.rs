@@ -73,7 +73,7 @@ pub struct Index {
     block_size: u32,
     shard_mask: u64,
     shards: Box<[Padded<LockedShard>]>,
-    workers: RwLock<Registry>,
+    workers: RwLock<WorkerSlots>,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -83,7 +83,7 @@ struct Padded<T>(T);
 
 /// The live workers, by id; ids of removed workers are reused.
 #[derive(Default)]
-struct Registry {
+struct WorkerSlots {
     live: Vec<Option<Arc<WorkerStats>>>,
     free: Vec<WorkerId>,
 }
@@ -109,7 +109,7 @@ impl Index {
             shards: (0..shards)
                 .map(|_| Padded(LockedShard::default()))
                 .collect(),
-            workers: RwLock::new(Registry::default()),
+            workers: RwLock::new(WorkerSlots::default()),
         })
     }
 
