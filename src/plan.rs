@@ -1,9 +1,14 @@
 //! Expansion of the validated configuration into one listener spec per data-parallel rank.
 //!
-//! Owns the rule "rank r of an engine lives on port + r" (SPEC.md "Expansion"), r being the
-//! global data-parallel rank (`dp_rank_start..dp_rank_start + dp_size`, for one deployment spread
-//! over several nodes). It never opens a socket: it only computes what the registry should be
-//! running.
+//! Owns the listener specs: one per global data-parallel rank r (`dp_rank_start..dp_rank_start +
+//! dp_size`, for one deployment spread over several nodes), its URLs on `config::rank_port` (the
+//! one place "rank r lives on port + r" is written), and how a spec and its key read in messages
+//! and in the `--check` table. It never opens a socket: it only computes what the registry should
+//! be running.
+
+use std::fmt;
+
+use crate::config::{rank_port, Config, EngineConfig};
 
 /// Identity of one listener: the worker (engine name, global dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -29,7 +34,22 @@ pub struct ListenerSpec {
     pub model: Option<String>,
 }
 
-use crate::config::{Config, EngineConfig};
+impl fmt::Display for WorkerKey {
+    /// `engine/rank`, the name `/workers`, `/reload` and the logs give a listener.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.engine, self.dp_rank)
+    }
+}
+
+impl ListenerSpec {
+    /// `engine E rank R (ENDPOINT)`: how errors and logs name the listener of one rank.
+    pub fn describe(&self) -> String {
+        format!(
+            "engine {} rank {} ({})",
+            self.key.engine, self.key.dp_rank, self.endpoint
+        )
+    }
+}
 
 /// One spec per rank of every engine, in config order then rank order.
 pub fn expand(config: &Config) -> Vec<ListenerSpec> {
@@ -39,9 +59,8 @@ pub fn expand(config: &Config) -> Vec<ListenerSpec> {
 /// One spec per rank of `engine`: global rank `r` (from `dp_rank_start`) is on `port + r` for
 /// every socket kind.
 pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
-    // Arithmetic in u64: a validated engine never passes 65535, and an unvalidated one yields a
-    // URL that fails to connect rather than a panic.
-    let on_rank = |port: u16, rank: u32| u64::from(port) + u64::from(rank);
+    // `rank_port` is wider than a port: a validated engine never passes 65535, and an
+    // unvalidated one yields a URL that fails to connect rather than a panic.
     let host = url_host(&engine.host);
     let first = engine.dp_rank_start;
     (first..first.saturating_add(engine.dp_size))
@@ -50,13 +69,13 @@ pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
                 engine: engine.name.clone(),
                 dp_rank: rank,
             },
-            endpoint: format!("tcp://{host}:{}", on_rank(engine.zmq_port, rank)),
+            endpoint: format!("tcp://{host}:{}", rank_port(engine.zmq_port, rank)),
             replay: engine
                 .replay_port
-                .map(|port| format!("tcp://{host}:{}", on_rank(port, rank))),
+                .map(|port| format!("tcp://{host}:{}", rank_port(port, rank))),
             recover: engine
                 .recover_port
-                .map(|port| format!("http://{host}:{}/kv_recover", on_rank(port, rank))),
+                .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, rank))),
             topic: engine.topic.clone(),
             model: engine.model.clone(),
         })
