@@ -91,6 +91,13 @@ fn url_host(host: &str) -> String {
     }
 }
 
+/// A column of the `--check` table is at most this wide: a longer value (a hostname may have 253
+/// characters, a model name any number) is printed whole and shifts only the rest of its own row,
+/// rather than padding every row to its length (and past the 65,535 a format width can be). 80 is
+/// a terminal's width and holds every URL with an IP host: the longest, `http://[` + a
+/// 39-character IPv6 + `]:65535/kv_recover`, has 65.
+const MAX_COLUMN_WIDTH: usize = 80;
+
 /// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
 pub fn render_table(specs: &[ListenerSpec]) -> String {
     const HEADER: [&str; 7] = [
@@ -113,7 +120,7 @@ pub fn render_table(specs: &[ListenerSpec]) -> String {
     let mut widths = HEADER.map(str::len);
     for row in &rows {
         for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
+            *width = (*width).max(cell.chars().count().min(MAX_COLUMN_WIDTH));
         }
     }
     let header = HEADER.map(String::from);
@@ -307,5 +314,26 @@ mod tests {
         let column = |line: &str| line.find("tcp://");
         assert_eq!(column(lines[1]), column(lines[2]));
         assert_eq!(column(lines[1]), lines[0].find("ENDPOINT"));
+    }
+
+    #[test]
+    fn a_value_longer_than_a_column_shifts_only_its_own_row() {
+        let long_name = "n".repeat(100_000);
+        let long_model = "m".repeat(100_000);
+        let mut long = engine(&long_name, "10.0.0.9", 1);
+        long.model = Some(long_model.clone());
+        let table = render_table(&expand(&config(vec![
+            engine("vllm-a", "10.0.0.5", 2),
+            long,
+        ])));
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4);
+        let column = |line: &str| line.find("tcp://");
+        let endpoint = lines[0].find("ENDPOINT");
+        assert_eq!(endpoint, Some(MAX_COLUMN_WIDTH + "  RANK  ".len()));
+        assert_eq!((column(lines[1]), column(lines[2])), (endpoint, endpoint));
+        let long_row: Vec<&str> = lines[3].split_whitespace().take(3).collect();
+        assert_eq!(long_row, [long_name.as_str(), "0", "tcp://10.0.0.9:5557"]);
+        assert!(lines[3].ends_with(&format!("  {long_model}")));
     }
 }

@@ -182,3 +182,29 @@ fn an_unreadable_file_names_the_path_and_exits_1() {
         "{output:?}"
     );
 }
+
+#[test]
+fn a_100000_character_name_and_model_are_listed_whole_without_padding_the_other_rows() {
+    let long = "x".repeat(100_000);
+    let (_dir, path) = temp_config(&format!(
+        "[[engine]]\nname = \"{long}\"\nhost = \"h\"\nmodel = \"{long}\"\n[[engine]]\nname = \"short\"\nhost = \"h2\"\n"
+    ));
+    let output = check(&path, &[]);
+    let stderr = text(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let stdout = text(&output.stdout);
+    let row = |engine: &str| {
+        stdout
+            .lines()
+            .find(|line| line.split_whitespace().next() == Some(engine))
+            .unwrap_or_else(|| panic!("no row of {engine:.20} in {stdout:.300}"))
+    };
+    let long_row: Vec<&str> = row(&long).split_whitespace().collect();
+    let widths: Vec<usize> = long_row.iter().map(|cell| cell.len()).collect();
+    assert_eq!(widths.len(), 7, "cell widths {widths:?}");
+    assert_eq!(long_row[6], long);
+    // Padding the other rows to a 100,000-character column would make each that long.
+    assert!(row("short").len() < 1000, "{}", row("short").len());
+    assert!(stdout.contains("2 engines, 2 listeners"), "{stdout:.300}");
+}
