@@ -208,3 +208,45 @@ fn a_100000_character_name_and_model_are_listed_whole_without_padding_the_other_
     assert!(row("short").len() < 1000, "{}", row("short").len());
     assert!(stdout.contains("2 engines, 2 listeners"), "{stdout:.300}");
 }
+
+#[test]
+fn an_engine_with_an_unknown_key_or_no_host_still_has_its_port_ranges_checked() {
+    let (_dir, path) = temp_config(
+        "[[engine]]\nname = \"a\"\nhost = \"h\"\nzmq_port = 65535\ndp_size = 4\ncolour = \"blue\"\n[[engine]]\nname = \"b\"\nhots = \"h\"\nzmq_port = 65535\ndp_size = 4\n",
+    );
+    let output = check(&path, &[]);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let file = path.display().to_string();
+    let problems: Vec<&str> = stderr
+        .lines()
+        .filter(|line| {
+            line.strip_prefix(&format!("{file}:"))
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .collect();
+    for words in [
+        [":6:", "engine \"a\"", "unknown key `colour`"],
+        [
+            ":1:",
+            "engine \"a\"",
+            "zmq ports 65535..65538 run past 65535",
+        ],
+        [":9:", "engine \"b\"", "unknown key `hots`"],
+        [":7:", "engine \"b\"", "missing `host`"],
+        [
+            ":7:",
+            "engine \"b\"",
+            "zmq ports 65535..65538 run past 65535",
+        ],
+    ] {
+        let at = format!("{file}{}", words[0]);
+        let found = problems
+            .iter()
+            .filter(|line| line.starts_with(&at) && words[1..].iter().all(|w| line.contains(w)))
+            .count();
+        assert_eq!(found, 1, "{words:?} in {stderr}");
+    }
+    assert_eq!(problems.len(), 5, "{stderr}");
+    assert!(stderr.contains("5 problems found"), "{stderr}");
+}

@@ -133,8 +133,8 @@ pub(super) fn check_defaults(
     fields
 }
 
-/// The checked engines, and the port ranges of every engine whose host and ranges are valid
-/// (even when another key of it is not), for the overlap check.
+/// The checked engines, and for the overlap check every port range below 65536 of every engine
+/// with a valid host (even when another key of it is not).
 #[derive(Default)]
 pub(super) struct Engines {
     pub(super) valid: Vec<EngineConfig>,
@@ -177,18 +177,19 @@ pub(super) fn check_engines(
         check_required_keys(&raw, &dropped, &at, problems);
         check_unique_name(raw.name.as_ref(), &mut first_line_of_name, &at, problems);
         let fields = EngineFields::check(raw, &dropped, &at.label, problems).or(defaults);
-        let Checked::Valid(host) = fields.host.clone() else {
-            continue;
-        };
+        // Every check below runs whatever the others found: a missing host or too many ranks
+        // must not hide a port range past 65535 (#13: one edit per round, not one per problem).
         let Some(ranks) = check_ranks(&fields, &at, problems) else {
             continue;
         };
         let (fitting, all_fit) =
             check_port_ranges(port_bases(&fields), ranks, &at.label, &at.span, problems);
-        engines
-            .placed
-            .extend(fitting.into_iter().map(|range| placed(&host, &at, range)));
-        if all_fit {
+        if let Checked::Valid(host) = &fields.host {
+            engines
+                .placed
+                .extend(fitting.into_iter().map(|range| placed(host, &at, range)));
+        }
+        if all_fit && ranks.below_max() {
             engines.valid.extend(engine_config(fields, ranks));
         }
     }
@@ -261,8 +262,8 @@ fn check_unique_name(
     }
 }
 
-/// The engine's global ranks, when `dp_rank_start` and `dp_size` are valid and their last rank
-/// is below `MAX_DP_SIZE`.
+/// The engine's global ranks as written, when `dp_rank_start` and `dp_size` are valid; ranks
+/// that run past `MAX_DP_SIZE` are reported and still returned, for the port checks.
 fn check_ranks(
     fields: &EngineFields,
     at: &EngineAt,
@@ -275,7 +276,7 @@ fn check_ranks(
             .or_default_to(DEFAULT_DP_RANK_START)?,
         size: fields.dp_size.clone().or_default_to(DEFAULT_DP_SIZE)?,
     };
-    if ranks.end() > MAX_DP_SIZE {
+    if !ranks.below_max() {
         let why = format!(
             "global ranks {}..{} run past {} (`dp_rank_start` {} + `dp_size` {} must be at most {MAX_DP_SIZE})",
             ranks.start,
@@ -285,7 +286,6 @@ fn check_ranks(
             ranks.size,
         );
         problems.add(Some(at.span.clone()), &at.label, why);
-        return None;
     }
     Some(ranks)
 }
@@ -482,5 +482,99 @@ dp_rank_start = "2"
             ],
         );
         assert_eq!(found.len(), 4, "{found:#?}");
+    }
+
+    #[test]
+    fn a_rejected_or_missing_host_or_too_many_ranks_do_not_hide_the_port_ranges() {
+        let text = r#"
+[[engine]]
+name = "empty-host"
+host = ""
+zmq_port = 65535
+dp_size = 4
+[[engine]]
+name = "no-host"
+zmq_port = 65534
+dp_size = 3
+[[engine]]
+name = "past-1023"
+host = "h"
+zmq_port = 65535
+dp_rank_start = 1000
+dp_size = 30
+"#;
+        let found = problems(text);
+        find(
+            &found,
+            &[
+                "indexer.toml:4:",
+                "engine \"empty-host\"",
+                "`host` is empty",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:2:",
+                "engine \"empty-host\"",
+                "zmq ports 65535..65538 run past 65535",
+            ],
+        );
+        find(
+            &found,
+            &["indexer.toml:7:", "engine \"no-host\"", "missing `host`"],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:7:",
+                "engine \"no-host\"",
+                "zmq ports 65534..65536 run past 65535",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:11:",
+                "engine \"past-1023\"",
+                "global ranks 1000..1029 run past 1023",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:11:",
+                "engine \"past-1023\"",
+                "zmq ports 66535..66564 run past 65535",
+            ],
+        );
+        assert_eq!(found.len(), 6, "{found:#?}");
+    }
+
+    #[test]
+    fn the_ports_of_an_engine_past_rank_1023_still_collide_with_its_neighbours() {
+        let text = r#"
+[[engine]]
+name = "past-1023"
+host = "h"
+zmq_port = 5000
+dp_rank_start = 1000
+dp_size = 30
+[[engine]]
+name = "neighbour"
+host = "h"
+zmq_port = 6010
+"#;
+        let found = problems(text);
+        find(&found, &["engine \"past-1023\"", "global ranks 1000..1029"]);
+        find(
+            &found,
+            &[
+                "indexer.toml:8:",
+                "engine \"neighbour\"",
+                "zmq ports 6010..6010 overlap zmq ports of engine \"past-1023\" (6000..6029)",
+            ],
+        );
+        assert_eq!(found.len(), 2, "{found:#?}");
     }
 }

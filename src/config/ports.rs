@@ -8,6 +8,7 @@
 use std::ops::Range;
 
 use super::diagnostics::Problems;
+use super::MAX_DP_SIZE;
 
 /// The port rank `rank` uses for a socket whose rank 0 is on `base`. Wider than a port: an
 /// unvalidated engine can run past 65535, and that must be a number to report, not an overflow.
@@ -44,6 +45,11 @@ impl RankRange {
     /// One past the last rank.
     pub(super) fn end(self) -> u32 {
         self.start + self.size
+    }
+
+    /// Whether the last rank is a global rank (below `MAX_DP_SIZE`).
+    pub(super) fn below_max(self) -> bool {
+        self.end() <= MAX_DP_SIZE
     }
 
     /// How the last rank's offset is computed, for messages; the start only when it is set.
