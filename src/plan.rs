@@ -1,9 +1,14 @@
 //! Expansion of the validated configuration into one listener spec per data-parallel rank.
 //!
-//! Owns the rule "rank r of an engine lives on port + r" (SPEC.md "Expansion"), r being the
-//! global data-parallel rank (`dp_rank_start..dp_rank_start + dp_size`, for one deployment spread
-//! over several nodes). It never opens a socket: it only computes what the registry should be
-//! running.
+//! Owns the listener specs: one per global data-parallel rank r (`dp_rank_start..dp_rank_start +
+//! dp_size`, for one deployment spread over several nodes), its URLs on `config::rank_port` (the
+//! one place "rank r lives on port + r" is written), and how a spec and its key read in messages
+//! and in the `--check` table. It never opens a socket: it only computes what the registry should
+//! be running.
+
+use std::fmt;
+
+use crate::config::{rank_port, Config, EngineConfig};
 
 /// Identity of one listener: the worker (engine name, global dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -29,7 +34,22 @@ pub struct ListenerSpec {
     pub model: Option<String>,
 }
 
-use crate::config::{Config, EngineConfig};
+impl fmt::Display for WorkerKey {
+    /// `engine/rank`, the name `/workers`, `/reload` and the logs give a listener.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.engine, self.dp_rank)
+    }
+}
+
+impl ListenerSpec {
+    /// `engine E rank R (ENDPOINT)`: how errors and logs name the listener of one rank.
+    pub fn describe(&self) -> String {
+        format!(
+            "engine {} rank {} ({})",
+            self.key.engine, self.key.dp_rank, self.endpoint
+        )
+    }
+}
 
 /// One spec per rank of every engine, in config order then rank order.
 pub fn expand(config: &Config) -> Vec<ListenerSpec> {
@@ -39,9 +59,8 @@ pub fn expand(config: &Config) -> Vec<ListenerSpec> {
 /// One spec per rank of `engine`: global rank `r` (from `dp_rank_start`) is on `port + r` for
 /// every socket kind.
 pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
-    // Arithmetic in u64: a validated engine never passes 65535, and an unvalidated one yields a
-    // URL that fails to connect rather than a panic.
-    let on_rank = |port: u16, rank: u32| u64::from(port) + u64::from(rank);
+    // `rank_port` is wider than a port: a validated engine never passes 65535, and an
+    // unvalidated one yields a URL that fails to connect rather than a panic.
     let host = url_host(&engine.host);
     let first = engine.dp_rank_start;
     (first..first.saturating_add(engine.dp_size))
@@ -50,13 +69,13 @@ pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
                 engine: engine.name.clone(),
                 dp_rank: rank,
             },
-            endpoint: format!("tcp://{host}:{}", on_rank(engine.zmq_port, rank)),
+            endpoint: format!("tcp://{host}:{}", rank_port(engine.zmq_port, rank)),
             replay: engine
                 .replay_port
-                .map(|port| format!("tcp://{host}:{}", on_rank(port, rank))),
+                .map(|port| format!("tcp://{host}:{}", rank_port(port, rank))),
             recover: engine
                 .recover_port
-                .map(|port| format!("http://{host}:{}/kv_recover", on_rank(port, rank))),
+                .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, rank))),
             topic: engine.topic.clone(),
             model: engine.model.clone(),
         })
@@ -71,6 +90,13 @@ fn url_host(host: &str) -> String {
         host.to_string()
     }
 }
+
+/// A column of the `--check` table is at most this wide: a longer value (a hostname may have 253
+/// characters, a model name any number) is printed whole and shifts only the rest of its own row,
+/// rather than padding every row to its length (and past the 65,535 a format width can be). 80 is
+/// a terminal's width and holds every URL with an IP host: the longest, `http://[` + a
+/// 39-character IPv6 + `]:65535/kv_recover`, has 65.
+const MAX_COLUMN_WIDTH: usize = 80;
 
 /// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
 pub fn render_table(specs: &[ListenerSpec]) -> String {
@@ -94,7 +120,7 @@ pub fn render_table(specs: &[ListenerSpec]) -> String {
     let mut widths = HEADER.map(str::len);
     for row in &rows {
         for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
+            *width = (*width).max(cell.chars().count().min(MAX_COLUMN_WIDTH));
         }
     }
     let header = HEADER.map(String::from);
@@ -288,5 +314,26 @@ mod tests {
         let column = |line: &str| line.find("tcp://");
         assert_eq!(column(lines[1]), column(lines[2]));
         assert_eq!(column(lines[1]), lines[0].find("ENDPOINT"));
+    }
+
+    #[test]
+    fn a_value_longer_than_a_column_shifts_only_its_own_row() {
+        let long_name = "n".repeat(100_000);
+        let long_model = "m".repeat(100_000);
+        let mut long = engine(&long_name, "10.0.0.9", 1);
+        long.model = Some(long_model.clone());
+        let table = render_table(&expand(&config(vec![
+            engine("vllm-a", "10.0.0.5", 2),
+            long,
+        ])));
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4);
+        let column = |line: &str| line.find("tcp://");
+        let endpoint = lines[0].find("ENDPOINT");
+        assert_eq!(endpoint, Some(MAX_COLUMN_WIDTH + "  RANK  ".len()));
+        assert_eq!((column(lines[1]), column(lines[2])), (endpoint, endpoint));
+        let long_row: Vec<&str> = lines[3].split_whitespace().take(3).collect();
+        assert_eq!(long_row, [long_name.as_str(), "0", "tcp://10.0.0.9:5557"]);
+        assert!(lines[3].ends_with(&format!("  {long_model}")));
     }
 }

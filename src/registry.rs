@@ -239,12 +239,7 @@ impl Registry {
     /// returns.
     pub fn register(&mut self, specs: Vec<ListenerSpec>) -> anyhow::Result<()> {
         if let Some(spec) = specs.iter().find(|s| self.running.contains_key(&s.key)) {
-            anyhow::bail!(
-                "engine {} rank {} ({}) is already registered",
-                spec.key.engine,
-                spec.key.dp_rank,
-                spec.endpoint
-            );
+            anyhow::bail!("{} is already registered", spec.describe());
         }
         let planned = self.planned_count() + specs.len();
         let started = self.start_engine(specs, planned)?;
@@ -430,10 +425,7 @@ impl Registry {
     ) -> anyhow::Result<Vec<Running>> {
         let mut started: Vec<Running> = Vec::with_capacity(specs.len());
         for spec in specs {
-            let what = format!(
-                "engine {} rank {} ({})",
-                spec.key.engine, spec.key.dp_rank, spec.endpoint
-            );
+            let what = spec.describe();
             let (context_slot, context) = self.contexts.take();
             match Listener::start(spec, &context, &self.index, &self.metrics)
                 .with_context(|| format!("starting {what}"))
@@ -487,13 +479,7 @@ impl Registry {
         self.publish_directory();
         let names: Vec<String> = leaving
             .iter()
-            .map(|r| {
-                format!(
-                    "{}/{}",
-                    r.listener.spec().key.engine,
-                    r.listener.spec().key.dp_rank
-                )
-            })
+            .map(|r| r.listener.spec().key.to_string())
             .collect();
         info!("stopping {} listeners: {}", names.len(), names.join(" "));
         self.stop(leaving);

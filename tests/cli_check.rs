@@ -182,3 +182,71 @@ fn an_unreadable_file_names_the_path_and_exits_1() {
         "{output:?}"
     );
 }
+
+#[test]
+fn a_100000_character_name_and_model_are_listed_whole_without_padding_the_other_rows() {
+    let long = "x".repeat(100_000);
+    let (_dir, path) = temp_config(&format!(
+        "[[engine]]\nname = \"{long}\"\nhost = \"h\"\nmodel = \"{long}\"\n[[engine]]\nname = \"short\"\nhost = \"h2\"\n"
+    ));
+    let output = check(&path, &[]);
+    let stderr = text(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let stdout = text(&output.stdout);
+    let row = |engine: &str| {
+        stdout
+            .lines()
+            .find(|line| line.split_whitespace().next() == Some(engine))
+            .unwrap_or_else(|| panic!("no row of {engine:.20} in {stdout:.300}"))
+    };
+    let long_row: Vec<&str> = row(&long).split_whitespace().collect();
+    let widths: Vec<usize> = long_row.iter().map(|cell| cell.len()).collect();
+    assert_eq!(widths.len(), 7, "cell widths {widths:?}");
+    assert_eq!(long_row[6], long);
+    // Padding the other rows to a 100,000-character column would make each that long.
+    assert!(row("short").len() < 1000, "{}", row("short").len());
+    assert!(stdout.contains("2 engines, 2 listeners"), "{stdout:.300}");
+}
+
+#[test]
+fn an_engine_with_an_unknown_key_or_no_host_still_has_its_port_ranges_checked() {
+    let (_dir, path) = temp_config(
+        "[[engine]]\nname = \"a\"\nhost = \"h\"\nzmq_port = 65535\ndp_size = 4\ncolour = \"blue\"\n[[engine]]\nname = \"b\"\nhots = \"h\"\nzmq_port = 65535\ndp_size = 4\n",
+    );
+    let output = check(&path, &[]);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let file = path.display().to_string();
+    let problems: Vec<&str> = stderr
+        .lines()
+        .filter(|line| {
+            line.strip_prefix(&format!("{file}:"))
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .collect();
+    for words in [
+        [":6:", "engine \"a\"", "unknown key `colour`"],
+        [
+            ":1:",
+            "engine \"a\"",
+            "zmq ports 65535..65538 run past 65535",
+        ],
+        [":9:", "engine \"b\"", "unknown key `hots`"],
+        [":7:", "engine \"b\"", "missing `host`"],
+        [
+            ":7:",
+            "engine \"b\"",
+            "zmq ports 65535..65538 run past 65535",
+        ],
+    ] {
+        let at = format!("{file}{}", words[0]);
+        let found = problems
+            .iter()
+            .filter(|line| line.starts_with(&at) && words[1..].iter().all(|w| line.contains(w)))
+            .count();
+        assert_eq!(found, 1, "{words:?} in {stderr}");
+    }
+    assert_eq!(problems.len(), 5, "{stderr}");
+    assert!(stderr.contains("5 problems found"), "{stderr}");
+}

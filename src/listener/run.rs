@@ -403,10 +403,7 @@ enum Snapshot {
 
 impl Applier {
     fn who(&self) -> String {
-        format!(
-            "engine {} rank {} ({})",
-            self.spec.key.engine, self.spec.key.dp_rank, self.spec.endpoint
-        )
+        self.spec.describe()
     }
 
     /// Decodes a payload; an undecodable one is counted, and is a lost batch for the caller.

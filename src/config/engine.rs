@@ -1,0 +1,580 @@
+//! `[defaults]` and `[[engine]]`: the per-engine rules, each a named check.
+//!
+//! Owns what makes one engine valid (a unique non-empty name, a host, ranks below 1024, port
+//! ranges below 65536) and how `[defaults]` fills what an engine leaves out. It reports every
+//! problem of every engine and goes on to the next; it never decides where a rank's ports are
+//! (`ports` does) and never compares two engines' ports (`ports::check_port_overlaps`).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use serde::Deserialize;
+use toml::de::{DeArray, DeValue};
+use toml::Spanned;
+
+use super::diagnostics::Problems;
+use super::keys::{as_table, read_table, Checked, Int, SectionChecker};
+use super::ports::{check_port_ranges, Placed, PortRange, RankRange, SocketKind};
+use super::{EngineConfig, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT, MAX_DP_SIZE};
+
+/// One `[[engine]]` or `[defaults]` table as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEngine {
+    name: Option<Spanned<String>>,
+    host: Option<Spanned<String>>,
+    zmq_port: Option<Spanned<Int>>,
+    dp_rank_start: Option<Spanned<Int>>,
+    dp_size: Option<Spanned<Int>>,
+    replay_port: Option<Spanned<Int>>,
+    recover_port: Option<Spanned<Int>>,
+    model: Option<Spanned<String>>,
+    topic: Option<Spanned<String>>,
+}
+
+/// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
+#[derive(Clone, Debug, Default)]
+pub(super) struct EngineFields {
+    name: Checked<String>,
+    host: Checked<String>,
+    zmq_port: Checked<u16>,
+    dp_rank_start: Checked<u32>,
+    dp_size: Checked<u32>,
+    replay_port: Checked<u16>,
+    recover_port: Checked<u16>,
+    model: Checked<String>,
+    topic: Checked<String>,
+}
+
+impl EngineFields {
+    fn check(
+        raw: RawEngine,
+        dropped: &[String],
+        section: &str,
+        problems: &mut Problems<'_>,
+    ) -> Self {
+        let mut checker = SectionChecker {
+            section,
+            dropped,
+            problems,
+        };
+        let name = checker.text("name", raw.name, |name| {
+            name.is_empty().then(|| "is empty".to_string())
+        });
+        let host = checker.text("host", raw.host, |host| {
+            if host.trim().is_empty() {
+                Some("is empty".to_string())
+            } else if host.starts_with('[') {
+                Some("must be written without brackets, also for IPv6 (\"::1\")".to_string())
+            } else {
+                None
+            }
+        });
+        let dp_size = checker.int("dp_size", raw.dp_size, "1..=1024", |n| {
+            u32::try_from(n)
+                .ok()
+                .filter(|size| (1..=MAX_DP_SIZE).contains(size))
+        });
+        let last_rank = MAX_DP_SIZE - 1;
+        let dp_rank_start = checker.int(
+            "dp_rank_start",
+            raw.dp_rank_start,
+            &format!("0..={last_rank}"),
+            |n| u32::try_from(n).ok().filter(|&start| start <= last_rank),
+        );
+        EngineFields {
+            name,
+            host,
+            zmq_port: checker.port("zmq_port", raw.zmq_port),
+            dp_rank_start,
+            dp_size,
+            replay_port: checker.port("replay_port", raw.replay_port),
+            recover_port: checker.port("recover_port", raw.recover_port),
+            model: checker.text("model", raw.model, |_| None),
+            topic: checker.text("topic", raw.topic, |_| None),
+        }
+    }
+
+    /// These fields where set, else the `[defaults]` ones.
+    fn or(&self, defaults: &EngineFields) -> EngineFields {
+        EngineFields {
+            name: self.name.clone(),
+            host: self.host.clone(),
+            zmq_port: self.zmq_port.or(&defaults.zmq_port),
+            dp_rank_start: self.dp_rank_start.or(&defaults.dp_rank_start),
+            dp_size: self.dp_size.or(&defaults.dp_size),
+            replay_port: self.replay_port.or(&defaults.replay_port),
+            recover_port: self.recover_port.or(&defaults.recover_port),
+            model: self.model.or(&defaults.model),
+            topic: self.topic.or(&defaults.topic),
+        }
+    }
+}
+
+pub(super) fn check_defaults(
+    value: &Spanned<DeValue<'_>>,
+    problems: &mut Problems<'_>,
+) -> EngineFields {
+    let section = "[defaults]";
+    let Some((raw, dropped)) = as_table(value, section, problems)
+        .and_then(|table| read_table::<RawEngine>(&table, section, problems))
+    else {
+        return EngineFields::default();
+    };
+    for (key, present) in [("name", &raw.name), ("host", &raw.host)] {
+        if let Some(present) = present {
+            let why = format!("`{key}` is not allowed here: each [[engine]] sets its own");
+            problems.add(Some(present.span()), section, why);
+        }
+    }
+    let mut fields = EngineFields::check(raw, &dropped, section, problems);
+    fields.name = Checked::Absent;
+    fields.host = Checked::Absent;
+    fields
+}
+
+/// The checked engines, and for the overlap check every port range below 65536 of every engine
+/// with a valid host (even when another key of it is not).
+#[derive(Default)]
+pub(super) struct Engines {
+    pub(super) valid: Vec<EngineConfig>,
+    pub(super) placed: Vec<Placed>,
+}
+
+/// Where one `[[engine]]` is written, for its problems.
+struct EngineAt {
+    /// Position in the file.
+    position: usize,
+    /// `engine "name"`, or `engine #n` while it has no usable name.
+    label: String,
+    /// The whole table: problems of more than one key point at its first line.
+    span: Range<usize>,
+}
+
+/// Every `[[engine]]` in file order, each through the rules below; a problem in one key or one
+/// engine never stops the checks of the others.
+pub(super) fn check_engines(
+    value: &Spanned<DeValue<'_>>,
+    defaults: &EngineFields,
+    problems: &mut Problems<'_>,
+) -> Engines {
+    let mut engines = Engines::default();
+    let Some(tables) = engine_tables(value, problems) else {
+        return engines;
+    };
+    let mut first_line_of_name: HashMap<String, usize> = HashMap::new();
+    for (position, value) in tables.iter().enumerate() {
+        let at = EngineAt {
+            position,
+            label: engine_label(value, position),
+            span: value.span(),
+        };
+        let Some((raw, dropped)) = as_table(value, &at.label, problems)
+            .and_then(|table| read_table::<RawEngine>(&table, &at.label, problems))
+        else {
+            continue;
+        };
+        check_required_keys(&raw, &dropped, &at, problems);
+        check_unique_name(raw.name.as_ref(), &mut first_line_of_name, &at, problems);
+        let fields = EngineFields::check(raw, &dropped, &at.label, problems).or(defaults);
+        // Every check below runs whatever the others found: a missing host or too many ranks
+        // must not hide a port range past 65535 (#13: one edit per round, not one per problem).
+        let Some(ranks) = check_ranks(&fields, &at, problems) else {
+            continue;
+        };
+        let (fitting, all_fit) =
+            check_port_ranges(port_bases(&fields), ranks, &at.label, &at.span, problems);
+        if let Checked::Valid(host) = &fields.host {
+            engines
+                .placed
+                .extend(fitting.into_iter().map(|range| placed(host, &at, range)));
+        }
+        if all_fit && ranks.below_max() {
+            engines.valid.extend(engine_config(fields, ranks));
+        }
+    }
+    engines
+}
+
+/// `engine` must be an array of tables (`[[engine]]`).
+fn engine_tables<'v, 'i>(
+    value: &'v Spanned<DeValue<'i>>,
+    problems: &mut Problems<'_>,
+) -> Option<&'v DeArray<'i>> {
+    match value.get_ref() {
+        DeValue::Array(tables) => Some(tables),
+        other => {
+            let why = format!(
+                "expected [[engine]] tables (an array of tables), found {}",
+                other.type_str()
+            );
+            problems.add(Some(value.span()), "`engine`", why);
+            None
+        }
+    }
+}
+
+/// The engine's name as written when it is a non-empty string, else its position (from 1).
+fn engine_label(value: &Spanned<DeValue<'_>>, position: usize) -> String {
+    let written_name = value
+        .get_ref()
+        .as_table()
+        .and_then(|table| table.get("name"))
+        .and_then(|name| name.get_ref().as_str())
+        .filter(|name| !name.is_empty());
+    match written_name {
+        Some(name) => format!("engine {name:?}"),
+        None => format!("engine #{}", position + 1),
+    }
+}
+
+/// `name` and `host` have no default; one that was written but dropped is already reported.
+fn check_required_keys(
+    raw: &RawEngine,
+    dropped: &[String],
+    at: &EngineAt,
+    problems: &mut Problems<'_>,
+) {
+    for (key, present) in [("name", raw.name.is_some()), ("host", raw.host.is_some())] {
+        if !present && !dropped.iter().any(|dropped| dropped == key) {
+            problems.add(Some(at.span.clone()), &at.label, format!("missing `{key}`"));
+        }
+    }
+}
+
+/// A name used before is reported on its later use, with the line of its first.
+fn check_unique_name(
+    name: Option<&Spanned<String>>,
+    first_line_of_name: &mut HashMap<String, usize>,
+    at: &EngineAt,
+    problems: &mut Problems<'_>,
+) {
+    let Some(name) = name else { return };
+    let line = problems.line(name.span().start);
+    match first_line_of_name.get(name.get_ref()) {
+        Some(first) if !name.get_ref().is_empty() => {
+            let why = format!("duplicate `name` (first used on line {first})");
+            problems.add(Some(name.span()), &at.label, why);
+        }
+        _ => {
+            first_line_of_name.insert(name.get_ref().clone(), line);
+        }
+    }
+}
+
+/// The engine's global ranks as written, when `dp_rank_start` and `dp_size` are valid; ranks
+/// that run past `MAX_DP_SIZE` are reported and still returned, for the port checks.
+fn check_ranks(
+    fields: &EngineFields,
+    at: &EngineAt,
+    problems: &mut Problems<'_>,
+) -> Option<RankRange> {
+    let ranks = RankRange {
+        start: fields
+            .dp_rank_start
+            .clone()
+            .or_default_to(DEFAULT_DP_RANK_START)?,
+        size: fields.dp_size.clone().or_default_to(DEFAULT_DP_SIZE)?,
+    };
+    if !ranks.below_max() {
+        let why = format!(
+            "global ranks {}..{} run past {} (`dp_rank_start` {} + `dp_size` {} must be at most {MAX_DP_SIZE})",
+            ranks.start,
+            ranks.end() - 1,
+            MAX_DP_SIZE - 1,
+            ranks.start,
+            ranks.size,
+        );
+        problems.add(Some(at.span.clone()), &at.label, why);
+    }
+    Some(ranks)
+}
+
+/// Rank 0's port of each socket the engine has; a rejected port is left out (already reported).
+fn port_bases(fields: &EngineFields) -> [(SocketKind, Option<u16>); 3] {
+    [
+        (
+            SocketKind::Zmq,
+            fields.zmq_port.clone().or_default_to(DEFAULT_ZMQ_PORT),
+        ),
+        (
+            SocketKind::Replay,
+            fields.replay_port.clone().optional().flatten(),
+        ),
+        (
+            SocketKind::Recover,
+            fields.recover_port.clone().optional().flatten(),
+        ),
+    ]
+}
+
+fn placed(host: &str, at: &EngineAt, range: PortRange) -> Placed {
+    Placed {
+        host: host.to_lowercase(),
+        written_host: host.to_string(),
+        engine: at.position,
+        label: at.label.clone(),
+        span: at.span.clone(),
+        range,
+    }
+}
+
+/// The engine with defaults applied, when every key of it is valid.
+fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig> {
+    Some(EngineConfig {
+        name: fields.name.optional()??,
+        host: fields.host.optional()??,
+        zmq_port: fields.zmq_port.or_default_to(DEFAULT_ZMQ_PORT)?,
+        dp_rank_start: ranks.start,
+        dp_size: ranks.size,
+        replay_port: fields.replay_port.optional()?,
+        recover_port: fields.recover_port.optional()?,
+        model: fields.model.optional()?,
+        topic: fields.topic.or_default_to(String::new())?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::test_support::{find, problems, ENGINE_A};
+    use crate::config::Config;
+
+    #[test]
+    fn missing_empty_and_duplicate_names_and_hosts() {
+        let text = r#"
+[[engine]]
+host = "h"
+[[engine]]
+name = ""
+host = "h2"
+[[engine]]
+name = "twice"
+[[engine]]
+name = "twice"
+host = " "
+zmq_port = 6000
+[[engine]]
+name = "bracketed"
+host = "[::1]"
+"#;
+        let found = problems(text);
+        find(&found, &["indexer.toml:2:", "engine #1", "missing `name`"]);
+        find(&found, &["indexer.toml:5:", "engine #2", "`name` is empty"]);
+        find(
+            &found,
+            &["indexer.toml:7:", "engine \"twice\"", "missing `host`"],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:10:",
+                "engine \"twice\"",
+                "duplicate `name`",
+                "line 8",
+            ],
+        );
+        find(
+            &found,
+            &["indexer.toml:11:", "engine \"twice\"", "`host` is empty"],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:15:",
+                "engine \"bracketed\"",
+                "`host`",
+                "without brackets",
+            ],
+        );
+        assert_eq!(found.len(), 6, "{found:#?}");
+    }
+
+    #[test]
+    fn a_rejected_default_is_reported_once_not_per_engine() {
+        let text = "[defaults]\ndp_size = 0\n[[engine]]\nname = \"a\"\nhost = \"h\"\n[[engine]]\nname = \"b\"\nhost = \"h\"\n";
+        assert_eq!(problems(text).len(), 1);
+    }
+
+    #[test]
+    fn dp_rank_start_comes_from_the_engine_else_defaults_else_0() {
+        let text = r#"
+[defaults]
+dp_rank_start = 4
+[[engine]]
+name = "inherits"
+host = "h1"
+[[engine]]
+name = "node-b"
+host = "h2"
+dp_rank_start = 2
+dp_size = 2
+"#;
+        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
+        let starts: Vec<(u32, u32)> = config
+            .engines
+            .iter()
+            .map(|engine| (engine.dp_rank_start, engine.dp_size))
+            .collect();
+        assert_eq!(starts, vec![(4, 1), (2, 2)]);
+        let plain = Config::parse(ENGINE_A, "f").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(plain.engines[0].dp_rank_start, 0);
+    }
+
+    #[test]
+    fn dp_rank_start_and_the_last_global_rank_stay_below_1024() {
+        let text = r#"
+[defaults]
+dp_rank_start = -1
+[[engine]]
+name = "a"
+host = "h"
+dp_rank_start = 1024
+[[engine]]
+name = "b"
+host = "h2"
+dp_rank_start = 1000
+dp_size = 25
+[[engine]]
+name = "c"
+host = "h3"
+dp_rank_start = 1000
+dp_size = 24
+[[engine]]
+name = "d"
+host = "h4"
+dp_rank_start = "2"
+"#;
+        let found = problems(text);
+        find(
+            &found,
+            &[
+                "indexer.toml:3:",
+                "[defaults]",
+                "`dp_rank_start`",
+                "0..=1023, found -1",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:7:",
+                "engine \"a\"",
+                "`dp_rank_start`",
+                "found 1024",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:8:",
+                "engine \"b\"",
+                "global ranks 1000..1024 run past 1023",
+                "`dp_rank_start` 1000 + `dp_size` 25",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:21:",
+                "engine \"d\"",
+                "`dp_rank_start`",
+                "expected an integer",
+            ],
+        );
+        assert_eq!(found.len(), 4, "{found:#?}");
+    }
+
+    #[test]
+    fn a_rejected_or_missing_host_or_too_many_ranks_do_not_hide_the_port_ranges() {
+        let text = r#"
+[[engine]]
+name = "empty-host"
+host = ""
+zmq_port = 65535
+dp_size = 4
+[[engine]]
+name = "no-host"
+zmq_port = 65534
+dp_size = 3
+[[engine]]
+name = "past-1023"
+host = "h"
+zmq_port = 65535
+dp_rank_start = 1000
+dp_size = 30
+"#;
+        let found = problems(text);
+        find(
+            &found,
+            &[
+                "indexer.toml:4:",
+                "engine \"empty-host\"",
+                "`host` is empty",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:2:",
+                "engine \"empty-host\"",
+                "zmq ports 65535..65538 run past 65535",
+            ],
+        );
+        find(
+            &found,
+            &["indexer.toml:7:", "engine \"no-host\"", "missing `host`"],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:7:",
+                "engine \"no-host\"",
+                "zmq ports 65534..65536 run past 65535",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:11:",
+                "engine \"past-1023\"",
+                "global ranks 1000..1029 run past 1023",
+            ],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:11:",
+                "engine \"past-1023\"",
+                "zmq ports 66535..66564 run past 65535",
+            ],
+        );
+        assert_eq!(found.len(), 6, "{found:#?}");
+    }
+
+    #[test]
+    fn the_ports_of_an_engine_past_rank_1023_still_collide_with_its_neighbours() {
+        let text = r#"
+[[engine]]
+name = "past-1023"
+host = "h"
+zmq_port = 5000
+dp_rank_start = 1000
+dp_size = 30
+[[engine]]
+name = "neighbour"
+host = "h"
+zmq_port = 6010
+"#;
+        let found = problems(text);
+        find(&found, &["engine \"past-1023\"", "global ranks 1000..1029"]);
+        find(
+            &found,
+            &[
+                "indexer.toml:8:",
+                "engine \"neighbour\"",
+                "zmq ports 6010..6010 overlap zmq ports of engine \"past-1023\" (6000..6029)",
+            ],
+        );
+        assert_eq!(found.len(), 2, "{found:#?}");
+    }
+}

@@ -1,0 +1,425 @@
+//! indexer.toml: its types, defaults and loading (docs.md "Configuration reference").
+//!
+//! Owns the file format and every rule a file must satisfy before anything runs, and the
+//! top-level keys. It reports every problem it finds, each naming the file, the line, the engine
+//! and the key, so one edit fixes a broken file. It never opens a socket and never expands ranks
+//! into listeners (that is `plan`). The rules live beside what they check:
+//!
+//! - `diagnostics`: the `FILE:LINE: section: problem` list;
+//! - `keys`: reading one section's keys, each bad key reported and dropped;
+//! - `engine`: `[defaults]` and the per-engine rules;
+//! - `ports`: which port rank r of an engine uses, and which port ranges collide.
+
+mod diagnostics;
+mod engine;
+mod keys;
+mod ports;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use toml::de::DeTable;
+use toml::Spanned;
+
+use diagnostics::Problems;
+use engine::{check_defaults, check_engines, EngineFields, Engines};
+use keys::{read_table, Int, SectionChecker};
+use ports::check_port_overlaps;
+pub use ports::rank_port;
+
+/// A validated configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// HTTP API address, `IP:port` or `hostname:port`.
+    pub listen: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Lock shards of the index (a power of two).
+    pub shards: usize,
+    /// `[[engine]]` tables with `[defaults]` applied.
+    pub engines: Vec<EngineConfig>,
+}
+
+/// One `[[engine]]` with defaults applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    pub name: String,
+    pub host: String,
+    /// Rank 0's port, the base the engine was given; rank r publishes on `zmq_port + r`.
+    pub zmq_port: u16,
+    /// The first global data-parallel rank this engine runs (vLLM's
+    /// `--data-parallel-start-rank`): its listeners are ranks `dp_rank_start..dp_rank_start +
+    /// dp_size`. 0 unless one deployment spans several nodes.
+    pub dp_rank_start: u32,
+    pub dp_size: u32,
+    pub replay_port: Option<u16>,
+    pub recover_port: Option<u16>,
+    pub model: Option<String>,
+    pub topic: String,
+}
+
+/// Every problem found in a configuration file; each names the file, the engine and the key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub problems: Vec<String>,
+}
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8090";
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+pub const DEFAULT_SHARDS: usize = 64;
+pub const DEFAULT_ZMQ_PORT: u16 = 5557;
+pub const DEFAULT_DP_SIZE: u32 = 1;
+pub const DEFAULT_DP_RANK_START: u32 = 0;
+/// Global data-parallel ranks are below this: it bounds `dp_size` and `dp_rank_start + dp_size`.
+pub const MAX_DP_SIZE: u32 = 1024;
+/// More shards than this buys no concurrency on any real machine and costs memory.
+pub const MAX_SHARDS: usize = 1 << 16;
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError {
+            problems: vec![format!("{origin}: cannot read the file: {err}")],
+        })?;
+        Config::parse(&text, &origin)
+    }
+
+    /// Validates `text`; `origin` (the file name) prefixes every problem.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let mut problems = Problems::new(origin, text);
+        let root = match DeTable::parse(text) {
+            Ok(root) => root,
+            Err(err) => {
+                problems.add(err.span(), "", err.message().trim_end());
+                return Err(problems.into_error());
+            }
+        };
+        let top = check_top(&root, &mut problems);
+        let defaults = match root.get_ref().get("defaults") {
+            Some(value) => check_defaults(value, &mut problems),
+            None => EngineFields::default(),
+        };
+        let engines = match root.get_ref().get("engine") {
+            Some(value) => check_engines(value, &defaults, &mut problems),
+            None => Engines::default(),
+        };
+        check_port_overlaps(engines.placed, &mut problems);
+        match top {
+            Some(top) if problems.is_empty() => Ok(Config {
+                listen: top.listen,
+                block_size: top.block_size,
+                shards: top.shards,
+                engines: engines.valid,
+            }),
+            _ => Err(problems.into_error()),
+        }
+    }
+}
+
+/// Checks an HTTP listen address: `IP:port` (IPv6 in brackets) or `hostname:port`.
+pub fn validate_listen(addr: &str) -> Result<(), String> {
+    if addr.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let expected = "expected IP:port or hostname:port (IPv6 in brackets: [::1]:8090)";
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("{addr:?}: no port; {expected}"));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!("{addr:?}: port {port:?} is not a number 0..=65535"));
+    }
+    let is_label = |label: &str| {
+        !label.is_empty()
+            && label.len() <= 63
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    };
+    if host.len() > 253 || !host.split('.').all(is_label) {
+        return Err(format!(
+            "{addr:?}: {host:?} is neither an IP nor a hostname; {expected}"
+        ));
+    }
+    Ok(())
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.problems.join("\n"))
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The top-level keys; `[defaults]` and `[[engine]]` are read section by section so that a
+/// problem in one section does not hide the problems of the others.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTop {
+    listen: Option<Spanned<String>>,
+    block_size: Option<Spanned<Int>>,
+    shards: Option<Spanned<Int>>,
+    #[serde(rename = "defaults")]
+    _defaults: Option<IgnoredAny>,
+    #[serde(rename = "engine")]
+    _engine: Option<IgnoredAny>,
+}
+
+struct Top {
+    listen: String,
+    block_size: u32,
+    shards: usize,
+}
+
+fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option<Top> {
+    let (raw, dropped) = read_table::<RawTop>(root, "", problems)?;
+    let mut checker = SectionChecker {
+        section: "",
+        dropped: &dropped,
+        problems,
+    };
+    let listen = checker.text("listen", raw.listen, |addr| {
+        validate_listen(addr)
+            .err()
+            .map(|why| format!("is invalid: {why}"))
+    });
+    let block_size = checker.int("block_size", raw.block_size, "1..=4294967295", |n| {
+        u32::try_from(n).ok().filter(|&size| size > 0)
+    });
+    let shards = checker.int(
+        "shards",
+        raw.shards,
+        &format!("a power of two 1..={MAX_SHARDS}"),
+        |n| {
+            usize::try_from(n)
+                .ok()
+                .filter(|&n| n.is_power_of_two() && n <= MAX_SHARDS)
+        },
+    );
+    Some(Top {
+        listen: listen.or_default_to(DEFAULT_LISTEN.to_string())?,
+        block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
+        shards: shards.or_default_to(DEFAULT_SHARDS)?,
+    })
+}
+
+#[cfg(test)]
+mod test_support {
+    use super::Config;
+
+    /// The problems of `text`, which must be rejected.
+    pub(super) fn problems(text: &str) -> Vec<String> {
+        match Config::parse(text, "indexer.toml") {
+            Ok(config) => panic!("expected problems, got {config:?}"),
+            Err(err) => err.problems,
+        }
+    }
+
+    /// Asserts that exactly one problem contains every word, and returns it.
+    pub(super) fn find<'a>(problems: &'a [String], words: &[&str]) -> &'a str {
+        let found: Vec<&String> = problems
+            .iter()
+            .filter(|problem| words.iter().all(|word| problem.contains(word)))
+            .collect();
+        assert_eq!(
+            found.len(),
+            1,
+            "one problem with {words:?} in {problems:#?}"
+        );
+        found[0]
+    }
+
+    pub(super) const ENGINE_A: &str = "[[engine]]\nname = \"a\"\nhost = \"h\"\n";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{find, problems};
+    use super::*;
+
+    #[test]
+    fn absent_keys_take_the_spec_defaults() {
+        let config = Config::parse("[[engine]]\nname = \"local\"\nhost = \"127.0.0.1\"\n", "f")
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(
+            config,
+            Config {
+                listen: "127.0.0.1:8090".into(),
+                block_size: 16,
+                shards: 64,
+                engines: vec![EngineConfig {
+                    name: "local".into(),
+                    host: "127.0.0.1".into(),
+                    zmq_port: 5557,
+                    dp_rank_start: 0,
+                    dp_size: 1,
+                    replay_port: None,
+                    recover_port: None,
+                    model: None,
+                    topic: String::new(),
+                }],
+            }
+        );
+    }
+
+    #[test]
+    fn an_empty_file_is_a_valid_config_without_engines() {
+        let config = Config::parse("", "f").unwrap_or_else(|err| panic!("{err}"));
+        assert!(config.engines.is_empty());
+    }
+
+    #[test]
+    fn defaults_section_fills_what_an_engine_leaves_out_and_engines_override_it() {
+        let text = r#"
+listen = "0.0.0.0:9000"
+block_size = 32
+shards = 8
+[defaults]
+zmq_port = 6000
+dp_size = 2
+replay_port = 6100
+recover_port = 6200
+model = "m"
+topic = "kv"
+[[engine]]
+name = "inherits"
+host = "h1"
+[[engine]]
+name = "overrides"
+host = "h2"
+zmq_port = 7000
+dp_size = 4
+replay_port = 7100
+recover_port = 7200
+model = "other"
+topic = ""
+"#;
+        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(
+            (config.listen.as_str(), config.block_size, config.shards),
+            ("0.0.0.0:9000", 32, 8)
+        );
+        let inherits = &config.engines[0];
+        assert_eq!(
+            (
+                inherits.zmq_port,
+                inherits.dp_size,
+                inherits.replay_port,
+                inherits.recover_port
+            ),
+            (6000, 2, Some(6100), Some(6200))
+        );
+        assert_eq!(
+            (inherits.model.as_deref(), inherits.topic.as_str()),
+            (Some("m"), "kv")
+        );
+        let overrides = &config.engines[1];
+        assert_eq!(
+            (
+                overrides.zmq_port,
+                overrides.dp_size,
+                overrides.replay_port,
+                overrides.recover_port
+            ),
+            (7000, 4, Some(7100), Some(7200))
+        );
+        assert_eq!(
+            (overrides.model.as_deref(), overrides.topic.as_str()),
+            (Some("other"), "")
+        );
+    }
+
+    #[test]
+    fn listen_must_parse_as_ip_port_or_hostname_port() {
+        for good in [
+            "127.0.0.1:8090",
+            "[::1]:8090",
+            "localhost:0",
+            "indexer.example.com:80",
+        ] {
+            assert_eq!(validate_listen(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "nonsense",
+            "::1:8090",
+            "host:99999",
+            ":8090",
+            "bad host:80",
+            "-x:80",
+        ] {
+            assert!(validate_listen(bad).is_err(), "{bad}");
+        }
+        let found = problems("listen = \"::1:8090\"\n");
+        find(&found, &["indexer.toml:1:", "`listen`", "IP:port"]);
+    }
+
+    #[test]
+    fn every_problem_of_a_broken_file_is_reported_at_once() {
+        let text = r#"
+listen = "nowhere"
+shards = 3
+[[engine]]
+name = "a"
+host = ""
+dp_size = 0
+[[engine]]
+name = "a"
+host = "h"
+zmq_port = "5557"
+"#;
+        let found = problems(text);
+        for words in [
+            &["`listen`"][..],
+            &["`shards`"],
+            &["`host` is empty"],
+            &["`dp_size`"],
+            &["duplicate"],
+            &["`zmq_port`"],
+        ] {
+            find(&found, words);
+        }
+        assert_eq!(found.len(), 6, "{found:#?}");
+    }
+
+    #[test]
+    fn syntax_errors_and_misshapen_sections_are_reported_with_a_line() {
+        find(&problems("a = 1\nx = [\n"), &["indexer.toml:2:"]);
+        find(
+            &problems("[engine]\nname = \"a\"\n"),
+            &["indexer.toml:1:", "`engine`", "[[engine]]"],
+        );
+        find(
+            &problems("defaults = 3\n"),
+            &["indexer.toml:1:", "[defaults]", "expected a table"],
+        );
+    }
+
+    #[test]
+    fn load_names_the_path_and_the_os_error() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let path = dir.path().join("absent.toml");
+        let err = Config::load(&path).unwrap_err();
+        assert_eq!(err.problems.len(), 1);
+        assert!(
+            err.problems[0].contains(&path.display().to_string()),
+            "{err}"
+        );
+        assert!(err.problems[0].contains("No such file"), "{err}");
+    }
+
+    #[test]
+    fn load_reads_and_validates_the_file() {
+        let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("{err}"));
+        let path = dir.path().join("indexer.toml");
+        std::fs::write(&path, "shards = 3\n").unwrap_or_else(|err| panic!("{err}"));
+        let err = Config::load(&path).unwrap_err();
+        find(
+            &err.problems,
+            &[&format!("{}:1:", path.display()), "`shards`"],
+        );
+    }
+}
