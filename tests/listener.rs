@@ -33,17 +33,14 @@ fn engine_hash(prompt: u32, block: u32) -> u64 {
 
 fn block_stored(prompt: u32, first: u32, blocks: u32) -> BlockStored {
     let all = tokens(prompt, first + blocks);
-    BlockStored {
-        block_hashes: (first..first + blocks)
+    BlockStored::new(
+        (first..first + blocks)
             .map(|block| engine_hash(prompt, block))
             .collect(),
-        parent: first.checked_sub(1).map(|block| engine_hash(prompt, block)),
-        token_ids: all[(first * BLOCK_SIZE) as usize..].to_vec(),
-        block_size: BLOCK_SIZE,
-        lora_name: None,
-        medium: None,
-        group_idx: None,
-    }
+        first.checked_sub(1).map(|block| engine_hash(prompt, block)),
+        all[(first * BLOCK_SIZE) as usize..].to_vec(),
+        BLOCK_SIZE,
+    )
 }
 
 /// Stores blocks `first .. first + blocks` of a prompt, chained to the block before.

@@ -55,15 +55,17 @@ fn realistic_batch(rng: &mut SmallRng) -> EventBatch {
         dp_rank: Some(1),
         events: vec![
             Event::Stored(BlockStored {
-                block_hashes: (0..blocks).map(|_| rng.random()).collect(),
-                parent: Some(rng.random()),
-                token_ids: (0..blocks * 16)
-                    .map(|_| rng.random_range(0..152_000))
-                    .collect(),
-                block_size: 16,
                 lora_name: Some("adapter".into()),
                 medium: Some("GPU".into()),
                 group_idx: Some(0),
+                ..BlockStored::new(
+                    (0..blocks).map(|_| rng.random()).collect(),
+                    Some(rng.random()),
+                    (0..blocks * 16)
+                        .map(|_| rng.random_range(0..152_000))
+                        .collect(),
+                    16,
+                )
             }),
             Event::Removed(BlockRemoved {
                 block_hashes: vec![rng.random()],

@@ -68,18 +68,20 @@ fn expected_event(event: &Value, row: &str) -> Event {
     let group_idx = event["group_idx"].as_u64().map(|group| group as u32);
     match event["type"].as_str() {
         Some("BlockStored") => Event::Stored(BlockStored {
-            block_hashes: hashes(),
-            parent: event["parent_block_hash"].as_u64(),
-            token_ids: event["token_ids"]
-                .as_array()
-                .expect("token_ids")
-                .iter()
-                .map(|token| token.as_u64().expect("token") as u32)
-                .collect(),
-            block_size: event["block_size"].as_u64().expect("block_size") as u32,
             lora_name: text("lora_name"),
             medium: text("medium"),
             group_idx,
+            ..BlockStored::new(
+                hashes(),
+                event["parent_block_hash"].as_u64(),
+                event["token_ids"]
+                    .as_array()
+                    .expect("token_ids")
+                    .iter()
+                    .map(|token| token.as_u64().expect("token") as u32)
+                    .collect(),
+                event["block_size"].as_u64().expect("block_size") as u32,
+            )
         }),
         Some("BlockRemoved") => Event::Removed(BlockRemoved {
             block_hashes: hashes(),
@@ -142,15 +144,16 @@ fn vectors_survive_a_round_trip_through_both_forms() {
 
 fn realistic_batch() -> EventBatch {
     let stored = |first: u64, parent: Option<u64>, group_idx: Option<u32>| BlockStored {
-        block_hashes: (first..first + 4)
-            .map(|hash| hash.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect(),
-        parent,
-        token_ids: (0..64u32).map(|token| token * 2_347 % 151_000).collect(),
-        block_size: 16,
-        lora_name: None,
         medium: Some("GPU".into()),
         group_idx,
+        ..BlockStored::new(
+            (first..first + 4)
+                .map(|hash| hash.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+                .collect(),
+            parent,
+            (0..64u32).map(|token| token * 2_347 % 151_000).collect(),
+            16,
+        )
     };
     EventBatch {
         ts: 1_752_000_000.125,

@@ -9,12 +9,13 @@
 use std::collections::VecDeque;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use log::{debug, warn};
+use parking_lot::Mutex;
 use serde::Deserialize;
 
 use crate::sim::cache::RankCache;
@@ -192,7 +193,7 @@ impl SimEngine {
     /// the leading full blocks that were already cached.
     pub fn serve(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
         let rank = self.rank(rank)?;
-        let mut state = rank.lock();
+        let mut state = rank.state.lock();
         let served = state.cache.serve(prompt);
         state.last_prompt.clear();
         state.last_prompt.extend_from_slice(prompt);
@@ -204,14 +205,14 @@ impl SimEngine {
 
     /// Ground truth: leading full blocks of `prompt` that `rank` holds now.
     pub fn true_prefix_hit(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
-        Ok(self.rank(rank)?.lock().cache.true_prefix_hit(prompt))
+        Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
     }
 
     /// Restarts a rank's engine process: empty cache, new engine-hash seed, seq from 0, empty
     /// replay history. Its sockets stay bound, so subscribers see only the seq going back.
     pub fn restart_rank(&self, rank: u32) -> Result<()> {
         let rank = self.rank(rank)?;
-        let mut state = rank.lock();
+        let mut state = rank.state.lock();
         state.cache.reset();
         state.next_seq = 0;
         state.history.clear();
@@ -221,29 +222,29 @@ impl SimEngine {
     /// What vLLM's `/reset_prefix_cache` does: empties the cache and publishes `AllBlocksCleared`.
     pub fn reset_prefix_cache(&self, rank: u32) -> Result<()> {
         let rank = self.rank(rank)?;
-        let mut state = rank.lock();
+        let mut state = rank.state.lock();
         state.cache.clear();
         state.publish(rank, vec![Event::Cleared])
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.
     pub fn last_seq(&self, rank: u32) -> Result<Option<u64>> {
-        Ok(self.rank(rank)?.lock().next_seq.checked_sub(1))
+        Ok(self.rank(rank)?.state.lock().next_seq.checked_sub(1))
     }
 
     /// Blocks `rank` holds.
     pub fn cached_blocks(&self, rank: u32) -> Result<usize> {
-        Ok(self.rank(rank)?.lock().cache.len())
+        Ok(self.rank(rank)?.state.lock().cache.len())
     }
 
     /// Batches `rank` did not send on PUB because of `drop_fraction`.
     pub fn dropped_batches(&self, rank: u32) -> Result<u64> {
-        Ok(self.rank(rank)?.lock().dropped)
+        Ok(self.rank(rank)?.state.lock().dropped)
     }
 
     /// The snapshot events `GET /kv_recover` would serve for `rank` now.
     pub fn snapshot_events(&self, rank: u32) -> Result<Vec<BlockStored>> {
-        Ok(self.rank(rank)?.lock().cache.snapshot_events())
+        Ok(self.rank(rank)?.state.lock().cache.snapshot_events())
     }
 
     /// Stops every thread and closes every socket.
@@ -328,22 +329,17 @@ impl Drop for SimEngine {
 }
 
 impl Rank {
-    fn lock(&self) -> MutexGuard<'_, RankState> {
-        // The state stays consistent between statements, so a panicked holder leaves it usable.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// The `GET /last_prompt` body, `{"token_ids": [...]}`: ready to send to the indexer's
     /// `POST /query`.
     fn last_prompt_body(&self) -> Vec<u8> {
-        serde_json::json!({ "token_ids": self.lock().last_prompt })
+        serde_json::json!({ "token_ids": self.state.lock().last_prompt })
             .to_string()
             .into_bytes()
     }
 
     /// The `GET /kv_recover` body: the cache and the seq of the last batch, taken together.
     fn snapshot_body(&self) -> Vec<u8> {
-        let state = self.lock();
+        let state = self.state.lock();
         let events = state.cache.snapshot_events();
         encode_snapshot(
             state.next_seq.checked_sub(1),
@@ -499,6 +495,7 @@ fn answer_replay(rank: &Rank, socket: &zmq::Socket, frames: &[Vec<u8>]) -> Resul
         .map(u64::from_be_bytes)
         .map_err(|_| anyhow!("start seq frame of {} bytes, expected 8", start.len()))?;
     let batches: Vec<(u64, Arc<[u8]>)> = rank
+        .state
         .lock()
         .history
         .iter()
@@ -582,7 +579,7 @@ fn prefix_hit(rank: &Rank, request: &mut tiny_http::Request) -> (u16, Vec<u8>) {
     }
     match serde_json::from_slice::<PrefixHitRequest>(&body) {
         Ok(query) => {
-            let matched = rank.lock().cache.true_prefix_hit(&query.token_ids);
+            let matched = rank.state.lock().cache.true_prefix_hit(&query.token_ids);
             (
                 200,
                 serde_json::json!({ "matched_blocks": matched })

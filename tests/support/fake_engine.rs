@@ -70,15 +70,12 @@ impl FakeRank {
         let batch = EventBatch {
             ts: 0.0,
             dp_rank: Some(self.dp_rank),
-            events: vec![Event::Stored(BlockStored {
-                block_hashes: hashes.to_vec(),
+            events: vec![Event::Stored(BlockStored::new(
+                hashes.to_vec(),
                 parent,
-                token_ids: tokens.to_vec(),
-                block_size: BLOCK_SIZE,
-                lora_name: None,
-                medium: None,
-                group_idx: None,
-            })],
+                tokens.to_vec(),
+                BLOCK_SIZE,
+            ))],
             skipped: 0,
         };
         let payload = encode_batch(&batch, Form::Map);
