@@ -13,15 +13,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 use log::{debug, warn};
 use parking_lot::Mutex;
 use serde::Deserialize;
 
 use crate::sim::cache::RankCache;
-use crate::sim::encode::{
-    encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
-};
+use crate::sim::encode::{encode_batch, encode_snapshot, message_frames, Form};
+use crate::sim::replay::{self, Layout};
 use crate::sim::rng::{mix, SplitMix64};
 use crate::wire::{BlockStored, Event, EventBatch};
 
@@ -93,7 +92,7 @@ struct Settings {
     topic: Vec<u8>,
     keep_history: bool,
     replay_buffer: usize,
-    old_replay_layout: bool,
+    replay_layout: Layout,
     drop_fraction: f64,
 }
 
@@ -102,7 +101,7 @@ struct RankState {
     cache: RankCache,
     publisher: zmq::Socket,
     next_seq: u64,
-    history: VecDeque<(u64, Arc<[u8]>)>,
+    history: VecDeque<replay::Batch>,
     drops: SplitMix64,
     dropped: u64,
     /// The prompt served last, for `GET /last_prompt`.
@@ -135,7 +134,11 @@ impl SimEngine {
             topic: config.topic.clone().into_bytes(),
             keep_history: config.replay_port.is_some(),
             replay_buffer: config.replay_buffer,
-            old_replay_layout: config.old_replay_layout,
+            replay_layout: if config.old_replay_layout {
+                Layout::Old
+            } else {
+                Layout::New
+            },
             drop_fraction: config.drop_fraction,
         });
         let mut engine = SimEngine {
@@ -275,7 +278,10 @@ impl SimEngine {
         let rank = Arc::clone(rank);
         let stopping = Arc::clone(&self.stopping);
         self.spawn(format!("sim-replay-{index}"), move || {
-            serve_replays(&rank, &socket, &stopping)
+            let topic = rank.settings.replay_layout.topic(&rank.settings.topic);
+            replay::serve(&socket, &stopping, index, topic, |start| {
+                replay::kept_from(rank.state.lock().history.iter(), start)
+            })
         })?;
         Ok(port)
     }
@@ -457,71 +463,6 @@ fn unix_seconds() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map(|elapsed| elapsed.as_secs_f64())
         .unwrap_or(0.0)
-}
-
-/// The replay ROUTER loop: one request `[identity, "", start_seq]` at a time, until stopped.
-fn serve_replays(rank: &Rank, socket: &zmq::Socket, stopping: &AtomicBool) {
-    while !stopping.load(Ordering::Relaxed) {
-        match socket.poll(zmq::POLLIN, STOP_POLL.as_millis() as i64) {
-            Ok(0) => continue,
-            Ok(_) => {}
-            Err(error) => {
-                warn!("rank {}: replay poll failed: {error}", rank.index);
-                continue;
-            }
-        }
-        let answered = socket
-            .recv_multipart(zmq::DONTWAIT)
-            .context("receiving a replay request")
-            .and_then(|frames| answer_replay(rank, socket, &frames));
-        if let Err(error) = answered {
-            warn!(
-                "rank {}: replay request not answered: {error:#}",
-                rank.index
-            );
-        }
-    }
-}
-
-fn answer_replay(rank: &Rank, socket: &zmq::Socket, frames: &[Vec<u8>]) -> Result<()> {
-    let [identity, delimiter, start] = frames else {
-        bail!(
-            "{} frames, expected [identity, \"\", start_seq]",
-            frames.len()
-        );
-    };
-    ensure!(delimiter.is_empty(), "the delimiter frame is not empty");
-    let start = <[u8; 8]>::try_from(start.as_slice())
-        .map(u64::from_be_bytes)
-        .map_err(|_| anyhow!("start seq frame of {} bytes, expected 8", start.len()))?;
-    let batches: Vec<(u64, Arc<[u8]>)> = rank
-        .state
-        .lock()
-        .history
-        .iter()
-        .filter(|(seq, _)| *seq >= start)
-        .cloned()
-        .collect();
-    debug!(
-        "rank {}: replaying {} batches from seq {start}",
-        rank.index,
-        batches.len()
-    );
-    let settings = &rank.settings;
-    let topic = (!settings.old_replay_layout).then_some(settings.topic.as_slice());
-    for (seq, payload) in &batches {
-        send_to(socket, identity, replay_frames(topic, *seq, payload))?;
-    }
-    send_to(socket, identity, replay_end_frames(topic))
-}
-
-fn send_to(socket: &zmq::Socket, identity: &[u8], frames: Vec<Vec<u8>>) -> Result<()> {
-    let mut message = Vec::with_capacity(frames.len() + 1);
-    message.push(identity.to_vec());
-    message.extend(frames);
-    socket
-        .send_multipart(message, 0)
-        .context("sending a replay reply")
 }
 
 /// The HTTP loop of one rank, until stopped.
