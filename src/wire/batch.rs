@@ -126,15 +126,7 @@ fn decode_array_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             let parent = optional_hash(reader)?;
             let token_ids = reader.token_ids()?;
             let block_size = block_size(reader)?;
-            let mut stored = BlockStored {
-                block_hashes,
-                parent,
-                token_ids,
-                block_size,
-                lora_name: None,
-                medium: None,
-                group_idx: None,
-            };
+            let mut stored = BlockStored::new(block_hashes, parent, token_ids, block_size);
             for position in 5..len {
                 match position {
                     6 => stored.medium = optional_string(reader)?,
