@@ -1,5 +1,6 @@
-//! The one test kit, included by every test file as `mod support;`: the HTTP client
-//! (`http_client`), the scripted engine rank (`fake_engine`), and, over the fleet harness of
+//! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
+//! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
+//! tests (`batches`), and, over the fleet harness of
 //! `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the shipped trace
 //! head, an in-process indexer view, and failing the test where the harness returns an error.
 //!
@@ -9,6 +10,7 @@
 // Each test crate uses a different part of the kit.
 #![allow(dead_code)]
 
+pub mod batches;
 pub mod fake_engine;
 pub mod http_client;
 
