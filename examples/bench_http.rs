@@ -4,83 +4,77 @@
 //!
 //! `cargo run --release --example bench_http`
 
-#[path = "../tests/support/fake_engine.rs"]
-mod fake_engine;
-#[path = "../tests/support/http_client.rs"]
-mod http_client;
-
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use fake_engine::{FakeRank, BLOCK_SIZE};
-use http_client::{get, wait_for, Connection};
 use kv_indexer::config::Config;
 use kv_indexer::service::Service;
+use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
+use kv_indexer::sim::server::SimConfig;
+use kv_indexer::sim::watch::{settle, total, warm_up, OverHttp};
 
 const ENGINES: usize = 8;
 const PAIRS: u64 = 1_000_000;
 const PROMPT_BLOCKS: u32 = 512;
 const CHAIN: u32 = 32;
+const DEADLINE: Duration = Duration::from_secs(120);
 
 fn main() {
-    let zmq = zmq::Context::new();
-    let mut ranks: Vec<FakeRank> = (0..ENGINES).map(|_| FakeRank::bind(&zmq, 0)).collect();
+    let per_engine = PAIRS / ENGINES as u64;
+    // Room for every block an engine is given (and the warm-up's): nothing is evicted.
+    let fleet = Fleet::start(ENGINES, |i| SimConfig {
+        capacity_blocks: per_engine as usize + 1_024,
+        block_size: BLOCK_SIZE,
+        seed: 0xB077 + i as u64,
+        ..SimConfig::default()
+    })
+    .expect("simulated engines");
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("indexer.toml");
-    let mut toml = String::from("block_size = 16\nshards = 64\n");
-    for (i, rank) in ranks.iter().enumerate() {
-        toml += &format!(
-            "[[engine]]\nname = \"engine-{i}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",
-            rank.port
-        );
-    }
-    std::fs::write(&path, toml).expect("write config");
+    std::fs::write(&path, fleet.indexer_config()).expect("write config");
     let config = Config::load(&path).expect("valid config");
     let service = Service::start(&path, config, Some("127.0.0.1:0".into())).expect("service");
     let addr = service.http_addr();
+    let mut indexer = OverHttp::new(addr);
+    warm_up(&fleet, &mut indexer, DEADLINE).expect("every listener subscribed");
 
     // Engine i holds the first 64 × (i + 1) blocks of the prompt, then filler chains up to
     // PAIRS / ENGINES blocks.
     let prompt: Vec<u32> = (0..PROMPT_BLOCKS * BLOCK_SIZE).collect();
-    let per_engine = PAIRS / ENGINES as u64;
     let mut next_token = 1 << 24;
-    let mut next_hash = 1u64;
     let feeding = Instant::now();
-    for (i, rank) in ranks.iter_mut().enumerate() {
-        rank.wait_subscribed();
+    for (i, at) in fleet.ranks().into_iter().enumerate() {
+        let engine = fleet.engine(at);
         let held = 64 * (i as u32 + 1);
-        let mut parent = None;
-        for start in (0..held).step_by(CHAIN as usize) {
-            let blocks = CHAIN.min(held - start);
-            let hashes: Vec<u64> = (next_hash..next_hash + blocks as u64).collect();
-            next_hash += blocks as u64;
-            let tokens =
-                &prompt[(start * BLOCK_SIZE) as usize..((start + blocks) * BLOCK_SIZE) as usize];
-            rank.store(&hashes, parent, tokens);
-            parent = hashes.last().copied();
-        }
-        let mut stored = held as u64;
+        engine
+            .serve(at.rank, &prompt[..(held * BLOCK_SIZE) as usize])
+            .expect("serve the shared prompt");
+        let mut stored = u64::from(held);
         while stored < per_engine {
             let blocks = CHAIN.min((per_engine - stored) as u32);
-            let hashes: Vec<u64> = (next_hash..next_hash + blocks as u64).collect();
-            next_hash += blocks as u64;
             let tokens: Vec<u32> = (next_token..next_token + blocks * BLOCK_SIZE).collect();
             next_token += blocks * BLOCK_SIZE;
-            rank.store(&hashes, None, &tokens);
-            stored += blocks as u64;
+            engine
+                .serve(at.rank, &tokens)
+                .expect("serve a filler prompt");
+            stored += u64::from(blocks);
         }
     }
-    wait_for(120, "1 M pairs indexed", || {
-        (indexed_blocks(addr) >= PAIRS).then_some(())
-    });
+    let views = settle(&fleet, &mut indexer, DEADLINE).expect("every listener caught up");
+    let indexed = total(&views, |view| view.blocks);
+    assert!(
+        indexed >= PAIRS,
+        "{indexed} pairs indexed, expected {PAIRS}"
+    );
     println!(
-        "indexed {PAIRS} pairs from {ENGINES} engines over ZMQ in {:?}",
+        "indexed {indexed} pairs from {ENGINES} engines over ZMQ in {:?}",
         feeding.elapsed()
     );
 
     let body = serde_json::json!({ "token_ids": prompt }).to_string();
-    let check = Connection::open(addr).send("POST", "/query", Some(body.as_bytes()));
-    let answer = check.json();
+    let agent = keep_alive_client();
+    let answer = query(&agent, addr, &body);
+    let answer: serde_json::Value = serde_json::from_slice(&answer).expect("a JSON answer");
     assert_eq!(answer["scores"].as_array().map(Vec::len), Some(ENGINES));
     assert_eq!(answer["scores"][0]["matched_blocks"], PROMPT_BLOCKS);
     println!("body {} bytes, {} tokens", body.len(), prompt.len());
@@ -92,19 +86,17 @@ fn main() {
         let mut latencies: Vec<Duration> = std::thread::scope(|scope| {
             let workers: Vec<_> = (0..clients)
                 .map(|_| {
-                    let body = body.as_bytes();
+                    let body = body.as_str();
                     scope.spawn(move || {
-                        let mut connection = Connection::open(addr);
+                        let agent = keep_alive_client();
                         for _ in 0..200 {
-                            connection.send("POST", "/query", Some(body));
+                            query(&agent, addr, body);
                         }
                         (0..per_client)
                             .map(|_| {
                                 let t = Instant::now();
-                                let reply = connection.send("POST", "/query", Some(body));
-                                let took = t.elapsed();
-                                assert_eq!(reply.status, 200);
-                                took
+                                query(&agent, addr, body);
+                                t.elapsed()
                             })
                             .collect::<Vec<_>>()
                     })
@@ -154,13 +146,23 @@ fn print_parse_cost(body: &str) {
     );
 }
 
-fn indexed_blocks(addr: SocketAddr) -> u64 {
-    let workers = get(addr, "/workers").json();
-    workers
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|i| i["listeners"].as_array().into_iter().flatten())
-        .filter_map(|l| l["blocks"].as_u64())
-        .sum()
+/// A client keeping one connection alive, as a router does.
+fn keep_alive_client() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into()
+}
+
+/// `POST /query` with `body`; the answer's bytes, read whole (status 200 or the bench fails).
+fn query(agent: &ureq::Agent, addr: SocketAddr, body: &str) -> Vec<u8> {
+    let mut reply = agent
+        .post(&format!("http://{addr}/query"))
+        .header("Content-Type", "application/json")
+        .send(body)
+        .expect("POST /query");
+    let answer = reply.body_mut().read_to_vec().expect("the /query body");
+    assert_eq!(reply.status(), 200, "{}", String::from_utf8_lossy(&answer));
+    answer
 }

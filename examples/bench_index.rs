@@ -34,15 +34,7 @@ fn turn_tokens(conversation: usize, turn: usize) -> Vec<u32> {
 }
 
 fn store(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>) -> Event {
-    Event::Stored(BlockStored {
-        block_hashes: hashes,
-        parent,
-        token_ids: tokens,
-        block_size: BLOCK as u32,
-        lora_name: None,
-        medium: None,
-        group_idx: None,
-    })
+    Event::Stored(BlockStored::new(hashes, parent, tokens, BLOCK as u32))
 }
 
 /// A conversation as one worker holds it.

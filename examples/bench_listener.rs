@@ -38,17 +38,14 @@ fn batch(n: u32, blocks: u32) -> (Vec<u8>, Vec<u32>) {
     let tokens: Vec<u32> = (0..blocks * BLOCK_SIZE)
         .map(|i| n.wrapping_mul(1 << 12) ^ i)
         .collect();
-    let stored = BlockStored {
-        block_hashes: (0..blocks)
+    let stored = BlockStored::new(
+        (0..blocks)
             .map(|block| (u64::from(n) << 20) | u64::from(block))
             .collect(),
-        parent: None,
-        token_ids: tokens.clone(),
-        block_size: BLOCK_SIZE,
-        lora_name: None,
-        medium: None,
-        group_idx: None,
-    };
+        None,
+        tokens.clone(),
+        BLOCK_SIZE,
+    );
     let payload = encode_batch(
         &EventBatch {
             ts: 0.0,

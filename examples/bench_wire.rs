@@ -24,15 +24,16 @@ fn realistic_batch() -> EventBatch {
     let hash = |index: u64| index.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let token_count = BLOCKS as u32 * BLOCK_SIZE;
     let mut events = vec![Event::Stored(BlockStored {
-        block_hashes: (0..BLOCKS).map(hash).collect(),
-        parent: Some(hash(1_000)),
-        token_ids: (0..token_count)
-            .map(|index| index.wrapping_mul(2_654_435_761) % 150_000)
-            .collect(),
-        block_size: BLOCK_SIZE,
-        lora_name: None,
         medium: Some("GPU".into()),
         group_idx: Some(0),
+        ..BlockStored::new(
+            (0..BLOCKS).map(hash).collect(),
+            Some(hash(1_000)),
+            (0..token_count)
+                .map(|index| index.wrapping_mul(2_654_435_761) % 150_000)
+                .collect(),
+            BLOCK_SIZE,
+        )
     })];
     events.extend((0..4).map(|index| {
         Event::Removed(BlockRemoved {

@@ -23,9 +23,6 @@
 //! cargo run --release --example loadgen -- --indexer target/release/kv-indexer --engines 4
 //! ```
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,13 +32,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 
+use kv_indexer::sim::fleet::{trace_path, Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer::sim::process::IndexerProcess;
 use kv_indexer::sim::server::SimConfig;
+use kv_indexer::sim::watch::{compare, settle, total, warm_up, Accuracy, OverHttp};
 use kv_indexer::sim::workload::{load_trace, Route};
-use support::http_client::Connection;
-use support::{
-    compare, settle, start_on_consecutive_ports, total, warm_up, Fleet, IndexerProcess, OverHttp,
-    RankRef, BLOCK_SIZE,
-};
 
 #[derive(Parser)]
 #[command(about = "Replays the trace through a simulated fleet against the kv-indexer binary")]
@@ -84,7 +79,7 @@ struct Round {
     latencies: Vec<Duration>,
     indexed: u64,
     rss_mib: Option<(u64, u64)>,
-    accuracy: support::Accuracy,
+    accuracy: Accuracy,
 }
 
 fn main() -> Result<()> {
@@ -94,7 +89,7 @@ fn main() -> Result<()> {
     let trace = args
         .trace
         .clone()
-        .unwrap_or_else(|| support::trace_path(env!("CARGO_MANIFEST_DIR")));
+        .unwrap_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")));
     let prompts = load_trace(&trace, BLOCK_SIZE)?;
     // Query bodies built beforehand: the figures are the indexer's, not serde_json's.
     let queries: Arc<[Vec<u8>]> = prompts
@@ -128,17 +123,23 @@ fn run_round(
     queries: &Arc<[Vec<u8>]>,
     mode: Mode,
 ) -> Result<Round> {
-    let fleet = start_on_consecutive_ports(args.engines, |i| SimConfig {
+    let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
         dp_size: args.dp_size,
         capacity_blocks: args.capacity_blocks,
         block_size: BLOCK_SIZE,
         seed: 0x10AD + i as u64,
         ..SimConfig::default()
     })?;
-    let process = IndexerProcess::start(binary, &fleet, Duration::from_secs(10))?;
+    let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+    let process = IndexerProcess::start(
+        binary,
+        &fleet.indexer_config(),
+        &log_filter,
+        Duration::from_secs(10),
+    )?;
     let mut indexer = OverHttp::new(process.address);
-    let warm = warm_up(&fleet, &mut indexer, DEADLINE);
-    let rss_before = rss_kib(process.pid());
+    let warm = warm_up(&fleet, &mut indexer, DEADLINE)?;
+    let rss_before = rss_kib(process.pid()?);
 
     // Where each prompt goes is fixed by the sticky router.
     let mut router = fleet.router(Route::Sticky);
@@ -154,27 +155,27 @@ fn run_round(
             (stored, started.elapsed(), started, querier)
         }
         Mode::Burst => {
-            signal(process.pid(), "STOP")?;
+            process.signal(libc::SIGSTOP)?;
             let serving = Instant::now();
             let stored = serve_in_parallel(&fleet, prompts, &placed, args);
             let served = serving.elapsed();
             // Resumed even when serving failed, so that the child can be killed cleanly.
-            signal(process.pid(), "CONT")?;
+            process.signal(libc::SIGCONT)?;
             let started = Instant::now();
             let querier =
                 spawn_querier(process.address, Arc::clone(queries), Arc::clone(&querying))?;
             (stored?, served, started, querier)
         }
     };
-    let views = settle(&fleet, &mut indexer, DEADLINE);
+    let views = settle(&fleet, &mut indexer, DEADLINE)?;
     let ingest = started.elapsed();
     querying.store(false, Ordering::Relaxed);
     let mut latencies = querier
         .join()
         .map_err(|_| anyhow::anyhow!("the query thread panicked"))??;
     latencies.sort_unstable();
-    let rss_after = rss_kib(process.pid());
-    let accuracy = compare(&fleet, &mut indexer, &views, prompts, &placed);
+    let rss_after = rss_kib(process.pid()?);
+    let accuracy = compare(&fleet, &mut indexer, &views, prompts, &placed)?;
     Ok(Round {
         stored_blocks,
         served,
@@ -253,17 +254,6 @@ fn print_table(args: &Args, prompts: &[Vec<u32>], live: &Round, burst: &Round) {
     row("pairs with a prefix hit", &|r| r.accuracy.hits.to_string());
 }
 
-/// Sends a signal to our own child process, by its pid.
-fn signal(pid: u32, name: &str) -> Result<()> {
-    let status = Command::new("kill")
-        .arg(format!("-{name}"))
-        .arg(pid.to_string())
-        .status()
-        .with_context(|| format!("sending SIG{name} to {pid}"))?;
-    ensure!(status.success(), "kill -{name} {pid} failed");
-    Ok(())
-}
-
 /// Serves every prompt on its rank, `--generators` threads each owning the engines `i` with
 /// `i % generators == thread`, in trace order; returns the blocks stored (published).
 fn serve_in_parallel(
@@ -309,20 +299,32 @@ fn spawn_querier(
     std::thread::Builder::new()
         .name("loadgen-query".into())
         .spawn(move || {
-            let mut connection = Connection::open(address);
+            // One kept-alive connection, as a router holds it.
+            let agent: ureq::Agent = ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(10)))
+                .build()
+                .into();
+            let url = format!("http://{address}/query");
             let mut latencies = Vec::new();
             for body in bodies.iter().cycle() {
                 if !running.load(Ordering::Relaxed) {
                     break;
                 }
                 let sent = Instant::now();
-                let reply = connection.send("POST", "/query", Some(body));
+                let mut reply = agent
+                    .post(&url)
+                    .header("Content-Type", "application/json")
+                    .send(&body[..])
+                    .with_context(|| format!("POST {url}"))?;
+                let answer = reply.body_mut().read_to_vec();
                 latencies.push(sent.elapsed());
+                let answer = answer.with_context(|| format!("POST {url}: reading the body"))?;
                 ensure!(
-                    reply.status == 200,
+                    reply.status() == 200,
                     "/query: {}: {}",
-                    reply.status,
-                    reply.text()
+                    reply.status(),
+                    String::from_utf8_lossy(&answer)
                 );
             }
             Ok(latencies)

@@ -8,12 +8,11 @@ mod support;
 
 use std::time::Duration;
 
+use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::server::SimConfig;
+use kv_indexer::sim::watch::{total, OverHttp, RankView};
 use kv_indexer::sim::workload::Route;
-use support::{
-    assert_exact, settle, start_on_consecutive_ports, total, trace_prompts, warm_up, Fleet,
-    InProcess, IndexerProcess, OverHttp, RankRef, RankView, BLOCK_SIZE,
-};
+use support::{assert_exact, settle, start_indexer, trace_prompts, warm_up, InProcess};
 
 const ENGINES: usize = 2;
 const DP_SIZE: u32 = 2;
@@ -75,7 +74,10 @@ fn setup(faults: Faults) -> Setup {
 /// Serves every prompt, settles and checks exactness; returns the settled views.
 fn serve_and_check(setup: &mut Setup, route: Route) -> Vec<RankView> {
     let mut router = setup.fleet.router(route);
-    let placed = setup.fleet.serve_all(&mut router, &setup.prompts);
+    let placed = setup
+        .fleet
+        .serve_all(&mut router, &setup.prompts)
+        .expect("serve");
     check(setup, &placed)
 }
 
@@ -168,7 +170,10 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
     };
     let half = setup.prompts.len() / 2;
     let mut router = setup.fleet.router(Route::RoundRobin);
-    let mut placed = setup.fleet.serve_all(&mut router, &setup.prompts[..half]);
+    let mut placed = setup
+        .fleet
+        .serve_all(&mut router, &setup.prompts[..half])
+        .expect("serve");
     let before = view_of(&settle(&setup.fleet, &mut setup.indexer, DEADLINE));
     assert!(before.blocks > 0);
 
@@ -178,13 +183,18 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
         .restart_rank(restarted.rank)
         .expect("restart");
     // The new process's first batch (seq 0) tells the listener the old one is gone.
-    setup.fleet.nudge(restarted);
+    setup.fleet.nudge(restarted).expect("nudge");
     let after = view_of(&settle(&setup.fleet, &mut setup.indexer, DEADLINE));
     assert_eq!(after.last_seq, Some(0));
     assert_eq!(after.blocks, 1, "only the new process's block: {after:?}");
     assert!(after.gaps > before.gaps, "the restart is a hole: {after:?}");
 
-    placed.extend(setup.fleet.serve_all(&mut router, &setup.prompts[half..]));
+    placed.extend(
+        setup
+            .fleet
+            .serve_all(&mut router, &setup.prompts[half..])
+            .expect("serve"),
+    );
     check(&mut setup, &placed);
 }
 
@@ -192,15 +202,15 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
 fn the_binary_over_http_is_exact() {
     let _ = env_logger::builder().is_test(true).try_init();
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
-    let fleet = start_on_consecutive_ports(ENGINES, |i| engine_config(i, CLEAN)).expect("fleet");
-    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
-    let process = IndexerProcess::start(binary, &fleet, DEADLINE).expect("kv-indexer");
+    let fleet =
+        Fleet::start_on_consecutive_ports(ENGINES, |i| engine_config(i, CLEAN)).expect("fleet");
+    let process = start_indexer(&fleet.indexer_config());
     let mut indexer = OverHttp::new(process.address);
     let warm = warm_up(&fleet, &mut indexer, DEADLINE);
     assert_eq!(warm.len(), ENGINES * DP_SIZE as usize);
 
     let mut router = fleet.router(Route::Sticky);
-    let placed = fleet.serve_all(&mut router, &prompts);
+    let placed = fleet.serve_all(&mut router, &prompts).expect("serve");
     let views = settle(&fleet, &mut indexer, DEADLINE);
     let accuracy = assert_exact(&fleet, &mut indexer, &views, &prompts, &placed);
     assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");

@@ -1,20 +1,19 @@
 //! The HTTP API over real HTTP on 127.0.0.1, served in-process by `Service` over the real
 //! registry, listeners and index, fed by simulated engine ranks over real ZMQ sockets.
 
-#[path = "support/fake_engine.rs"]
-mod fake_engine;
-#[path = "support/http_client.rs"]
-mod http_client;
+mod support;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
-use fake_engine::{prompt, FakeRank};
-use http_client::{free_port, get, post, wait_for, Connection};
 use kv_indexer::config::Config;
 use kv_indexer::http::{MAX_UPLOADS, POOL_THREADS};
 use kv_indexer::service::Service;
+use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
 use serde_json::{json, Value};
+use support::fake_engine::{prompt, FakeRank};
+use support::free_port;
+use support::http_client::{get, post, wait_for, Connection, Reply};
 
 /// A service running `toml` (with `listen` overridden to a free port) and its config file.
 struct Running {
@@ -49,16 +48,15 @@ impl Drop for Running {
     }
 }
 
-fn engine(name: &str, port: u16, model: Option<&str>) -> String {
-    let model = model.map_or(String::new(), |m| format!("model = \"{m}\"\n"));
-    format!("[[engine]]\nname = \"{name}\"\nhost = \"127.0.0.1\"\nzmq_port = {port}\n{model}")
+fn engine(name: &str, port: u16, model: Option<&str>) -> EngineToml {
+    EngineToml {
+        model: model.map(str::to_owned),
+        ..EngineToml::new(name, port)
+    }
 }
 
-fn config(engines: &[String]) -> String {
-    format!(
-        "listen = \"127.0.0.1:1\"\nblock_size = 16\nshards = 8\n\n{}",
-        engines.join("\n")
-    )
+fn config(engines: &[EngineToml]) -> String {
+    indexer_toml(Some("127.0.0.1:1"), 16, 8, engines)
 }
 
 fn query(addr: SocketAddr, body: Value) -> Value {
@@ -199,10 +197,11 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
     let (zmq_port, replay_port, recover_port, other_port) =
         (free_port(), free_port(), free_port(), free_port());
     let running = Running::start(&config(&[
-        format!(
-            "{}replay_port = {replay_port}\nrecover_port = {recover_port}\n",
-            engine("full", zmq_port, Some("m"))
-        ),
+        EngineToml {
+            replay_port: Some(replay_port),
+            recover_port: Some(recover_port),
+            ..engine("full", zmq_port, Some("m"))
+        },
         engine("plain", other_port, None),
     ]));
     let reply = get(running.addr(), "/workers");
@@ -306,7 +305,7 @@ fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     );
 }
 
-fn assert_error(reply: &http_client::Reply, status: u16, reason_starts: &str) {
+fn assert_error(reply: &Reply, status: u16, reason_starts: &str) {
     assert_eq!(reply.status, status, "{}", reply.text());
     let body = reply.json();
     assert_eq!(keys(&body), ["error"].into(), "{body}");

@@ -42,15 +42,12 @@ fn write(mut writer: WorkerBlocks, seed: u64) -> (WorkerBlocks, HashMap<u64, (us
             let p = rng.random_range(0..PROMPTS);
             let blocks = rng.random_range(1..=DEPTH);
             let hashes: Vec<u64> = (0..blocks).map(|_| rng.random()).collect();
-            let event = Event::Stored(BlockStored {
-                block_hashes: hashes.clone(),
-                parent: None,
-                token_ids: prompt(p)[..blocks * BLOCK].to_vec(),
-                block_size: BLOCK as u32,
-                lora_name: None,
-                medium: None,
-                group_idx: None,
-            });
+            let event = Event::Stored(BlockStored::new(
+                hashes.clone(),
+                None,
+                prompt(p)[..blocks * BLOCK].to_vec(),
+                BLOCK as u32,
+            ));
             writer.apply(&event, &mut outcome);
             for (i, hash) in hashes.into_iter().enumerate() {
                 held.insert(hash, (p, i + 1));
@@ -169,15 +166,12 @@ fn readers_during_a_bulk_clear_never_see_more_than_was_held() {
                 let hashes: Vec<u64> = (0..window.len() / BLOCK)
                     .map(|i| salt + first + i as u64)
                     .collect();
-                let event = Event::Stored(BlockStored {
-                    block_hashes: hashes,
-                    parent: (chunk > 0).then(|| salt + first - 1),
-                    token_ids: window.to_vec(),
-                    block_size: BLOCK as u32,
-                    lora_name: None,
-                    medium: None,
-                    group_idx: None,
-                });
+                let event = Event::Stored(BlockStored::new(
+                    hashes,
+                    (chunk > 0).then(|| salt + first - 1),
+                    window.to_vec(),
+                    BLOCK as u32,
+                ));
                 writer.apply(&event, outcome);
             }
         };

@@ -133,14 +133,14 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
         })
         .collect();
     let event = Event::Stored(BlockStored {
-        block_hashes: hashes.clone(),
-        parent,
-        token_ids: tree.tokens(&path[start..end]),
-        block_size: BLOCK as u32,
         // An event with a parent chains from it whatever it says; send the same adapter anyway.
         lora_name: lora.clone(),
-        medium: None,
-        group_idx: None,
+        ..BlockStored::new(
+            hashes.clone(),
+            parent,
+            tree.tokens(&path[start..end]),
+            BLOCK as u32,
+        )
     });
     let outcome = apply(worker, event);
     assert_eq!(outcome.stored, 1);

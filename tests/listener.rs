@@ -2,8 +2,9 @@
 //! (so a test knows when the listener's subscription has arrived, and no message is lost to the
 //! slow joiner), a ROUTER serving replay from the rank's history, a tiny_http snapshot server.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+mod support;
+
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -11,10 +12,11 @@ use kv_indexer::index::{Index, WorkerId};
 use kv_indexer::listener::{Listener, ListenerStatus, State};
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::{ListenerSpec, WorkerKey};
-use kv_indexer::sim::encode::{
-    encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
-};
-use kv_indexer::wire::{BlockRemoved, BlockStored, Event, EventBatch};
+use kv_indexer::sim::encode::{encode_snapshot, message_frames};
+use kv_indexer::sim::replay::{History, Layout, ReplayServer};
+use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
+use parking_lot::Mutex;
+use support::fake_engine::{payload, FakeRank};
 
 const BLOCK_SIZE: u32 = 4;
 const DEADLINE: Duration = Duration::from_secs(15);
@@ -33,17 +35,14 @@ fn engine_hash(prompt: u32, block: u32) -> u64 {
 
 fn block_stored(prompt: u32, first: u32, blocks: u32) -> BlockStored {
     let all = tokens(prompt, first + blocks);
-    BlockStored {
-        block_hashes: (first..first + blocks)
+    BlockStored::new(
+        (first..first + blocks)
             .map(|block| engine_hash(prompt, block))
             .collect(),
-        parent: first.checked_sub(1).map(|block| engine_hash(prompt, block)),
-        token_ids: all[(first * BLOCK_SIZE) as usize..].to_vec(),
-        block_size: BLOCK_SIZE,
-        lora_name: None,
-        medium: None,
-        group_idx: None,
-    }
+        first.checked_sub(1).map(|block| engine_hash(prompt, block)),
+        all[(first * BLOCK_SIZE) as usize..].to_vec(),
+        BLOCK_SIZE,
+    )
 }
 
 /// Stores blocks `first .. first + blocks` of a prompt, chained to the block before.
@@ -57,171 +56,6 @@ fn remove(prompt: u32, block: u32) -> Event {
         medium: None,
         group_idx: None,
     })
-}
-
-fn payload(dp_rank: u32, events: Vec<Event>) -> Vec<u8> {
-    encode_batch(
-        &EventBatch {
-            ts: 1.0,
-            dp_rank: Some(dp_rank),
-            events,
-            skipped: 0,
-        },
-        Form::Map,
-    )
-}
-
-type History = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
-
-/// One simulated engine rank: an XPUB socket, and the history of what it published.
-struct Rank {
-    publisher: zmq::Socket,
-    endpoint: String,
-    dp_rank: u32,
-    next_seq: u64,
-    history: History,
-}
-
-impl Rank {
-    fn bind(context: &zmq::Context, endpoint: &str, dp_rank: u32) -> zmq::Result<Rank> {
-        let publisher = context.socket(zmq::XPUB)?;
-        publisher.set_linger(0)?;
-        publisher.bind(endpoint)?;
-        let endpoint = publisher
-            .get_last_endpoint()?
-            .expect("bound endpoint is UTF-8");
-        Ok(Rank {
-            publisher,
-            endpoint,
-            dp_rank,
-            next_seq: 0,
-            history: History::default(),
-        })
-    }
-
-    fn port(&self) -> u16 {
-        self.endpoint
-            .rsplit(':')
-            .next()
-            .and_then(|port| port.parse().ok())
-            .expect("tcp endpoint with a port")
-    }
-
-    /// Waits for a listener's subscription to reach the publisher.
-    fn wait_subscribed(&self) {
-        let ready = self
-            .publisher
-            .poll(zmq::POLLIN, DEADLINE.as_millis() as i64)
-            .expect("poll XPUB");
-        assert!(ready > 0, "no subscription reached {}", self.endpoint);
-        let subscription = self.publisher.recv_bytes(0).expect("subscription");
-        assert_eq!(subscription.first(), Some(&1), "a subscribe message");
-    }
-
-    /// Publishes a batch and records it in the history; returns its seq.
-    fn publish(&mut self, events: Vec<Event>) -> u64 {
-        let seq = self.record(payload(self.dp_rank, events));
-        let payload = self.history.lock().unwrap().last().unwrap().1.clone();
-        self.send(message_frames(b"", seq, &payload));
-        seq
-    }
-
-    /// A batch the listener never receives (lost by PUB/SUB) but that replay still knows.
-    fn lose(&mut self, events: Vec<Event>) -> u64 {
-        self.record(payload(self.dp_rank, events))
-    }
-
-    fn record(&mut self, payload: Vec<u8>) -> u64 {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.history.lock().unwrap().push((seq, payload));
-        seq
-    }
-
-    fn send(&self, frames: Vec<Vec<u8>>) {
-        self.publisher.send_multipart(frames, 0).expect("publish");
-    }
-
-    /// A new engine process: seq starts again from 0, history empty.
-    fn restart(&mut self) {
-        self.next_seq = 0;
-        self.history.lock().unwrap().clear();
-    }
-}
-
-/// Two ranks on consecutive ports, like an engine with dp_size 2.
-fn bind_consecutive(context: &zmq::Context) -> (Rank, Rank) {
-    for _ in 0..50 {
-        let rank0 = Rank::bind(context, "tcp://127.0.0.1:*", 0).expect("bind rank 0");
-        let next = format!("tcp://127.0.0.1:{}", rank0.port() + 1);
-        if let Ok(rank1) = Rank::bind(context, &next, 1) {
-            return (rank0, rank1);
-        }
-    }
-    panic!("no two consecutive free ports");
-}
-
-#[derive(Clone, Copy)]
-enum Layout {
-    /// `["", topic, seq, payload]`
-    New,
-    /// `["", seq, payload]`
-    Old,
-}
-
-/// A ROUTER answering replay requests from a rank's history.
-struct ReplayServer {
-    endpoint: String,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl ReplayServer {
-    fn start(context: &zmq::Context, history: History, layout: Layout) -> ReplayServer {
-        let router = context.socket(zmq::ROUTER).expect("ROUTER");
-        router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
-        let endpoint = router.get_last_endpoint().unwrap().unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            let topic = match layout {
-                Layout::New => Some(&b""[..]),
-                Layout::Old => None,
-            };
-            while !thread_stop.load(Ordering::Relaxed) {
-                if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
-                    continue;
-                }
-                let request = router.recv_multipart(0).unwrap();
-                let identity = request[0].clone();
-                let start = u64::from_be_bytes(request[2].as_slice().try_into().unwrap());
-                let history = history.lock().unwrap().clone();
-                for (seq, payload) in history.iter().filter(|(seq, _)| *seq >= start) {
-                    let mut frames = vec![identity.clone()];
-                    frames.extend(replay_frames(topic, *seq, payload));
-                    router.send_multipart(frames, 0).unwrap();
-                }
-                let mut end = vec![identity];
-                end.extend(replay_end_frames(topic));
-                router.send_multipart(end, 0).unwrap();
-            }
-        });
-        ReplayServer {
-            endpoint,
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for ReplayServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            thread.join().unwrap();
-        }
-    }
 }
 
 /// A tiny_http server answering `GET /kv_recover` with whatever body the test sets.
@@ -240,7 +74,7 @@ impl SnapshotServer {
         let (thread_server, thread_body) = (Arc::clone(&server), Arc::clone(&body));
         let thread = std::thread::spawn(move || {
             for request in thread_server.incoming_requests() {
-                let body = thread_body.lock().unwrap().clone();
+                let body = thread_body.lock().clone();
                 let response = tiny_http::Response::from_data(body).with_header(
                     "Content-Type: application/json"
                         .parse::<tiny_http::Header>()
@@ -258,7 +92,7 @@ impl SnapshotServer {
     }
 
     fn set(&self, seq: Option<u64>, dp_rank: u32, events: &[BlockStored]) {
-        *self.body.lock().unwrap() = encode_snapshot(seq, dp_rank, BLOCK_SIZE, events);
+        *self.body.lock() = encode_snapshot(seq, dp_rank, BLOCK_SIZE, events);
     }
 }
 
@@ -287,7 +121,7 @@ impl Fixture {
         }
     }
 
-    fn listen(&self, rank: &Rank, replay: Option<&str>, recover: Option<&str>) -> Listener {
+    fn listen(&self, rank: &FakeRank, replay: Option<&str>, recover: Option<&str>) -> Listener {
         let spec = ListenerSpec {
             key: WorkerKey {
                 engine: "engine-a".into(),
@@ -345,7 +179,7 @@ fn applied_through(listener: &Listener, seq: u64) {
 #[test]
 fn every_rank_is_indexed_and_queryable() {
     let fixture = Fixture::new();
-    let (mut rank0, mut rank1) = bind_consecutive(&fixture.context);
+    let (mut rank0, mut rank1) = FakeRank::bind_pair(&fixture.context);
     let listener0 = fixture.listen(&rank0, None, None);
     let listener1 = fixture.listen(&rank1, None, None);
     assert_ne!(listener0.worker(), listener1.worker());
@@ -368,8 +202,9 @@ fn every_rank_is_indexed_and_queryable() {
 
 fn gap_is_repaired_by_replay(layout: Layout) {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), layout);
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), layout)
+        .expect("replay server");
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
     rank.publish(vec![store(1, 0, 1)]);
@@ -408,7 +243,7 @@ fn gap_is_repaired_by_replay_old_layout() {
 #[test]
 fn gap_without_replay_is_repaired_by_snapshot_which_becomes_the_whole_state() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let snapshot = SnapshotServer::start();
     let listener = fixture.listen(&rank, None, Some(&snapshot.url));
 
@@ -437,7 +272,7 @@ fn gap_without_replay_is_repaired_by_snapshot_which_becomes_the_whole_state() {
 #[test]
 fn snapshot_older_than_the_hole_is_retried_until_one_covers_it() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let snapshot = SnapshotServer::start();
     snapshot.set(Some(0), 0, &[block_stored(1, 0, 1)]);
     let listener = fixture.listen(&rank, None, Some(&snapshot.url));
@@ -471,7 +306,7 @@ fn snapshot_older_than_the_hole_is_retried_until_one_covers_it() {
 #[test]
 fn gap_without_replay_or_snapshot_degrades_and_counts_lost_batches() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let listener = fixture.listen(&rank, None, None);
 
     rank.publish(vec![store(1, 0, 1)]);
@@ -492,7 +327,7 @@ fn gap_without_replay_or_snapshot_degrades_and_counts_lost_batches() {
 #[test]
 fn publisher_restart_drops_the_ranks_old_blocks_and_clears_degraded() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let listener = fixture.listen(&rank, None, None);
 
     rank.publish(vec![store(1, 0, 2)]);
@@ -516,8 +351,9 @@ fn publisher_restart_drops_the_ranks_old_blocks_and_clears_degraded() {
 #[test]
 fn restart_seen_mid_stream_drops_old_blocks_and_replays_the_new_process() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New);
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
     for prompt in 1..4 {
@@ -541,13 +377,14 @@ fn restart_seen_mid_stream_drops_old_blocks_and_replays_the_new_process() {
 #[test]
 fn mid_stream_join_is_recovered_by_replay() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     // Published before the listener existed.
     rank.lose(vec![store(1, 0, 1)]);
     for block in 0..4 {
         rank.lose(vec![store(2, block, 1)]);
     }
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
     assert_eq!(rank.publish(vec![store(2, 4, 1)]), 5);
@@ -566,12 +403,12 @@ fn mid_stream_join_is_recovered_by_replay() {
 #[test]
 fn replay_that_no_longer_has_the_history_falls_back_to_snapshot() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     rank.lose(vec![store(1, 0, 1)]);
     rank.lose(vec![store(2, 0, 1)]);
     // The replay buffer kept only seq 1 onward: a reply not starting at 0.
-    let kept: History = Arc::new(Mutex::new(rank.history.lock().unwrap()[1..].to_vec()));
-    let replay = ReplayServer::start(&fixture.context, kept, Layout::New);
+    let kept: History = Arc::new(Mutex::new(rank.history.lock()[1..].to_vec()));
+    let replay = ReplayServer::start(&fixture.context, kept, Layout::New).expect("replay server");
     let snapshot = SnapshotServer::start();
     snapshot.set(Some(1), 0, &[block_stored(1, 0, 1), block_stored(2, 0, 1)]);
     let listener = fixture.listen(&rank, Some(&replay.endpoint), Some(&snapshot.url));
@@ -588,7 +425,7 @@ fn replay_that_no_longer_has_the_history_falls_back_to_snapshot() {
 #[test]
 fn malformed_messages_are_counted_dropped_and_the_listener_goes_on() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let listener = fixture.listen(&rank, None, None);
 
     rank.publish(vec![store(1, 0, 1)]);
@@ -627,7 +464,7 @@ fn malformed_messages_are_counted_dropped_and_the_listener_goes_on() {
 #[test]
 fn dp_rank_mismatch_is_applied_to_the_listeners_rank_and_counted() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let listener = fixture.listen(&rank, None, None);
 
     rank.dp_rank = 3;
@@ -647,7 +484,7 @@ fn dp_rank_mismatch_is_applied_to_the_listeners_rank_and_counted() {
 #[test]
 fn stop_is_prompt_and_removes_only_the_ranks_blocks() {
     let fixture = Fixture::new();
-    let (mut rank0, mut rank1) = bind_consecutive(&fixture.context);
+    let (mut rank0, mut rank1) = FakeRank::bind_pair(&fixture.context);
     let listener0 = fixture.listen(&rank0, None, None);
     let listener1 = fixture.listen(&rank1, None, None);
     rank0.publish(vec![store(1, 0, 2)]);
@@ -668,7 +505,7 @@ fn stop_is_prompt_and_removes_only_the_ranks_blocks() {
 #[test]
 fn stop_during_a_recovery_does_not_wait_for_it() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     // A replay endpoint that accepts the request and never answers.
     let silent = fixture.context.socket(zmq::ROUTER).unwrap();
     silent.bind("tcp://127.0.0.1:*").unwrap();

@@ -1,137 +1,29 @@
 //! Reload and shutdown of the real binary: a child process with a temporary config, driven by
 //! SIGHUP, `POST /reload` and SIGTERM, fed by simulated engine ranks over real ZMQ sockets.
 
-#[path = "support/fake_engine.rs"]
-mod fake_engine;
-#[path = "support/http_client.rs"]
-mod http_client;
+mod support;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use fake_engine::{prompt, FakeRank};
-use http_client::{free_port, get, post, wait_for};
+use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
 use serde_json::{json, Value};
+use support::fake_engine::{prompt, FakeRank};
+use support::http_client::{get, post, wait_for};
+use support::start_indexer;
 
-/// The indexer as a child process; killed if the test fails before it exits.
-struct Indexer {
-    child: Option<Child>,
-    addr: SocketAddr,
-    config: PathBuf,
-    stderr: Arc<Mutex<String>>,
-    _dir: tempfile::TempDir,
-}
+/// How long the indexer may take to exit after a stop signal.
+const EXIT_DEADLINE: Duration = Duration::from_secs(10);
 
-impl Indexer {
-    fn start(toml: &str) -> Indexer {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = dir.path().join("indexer.toml");
-        std::fs::write(&config, toml).expect("write config");
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port())
-            .parse()
-            .expect("address");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-            .arg("--config")
-            .arg(&config)
-            .arg("--listen")
-            .arg(addr.to_string())
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start kv-indexer");
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let pipe = child.stderr.take().expect("stderr pipe");
-        let sink = stderr.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let mut log = sink.lock().expect("log lock");
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let indexer = Indexer {
-            child: Some(child),
-            addr,
-            config,
-            stderr,
-            _dir: dir,
-        };
-        wait_for(10, "the HTTP API to answer", || {
-            std::net::TcpStream::connect(addr).ok()
-        });
-        indexer
-    }
-
-    fn write_config(&self, toml: &str) {
-        write_atomically(&self.config, toml);
-    }
-
-    fn signal(&self, signal: libc::c_int) {
-        let pid = self.child.as_ref().expect("running").id();
-        // SAFETY: kill(2) with our own child's pid.
-        let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
-        assert_eq!(rc, 0, "kill({pid}, {signal})");
-    }
-
-    fn log(&self) -> String {
-        self.stderr.lock().expect("log lock").clone()
-    }
-
-    fn wait_exit(&mut self, seconds: u64) -> (ExitStatus, Duration) {
-        let started = Instant::now();
-        let child = self.child.as_mut().expect("running");
-        let status = wait_for(seconds, "kv-indexer to exit", || {
-            child.try_wait().expect("try_wait")
-        });
-        self.child = None;
-        (status, started.elapsed())
+fn engine(name: &str, port: u16, dp_size: u32) -> EngineToml {
+    EngineToml {
+        dp_size: Some(dp_size),
+        ..EngineToml::new(name, port)
     }
 }
 
-impl Drop for Indexer {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// Rewrites the file in one rename, so a reload never reads half of it.
-fn write_atomically(path: &Path, text: &str) {
-    let staging = path.with_extension("staging");
-    std::fs::write(&staging, text).expect("write staging config");
-    std::fs::rename(&staging, path).expect("rename config");
-}
-
-fn engine(name: &str, port: u16, dp_size: u32) -> String {
-    format!(
-        "[[engine]]\nname = \"{name}\"\nhost = \"127.0.0.1\"\nzmq_port = {port}\ndp_size = {dp_size}\n"
-    )
-}
-
-fn config(engines: &[String]) -> String {
-    format!("block_size = 16\nshards = 8\n\n{}", engines.join("\n"))
-}
-
-/// Two ranks on adjacent ports, as an engine with dp_size 2 has them.
-fn adjacent_ranks(zmq: &zmq::Context) -> (FakeRank, FakeRank) {
-    for _ in 0..50 {
-        let first = FakeRank::bind(zmq, 0);
-        if let Some(second) = first
-            .port
-            .checked_add(1)
-            .and_then(|port| FakeRank::bind_at(zmq, port, 1))
-        {
-            return (first, second);
-        }
-    }
-    panic!("no two adjacent free ports in 50 tries");
+fn config(engines: &[EngineToml]) -> String {
+    indexer_toml(None, 16, 8, engines)
 }
 
 /// `(instance, dp_rank, matched_blocks)` of every score for `tokens`.
@@ -183,10 +75,10 @@ fn metric(addr: SocketAddr, series: &str) -> Option<f64> {
 #[test]
 fn sighup_adds_an_engine_grows_dp_size_without_touching_rank_0_and_removes_an_engine() {
     let zmq = zmq::Context::new();
-    let (mut a0, a1) = adjacent_ranks(&zmq);
+    let (mut a0, a1) = FakeRank::bind_pair(&zmq);
     let b0 = FakeRank::bind(&zmq, 0);
-    let mut indexer = Indexer::start(&config(&[engine("a", a0.port, 1)]));
-    let addr = indexer.addr;
+    let mut indexer = start_indexer(&config(&[engine("a", a0.port, 1)]));
+    let addr = indexer.address;
 
     a0.wait_subscribed();
     let tokens = prompt(0, 4);
@@ -197,8 +89,10 @@ fn sighup_adds_an_engine_grows_dp_size_without_touching_rank_0_and_removes_an_en
     });
 
     // dp_size 1 → 2 and a new engine b.
-    indexer.write_config(&config(&[engine("a", a0.port, 2), engine("b", b0.port, 1)]));
-    indexer.signal(libc::SIGHUP);
+    indexer
+        .write_config(&config(&[engine("a", a0.port, 2), engine("b", b0.port, 1)]))
+        .expect("write config");
+    indexer.signal(libc::SIGHUP).expect("signal");
     wait_for(10, "a/1 and b/0 on /workers", || {
         (workers(addr) == ["a/0", "a/1", "b/0"]).then_some(())
     });
@@ -213,15 +107,17 @@ fn sighup_adds_an_engine_grows_dp_size_without_touching_rank_0_and_removes_an_en
     );
 
     // Remove engine a: its blocks leave the index.
-    indexer.write_config(&config(&[engine("b", b0.port, 1)]));
-    indexer.signal(libc::SIGHUP);
+    indexer
+        .write_config(&config(&[engine("b", b0.port, 1)]))
+        .expect("write config");
+    indexer.signal(libc::SIGHUP).expect("signal");
     wait_for(10, "a to leave /workers", || {
         (workers(addr) == ["b/0"]).then_some(())
     });
     assert_eq!(scores(addr, &tokens), []);
 
-    indexer.signal(libc::SIGTERM);
-    let (status, took) = indexer.wait_exit(10);
+    indexer.signal(libc::SIGTERM).expect("signal");
+    let (status, took) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
     assert!(status.success(), "{status:?}\n{}", indexer.log());
     eprintln!("SIGTERM → exit in {took:?}");
 }
@@ -232,8 +128,8 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     let mut a0 = FakeRank::bind(&zmq, 0);
     let b0 = FakeRank::bind(&zmq, 0);
     let good = config(&[engine("a", a0.port, 1)]);
-    let mut indexer = Indexer::start(&good);
-    let addr = indexer.addr;
+    let mut indexer = start_indexer(&good);
+    let addr = indexer.address;
     a0.wait_subscribed();
     let tokens = prompt(0, 2);
     a0.store(&[1, 2], None, &tokens);
@@ -243,8 +139,10 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     });
 
     let rejected = "kv_indexer_config_reloads_total{outcome=\"rejected\"}";
-    indexer.write_config(&good.replace("dp_size = 1", "dp_size = 0"));
-    indexer.signal(libc::SIGHUP);
+    indexer
+        .write_config(&good.replace("dp_size = 1", "dp_size = 0"))
+        .expect("write config");
+    indexer.signal(libc::SIGHUP).expect("signal");
     wait_for(10, "the rejected reload on /metrics", || {
         (metric(addr, rejected) == Some(1.0)).then_some(())
     });
@@ -270,7 +168,9 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     assert_eq!(metric(addr, rejected), Some(2.0));
     assert_eq!(scores(addr, &tokens), held);
 
-    indexer.write_config(&config(&[engine("a", a0.port, 1), engine("b", b0.port, 1)]));
+    indexer
+        .write_config(&config(&[engine("a", a0.port, 1), engine("b", b0.port, 1)]))
+        .expect("write config");
     let reply = post(addr, "/reload", b"");
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(
@@ -280,8 +180,8 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     assert_eq!(workers(addr), ["a/0", "b/0"]);
     assert_eq!(scores(addr, &tokens), held);
 
-    indexer.signal(libc::SIGTERM);
-    let (status, _) = indexer.wait_exit(10);
+    indexer.signal(libc::SIGTERM).expect("signal");
+    let (status, _) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
     assert!(status.success(), "{status:?}\n{}", indexer.log());
 }
 
@@ -290,8 +190,8 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
     let zmq = zmq::Context::new();
     let mut first = FakeRank::bind(&zmq, 0);
     let second = FakeRank::bind(&zmq, 0);
-    let mut indexer = Indexer::start(&config(&[engine("a", first.port, 1)]));
-    let addr = indexer.addr;
+    let mut indexer = start_indexer(&config(&[engine("a", first.port, 1)]));
+    let addr = indexer.address;
     first.wait_subscribed();
     let tokens = prompt(0, 3);
     first.store(&[1, 2, 3], None, &tokens);
@@ -299,7 +199,9 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
         (scores(addr, &tokens) == [("a".to_owned(), 0, 3)]).then_some(())
     });
 
-    indexer.write_config(&config(&[engine("a", second.port, 1)]));
+    indexer
+        .write_config(&config(&[engine("a", second.port, 1)]))
+        .expect("write config");
     let reply = post(addr, "/reload", b"");
     assert_eq!(
         reply.json(),
@@ -313,7 +215,7 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
         format!("tcp://127.0.0.1:{}", second.port)
     );
 
-    indexer.signal(libc::SIGINT);
-    let (status, _) = indexer.wait_exit(10);
+    indexer.signal(libc::SIGINT).expect("signal");
+    let (status, _) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
     assert!(status.success(), "{status:?}\n{}", indexer.log());
 }

@@ -1,9 +1,10 @@
 //! The simulated engine over real sockets on 127.0.0.1: live PUB stream, replay ROUTER,
 //! `/kv_recover` snapshots, ground truth, dropped batches and restarts.
 
+mod support;
+
 use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kv_indexer::sim::encode::Form;
@@ -12,6 +13,7 @@ use kv_indexer::wire::{
     decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockStored, Event,
     EventBatch, ReplayItem,
 };
+use support::http_client::Connection;
 use xxhash_rust::xxh3::xxh3_64;
 
 const BLOCK: u32 = 4;
@@ -113,29 +115,14 @@ fn replay(context: &zmq::Context, port: u16, start: u64) -> Vec<(usize, u64, Eve
     }
 }
 
-/// A minimal HTTP/1.0 exchange: (status, body).
+/// One HTTP exchange with a rank's server on 127.0.0.1: (status, body).
 fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, Vec<u8>) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect HTTP");
-    stream.set_read_timeout(Some(DEADLINE)).expect("timeout");
-    write!(
-        stream,
-        "{method} {path} HTTP/1.0\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("request");
-    let mut reply = Vec::new();
-    stream.read_to_end(&mut reply).expect("reply");
-    let split = reply
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("header end");
-    let status_line = String::from_utf8_lossy(&reply[..split]).to_string();
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status");
-    (status, reply[split + 4..].to_vec())
+    let reply = Connection::open(SocketAddr::from(([127, 0, 0, 1], port))).send(
+        method,
+        path,
+        Some(body.as_bytes()),
+    );
+    (reply.status, reply.body)
 }
 
 fn prefix_hit_over_http(port: u16, tokens: &[u32]) -> u32 {

@@ -3,14 +3,14 @@
 //! random buffers). Nothing may panic, and whatever still decodes must survive a re-encoding
 //! unchanged — the decoder only ever returns values the encoder can express.
 
+mod support;
+
 use kv_indexer::sim::encode::{encode_batch, encode_snapshot, Form};
-use kv_indexer::wire::{
-    decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockRemoved, BlockStored,
-    Event, EventBatch,
-};
+use kv_indexer::wire::{decode_batch, decode_snapshot, parse_message, parse_replay_reply};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
+use support::batches::{realistic_batch, stored_events};
 
 const MUTATIONS_PER_SEED: usize = 400;
 const RANDOM_BUFFERS: usize = 3_000;
@@ -46,34 +46,6 @@ fn vector_payloads() -> Vec<Vec<u8>> {
                 .collect()
         })
         .collect()
-}
-
-fn realistic_batch(rng: &mut SmallRng) -> EventBatch {
-    let blocks = 8;
-    EventBatch {
-        ts: 1_752_000_000.5,
-        dp_rank: Some(1),
-        events: vec![
-            Event::Stored(BlockStored {
-                block_hashes: (0..blocks).map(|_| rng.random()).collect(),
-                parent: Some(rng.random()),
-                token_ids: (0..blocks * 16)
-                    .map(|_| rng.random_range(0..152_000))
-                    .collect(),
-                block_size: 16,
-                lora_name: Some("adapter".into()),
-                medium: Some("GPU".into()),
-                group_idx: Some(0),
-            }),
-            Event::Removed(BlockRemoved {
-                block_hashes: vec![rng.random()],
-                medium: Some("GPU".into()),
-                group_idx: None,
-            }),
-            Event::Cleared,
-        ],
-        skipped: 0,
-    }
 }
 
 /// Whatever decodes must be exactly what its own re-encoding decodes to.
@@ -121,7 +93,7 @@ fn mutate(rng: &mut SmallRng, seed: &[u8]) -> Vec<u8> {
 fn mutated_payloads_never_panic_and_decode_consistently() {
     let mut rng = SmallRng::seed_from_u64(0x5eed_0001);
     let mut seeds = vector_payloads();
-    let realistic = realistic_batch(&mut rng);
+    let realistic = realistic_batch(|| rng.random());
     seeds.push(encode_batch(&realistic, Form::Map));
     seeds.push(encode_batch(&realistic, Form::Array));
     let mut decoded_any = 0;
@@ -186,14 +158,7 @@ fn random_buffers_never_panic() {
 #[test]
 fn mutated_snapshots_never_panic() {
     let mut rng = SmallRng::seed_from_u64(0x5eed_0003);
-    let events: Vec<BlockStored> = realistic_batch(&mut rng)
-        .events
-        .into_iter()
-        .filter_map(|event| match event {
-            Event::Stored(stored) => Some(stored),
-            _ => None,
-        })
-        .collect();
+    let events = stored_events(realistic_batch(|| rng.random()));
     let body = encode_snapshot(Some(41), 0, 16, &events);
     assert!(decode_snapshot(&body).is_ok());
     let mut decoded_any = 0;

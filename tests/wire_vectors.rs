@@ -2,6 +2,8 @@
 //! (`tests/data/vectors.json`, a copy of the shared protocol vectors), the frame layouts, and the
 //! encoder as its inverse.
 
+mod support;
+
 use kv_indexer::sim::encode::{
     encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
 };
@@ -10,6 +12,7 @@ use kv_indexer::wire::{
     Event, EventBatch, FrameError, Message, ReplayItem, Snapshot,
 };
 use serde_json::Value;
+use support::batches::{realistic_batch, stored_events};
 
 struct Row {
     name: String,
@@ -68,18 +71,20 @@ fn expected_event(event: &Value, row: &str) -> Event {
     let group_idx = event["group_idx"].as_u64().map(|group| group as u32);
     match event["type"].as_str() {
         Some("BlockStored") => Event::Stored(BlockStored {
-            block_hashes: hashes(),
-            parent: event["parent_block_hash"].as_u64(),
-            token_ids: event["token_ids"]
-                .as_array()
-                .expect("token_ids")
-                .iter()
-                .map(|token| token.as_u64().expect("token") as u32)
-                .collect(),
-            block_size: event["block_size"].as_u64().expect("block_size") as u32,
             lora_name: text("lora_name"),
             medium: text("medium"),
             group_idx,
+            ..BlockStored::new(
+                hashes(),
+                event["parent_block_hash"].as_u64(),
+                event["token_ids"]
+                    .as_array()
+                    .expect("token_ids")
+                    .iter()
+                    .map(|token| token.as_u64().expect("token") as u32)
+                    .collect(),
+                event["block_size"].as_u64().expect("block_size") as u32,
+            )
         }),
         Some("BlockRemoved") => Event::Removed(BlockRemoved {
             block_hashes: hashes(),
@@ -140,47 +145,18 @@ fn vectors_survive_a_round_trip_through_both_forms() {
     }
 }
 
-fn realistic_batch() -> EventBatch {
-    let stored = |first: u64, parent: Option<u64>, group_idx: Option<u32>| BlockStored {
-        block_hashes: (first..first + 4)
-            .map(|hash| hash.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect(),
-        parent,
-        token_ids: (0..64u32).map(|token| token * 2_347 % 151_000).collect(),
-        block_size: 16,
-        lora_name: None,
-        medium: Some("GPU".into()),
-        group_idx,
-    };
-    EventBatch {
-        ts: 1_752_000_000.125,
-        dp_rank: Some(3),
-        events: vec![
-            Event::Stored(stored(1, None, Some(0))),
-            Event::Stored(BlockStored {
-                lora_name: Some("sql-adapter".into()),
-                medium: None,
-                ..stored(9, Some(u64::MAX), None)
-            }),
-            Event::Removed(BlockRemoved {
-                block_hashes: vec![u64::MAX - 7],
-                medium: Some("CPU".into()),
-                group_idx: Some(1),
-            }),
-            Event::Removed(BlockRemoved {
-                block_hashes: vec![0],
-                medium: None,
-                group_idx: None,
-            }),
-            Event::Cleared,
-        ],
-        skipped: 0,
+/// A fixed multiplicative sequence: values spread over all 64 bits like vLLM's digests.
+fn fixed_values() -> impl FnMut() -> u64 {
+    let mut next = 0u64;
+    move || {
+        next += 1;
+        next.wrapping_mul(0x9e37_79b9_7f4a_7c15)
     }
 }
 
 #[test]
 fn encode_then_decode_is_identity_in_both_forms() {
-    let batch = realistic_batch();
+    let batch = realistic_batch(fixed_values());
     for form in [Form::Map, Form::Array] {
         assert_eq!(
             decode_batch(&encode_batch(&batch, form)),
@@ -200,14 +176,7 @@ fn encode_then_decode_is_identity_in_both_forms() {
 
 #[test]
 fn snapshot_round_trip() {
-    let events: Vec<BlockStored> = realistic_batch()
-        .events
-        .into_iter()
-        .filter_map(|event| match event {
-            Event::Stored(stored) => Some(stored),
-            _ => None,
-        })
-        .collect();
+    let events = stored_events(realistic_batch(fixed_values()));
     for seq in [None, Some(0), Some(u64::MAX - 1)] {
         let body = encode_snapshot(seq, 2, 16, &events);
         let expected = Snapshot {

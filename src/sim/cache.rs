@@ -278,13 +278,9 @@ impl RankCache {
     /// An empty vLLM 0.33-style store event after `parent`.
     fn stored_event(&self, parent: Option<u64>) -> BlockStored {
         BlockStored {
-            block_hashes: Vec::new(),
-            parent,
-            token_ids: Vec::new(),
-            block_size: self.block_size,
-            lora_name: None,
             medium: Some(GPU.to_string()),
             group_idx: Some(0),
+            ..BlockStored::new(Vec::new(), parent, Vec::new(), self.block_size)
         }
     }
 }

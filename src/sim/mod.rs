@@ -1,11 +1,20 @@
-//! A simulated inference engine that speaks the real protocol: the peer for tests, examples and
-//! benchmarks. The indexer binary never uses this module.
+//! A simulated inference engine that speaks the real protocol, and the harness around it: the
+//! peer for tests, examples and benchmarks. The indexer binary never uses this module.
 //!
 //! `cache` is one rank's prefix cache (the ground truth), `workload` makes prompts and routes
-//! them to ranks, `server` runs ranks behind real sockets, `encode` writes the wire format.
+//! them to ranks, `server` runs ranks behind real sockets, `replay` answers replay requests
+//! from a history, `encode` writes the wire format. For driving an indexer: `fleet` runs many
+//! engines, `watch` checks an indexer against them, `process` runs the `kv-indexer` binary as a
+//! child, `indexer_toml` writes its config and `ports` finds free ports.
 
 pub mod cache;
 pub mod encode;
+pub mod fleet;
+pub mod indexer_toml;
+pub mod ports;
+pub mod process;
+pub mod replay;
 pub mod rng;
 pub mod server;
+pub mod watch;
 pub mod workload;

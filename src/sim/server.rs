@@ -9,18 +9,18 @@
 use std::collections::VecDeque;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 use log::{debug, warn};
+use parking_lot::Mutex;
 use serde::Deserialize;
 
 use crate::sim::cache::RankCache;
-use crate::sim::encode::{
-    encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
-};
+use crate::sim::encode::{encode_batch, encode_snapshot, message_frames, Form};
+use crate::sim::replay::{self, Layout};
 use crate::sim::rng::{mix, SplitMix64};
 use crate::wire::{BlockStored, Event, EventBatch};
 
@@ -92,7 +92,7 @@ struct Settings {
     topic: Vec<u8>,
     keep_history: bool,
     replay_buffer: usize,
-    old_replay_layout: bool,
+    replay_layout: Layout,
     drop_fraction: f64,
 }
 
@@ -101,7 +101,7 @@ struct RankState {
     cache: RankCache,
     publisher: zmq::Socket,
     next_seq: u64,
-    history: VecDeque<(u64, Arc<[u8]>)>,
+    history: VecDeque<replay::Batch>,
     drops: SplitMix64,
     dropped: u64,
     /// The prompt served last, for `GET /last_prompt`.
@@ -134,7 +134,11 @@ impl SimEngine {
             topic: config.topic.clone().into_bytes(),
             keep_history: config.replay_port.is_some(),
             replay_buffer: config.replay_buffer,
-            old_replay_layout: config.old_replay_layout,
+            replay_layout: if config.old_replay_layout {
+                Layout::Old
+            } else {
+                Layout::New
+            },
             drop_fraction: config.drop_fraction,
         });
         let mut engine = SimEngine {
@@ -192,7 +196,7 @@ impl SimEngine {
     /// the leading full blocks that were already cached.
     pub fn serve(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
         let rank = self.rank(rank)?;
-        let mut state = rank.lock();
+        let mut state = rank.state.lock();
         let served = state.cache.serve(prompt);
         state.last_prompt.clear();
         state.last_prompt.extend_from_slice(prompt);
@@ -204,14 +208,14 @@ impl SimEngine {
 
     /// Ground truth: leading full blocks of `prompt` that `rank` holds now.
     pub fn true_prefix_hit(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
-        Ok(self.rank(rank)?.lock().cache.true_prefix_hit(prompt))
+        Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
     }
 
     /// Restarts a rank's engine process: empty cache, new engine-hash seed, seq from 0, empty
     /// replay history. Its sockets stay bound, so subscribers see only the seq going back.
     pub fn restart_rank(&self, rank: u32) -> Result<()> {
         let rank = self.rank(rank)?;
-        let mut state = rank.lock();
+        let mut state = rank.state.lock();
         state.cache.reset();
         state.next_seq = 0;
         state.history.clear();
@@ -221,29 +225,29 @@ impl SimEngine {
     /// What vLLM's `/reset_prefix_cache` does: empties the cache and publishes `AllBlocksCleared`.
     pub fn reset_prefix_cache(&self, rank: u32) -> Result<()> {
         let rank = self.rank(rank)?;
-        let mut state = rank.lock();
+        let mut state = rank.state.lock();
         state.cache.clear();
         state.publish(rank, vec![Event::Cleared])
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.
     pub fn last_seq(&self, rank: u32) -> Result<Option<u64>> {
-        Ok(self.rank(rank)?.lock().next_seq.checked_sub(1))
+        Ok(self.rank(rank)?.state.lock().next_seq.checked_sub(1))
     }
 
     /// Blocks `rank` holds.
     pub fn cached_blocks(&self, rank: u32) -> Result<usize> {
-        Ok(self.rank(rank)?.lock().cache.len())
+        Ok(self.rank(rank)?.state.lock().cache.len())
     }
 
     /// Batches `rank` did not send on PUB because of `drop_fraction`.
     pub fn dropped_batches(&self, rank: u32) -> Result<u64> {
-        Ok(self.rank(rank)?.lock().dropped)
+        Ok(self.rank(rank)?.state.lock().dropped)
     }
 
     /// The snapshot events `GET /kv_recover` would serve for `rank` now.
     pub fn snapshot_events(&self, rank: u32) -> Result<Vec<BlockStored>> {
-        Ok(self.rank(rank)?.lock().cache.snapshot_events())
+        Ok(self.rank(rank)?.state.lock().cache.snapshot_events())
     }
 
     /// Stops every thread and closes every socket.
@@ -274,7 +278,10 @@ impl SimEngine {
         let rank = Arc::clone(rank);
         let stopping = Arc::clone(&self.stopping);
         self.spawn(format!("sim-replay-{index}"), move || {
-            serve_replays(&rank, &socket, &stopping)
+            let topic = rank.settings.replay_layout.topic(&rank.settings.topic);
+            replay::serve(&socket, &stopping, index, topic, |start| {
+                replay::kept_from(rank.state.lock().history.iter(), start)
+            })
         })?;
         Ok(port)
     }
@@ -328,22 +335,17 @@ impl Drop for SimEngine {
 }
 
 impl Rank {
-    fn lock(&self) -> MutexGuard<'_, RankState> {
-        // The state stays consistent between statements, so a panicked holder leaves it usable.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// The `GET /last_prompt` body, `{"token_ids": [...]}`: ready to send to the indexer's
     /// `POST /query`.
     fn last_prompt_body(&self) -> Vec<u8> {
-        serde_json::json!({ "token_ids": self.lock().last_prompt })
+        serde_json::json!({ "token_ids": self.state.lock().last_prompt })
             .to_string()
             .into_bytes()
     }
 
     /// The `GET /kv_recover` body: the cache and the seq of the last batch, taken together.
     fn snapshot_body(&self) -> Vec<u8> {
-        let state = self.lock();
+        let state = self.state.lock();
         let events = state.cache.snapshot_events();
         encode_snapshot(
             state.next_seq.checked_sub(1),
@@ -463,70 +465,6 @@ fn unix_seconds() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The replay ROUTER loop: one request `[identity, "", start_seq]` at a time, until stopped.
-fn serve_replays(rank: &Rank, socket: &zmq::Socket, stopping: &AtomicBool) {
-    while !stopping.load(Ordering::Relaxed) {
-        match socket.poll(zmq::POLLIN, STOP_POLL.as_millis() as i64) {
-            Ok(0) => continue,
-            Ok(_) => {}
-            Err(error) => {
-                warn!("rank {}: replay poll failed: {error}", rank.index);
-                continue;
-            }
-        }
-        let answered = socket
-            .recv_multipart(zmq::DONTWAIT)
-            .context("receiving a replay request")
-            .and_then(|frames| answer_replay(rank, socket, &frames));
-        if let Err(error) = answered {
-            warn!(
-                "rank {}: replay request not answered: {error:#}",
-                rank.index
-            );
-        }
-    }
-}
-
-fn answer_replay(rank: &Rank, socket: &zmq::Socket, frames: &[Vec<u8>]) -> Result<()> {
-    let [identity, delimiter, start] = frames else {
-        bail!(
-            "{} frames, expected [identity, \"\", start_seq]",
-            frames.len()
-        );
-    };
-    ensure!(delimiter.is_empty(), "the delimiter frame is not empty");
-    let start = <[u8; 8]>::try_from(start.as_slice())
-        .map(u64::from_be_bytes)
-        .map_err(|_| anyhow!("start seq frame of {} bytes, expected 8", start.len()))?;
-    let batches: Vec<(u64, Arc<[u8]>)> = rank
-        .lock()
-        .history
-        .iter()
-        .filter(|(seq, _)| *seq >= start)
-        .cloned()
-        .collect();
-    debug!(
-        "rank {}: replaying {} batches from seq {start}",
-        rank.index,
-        batches.len()
-    );
-    let settings = &rank.settings;
-    let topic = (!settings.old_replay_layout).then_some(settings.topic.as_slice());
-    for (seq, payload) in &batches {
-        send_to(socket, identity, replay_frames(topic, *seq, payload))?;
-    }
-    send_to(socket, identity, replay_end_frames(topic))
-}
-
-fn send_to(socket: &zmq::Socket, identity: &[u8], frames: Vec<Vec<u8>>) -> Result<()> {
-    let mut message = Vec::with_capacity(frames.len() + 1);
-    message.push(identity.to_vec());
-    message.extend(frames);
-    socket
-        .send_multipart(message, 0)
-        .context("sending a replay reply")
-}
-
 /// The HTTP loop of one rank, until stopped.
 fn serve_http(rank: &Rank, server: &tiny_http::Server, stopping: &AtomicBool) {
     while !stopping.load(Ordering::Relaxed) {
@@ -582,7 +520,7 @@ fn prefix_hit(rank: &Rank, request: &mut tiny_http::Request) -> (u16, Vec<u8>) {
     }
     match serde_json::from_slice::<PrefixHitRequest>(&body) {
         Ok(query) => {
-            let matched = rank.lock().cache.true_prefix_hit(&query.token_ids);
+            let matched = rank.state.lock().cache.true_prefix_hit(&query.token_ids);
             (
                 200,
                 serde_json::json!({ "matched_blocks": matched })

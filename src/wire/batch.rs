@@ -126,15 +126,7 @@ fn decode_array_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             let parent = optional_hash(reader)?;
             let token_ids = reader.token_ids()?;
             let block_size = block_size(reader)?;
-            let mut stored = BlockStored {
-                block_hashes,
-                parent,
-                token_ids,
-                block_size,
-                lora_name: None,
-                medium: None,
-                group_idx: None,
-            };
+            let mut stored = BlockStored::new(block_hashes, parent, token_ids, block_size);
             for position in 5..len {
                 match position {
                     6 => stored.medium = optional_string(reader)?,
@@ -290,6 +282,28 @@ fn lora_name(reader: &mut Reader) -> Result<Option<String>, Skip> {
     }
     reader.rewind(start);
     optional_string(reader)
+}
+
+impl BlockStored {
+    /// A store of `block_hashes` on the GPU with no adapter and no group: what most engines send,
+    /// and the one literal tests, benchmarks and the simulated engine start from
+    /// (`BlockStored { group_idx: Some(0), ..BlockStored::new(..) }` for the rest).
+    pub fn new(
+        block_hashes: Vec<u64>,
+        parent: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> BlockStored {
+        BlockStored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_name: None,
+            medium: None,
+            group_idx: None,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,6 @@
 //! A minimal HTTP/1.1 client over a raw `TcpStream` for the integration tests: keep-alive,
 //! Content-Length bodies (the API never answers chunked), bounded by a read timeout.
 
-#![allow(dead_code)] // Each test binary uses its own subset.
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
@@ -146,10 +144,4 @@ pub fn wait_for<T>(seconds: u64, what: &str, mut probe: impl FnMut() -> Option<T
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// A TCP port nobody listens on right now (bound by the OS, then released).
-pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    listener.local_addr().expect("local addr").port()
 }

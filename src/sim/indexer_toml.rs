@@ -1,0 +1,66 @@
+//! `indexer.toml` text for harnesses that run the indexer on simulated or scripted engines: the
+//! one place tests and examples write the file's keys.
+//!
+//! It owns formatting only; it never validates (a test may want a broken file) and never
+//! writes a file.
+
+use std::fmt;
+
+/// One `[[engine]]` table on 127.0.0.1; unset keys are left out (the file's defaults apply).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineToml {
+    pub name: String,
+    pub zmq_port: u16,
+    pub dp_size: Option<u32>,
+    pub replay_port: Option<u16>,
+    pub recover_port: Option<u16>,
+    pub model: Option<String>,
+}
+
+impl EngineToml {
+    pub fn new(name: impl Into<String>, zmq_port: u16) -> EngineToml {
+        EngineToml {
+            name: name.into(),
+            zmq_port,
+            ..EngineToml::default()
+        }
+    }
+}
+
+impl fmt::Display for EngineToml {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "[[engine]]\nname = \"{}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",
+            self.name, self.zmq_port
+        )?;
+        if let Some(dp_size) = self.dp_size {
+            writeln!(f, "dp_size = {dp_size}")?;
+        }
+        if let Some(port) = self.replay_port {
+            writeln!(f, "replay_port = {port}")?;
+        }
+        if let Some(port) = self.recover_port {
+            writeln!(f, "recover_port = {port}")?;
+        }
+        if let Some(model) = &self.model {
+            writeln!(f, "model = \"{model}\"")?;
+        }
+        Ok(())
+    }
+}
+
+/// A whole file: `listen` (when given), `block_size`, `shards`, then the engines.
+pub fn indexer_toml(
+    listen: Option<&str>,
+    block_size: u32,
+    shards: u32,
+    engines: &[EngineToml],
+) -> String {
+    let mut toml = listen.map_or_else(String::new, |listen| format!("listen = \"{listen}\"\n"));
+    toml.push_str(&format!("block_size = {block_size}\nshards = {shards}\n"));
+    for engine in engines {
+        toml.push_str(&format!("\n{engine}"));
+    }
+    toml
+}

@@ -1,0 +1,228 @@
+//! The `kv-indexer` binary as a child process on a config file of its own, for the tests that
+//! drive the real binary (reload, signals, a fleet over HTTP) and the load benchmark: the one
+//! child-process wrapper.
+//!
+//! It owns the child, its config file (rewritten atomically for reloads) and its captured
+//! stderr. It never signals or kills any process but its own child, and never leaves the child
+//! running: it is killed on drop.
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use parking_lot::Mutex;
+
+use crate::sim::ports::free_port;
+
+/// How often a wait looks at the child again.
+const POLL: Duration = Duration::from_millis(20);
+
+/// A running `kv-indexer`, serving HTTP on `address`. Killed on drop.
+pub struct IndexerProcess {
+    child: Option<Child>,
+    pub address: SocketAddr,
+    config: PathBuf,
+    /// The child's stderr so far, line by line.
+    log: Arc<Mutex<String>>,
+    // Declared last: removed after the child is gone.
+    _dir: PrivateDir,
+}
+
+impl IndexerProcess {
+    /// Writes `toml` to a fresh `indexer.toml`, starts `binary` on it with `--listen` on a port
+    /// probed free, and waits until `GET /health` answers 200. A child that exits before
+    /// serving (another process took the port meanwhile) is started again on another port, a
+    /// few times. `log_filter` is the child's `RUST_LOG`.
+    pub fn start(
+        binary: &Path,
+        toml: &str,
+        log_filter: &str,
+        deadline: Duration,
+    ) -> Result<IndexerProcess> {
+        const ATTEMPTS: usize = 3;
+        let dir = PrivateDir::create()?;
+        let config = dir.0.join("indexer.toml");
+        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
+        let mut exits = Vec::new();
+        for _ in 0..ATTEMPTS {
+            let address = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+            let mut child = Command::new(binary)
+                .arg("--config")
+                .arg(&config)
+                .arg("--listen")
+                .arg(address.to_string())
+                .env("RUST_LOG", log_filter)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("starting {}", binary.display()))?;
+            let log = capture_stderr(&mut child)?;
+            match wait_healthy(&mut child, address, deadline) {
+                Ok(()) => {
+                    return Ok(IndexerProcess {
+                        child: Some(child),
+                        address,
+                        config,
+                        log,
+                        _dir: dir,
+                    })
+                }
+                Err(exit) => exits.push(format!("{exit:#}\n{}", log.lock())),
+            }
+        }
+        bail!("kv-indexer did not start: {exits:#?}")
+    }
+
+    /// The child's process id.
+    pub fn pid(&self) -> Result<u32> {
+        Ok(self.running()?.id())
+    }
+
+    /// The config file the child was started on.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
+    /// Rewrites the config file in one rename, so that a reload never reads half of it.
+    pub fn write_config(&self, toml: &str) -> Result<()> {
+        let staging = self.config.with_extension("staging");
+        std::fs::write(&staging, toml).with_context(|| format!("writing {}", staging.display()))?;
+        std::fs::rename(&staging, &self.config)
+            .with_context(|| format!("renaming {} over the config", staging.display()))
+    }
+
+    /// Sends `signal` to the child.
+    pub fn signal(&self, signal: libc::c_int) -> Result<()> {
+        let pid = self.pid()?;
+        let pid = libc::pid_t::try_from(pid).with_context(|| format!("pid {pid}"))?;
+        // SAFETY: kill(2) takes no pointers; `pid` is our own child, not yet reaped.
+        let rc = unsafe { libc::kill(pid, signal) };
+        ensure!(
+            rc == 0,
+            "kill({pid}, {signal}): {}",
+            std::io::Error::last_os_error()
+        );
+        Ok(())
+    }
+
+    /// The child's stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().clone()
+    }
+
+    /// Waits for the child to exit by itself; returns its status and how long that took.
+    pub fn wait_exit(&mut self, deadline: Duration) -> Result<(ExitStatus, Duration)> {
+        let started = Instant::now();
+        let child = self.child.as_mut().context("kv-indexer already exited")?;
+        loop {
+            if let Some(status) = child.try_wait().context("waiting for kv-indexer")? {
+                self.child = None;
+                return Ok((status, started.elapsed()));
+            }
+            if started.elapsed() > deadline {
+                bail!("kv-indexer still running after {deadline:?}");
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    fn running(&self) -> Result<&Child> {
+        self.child.as_ref().context("kv-indexer already exited")
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Our own child, by its handle; it may have exited already.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for IndexerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Waits until `child` answers `GET /health` on `address` with 200; on failure it is gone.
+fn wait_healthy(child: &mut Child, address: SocketAddr, deadline: Duration) -> Result<()> {
+    let started = Instant::now();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(deadline))
+        .build()
+        .into();
+    let url = format!("http://{address}/health");
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!("kv-indexer exited before serving on {address}: {status}");
+        }
+        // Probed first, so that a refused connection costs no HTTP error.
+        if TcpStream::connect(address).is_ok()
+            && agent
+                .get(&url)
+                .call()
+                .is_ok_and(|reply| reply.status() == 200)
+        {
+            return Ok(());
+        }
+        if started.elapsed() > deadline {
+            // Our own child, by its handle.
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("kv-indexer not healthy on {address} after {deadline:?}");
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// A new directory under the system's temp dir for this process alone, removed on drop.
+struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    fn create() -> Result<PrivateDir> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kv-indexer-sim-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(PrivateDir(dir))
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        // Ours alone: created by `create` for one indexer.
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Copies the child's stderr, line by line, into a shared log, on a thread of its own.
+fn capture_stderr(child: &mut Child) -> Result<Arc<Mutex<String>>> {
+    let pipe = child
+        .stderr
+        .take()
+        .context("the child has no stderr pipe")?;
+    let log = Arc::new(Mutex::new(String::new()));
+    let sink = Arc::clone(&log);
+    std::thread::Builder::new()
+        .name("kv-indexer-stderr".into())
+        .spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let mut log = sink.lock();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        })
+        .context("spawning the stderr reader")?;
+    Ok(log)
+}
