@@ -28,7 +28,8 @@ pub fn neighbour_warning(engine: &str, port: u16, dp_size: u32) -> String {
 ///
 /// A SUB's handshake succeeds only with a PUB or XPUB peer (ZMTP checks the socket types), so
 /// an engine's replay ROUTER or any other TCP server does not count. Returns early, false, when
-/// the connection is refused or the handshake fails; a silent peer costs the whole `wait`.
+/// the connection is refused, the handshake fails or the peer hangs up; a silent peer costs the
+/// whole `wait`.
 /// Errors only when the sockets cannot be made (the context is out of sockets, say).
 pub fn publisher_answers(
     zmq: &zmq::Context,
@@ -50,6 +51,9 @@ pub fn publisher_answers(
         zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL,
         zmq::SocketEvent::HANDSHAKE_FAILED_AUTH,
         zmq::SocketEvent::CONNECT_RETRIED,
+        // What a peer of the wrong socket type gets (libzmq 4.3 reports no handshake failure
+        // for it): connected, then dropped.
+        zmq::SocketEvent::DISCONNECTED,
     ]
     .iter()
     .fold(0, |mask, event| mask | event.to_raw());
