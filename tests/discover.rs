@@ -167,6 +167,26 @@ fn vllm_entry(endpoint: &str) -> serde_json::Value {
         "topic": ""})
 }
 
+/// Two publishers on OS-chosen ports and a vLLM API server reporting rank r on
+/// `{prefixes[r]}:{its port}`.
+fn vllm_with_two_ranks(zmq: &zmq::Context, prefixes: [&str; 2]) -> ([FakeRank; 2], ApiServer) {
+    let ranks = [FakeRank::bind(zmq, 0), FakeRank::bind(zmq, 1)];
+    let body: serde_json::Map<String, serde_json::Value> = ranks
+        .iter()
+        .zip(prefixes)
+        .enumerate()
+        .map(|(rank, (fake, prefix))| {
+            (
+                rank.to_string(),
+                vllm_entry(&format!("{prefix}:{}", fake.port)),
+            )
+        })
+        .collect();
+    let body = serde_json::Value::Object(body).to_string();
+    let api = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, body))]);
+    (ranks, api)
+}
+
 /// Connects a SUB to every discovered rank and waits (10 s at most) for each publisher to see
 /// the subscription: the endpoints are the ranks' own.
 fn assert_reaches(discovery: &Discovery, ranks: &[FakeRank]) {
@@ -198,13 +218,8 @@ fn expect_failure(result: Result<Discovery, DiscoverError>) -> DiscoverError {
 #[test]
 fn two_vllm_ranks_on_os_chosen_ports_are_found_as_reported() {
     let zmq = zmq::Context::new();
-    let ranks = [FakeRank::bind(&zmq, 0), FakeRank::bind(&zmq, 1)];
     // With `tcp://*:0` vLLM reports the node's IP and the port each rank bound.
-    let body = serde_json::json!({
-        "0": vllm_entry(&format!("tcp://127.0.0.1:{}", ranks[0].port)),
-        "1": vllm_entry(&format!("tcp://127.0.0.1:{}", ranks[1].port)),
-    });
-    let api = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, body.to_string()))]);
+    let (ranks, api) = vllm_with_two_ranks(&zmq, ["tcp://127.0.0.1", "tcp://127.0.0.1"]);
     let discovery = client().discover(&api.api(), None).expect("discovered");
     assert_eq!(discovery.kind, EngineKind::Vllm);
     assert_eq!(discovery.url, format!("{}/kv_event_sources", api.url));
@@ -230,12 +245,7 @@ fn two_vllm_ranks_on_os_chosen_ports_are_found_as_reported() {
 #[test]
 fn wildcard_hosts_are_replaced_by_the_engine_host() {
     let zmq = zmq::Context::new();
-    let ranks = [FakeRank::bind(&zmq, 0), FakeRank::bind(&zmq, 1)];
-    let body = serde_json::json!({
-        "0": vllm_entry(&format!("tcp://*:{}", ranks[0].port)),
-        "1": vllm_entry(&format!("tcp://0.0.0.0:{}", ranks[1].port)),
-    });
-    let api = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, body.to_string()))]);
+    let (ranks, api) = vllm_with_two_ranks(&zmq, ["tcp://*", "tcp://0.0.0.0"]);
     // The host defaults to the URL's (127.0.0.1) ...
     let discovery = client().discover(&api.api(), None).expect("discovered");
     assert!(discovery

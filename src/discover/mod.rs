@@ -4,7 +4,8 @@
 //! Owns: the two answers kv-indexer understands, vLLM's `GET /kv_event_sources` (`vllm.rs`)
 //! and SGLang's `GET /server_info` (`sglang.rs`), telling them apart by the route that answers,
 //! the bounded HTTP fetch (`fetch.rs`), the `discover` URL and endpoint rules (`url.rs`), and
-//! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`).
+//! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), and the
+//! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`).
 //!
 //! Never: touches the registry, a listener or the index. A `Discovery` is an input of `plan`,
 //! which turns its ranks into listener specs as it does the file's; the registry's `apply` then
@@ -12,6 +13,7 @@
 //! An answer is taken whole or not at all: one bad rank rejects it, so the caller keeps the
 //! last good rank set.
 
+mod agreement;
 mod fetch;
 mod probe;
 mod sglang;
@@ -22,6 +24,7 @@ use std::fmt;
 
 use serde::Deserialize;
 
+pub use agreement::{Disagreement, FileLayout};
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
 pub use url::{BaseUrl, TcpEndpoint};
