@@ -211,7 +211,10 @@ fn assert_reaches(discovery: &Discovery, ranks: &[FakeRank]) {
 fn expect_failure(result: Result<Discovery, DiscoverError>) -> DiscoverError {
     match result {
         Ok(discovery) => panic!("expected a failure, got {discovery:?}"),
-        Err(err) => err,
+        Err(err) => {
+            eprintln!("{err}");
+            err
+        }
     }
 }
 
@@ -366,7 +369,7 @@ fn bad_answers_are_refused_whole_with_the_engine_the_url_and_why() {
             "answered 503 Service Unavailable: \"{\\\"detail\\\": \\\"engine core is dead\\\"}\"",
         ),
         (Reply::RedirectToSelf, Failure::Redirect(302), "follows no redirect"),
-        (Reply::Padded(2 << 20), Failure::TooLarge, "more than 1024 KiB"),
+        (Reply::Padded(2 << 20), Failure::TooLarge, "more than 1 MiB"),
     ];
     let api = ApiServer::start(&[]);
     for (reply, failure, expected) in cases {
@@ -440,4 +443,12 @@ fn a_discover_url_kv_indexer_cannot_ask_is_refused_up_front() {
         err.starts_with("engine vllm-a: \"https://10.0.0.5:8000\": https is not supported"),
         "{err}"
     );
+}
+
+#[test]
+fn one_client_serves_every_engine_from_any_thread() {
+    fn shared<T: Send + Sync>() {}
+    shared::<Client>();
+    shared::<EngineApi>();
+    shared::<DiscoverError>();
 }

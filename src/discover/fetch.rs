@@ -67,10 +67,6 @@ impl Client {
         }
     }
 
-    pub fn limits(&self) -> Limits {
-        self.limits
-    }
-
     /// GETs `url` and parses the body as JSON; `None` for a 404 (the route does not exist on
     /// this kind of engine).
     pub(super) fn get_json(
@@ -162,8 +158,8 @@ impl Client {
             ureq::Error::BodyExceedsLimit(_) => (
                 Failure::TooLarge,
                 format!(
-                    "answered more than {} KiB, refused: a real answer is a few KiB",
-                    max_body / 1024
+                    "answered more than {}, refused: a real answer is at most some 256 KiB",
+                    byte_size(max_body)
                 ),
             ),
             ureq::Error::Protocol(err) => (
@@ -188,5 +184,14 @@ fn quote(body: &[u8]) -> String {
         String::new()
     } else {
         format!(": {text:?}")
+    }
+}
+
+/// `1 MiB`, `512 KiB` or `100 bytes`: the cap as a reader would write it.
+fn byte_size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
     }
 }
