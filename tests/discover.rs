@@ -311,12 +311,25 @@ fn sglang_is_told_apart_by_its_route_and_puts_rank_r_on_port_plus_r() {
         "vLLM's route is asked first"
     );
 
-    // Once the kind is known, only its route is asked.
+    // Once the kind is known, its route is asked first, and alone when it answers.
     client()
         .discover(&api.api(), Some(EngineKind::Sglang))
         .expect("discovered");
     assert_eq!(api.hits("/kv_event_sources"), 1);
     assert_eq!(api.hits("/server_info"), 2);
+}
+
+#[test]
+fn an_engine_replaced_by_the_other_kind_is_still_found() {
+    let api = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, "{}".into()))]);
+    let discovery = client()
+        .discover(&api.api(), Some(EngineKind::Sglang))
+        .expect("discovered");
+    assert_eq!(discovery.kind, EngineKind::Vllm);
+    assert_eq!(
+        (api.hits("/server_info"), api.hits("/kv_event_sources")),
+        (1, 1)
+    );
 }
 
 #[test]
@@ -427,11 +440,20 @@ fn no_route_on_either_engine_names_both_urls() {
         )),
         "{text}"
     );
-    let err = expect_failure(client().discover(&api.api(), Some(EngineKind::Vllm)));
     assert!(
-        err.to_string().ends_with(
-            "answered 404: does this vLLM serve /kv_event_sources (vLLM 0.33 or later)?"
+        text.ends_with(
+            ": does this vLLM serve /kv_event_sources (vLLM 0.33 or later), or is \
+                        discover not the engine's HTTP server (vLLM's or SGLang's)?"
         ),
+        "{text}"
+    );
+    // With SGLang known, its route is named first.
+    let err = expect_failure(client().discover(&api.api(), Some(EngineKind::Sglang)));
+    assert!(
+        err.to_string().contains(&format!(
+            "{}/server_info answered 404, and so did {}/kv_event_sources",
+            api.url, api.url
+        )),
         "{err}"
     );
 }

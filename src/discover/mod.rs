@@ -53,11 +53,11 @@ impl EngineKind {
         }
     }
 
-    /// What a 404 on this engine's route suggests.
-    fn missing_route_hint(self) -> &'static str {
+    /// The other engine kind.
+    fn other(self) -> EngineKind {
         match self {
-            EngineKind::Vllm => "does this vLLM serve /kv_event_sources (vLLM 0.33 or later)?",
-            EngineKind::Sglang => "is this SGLang's HTTP server?",
+            EngineKind::Vllm => EngineKind::Sglang,
+            EngineKind::Sglang => EngineKind::Vllm,
         }
     }
 }
@@ -164,23 +164,21 @@ impl fmt::Display for DiscoverError {
 impl std::error::Error for DiscoverError {}
 
 impl Client {
-    /// Asks the engine for its ranks. `known` is the kind that answered last time, asked
-    /// alone; `None` asks vLLM's route first and SGLang's when that one is 404. Blocks for at
-    /// most the client's `Limits::whole` per route asked: call it off any shared thread.
+    /// Asks the engine for its ranks, on the route of `hint` first (the kind that answered
+    /// last time; vLLM's when `None`) and on the other kind's route when that one answers 404,
+    /// so an engine replaced by the other kind is still found. Blocks for at most
+    /// `Limits::whole` per route asked: call it off any shared thread.
     pub fn discover(
         &self,
         api: &EngineApi,
-        known: Option<EngineKind>,
+        hint: Option<EngineKind>,
     ) -> Result<Discovery, DiscoverError> {
-        let kinds = match known {
-            Some(kind) => vec![kind],
-            None => vec![EngineKind::Vllm, EngineKind::Sglang],
-        };
+        let first = hint.unwrap_or(EngineKind::Vllm);
         let mut missing = Vec::new();
-        for kind in kinds {
+        for kind in [first, first.other()] {
             let url = api.url.join(kind.route());
             let Some(body) = self.get_json(&api.engine, &url)? else {
-                missing.push((kind, url));
+                missing.push(url);
                 continue;
             };
             let ranks = match kind {
@@ -197,26 +195,17 @@ impl Client {
                 }),
             };
         }
-        Err(not_found(&api.engine, missing))
-    }
-}
-
-/// Every route asked answered 404.
-fn not_found(engine: &str, missing: Vec<(EngineKind, String)>) -> DiscoverError {
-    let mut routes = missing.into_iter();
-    let (first_kind, first_url) = routes.next().unwrap_or((EngineKind::Vllm, String::new()));
-    let detail = match routes.next() {
-        None => format!("answered 404: {}", first_kind.missing_route_hint()),
-        Some((_, other_url)) => format!(
-            "answered 404, and so did {other_url}: is discover the address of vLLM's (0.33 or \
-             later) or SGLang's HTTP server?"
-        ),
-    };
-    DiscoverError {
-        engine: engine.to_string(),
-        url: first_url,
-        failure: Failure::Status(404),
-        detail,
+        let [asked, other] = <[String; 2]>::try_from(missing).unwrap_or_default();
+        Err(DiscoverError {
+            engine: api.engine.clone(),
+            url: asked,
+            failure: Failure::Status(404),
+            detail: format!(
+                "answered 404, and so did {other}: does this vLLM serve /kv_event_sources \
+                 (vLLM 0.33 or later), or is discover not the engine's HTTP server (vLLM's or \
+                 SGLang's)?"
+            ),
+        })
     }
 }
 
