@@ -18,6 +18,7 @@
 //! benchmarks; the indexer itself never uses it.
 
 pub mod config;
+pub mod discover;
 pub mod http;
 pub mod index;
 pub mod listener;

@@ -1,0 +1,197 @@
+//! The one HTTP GET discovery makes: bounded in time and size, no redirect followed, every
+//! failure a `DiscoverError` naming the engine and the URL.
+//!
+//! Owns: the `ureq` agent and its limits. Never: interprets a body beyond "is it JSON".
+
+use std::io::Read;
+use std::time::Duration;
+
+use super::{DiscoverError, Failure};
+
+/// What one fetch may cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// To establish the TCP connection. Without it a SYN to a dead node waits for the
+    /// kernel's retries (about 127 s on Linux).
+    pub connect: Duration,
+    /// For the whole request, from resolving the name to the body's last byte: a server that
+    /// trickles its body is cut off here.
+    pub whole: Duration,
+    /// Largest body taken. An entry of `/kv_event_sources` is about 250 bytes, so 1,024 ranks
+    /// (`config::MAX_DP_SIZE`) answer about 256 KiB; SGLang's `/server_info` is some 10 KiB.
+    /// 1 MiB is four times the largest real answer, and bounds what a broken server can make
+    /// the indexer hold.
+    pub max_body: u64,
+}
+
+impl Default for Limits {
+    /// Engines answer these routes from memory in milliseconds; 5 s tolerates an API server
+    /// whose event loop is busy with traffic without stalling a discovery round for long.
+    fn default() -> Limits {
+        Limits {
+            connect: Duration::from_secs(2),
+            whole: Duration::from_secs(5),
+            max_body: 1 << 20,
+        }
+    }
+}
+
+/// Asks engines' HTTP servers; one is shared by every engine (the agent pools connections).
+pub struct Client {
+    agent: ureq::Agent,
+    limits: Limits,
+}
+
+/// Characters of an error body quoted in a status error: enough for FastAPI's `{"detail":
+/// "Not Found"}` or a proxy's one-line reason, not a page of HTML.
+const QUOTED_BODY_CHARS: usize = 160;
+
+impl Client {
+    pub fn new(limits: Limits) -> Client {
+        let config = ureq::Agent::config_builder()
+            // Statuses are errors of ours, with the URL and a hint, not ureq's.
+            .http_status_as_error(false)
+            // A redirect is answered with an error at its first hop, so a loop ends at once;
+            // an engine's API server has no reason to redirect these routes.
+            .max_redirects(0)
+            // Engines are on the cluster network: an HTTP_PROXY meant for the internet would
+            // only get in the way.
+            .proxy(None)
+            .timeout_connect(Some(limits.connect))
+            .timeout_global(Some(limits.whole))
+            .user_agent(concat!("kv-indexer/", env!("CARGO_PKG_VERSION")))
+            .build();
+        Client {
+            agent: config.into(),
+            limits,
+        }
+    }
+
+    /// GETs `url` and parses the body as JSON; `None` for a 404 (the route does not exist on
+    /// this kind of engine).
+    pub(super) fn get_json(
+        &self,
+        engine: &str,
+        url: &str,
+    ) -> Result<Option<serde_json::Value>, DiscoverError> {
+        let fail = |failure: Failure, detail: String| DiscoverError {
+            engine: engine.to_string(),
+            url: url.to_string(),
+            failure,
+            detail,
+        };
+        let response = self
+            .agent
+            .get(url)
+            .header("Accept", "application/json")
+            .call()
+            .map_err(|err| {
+                let (failure, detail) = self.transport_failure(err);
+                fail(failure, detail)
+            })?;
+        let status = response.status();
+        if status.is_redirection() {
+            let target = response
+                .headers()
+                .get("location")
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or("nowhere given");
+            return Err(fail(
+                Failure::Redirect(status.as_u16()),
+                format!(
+                    "answered {status} redirecting to {target}: discovery follows no redirect; \
+                     point discover at the engine's HTTP server itself"
+                ),
+            ));
+        }
+        if status.as_u16() == 404 {
+            return Ok(None);
+        }
+        let mut body = response.into_body();
+        if !status.is_success() {
+            let mut quoted = Vec::new();
+            // Best effort: the status is the error; the body only helps to read it.
+            let _ = body
+                .as_reader()
+                .take(QUOTED_BODY_CHARS as u64)
+                .read_to_end(&mut quoted);
+            return Err(fail(
+                Failure::Status(status.as_u16()),
+                format!("answered {status}{}", quote(&quoted)),
+            ));
+        }
+        let bytes = body
+            .with_config()
+            .limit(self.limits.max_body)
+            .read_to_vec()
+            .map_err(|err| {
+                let (failure, detail) = self.transport_failure(err);
+                fail(failure, detail)
+            })?;
+        serde_json::from_slice(&bytes).map(Some).map_err(|err| {
+            fail(
+                Failure::NotJson,
+                format!("answered {status} with a body that is not JSON ({err}): is this the engine's HTTP server?"),
+            )
+        })
+    }
+
+    fn transport_failure(&self, err: ureq::Error) -> (Failure, String) {
+        let Limits {
+            connect,
+            whole,
+            max_body,
+        } = self.limits;
+        match err {
+            ureq::Error::Timeout(ureq::Timeout::Connect) => (
+                Failure::Unreachable,
+                format!("cannot be reached: no connection within {connect:?}"),
+            ),
+            ureq::Error::Timeout(_) => (
+                Failure::Timeout,
+                format!("gave no whole answer within {whole:?}"),
+            ),
+            ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::TimedOut => (
+                Failure::Timeout,
+                format!("gave no whole answer within {whole:?} ({io})"),
+            ),
+            ureq::Error::BodyExceedsLimit(_) => (
+                Failure::TooLarge,
+                format!(
+                    "answered more than {}, refused: a real answer is at most some 256 KiB",
+                    byte_size(max_body)
+                ),
+            ),
+            ureq::Error::Protocol(err) => (
+                Failure::NotHttp,
+                format!("answered something that is not HTTP ({err})"),
+            ),
+            ureq::Error::Io(io) => (Failure::Unreachable, format!("cannot be reached: {io}")),
+            other => (Failure::Unreachable, format!("cannot be reached: {other}")),
+        }
+    }
+}
+
+/// `: "…"` with the body's first characters on one line, or nothing for an empty body.
+fn quote(body: &[u8]) -> String {
+    let text: String = String::from_utf8_lossy(body)
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(QUOTED_BODY_CHARS)
+        .collect();
+    let text = text.trim();
+    if text.is_empty() {
+        String::new()
+    } else {
+        format!(": {text:?}")
+    }
+}
+
+/// `1 MiB`, `512 KiB` or `100 bytes`: the cap as a reader would write it.
+fn byte_size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
+    }
+}
