@@ -3,10 +3,7 @@
 //! publishers on OS-chosen ports prove the discovered endpoints are the ranks themselves.
 //! Every wait is bounded by the client's `Limits` (at most 2 s here) or a 10 s socket timeout.
 
-#[path = "support/fake_engine.rs"]
-mod fake_engine;
-#[path = "support/http_client.rs"]
-mod http_client;
+mod support;
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -16,10 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fake_engine::FakeRank;
 use kv_indexer::discover::{
     Client, DiscoverError, Discovery, EngineApi, EngineKind, Failure, Limits,
 };
+use support::fake_engine::FakeRank;
+use support::free_port;
 
 /// What the fake API server answers on one route.
 #[derive(Clone)]
@@ -278,14 +276,8 @@ fn an_empty_object_is_a_valid_answer_of_zero_ranks() {
 #[test]
 fn sglang_is_told_apart_by_its_route_and_puts_rank_r_on_port_plus_r() {
     let zmq = zmq::Context::new();
-    let ranks = (0..50)
-        .find_map(|_| {
-            let base = http_client::free_port();
-            let first = FakeRank::bind_at(&zmq, base, 0)?;
-            let second = FakeRank::bind_at(&zmq, base.checked_add(1)?, 1)?;
-            Some([first, second])
-        })
-        .expect("two consecutive free ports");
+    let (first, second) = FakeRank::bind_pair(&zmq);
+    let ranks = [first, second];
     let config = format!(
         r#"{{"publisher": "zmq", "endpoint": "tcp://*:{}", "topic": ""}}"#,
         ranks[0].port
@@ -334,7 +326,7 @@ fn an_engine_replaced_by_the_other_kind_is_still_found() {
 
 #[test]
 fn a_server_that_is_down_is_unreachable_and_named() {
-    let url = format!("http://127.0.0.1:{}", http_client::free_port());
+    let url = format!("http://127.0.0.1:{}", free_port());
     let api = EngineApi::new("vllm-a", &url, None).unwrap();
     let err = expect_failure(client().discover(&api, None));
     assert_eq!(err.failure, Failure::Unreachable);

@@ -3,8 +3,7 @@
 //! server are not taken for publishers. Each probe waits at most 5 s (300 ms for the silent
 //! server, which can only end by the deadline).
 
-#[path = "support/http_client.rs"]
-mod http_client;
+mod support;
 
 use std::net::TcpListener;
 use std::time::Duration;
@@ -40,7 +39,7 @@ fn a_publisher_on_the_neighbour_port_is_found_and_not_subscribed_to() {
 #[test]
 fn a_closed_port_reports_nothing() {
     let zmq = zmq::Context::new();
-    let endpoint = format!("tcp://127.0.0.1:{}", http_client::free_port());
+    let endpoint = format!("tcp://127.0.0.1:{}", support::free_port());
     assert!(!publisher_answers(&zmq, &endpoint, WAIT).expect("probe"));
 }
 
