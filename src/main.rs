@@ -1,13 +1,16 @@
 //! The `kv-indexer` command: reads the command line, sets up logging, loads and validates the
-//! configuration, then either prints the expanded plan (`--check`) or hands everything to
-//! `service::run`. It never serves anything itself, and starts nothing from a broken file.
+//! configuration, then either prints the expanded plan (`--check`, offline; with `--discover`
+//! after asking every discovered engine) or hands everything to `service::run`. It never serves
+//! anything itself, and starts nothing from a broken file.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
 use kv_indexer::config::{self, Config};
-use kv_indexer::{plan, service};
+use kv_indexer::discover::{Client, DiscoverError, Limits};
+use kv_indexer::plan::{self, Discoveries};
+use kv_indexer::service;
 
 /// A standalone KV-cache indexer for LLM serving.
 #[derive(Parser)]
@@ -20,8 +23,14 @@ struct Args {
     #[arg(long, value_name = "ADDR")]
     listen: Option<String>,
     /// Validate the file, print the expanded per-rank plan, and exit: 0 when valid, else 1.
+    /// Offline: an engine with `discover` shows no ranks.
     #[arg(long)]
     check: bool,
+    /// With --check: also ask every engine with `discover` for its ranks and print the plan
+    /// kv-indexer would run (SOURCE marks the rows from an engine's answer); 1 when an engine
+    /// cannot be asked.
+    #[arg(long, requires = "check")]
+    discover: bool,
 }
 
 fn main() -> ExitCode {
@@ -42,8 +51,12 @@ fn main() -> ExitCode {
     };
 
     if args.check {
-        let specs = plan::expand(&config);
-        print!("{}", plan::render_table(&specs));
+        let (discovered, failed) = match args.discover {
+            true => ask_engines(&config),
+            false => (Discoveries::new(), Vec::new()),
+        };
+        let specs = plan::expand_with(&config, &discovered);
+        print!("{}", plan::render_table(&specs, &discovered));
         println!(
             "{}, {}; listen {}, block_size {}, shards {}",
             count(config.engines.len(), "engine", "engines"),
@@ -52,7 +65,18 @@ fn main() -> ExitCode {
             config.block_size,
             config.shards
         );
-        return ExitCode::SUCCESS;
+        if failed.is_empty() {
+            return ExitCode::SUCCESS;
+        }
+        for error in &failed {
+            eprintln!("{error}");
+        }
+        eprintln!(
+            "{}: {} could not be asked; their ranks are missing above",
+            args.config.display(),
+            count(failed.len(), "engine", "engines")
+        );
+        return ExitCode::FAILURE;
     }
 
     match service::run(&args.config, config, args.listen) {
@@ -79,6 +103,49 @@ fn load(args: &Args) -> (Option<Config>, Vec<String>) {
             (None, problems)
         }
     }
+}
+
+/// Asks every engine with `discover` at once, one thread each (an engine may take
+/// `Limits::whole` to fail); a disagreement with the file is printed as a warning.
+fn ask_engines(config: &Config) -> (Discoveries, Vec<DiscoverError>) {
+    let client = Client::new(Limits::default());
+    let answers: Vec<(String, Result<_, DiscoverError>)> = std::thread::scope(|scope| {
+        let asking: Vec<_> = config
+            .engines
+            .iter()
+            .filter_map(|engine| Some((engine, engine.discover()?)))
+            .map(|(engine, discover)| {
+                let client = &client;
+                scope.spawn(move || {
+                    let answer = client.discover(&discover.api, None);
+                    if let Ok(discovery) = &answer {
+                        for disagreement in discovery.disagreements(&discover.file) {
+                            eprintln!(
+                                "warning: engine {}: {}; the engine wins",
+                                engine.name, disagreement.detail
+                            );
+                        }
+                    }
+                    (engine.name.clone(), answer)
+                })
+            })
+            .collect();
+        asking
+            .into_iter()
+            .filter_map(|thread| thread.join().ok())
+            .collect()
+    });
+    let mut discovered = Discoveries::new();
+    let mut failed = Vec::new();
+    for (engine, answer) in answers {
+        match answer {
+            Ok(discovery) => {
+                discovered.insert(engine, discovery);
+            }
+            Err(error) => failed.push(error),
+        }
+    }
+    (discovered, failed)
 }
 
 fn count(n: usize, one: &str, many: &str) -> String {

@@ -8,9 +8,11 @@
 //! - `diagnostics`: the `FILE:LINE: section: problem` list;
 //! - `keys`: reading one section's keys, each bad key reported and dropped;
 //! - `engine`: `[defaults]` and the per-engine rules;
+//! - `discovered`: the keys of an engine whose ranks come from its own HTTP server;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide.
 
 mod diagnostics;
+mod discovered;
 mod engine;
 mod keys;
 mod ports;
@@ -24,6 +26,7 @@ use serde::Deserialize;
 use toml::de::DeTable;
 use toml::Spanned;
 
+use crate::discover::{EngineApi, FileLayout};
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
 use keys::{read_table, Int, SectionChecker};
@@ -47,7 +50,29 @@ pub struct Config {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
     pub name: String,
+    /// The engine's node: where fixed ranks publish, and what replaces a wildcard host in the
+    /// endpoints a discovered engine reports (the `discover` URL's host unless written).
     pub host: String,
+    /// Where the ranks come from: the file, or the engine itself.
+    pub ranks: Ranks,
+    pub recover_port: Option<u16>,
+    pub model: Option<String>,
+    /// The subscription prefix of fixed ranks (a discovered rank has its own).
+    pub topic: String,
+}
+
+/// Where an engine's ranks come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ranks {
+    /// Written in the file: rank r on `zmq_port + r`.
+    Fixed(FixedRanks),
+    /// Asked of the engine's HTTP server (`discover`).
+    Discovered(DiscoverConfig),
+}
+
+/// Ranks written in the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FixedRanks {
     /// Rank 0's port, the base the engine was given; rank r publishes on `zmq_port + r`.
     pub zmq_port: u16,
     /// The first global data-parallel rank this engine runs (vLLM's
@@ -56,9 +81,37 @@ pub struct EngineConfig {
     pub dp_rank_start: u32,
     pub dp_size: u32,
     pub replay_port: Option<u16>,
-    pub recover_port: Option<u16>,
-    pub model: Option<String>,
-    pub topic: String,
+}
+
+/// An engine whose ranks come from its HTTP server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiscoverConfig {
+    /// The engine's HTTP server (`discover`, checked by `discover::BaseUrl::parse`) and the
+    /// host that replaces a wildcard in its endpoints (the engine's `host`).
+    pub api: EngineApi,
+    /// Seconds between two questions while the engine answers.
+    pub interval_s: u32,
+    /// The rank keys the engine's own table wrote: compared with the engine's answer, never
+    /// used to place a rank (the engine wins).
+    pub file: FileLayout,
+}
+
+impl EngineConfig {
+    /// The fixed ranks, when the file places them.
+    pub fn fixed(&self) -> Option<&FixedRanks> {
+        match &self.ranks {
+            Ranks::Fixed(fixed) => Some(fixed),
+            Ranks::Discovered(_) => None,
+        }
+    }
+
+    /// The `discover` settings, when the engine is asked for its ranks.
+    pub fn discover(&self) -> Option<&DiscoverConfig> {
+        match &self.ranks {
+            Ranks::Fixed(_) => None,
+            Ranks::Discovered(discover) => Some(discover),
+        }
+    }
 }
 
 /// Every problem found in a configuration file; each names the file, the engine and the key.
@@ -73,6 +126,12 @@ pub const DEFAULT_SHARDS: usize = 64;
 pub const DEFAULT_ZMQ_PORT: u16 = 5557;
 pub const DEFAULT_DP_SIZE: u32 = 1;
 pub const DEFAULT_DP_RANK_START: u32 = 0;
+/// Seconds between two discoveries of an engine: its ranks change only when an operator scales
+/// it, and each question costs the engine's API server one small JSON answer.
+pub const DEFAULT_DISCOVER_INTERVAL_S: u32 = 30;
+/// A day: a longer interval would leave a scaled engine unindexed for longer than any operator
+/// would wait before asking why.
+pub const MAX_DISCOVER_INTERVAL_S: u32 = 86_400;
 /// Global data-parallel ranks are below this: it bounds `dp_size` and `dp_rank_start + dp_size`.
 pub const MAX_DP_SIZE: u32 = 1024;
 /// More shards than this buys no concurrency on any real machine and costs memory.
@@ -254,10 +313,12 @@ mod tests {
                 engines: vec![EngineConfig {
                     name: "local".into(),
                     host: "127.0.0.1".into(),
-                    zmq_port: 5557,
-                    dp_rank_start: 0,
-                    dp_size: 1,
-                    replay_port: None,
+                    ranks: Ranks::Fixed(FixedRanks {
+                        zmq_port: 5557,
+                        dp_rank_start: 0,
+                        dp_size: 1,
+                        replay_port: None,
+                    }),
                     recover_port: None,
                     model: None,
                     topic: String::new(),
@@ -304,11 +365,12 @@ topic = ""
             ("0.0.0.0:9000", 32, 8)
         );
         let inherits = &config.engines[0];
+        let fixed = inherits.fixed().expect("fixed ranks");
         assert_eq!(
             (
-                inherits.zmq_port,
-                inherits.dp_size,
-                inherits.replay_port,
+                fixed.zmq_port,
+                fixed.dp_size,
+                fixed.replay_port,
                 inherits.recover_port
             ),
             (6000, 2, Some(6100), Some(6200))
@@ -318,11 +380,12 @@ topic = ""
             (Some("m"), "kv")
         );
         let overrides = &config.engines[1];
+        let fixed = overrides.fixed().expect("fixed ranks");
         assert_eq!(
             (
-                overrides.zmq_port,
-                overrides.dp_size,
-                overrides.replay_port,
+                fixed.zmq_port,
+                fixed.dp_size,
+                fixed.replay_port,
                 overrides.recover_port
             ),
             (7000, 4, Some(7100), Some(7200))
