@@ -5,20 +5,22 @@
 //! through [`RankMetrics`], whose handles are resolved once when the listener starts, so the hot
 //! path is a few atomic adds and never takes a label-map lock. HTTP workers and the reloader write
 //! through [`Metrics`]. This module never formats the exposition by hand (the `prometheus-client`
-//! encoder does), and reads nothing from the index but its key count, at render time.
+//! encoder does) and imports nothing from the crate: it owns the closed label sets
+//! ([`ListenerState`], [`MalformedReason`], [`RecoveryMethod`], [`EventSeries`]) that the
+//! listener maps its facts onto, and is told the index's key count ([`Metrics::set_index_keys`]).
 //!
 //! Names (prefix `kv_indexer_`; `{instance, dp_rank}` on every per-rank series):
 //!
 //! | metric | type | extra labels |
 //! |---|---|---|
 //! | `batches_total` | counter | |
-//! | `events_total` | counter | `type`, `outcome` (mapping: `EVENT_SERIES` below) |
+//! | `events_total` | counter | `type`, `outcome` ([`EventSeries`]) |
 //! | `blocks_stored_total`, `blocks_removed_total` | counter | |
-//! | `malformed_messages_total` | counter | `reason` ([`MALFORMED_REASONS`]) |
+//! | `malformed_messages_total` | counter | `reason` ([`MalformedReason`]) |
 //! | `gaps_total`, `lost_batches_total`, `publisher_restarts_total`, `dp_rank_mismatch_total` | counter | |
-//! | `recoveries_total` | counter | `method` ([`RECOVERY_METHODS`]), `outcome` (`ok`, `failed`) |
+//! | `recoveries_total` | counter | `method` ([`RecoveryMethod`]), `outcome` (`ok`, `failed`) |
 //! | `listener_up` | gauge | |
-//! | `listener_state` | gauge | `state` (every [`State::ALL`]) |
+//! | `listener_state` | gauge | `state` (every [`ListenerState`]) |
 //! | `worker_blocks` | gauge | |
 //! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
 //! | `http_errors_total` | counter | `status` only |
@@ -33,18 +35,137 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::index::{ApplyOutcome, Index};
-use crate::listener::State;
-
 /// The `Content-Type` of [`Metrics::render`]'s output (OpenMetrics text, which Prometheus
 /// negotiates and parses).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// The `reason` values [`RankMetrics::malformed`] accepts.
-pub const MALFORMED_REASONS: [&str; 3] = ["frames", "seq", "payload"];
+/// A listener's state, as `/workers` and `listener_state{state}` show it (docs/design.md
+/// "Listeners: one per rank"). It lives here, the leaf both import, so that metrics needs
+/// nothing from the listener; the listener re-exports it as `listener::State`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ListenerState {
+    Connecting,
+    Active,
+    Recovering,
+    Degraded,
+    Stopped,
+}
 
-/// The `method` values [`RankMetrics::recovery`] accepts.
-pub const RECOVERY_METHODS: [&str; 2] = ["replay", "snapshot"];
+impl ListenerState {
+    pub const ALL: [ListenerState; 5] = [
+        ListenerState::Connecting,
+        ListenerState::Active,
+        ListenerState::Recovering,
+        ListenerState::Degraded,
+        ListenerState::Stopped,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ListenerState::Connecting => "connecting",
+            ListenerState::Active => "active",
+            ListenerState::Recovering => "recovering",
+            ListenerState::Degraded => "degraded",
+            ListenerState::Stopped => "stopped",
+        }
+    }
+}
+
+/// Why a live message was dropped: the `reason` of `malformed_messages_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MalformedReason {
+    /// Not the frames of a message.
+    Frames,
+    /// A seq frame that is not 8 bytes.
+    Seq,
+    /// An undecodable batch.
+    Payload,
+}
+
+impl MalformedReason {
+    pub const ALL: [MalformedReason; 3] = [
+        MalformedReason::Frames,
+        MalformedReason::Seq,
+        MalformedReason::Payload,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MalformedReason::Frames => "frames",
+            MalformedReason::Seq => "seq",
+            MalformedReason::Payload => "payload",
+        }
+    }
+}
+
+/// How lost history was asked for: the `method` of `recoveries_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecoveryMethod {
+    Replay,
+    Snapshot,
+}
+
+impl RecoveryMethod {
+    pub const ALL: [RecoveryMethod; 2] = [RecoveryMethod::Replay, RecoveryMethod::Snapshot];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecoveryMethod::Replay => "replay",
+            RecoveryMethod::Snapshot => "snapshot",
+        }
+    }
+}
+
+/// One `events_total{type, outcome}` series. The caller maps what applying a batch did onto
+/// these (the listener maps the index's `ApplyOutcome`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventSeries {
+    StoredApplied,
+    StoredParentMissing,
+    StoredBlockSizeMismatch,
+    StoredInvalid,
+    RemovedApplied,
+    RemovedUnknownBlock,
+    ClearedApplied,
+    /// Stores and removals together, about a medium other than GPU.
+    IgnoredMedium,
+    /// Stores and removals together, about a KV-cache group other than 0.
+    IgnoredGroup,
+    /// Events the decoder skipped: unknown type, or an event it could not decode or index.
+    Skipped,
+}
+
+impl EventSeries {
+    pub const ALL: [EventSeries; 10] = [
+        EventSeries::StoredApplied,
+        EventSeries::StoredParentMissing,
+        EventSeries::StoredBlockSizeMismatch,
+        EventSeries::StoredInvalid,
+        EventSeries::RemovedApplied,
+        EventSeries::RemovedUnknownBlock,
+        EventSeries::ClearedApplied,
+        EventSeries::IgnoredMedium,
+        EventSeries::IgnoredGroup,
+        EventSeries::Skipped,
+    ];
+
+    fn labels(self) -> (EventType, EventOutcome) {
+        match self {
+            EventSeries::StoredApplied => (EventType::stored, EventOutcome::applied),
+            EventSeries::StoredParentMissing => (EventType::stored, EventOutcome::parent_missing),
+            EventSeries::StoredBlockSizeMismatch => {
+                (EventType::stored, EventOutcome::block_size_mismatch)
+            }
+            EventSeries::StoredInvalid => (EventType::stored, EventOutcome::invalid_event),
+            EventSeries::RemovedApplied => (EventType::removed, EventOutcome::applied),
+            EventSeries::RemovedUnknownBlock => (EventType::removed, EventOutcome::unknown_block),
+            EventSeries::ClearedApplied => (EventType::cleared, EventOutcome::applied),
+            EventSeries::IgnoredMedium => (EventType::any, EventOutcome::ignored_medium),
+            EventSeries::IgnoredGroup => (EventType::any, EventOutcome::ignored_group),
+            EventSeries::Skipped => (EventType::unknown, EventOutcome::skipped),
+        }
+    }
+}
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
 /// loopback queries land; slower ones fall in `+Inf`.
@@ -59,7 +180,7 @@ enum EventType {
     stored,
     removed,
     cleared,
-    /// Stores and removals together: `ApplyOutcome` counts ignored media and groups for both.
+    /// Stores and removals together (ignored media and groups).
     any,
     /// Events the decoder skipped: unknown type, or an event it could not decode or index.
     unknown,
@@ -78,38 +199,6 @@ enum EventOutcome {
     ignored_group,
     skipped,
 }
-
-/// One `events_total` series and the `ApplyOutcome` field it counts.
-type EventSeries = (EventType, EventOutcome, fn(&ApplyOutcome) -> u64);
-
-/// How an [`ApplyOutcome`] maps onto `events_total{type, outcome}`. The decoder's skipped count
-/// goes to [`SKIPPED_EVENTS`].
-const EVENT_SERIES: [EventSeries; 9] = [
-    (EventType::stored, EventOutcome::applied, |o| o.stored),
-    (EventType::stored, EventOutcome::parent_missing, |o| {
-        o.parent_missing
-    }),
-    (EventType::stored, EventOutcome::block_size_mismatch, |o| {
-        o.block_size_mismatch
-    }),
-    (EventType::stored, EventOutcome::invalid_event, |o| {
-        o.invalid_event
-    }),
-    (EventType::removed, EventOutcome::applied, |o| o.removed),
-    (EventType::removed, EventOutcome::unknown_block, |o| {
-        o.unknown_block
-    }),
-    (EventType::cleared, EventOutcome::applied, |o| o.cleared),
-    (EventType::any, EventOutcome::ignored_medium, |o| {
-        o.ignored_medium
-    }),
-    (EventType::any, EventOutcome::ignored_group, |o| {
-        o.ignored_group
-    }),
-];
-
-/// The `events_total` series of events the decoder skipped.
-const SKIPPED_EVENTS: (EventType, EventOutcome) = (EventType::unknown, EventOutcome::skipped);
 
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -176,7 +265,8 @@ type U64Gauge = Gauge<u64, AtomicU64>;
 // The label sets of one rank's multi-series families, by position. `rank` resolves handles in
 // this order and `forget_rank` removes exactly these, so the two cannot drift apart.
 
-fn event_labels(rank: &RankLabels, (r#type, outcome): (EventType, EventOutcome)) -> EventLabels {
+fn event_labels(rank: &RankLabels, series: usize) -> EventLabels {
+    let (r#type, outcome) = EventSeries::ALL[series].labels();
     EventLabels {
         rank: rank.clone(),
         r#type,
@@ -187,7 +277,7 @@ fn event_labels(rank: &RankLabels, (r#type, outcome): (EventType, EventOutcome))
 fn reason_labels(rank: &RankLabels, reason: usize) -> ReasonLabels {
     ReasonLabels {
         rank: rank.clone(),
-        reason: MALFORMED_REASONS[reason],
+        reason: MalformedReason::ALL[reason].as_str(),
     }
 }
 
@@ -195,7 +285,7 @@ fn reason_labels(rank: &RankLabels, reason: usize) -> ReasonLabels {
 fn recovery_labels(rank: &RankLabels, series: usize) -> RecoveryLabels {
     RecoveryLabels {
         rank: rank.clone(),
-        method: RECOVERY_METHODS[series / 2],
+        method: RecoveryMethod::ALL[series / 2].as_str(),
         outcome: if series % 2 == 0 {
             RecoveryOutcome::ok
         } else {
@@ -207,7 +297,7 @@ fn recovery_labels(rank: &RankLabels, series: usize) -> RecoveryLabels {
 fn state_labels(rank: &RankLabels, state: usize) -> StateLabels {
     StateLabels {
         rank: rank.clone(),
-        state: State::ALL[state].as_str(),
+        state: ListenerState::ALL[state].as_str(),
     }
 }
 
@@ -370,13 +460,9 @@ impl Metrics {
         };
         RankMetrics {
             batches: self.batches.get_or_create_owned(&rank),
-            events: EVENT_SERIES.map(|(r#type, outcome, _)| {
-                self.events
-                    .get_or_create_owned(&event_labels(&rank, (r#type, outcome)))
+            events: std::array::from_fn(|i| {
+                self.events.get_or_create_owned(&event_labels(&rank, i))
             }),
-            skipped_events: self
-                .events
-                .get_or_create_owned(&event_labels(&rank, SKIPPED_EVENTS)),
             blocks_stored: self.blocks_stored.get_or_create_owned(&rank),
             blocks_removed: self.blocks_removed.get_or_create_owned(&rank),
             malformed: std::array::from_fn(|i| {
@@ -420,17 +506,16 @@ impl Metrics {
         }
         self.listener_up.remove(&rank);
         self.worker_blocks.remove(&rank);
-        for (r#type, outcome, _) in EVENT_SERIES {
-            self.events.remove(&event_labels(&rank, (r#type, outcome)));
+        for i in 0..EventSeries::ALL.len() {
+            self.events.remove(&event_labels(&rank, i));
         }
-        self.events.remove(&event_labels(&rank, SKIPPED_EVENTS));
-        for i in 0..MALFORMED_REASONS.len() {
+        for i in 0..MalformedReason::ALL.len() {
             self.malformed.remove(&reason_labels(&rank, i));
         }
-        for i in 0..RECOVERY_METHODS.len() * 2 {
+        for i in 0..RecoveryMethod::ALL.len() * 2 {
             self.recoveries.remove(&recovery_labels(&rank, i));
         }
-        for i in 0..State::ALL.len() {
+        for i in 0..ListenerState::ALL.len() {
             self.listener_state.remove(&state_labels(&rank, i));
         }
     }
@@ -457,14 +542,13 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition of every metric (index gauges read from `index`).
-    pub fn render(&self, index: &Index) -> String {
-        self.render_with(index.key_count())
+    /// The index's distinct key count, for `index_keys`: set by whoever renders, just before.
+    pub fn set_index_keys(&self, keys: u64) {
+        self.index_keys.set(keys);
     }
 
-    /// [`Self::render`] with the index's key count given.
-    pub fn render_with(&self, index_keys: u64) -> String {
-        self.index_keys.set(index_keys);
+    /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]).
+    pub fn render(&self) -> String {
         let mut text = String::new();
         // Writing to a String cannot fail, and no label of ours fails to encode.
         if let Err(err) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
@@ -484,50 +568,43 @@ impl Default for Metrics {
 #[derive(Clone)]
 pub struct RankMetrics {
     batches: Counter,
-    /// In [`EVENT_SERIES`] order.
-    events: [Counter; EVENT_SERIES.len()],
-    skipped_events: Counter,
+    /// In [`EventSeries::ALL`] order.
+    events: [Counter; EventSeries::ALL.len()],
     blocks_stored: Counter,
     blocks_removed: Counter,
-    /// In [`MALFORMED_REASONS`] order.
-    malformed: [Counter; MALFORMED_REASONS.len()],
+    /// In [`MalformedReason::ALL`] order.
+    malformed: [Counter; MalformedReason::ALL.len()],
     gaps: Counter,
     lost_batches: Counter,
     restarts: Counter,
     /// In [`recovery_labels`] order.
-    recoveries: [Counter; RECOVERY_METHODS.len() * 2],
+    recoveries: [Counter; RecoveryMethod::ALL.len() * 2],
     dp_rank_mismatch: Counter,
     listener_up: Gauge,
-    /// In [`State::ALL`] order.
-    listener_state: [Gauge; State::ALL.len()],
+    /// In [`ListenerState::ALL`] order.
+    listener_state: [Gauge; ListenerState::ALL.len()],
     worker_blocks: U64Gauge,
 }
 
 impl RankMetrics {
-    /// A batch decoded and applied; `skipped` events the decoder could not read.
-    pub fn batch(&self, outcome: &ApplyOutcome, skipped: u32) {
+    /// A batch (or snapshot) applied, and the blocks it stored and removed; its events are
+    /// counted by [`Self::events`].
+    pub fn batch(&self, blocks_stored: u64, blocks_removed: u64) {
         self.batches.inc();
-        for ((_, _, count), counter) in EVENT_SERIES.iter().zip(&self.events) {
-            let n = count(outcome);
-            if n > 0 {
-                counter.inc_by(n);
-            }
-        }
-        if skipped > 0 {
-            self.skipped_events.inc_by(u64::from(skipped));
-        }
-        self.blocks_stored.inc_by(outcome.stored_blocks);
-        self.blocks_removed.inc_by(outcome.removed_blocks);
+        self.blocks_stored.inc_by(blocks_stored);
+        self.blocks_removed.inc_by(blocks_removed);
     }
 
-    /// A message dropped as malformed: `reason` is one of [`MALFORMED_REASONS`].
-    pub fn malformed(&self, reason: &'static str) {
-        match MALFORMED_REASONS.iter().position(|r| *r == reason) {
-            Some(i) => {
-                self.malformed[i].inc();
-            }
-            None => unknown_label("malformed reason", reason),
+    /// `count` events of one `events_total` series.
+    pub fn events(&self, series: EventSeries, count: u64) {
+        if count > 0 {
+            self.events[series as usize].inc_by(count);
         }
+    }
+
+    /// A message dropped as malformed.
+    pub fn malformed(&self, reason: MalformedReason) {
+        self.malformed[reason as usize].inc();
     }
 
     /// A gap, mid-stream join, restart or undecodable batch detected.
@@ -545,15 +622,9 @@ impl RankMetrics {
         self.restarts.inc();
     }
 
-    /// A recovery attempt: `method` one of [`RECOVERY_METHODS`]; `ok` whether it covered the
-    /// hole.
-    pub fn recovery(&self, method: &'static str, ok: bool) {
-        match RECOVERY_METHODS.iter().position(|m| *m == method) {
-            Some(i) => {
-                self.recoveries[2 * i + usize::from(!ok)].inc();
-            }
-            None => unknown_label("recovery method", method),
-        }
+    /// A recovery attempt; `ok` whether it covered the hole.
+    pub fn recovery(&self, method: RecoveryMethod, ok: bool) {
+        self.recoveries[2 * method as usize + usize::from(!ok)].inc();
     }
 
     /// A batch whose payload dp_rank disagrees with the listener's rank.
@@ -564,9 +635,9 @@ impl RankMetrics {
     /// `listener_state` becomes 1 for `state` and 0 for the others; `listener_up` follows
     /// `connected`. The gauges are separate atomics: a scrape racing this call can see the old
     /// and the new state both at 1 for that instant.
-    pub fn set_state(&self, state: State, connected: bool) {
+    pub fn set_state(&self, state: ListenerState, connected: bool) {
         self.listener_up.set(i64::from(connected));
-        for (s, gauge) in State::ALL.iter().zip(&self.listener_state) {
+        for (s, gauge) in ListenerState::ALL.iter().zip(&self.listener_state) {
             gauge.set(i64::from(*s == state));
         }
     }
@@ -574,13 +645,6 @@ impl RankMetrics {
     pub fn set_blocks(&self, blocks: u64) {
         self.worker_blocks.set(blocks);
     }
-}
-
-/// A label value outside this module's closed sets is a caller bug: fail tests, and in release
-/// log it rather than create a series `forget_rank` would not know to remove.
-fn unknown_label(what: &str, value: &str) {
-    debug_assert!(false, "metrics: unknown {what} {value:?}");
-    log::error!("metrics: unknown {what} {value:?}, not counted");
 }
 
 #[cfg(test)]
@@ -675,34 +739,18 @@ mod tests {
             .count()
     }
 
-    fn outcome_with_distinct_counts() -> ApplyOutcome {
-        ApplyOutcome {
-            stored: 3,
-            stored_blocks: 40,
-            removed: 5,
-            removed_blocks: 7,
-            cleared: 1,
-            parent_missing: 11,
-            unknown_block: 13,
-            block_size_mismatch: 17,
-            invalid_event: 19,
-            ignored_medium: 23,
-            ignored_group: 29,
-        }
-    }
-
     #[test]
     fn a_fresh_registry_renders_valid_exposition_with_every_rank_series_at_zero() {
         let metrics = Metrics::new();
         metrics.rank("vllm-a", 1);
-        let scrape = parse(&metrics.render_with(0));
+        let scrape = parse(&metrics.render());
         let per_rank = rank_series(&scrape, "vllm-a", "1");
         let expected = 7 // batches, blocks ×2, gaps, lost, restarts, mismatch
-            + EVENT_SERIES.len() + 1
-            + MALFORMED_REASONS.len()
-            + RECOVERY_METHODS.len() * 2
+            + EventSeries::ALL.len()
+            + MalformedReason::ALL.len()
+            + RecoveryMethod::ALL.len() * 2
             + 1 // listener_up
-            + State::ALL.len()
+            + ListenerState::ALL.len()
             + 1; // worker_blocks
         assert_eq!(per_rank, expected);
         for s in &scrape.samples {
@@ -723,13 +771,15 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_moves_each_event_series_by_its_outcome_field() {
+    fn each_event_series_moves_its_own_type_and_outcome() {
         let metrics = Metrics::new();
         let rank = metrics.rank("e", 0);
-        let outcome = outcome_with_distinct_counts();
-        rank.batch(&outcome, 31);
-        rank.batch(&outcome, 0);
-        let scrape = parse(&metrics.render_with(0));
+        for (i, series) in EventSeries::ALL.into_iter().enumerate() {
+            rank.events(series, i as u64 + 1);
+        }
+        rank.batch(40, 7);
+        rank.batch(2, 0);
+        let scrape = parse(&metrics.render());
         let r = ("e", "0");
         assert_eq!(
             rank_sample(&scrape, "kv_indexer_batches_total", r, &[]),
@@ -743,40 +793,42 @@ mod tests {
                 &[("type", t), ("outcome", o)],
             )
         };
-        let twice = |n: u64| (2 * n) as f64;
-        assert_eq!(events("stored", "applied"), twice(outcome.stored));
-        assert_eq!(
-            events("stored", "parent_missing"),
-            twice(outcome.parent_missing)
-        );
-        assert_eq!(
-            events("stored", "block_size_mismatch"),
-            twice(outcome.block_size_mismatch)
-        );
-        assert_eq!(
-            events("stored", "invalid_event"),
-            twice(outcome.invalid_event)
-        );
-        assert_eq!(events("removed", "applied"), twice(outcome.removed));
-        assert_eq!(
-            events("removed", "unknown_block"),
-            twice(outcome.unknown_block)
-        );
-        assert_eq!(events("cleared", "applied"), twice(outcome.cleared));
-        assert_eq!(
-            events("any", "ignored_medium"),
-            twice(outcome.ignored_medium)
-        );
-        assert_eq!(events("any", "ignored_group"), twice(outcome.ignored_group));
-        assert_eq!(events("unknown", "skipped"), 31.0);
+        let expected = [
+            ("stored", "applied"),
+            ("stored", "parent_missing"),
+            ("stored", "block_size_mismatch"),
+            ("stored", "invalid_event"),
+            ("removed", "applied"),
+            ("removed", "unknown_block"),
+            ("cleared", "applied"),
+            ("any", "ignored_medium"),
+            ("any", "ignored_group"),
+            ("unknown", "skipped"),
+        ];
+        for (i, (t, o)) in expected.into_iter().enumerate() {
+            assert_eq!(events(t, o), i as f64 + 1.0, "{t} {o}");
+        }
         assert_eq!(
             rank_sample(&scrape, "kv_indexer_blocks_stored_total", r, &[]),
-            twice(outcome.stored_blocks)
+            42.0
         );
         assert_eq!(
             rank_sample(&scrape, "kv_indexer_blocks_removed_total", r, &[]),
-            twice(outcome.removed_blocks)
+            7.0
         );
+    }
+
+    #[test]
+    fn label_enums_index_their_series_in_all_order() {
+        for (i, series) in EventSeries::ALL.into_iter().enumerate() {
+            assert_eq!(series as usize, i);
+        }
+        for (i, reason) in MalformedReason::ALL.into_iter().enumerate() {
+            assert_eq!(reason as usize, i);
+        }
+        for (i, method) in RecoveryMethod::ALL.into_iter().enumerate() {
+            assert_eq!(method as usize, i);
+        }
     }
 
     #[test]
@@ -784,18 +836,18 @@ mod tests {
         let metrics = Metrics::new();
         let a = metrics.rank("a", 0);
         let b = metrics.rank("a", 1);
-        a.malformed("frames");
-        a.malformed("payload");
-        a.malformed("payload");
+        a.malformed(MalformedReason::Frames);
+        a.malformed(MalformedReason::Payload);
+        a.malformed(MalformedReason::Payload);
         a.gap();
         a.lost_batches(9);
         a.restart();
-        a.recovery("replay", false);
-        a.recovery("snapshot", true);
+        a.recovery(RecoveryMethod::Replay, false);
+        a.recovery(RecoveryMethod::Snapshot, true);
         a.dp_rank_mismatch();
         a.set_blocks(1234);
-        b.batch(&ApplyOutcome::default(), 0);
-        let scrape = parse(&metrics.render_with(0));
+        b.batch(0, 0);
+        let scrape = parse(&metrics.render());
         let ra = ("a", "0");
         let malformed = |reason| {
             rank_sample(
@@ -863,12 +915,12 @@ mod tests {
     fn the_state_gauge_has_exactly_one_one_and_up_follows_connected() {
         let metrics = Metrics::new();
         let rank = metrics.rank("e", 3);
-        for (i, state) in State::ALL.into_iter().enumerate() {
+        for (i, state) in ListenerState::ALL.into_iter().enumerate() {
             let connected = i % 2 == 0;
             rank.set_state(state, connected);
-            let scrape = parse(&metrics.render_with(0));
+            let scrape = parse(&metrics.render());
             let r = ("e", "3");
-            let ones: Vec<&str> = State::ALL
+            let ones: Vec<&str> = ListenerState::ALL
                 .iter()
                 .filter(|s| {
                     rank_sample(
@@ -881,7 +933,7 @@ mod tests {
                 .map(|s| s.as_str())
                 .collect();
             assert_eq!(ones, [state.as_str()]);
-            let zeros = State::ALL
+            let zeros = ListenerState::ALL
                 .iter()
                 .filter(|s| {
                     rank_sample(
@@ -892,7 +944,7 @@ mod tests {
                     ) == 0.0
                 })
                 .count();
-            assert_eq!(zeros, State::ALL.len() - 1);
+            assert_eq!(zeros, ListenerState::ALL.len() - 1);
             assert_eq!(
                 rank_sample(&scrape, "kv_indexer_listener_up", r, &[]),
                 f64::from(u8::from(connected))
@@ -905,13 +957,18 @@ mod tests {
         let metrics = Metrics::new();
         let gone = metrics.rank("e", 0);
         metrics.rank("e", 1).gap();
-        gone.batch(&outcome_with_distinct_counts(), 1);
-        gone.set_state(State::Active, true);
-        let before = parse(&metrics.render_with(0));
+        gone.batch(3, 1);
+        for series in EventSeries::ALL {
+            gone.events(series, 1);
+        }
+        gone.malformed(MalformedReason::Seq);
+        gone.recovery(RecoveryMethod::Snapshot, false);
+        gone.set_state(ListenerState::Active, true);
+        let before = parse(&metrics.render());
         let kept_series = rank_series(&before, "e", "1");
         assert!(rank_series(&before, "e", "0") > 0);
         metrics.forget_rank("e", 0);
-        let after = parse(&metrics.render_with(0));
+        let after = parse(&metrics.render());
         assert_eq!(rank_series(&after, "e", "0"), 0);
         assert_eq!(rank_series(&after, "e", "1"), kept_series);
         assert_eq!(
@@ -932,7 +989,8 @@ mod tests {
         metrics.reload(true);
         metrics.reload(false);
         metrics.reload(false);
-        let scrape = parse(&metrics.render_with(4242));
+        metrics.set_index_keys(4242);
+        let scrape = parse(&metrics.render());
         assert_eq!(sample(&scrape, "kv_indexer_index_keys", &[]), Some(4242.0));
         assert_eq!(sample(&scrape, "kv_indexer_queries_total", &[]), Some(3.0));
         assert_eq!(
@@ -987,58 +1045,6 @@ mod tests {
     }
 
     #[test]
-    fn render_reads_the_index_key_count_and_batches_count_what_the_index_applied() {
-        use crate::wire::{BlockStored, Event};
-        let block_size = 4;
-        let index = Index::new(block_size, 8);
-        let metrics = Metrics::new();
-        let store = |blocks: u32| {
-            Event::Stored(BlockStored {
-                block_hashes: (1..=u64::from(blocks)).collect(),
-                parent: None,
-                token_ids: (0..blocks * block_size).collect(),
-                block_size,
-                lora_name: None,
-                medium: None,
-                group_idx: None,
-            })
-        };
-        // Two ranks cache the same prompt, one of them only its first two blocks: 3 keys.
-        let mut workers = Vec::new();
-        for (dp_rank, blocks) in [(0, 3), (1, 2)] {
-            let mut worker = index.add_worker();
-            let mut outcome = ApplyOutcome::default();
-            worker.apply(&store(blocks), &mut outcome);
-            let rank = metrics.rank("e", dp_rank);
-            rank.batch(&outcome, 0);
-            rank.set_blocks(worker.blocks());
-            workers.push(worker);
-        }
-        let scrape = parse(&metrics.render(&index));
-        assert_eq!(index.key_count(), 3);
-        assert_eq!(sample(&scrape, "kv_indexer_index_keys", &[]), Some(3.0));
-        for (dp_rank, blocks) in [("0", 3.0), ("1", 2.0)] {
-            let r = ("e", dp_rank);
-            assert_eq!(
-                rank_sample(&scrape, "kv_indexer_blocks_stored_total", r, &[]),
-                blocks
-            );
-            assert_eq!(
-                rank_sample(&scrape, "kv_indexer_worker_blocks", r, &[]),
-                blocks
-            );
-            let stored = [("type", "stored"), ("outcome", "applied")];
-            assert_eq!(
-                rank_sample(&scrape, "kv_indexer_events_total", r, &stored),
-                1.0
-            );
-        }
-        drop(workers);
-        let scrape = parse(&metrics.render(&index));
-        assert_eq!(sample(&scrape, "kv_indexer_index_keys", &[]), Some(0.0));
-    }
-
-    #[test]
     fn ranks_updated_from_many_threads_sum_exactly() {
         let metrics = Arc::new(Metrics::new());
         let threads: Vec<_> = (0..4u32)
@@ -1047,14 +1053,8 @@ mod tests {
                 std::thread::spawn(move || {
                     let rank = metrics.rank("shared", t % 2);
                     for _ in 0..1000 {
-                        rank.batch(
-                            &ApplyOutcome {
-                                stored: 1,
-                                stored_blocks: 2,
-                                ..ApplyOutcome::default()
-                            },
-                            0,
-                        );
+                        rank.batch(2, 0);
+                        rank.events(EventSeries::StoredApplied, 1);
                         metrics.observe_query(1e-5);
                     }
                 })
@@ -1063,7 +1063,7 @@ mod tests {
         for thread in threads {
             assert!(thread.join().is_ok());
         }
-        let scrape = parse(&metrics.render_with(0));
+        let scrape = parse(&metrics.render());
         for dp_rank in ["0", "1"] {
             let r = ("shared", dp_rank);
             assert_eq!(

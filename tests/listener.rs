@@ -150,7 +150,7 @@ impl Fixture {
     }
 
     fn metrics_text(&self) -> String {
-        self.metrics.render(&self.index)
+        self.metrics.render()
     }
 }
 

@@ -37,35 +37,9 @@ mod run;
 mod sequence;
 mod status;
 
-/// A listener's state, as shown on `/workers` (SPEC.md "Listeners: one per rank").
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum State {
-    Connecting,
-    Active,
-    Recovering,
-    Degraded,
-    Stopped,
-}
-
-impl State {
-    pub const ALL: [State; 5] = [
-        State::Connecting,
-        State::Active,
-        State::Recovering,
-        State::Degraded,
-        State::Stopped,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::Connecting => "connecting",
-            State::Active => "active",
-            State::Recovering => "recovering",
-            State::Degraded => "degraded",
-            State::Stopped => "stopped",
-        }
-    }
-}
+/// A listener's state, as shown on `/workers`: defined in `metrics` (a leaf) so that the
+/// metrics need nothing from here.
+pub use crate::metrics::ListenerState as State;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

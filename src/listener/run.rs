@@ -12,6 +12,7 @@ use super::recovery::{self, Fetched, Replayed, Stop};
 use super::sequence::{Sequence, Step};
 use super::status::StatusCell;
 use crate::index::{ApplyOutcome, Index, WorkerBlocks};
+use crate::metrics::{MalformedReason, RecoveryMethod};
 use crate::plan::ListenerSpec;
 use crate::wire::{self, Event, EventBatch};
 
@@ -169,12 +170,16 @@ impl RankLoop {
         let message = match wire::parse_message(frames) {
             Ok(message) => message,
             Err(error) => {
-                let reason = if frames.len() == 3 { "seq" } else { "frames" };
+                let reason = if frames.len() == 3 {
+                    MalformedReason::Seq
+                } else {
+                    MalformedReason::Frames
+                };
                 log::debug!(
                     "{}: dropped a malformed message: {error}",
                     self.applier.who()
                 );
-                status.metrics().malformed(reason);
+                status.malformed(reason);
                 return Recovery::Done;
             }
         };
@@ -246,7 +251,7 @@ impl RankLoop {
             };
             covered = replayed;
             let ok = covered.is_some_and(|c| c >= through);
-            status.metrics().recovery("replay", ok);
+            status.recovery(RecoveryMethod::Replay, ok);
         }
         if covered.is_none_or(|c| c < through) && self.applier.spec.recover.is_some() {
             match self.snapshot(through) {
@@ -334,14 +339,14 @@ impl RankLoop {
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),
         };
-        let metrics = self.applier.status.metrics();
+        let status = &self.applier.status;
         match outcome {
             Ok(seq) => {
-                metrics.recovery("snapshot", true);
+                status.recovery(RecoveryMethod::Snapshot, true);
                 Snapshot::Covered(seq)
             }
             Err(error) => {
-                metrics.recovery("snapshot", false);
+                status.recovery(RecoveryMethod::Snapshot, false);
                 log::warn!(
                     "{}: snapshot recovery failed: {error:#}",
                     self.applier.who()
@@ -412,7 +417,7 @@ impl Applier {
             Ok(batch) => Some(batch),
             Err(error) => {
                 log::warn!("{}: undecodable batch: {error}", self.who());
-                self.status.metrics().malformed("payload");
+                self.status.malformed(MalformedReason::Payload);
                 None
             }
         }
@@ -429,7 +434,7 @@ impl Applier {
                     self.spec.key.dp_rank
                 );
             }
-            self.status.metrics().dp_rank_mismatch();
+            self.status.dp_rank_mismatch();
         }
         let mut outcome = ApplyOutcome::default();
         for event in &batch.events {
@@ -461,7 +466,7 @@ impl Applier {
             .filter(|&rank| rank != self.spec.key.dp_rank)
         {
             log::warn!("{}: snapshot says dp_rank {rank}", self.who());
-            self.status.metrics().dp_rank_mismatch();
+            self.status.dp_rank_mismatch();
         }
         self.blocks.clear();
         let mut outcome = ApplyOutcome::default();
