@@ -36,6 +36,7 @@ mod recovery;
 mod run;
 mod sequence;
 mod status;
+mod stop;
 
 /// A listener's state, as shown on `/workers`: defined in `metrics` (a leaf) so that the
 /// metrics need nothing from here.
@@ -50,9 +51,9 @@ use anyhow::Context as _;
 use crate::index::{Index, WorkerId};
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
-use recovery::{Stop, StopHandle};
 use run::{RankLoop, Sockets};
 use status::StatusCell;
+use stop::{Stop, StopHandle};
 
 /// Queued live messages per rank before ZMQ drops (and the seq rules notice the loss).
 const RECEIVE_HIGH_WATER_MARK: i32 = 100_000;

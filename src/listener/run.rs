@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
-use super::recovery::{self, Fetched, Replayed, Stop};
+use super::recovery::{self, Fetched, Replayed};
 use super::sequence::{Sequence, Step};
 use super::status::StatusCell;
+use super::stop::Stop;
 use crate::index::{ApplyOutcome, Index, WorkerBlocks};
 use crate::metrics::{MalformedReason, RecoveryMethod};
 use crate::plan::ListenerSpec;
