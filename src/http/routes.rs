@@ -49,7 +49,7 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
             Reply {
                 status: 200,
                 body: api.metrics.render().into_bytes(),
-                content_type: "text/plain; version=0.0.4",
+                content_type: crate::metrics::CONTENT_TYPE,
                 allow: None,
                 is_query: false,
             }

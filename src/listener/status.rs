@@ -5,8 +5,9 @@
 //! `ApplyOutcome` onto the metrics' event series. It never decides anything: the listener
 //! thread reports facts here.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::{ListenerStatus, State};
 use crate::index::ApplyOutcome;
@@ -218,8 +219,9 @@ impl StatusCell {
     }
 
     fn lock(&self) -> MutexGuard<'_, Facts> {
-        // The facts are plain counters and flags: a panic elsewhere cannot leave them torn.
-        self.facts.lock().unwrap_or_else(PoisonError::into_inner)
+        // parking_lot does not poison: the facts are plain counters and flags, which a panic
+        // elsewhere cannot leave torn.
+        self.facts.lock()
     }
 }
 
