@@ -545,3 +545,103 @@ fn start_fails_cleanly_on_a_malformed_endpoint() {
     }
     assert_eq!(fixture.index.key_count(), 0);
 }
+
+/// A replay ROUTER that answers every request with the rank's history from the asked seq and
+/// then keeps streaming ever-higher seqs of fabricated batches (storing `FABRICATED`) until
+/// dropped: a replay that never ends.
+struct EndlessReplay {
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+const FABRICATED: u32 = 999;
+
+impl EndlessReplay {
+    fn start(context: &zmq::Context, history: History) -> EndlessReplay {
+        let router = context.socket(zmq::ROUTER).expect("ROUTER");
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
+        let endpoint = router.get_last_endpoint().unwrap().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let fabricated = payload(0, vec![store(FABRICATED, 0, 1)]);
+            while !thread_stop.load(Ordering::Relaxed) {
+                if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
+                    continue;
+                }
+                let request = router.recv_multipart(0).unwrap();
+                let identity = request[0].clone();
+                let mut seq = u64::from_be_bytes(request[2].as_slice().try_into().unwrap());
+                let history = history.lock().unwrap().clone();
+                while !thread_stop.load(Ordering::Relaxed) {
+                    let body = history
+                        .iter()
+                        .find(|(s, _)| *s == seq)
+                        .map_or(&fabricated, |(_, payload)| payload);
+                    let mut frames = vec![identity.clone()];
+                    frames.extend(replay_frames(Some(b""), seq, body));
+                    // ROUTER drops what a gone peer cannot take: this never blocks.
+                    router.send_multipart(frames, 0).unwrap();
+                    seq += 1;
+                    if seq % 256 == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        });
+        EndlessReplay {
+            endpoint,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for EndlessReplay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
+    let fixture = Fixture::new();
+    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let replay = EndlessReplay::start(&fixture.context, Arc::clone(&rank.history));
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    for prompt in 0..24 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    for prompt in 24..34 {
+        rank.lose(vec![store(prompt, 0, 1)]);
+    }
+    for prompt in 34..44 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 43);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!(
+        (
+            status.batches,
+            status.gaps,
+            status.lost_batches,
+            status.blocks
+        ),
+        (44, 1, 0, 44)
+    );
+    for prompt in 0..44 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+    assert_eq!(
+        fixture.matched(listener.worker(), &tokens(FABRICATED, 1)),
+        0
+    );
+}

@@ -18,9 +18,6 @@ use crate::wire::{self, ReplayItem};
 const FIRST_REPLY: Duration = Duration::from_secs(1);
 /// A whole replay's limit.
 const WHOLE_REPLAY: Duration = Duration::from_secs(10);
-/// Once the hole is covered, a reply silent this long is taken as finished even without the
-/// end marker (older vLLM capped replies at the send high-water mark, losing the marker).
-const REPLY_IDLE: Duration = Duration::from_secs(1);
 
 const SNAPSHOT_CONNECT: Duration = Duration::from_secs(2);
 /// A snapshot server silent this long (no header or body byte) is given up on.
@@ -34,9 +31,9 @@ const TICK: Duration = Duration::from_millis(20);
 /// Where a replay got to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Replayed {
-    /// The highest seq applied contiguously from the start (`None`: nothing usable), and
-    /// whether the reply ended with the end marker.
-    Covered { through: Option<u64>, ended: bool },
+    /// The highest seq applied contiguously from the start (`None`: nothing usable); never
+    /// past the seq asked for.
+    Covered { through: Option<u64> },
     /// Stop was requested mid-replay.
     Stopped,
 }
@@ -75,14 +72,16 @@ impl ReplayProgress {
 }
 
 /// Asks the replay socket at `endpoint` for every batch from `start`, handing each contiguous
-/// one to `apply` (which answers false for a payload it cannot decode, ending the replay
-/// there). Returns once the reply ended, broke, or the time limits passed; `need` is the seq
-/// the reply must reach before silence counts as its end.
+/// one up to `through` to `apply` (which answers false for a payload it cannot decode, ending
+/// the replay there). Returns once `through` was applied, or the reply ended, broke, or ran out
+/// of time. Nothing past `through` is applied: it is the seq before the first live message the
+/// listener holds, so anything later is not the history asked for (and a reply that never
+/// ends would otherwise run for the whole time limit, shadowing the live batches).
 pub(super) fn replay(
     context: &zmq::Context,
     endpoint: &str,
     start: u64,
-    need: u64,
+    through: u64,
     stop: &Stop,
     apply: &mut dyn FnMut(u64, &[u8]) -> bool,
 ) -> anyhow::Result<Replayed> {
@@ -101,13 +100,9 @@ pub(super) fn replay(
 
     let begun = Instant::now();
     let mut progress = ReplayProgress::new(start);
-    let mut last_frame: Option<Instant> = None;
+    let mut answered = false;
     loop {
-        let deadline = match last_frame {
-            None => begun + FIRST_REPLY,
-            Some(at) if progress.covers(need) => (at + REPLY_IDLE).min(begun + WHOLE_REPLAY),
-            Some(_) => begun + WHOLE_REPLAY,
-        };
+        let deadline = begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY };
         let now = Instant::now();
         if now >= deadline {
             break;
@@ -126,19 +121,17 @@ pub(super) fn replay(
         let frames = dealer
             .recv_multipart(0)
             .context("receiving a replay reply")?;
-        last_frame = Some(Instant::now());
+        answered = true;
         match wire::parse_replay_reply(&frames) {
-            Ok(ReplayItem::End) => {
-                return Ok(Replayed::Covered {
-                    through: progress.through(),
-                    ended: true,
-                })
-            }
+            Ok(ReplayItem::End) => break,
             Ok(ReplayItem::Batch(message)) => {
                 if !progress.continues_with(message.seq) || !apply(message.seq, message.payload) {
                     break;
                 }
                 progress.accepted();
+                if progress.covers(through) {
+                    break;
+                }
             }
             Err(error) => {
                 log::warn!("malformed replay reply from {endpoint}: {error}");
@@ -148,7 +141,6 @@ pub(super) fn replay(
     }
     Ok(Replayed::Covered {
         through: progress.through(),
-        ended: false,
     })
 }
 

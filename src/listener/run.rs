@@ -314,11 +314,11 @@ impl RankLoop {
         );
         match result {
             Ok(Replayed::Stopped) => None,
-            Ok(Replayed::Covered { through, ended }) => {
+            Ok(Replayed::Covered { through }) => {
                 let covered =
                     through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
                 log::info!(
-                    "{}: replay from {from} covered {covered} (end marker: {ended})",
+                    "{}: replay from {from} covered {covered}",
                     self.applier.who()
                 );
                 Some(through)
