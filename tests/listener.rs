@@ -645,3 +645,56 @@ fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
         0
     );
 }
+
+/// `kv_indexer_publisher_restarts_total` of engine-a rank 0.
+fn restarts_counted(fixture: &Fixture) -> u64 {
+    let text = fixture.metrics_text();
+    text.lines()
+        .find(|line| line.starts_with("kv_indexer_publisher_restarts_total{"))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no publisher_restarts_total in:\n{text}"))
+}
+
+#[test]
+fn a_seq_near_2_pow_64_is_a_new_publisher_not_a_gap_and_counters_stay_sane() {
+    let fixture = Fixture::new();
+    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let listener = fixture.listen(&rank, None, None);
+
+    for prompt in 0..3 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    // A plausible gap: 105,251 batches lost, counted.
+    rank.next_seq = 105_254;
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 105_254);
+    let status = listener.status();
+    assert_eq!((status.gaps, status.lost_batches), (1, 105_251));
+
+    // Then a seq no history could reach: a new publisher (or garbage), not 2^64 lost batches.
+    rank.next_seq = u64::MAX - 1;
+    rank.publish(vec![store(4, 0, 1)]);
+    applied_through(&listener, u64::MAX - 1);
+    let status = listener.status();
+    assert_eq!(status.state, State::Degraded);
+    assert_eq!((status.gaps, status.lost_batches), (2, 105_251));
+    assert_eq!(status.blocks, 1, "the old publisher's blocks are dropped");
+    assert_eq!(restarts_counted(&fixture), 1);
+
+    // The next seq follows on: applied, not taken for another restart.
+    rank.send(message_frames(
+        b"",
+        u64::MAX,
+        &payload(0, vec![store(5, 0, 1)]),
+    ));
+    applied_through(&listener, u64::MAX);
+    let status = listener.status();
+    assert_eq!(
+        (status.gaps, status.lost_batches, status.blocks),
+        (2, 105_251, 2)
+    );
+    assert_eq!(restarts_counted(&fixture), 1);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(5, 1)), 1);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(3, 1)), 0);
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 
 use super::recovery::{self, Fetched, Replayed};
-use super::sequence::{Sequence, Step};
+use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
 use super::status::StatusCell;
 use super::stop::Stop;
 use crate::index::{ApplyOutcome, Index, WorkerBlocks};
@@ -246,7 +246,10 @@ impl RankLoop {
         status.set_recovering(true);
         let mut covered: Option<u64> = None;
         let mut whole_state = false;
-        if let Some(endpoint) = self.applier.spec.replay.clone() {
+        // A hole longer than any history holds (a publisher seen first, or again, at a seq near
+        // 2^64) is not asked of a replay and not counted as lost batches: its size is unknown.
+        let knowable = through - from < MAX_PLAUSIBLE_GAP;
+        if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable) {
             let Some(replayed) = self.replay(&endpoint, from, through) else {
                 return Recovery::Stopped;
             };
@@ -272,6 +275,16 @@ impl RankLoop {
                 if whole_state {
                     self.snapshot_retry = None;
                 }
+            }
+            None if !knowable => {
+                log::warn!(
+                    "{}: the history before seq {} is unknown and not recovered",
+                    self.applier.who(),
+                    through.saturating_add(1)
+                );
+                status.history_unknown();
+                self.sequence.covered_through(through);
+                self.schedule_snapshot_retry();
             }
             None => {
                 let first_lost = covered.map_or(from, |c| c + 1);

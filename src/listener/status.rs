@@ -159,9 +159,14 @@ impl StatusCell {
     pub(super) fn lost(&self, count: u64) {
         self.metrics.lost_batches(count);
         self.update(|facts| {
-            facts.lost_batches += count;
+            facts.lost_batches = facts.lost_batches.saturating_add(count);
             facts.history_lost = true;
         });
+    }
+
+    /// History of unknown length is missing and was not recovered: no count to add.
+    pub(super) fn history_unknown(&self) {
+        self.update(|facts| facts.history_lost = true);
     }
 
     /// A recovery covered its hole. A snapshot (`whole_state`) also repairs older holes.
