@@ -698,3 +698,61 @@ fn a_seq_near_2_pow_64_is_a_new_publisher_not_a_gap_and_counters_stay_sane() {
     assert_eq!(fixture.matched(listener.worker(), &tokens(5, 1)), 1);
     assert_eq!(fixture.matched(listener.worker(), &tokens(3, 1)), 0);
 }
+
+#[test]
+fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
+    let fixture = Fixture::new();
+    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    // What the replay socket has: nothing at first (its buffer was lost, say), all later.
+    let served = History::default();
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New);
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    rank.publish(vec![store(1, 0, 1)]);
+    rank.lose(vec![store(2, 0, 1)]);
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 2);
+    let status = listener.status();
+    assert_eq!(status.state, State::Degraded);
+    assert_eq!((status.gaps, status.lost_batches), (1, 1));
+
+    // A later gap, and now the replay has the whole history: from the first loss on.
+    rank.lose(vec![store(4, 0, 1)]);
+    *served.lock().unwrap() = rank.history.lock().unwrap().clone();
+    rank.publish(vec![store(5, 0, 1)]);
+    applied_through(&listener, 4);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active, "{status:?}");
+    assert_eq!((status.gaps, status.lost_batches), (2, 1));
+    for prompt in 1..=5 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+}
+
+#[test]
+fn a_later_replay_of_the_next_gap_only_leaves_the_rank_degraded() {
+    let fixture = Fixture::new();
+    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let served = History::default();
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New);
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    rank.publish(vec![store(1, 0, 1)]);
+    rank.lose(vec![store(2, 0, 1)]);
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 2);
+    assert_eq!(listener.status().state, State::Degraded);
+
+    // The replay buffer kept only seq 3 onward: the first loss stays lost.
+    rank.lose(vec![store(4, 0, 1)]);
+    *served.lock().unwrap() = rank.history.lock().unwrap()[3..].to_vec();
+    rank.publish(vec![store(5, 0, 1)]);
+    applied_through(&listener, 4);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Degraded);
+    assert_eq!((status.gaps, status.lost_batches), (2, 1));
+    assert_eq!(fixture.matched(listener.worker(), &tokens(4, 1)), 1);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(2, 1)), 0);
+}

@@ -41,6 +41,9 @@ pub(super) struct RankLoop {
     /// While lost history may still be repaired by a snapshot: the next attempt and the
     /// backoff after it.
     snapshot_retry: Option<(Instant, Duration)>,
+    /// The first seq lost and not repaired since the rank was last whole: a later replay from
+    /// it that reaches the hole at hand makes the rank whole again.
+    lost_since: Option<u64>,
 }
 
 /// Applies batches and snapshots to the rank's worker, counting what happened.
@@ -91,6 +94,7 @@ impl RankLoop {
             sequence: Sequence::new(),
             live_frames: Frames::default(),
             snapshot_retry: None,
+            lost_since: None,
         }
     }
 
@@ -215,6 +219,7 @@ impl RankLoop {
             self.applier.clear();
             status.restarted(seq == 0);
             self.snapshot_retry = None;
+            self.lost_since = None;
         } else if !missing.is_empty() {
             let what = if join { "joined mid-stream" } else { "gap" };
             log::warn!(
@@ -245,15 +250,33 @@ impl RankLoop {
         let status = Arc::clone(&self.applier.status);
         status.set_recovering(true);
         let mut covered: Option<u64> = None;
+        // Whether the rank is whole again: a snapshot, or a replay from the first unrepaired loss.
         let mut whole_state = false;
         // A hole longer than any history holds (a publisher seen first, or again, at a seq near
         // 2^64) is not asked of a replay and not counted as lost batches: its size is unknown.
-        let knowable = through - from < MAX_PLAUSIBLE_GAP;
-        if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable) {
-            let Some(replayed) = self.replay(&endpoint, from, through) else {
-                return Recovery::Stopped;
-            };
-            covered = replayed;
+        let knowable = |start: u64| through - start < MAX_PLAUSIBLE_GAP;
+        if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable(from)) {
+            // Degraded by an earlier loss: ask from there. Batches applied since are applied
+            // again, in order (a store of a held block changes nothing), so a reply reaching the
+            // hole leaves the rank as the engine has it. Else the hole alone is asked for.
+            let since = self
+                .lost_since
+                .filter(|&since| since < from && knowable(since));
+            if let Some(since) = since {
+                let Some(replayed) = self.replay(&endpoint, since, through) else {
+                    return Recovery::Stopped;
+                };
+                if replayed.is_some_and(|c| c >= through) {
+                    covered = replayed;
+                    whole_state = true;
+                }
+            }
+            if covered.is_none() {
+                let Some(replayed) = self.replay(&endpoint, from, through) else {
+                    return Recovery::Stopped;
+                };
+                covered = replayed;
+            }
             let ok = covered.is_some_and(|c| c >= through);
             status.recovery(RecoveryMethod::Replay, ok);
         }
@@ -274,15 +297,17 @@ impl RankLoop {
                 status.recovered(whole_state);
                 if whole_state {
                     self.snapshot_retry = None;
+                    self.lost_since = None;
                 }
             }
-            None if !knowable => {
+            None if !knowable(from) => {
                 log::warn!(
                     "{}: the history before seq {} is unknown and not recovered",
                     self.applier.who(),
                     through.saturating_add(1)
                 );
                 status.history_unknown();
+                self.lost_since.get_or_insert(from);
                 self.sequence.covered_through(through);
                 self.schedule_snapshot_retry();
             }
@@ -294,6 +319,7 @@ impl RankLoop {
                     self.applier.who()
                 );
                 status.lost(lost);
+                self.lost_since.get_or_insert(first_lost);
                 self.sequence.covered_through(through);
                 self.schedule_snapshot_retry();
             }
@@ -405,6 +431,7 @@ impl RankLoop {
                 self.sequence.covered_through(seq);
                 status.recovered(true);
                 self.snapshot_retry = None;
+                self.lost_since = None;
             }
             Snapshot::Unusable => self.schedule_snapshot_retry(),
         }
