@@ -23,8 +23,13 @@ const SNAPSHOT_CONNECT: Duration = Duration::from_secs(2);
 /// A snapshot server silent this long (no header or body byte) is given up on.
 const SNAPSHOT_SILENCE: Duration = Duration::from_secs(5);
 const SNAPSHOT_WHOLE: Duration = Duration::from_secs(30);
-/// Snapshot bodies above this are refused rather than buffered.
-const SNAPSHOT_MAX_BYTES: u64 = 1 << 30;
+/// The largest snapshot a rank can have: bodies above it are refused, unread when their
+/// Content-Length says so, else cut at it. A rank holds at most ~16 M tokens (one B200's
+/// 192 GB of HBM at the 12 KiB per token of a 0.5B model: 24 layers × 2 KV heads × 64 dims ×
+/// K and V × 2 bytes). As JSON that is ≤ 7 bytes per token id (vocabularies under 10^6, and a
+/// comma) = 112 MB, plus, at 16-token blocks (1 M blocks), ≤ 21 bytes per block hash and
+/// ~100 bytes of per-event fields = 121 MB: 233 MB in all, under 256 MiB.
+const SNAPSHOT_MAX_BYTES: u64 = 256 << 20;
 /// Granularity of every wait, so stop requests are seen promptly.
 const TICK: Duration = Duration::from_millis(20);
 
@@ -202,6 +207,13 @@ fn http_get(url: &str, abandoned: &AtomicBool) -> anyhow::Result<Vec<u8>> {
         .header("Accept", "application/json")
         .call()
         .context("requesting the snapshot")?;
+    if let Some(length) = response.body().content_length() {
+        anyhow::ensure!(
+            length <= SNAPSHOT_MAX_BYTES,
+            "the snapshot declares {length} bytes (Content-Length), more than the \
+             {SNAPSHOT_MAX_BYTES} a rank can hold: refused unread"
+        );
+    }
     let mut reader = response
         .body_mut()
         .with_config()
