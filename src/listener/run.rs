@@ -21,6 +21,10 @@ use crate::wire::{self, Event, EventBatch};
 const DRAIN_BATCH: usize = 256;
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
+/// A rank not connected this long after its listener started gets one log line saying what to
+/// check: long enough for an engine that is still loading its model to be left alone (ZMQ
+/// keeps retrying quietly meanwhile), short enough to be seen by whoever just started us.
+const NEVER_CONNECTED_HINT: Duration = Duration::from_secs(10);
 
 /// The sockets a listener thread owns, created by `Listener::start` so that setup errors
 /// surface there.
@@ -44,6 +48,8 @@ pub(super) struct RankLoop {
     /// The first seq lost and not repaired since the rank was last whole: a later replay from
     /// it that reaches the hole at hand makes the rank whole again.
     lost_since: Option<u64>,
+    /// Until the first connection: when to log what to check (once).
+    never_connected_hint: Option<Instant>,
 }
 
 /// Applies batches and snapshots to the rank's worker, counting what happened.
@@ -95,13 +101,18 @@ impl RankLoop {
             live_frames: Frames::default(),
             snapshot_retry: None,
             lost_since: None,
+            never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
         }
     }
 
     /// Runs until stop is requested (or the ZMQ context is terminated).
     pub(super) fn run(mut self) -> anyhow::Result<()> {
         loop {
-            let timeout = self.snapshot_retry.map_or(-1, |(at, _)| {
+            let wake = match (self.snapshot_retry, self.never_connected_hint) {
+                (Some((retry, _)), Some(hint)) => Some(retry.min(hint)),
+                (retry, hint) => retry.map(|(at, _)| at).or(hint),
+            };
+            let timeout = wake.map_or(-1, |at| {
                 i64::try_from(at.saturating_duration_since(Instant::now()).as_millis())
                     .unwrap_or(i64::MAX)
             });
@@ -122,6 +133,13 @@ impl RankLoop {
                 return Ok(());
             }
             if self
+                .never_connected_hint
+                .is_some_and(|at| Instant::now() >= at)
+            {
+                self.never_connected_hint = None;
+                self.log_never_connected();
+            }
+            if self
                 .snapshot_retry
                 .is_some_and(|(at, _)| Instant::now() >= at)
                 && self.retry_snapshot() == Recovery::Stopped
@@ -129,6 +147,21 @@ impl RankLoop {
                 return Ok(());
             }
         }
+    }
+
+    fn log_never_connected(&self) {
+        let spec = &self.applier.spec;
+        let port = spec.endpoint.rsplit(':').next().unwrap_or("?");
+        log::warn!(
+            "{}: no connection after {}s. Check: is the engine running? Does its \
+             --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
+             the base port + their rank)? Is {} reachable from here (host, firewall)? \
+             Still retrying.",
+            self.applier.who(),
+            NEVER_CONNECTED_HINT.as_secs(),
+            spec.key.dp_rank,
+            spec.endpoint
+        );
     }
 
     fn drain_monitor(&mut self) -> anyhow::Result<()> {
@@ -146,6 +179,7 @@ impl RankLoop {
             };
             if event == zmq::SocketEvent::CONNECTED.to_raw() {
                 self.applier.status.set_connected(true);
+                self.never_connected_hint = None;
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.applier.status.set_connected(false);
             }
