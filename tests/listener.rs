@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,7 +13,7 @@ use kv_indexer::index::{Index, WorkerId};
 use kv_indexer::listener::{Listener, ListenerStatus, State};
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::{ListenerSpec, WorkerKey};
-use kv_indexer::sim::encode::{encode_snapshot, message_frames};
+use kv_indexer::sim::encode::{encode_snapshot, message_frames, replay_frames};
 use kv_indexer::sim::replay::{History, Layout, ReplayServer};
 use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
 use parking_lot::Mutex;
@@ -574,12 +575,12 @@ impl EndlessReplay {
                 let request = router.recv_multipart(0).unwrap();
                 let identity = request[0].clone();
                 let mut seq = u64::from_be_bytes(request[2].as_slice().try_into().unwrap());
-                let history = history.lock().unwrap().clone();
+                let history = history.lock().clone();
                 while !thread_stop.load(Ordering::Relaxed) {
                     let body = history
                         .iter()
                         .find(|(s, _)| *s == seq)
-                        .map_or(&fabricated, |(_, payload)| payload);
+                        .map_or(&fabricated[..], |(_, payload)| &payload[..]);
                     let mut frames = vec![identity.clone()];
                     frames.extend(replay_frames(Some(b""), seq, body));
                     // ROUTER drops what a gone peer cannot take: this never blocks.
@@ -611,7 +612,7 @@ impl Drop for EndlessReplay {
 #[test]
 fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let replay = EndlessReplay::start(&fixture.context, Arc::clone(&rank.history));
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
@@ -659,7 +660,7 @@ fn restarts_counted(fixture: &Fixture) -> u64 {
 #[test]
 fn a_seq_near_2_pow_64_is_a_new_publisher_not_a_gap_and_counters_stay_sane() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let listener = fixture.listen(&rank, None, None);
 
     for prompt in 0..3 {
@@ -702,10 +703,11 @@ fn a_seq_near_2_pow_64_is_a_new_publisher_not_a_gap_and_counters_stay_sane() {
 #[test]
 fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     // What the replay socket has: nothing at first (its buffer was lost, say), all later.
     let served = History::default();
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New)
+        .expect("replay server");
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
     rank.publish(vec![store(1, 0, 1)]);
@@ -718,7 +720,7 @@ fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
 
     // A later gap, and now the replay has the whole history: from the first loss on.
     rank.lose(vec![store(4, 0, 1)]);
-    *served.lock().unwrap() = rank.history.lock().unwrap().clone();
+    *served.lock() = rank.history.lock().clone();
     rank.publish(vec![store(5, 0, 1)]);
     applied_through(&listener, 4);
 
@@ -733,9 +735,10 @@ fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
 #[test]
 fn a_later_replay_of_the_next_gap_only_leaves_the_rank_degraded() {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let served = History::default();
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New)
+        .expect("replay server");
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
     rank.publish(vec![store(1, 0, 1)]);
@@ -746,7 +749,7 @@ fn a_later_replay_of_the_next_gap_only_leaves_the_rank_degraded() {
 
     // The replay buffer kept only seq 3 onward: the first loss stays lost.
     rank.lose(vec![store(4, 0, 1)]);
-    *served.lock().unwrap() = rank.history.lock().unwrap()[3..].to_vec();
+    *served.lock() = rank.history.lock()[3..].to_vec();
     rank.publish(vec![store(5, 0, 1)]);
     applied_through(&listener, 4);
 
@@ -786,7 +789,7 @@ impl RawHttpServer {
                     .set_write_timeout(Some(Duration::from_millis(100)))
                     .unwrap();
                 let count = answer(&mut stream, &thread_stop);
-                thread_written.lock().unwrap().push(count);
+                thread_written.lock().push(count);
             }
         });
         RawHttpServer {
@@ -801,7 +804,7 @@ impl RawHttpServer {
     fn first_answer(&self) -> u64 {
         let deadline = Instant::now() + DEADLINE;
         loop {
-            if let Some(&count) = self.written.lock().unwrap().first() {
+            if let Some(&count) = self.written.lock().first() {
                 return count;
             }
             assert!(Instant::now() < deadline, "no snapshot request answered");
@@ -853,9 +856,9 @@ fn snapshot_fetch_counted_failed(fixture: &Fixture) -> bool {
     })
 }
 
-fn gap_with_snapshot_from(url: &str) -> (Fixture, Rank, Listener) {
+fn gap_with_snapshot_from(url: &str) -> (Fixture, FakeRank, Listener) {
     let fixture = Fixture::new();
-    let mut rank = Rank::bind(&fixture.context, "tcp://127.0.0.1:*", 0).unwrap();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
     let listener = fixture.listen(&rank, None, Some(url));
     rank.publish(vec![store(1, 0, 1)]);
     rank.lose(vec![store(2, 0, 1)]);
