@@ -40,7 +40,7 @@ use prometheus_client::registry::{Registry, Unit};
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// A listener's state, as `/workers` and `listener_state{state}` show it (docs/design.md
-/// "Listeners: one per rank"). It lives here, the leaf both import, so that metrics needs
+/// "Listener states"). It lives here, the leaf both import, so that metrics needs
 /// nothing from the listener; the listener re-exports it as `listener::State`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ListenerState {

@@ -700,11 +700,11 @@ fn a_seq_near_2_pow_64_is_a_new_publisher_not_a_gap_and_counters_stay_sane() {
     assert_eq!(fixture.matched(listener.worker(), &tokens(3, 1)), 0);
 }
 
-#[test]
-fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
+/// A rank degraded by a loss its replay socket could not serve (its buffer was empty, say),
+/// then a later gap when the replay keeps the rank's history from seq `kept_from` on.
+fn degraded_then_a_later_gap(kept_from: usize) -> (Fixture, Listener) {
     let fixture = Fixture::new();
     let mut rank = FakeRank::bind(&fixture.context, 0);
-    // What the replay socket has: nothing at first (its buffer was lost, say), all later.
     let served = History::default();
     let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New)
         .expect("replay server");
@@ -718,15 +718,21 @@ fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
     assert_eq!(status.state, State::Degraded);
     assert_eq!((status.gaps, status.lost_batches), (1, 1));
 
-    // A later gap, and now the replay has the whole history: from the first loss on.
     rank.lose(vec![store(4, 0, 1)]);
-    *served.lock() = rank.history.lock().clone();
+    *served.lock() = rank.history.lock()[kept_from..].to_vec();
     rank.publish(vec![store(5, 0, 1)]);
     applied_through(&listener, 4);
+    let status = listener.status();
+    assert_eq!((status.gaps, status.lost_batches), (2, 1));
+    assert_eq!(fixture.matched(listener.worker(), &tokens(4, 1)), 1);
+    (fixture, listener)
+}
 
+#[test]
+fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
+    let (fixture, listener) = degraded_then_a_later_gap(0);
     let status = listener.status();
     assert_eq!(status.state, State::Active, "{status:?}");
-    assert_eq!((status.gaps, status.lost_batches), (2, 1));
     for prompt in 1..=5 {
         assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
     }
@@ -734,29 +740,9 @@ fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
 
 #[test]
 fn a_later_replay_of_the_next_gap_only_leaves_the_rank_degraded() {
-    let fixture = Fixture::new();
-    let mut rank = FakeRank::bind(&fixture.context, 0);
-    let served = History::default();
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New)
-        .expect("replay server");
-    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
-
-    rank.publish(vec![store(1, 0, 1)]);
-    rank.lose(vec![store(2, 0, 1)]);
-    rank.publish(vec![store(3, 0, 1)]);
-    applied_through(&listener, 2);
-    assert_eq!(listener.status().state, State::Degraded);
-
     // The replay buffer kept only seq 3 onward: the first loss stays lost.
-    rank.lose(vec![store(4, 0, 1)]);
-    *served.lock() = rank.history.lock()[3..].to_vec();
-    rank.publish(vec![store(5, 0, 1)]);
-    applied_through(&listener, 4);
-
-    let status = listener.status();
-    assert_eq!(status.state, State::Degraded);
-    assert_eq!((status.gaps, status.lost_batches), (2, 1));
-    assert_eq!(fixture.matched(listener.worker(), &tokens(4, 1)), 1);
+    let (fixture, listener) = degraded_then_a_later_gap(3);
+    assert_eq!(listener.status().state, State::Degraded);
     assert_eq!(fixture.matched(listener.worker(), &tokens(2, 1)), 0);
 }
 

@@ -1,5 +1,5 @@
 //! Getting a rank's lost history back: the replay client (DEALER to the engine's ROUTER,
-//! PROTOCOL.md "Replay") and the snapshot fetch (`GET /kv_recover`, SPEC.md "Snapshot
+//! docs/protocol.md "Replay") and the snapshot fetch (`GET /kv_recover`, docs/design.md "Snapshot
 //! endpoint"). It never touches the index: replayed batches go to the caller's `apply`, the
 //! snapshot body is returned as bytes. Every wait also watches the listener's stop signal, so a
 //! recovery in progress never delays `Listener::stop`. It never buffers an answer above its cap.
@@ -14,7 +14,7 @@ use anyhow::{anyhow, bail, Context as _};
 use super::stop::Stop;
 use crate::wire::{self, ReplayItem};
 
-/// How long the first reply frame may take (PROTOCOL.md: at least 1 s).
+/// How long the first reply frame may take (docs/protocol.md "How a reply is read").
 const FIRST_REPLY: Duration = Duration::from_secs(1);
 /// A whole replay's limit.
 const WHOLE_REPLAY: Duration = Duration::from_secs(10);

@@ -276,7 +276,7 @@ impl RankLoop {
         }
     }
 
-    /// Recovers `hole` (SPEC.md "Recovery": replay, else snapshot, else degraded), then applies
+    /// Recovers `hole` (docs/design.md "Recovery": replay, snapshot, else degraded), then applies
     /// `pending` unless the recovery went past it. Live messages arriving meanwhile stay queued
     /// in the SUB socket (bounded by its RCVHWM; what overflows shows up as a gap afterwards).
     fn recover(&mut self, hole: RangeInclusive<u64>, pending: Option<Pending>) -> Recovery {

@@ -1,4 +1,4 @@
-//! The per-rank sequence-number rules (SPEC.md "Sequence rules", PROTOCOL.md "Sequence
+//! The per-rank sequence-number rules (docs/design.md "Sequence rules", docs/protocol.md "Sequence
 //! numbers"): a pure state machine that classifies each live seq. It never touches a socket,
 //! the index or a clock; the listener acts on its verdicts.
 
