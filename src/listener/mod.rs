@@ -32,6 +32,8 @@
 //! the rank from the index. A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
+mod applier;
+mod frames;
 mod recovery;
 mod run;
 mod sequence;

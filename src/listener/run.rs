@@ -8,14 +8,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
+use super::applier::Applier;
+use super::frames::Frames;
 use super::recovery::{self, Fetched, Replayed};
 use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
 use super::status::StatusCell;
 use super::stop::Stop;
-use crate::index::{ApplyOutcome, Index, WorkerBlocks};
+use crate::index::{Index, WorkerBlocks};
 use crate::metrics::{MalformedReason, RecoveryMethod};
 use crate::plan::ListenerSpec;
-use crate::wire::{self, Event, EventBatch};
+use crate::wire::{self, EventBatch};
 
 /// Live messages taken in one go before stop and the monitor are looked at again.
 const DRAIN_BATCH: usize = 256;
@@ -50,16 +52,6 @@ pub(super) struct RankLoop {
     lost_since: Option<u64>,
     /// Until the first connection: when to log what to check (once).
     never_connected_hint: Option<Instant>,
-}
-
-/// Applies batches and snapshots to the rank's worker, counting what happened.
-struct Applier {
-    spec: ListenerSpec,
-    index: Arc<Index>,
-    blocks: WorkerBlocks,
-    status: Arc<StatusCell>,
-    warned_dp_rank: bool,
-    warned_block_size: bool,
 }
 
 /// The message that revealed a hole, applied after the recovery unless it went past it.
@@ -479,136 +471,4 @@ enum Snapshot {
     Covered(u64),
     Unusable,
     Stopped,
-}
-
-impl Applier {
-    fn who(&self) -> String {
-        self.spec.describe()
-    }
-
-    /// Decodes a payload; an undecodable one is counted, and is a lost batch for the caller.
-    fn decode(&self, payload: &[u8]) -> Option<EventBatch> {
-        match wire::decode_batch(payload) {
-            Ok(batch) => Some(batch),
-            Err(error) => {
-                log::warn!("{}: undecodable batch: {error}", self.who());
-                self.status.malformed(MalformedReason::Payload);
-                None
-            }
-        }
-    }
-
-    fn apply_batch(&mut self, seq: u64, batch: &EventBatch) {
-        if let Some(payload_rank) = batch.dp_rank.filter(|&rank| rank != self.spec.key.dp_rank) {
-            if !self.warned_dp_rank {
-                self.warned_dp_rank = true;
-                log::warn!(
-                    "{}: batches carry dp_rank {payload_rank}: another rank publishes on this \
-                     port; check zmq_port and dp_size (applied to rank {} anyway)",
-                    self.who(),
-                    self.spec.key.dp_rank
-                );
-            }
-            self.status.dp_rank_mismatch();
-        }
-        let mut outcome = ApplyOutcome::default();
-        for event in &batch.events {
-            self.blocks.apply(event, &mut outcome);
-        }
-        self.note_block_size(&outcome);
-        self.status
-            .applied(seq, &outcome, batch.skipped, self.blocks.blocks());
-    }
-
-    /// Decodes a snapshot body and, when it is usable and covers `need`, makes it the rank's
-    /// whole state. Returns the seq it covers.
-    fn apply_snapshot(&mut self, body: &[u8], need: u64) -> anyhow::Result<u64> {
-        let snapshot = wire::decode_snapshot(body).context("decoding the snapshot")?;
-        let block_size = self.index.block_size();
-        anyhow::ensure!(
-            snapshot.block_size == block_size,
-            "snapshot block_size {} differs from the index's {block_size}",
-            snapshot.block_size
-        );
-        let seq = snapshot.seq.filter(|&seq| seq >= need).with_context(|| {
-            format!(
-                "snapshot at seq {:?} is older than seq {need}: it does not cover the hole",
-                snapshot.seq
-            )
-        })?;
-        if let Some(rank) = snapshot
-            .dp_rank
-            .filter(|&rank| rank != self.spec.key.dp_rank)
-        {
-            log::warn!("{}: snapshot says dp_rank {rank}", self.who());
-            self.status.dp_rank_mismatch();
-        }
-        self.blocks.clear();
-        let mut outcome = ApplyOutcome::default();
-        for stored in snapshot.events {
-            self.blocks.apply(&Event::Stored(stored), &mut outcome);
-        }
-        self.note_block_size(&outcome);
-        self.status
-            .snapshot_applied(seq, &outcome, self.blocks.blocks());
-        Ok(seq)
-    }
-
-    fn clear(&mut self) {
-        self.blocks.clear();
-        self.status.set_blocks(self.blocks.blocks());
-    }
-
-    fn note_block_size(&mut self, outcome: &ApplyOutcome) {
-        if outcome.block_size_mismatch == 0 {
-            return;
-        }
-        if !self.warned_block_size {
-            self.warned_block_size = true;
-            log::error!(
-                "{}: stores with a block size other than the index's {}: nothing they say can \
-                 match a prompt; set block_size to the engine's --block-size",
-                self.who(),
-                self.index.block_size()
-            );
-        }
-        self.status.block_size_mismatch();
-    }
-}
-
-/// The frames of one multipart message, received in place into ZMQ messages kept from one
-/// message to the next: receiving allocates and copies nothing of its own.
-#[derive(Default)]
-struct Frames {
-    frames: Vec<zmq::Message>,
-    received: usize,
-}
-
-impl Frames {
-    /// Receives one message if one is waiting; `false` when none is.
-    fn receive(&mut self, socket: &zmq::Socket) -> anyhow::Result<bool> {
-        self.received = 0;
-        loop {
-            if self.received == self.frames.len() {
-                self.frames.push(zmq::Message::new());
-            }
-            let frame = &mut self.frames[self.received]; // pushed above when missing
-                                                         // ZMQ delivers a multipart message whole: only its first frame can be missing.
-            let flags = if self.received == 0 { zmq::DONTWAIT } else { 0 };
-            match socket.recv(frame, flags) {
-                Ok(()) => {}
-                Err(zmq::Error::EAGAIN) if self.received == 0 => return Ok(false),
-                Err(error) => return Err(error).context("receiving"),
-            }
-            self.received += 1;
-            if !frame.get_more() {
-                return Ok(true);
-            }
-        }
-    }
-
-    /// The frames of the last message received.
-    fn as_slice(&self) -> &[zmq::Message] {
-        self.frames.get(..self.received).unwrap_or_default()
-    }
 }
