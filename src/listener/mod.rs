@@ -17,13 +17,14 @@
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
-//! then hands them to the thread, which for each live message: `wire::parse_message` → the
-//! sequence rules (`sequence`) → `wire::decode_batch` → `WorkerBlocks::apply` per event →
-//! `status` (read by HTTP threads through `Listener::status`, and mirrored into the rank's
-//! metrics). A hole in the history (gap, mid-stream join, publisher restart, undecodable
-//! batch) runs `recovery` on the same thread: replay, else snapshot, else `degraded` with the
-//! lost batches counted. Meanwhile live messages wait in the SUB socket's queue, bounded by
-//! its RCVHWM; what overflows is lost by ZMQ and shows up as the next gap.
+//! then hands them to the thread (`run`), which for each live message: `frames` (received in
+//! place) → `wire::parse_message` → the sequence rules (`sequence`) → `applier`
+//! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
+//! through `Listener::status`; the one route to the rank's metrics). A hole in the history
+//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on the same
+//! thread: replay, else snapshot, else `degraded` with the lost batches counted. Meanwhile live
+//! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
+//! ZMQ and shows up as the next gap. `stop` is the eventfd every wait watches.
 //!
 //! **What it never does.** It never writes another worker's blocks, never panics on what the
 //! network sends (bad frames and payloads are counted and dropped, the socket stays), never
