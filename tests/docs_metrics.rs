@@ -40,7 +40,7 @@ fn rendered_families() -> BTreeSet<String> {
     let rank = metrics.rank("engine", 0);
     rank.gap();
     metrics.http_error(404);
-    let text = metrics.render_with(0);
+    let text = metrics.render();
     text.lines()
         .filter_map(|line| match LineInfo::parse(line) {
             LineInfo::Type {

@@ -294,7 +294,7 @@ fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     assert_eq!(metrics.status, 200);
     assert_eq!(
         metrics.header("Content-Type"),
-        Some("text/plain; version=0.0.4")
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
     );
     assert!(
         metrics

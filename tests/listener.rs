@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,7 +13,7 @@ use kv_indexer::index::{Index, WorkerId};
 use kv_indexer::listener::{Listener, ListenerStatus, State};
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::{ListenerSpec, WorkerKey};
-use kv_indexer::sim::encode::{encode_snapshot, message_frames};
+use kv_indexer::sim::encode::{encode_snapshot, message_frames, replay_frames};
 use kv_indexer::sim::replay::{History, Layout, ReplayServer};
 use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
 use parking_lot::Mutex;
@@ -150,7 +151,7 @@ impl Fixture {
     }
 
     fn metrics_text(&self) -> String {
-        self.metrics.render(&self.index)
+        self.metrics.render()
     }
 }
 
@@ -544,4 +545,370 @@ fn start_fails_cleanly_on_a_malformed_endpoint() {
         assert!(message.contains(part), "{part:?} missing from {message:?}");
     }
     assert_eq!(fixture.index.key_count(), 0);
+}
+
+/// A replay ROUTER that answers every request with the rank's history from the asked seq and
+/// then keeps streaming ever-higher seqs of fabricated batches (storing `FABRICATED`) until
+/// dropped: a replay that never ends.
+struct EndlessReplay {
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+const FABRICATED: u32 = 999;
+
+impl EndlessReplay {
+    fn start(context: &zmq::Context, history: History) -> EndlessReplay {
+        let router = context.socket(zmq::ROUTER).expect("ROUTER");
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
+        let endpoint = router.get_last_endpoint().unwrap().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let fabricated = payload(0, vec![store(FABRICATED, 0, 1)]);
+            while !thread_stop.load(Ordering::Relaxed) {
+                if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
+                    continue;
+                }
+                let request = router.recv_multipart(0).unwrap();
+                let identity = request[0].clone();
+                let mut seq = u64::from_be_bytes(request[2].as_slice().try_into().unwrap());
+                let history = history.lock().clone();
+                while !thread_stop.load(Ordering::Relaxed) {
+                    let body = history
+                        .iter()
+                        .find(|(s, _)| *s == seq)
+                        .map_or(&fabricated[..], |(_, payload)| &payload[..]);
+                    let mut frames = vec![identity.clone()];
+                    frames.extend(replay_frames(Some(b""), seq, body));
+                    // ROUTER drops what a gone peer cannot take: this never blocks.
+                    router.send_multipart(frames, 0).unwrap();
+                    seq += 1;
+                    if seq % 256 == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        });
+        EndlessReplay {
+            endpoint,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for EndlessReplay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = EndlessReplay::start(&fixture.context, Arc::clone(&rank.history));
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    for prompt in 0..24 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    for prompt in 24..34 {
+        rank.lose(vec![store(prompt, 0, 1)]);
+    }
+    for prompt in 34..44 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 43);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!(
+        (
+            status.batches,
+            status.gaps,
+            status.lost_batches,
+            status.blocks
+        ),
+        (44, 1, 0, 44)
+    );
+    for prompt in 0..44 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+    assert_eq!(
+        fixture.matched(listener.worker(), &tokens(FABRICATED, 1)),
+        0
+    );
+}
+
+/// `kv_indexer_publisher_restarts_total` of engine-a rank 0.
+fn restarts_counted(fixture: &Fixture) -> u64 {
+    let text = fixture.metrics_text();
+    text.lines()
+        .find(|line| line.starts_with("kv_indexer_publisher_restarts_total{"))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no publisher_restarts_total in:\n{text}"))
+}
+
+#[test]
+fn a_seq_near_2_pow_64_is_a_new_publisher_not_a_gap_and_counters_stay_sane() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let listener = fixture.listen(&rank, None, None);
+
+    for prompt in 0..3 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    // A plausible gap: 105,251 batches lost, counted.
+    rank.next_seq = 105_254;
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 105_254);
+    let status = listener.status();
+    assert_eq!((status.gaps, status.lost_batches), (1, 105_251));
+
+    // Then a seq no history could reach: a new publisher (or garbage), not 2^64 lost batches.
+    rank.next_seq = u64::MAX - 1;
+    rank.publish(vec![store(4, 0, 1)]);
+    applied_through(&listener, u64::MAX - 1);
+    let status = listener.status();
+    assert_eq!(status.state, State::Degraded);
+    assert_eq!((status.gaps, status.lost_batches), (2, 105_251));
+    assert_eq!(status.blocks, 1, "the old publisher's blocks are dropped");
+    assert_eq!(restarts_counted(&fixture), 1);
+
+    // The next seq follows on: applied, not taken for another restart.
+    rank.send(message_frames(
+        b"",
+        u64::MAX,
+        &payload(0, vec![store(5, 0, 1)]),
+    ));
+    applied_through(&listener, u64::MAX);
+    let status = listener.status();
+    assert_eq!(
+        (status.gaps, status.lost_batches, status.blocks),
+        (2, 105_251, 2)
+    );
+    assert_eq!(restarts_counted(&fixture), 1);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(5, 1)), 1);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(3, 1)), 0);
+}
+
+/// A rank degraded by a loss its replay socket could not serve (its buffer was empty, say),
+/// then a later gap when the replay keeps the rank's history from seq `kept_from` on.
+fn degraded_then_a_later_gap(kept_from: usize) -> (Fixture, Listener) {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let served = History::default();
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    rank.publish(vec![store(1, 0, 1)]);
+    rank.lose(vec![store(2, 0, 1)]);
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 2);
+    let status = listener.status();
+    assert_eq!(status.state, State::Degraded);
+    assert_eq!((status.gaps, status.lost_batches), (1, 1));
+
+    rank.lose(vec![store(4, 0, 1)]);
+    *served.lock() = rank.history.lock()[kept_from..].to_vec();
+    rank.publish(vec![store(5, 0, 1)]);
+    applied_through(&listener, 4);
+    let status = listener.status();
+    assert_eq!((status.gaps, status.lost_batches), (2, 1));
+    assert_eq!(fixture.matched(listener.worker(), &tokens(4, 1)), 1);
+    (fixture, listener)
+}
+
+#[test]
+fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
+    let (fixture, listener) = degraded_then_a_later_gap(0);
+    let status = listener.status();
+    assert_eq!(status.state, State::Active, "{status:?}");
+    for prompt in 1..=5 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+}
+
+#[test]
+fn a_later_replay_of_the_next_gap_only_leaves_the_rank_degraded() {
+    // The replay buffer kept only seq 3 onward: the first loss stays lost.
+    let (fixture, listener) = degraded_then_a_later_gap(3);
+    assert_eq!(listener.status().state, State::Degraded);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(2, 1)), 0);
+}
+
+/// A hand-rolled HTTP/1.1 server on loopback, for snapshot answers tiny_http would not give:
+/// `answer` writes the response to each connection and returns the bytes it got through
+/// before the client went away (or its own limit). Every connection's count is recorded.
+struct RawHttpServer {
+    url: String,
+    written: Arc<Mutex<Vec<u64>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl RawHttpServer {
+    fn start(answer: fn(&mut std::net::TcpStream, &AtomicBool) -> u64) -> RawHttpServer {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind HTTP");
+        listener.set_nonblocking(true).unwrap();
+        let url = format!("http://{}/kv_recover", listener.local_addr().unwrap());
+        let written: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (thread_written, thread_stop) = (Arc::clone(&written), Arc::clone(&stop));
+        let thread = std::thread::spawn(move || {
+            while !thread_stop.load(Ordering::Relaxed) {
+                let Ok((mut stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                stream.set_nonblocking(false).unwrap();
+                stream
+                    .set_write_timeout(Some(Duration::from_millis(100)))
+                    .unwrap();
+                let count = answer(&mut stream, &thread_stop);
+                thread_written.lock().push(count);
+            }
+        });
+        RawHttpServer {
+            url,
+            written,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// The bytes written to the first connection, once it is over.
+    fn first_answer(&self) -> u64 {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Some(&count) = self.written.lock().first() {
+                return count;
+            }
+            assert!(Instant::now() < deadline, "no snapshot request answered");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for RawHttpServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
+    }
+}
+
+/// Reads the request head, sends `head`, then zeros until the client goes away, stop, or a
+/// deadline; returns the body bytes written.
+fn stream_zeros(stream: &mut std::net::TcpStream, head: &str, stop: &AtomicBool) -> u64 {
+    use std::io::{Read, Write};
+    let mut request = [0u8; 4096];
+    let _ = stream.read(&mut request);
+    if stream.write_all(head.as_bytes()).is_err() {
+        return 0;
+    }
+    let zeros = vec![b'0'; 64 * 1024];
+    let (mut written, deadline) = (0u64, Instant::now() + DEADLINE);
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        match stream.write(&zeros) {
+            Ok(0) => break,
+            Ok(n) => written += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => break,
+        }
+    }
+    written
+}
+
+/// docs.md "Recovery": a snapshot above 256 MiB is more than a rank can hold.
+const SNAPSHOT_CAP: u64 = 256 << 20;
+
+fn snapshot_fetch_counted_failed(fixture: &Fixture) -> bool {
+    fixture.metrics_text().lines().any(|line| {
+        line.starts_with("kv_indexer_recoveries_total{")
+            && line.contains("method=\"snapshot\",outcome=\"failed\"")
+            && !line.ends_with(" 0")
+    })
+}
+
+fn gap_with_snapshot_from(url: &str) -> (Fixture, FakeRank, Listener) {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let listener = fixture.listen(&rank, None, Some(url));
+    rank.publish(vec![store(1, 0, 1)]);
+    rank.lose(vec![store(2, 0, 1)]);
+    rank.publish(vec![store(3, 0, 1)]);
+    (fixture, rank, listener)
+}
+
+#[test]
+fn a_snapshot_declaring_10_gb_is_refused_without_reading_it() {
+    let server = RawHttpServer::start(|stream, stop| {
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                    Content-Length: 10000000000\r\n\r\n";
+        stream_zeros(stream, head, stop)
+    });
+    let (fixture, _rank, listener) = gap_with_snapshot_from(&server.url);
+    let written = server.first_answer();
+    println!("the client took {written} bytes of a declared 10 GB");
+    // What the socket buffers take before the client hangs up: a few MiB, not the body.
+    assert!(
+        written < 64 << 20,
+        "{written} bytes read of a 10 GB snapshot"
+    );
+    applied_through(&listener, 2);
+    assert!(snapshot_fetch_counted_failed(&fixture));
+    assert_eq!(listener.status().state, State::Degraded);
+}
+
+#[test]
+fn a_streamed_snapshot_is_cut_at_the_cap() {
+    let server = RawHttpServer::start(|stream, stop| {
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n";
+        stream_zeros(stream, head, stop)
+    });
+    let (fixture, _rank, listener) = gap_with_snapshot_from(&server.url);
+    let written = server.first_answer();
+    println!("the client took {written} bytes of an endless snapshot");
+    assert!(
+        written < SNAPSHOT_CAP + (64 << 20),
+        "{written} bytes read, cap {SNAPSHOT_CAP}"
+    );
+    applied_through(&listener, 2);
+    assert!(snapshot_fetch_counted_failed(&fixture));
+}
+
+#[test]
+fn stop_during_a_hanging_snapshot_fetch_does_not_wait_for_it() {
+    let server = RawHttpServer::start(|stream, stop| {
+        use std::io::Read;
+        let mut request = [0u8; 4096];
+        let _ = stream.read(&mut request);
+        let deadline = Instant::now() + DEADLINE;
+        while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        0
+    });
+    let (_fixture, _rank, listener) = gap_with_snapshot_from(&server.url);
+    wait_for(&listener, "recovering", |status| {
+        status.state == State::Recovering
+    });
+    let started = Instant::now();
+    listener.stop();
+    println!(
+        "stop during a hanging snapshot fetch took {:?}",
+        started.elapsed()
+    );
 }

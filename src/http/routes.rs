@@ -44,13 +44,16 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
         "/workers" => workers(api),
         "/health" => Reply::json(200, &json!({ "status": "ok" })),
         "/ready" => ready(api),
-        _ => Reply {
-            status: 200,
-            body: api.metrics.render(&api.index).into_bytes(),
-            content_type: "text/plain; version=0.0.4",
-            allow: None,
-            is_query: false,
-        },
+        _ => {
+            api.metrics.set_index_keys(api.index.key_count());
+            Reply {
+                status: 200,
+                body: api.metrics.render().into_bytes(),
+                content_type: crate::metrics::CONTENT_TYPE,
+                allow: None,
+                is_query: false,
+            }
+        }
     }
 }
 

@@ -17,13 +17,14 @@
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
-//! then hands them to the thread, which for each live message: `wire::parse_message` → the
-//! sequence rules (`sequence`) → `wire::decode_batch` → `WorkerBlocks::apply` per event →
-//! `status` (read by HTTP threads through `Listener::status`, and mirrored into the rank's
-//! metrics). A hole in the history (gap, mid-stream join, publisher restart, undecodable
-//! batch) runs `recovery` on the same thread: replay, else snapshot, else `degraded` with the
-//! lost batches counted. Meanwhile live messages wait in the SUB socket's queue, bounded by
-//! its RCVHWM; what overflows is lost by ZMQ and shows up as the next gap.
+//! then hands them to the thread (`run`), which for each live message: `frames` (received in
+//! place) → `wire::parse_message` → the sequence rules (`sequence`) → `applier`
+//! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
+//! through `Listener::status`; the one route to the rank's metrics). A hole in the history
+//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on the same
+//! thread: replay, else snapshot, else `degraded` with the lost batches counted. Meanwhile live
+//! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
+//! ZMQ and shows up as the next gap. `stop` is the eventfd every wait watches.
 //!
 //! **What it never does.** It never writes another worker's blocks, never panics on what the
 //! network sends (bad frames and payloads are counted and dropped, the socket stays), never
@@ -32,40 +33,17 @@
 //! the rank from the index. A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
+mod applier;
+mod frames;
 mod recovery;
 mod run;
 mod sequence;
 mod status;
+mod stop;
 
-/// A listener's state, as shown on `/workers` (SPEC.md "Listeners: one per rank").
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum State {
-    Connecting,
-    Active,
-    Recovering,
-    Degraded,
-    Stopped,
-}
-
-impl State {
-    pub const ALL: [State; 5] = [
-        State::Connecting,
-        State::Active,
-        State::Recovering,
-        State::Degraded,
-        State::Stopped,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::Connecting => "connecting",
-            State::Active => "active",
-            State::Recovering => "recovering",
-            State::Degraded => "degraded",
-            State::Stopped => "stopped",
-        }
-    }
-}
+/// A listener's state, as shown on `/workers`: defined in `metrics` (a leaf) so that the
+/// metrics need nothing from here.
+pub use crate::metrics::ListenerState as State;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -76,9 +54,9 @@ use anyhow::Context as _;
 use crate::index::{Index, WorkerId};
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
-use recovery::{Stop, StopHandle};
 use run::{RankLoop, Sockets};
 use status::StatusCell;
+use stop::{Stop, StopHandle};
 
 /// Queued live messages per rank before ZMQ drops (and the seq rules notice the loss).
 const RECEIVE_HIGH_WATER_MARK: i32 = 100_000;

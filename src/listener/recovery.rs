@@ -1,89 +1,44 @@
 //! Getting a rank's lost history back: the replay client (DEALER to the engine's ROUTER,
-//! PROTOCOL.md "Replay") and the snapshot fetch (`GET /kv_recover`, SPEC.md "Snapshot
+//! docs/protocol.md "Replay") and the snapshot fetch (`GET /kv_recover`, docs/design.md "Snapshot
 //! endpoint"). It never touches the index: replayed batches go to the caller's `apply`, the
 //! snapshot body is returned as bytes. Every wait also watches the listener's stop signal, so a
-//! recovery in progress never delays `Listener::stop`.
+//! recovery in progress never delays `Listener::stop`. It never buffers an answer above its cap.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 
+use super::stop::Stop;
 use crate::wire::{self, ReplayItem};
 
-/// How long the first reply frame may take (PROTOCOL.md: at least 1 s).
+/// How long the first reply frame may take (docs/protocol.md "How a reply is read").
 const FIRST_REPLY: Duration = Duration::from_secs(1);
 /// A whole replay's limit.
 const WHOLE_REPLAY: Duration = Duration::from_secs(10);
-/// Once the hole is covered, a reply silent this long is taken as finished even without the
-/// end marker (older vLLM capped replies at the send high-water mark, losing the marker).
-const REPLY_IDLE: Duration = Duration::from_secs(1);
 
 const SNAPSHOT_CONNECT: Duration = Duration::from_secs(2);
+/// A snapshot server silent this long (no header or body byte) is given up on.
+const SNAPSHOT_SILENCE: Duration = Duration::from_secs(5);
 const SNAPSHOT_WHOLE: Duration = Duration::from_secs(30);
-/// Snapshot bodies above this are refused rather than buffered.
-const SNAPSHOT_MAX_BYTES: u64 = 1 << 30;
+/// The largest snapshot a rank can have: bodies above it are refused, unread when their
+/// Content-Length says so, else cut at it. A rank holds at most ~16 M tokens (one B200's
+/// 192 GB of HBM at the 12 KiB per token of a 0.5B model: 24 layers × 2 KV heads × 64 dims ×
+/// K and V × 2 bytes). As JSON that is ≤ 7 bytes per token id (vocabularies under 10^6, and a
+/// comma) = 112 MB, plus, at 16-token blocks (1 M blocks), ≤ 21 bytes per block hash and
+/// ~100 bytes of per-event fields = 121 MB: 233 MB in all, under 256 MiB.
+const SNAPSHOT_MAX_BYTES: u64 = 256 << 20;
 /// Granularity of every wait, so stop requests are seen promptly.
 const TICK: Duration = Duration::from_millis(20);
-
-/// The listener's stop signal, the thread's side: an eventfd that `StopHandle::raise` writes
-/// once and that stays readable from then on, so every later wait sees it. It costs one file
-/// descriptor and no ZMQ socket, where an inproc PAIR pair cost two sockets of two descriptors
-/// each (this libzmq's mailboxes are socketpairs): at 8,000 ranks that is 24,000 descriptors.
-pub(super) struct Stop(Arc<OwnedFd>);
-
-/// The owner's side of a `Stop`.
-pub(super) struct StopHandle(Arc<OwnedFd>);
-
-impl Stop {
-    /// A new, unraised signal and the handle that raises it.
-    pub(super) fn new() -> std::io::Result<(Stop, StopHandle)> {
-        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor that
-        // nothing else owns.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just created and is owned by nothing else.
-        let fd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
-        Ok((Stop(Arc::clone(&fd)), StopHandle(fd)))
-    }
-
-    /// Whether stop was requested; waits at most `wait` for it.
-    pub(super) fn requested(&self, wait: Duration) -> bool {
-        let timeout = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
-        let mut item = [self.as_poll_item()];
-        // A poll that fails cannot wait for stop any more: treat it as stop.
-        zmq::poll(&mut item, timeout).map_or(true, |ready| ready > 0)
-    }
-
-    /// For `zmq::poll` next to the listener's sockets: readable once stop was requested.
-    pub(super) fn as_poll_item(&self) -> zmq::PollItem<'_> {
-        zmq::PollItem::from_fd(self.0.as_raw_fd(), zmq::POLLIN)
-    }
-}
-
-impl StopHandle {
-    /// Requests stop; idempotent (the counter only grows, the fd stays readable).
-    pub(super) fn raise(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live local buffer to a descriptor this handle keeps
-        // open. It cannot block (EFD_NONBLOCK) and fails only if the counter would overflow,
-        // which takes 2^64 - 2 raises: nothing to do about it either way.
-        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-    }
-}
 
 /// Where a replay got to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Replayed {
-    /// The highest seq applied contiguously from the start (`None`: nothing usable), and
-    /// whether the reply ended with the end marker.
-    Covered { through: Option<u64>, ended: bool },
+    /// The highest seq applied contiguously from the start (`None`: nothing usable); never
+    /// past the seq asked for.
+    Covered { through: Option<u64> },
     /// Stop was requested mid-replay.
     Stopped,
 }
@@ -122,14 +77,16 @@ impl ReplayProgress {
 }
 
 /// Asks the replay socket at `endpoint` for every batch from `start`, handing each contiguous
-/// one to `apply` (which answers false for a payload it cannot decode, ending the replay
-/// there). Returns once the reply ended, broke, or the time limits passed; `need` is the seq
-/// the reply must reach before silence counts as its end.
+/// one up to `through` to `apply` (which answers false for a payload it cannot decode, ending
+/// the replay there). Returns once `through` was applied, or the reply ended, broke, or ran out
+/// of time. Nothing past `through` is applied: it is the seq before the first live message the
+/// listener holds, so anything later is not the history asked for (and a reply that never
+/// ends would otherwise run for the whole time limit, shadowing the live batches).
 pub(super) fn replay(
     context: &zmq::Context,
     endpoint: &str,
     start: u64,
-    need: u64,
+    through: u64,
     stop: &Stop,
     apply: &mut dyn FnMut(u64, &[u8]) -> bool,
 ) -> anyhow::Result<Replayed> {
@@ -148,13 +105,9 @@ pub(super) fn replay(
 
     let begun = Instant::now();
     let mut progress = ReplayProgress::new(start);
-    let mut last_frame: Option<Instant> = None;
+    let mut answered = false;
     loop {
-        let deadline = match last_frame {
-            None => begun + FIRST_REPLY,
-            Some(at) if progress.covers(need) => (at + REPLY_IDLE).min(begun + WHOLE_REPLAY),
-            Some(_) => begun + WHOLE_REPLAY,
-        };
+        let deadline = begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY };
         let now = Instant::now();
         if now >= deadline {
             break;
@@ -173,19 +126,17 @@ pub(super) fn replay(
         let frames = dealer
             .recv_multipart(0)
             .context("receiving a replay reply")?;
-        last_frame = Some(Instant::now());
+        answered = true;
         match wire::parse_replay_reply(&frames) {
-            Ok(ReplayItem::End) => {
-                return Ok(Replayed::Covered {
-                    through: progress.through(),
-                    ended: true,
-                })
-            }
+            Ok(ReplayItem::End) => break,
             Ok(ReplayItem::Batch(message)) => {
                 if !progress.continues_with(message.seq) || !apply(message.seq, message.payload) {
                     break;
                 }
                 progress.accepted();
+                if progress.covers(through) {
+                    break;
+                }
             }
             Err(error) => {
                 log::warn!("malformed replay reply from {endpoint}: {error}");
@@ -195,7 +146,6 @@ pub(super) fn replay(
     }
     Ok(Replayed::Covered {
         through: progress.through(),
-        ended: false,
     })
 }
 
@@ -205,9 +155,9 @@ pub(super) enum Fetched {
     Stopped,
 }
 
-/// `GET url` on a helper thread, so the listener thread keeps watching its stop signal. On
-/// stop the helper is told to give up; it owns nothing of the listener and ends at its next
-/// read (or its connect timeout).
+/// `GET url` on a helper thread, so the listener thread keeps watching its stop signal: on
+/// stop the listener returns at once and tells the helper to give up; the helper owns nothing
+/// of the listener and ends at its next chunk or its next timeout (`http_get`).
 pub(super) fn fetch_snapshot(url: &str, stop: &Stop) -> Fetched {
     let (sender, receiver) = mpsc::channel();
     let abandoned = Arc::new(AtomicBool::new(false));
@@ -240,114 +190,52 @@ pub(super) fn fetch_snapshot(url: &str, stop: &Stop) -> Fetched {
     }
 }
 
-/// A minimal HTTP/1.0 GET (no chunked encoding to undo, the server closes at the end).
+/// `GET url` with ureq, read in chunks so that an abandoned fetch ends at its next chunk. ureq
+/// cannot be interrupted inside a read, so a server that goes silent holds this helper thread
+/// until `SNAPSHOT_SILENCE` passes (the listener itself does not wait for it), and the whole
+/// fetch never outlives `SNAPSHOT_WHOLE`: an abandoned helper is gone within 5 s of silence.
 fn http_get(url: &str, abandoned: &AtomicBool) -> anyhow::Result<Vec<u8>> {
-    let (authority, path) = split_url(url)?;
-    let deadline = Instant::now() + SNAPSHOT_WHOLE;
-    let mut stream = connect(authority)?;
-    let request =
-        format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\nAccept: application/json\r\n\r\n");
-    stream
-        .set_write_timeout(Some(SNAPSHOT_CONNECT))
-        .and_then(|()| stream.write_all(request.as_bytes()))
-        .context("sending the request")?;
-    stream
-        .set_read_timeout(Some(Duration::from_millis(100)))
-        .context("setting the read timeout")?;
-
-    let mut response = Vec::new();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_connect(Some(SNAPSHOT_CONNECT))
+        .timeout_per_read(Some(SNAPSHOT_SILENCE))
+        .timeout_global(Some(SNAPSHOT_WHOLE))
+        .max_redirects(0)
+        .build()
+        .into();
+    let mut response = agent
+        .get(url)
+        .header("Accept", "application/json")
+        .call()
+        .context("requesting the snapshot")?;
+    if let Some(length) = response.body().content_length() {
+        anyhow::ensure!(
+            length <= SNAPSHOT_MAX_BYTES,
+            "the snapshot declares {length} bytes (Content-Length), more than the \
+             {SNAPSHOT_MAX_BYTES} a rank can hold: refused unread"
+        );
+    }
+    let mut reader = response
+        .body_mut()
+        .with_config()
+        .limit(SNAPSHOT_MAX_BYTES)
+        .reader();
+    let mut body = Vec::new();
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
         if abandoned.load(Ordering::Relaxed) {
             bail!("abandoned: the listener stopped");
         }
-        if Instant::now() >= deadline {
-            bail!("no complete answer within {SNAPSHOT_WHOLE:?}");
-        }
-        match stream.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(read) => {
-                response.extend_from_slice(chunk.get(..read).unwrap_or_default());
-                if response.len() as u64 > SNAPSHOT_MAX_BYTES {
-                    bail!("answer larger than {SNAPSHOT_MAX_BYTES} bytes");
-                }
+        match reader.read(&mut chunk) {
+            Ok(0) => return Ok(body),
+            Ok(read) => body.extend_from_slice(chunk.get(..read).unwrap_or_default()),
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) => {
+                return Err(error).with_context(|| {
+                    format!("reading the snapshot body ({} bytes in)", body.len())
+                })
             }
-            Err(error)
-                if matches!(
-                    error.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(error) => return Err(error).context("reading the answer"),
         }
     }
-    response_body(response)
-}
-
-/// `http://authority/path` → (authority, path).
-fn split_url(url: &str) -> anyhow::Result<(&str, &str)> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| anyhow!("not an http:// URL"))?;
-    Ok(match rest.find('/') {
-        Some(slash) => rest.split_at(slash),
-        None => (rest, "/"),
-    })
-}
-
-fn connect(authority: &str) -> anyhow::Result<TcpStream> {
-    // `host:port` and `[v6]:port` both resolve through ToSocketAddrs once brackets are off.
-    let (host, port) = authority
-        .rsplit_once(':')
-        .ok_or_else(|| anyhow!("no port in {authority:?}"))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port: u16 = port
-        .parse()
-        .with_context(|| format!("bad port in {authority:?}"))?;
-    let mut last_error = anyhow!("{authority:?} resolves to no address");
-    for address in (host, port)
-        .to_socket_addrs()
-        .with_context(|| format!("resolving {authority:?}"))?
-    {
-        match TcpStream::connect_timeout(&address, SNAPSHOT_CONNECT) {
-            Ok(stream) => return Ok(stream),
-            Err(error) => last_error = anyhow!(error).context(format!("connecting to {address}")),
-        }
-    }
-    Err(last_error)
-}
-
-/// Checks the status line and headers; returns the body.
-fn response_body(mut response: Vec<u8>) -> anyhow::Result<Vec<u8>> {
-    let head_end = response
-        .windows(4)
-        .position(|window| window == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("answer has no end of headers"))?;
-    let head = String::from_utf8_lossy(response.get(..head_end).unwrap_or_default()).into_owned();
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let status = status_line.split_whitespace().nth(1);
-    if status != Some("200") {
-        bail!("answered {status_line:?}");
-    }
-    let content_length = lines
-        .filter_map(|line| line.split_once(':'))
-        .find(|(name, _)| name.trim().eq_ignore_ascii_case("content-length"))
-        .map(|(_, value)| value.trim().parse::<usize>())
-        .transpose()
-        .context("bad Content-Length")?;
-    let mut body = response.split_off(head_end + 4);
-    if let Some(length) = content_length {
-        if body.len() < length {
-            bail!(
-                "body cut short: {} of {length} bytes (Content-Length)",
-                body.len()
-            );
-        }
-        body.truncate(length);
-    }
-    Ok(body)
 }
 
 #[cfg(test)]
@@ -375,30 +263,5 @@ mod tests {
         assert!(!progress.continues_with(7));
         assert_eq!(progress.through(), None);
         assert!(!progress.covers(3));
-    }
-
-    #[test]
-    fn urls_split_into_authority_and_path() {
-        assert_eq!(
-            split_url("http://10.0.0.5:8200/kv_recover").ok(),
-            Some(("10.0.0.5:8200", "/kv_recover"))
-        );
-        assert_eq!(
-            split_url("http://[::1]:8200/kv_recover").ok(),
-            Some(("[::1]:8200", "/kv_recover"))
-        );
-        assert_eq!(split_url("http://h:1").ok(), Some(("h:1", "/")));
-        assert!(split_url("https://h:1/").is_err());
-    }
-
-    #[test]
-    fn response_body_honours_status_and_content_length() {
-        let ok = b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}trailing".to_vec();
-        assert_eq!(response_body(ok).ok(), Some(b"{}".to_vec()));
-        let no_length = b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\n{\"a\":1}".to_vec();
-        assert_eq!(response_body(no_length).ok(), Some(b"{\"a\":1}".to_vec()));
-        assert!(response_body(b"HTTP/1.0 404 Not Found\r\n\r\n".to_vec()).is_err());
-        assert!(response_body(b"HTTP/1.0 200 OK\r\nContent-Length: 9\r\n\r\n{}".to_vec()).is_err());
-        assert!(response_body(b"garbage".to_vec()).is_err());
     }
 }

@@ -8,17 +8,25 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
-use super::recovery::{self, Fetched, Replayed, Stop};
-use super::sequence::{Sequence, Step};
+use super::applier::Applier;
+use super::frames::Frames;
+use super::recovery::{self, Fetched, Replayed};
+use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
 use super::status::StatusCell;
-use crate::index::{ApplyOutcome, Index, WorkerBlocks};
+use super::stop::Stop;
+use crate::index::{Index, WorkerBlocks};
+use crate::metrics::{MalformedReason, RecoveryMethod};
 use crate::plan::ListenerSpec;
-use crate::wire::{self, Event, EventBatch};
+use crate::wire::{self, EventBatch};
 
 /// Live messages taken in one go before stop and the monitor are looked at again.
 const DRAIN_BATCH: usize = 256;
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
+/// A rank not connected this long after its listener started gets one log line saying what to
+/// check: long enough for an engine that is still loading its model to be left alone (ZMQ
+/// keeps retrying quietly meanwhile), short enough to be seen by whoever just started us.
+const NEVER_CONNECTED_HINT: Duration = Duration::from_secs(10);
 
 /// The sockets a listener thread owns, created by `Listener::start` so that setup errors
 /// surface there.
@@ -39,16 +47,11 @@ pub(super) struct RankLoop {
     /// While lost history may still be repaired by a snapshot: the next attempt and the
     /// backoff after it.
     snapshot_retry: Option<(Instant, Duration)>,
-}
-
-/// Applies batches and snapshots to the rank's worker, counting what happened.
-struct Applier {
-    spec: ListenerSpec,
-    index: Arc<Index>,
-    blocks: WorkerBlocks,
-    status: Arc<StatusCell>,
-    warned_dp_rank: bool,
-    warned_block_size: bool,
+    /// The first seq lost and not repaired since the rank was last whole: a later replay from
+    /// it that reaches the hole at hand makes the rank whole again.
+    lost_since: Option<u64>,
+    /// Until the first connection: when to log what to check (once).
+    never_connected_hint: Option<Instant>,
 }
 
 /// The message that revealed a hole, applied after the recovery unless it went past it.
@@ -89,13 +92,19 @@ impl RankLoop {
             sequence: Sequence::new(),
             live_frames: Frames::default(),
             snapshot_retry: None,
+            lost_since: None,
+            never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
         }
     }
 
     /// Runs until stop is requested (or the ZMQ context is terminated).
     pub(super) fn run(mut self) -> anyhow::Result<()> {
         loop {
-            let timeout = self.snapshot_retry.map_or(-1, |(at, _)| {
+            let wake = match (self.snapshot_retry, self.never_connected_hint) {
+                (Some((retry, _)), Some(hint)) => Some(retry.min(hint)),
+                (retry, hint) => retry.map(|(at, _)| at).or(hint),
+            };
+            let timeout = wake.map_or(-1, |at| {
                 i64::try_from(at.saturating_duration_since(Instant::now()).as_millis())
                     .unwrap_or(i64::MAX)
             });
@@ -116,6 +125,13 @@ impl RankLoop {
                 return Ok(());
             }
             if self
+                .never_connected_hint
+                .is_some_and(|at| Instant::now() >= at)
+            {
+                self.never_connected_hint = None;
+                self.log_never_connected();
+            }
+            if self
                 .snapshot_retry
                 .is_some_and(|(at, _)| Instant::now() >= at)
                 && self.retry_snapshot() == Recovery::Stopped
@@ -123,6 +139,21 @@ impl RankLoop {
                 return Ok(());
             }
         }
+    }
+
+    fn log_never_connected(&self) {
+        let spec = &self.applier.spec;
+        let port = spec.endpoint.rsplit(':').next().unwrap_or("?");
+        log::warn!(
+            "{}: no connection after {}s. Check: is the engine running? Does its \
+             --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
+             the base port + their rank)? Is {} reachable from here (host, firewall)? \
+             Still retrying.",
+            self.applier.who(),
+            NEVER_CONNECTED_HINT.as_secs(),
+            spec.key.dp_rank,
+            spec.endpoint
+        );
     }
 
     fn drain_monitor(&mut self) -> anyhow::Result<()> {
@@ -140,6 +171,7 @@ impl RankLoop {
             };
             if event == zmq::SocketEvent::CONNECTED.to_raw() {
                 self.applier.status.set_connected(true);
+                self.never_connected_hint = None;
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.applier.status.set_connected(false);
             }
@@ -169,12 +201,16 @@ impl RankLoop {
         let message = match wire::parse_message(frames) {
             Ok(message) => message,
             Err(error) => {
-                let reason = if frames.len() == 3 { "seq" } else { "frames" };
+                let reason = if frames.len() == 3 {
+                    MalformedReason::Seq
+                } else {
+                    MalformedReason::Frames
+                };
                 log::debug!(
                     "{}: dropped a malformed message: {error}",
                     self.applier.who()
                 );
-                status.metrics().malformed(reason);
+                status.malformed(reason);
                 return Recovery::Done;
             }
         };
@@ -209,6 +245,7 @@ impl RankLoop {
             self.applier.clear();
             status.restarted(seq == 0);
             self.snapshot_retry = None;
+            self.lost_since = None;
         } else if !missing.is_empty() {
             let what = if join { "joined mid-stream" } else { "gap" };
             log::warn!(
@@ -231,7 +268,7 @@ impl RankLoop {
         }
     }
 
-    /// Recovers `hole` (SPEC.md "Recovery": replay, else snapshot, else degraded), then applies
+    /// Recovers `hole` (docs/design.md "Recovery": replay, snapshot, else degraded), then applies
     /// `pending` unless the recovery went past it. Live messages arriving meanwhile stay queued
     /// in the SUB socket (bounded by its RCVHWM; what overflows shows up as a gap afterwards).
     fn recover(&mut self, hole: RangeInclusive<u64>, pending: Option<Pending>) -> Recovery {
@@ -239,14 +276,35 @@ impl RankLoop {
         let status = Arc::clone(&self.applier.status);
         status.set_recovering(true);
         let mut covered: Option<u64> = None;
+        // Whether the rank is whole again: a snapshot, or a replay from the first unrepaired loss.
         let mut whole_state = false;
-        if let Some(endpoint) = self.applier.spec.replay.clone() {
-            let Some(replayed) = self.replay(&endpoint, from, through) else {
-                return Recovery::Stopped;
-            };
-            covered = replayed;
+        // A hole longer than any history holds (a publisher seen first, or again, at a seq near
+        // 2^64) is not asked of a replay and not counted as lost batches: its size is unknown.
+        let knowable = |start: u64| through - start < MAX_PLAUSIBLE_GAP;
+        if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable(from)) {
+            // Degraded by an earlier loss: ask from there. Batches applied since are applied
+            // again, in order (a store of a held block changes nothing), so a reply reaching the
+            // hole leaves the rank as the engine has it. Else the hole alone is asked for.
+            let since = self
+                .lost_since
+                .filter(|&since| since < from && knowable(since));
+            if let Some(since) = since {
+                let Some(replayed) = self.replay(&endpoint, since, through) else {
+                    return Recovery::Stopped;
+                };
+                if replayed.is_some_and(|c| c >= through) {
+                    covered = replayed;
+                    whole_state = true;
+                }
+            }
+            if covered.is_none() {
+                let Some(replayed) = self.replay(&endpoint, from, through) else {
+                    return Recovery::Stopped;
+                };
+                covered = replayed;
+            }
             let ok = covered.is_some_and(|c| c >= through);
-            status.metrics().recovery("replay", ok);
+            status.recovery(RecoveryMethod::Replay, ok);
         }
         if covered.is_none_or(|c| c < through) && self.applier.spec.recover.is_some() {
             match self.snapshot(through) {
@@ -265,7 +323,19 @@ impl RankLoop {
                 status.recovered(whole_state);
                 if whole_state {
                     self.snapshot_retry = None;
+                    self.lost_since = None;
                 }
+            }
+            None if !knowable(from) => {
+                log::warn!(
+                    "{}: the history before seq {} is unknown and not recovered",
+                    self.applier.who(),
+                    through.saturating_add(1)
+                );
+                status.history_unknown();
+                self.lost_since.get_or_insert(from);
+                self.sequence.covered_through(through);
+                self.schedule_snapshot_retry();
             }
             None => {
                 let first_lost = covered.map_or(from, |c| c + 1);
@@ -275,6 +345,7 @@ impl RankLoop {
                     self.applier.who()
                 );
                 status.lost(lost);
+                self.lost_since.get_or_insert(first_lost);
                 self.sequence.covered_through(through);
                 self.schedule_snapshot_retry();
             }
@@ -308,11 +379,11 @@ impl RankLoop {
         );
         match result {
             Ok(Replayed::Stopped) => None,
-            Ok(Replayed::Covered { through, ended }) => {
+            Ok(Replayed::Covered { through }) => {
                 let covered =
                     through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
                 log::info!(
-                    "{}: replay from {from} covered {covered} (end marker: {ended})",
+                    "{}: replay from {from} covered {covered}",
                     self.applier.who()
                 );
                 Some(through)
@@ -334,14 +405,14 @@ impl RankLoop {
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),
         };
-        let metrics = self.applier.status.metrics();
+        let status = &self.applier.status;
         match outcome {
             Ok(seq) => {
-                metrics.recovery("snapshot", true);
+                status.recovery(RecoveryMethod::Snapshot, true);
                 Snapshot::Covered(seq)
             }
             Err(error) => {
-                metrics.recovery("snapshot", false);
+                status.recovery(RecoveryMethod::Snapshot, false);
                 log::warn!(
                     "{}: snapshot recovery failed: {error:#}",
                     self.applier.who()
@@ -386,6 +457,7 @@ impl RankLoop {
                 self.sequence.covered_through(seq);
                 status.recovered(true);
                 self.snapshot_retry = None;
+                self.lost_since = None;
             }
             Snapshot::Unusable => self.schedule_snapshot_retry(),
         }
@@ -399,136 +471,4 @@ enum Snapshot {
     Covered(u64),
     Unusable,
     Stopped,
-}
-
-impl Applier {
-    fn who(&self) -> String {
-        self.spec.describe()
-    }
-
-    /// Decodes a payload; an undecodable one is counted, and is a lost batch for the caller.
-    fn decode(&self, payload: &[u8]) -> Option<EventBatch> {
-        match wire::decode_batch(payload) {
-            Ok(batch) => Some(batch),
-            Err(error) => {
-                log::warn!("{}: undecodable batch: {error}", self.who());
-                self.status.metrics().malformed("payload");
-                None
-            }
-        }
-    }
-
-    fn apply_batch(&mut self, seq: u64, batch: &EventBatch) {
-        if let Some(payload_rank) = batch.dp_rank.filter(|&rank| rank != self.spec.key.dp_rank) {
-            if !self.warned_dp_rank {
-                self.warned_dp_rank = true;
-                log::warn!(
-                    "{}: batches carry dp_rank {payload_rank}: another rank publishes on this \
-                     port; check zmq_port and dp_size (applied to rank {} anyway)",
-                    self.who(),
-                    self.spec.key.dp_rank
-                );
-            }
-            self.status.metrics().dp_rank_mismatch();
-        }
-        let mut outcome = ApplyOutcome::default();
-        for event in &batch.events {
-            self.blocks.apply(event, &mut outcome);
-        }
-        self.note_block_size(&outcome);
-        self.status
-            .applied(seq, &outcome, batch.skipped, self.blocks.blocks());
-    }
-
-    /// Decodes a snapshot body and, when it is usable and covers `need`, makes it the rank's
-    /// whole state. Returns the seq it covers.
-    fn apply_snapshot(&mut self, body: &[u8], need: u64) -> anyhow::Result<u64> {
-        let snapshot = wire::decode_snapshot(body).context("decoding the snapshot")?;
-        let block_size = self.index.block_size();
-        anyhow::ensure!(
-            snapshot.block_size == block_size,
-            "snapshot block_size {} differs from the index's {block_size}",
-            snapshot.block_size
-        );
-        let seq = snapshot.seq.filter(|&seq| seq >= need).with_context(|| {
-            format!(
-                "snapshot at seq {:?} is older than seq {need}: it does not cover the hole",
-                snapshot.seq
-            )
-        })?;
-        if let Some(rank) = snapshot
-            .dp_rank
-            .filter(|&rank| rank != self.spec.key.dp_rank)
-        {
-            log::warn!("{}: snapshot says dp_rank {rank}", self.who());
-            self.status.metrics().dp_rank_mismatch();
-        }
-        self.blocks.clear();
-        let mut outcome = ApplyOutcome::default();
-        for stored in snapshot.events {
-            self.blocks.apply(&Event::Stored(stored), &mut outcome);
-        }
-        self.note_block_size(&outcome);
-        self.status
-            .snapshot_applied(seq, &outcome, self.blocks.blocks());
-        Ok(seq)
-    }
-
-    fn clear(&mut self) {
-        self.blocks.clear();
-        self.status.set_blocks(self.blocks.blocks());
-    }
-
-    fn note_block_size(&mut self, outcome: &ApplyOutcome) {
-        if outcome.block_size_mismatch == 0 {
-            return;
-        }
-        if !self.warned_block_size {
-            self.warned_block_size = true;
-            log::error!(
-                "{}: stores with a block size other than the index's {}: nothing they say can \
-                 match a prompt; set block_size to the engine's --block-size",
-                self.who(),
-                self.index.block_size()
-            );
-        }
-        self.status.block_size_mismatch();
-    }
-}
-
-/// The frames of one multipart message, received in place into ZMQ messages kept from one
-/// message to the next: receiving allocates and copies nothing of its own.
-#[derive(Default)]
-struct Frames {
-    frames: Vec<zmq::Message>,
-    received: usize,
-}
-
-impl Frames {
-    /// Receives one message if one is waiting; `false` when none is.
-    fn receive(&mut self, socket: &zmq::Socket) -> anyhow::Result<bool> {
-        self.received = 0;
-        loop {
-            if self.received == self.frames.len() {
-                self.frames.push(zmq::Message::new());
-            }
-            let frame = &mut self.frames[self.received]; // pushed above when missing
-                                                         // ZMQ delivers a multipart message whole: only its first frame can be missing.
-            let flags = if self.received == 0 { zmq::DONTWAIT } else { 0 };
-            match socket.recv(frame, flags) {
-                Ok(()) => {}
-                Err(zmq::Error::EAGAIN) if self.received == 0 => return Ok(false),
-                Err(error) => return Err(error).context("receiving"),
-            }
-            self.received += 1;
-            if !frame.get_more() {
-                return Ok(true);
-            }
-        }
-    }
-
-    /// The frames of the last message received.
-    fn as_slice(&self) -> &[zmq::Message] {
-        self.frames.get(..self.received).unwrap_or_default()
-    }
 }

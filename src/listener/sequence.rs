@@ -1,8 +1,14 @@
-//! The per-rank sequence-number rules (SPEC.md "Sequence rules", PROTOCOL.md "Sequence
+//! The per-rank sequence-number rules (docs/design.md "Sequence rules", docs/protocol.md "Sequence
 //! numbers"): a pure state machine that classifies each live seq. It never touches a socket,
 //! the index or a clock; the listener acts on its verdicts.
 
 use std::ops::Range;
+
+/// The longest run of missing batches taken for history. An engine publishes at most one batch
+/// per scheduler step, a few hundred a second and never near 10,000: 2^32 batches are five
+/// days of publishing at 10,000 a second. A seq further ahead than this is not a gap (no
+/// replay buffer or counter should be asked for 2^64 batches) but a new publisher, or garbage.
+pub const MAX_PLAUSIBLE_GAP: u64 = 1 << 32;
 
 /// What to do with a live message, given its seq.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -12,10 +18,10 @@ pub enum Step {
     /// Already covered by a recovery (replay or snapshot went past it): drop it.
     Duplicate,
     /// History is missing before this message: recover `missing` first, then apply the message
-    /// unless the recovery went past it. `restart`: the publisher restarted, so everything the
-    /// rank owned is stale and must be dropped before anything else (`missing` is then
-    /// `0..seq`, empty when the new process is seen from seq 0). Otherwise a gap, or a
-    /// mid-stream join when `join`.
+    /// unless the recovery went past it. `restart`: the publisher restarted (seq went back, or
+    /// jumped further ahead than `MAX_PLAUSIBLE_GAP`), so everything the rank owned is stale
+    /// and must be dropped before anything else (`missing` is then `0..seq`, empty when the new
+    /// process is seen from seq 0). Otherwise a gap, or a mid-stream join when `join`.
     Hole {
         restart: bool,
         join: bool,
@@ -58,6 +64,13 @@ impl Sequence {
         }
         let join = self.next.is_none();
         self.next = Some(seq.saturating_add(1));
+        if !join && seq - expected > MAX_PLAUSIBLE_GAP {
+            return Step::Hole {
+                restart: true,
+                join: false,
+                missing: 0..seq,
+            };
+        }
         if seq == expected {
             Step::Apply
         } else {
@@ -194,6 +207,19 @@ mod tests {
         seq.observe(4);
         seq.covered_through(7);
         assert_eq!(seq.observe(10), hole(8..10));
+    }
+
+    #[test]
+    fn a_jump_past_any_history_is_a_restart_not_a_gap() {
+        let mut seq = Sequence::new();
+        seq.observe(0);
+        assert_eq!(
+            seq.observe(1 + MAX_PLAUSIBLE_GAP),
+            hole(1..1 + MAX_PLAUSIBLE_GAP)
+        );
+        let far = 2 + 2 * MAX_PLAUSIBLE_GAP + 1;
+        assert_eq!(seq.observe(far), restart(0..far));
+        assert_eq!(seq.observe(far + 1), Step::Apply);
     }
 
     #[test]

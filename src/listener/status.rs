@@ -1,14 +1,36 @@
 //! A listener's status: written by its thread, read by HTTP threads through
 //! `Listener::status`. Owns the rule that derives the shown `State` from the facts (connected,
 //! recovering, history lost, block-size mismatch) and keeps the rank's metrics in step with
-//! every change. It never decides anything: the listener thread reports facts here.
+//! every change: it is the one route from a rank to its counters, and maps the index's
+//! `ApplyOutcome` onto the metrics' event series. It never decides anything: the listener
+//! thread reports facts here.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use super::{ListenerStatus, State};
 use crate::index::ApplyOutcome;
-use crate::metrics::RankMetrics;
+use crate::metrics::{EventSeries, MalformedReason, RankMetrics, RecoveryMethod};
+
+/// An `events_total` series and the `ApplyOutcome` field it counts.
+type EventCount = (EventSeries, fn(&ApplyOutcome) -> u64);
+
+/// Which `ApplyOutcome` field each `events_total` series counts (the decoder's skipped events
+/// go to `EventSeries::Skipped`).
+const EVENT_COUNTS: [EventCount; 9] = [
+    (EventSeries::StoredApplied, |o| o.stored),
+    (EventSeries::StoredParentMissing, |o| o.parent_missing),
+    (EventSeries::StoredBlockSizeMismatch, |o| {
+        o.block_size_mismatch
+    }),
+    (EventSeries::StoredInvalid, |o| o.invalid_event),
+    (EventSeries::RemovedApplied, |o| o.removed),
+    (EventSeries::RemovedUnknownBlock, |o| o.unknown_block),
+    (EventSeries::ClearedApplied, |o| o.cleared),
+    (EventSeries::IgnoredMedium, |o| o.ignored_medium),
+    (EventSeries::IgnoredGroup, |o| o.ignored_group),
+];
 
 /// The shared status cell of one listener. One short, uncontended lock per batch.
 pub(super) struct StatusCell {
@@ -60,10 +82,6 @@ impl StatusCell {
         cell
     }
 
-    pub(super) fn metrics(&self) -> &RankMetrics {
-        &self.metrics
-    }
-
     pub(super) fn snapshot(&self) -> ListenerStatus {
         let facts = self.lock();
         ListenerStatus {
@@ -83,7 +101,7 @@ impl StatusCell {
 
     /// A batch was applied (live or replayed).
     pub(super) fn applied(&self, seq: u64, outcome: &ApplyOutcome, skipped: u32, blocks: u64) {
-        self.metrics.batch(outcome, skipped);
+        self.count_batch(outcome, skipped);
         self.metrics.set_blocks(blocks);
         let mut facts = self.lock();
         facts.last_seq = Some(seq);
@@ -95,7 +113,7 @@ impl StatusCell {
 
     /// A snapshot covering up to `seq` became the rank's whole state.
     pub(super) fn snapshot_applied(&self, seq: u64, outcome: &ApplyOutcome, blocks: u64) {
-        self.metrics.batch(outcome, 0);
+        self.count_batch(outcome, 0);
         self.update(|facts| {
             facts.last_seq = Some(seq);
             facts.blocks = blocks;
@@ -141,9 +159,14 @@ impl StatusCell {
     pub(super) fn lost(&self, count: u64) {
         self.metrics.lost_batches(count);
         self.update(|facts| {
-            facts.lost_batches += count;
+            facts.lost_batches = facts.lost_batches.saturating_add(count);
             facts.history_lost = true;
         });
+    }
+
+    /// History of unknown length is missing and was not recovered: no count to add.
+    pub(super) fn history_unknown(&self) {
+        self.update(|facts| facts.history_lost = true);
     }
 
     /// A recovery covered its hole. A snapshot (`whole_state`) also repairs older holes.
@@ -156,12 +179,37 @@ impl StatusCell {
         });
     }
 
+    /// A live message dropped as malformed.
+    pub(super) fn malformed(&self, reason: MalformedReason) {
+        self.metrics.malformed(reason);
+    }
+
+    /// A recovery attempt ended; `ok` when it covered what it was asked for.
+    pub(super) fn recovery(&self, method: RecoveryMethod, ok: bool) {
+        self.metrics.recovery(method, ok);
+    }
+
+    /// A batch or snapshot said it came from another dp_rank than the listener's.
+    pub(super) fn dp_rank_mismatch(&self) {
+        self.metrics.dp_rank_mismatch();
+    }
+
     pub(super) fn block_size_mismatch(&self) {
         self.update(|facts| facts.block_size_mismatch = true);
     }
 
     pub(super) fn stopped(&self) {
         self.update(|facts| facts.stopped = true);
+    }
+
+    fn count_batch(&self, outcome: &ApplyOutcome, skipped: u32) {
+        self.metrics
+            .batch(outcome.stored_blocks, outcome.removed_blocks);
+        for (series, count) in EVENT_COUNTS {
+            self.metrics.events(series, count(outcome));
+        }
+        self.metrics
+            .events(EventSeries::Skipped, u64::from(skipped));
     }
 
     /// Changes facts and publishes the state to the metrics when it changed.
@@ -176,7 +224,89 @@ impl StatusCell {
     }
 
     fn lock(&self) -> MutexGuard<'_, Facts> {
-        // The facts are plain counters and flags: a panic elsewhere cannot leave them torn.
-        self.facts.lock().unwrap_or_else(PoisonError::into_inner)
+        // parking_lot does not poison: the facts are plain counters and flags, which a panic
+        // elsewhere cannot leave torn.
+        self.facts.lock()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_parse::{Scrape, Value};
+
+    use super::*;
+    use crate::metrics::Metrics;
+
+    #[test]
+    fn every_apply_outcome_field_lands_in_its_own_event_series() {
+        let metrics = Metrics::new();
+        let cell = StatusCell::new(metrics.rank("e", 0));
+        let outcome = ApplyOutcome {
+            stored: 3,
+            stored_blocks: 40,
+            removed: 5,
+            removed_blocks: 7,
+            cleared: 1,
+            parent_missing: 11,
+            unknown_block: 13,
+            block_size_mismatch: 17,
+            invalid_event: 19,
+            ignored_medium: 23,
+            ignored_group: 29,
+        };
+        cell.applied(0, &outcome, 31, 0);
+        cell.snapshot_applied(1, &outcome, 0);
+        let text = metrics.render();
+        let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
+        let value = |name: &str, labels: &[(&str, &str)]| -> f64 {
+            let found: Vec<f64> = scrape
+                .samples
+                .iter()
+                .filter(|s| s.metric == name)
+                .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+                .filter_map(|s| match s.value {
+                    Value::Counter(v) | Value::Untyped(v) => Some(v),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(found.len(), 1, "{name} {labels:?} in\n{text}");
+            found[0]
+        };
+        let events = |t, o| value("kv_indexer_events_total", &[("type", t), ("outcome", o)]);
+        let twice = |n: u64| (2 * n) as f64;
+        assert_eq!(events("stored", "applied"), twice(outcome.stored));
+        assert_eq!(
+            events("stored", "parent_missing"),
+            twice(outcome.parent_missing)
+        );
+        assert_eq!(
+            events("stored", "block_size_mismatch"),
+            twice(outcome.block_size_mismatch)
+        );
+        assert_eq!(
+            events("stored", "invalid_event"),
+            twice(outcome.invalid_event)
+        );
+        assert_eq!(events("removed", "applied"), twice(outcome.removed));
+        assert_eq!(
+            events("removed", "unknown_block"),
+            twice(outcome.unknown_block)
+        );
+        assert_eq!(events("cleared", "applied"), twice(outcome.cleared));
+        assert_eq!(
+            events("any", "ignored_medium"),
+            twice(outcome.ignored_medium)
+        );
+        assert_eq!(events("any", "ignored_group"), twice(outcome.ignored_group));
+        assert_eq!(events("unknown", "skipped"), 31.0);
+        assert_eq!(value("kv_indexer_batches_total", &[]), 2.0);
+        assert_eq!(
+            value("kv_indexer_blocks_stored_total", &[]),
+            twice(outcome.stored_blocks)
+        );
+        assert_eq!(
+            value("kv_indexer_blocks_removed_total", &[]),
+            twice(outcome.removed_blocks)
+        );
     }
 }

@@ -1,0 +1,260 @@
+//! The label schema of the metrics: the closed sets a caller names a series by (public), and
+//! the label sets the families are keyed by (private to `metrics`). Every label value is one of
+//! these enums, so no series can be created that `Metrics::forget_rank` would not remove. It
+//! imports nothing from the crate.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+
+/// A listener's state, as `/workers` and `listener_state{state}` show it (docs/design.md
+/// "Listener states"). It lives here, the leaf both import, so that metrics needs
+/// nothing from the listener; the listener re-exports it as `listener::State`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ListenerState {
+    Connecting,
+    Active,
+    Recovering,
+    Degraded,
+    Stopped,
+}
+
+impl ListenerState {
+    pub const ALL: [ListenerState; 5] = [
+        ListenerState::Connecting,
+        ListenerState::Active,
+        ListenerState::Recovering,
+        ListenerState::Degraded,
+        ListenerState::Stopped,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ListenerState::Connecting => "connecting",
+            ListenerState::Active => "active",
+            ListenerState::Recovering => "recovering",
+            ListenerState::Degraded => "degraded",
+            ListenerState::Stopped => "stopped",
+        }
+    }
+}
+
+/// Why a live message was dropped: the `reason` of `malformed_messages_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MalformedReason {
+    /// Not the frames of a message.
+    Frames,
+    /// A seq frame that is not 8 bytes.
+    Seq,
+    /// An undecodable batch.
+    Payload,
+}
+
+impl MalformedReason {
+    pub const ALL: [MalformedReason; 3] = [
+        MalformedReason::Frames,
+        MalformedReason::Seq,
+        MalformedReason::Payload,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MalformedReason::Frames => "frames",
+            MalformedReason::Seq => "seq",
+            MalformedReason::Payload => "payload",
+        }
+    }
+}
+
+/// How lost history was asked for: the `method` of `recoveries_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecoveryMethod {
+    Replay,
+    Snapshot,
+}
+
+impl RecoveryMethod {
+    pub const ALL: [RecoveryMethod; 2] = [RecoveryMethod::Replay, RecoveryMethod::Snapshot];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecoveryMethod::Replay => "replay",
+            RecoveryMethod::Snapshot => "snapshot",
+        }
+    }
+}
+
+/// One `events_total{type, outcome}` series. The caller maps what applying a batch did onto
+/// these (the listener maps the index's `ApplyOutcome`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventSeries {
+    StoredApplied,
+    StoredParentMissing,
+    StoredBlockSizeMismatch,
+    StoredInvalid,
+    RemovedApplied,
+    RemovedUnknownBlock,
+    ClearedApplied,
+    /// Stores and removals together, about a medium other than GPU.
+    IgnoredMedium,
+    /// Stores and removals together, about a KV-cache group other than 0.
+    IgnoredGroup,
+    /// Events the decoder skipped: unknown type, or an event it could not decode or index.
+    Skipped,
+}
+
+impl EventSeries {
+    pub const ALL: [EventSeries; 10] = [
+        EventSeries::StoredApplied,
+        EventSeries::StoredParentMissing,
+        EventSeries::StoredBlockSizeMismatch,
+        EventSeries::StoredInvalid,
+        EventSeries::RemovedApplied,
+        EventSeries::RemovedUnknownBlock,
+        EventSeries::ClearedApplied,
+        EventSeries::IgnoredMedium,
+        EventSeries::IgnoredGroup,
+        EventSeries::Skipped,
+    ];
+
+    pub(super) fn labels(self) -> (EventType, EventOutcome) {
+        match self {
+            EventSeries::StoredApplied => (EventType::stored, EventOutcome::applied),
+            EventSeries::StoredParentMissing => (EventType::stored, EventOutcome::parent_missing),
+            EventSeries::StoredBlockSizeMismatch => {
+                (EventType::stored, EventOutcome::block_size_mismatch)
+            }
+            EventSeries::StoredInvalid => (EventType::stored, EventOutcome::invalid_event),
+            EventSeries::RemovedApplied => (EventType::removed, EventOutcome::applied),
+            EventSeries::RemovedUnknownBlock => (EventType::removed, EventOutcome::unknown_block),
+            EventSeries::ClearedApplied => (EventType::cleared, EventOutcome::applied),
+            EventSeries::IgnoredMedium => (EventType::any, EventOutcome::ignored_medium),
+            EventSeries::IgnoredGroup => (EventType::any, EventOutcome::ignored_group),
+            EventSeries::Skipped => (EventType::unknown, EventOutcome::skipped),
+        }
+    }
+}
+
+/// The `type` label of `events_total`. The variant names are the label values.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub(super) enum EventType {
+    stored,
+    removed,
+    cleared,
+    /// Stores and removals together (ignored media and groups).
+    any,
+    /// Events the decoder skipped: unknown type, or an event it could not decode or index.
+    unknown,
+}
+
+/// The `outcome` label of `events_total`. The variant names are the label values.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub(super) enum EventOutcome {
+    applied,
+    parent_missing,
+    unknown_block,
+    block_size_mismatch,
+    invalid_event,
+    ignored_medium,
+    ignored_group,
+    skipped,
+}
+
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub(super) enum RecoveryOutcome {
+    ok,
+    failed,
+}
+
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub(super) enum ReloadOutcome {
+    applied,
+    rejected,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct RankLabels {
+    pub(super) instance: String,
+    pub(super) dp_rank: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct EventLabels {
+    #[prometheus(flatten)]
+    pub(super) rank: RankLabels,
+    pub(super) r#type: EventType,
+    pub(super) outcome: EventOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct ReasonLabels {
+    #[prometheus(flatten)]
+    pub(super) rank: RankLabels,
+    pub(super) reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct RecoveryLabels {
+    #[prometheus(flatten)]
+    pub(super) rank: RankLabels,
+    pub(super) method: &'static str,
+    pub(super) outcome: RecoveryOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct StateLabels {
+    #[prometheus(flatten)]
+    pub(super) rank: RankLabels,
+    pub(super) state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct StatusLabels {
+    pub(super) status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct ReloadLabels {
+    pub(super) outcome: ReloadOutcome,
+}
+
+// The label sets of one rank's multi-series families, by position. `rank` resolves handles in
+// this order and `forget_rank` removes exactly these, so the two cannot drift apart.
+
+pub(super) fn event_labels(rank: &RankLabels, series: usize) -> EventLabels {
+    let (r#type, outcome) = EventSeries::ALL[series].labels();
+    EventLabels {
+        rank: rank.clone(),
+        r#type,
+        outcome,
+    }
+}
+
+pub(super) fn reason_labels(rank: &RankLabels, reason: usize) -> ReasonLabels {
+    ReasonLabels {
+        rank: rank.clone(),
+        reason: MalformedReason::ALL[reason].as_str(),
+    }
+}
+
+/// Series `2 * method + (0 for ok, 1 for failed)`.
+pub(super) fn recovery_labels(rank: &RankLabels, series: usize) -> RecoveryLabels {
+    RecoveryLabels {
+        rank: rank.clone(),
+        method: RecoveryMethod::ALL[series / 2].as_str(),
+        outcome: if series % 2 == 0 {
+            RecoveryOutcome::ok
+        } else {
+            RecoveryOutcome::failed
+        },
+    }
+}
+
+pub(super) fn state_labels(rank: &RankLabels, state: usize) -> StateLabels {
+    StateLabels {
+        rank: rank.clone(),
+        state: ListenerState::ALL[state].as_str(),
+    }
+}

@@ -1,0 +1,404 @@
+//! Prometheus metrics: every counter, gauge and histogram of the process, and their text
+//! exposition for `GET /metrics`.
+//!
+//! Owns the registry, the metric names and the label schema. Listeners write their rank's series
+//! through [`RankMetrics`], whose handles are resolved once when the listener starts, so the hot
+//! path is a few atomic adds and never takes a label-map lock. HTTP workers and the reloader write
+//! through [`Metrics`]. This module never formats the exposition by hand (the `prometheus-client`
+//! encoder does) and imports nothing from the crate: it owns the closed label sets
+//! ([`ListenerState`], [`MalformedReason`], [`RecoveryMethod`], [`EventSeries`]) that the
+//! listener maps its facts onto, and is told the index's key count ([`Metrics::set_index_keys`]).
+//!
+//! Names (prefix `kv_indexer_`; `{instance, dp_rank}` on every per-rank series):
+//!
+//! | metric | type | extra labels |
+//! |---|---|---|
+//! | `batches_total` | counter | |
+//! | `events_total` | counter | `type`, `outcome` ([`EventSeries`]) |
+//! | `blocks_stored_total`, `blocks_removed_total` | counter | |
+//! | `malformed_messages_total` | counter | `reason` ([`MalformedReason`]) |
+//! | `gaps_total`, `lost_batches_total`, `publisher_restarts_total`, `dp_rank_mismatch_total` | counter | |
+//! | `recoveries_total` | counter | `method` ([`RecoveryMethod`]), `outcome` (`ok`, `failed`) |
+//! | `listener_up` | gauge | |
+//! | `listener_state` | gauge | `state` (every [`ListenerState`]) |
+//! | `worker_blocks` | gauge | |
+//! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
+//! | `http_errors_total` | counter | `status` only |
+//! | `config_reloads_total` | counter | `outcome` only (`applied`, `rejected`) |
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+/// The `Content-Type` of [`Metrics::render`]'s output (OpenMetrics text, which Prometheus
+/// negotiates and parses).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+mod labels;
+
+use labels::{
+    event_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
+    ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels, StatusLabels,
+};
+pub use labels::{EventSeries, ListenerState, MalformedReason, RecoveryMethod};
+
+/// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
+/// loopback queries land; slower ones fall in `+Inf`.
+const QUERY_SECONDS_BUCKETS: [f64; 13] = [
+    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+];
+
+type U64Gauge = Gauge<u64, AtomicU64>;
+
+/// Every metric of the process, rendered by `GET /metrics`.
+pub struct Metrics {
+    registry: Registry,
+    batches: Family<RankLabels, Counter>,
+    events: Family<EventLabels, Counter>,
+    blocks_stored: Family<RankLabels, Counter>,
+    blocks_removed: Family<RankLabels, Counter>,
+    malformed: Family<ReasonLabels, Counter>,
+    gaps: Family<RankLabels, Counter>,
+    lost_batches: Family<RankLabels, Counter>,
+    restarts: Family<RankLabels, Counter>,
+    recoveries: Family<RecoveryLabels, Counter>,
+    dp_rank_mismatch: Family<RankLabels, Counter>,
+    listener_up: Family<RankLabels, Gauge>,
+    listener_state: Family<StateLabels, Gauge>,
+    worker_blocks: Family<RankLabels, U64Gauge>,
+    index_keys: U64Gauge,
+    queries: Counter,
+    query_duration: Histogram,
+    http_errors: Family<StatusLabels, Counter>,
+    reloads_applied: Counter,
+    reloads_rejected: Counter,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let reloads = Family::<ReloadLabels, Counter>::default();
+        let mut metrics = Metrics {
+            registry: Registry::with_prefix("kv_indexer"),
+            batches: Family::default(),
+            events: Family::default(),
+            blocks_stored: Family::default(),
+            blocks_removed: Family::default(),
+            malformed: Family::default(),
+            gaps: Family::default(),
+            lost_batches: Family::default(),
+            restarts: Family::default(),
+            recoveries: Family::default(),
+            dp_rank_mismatch: Family::default(),
+            listener_up: Family::default(),
+            listener_state: Family::default(),
+            worker_blocks: Family::default(),
+            index_keys: U64Gauge::default(),
+            queries: Counter::default(),
+            query_duration: Histogram::new(QUERY_SECONDS_BUCKETS),
+            http_errors: Family::default(),
+            reloads_applied: reloads.get_or_create_owned(&ReloadLabels {
+                outcome: ReloadOutcome::applied,
+            }),
+            reloads_rejected: reloads.get_or_create_owned(&ReloadLabels {
+                outcome: ReloadOutcome::rejected,
+            }),
+        };
+        metrics.register(reloads);
+        metrics
+    }
+
+    /// Registers every metric under its name (the encoder adds `_total` to counters and the
+    /// unit to the histogram).
+    fn register(&mut self, reloads: Family<ReloadLabels, Counter>) {
+        let r = &mut self.registry;
+        r.register(
+            "batches",
+            "Event batches decoded and applied",
+            self.batches.clone(),
+        );
+        r.register(
+            "events",
+            "Events by type and outcome (type any: stores and removals together; unknown: skipped by the decoder)",
+            self.events.clone(),
+        );
+        r.register(
+            "blocks_stored",
+            "Blocks added to the index by applied BlockStored events",
+            self.blocks_stored.clone(),
+        );
+        r.register(
+            "blocks_removed",
+            "Block hashes removed from the index by applied BlockRemoved events",
+            self.blocks_removed.clone(),
+        );
+        r.register(
+            "malformed_messages",
+            "Messages dropped as malformed, by reason (frames, seq, payload)",
+            self.malformed.clone(),
+        );
+        r.register(
+            "gaps",
+            "Gaps, mid-stream joins, restarts and undecodable batches detected",
+            self.gaps.clone(),
+        );
+        r.register(
+            "lost_batches",
+            "Batches known lost and not recovered",
+            self.lost_batches.clone(),
+        );
+        r.register(
+            "publisher_restarts",
+            "Publisher restarts seen (seq went backwards)",
+            self.restarts.clone(),
+        );
+        r.register(
+            "recoveries",
+            "Recovery attempts by method (replay, snapshot) and outcome (ok, failed)",
+            self.recoveries.clone(),
+        );
+        r.register(
+            "dp_rank_mismatch",
+            "Batches whose payload dp_rank differs from the listener's rank",
+            self.dp_rank_mismatch.clone(),
+        );
+        r.register(
+            "listener_up",
+            "1 when the rank's publisher is connected",
+            self.listener_up.clone(),
+        );
+        r.register(
+            "listener_state",
+            "1 for the listener's current state, 0 for the others",
+            self.listener_state.clone(),
+        );
+        r.register(
+            "worker_blocks",
+            "Blocks (engine hashes) the rank holds in the index",
+            self.worker_blocks.clone(),
+        );
+        r.register(
+            "index_keys",
+            "Distinct keys in the index",
+            self.index_keys.clone(),
+        );
+        r.register("queries", "Queries served", self.queries.clone());
+        r.register_with_unit(
+            "query_duration",
+            "Time to answer a query",
+            Unit::Seconds,
+            self.query_duration.clone(),
+        );
+        r.register(
+            "http_errors",
+            "HTTP requests answered with an error, by status",
+            self.http_errors.clone(),
+        );
+        r.register(
+            "config_reloads",
+            "Configuration reloads by outcome (applied, rejected)",
+            reloads,
+        );
+    }
+
+    /// The handles of one listener's metrics, labelled `instance` and `dp_rank`. Creates every
+    /// series of the rank (at 0), or returns the existing ones.
+    pub fn rank(&self, instance: &str, dp_rank: u32) -> RankMetrics {
+        let rank = RankLabels {
+            instance: instance.to_owned(),
+            dp_rank,
+        };
+        RankMetrics {
+            batches: self.batches.get_or_create_owned(&rank),
+            events: std::array::from_fn(|i| {
+                self.events.get_or_create_owned(&event_labels(&rank, i))
+            }),
+            blocks_stored: self.blocks_stored.get_or_create_owned(&rank),
+            blocks_removed: self.blocks_removed.get_or_create_owned(&rank),
+            malformed: std::array::from_fn(|i| {
+                self.malformed.get_or_create_owned(&reason_labels(&rank, i))
+            }),
+            gaps: self.gaps.get_or_create_owned(&rank),
+            lost_batches: self.lost_batches.get_or_create_owned(&rank),
+            restarts: self.restarts.get_or_create_owned(&rank),
+            recoveries: std::array::from_fn(|i| {
+                self.recoveries
+                    .get_or_create_owned(&recovery_labels(&rank, i))
+            }),
+            dp_rank_mismatch: self.dp_rank_mismatch.get_or_create_owned(&rank),
+            listener_up: self.listener_up.get_or_create_owned(&rank),
+            listener_state: std::array::from_fn(|i| {
+                self.listener_state
+                    .get_or_create_owned(&state_labels(&rank, i))
+            }),
+            worker_blocks: self.worker_blocks.get_or_create_owned(&rank),
+        }
+    }
+
+    /// Drops a removed listener's labelled series so /metrics stops showing it. Call it after
+    /// the listener has stopped and before a replacement for the same rank calls [`Self::rank`]:
+    /// the replacement's handles would otherwise be the removed series, updated but never shown.
+    pub fn forget_rank(&self, instance: &str, dp_rank: u32) {
+        let rank = RankLabels {
+            instance: instance.to_owned(),
+            dp_rank,
+        };
+        for family in [
+            &self.batches,
+            &self.blocks_stored,
+            &self.blocks_removed,
+            &self.gaps,
+            &self.lost_batches,
+            &self.restarts,
+            &self.dp_rank_mismatch,
+        ] {
+            family.remove(&rank);
+        }
+        self.listener_up.remove(&rank);
+        self.worker_blocks.remove(&rank);
+        for i in 0..EventSeries::ALL.len() {
+            self.events.remove(&event_labels(&rank, i));
+        }
+        for i in 0..MalformedReason::ALL.len() {
+            self.malformed.remove(&reason_labels(&rank, i));
+        }
+        for i in 0..RecoveryMethod::ALL.len() * 2 {
+            self.recoveries.remove(&recovery_labels(&rank, i));
+        }
+        for i in 0..ListenerState::ALL.len() {
+            self.listener_state.remove(&state_labels(&rank, i));
+        }
+    }
+
+    /// One `/query` served, with its latency.
+    pub fn observe_query(&self, seconds: f64) {
+        self.queries.inc();
+        self.query_duration.observe(seconds);
+    }
+
+    /// A rejected HTTP request, by status code.
+    pub fn http_error(&self, status: u16) {
+        self.http_errors
+            .get_or_create(&StatusLabels { status })
+            .inc();
+    }
+
+    /// A config reload, `applied` or `rejected`.
+    pub fn reload(&self, applied: bool) {
+        if applied {
+            self.reloads_applied.inc();
+        } else {
+            self.reloads_rejected.inc();
+        }
+    }
+
+    /// The index's distinct key count, for `index_keys`: set by whoever renders, just before.
+    pub fn set_index_keys(&self, keys: u64) {
+        self.index_keys.set(keys);
+    }
+
+    /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]).
+    pub fn render(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail, and no label of ours fails to encode.
+        if let Err(err) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
+            log::error!("metrics: encoding the exposition failed: {err}");
+        }
+        text
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// One listener's metric handles; cheap to clone, lock-free to update.
+#[derive(Clone)]
+pub struct RankMetrics {
+    batches: Counter,
+    /// In [`EventSeries::ALL`] order.
+    events: [Counter; EventSeries::ALL.len()],
+    blocks_stored: Counter,
+    blocks_removed: Counter,
+    /// In [`MalformedReason::ALL`] order.
+    malformed: [Counter; MalformedReason::ALL.len()],
+    gaps: Counter,
+    lost_batches: Counter,
+    restarts: Counter,
+    /// In [`recovery_labels`] order.
+    recoveries: [Counter; RecoveryMethod::ALL.len() * 2],
+    dp_rank_mismatch: Counter,
+    listener_up: Gauge,
+    /// In [`ListenerState::ALL`] order.
+    listener_state: [Gauge; ListenerState::ALL.len()],
+    worker_blocks: U64Gauge,
+}
+
+impl RankMetrics {
+    /// A batch (or snapshot) applied, and the blocks it stored and removed; its events are
+    /// counted by [`Self::events`].
+    pub fn batch(&self, blocks_stored: u64, blocks_removed: u64) {
+        self.batches.inc();
+        self.blocks_stored.inc_by(blocks_stored);
+        self.blocks_removed.inc_by(blocks_removed);
+    }
+
+    /// `count` events of one `events_total` series.
+    pub fn events(&self, series: EventSeries, count: u64) {
+        if count > 0 {
+            self.events[series as usize].inc_by(count);
+        }
+    }
+
+    /// A message dropped as malformed.
+    pub fn malformed(&self, reason: MalformedReason) {
+        self.malformed[reason as usize].inc();
+    }
+
+    /// A gap, mid-stream join, restart or undecodable batch detected.
+    pub fn gap(&self) {
+        self.gaps.inc();
+    }
+
+    /// Batches known lost and not recovered.
+    pub fn lost_batches(&self, n: u64) {
+        self.lost_batches.inc_by(n);
+    }
+
+    /// A publisher restart (seq went backwards).
+    pub fn restart(&self) {
+        self.restarts.inc();
+    }
+
+    /// A recovery attempt; `ok` whether it covered the hole.
+    pub fn recovery(&self, method: RecoveryMethod, ok: bool) {
+        self.recoveries[2 * method as usize + usize::from(!ok)].inc();
+    }
+
+    /// A batch whose payload dp_rank disagrees with the listener's rank.
+    pub fn dp_rank_mismatch(&self) {
+        self.dp_rank_mismatch.inc();
+    }
+
+    /// `listener_state` becomes 1 for `state` and 0 for the others; `listener_up` follows
+    /// `connected`. The gauges are separate atomics: a scrape racing this call can see the old
+    /// and the new state both at 1 for that instant.
+    pub fn set_state(&self, state: ListenerState, connected: bool) {
+        self.listener_up.set(i64::from(connected));
+        for (s, gauge) in ListenerState::ALL.iter().zip(&self.listener_state) {
+            gauge.set(i64::from(*s == state));
+        }
+    }
+
+    pub fn set_blocks(&self, blocks: u64) {
+        self.worker_blocks.set(blocks);
+    }
+}
+
+#[cfg(test)]
+mod tests;
