@@ -1,11 +1,12 @@
 //! Ranks from the engine itself: ask an engine's HTTP server which data-parallel ranks publish
-//! KV events, and on which endpoints (docs/discovery.md).
+//! KV events, and on which endpoints (docs.md "Ranks from the engine").
 //!
 //! Owns: the two answers kv-indexer understands, vLLM's `GET /kv_event_sources` (`vllm.rs`)
 //! and SGLang's `GET /server_info` (`sglang.rs`), telling them apart by the route that answers,
 //! the bounded HTTP fetch (`fetch.rs`), the `discover` URL and endpoint rules (`url.rs`), and
-//! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), and the
-//! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`).
+//! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), the
+//! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`), and
+//! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`).
 //!
 //! Never: touches the registry, a listener or the index. A `Discovery` is an input of `plan`,
 //! which turns its ranks into listener specs as it does the file's; the registry's `apply` then
@@ -14,6 +15,7 @@
 //! last good rank set.
 
 mod agreement;
+mod board;
 mod fetch;
 mod probe;
 mod sglang;
@@ -25,6 +27,9 @@ use std::fmt;
 use serde::Deserialize;
 
 pub use agreement::{Disagreement, FileLayout};
+pub use board::{
+    Board, DisagreementReport, DiscoveryReport, DiscoveryState, EngineReport, NeighbourReport,
+};
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
 pub use url::{BaseUrl, TcpEndpoint};
