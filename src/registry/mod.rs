@@ -19,52 +19,30 @@
 //! - the directory lists exactly the workers of `running`; a worker leaves the directory
 //!   before its listener stops and joins it after its listener started, so a query never names
 //!   a worker whose blocks are being torn down.
+//!
+//! Beside it: `directory` (the worker names `/query` reads), `contexts` (the ZMQ context
+//! pool), `open_files` (descriptor limits against the plan) and `parallel` (bounded fan-out).
+
+mod contexts;
+mod directory;
+mod open_files;
+mod parallel;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::Arc;
 
 use anyhow::Context;
 use log::{info, warn};
 
 use crate::index::{Index, WorkerId};
-use crate::listener::{Listener, ListenerStatus, FDS_PER_LISTENER};
+use crate::listener::{Listener, ListenerStatus};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
-
-/// Who an index worker is, as `/query` names it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WorkerInfo {
-    pub instance: String,
-    pub dp_rank: u32,
-    pub model: Option<String>,
-}
-
-/// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after
-/// every change of the registry.
-#[derive(Debug, Default)]
-pub struct WorkerDirectory {
-    by_id: Vec<Option<WorkerInfo>>,
-}
-
-impl WorkerDirectory {
-    pub fn get(&self, worker: WorkerId) -> Option<&WorkerInfo> {
-        self.by_id.get(worker as usize).and_then(Option::as_ref)
-    }
-}
-
-/// A cheap, cloneable handle on the current `WorkerDirectory`; readers never wait for a reload.
-#[derive(Clone, Default)]
-pub struct DirectoryReader(Arc<RwLock<Arc<WorkerDirectory>>>);
-
-impl DirectoryReader {
-    pub fn current(&self) -> Arc<WorkerDirectory> {
-        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
-    }
-
-    fn publish(&self, directory: WorkerDirectory) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(directory);
-    }
-}
+use contexts::ContextPool;
+pub use directory::{DirectoryReader, WorkerDirectory, WorkerInfo};
+use open_files::explain_out_of_files;
+pub use open_files::{open_files_needed, raise_open_files_limit};
+use parallel::in_parallel;
 
 /// One configured rank as `/workers` shows it. `status` and `worker` are `None` for a rank of
 /// an engine whose start failed and waits for a retry.
@@ -86,113 +64,11 @@ pub struct ReloadDiff {
     pub failed: Vec<String>,
 }
 
-/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS: the zmq
-/// crate neither sets it nor exposes the raw context to `zmq_ctx_set`) and a listener uses up
-/// to 4 (SUB, the monitor's PAIR pair, a replay DEALER while recovering). Each context adds
-/// two threads and eight descriptors, against 8 descriptors and a thread per listener.
-const LISTENERS_PER_CONTEXT: usize = 250;
-
 /// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
 /// (sockets, a thread) partly serialized by kernel locks, so a few starters suffice.
 const STARTERS: usize = 4;
 /// Listeners stopped at once: each stop mostly waits for its thread to notice.
 const STOPPERS: usize = 64;
-
-/// Descriptors the process needs besides its listeners: HTTP, logs, ZMQ contexts, replays.
-const FDS_RESERVE: u64 = 1_000;
-
-/// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
-/// ranks fit. Shared by the starter threads, hence the lock.
-struct ContextPool {
-    contexts: Mutex<Vec<(zmq::Context, usize)>>,
-}
-
-impl ContextPool {
-    /// The index and a handle of a context with room for one more listener.
-    fn take(&self) -> (usize, zmq::Context) {
-        let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
-        let slot = match contexts
-            .iter()
-            .position(|(_, used)| *used < LISTENERS_PER_CONTEXT)
-        {
-            Some(slot) => slot,
-            None => {
-                contexts.push((zmq::Context::new(), 0));
-                contexts.len() - 1
-            }
-        };
-        let (context, used) = &mut contexts[slot];
-        *used += 1;
-        (slot, context.clone())
-    }
-
-    fn give_back(&self, slot: usize) {
-        let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, used)) = contexts.get_mut(slot) {
-            *used = used.saturating_sub(1);
-        }
-    }
-}
-
-/// File descriptors a process running `listeners` listeners needs.
-pub fn open_files_needed(listeners: usize) -> u64 {
-    listeners as u64 * FDS_PER_LISTENER + FDS_RESERVE
-}
-
-/// Raises this process's soft RLIMIT_NOFILE to its hard limit (a listener holds about
-/// `FDS_PER_LISTENER` descriptors and the usual soft default is 1,024). Returns the soft limit
-/// before and after.
-pub fn raise_open_files_limit() -> std::io::Result<(u64, u64)> {
-    let mut limit = open_files_limit()?;
-    let before = limit.rlim_cur;
-    if limit.rlim_cur < limit.rlim_max {
-        limit.rlim_cur = limit.rlim_max;
-        // SAFETY: passes a valid rlimit the kernel only reads.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok((before, limit.rlim_cur))
-}
-
-fn open_files_limit() -> std::io::Result<libc::rlimit> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the valid rlimit it is given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(limit)
-}
-
-/// Whether `error` comes from running out of file descriptors (the process's or the system's).
-fn out_of_files(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| {
-        let code = match cause.downcast_ref::<zmq::Error>() {
-            Some(zmq_error) => Some(zmq_error.to_raw()),
-            None => cause
-                .downcast_ref::<std::io::Error>()
-                .and_then(std::io::Error::raw_os_error),
-        };
-        code.is_some_and(|code| code == libc::EMFILE || code == libc::ENFILE)
-    })
-}
-
-/// Adds to a start error that ran out of descriptors how many `listeners` need and what to do.
-fn explain_out_of_files(error: anyhow::Error, listeners: usize) -> anyhow::Error {
-    if !out_of_files(&error) {
-        return error;
-    }
-    let needed = open_files_needed(listeners);
-    let limit =
-        open_files_limit().map_or_else(|e| format!("unknown: {e}"), |l| l.rlim_cur.to_string());
-    error.context(format!(
-        "out of file descriptors: {listeners} listeners need about {needed} (open files limit: \
-         {limit}); raise LimitNOFILE= in the systemd unit, or `ulimit -n`, to at least {needed}"
-    ))
-}
 
 /// A started listener and the pool slot of its context.
 struct Running {
@@ -223,9 +99,7 @@ impl Registry {
     /// `zmq` is the first context listeners use; more are made as the registry grows.
     pub fn new(zmq: zmq::Context, index: Arc<Index>, metrics: Arc<Metrics>) -> Registry {
         Registry {
-            contexts: ContextPool {
-                contexts: Mutex::new(vec![(zmq, 0)]),
-            },
+            contexts: ContextPool::new(zmq),
             index,
             metrics,
             running: BTreeMap::new(),
@@ -268,7 +142,7 @@ impl Registry {
     }
 
     /// Makes the running set equal to `plan`, touching only listeners whose spec changed
-    /// (SPEC.md "The registry"). Additions are grouped by engine, each group all or nothing;
+    /// (`docs/design.md`, "The registry"). Additions are grouped by engine, each group all or nothing;
     /// a failed group becomes pending for `retry_pending`.
     pub fn apply(&mut self, plan: Vec<ListenerSpec>) -> ReloadDiff {
         let mut diff = ReloadDiff::default();
@@ -509,59 +383,18 @@ impl Registry {
     }
 
     fn publish_directory(&self) {
-        let mut by_id: Vec<Option<WorkerInfo>> = Vec::new();
-        for running in self.running.values() {
+        let workers = self.running.values().map(|running| {
             let listener = &running.listener;
-            let slot = listener.worker() as usize;
-            if by_id.len() <= slot {
-                by_id.resize(slot + 1, None);
-            }
             let spec = listener.spec();
-            by_id[slot] = Some(WorkerInfo {
+            let info = WorkerInfo {
                 instance: spec.key.engine.clone(),
                 dp_rank: spec.key.dp_rank,
                 model: spec.model.clone(),
-            });
-        }
-        self.directory.publish(WorkerDirectory { by_id });
+            };
+            (listener.worker(), info)
+        });
+        self.directory.publish(WorkerDirectory::new(workers));
     }
-}
-
-/// `work` on every item, on up to `workers` threads; the results in the items' order.
-fn in_parallel<T: Send, R: Send>(
-    items: Vec<T>,
-    workers: usize,
-    work: impl Fn(T) -> R + Sync,
-) -> Vec<R> {
-    if items.len() <= 1 {
-        return items.into_iter().map(work).collect();
-    }
-    let count = items.len();
-    let queue = Mutex::new(items.into_iter().enumerate());
-    let next = || queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..workers.min(count))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    while let Some((at, item)) = next() {
-                        done.push((at, work(item)));
-                    }
-                    done
-                })
-            })
-            .collect();
-        threads
-            .into_iter()
-            .flat_map(|thread| {
-                thread
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect()
-    });
-    done.sort_unstable_by_key(|(at, _)| *at);
-    done.into_iter().map(|(_, result)| result).collect()
 }
 
 impl Drop for Registry {
@@ -707,29 +540,5 @@ mod tests {
         let diff = registry.apply(good_only);
         assert_eq!(diff.unchanged, 1);
         assert!(!registry.has_pending());
-    }
-
-    #[test]
-    fn running_out_of_descriptors_says_how_many_are_needed_and_what_to_raise() {
-        let emfile = anyhow::Error::new(zmq::Error::EMFILE).context("creating the SUB socket");
-        let explained = format!("{:#}", explain_out_of_files(emfile, 8_000));
-        let needed = open_files_needed(8_000).to_string();
-        assert!(
-            explained.contains(&needed)
-                && explained.contains("LimitNOFILE")
-                && explained.contains("ulimit -n"),
-            "{explained}"
-        );
-        let other = anyhow::Error::new(zmq::Error::EINVAL);
-        assert_eq!(
-            format!("{:#}", explain_out_of_files(other, 8_000)),
-            "Invalid argument"
-        );
-    }
-
-    #[test]
-    fn in_parallel_keeps_the_order_of_its_items() {
-        let squares = in_parallel((0..100u64).collect(), 7, |n| n * n);
-        assert_eq!(squares, (0..100u64).map(|n| n * n).collect::<Vec<_>>());
     }
 }
