@@ -8,12 +8,13 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::Context;
 use log::{error, info, warn};
+use parking_lot::Mutex;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
@@ -96,7 +97,7 @@ impl Service {
             plan.len()
         );
         allow_open_files(plan.len());
-        let diff = lock(&registry).apply(plan);
+        let diff = registry.lock().apply(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
         }
@@ -145,7 +146,7 @@ impl Service {
     pub fn shutdown(self) {
         self.http.stop();
         self.retry.stop();
-        let mut registry = lock(&self.registry);
+        let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
         info!("stopped {ranks} listeners; bye");
@@ -172,10 +173,6 @@ fn allow_open_files(listeners: usize) {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// Applies the configuration file to the registry; its lock serializes reloads.
 struct Reloader {
     config_path: PathBuf,
@@ -188,7 +185,7 @@ struct Reloader {
 
 impl Reloader {
     fn reload(&self) -> Result<ReloadDiff, ConfigError> {
-        let mut applied = lock(&self.applied);
+        let mut applied = self.applied.lock();
         let path = self.config_path.display();
         let mut config = match Config::load(&self.config_path) {
             Ok(config) => config,
@@ -219,7 +216,7 @@ impl Reloader {
             &applied.shards,
             &self.config_path,
         );
-        let diff = lock(&self.registry).apply(plan::expand(&config));
+        let diff = self.registry.lock().apply(plan::expand(&config));
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()
                 .map(|k| format!("{}/{}", k.engine, k.dp_rank))
@@ -273,7 +270,7 @@ impl Retry {
             .spawn(move || {
                 let mut backoff = RETRY_MIN;
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(backoff) {
-                    let mut registry = lock(&registry);
+                    let mut registry = registry.lock();
                     if !registry.has_pending() {
                         backoff = RETRY_MIN;
                         continue;

@@ -4,8 +4,6 @@
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
-use std::sync::PoisonError;
-
 use serde::Serialize;
 use serde_json::{json, Value};
 use tiny_http::{Method, Request};
@@ -116,10 +114,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
 }
 
 fn snapshot(api: &Api) -> Vec<ListenerView> {
-    api.registry
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .snapshot()
+    api.registry.lock().snapshot()
 }
 
 #[derive(Serialize)]
