@@ -85,6 +85,7 @@ impl Service {
         let metrics = Arc::new(Metrics::new());
         let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
         let directory = registry.directory();
+        let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
 
         let plan = plan::expand(&config);
@@ -118,7 +119,7 @@ impl Service {
         let api = Arc::new(Api {
             index,
             metrics,
-            registry: registry.clone(),
+            ranks,
             directory,
             reload: Box::new(move || reload_for_http.reload()),
         });

@@ -30,8 +30,6 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -44,7 +42,7 @@ use tiny_http::{Header, Request, Response, Server};
 use crate::config::ConfigError;
 use crate::index::Index;
 use crate::metrics::Metrics;
-use crate::registry::{DirectoryReader, Registry, ReloadDiff};
+use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use body::{refuse_unread, take_body, Uploads};
 pub use routes::diff_json;
 use routes::route;
@@ -67,7 +65,8 @@ pub type ReloadFn = dyn Fn() -> Result<ReloadDiff, ConfigError> + Send + Sync;
 pub struct Api {
     pub index: Arc<Index>,
     pub metrics: Arc<Metrics>,
-    pub registry: Arc<Mutex<Registry>>,
+    /// Read by `/workers` and `/ready`; never the registry itself, whose lock a reload holds.
+    pub ranks: RanksReader,
     pub directory: DirectoryReader,
     pub reload: Box<ReloadFn>,
 }

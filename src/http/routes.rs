@@ -114,7 +114,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
 }
 
 fn snapshot(api: &Api) -> Vec<ListenerView> {
-    api.registry.lock().snapshot()
+    api.ranks.current().views()
 }
 
 #[derive(Serialize)]

@@ -1,15 +1,12 @@
 //! The worker directory: which engine and rank each index `WorkerId` stands for, as `/query`
 //! names it.
 //!
-//! Owns: the immutable `WorkerDirectory` snapshot and the `DirectoryReader` handle it is
-//! published through. Never: blocks a reader on a writer for longer than one pointer swap, or
-//! decides what is running (the registry publishes, this only holds what it was given).
-
-use std::sync::Arc;
-
-use parking_lot::RwLock;
+//! Owns: the immutable `WorkerDirectory` the registry publishes after every change. Never:
+//! decides what is running (the registry does), or changes once published.
 
 use crate::index::WorkerId;
+
+use super::published::Published;
 
 /// Who an index worker is, as `/query` names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,16 +42,5 @@ impl WorkerDirectory {
     }
 }
 
-/// A cheap, cloneable handle on the current `WorkerDirectory`; readers never wait for a reload.
-#[derive(Clone, Default)]
-pub struct DirectoryReader(Arc<RwLock<Arc<WorkerDirectory>>>);
-
-impl DirectoryReader {
-    pub fn current(&self) -> Arc<WorkerDirectory> {
-        Arc::clone(&self.0.read())
-    }
-
-    pub(super) fn publish(&self, directory: WorkerDirectory) {
-        *self.0.write() = Arc::new(directory);
-    }
-}
+/// The handle `/query` reads worker names from; readers never wait for a reload.
+pub type DirectoryReader = Published<WorkerDirectory>;

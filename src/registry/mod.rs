@@ -2,7 +2,9 @@
 //!
 //! Owns: `register` / `deregister` of whole engines, the reload diff (`apply`), the list of
 //! engines whose start failed and must be retried, and the read-side views HTTP serves
-//! (`snapshot` for `/workers` and `/ready`, `directory` for `/query`).
+//! (`ranks` for `/workers` and `/ready`, `directory` for `/query`), published after every
+//! change so that no reader ever waits for the registry's lock (a reload holds it while it
+//! starts engines, for seconds with thousands of them).
 //! Never: opens a socket itself (the listener does), retries on its own (the service drives
 //! `retry_pending` with backoff), or blocks `/query` (queries read the directory, not the map).
 //!
@@ -21,12 +23,15 @@
 //!   a worker whose blocks are being torn down.
 //!
 //! Beside it: `directory` (the worker names `/query` reads), `contexts` (the ZMQ context
-//! pool), `open_files` (descriptor limits against the plan) and `parallel` (bounded fan-out).
+//! pool), `open_files` (descriptor limits against the plan), `parallel` (bounded fan-out),
+//! `ranks` (the rank board `/workers` reads) and `published` (how both are handed to readers).
 
 mod contexts;
 mod directory;
 mod open_files;
 mod parallel;
+mod published;
+mod ranks;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -34,8 +39,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use log::{info, warn};
 
-use crate::index::{Index, WorkerId};
-use crate::listener::{Listener, ListenerStatus};
+use crate::index::Index;
+use crate::listener::Listener;
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
 use contexts::ContextPool;
@@ -43,15 +48,9 @@ pub use directory::{DirectoryReader, WorkerDirectory, WorkerInfo};
 use open_files::explain_out_of_files;
 pub use open_files::{open_files_needed, raise_open_files_limit};
 use parallel::in_parallel;
-
-/// One configured rank as `/workers` shows it. `status` and `worker` are `None` for a rank of
-/// an engine whose start failed and waits for a retry.
-#[derive(Clone, Debug)]
-pub struct ListenerView {
-    pub spec: ListenerSpec,
-    pub worker: Option<WorkerId>,
-    pub status: Option<ListenerStatus>,
-}
+pub use published::Published;
+use ranks::Rank;
+pub use ranks::{ListenerView, RankBoard, RanksReader};
 
 /// What `apply` did, by listener.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -93,6 +92,7 @@ pub struct Registry {
     /// by engine name, with the last error.
     pending: BTreeMap<String, (Vec<ListenerSpec>, String)>,
     directory: DirectoryReader,
+    ranks: RanksReader,
 }
 
 impl Registry {
@@ -105,6 +105,7 @@ impl Registry {
             running: BTreeMap::new(),
             pending: BTreeMap::new(),
             directory: DirectoryReader::default(),
+            ranks: RanksReader::default(),
         }
     }
 
@@ -123,7 +124,7 @@ impl Registry {
         let planned = self.planned_count() + specs.len();
         let started = self.start_engine(specs, planned)?;
         self.insert_running(started);
-        self.publish_directory();
+        self.publish();
         Ok(())
     }
 
@@ -138,6 +139,7 @@ impl Registry {
             .cloned()
             .collect();
         self.remove_running(&keys);
+        self.publish();
         keys
     }
 
@@ -197,7 +199,7 @@ impl Registry {
                 }
             }
         }
-        self.publish_directory();
+        self.publish();
         diff
     }
 
@@ -227,7 +229,7 @@ impl Registry {
                 }
             }
         }
-        self.publish_directory();
+        self.publish();
         still_failing
     }
 
@@ -237,26 +239,17 @@ impl Registry {
 
     /// Every configured rank, running or pending, sorted by (engine, dp_rank).
     pub fn snapshot(&self) -> Vec<ListenerView> {
-        let running = self.running.values().map(|r| ListenerView {
-            spec: r.listener.spec().clone(),
-            worker: Some(r.listener.worker()),
-            status: Some(r.listener.status()),
-        });
-        let pending = self.pending.values().flat_map(|(specs, _)| {
-            specs.iter().map(|spec| ListenerView {
-                spec: spec.clone(),
-                worker: None,
-                status: None,
-            })
-        });
-        let mut views: Vec<ListenerView> = running.chain(pending).collect();
-        views.sort_by(|a, b| a.spec.key.cmp(&b.spec.key));
-        views
+        self.ranks.current().views()
     }
 
     /// The handle `/query` reads worker names from.
     pub fn directory(&self) -> DirectoryReader {
         self.directory.clone()
+    }
+
+    /// The handle `/workers` and `/ready` read ranks from, never waiting for a reload.
+    pub fn ranks(&self) -> RanksReader {
+        self.ranks.clone()
     }
 
     pub fn running_count(&self) -> usize {
@@ -268,6 +261,7 @@ impl Registry {
         self.pending.clear();
         let keys: Vec<WorkerKey> = self.running.keys().cloned().collect();
         self.remove_running(&keys);
+        self.publish();
     }
 
     /// Listeners running plus those waiting for a retry: what the plan asks for.
@@ -358,7 +352,7 @@ impl Registry {
         if leaving.is_empty() {
             return;
         }
-        self.publish_directory();
+        self.publish();
         let names: Vec<String> = leaving
             .iter()
             .map(|r| {
@@ -382,7 +376,8 @@ impl Registry {
         });
     }
 
-    fn publish_directory(&self) {
+    /// Publishes the directory and the rank board of what runs and is pending now.
+    fn publish(&self) {
         let workers = self.running.values().map(|running| {
             let listener = &running.listener;
             let spec = listener.spec();
@@ -394,6 +389,18 @@ impl Registry {
             (listener.worker(), info)
         });
         self.directory.publish(WorkerDirectory::new(workers));
+        let running = self.running.values().map(|running| Rank {
+            spec: running.listener.spec().clone(),
+            running: Some((running.listener.worker(), running.listener.status_handle())),
+        });
+        let pending = self.pending.values().flat_map(|(specs, _)| {
+            specs.iter().map(|spec| Rank {
+                spec: spec.clone(),
+                running: None,
+            })
+        });
+        self.ranks
+            .publish(RankBoard::new(running.chain(pending).collect()));
     }
 }
 
