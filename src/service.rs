@@ -98,6 +98,9 @@ impl Service {
             plan.len()
         );
         allow_open_files(plan.len());
+        let listen = listen.unwrap_or_else(|| config.listen.clone());
+        // Bound before the engines start: 5,000 of them can take every descriptor left.
+        let http = HttpServer::bind(&listen)?;
         let diff = registry.lock().apply(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
@@ -108,7 +111,6 @@ impl Service {
             diff.failed.len()
         );
 
-        let listen = listen.unwrap_or_else(|| config.listen.clone());
         let reloader = Arc::new(Reloader {
             config_path: config_path.to_owned(),
             applied: Mutex::new(config),
@@ -123,7 +125,7 @@ impl Service {
             directory,
             reload: Box::new(move || reload_for_http.reload()),
         });
-        let http = HttpServer::start(&listen, api)?;
+        let http = http.serve(api)?;
         let retry = Retry::spawn(registry.clone())?;
         Ok(Service {
             http,

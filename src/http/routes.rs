@@ -4,9 +4,10 @@
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
+use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
-use tiny_http::{Method, Request};
+use tiny_http::Method;
 
 use super::query_body::parse_query;
 use super::{Api, Reply};
