@@ -22,7 +22,7 @@ use crate::http::{Api, HttpServer};
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::plan;
-use crate::registry::{self, Registry, ReloadDiff};
+use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
 
 /// First wait before retrying an engine that failed to start; doubles up to `RETRY_MAX`.
 const RETRY_MIN: Duration = Duration::from_secs(1);
@@ -43,12 +43,12 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
         let mut interrupt =
             signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
         let service = Service::start(config_path, config, listen)?;
+        let hangups = HangupReloads::spawn(service.reloader.clone())?;
         loop {
             tokio::select! {
                 _ = hangup.recv() => {
                     info!("SIGHUP: reloading {}", config_path.display());
-                    // The outcome is logged by reload itself.
-                    let _ = service.reload();
+                    hangups.ask();
                 }
                 _ = terminate.recv() => {
                     info!("SIGTERM: shutting down");
@@ -60,15 +60,54 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
                 }
             }
         }
+        // Before joining the reload thread: a reload in progress stops starting engines.
+        service.shutdown_signal.raise();
+        hangups.stop();
         service.shutdown();
         Ok(())
     })
+}
+
+/// Reloads asked for by SIGHUP, run one after another on their own thread so that the signal
+/// loop sees SIGTERM at once, even while a reload starts thousands of engines (seconds).
+/// SIGHUPs that arrive during a reload are answered by one more reload.
+struct HangupReloads {
+    ask: Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl HangupReloads {
+    fn spawn(reloader: Arc<Reloader>) -> anyhow::Result<HangupReloads> {
+        let (ask, asked) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("sighup-reload".into())
+            .spawn(move || {
+                while asked.recv().is_ok() {
+                    while asked.try_recv().is_ok() {}
+                    // The outcome is logged by reload itself.
+                    let _ = reloader.reload();
+                }
+            })
+            .context("spawning the SIGHUP reload thread")?;
+        Ok(HangupReloads { ask, thread })
+    }
+
+    fn ask(&self) {
+        // The thread only ends once `ask` is dropped (in `stop`).
+        let _ = self.ask.send(());
+    }
+
+    fn stop(self) {
+        drop(self.ask);
+        let _ = self.thread.join();
+    }
 }
 
 /// Everything the process runs, started and stopped as one.
 pub struct Service {
     http: HttpServer,
     registry: Arc<Mutex<Registry>>,
+    shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
     retry: Retry,
 }
@@ -86,6 +125,7 @@ impl Service {
         let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
         let directory = registry.directory();
         let ranks = registry.ranks();
+        let shutdown_signal = registry.shutdown_signal();
         let registry = Arc::new(Mutex::new(registry));
 
         let plan = plan::expand(&config);
@@ -130,6 +170,7 @@ impl Service {
         Ok(Service {
             http,
             registry,
+            shutdown_signal,
             reloader,
             retry,
         })
@@ -147,6 +188,9 @@ impl Service {
 
     /// Stops HTTP (answering what was already received), the retries and every listener.
     pub fn shutdown(self) {
+        // First, from outside the registry's lock: a reload or retry holding it starts no
+        // more engines, so the lock is free within one listener start.
+        self.shutdown_signal.raise();
         self.http.stop();
         self.retry.stop();
         let mut registry = self.registry.lock();
@@ -235,6 +279,12 @@ impl Reloader {
         );
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
+        }
+        if diff.interrupted > 0 {
+            info!(
+                "reload interrupted by shutdown: {} engines not started",
+                diff.interrupted
+            );
         }
         *applied = config;
         self.metrics.reload(true);

@@ -34,6 +34,7 @@ mod published;
 mod ranks;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -61,6 +62,8 @@ pub struct ReloadDiff {
     pub unchanged: usize,
     /// Engines whose additions failed to start (rolled back, retried later): the error text.
     pub failed: Vec<String>,
+    /// Engines not started because shutdown began during the call.
+    pub interrupted: usize,
 }
 
 /// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
@@ -93,6 +96,20 @@ pub struct Registry {
     pending: BTreeMap<String, (Vec<ListenerSpec>, String)>,
     directory: DirectoryReader,
     ranks: RanksReader,
+    /// Raised at shutdown: no engine starts after it, so a reload of thousands of engines
+    /// gives the registry back within one listener start.
+    shutting_down: Arc<AtomicBool>,
+}
+
+/// Ends any start in progress and refuses every later one: raised once, at shutdown, from
+/// outside the registry's lock (which a reload holds).
+#[derive(Clone)]
+pub struct ShutdownSignal(Arc<AtomicBool>);
+
+impl ShutdownSignal {
+    pub fn raise(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 impl Registry {
@@ -106,6 +123,7 @@ impl Registry {
             pending: BTreeMap::new(),
             directory: DirectoryReader::default(),
             ranks: RanksReader::default(),
+            shutting_down: Arc::default(),
         }
     }
 
@@ -194,7 +212,11 @@ impl Registry {
                 }
                 Err(err) => {
                     let err = format!("{err:#}");
-                    diff.failed.push(err.clone());
+                    if self.shutting_down.load(Ordering::SeqCst) {
+                        diff.interrupted += 1;
+                    } else {
+                        diff.failed.push(err.clone());
+                    }
                     self.pending.insert(engine, (specs, err));
                 }
             }
@@ -203,7 +225,8 @@ impl Registry {
         diff
     }
 
-    /// Tries again to start every pending engine. Returns the errors of those still failing.
+    /// Tries again to start every pending engine. Returns the errors of those still failing
+    /// (none once shutdown began).
     pub fn retry_pending(&mut self) -> Vec<String> {
         let mut still_failing = Vec::new();
         let planned = self.planned_count();
@@ -224,7 +247,9 @@ impl Registry {
                 }
                 Err(err) => {
                     let err = format!("{err:#}");
-                    still_failing.push(err.clone());
+                    if !self.shutting_down.load(Ordering::SeqCst) {
+                        still_failing.push(err.clone());
+                    }
                     self.pending.insert(engine, (specs, err));
                 }
             }
@@ -245,6 +270,11 @@ impl Registry {
     /// The handle `/query` reads worker names from.
     pub fn directory(&self) -> DirectoryReader {
         self.directory.clone()
+    }
+
+    /// The signal that stops every start, for the service's shutdown.
+    pub fn shutdown_signal(&self) -> ShutdownSignal {
+        ShutdownSignal(Arc::clone(&self.shutting_down))
     }
 
     /// The handle `/workers` and `/ready` read ranks from, never waiting for a reload.
@@ -302,6 +332,10 @@ impl Registry {
                 "engine {} rank {} ({})",
                 spec.key.engine, spec.key.dp_rank, spec.endpoint
             );
+            if self.shutting_down.load(Ordering::SeqCst) {
+                self.stop(started);
+                anyhow::bail!("{what} not started: shutting down");
+            }
             let (context_slot, context) = self.contexts.take();
             match Listener::start(spec, &context, &self.index, &self.metrics)
                 .with_context(|| format!("starting {what}"))
