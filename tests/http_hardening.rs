@@ -26,11 +26,15 @@ fn serial() -> MutexGuard<'static, ()> {
 struct Indexer {
     child: Child,
     addr: SocketAddr,
+    /// Descriptors and threads once started.
+    baseline: (usize, u64),
     _dir: tempfile::TempDir,
+    _serial: MutexGuard<'static, ()>,
 }
 
 impl Indexer {
     fn start(open_files: u32) -> Indexer {
+        let serial = serial();
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("indexer.toml");
         std::fs::write(
@@ -53,14 +57,17 @@ impl Indexer {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn kv-indexer");
-        let indexer = Indexer {
+        let mut indexer = Indexer {
             child,
             addr,
+            baseline: (0, 0),
             _dir: dir,
+            _serial: serial,
         };
         wait_for(30, "the HTTP API to answer", || {
             TcpStream::connect(addr).ok().map(|_| ())
         });
+        indexer.baseline = (indexer.descriptors(), indexer.threads());
         indexer
     }
 
@@ -96,9 +103,11 @@ impl Indexer {
         )
     }
 
-    /// Waits until the child holds no more descriptors and threads than `baseline` (plus a
-    /// few for connections still closing), failing after 20 s.
-    fn settles_to(&self, baseline: (usize, u64)) {
+    /// `/health` answers, and the child comes back to the descriptors and threads it had once
+    /// started (plus a few for connections still closing) within 20 s.
+    fn answers_and_settles(&self) {
+        assert_eq!(get(self.addr, "/health").status, 200);
+        let baseline = self.baseline;
         wait_for(
             20,
             "connections to release their descriptors and threads",
@@ -135,10 +144,8 @@ fn status_of(answer: &str) -> Option<u16> {
 #[test]
 fn twelve_thousand_refused_uploads_leave_nothing_behind_and_health_still_answers() {
     // 4,096 descriptors: the old server kept 2 per refused upload and died after ~2,000.
-    let _serial = serial();
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
-    let baseline = (indexer.descriptors(), indexer.threads());
     eprintln!("before: {}", indexer.figures());
     let head = format!(
         "POST /query HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n",
@@ -146,11 +153,14 @@ fn twelve_thousand_refused_uploads_leave_nothing_behind_and_health_still_answers
     );
     const CLIENTS: usize = 8;
     const EACH: usize = 1_500;
+    // About 10 s here; a server that stops answering fails the test at this bound.
+    let give_up = Instant::now() + Duration::from_secs(120);
     let refused: usize = std::thread::scope(|scope| {
         let clients: Vec<_> = (0..CLIENTS)
             .map(|_| {
                 scope.spawn(|| {
                     (0..EACH)
+                        .take_while(|_| Instant::now() < give_up)
                         .filter(|_| {
                             exchange(addr, head.as_bytes())
                                 .is_ok_and(|answer| status_of(&answer) == Some(413))
@@ -170,17 +180,14 @@ fn twelve_thousand_refused_uploads_leave_nothing_behind_and_health_still_answers
         indexer.figures()
     );
     assert_eq!(refused, CLIENTS * EACH, "every upload is answered 413");
-    assert_eq!(get(addr, "/health").status, 200);
-    indexer.settles_to(baseline);
+    indexer.answers_and_settles();
     eprintln!("settled: {}", indexer.figures());
 }
 
 #[test]
 fn oversized_heads_get_431_or_414_and_memory_stays_bounded() {
-    let _serial = serial();
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
-    let baseline = (indexer.descriptors(), indexer.threads());
     let resident_before = indexer.resident_mib();
     eprintln!("before: {}", indexer.figures());
     // 20 unterminated 1 MiB headers at once (the old server buffered each whole, and more).
@@ -214,16 +221,13 @@ fn oversized_heads_get_431_or_414_and_memory_stays_bounded() {
     let answer = exchange(addr, many.as_bytes()).expect("answered");
     assert_eq!(status_of(&answer), Some(431), "{answer}");
 
-    assert_eq!(get(addr, "/health").status, 200);
-    indexer.settles_to(baseline);
+    indexer.answers_and_settles();
 }
 
 #[test]
 fn a_slow_head_is_cut_at_the_deadline() {
-    let _serial = serial();
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
-    let baseline = (indexer.descriptors(), indexer.threads());
     // 50 clients each sending a head one byte every 200 ms, which never ends.
     let mut slow: Vec<TcpStream> = (0..50)
         .map(|_| {
@@ -274,28 +278,25 @@ fn a_slow_head_is_cut_at_the_deadline() {
     for answer in answers.iter().flatten() {
         assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
     }
-    assert_eq!(get(addr, "/health").status, 200);
-    indexer.settles_to(baseline);
+    indexer.answers_and_settles();
 }
 
 #[test]
 fn connections_past_the_cap_are_refused_503_and_counted() {
-    let _serial = serial();
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
-    let baseline = (indexer.descriptors(), indexer.threads());
     let held: Vec<Connection> = (0..MAX_CONNECTIONS)
         .map(|_| Connection::open(addr))
         .collect();
     wait_for(60, "every held connection to be admitted", || {
-        (indexer.threads() >= baseline.1 + MAX_CONNECTIONS as u64).then_some(())
+        (indexer.threads() >= indexer.baseline.1 + MAX_CONNECTIONS as u64).then_some(())
     });
     eprintln!("{MAX_CONNECTIONS} idle connections: {}", indexer.figures());
     let answer = exchange(addr, b"").expect("answered");
     assert_eq!(status_of(&answer), Some(503), "{answer}");
     assert!(answer.contains("connections are open"), "{answer}");
     drop(held);
-    indexer.settles_to(baseline);
+    indexer.answers_and_settles();
     let metrics = get(addr, "/metrics").text();
     assert!(
         metrics.contains("kv_indexer_http_errors_total{status=\"503\"} 1"),
@@ -306,10 +307,8 @@ fn connections_past_the_cap_are_refused_503_and_counted() {
 #[test]
 fn out_of_descriptors_the_api_keeps_accepting_and_recovers() {
     // 128 descriptors: idle connections take them all, and accept fails with EMFILE.
-    let _serial = serial();
     let indexer = Indexer::start(128);
     let addr = indexer.addr;
-    let baseline = (indexer.descriptors(), indexer.threads());
     let held: Vec<TcpStream> = (0..300)
         .filter_map(|_| TcpStream::connect(addr).ok())
         .collect();
@@ -333,6 +332,6 @@ fn out_of_descriptors_the_api_keeps_accepting_and_recovers() {
         connection.read_to_string(&mut answer).ok()?;
         answer.starts_with("HTTP/1.1 200 ").then_some(())
     });
-    indexer.settles_to(baseline);
+    indexer.answers_and_settles();
     eprintln!("recovered: {}", indexer.figures());
 }
