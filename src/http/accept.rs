@@ -147,20 +147,28 @@ pub(super) fn accept_loop(
     let addr = listener.local_addr().ok();
     let mut backoff = BACKOFF_MIN;
     let (mut failures, mut refusals) = (Throttled::default(), Throttled::default());
+    // Set when accept ran out of descriptors: the reserve is not refilled before the next
+    // accept has used the descriptor just freed for it.
+    let mut starved = false;
     while !stopping.load(Ordering::SeqCst) {
-        reserve.refill();
+        if !starved {
+            reserve.refill();
+        }
         if !readable(listener, STOP_POLL) {
             continue;
         }
         match listener.accept() {
             Ok((socket, peer)) => {
                 backoff = BACKOFF_MIN;
+                starved = false;
                 admit(socket, peer, shared, &mut refusals);
             }
             Err(err) if transient(&err) => {}
             // Out of descriptors: free one of the reserve and accept again at once.
-            Err(err) if out_of_files(&err) && reserve.release_one() => {}
+            Err(err) if out_of_files(&err) && reserve.release_one() => starved = true,
             Err(err) => {
+                // Nothing left in reserve, or another error: let the reserve refill.
+                starved = false;
                 failures.warn(|| {
                     format!(
                         "HTTP API on {addr:?}: accept failed: {err}; retrying in {}ms",
