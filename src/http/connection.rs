@@ -102,7 +102,7 @@ fn retry(err: &io::Error) -> bool {
     )
 }
 
-/// Serves requests from `socket` until the client closes, idles out or a request ends it.
+/// Serves requests on `conn` until the client closes, idles out or a request ends it.
 pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared) {
     if let Err(err) = conn
         .reader
