@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::Context;
 use log::{error, info, warn};
 use parking_lot::Mutex;
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
 use crate::http::{Api, HttpServer};
@@ -42,7 +42,26 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
             signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
         let mut interrupt =
             signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-        let service = Service::start(config_path, config, listen)?;
+        // Start-up runs beside the signals: SIGTERM while thousands of engines start stops
+        // the start (no engine starts after it) and exits within a second.
+        let shutdown_signal = ShutdownSignal::default();
+        let mut start = {
+            let (path, signal) = (config_path.to_owned(), shutdown_signal.clone());
+            tokio::task::spawn_blocking(move || Service::start_until(&path, config, listen, signal))
+        };
+        let (started, stop_early) = tokio::select! {
+            started = &mut start => (started, None),
+            name = stop_requested(&mut terminate, &mut interrupt) => {
+                shutdown_signal.raise();
+                ((&mut start).await, Some(name))
+            }
+        };
+        let service = started.context("the start-up thread")??;
+        if let Some(name) = stop_early {
+            info!("{name} during start-up: shutting down");
+            service.shutdown();
+            return Ok(());
+        }
         let hangups = HangupReloads::spawn(service.reloader.clone())?;
         loop {
             tokio::select! {
@@ -50,12 +69,8 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
                     info!("SIGHUP: reloading {}", config_path.display());
                     hangups.ask();
                 }
-                _ = terminate.recv() => {
-                    info!("SIGTERM: shutting down");
-                    break;
-                }
-                _ = interrupt.recv() => {
-                    info!("SIGINT: shutting down");
+                name = stop_requested(&mut terminate, &mut interrupt) => {
+                    info!("{name}: shutting down");
                     break;
                 }
             }
@@ -66,6 +81,14 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
         service.shutdown();
         Ok(())
     })
+}
+
+/// Waits for SIGTERM or SIGINT; the name of the one that came.
+async fn stop_requested(terminate: &mut Signal, interrupt: &mut Signal) -> &'static str {
+    tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    }
 }
 
 /// Reloads asked for by SIGHUP, run one after another on their own thread so that the signal
@@ -120,12 +143,23 @@ impl Service {
         config: Config,
         listen: Option<String>,
     ) -> anyhow::Result<Service> {
+        Service::start_until(config_path, config, listen, ShutdownSignal::default())
+    }
+
+    /// `start`, that stops starting engines once `shutdown_signal` is raised (SIGTERM during
+    /// start-up).
+    pub fn start_until(
+        config_path: &Path,
+        config: Config,
+        listen: Option<String>,
+        shutdown_signal: ShutdownSignal,
+    ) -> anyhow::Result<Service> {
         let index = Index::new(config.block_size, config.shards);
         let metrics = Arc::new(Metrics::new());
-        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
+        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone())
+            .with_shutdown_signal(shutdown_signal.clone());
         let directory = registry.directory();
         let ranks = registry.ranks();
-        let shutdown_signal = registry.shutdown_signal();
         let registry = Arc::new(Mutex::new(registry));
 
         let plan = plan::expand(&config);

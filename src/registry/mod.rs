@@ -103,7 +103,7 @@ pub struct Registry {
 
 /// Ends any start in progress and refuses every later one: raised once, at shutdown, from
 /// outside the registry's lock (which a reload holds).
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct ShutdownSignal(Arc<AtomicBool>);
 
 impl ShutdownSignal {
@@ -272,9 +272,10 @@ impl Registry {
         self.directory.clone()
     }
 
-    /// The signal that stops every start, for the service's shutdown.
-    pub fn shutdown_signal(&self) -> ShutdownSignal {
-        ShutdownSignal(Arc::clone(&self.shutting_down))
+    /// Makes `signal` the one that stops every start (the service raises it at shutdown).
+    pub fn with_shutdown_signal(mut self, signal: ShutdownSignal) -> Registry {
+        self.shutting_down = signal.0;
+        self
     }
 
     /// The handle `/workers` and `/ready` read ranks from, never waiting for a reload.
