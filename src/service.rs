@@ -8,20 +8,21 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::Context;
 use log::{error, info, warn};
-use tokio::signal::unix::{signal, SignalKind};
+use parking_lot::Mutex;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
 use crate::http::{Api, HttpServer};
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::plan;
-use crate::registry::{self, Registry, ReloadDiff};
+use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
 
 /// First wait before retrying an engine that failed to start; doubles up to `RETRY_MAX`.
 const RETRY_MIN: Duration = Duration::from_secs(1);
@@ -41,33 +42,95 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
             signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
         let mut interrupt =
             signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-        let service = Service::start(config_path, config, listen)?;
+        // Start-up runs beside the signals: SIGTERM while thousands of engines start stops
+        // the start (no engine starts after it) and exits within a second.
+        let shutdown_signal = ShutdownSignal::default();
+        let mut start = {
+            let (path, signal) = (config_path.to_owned(), shutdown_signal.clone());
+            tokio::task::spawn_blocking(move || Service::start_until(&path, config, listen, signal))
+        };
+        let (started, stop_early) = tokio::select! {
+            started = &mut start => (started, None),
+            name = stop_requested(&mut terminate, &mut interrupt) => {
+                shutdown_signal.raise();
+                ((&mut start).await, Some(name))
+            }
+        };
+        let service = started.context("the start-up thread")??;
+        if let Some(name) = stop_early {
+            info!("{name} during start-up: shutting down");
+            service.shutdown();
+            return Ok(());
+        }
+        let hangups = HangupReloads::spawn(service.reloader.clone())?;
         loop {
             tokio::select! {
                 _ = hangup.recv() => {
                     info!("SIGHUP: reloading {}", config_path.display());
-                    // The outcome is logged by reload itself.
-                    let _ = service.reload();
+                    hangups.ask();
                 }
-                _ = terminate.recv() => {
-                    info!("SIGTERM: shutting down");
-                    break;
-                }
-                _ = interrupt.recv() => {
-                    info!("SIGINT: shutting down");
+                name = stop_requested(&mut terminate, &mut interrupt) => {
+                    info!("{name}: shutting down");
                     break;
                 }
             }
         }
+        // Before joining the reload thread: a reload in progress stops starting engines.
+        service.shutdown_signal.raise();
+        hangups.stop();
         service.shutdown();
         Ok(())
     })
+}
+
+/// Waits for SIGTERM or SIGINT; the name of the one that came.
+async fn stop_requested(terminate: &mut Signal, interrupt: &mut Signal) -> &'static str {
+    tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    }
+}
+
+/// Reloads asked for by SIGHUP, run one after another on their own thread so that the signal
+/// loop sees SIGTERM at once, even while a reload starts thousands of engines (seconds).
+/// SIGHUPs that arrive during a reload are answered by one more reload.
+struct HangupReloads {
+    ask: Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl HangupReloads {
+    fn spawn(reloader: Arc<Reloader>) -> anyhow::Result<HangupReloads> {
+        let (ask, asked) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("sighup-reload".into())
+            .spawn(move || {
+                while asked.recv().is_ok() {
+                    while asked.try_recv().is_ok() {}
+                    // The outcome is logged by reload itself.
+                    let _ = reloader.reload();
+                }
+            })
+            .context("spawning the SIGHUP reload thread")?;
+        Ok(HangupReloads { ask, thread })
+    }
+
+    fn ask(&self) {
+        // The thread only ends once `ask` is dropped (in `stop`).
+        let _ = self.ask.send(());
+    }
+
+    fn stop(self) {
+        drop(self.ask);
+        let _ = self.thread.join();
+    }
 }
 
 /// Everything the process runs, started and stopped as one.
 pub struct Service {
     http: HttpServer,
     registry: Arc<Mutex<Registry>>,
+    shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
     retry: Retry,
 }
@@ -80,10 +143,23 @@ impl Service {
         config: Config,
         listen: Option<String>,
     ) -> anyhow::Result<Service> {
+        Service::start_until(config_path, config, listen, ShutdownSignal::default())
+    }
+
+    /// `start`, that stops starting engines once `shutdown_signal` is raised (SIGTERM during
+    /// start-up).
+    pub fn start_until(
+        config_path: &Path,
+        config: Config,
+        listen: Option<String>,
+        shutdown_signal: ShutdownSignal,
+    ) -> anyhow::Result<Service> {
         let index = Index::new(config.block_size, config.shards);
         let metrics = Arc::new(Metrics::new());
-        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
+        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone())
+            .with_shutdown_signal(shutdown_signal.clone());
         let directory = registry.directory();
+        let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
 
         let plan = plan::expand(&config);
@@ -96,7 +172,10 @@ impl Service {
             plan.len()
         );
         allow_open_files(plan.len());
-        let diff = lock(&registry).apply(plan);
+        let listen = listen.unwrap_or_else(|| config.listen.clone());
+        // Bound before the engines start: 5,000 of them can take every descriptor left.
+        let http = HttpServer::bind(&listen)?;
+        let diff = registry.lock().apply(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
         }
@@ -106,7 +185,6 @@ impl Service {
             diff.failed.len()
         );
 
-        let listen = listen.unwrap_or_else(|| config.listen.clone());
         let reloader = Arc::new(Reloader {
             config_path: config_path.to_owned(),
             applied: Mutex::new(config),
@@ -117,15 +195,16 @@ impl Service {
         let api = Arc::new(Api {
             index,
             metrics,
-            registry: registry.clone(),
+            ranks,
             directory,
             reload: Box::new(move || reload_for_http.reload()),
         });
-        let http = HttpServer::start(&listen, api)?;
+        let http = http.serve(api)?;
         let retry = Retry::spawn(registry.clone())?;
         Ok(Service {
             http,
             registry,
+            shutdown_signal,
             reloader,
             retry,
         })
@@ -143,9 +222,12 @@ impl Service {
 
     /// Stops HTTP (answering what was already received), the retries and every listener.
     pub fn shutdown(self) {
+        // First, from outside the registry's lock: a reload or retry holding it starts no
+        // more engines, so the lock is free within one listener start.
+        self.shutdown_signal.raise();
         self.http.stop();
         self.retry.stop();
-        let mut registry = lock(&self.registry);
+        let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
         info!("stopped {ranks} listeners; bye");
@@ -172,10 +254,6 @@ fn allow_open_files(listeners: usize) {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// Applies the configuration file to the registry; its lock serializes reloads.
 struct Reloader {
     config_path: PathBuf,
@@ -188,7 +266,7 @@ struct Reloader {
 
 impl Reloader {
     fn reload(&self) -> Result<ReloadDiff, ConfigError> {
-        let mut applied = lock(&self.applied);
+        let mut applied = self.applied.lock();
         let path = self.config_path.display();
         let mut config = match Config::load(&self.config_path) {
             Ok(config) => config,
@@ -219,7 +297,7 @@ impl Reloader {
             &applied.shards,
             &self.config_path,
         );
-        let diff = lock(&self.registry).apply(plan::expand(&config));
+        let diff = self.registry.lock().apply(plan::expand(&config));
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()
                 .map(|k| format!("{}/{}", k.engine, k.dp_rank))
@@ -235,6 +313,12 @@ impl Reloader {
         );
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
+        }
+        if diff.interrupted > 0 {
+            info!(
+                "reload interrupted by shutdown: {} engines not started",
+                diff.interrupted
+            );
         }
         *applied = config;
         self.metrics.reload(true);
@@ -273,7 +357,7 @@ impl Retry {
             .spawn(move || {
                 let mut backoff = RETRY_MIN;
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(backoff) {
-                    let mut registry = lock(&registry);
+                    let mut registry = registry.lock();
                     if !registry.has_pending() {
                         backoff = RETRY_MIN;
                         continue;

@@ -1,42 +1,37 @@
-//! Request bodies: reading them against limits and deadlines, and refusing them safely.
+//! Request bodies: their framing, reading them against limits and deadlines, and the bound on
+//! how many are read at once.
 //!
-//! Owns the upload bound (`MAX_UPLOADS` pool threads reading bodies at once), the body deadline,
-//! and the way a refused body is answered and discarded. Never lets tiny_http discard a large
-//! unread body itself (its discard allocates the declared length: see the `http` module doc).
+//! Owns the upload bound (`MAX_UPLOADS` bodies read from the socket at once), the body
+//! deadline, `Expect: 100-continue`, and the chunked decoding. Never allocates more than it has
+//! read plus what a declared length within `MAX_BODY_BYTES` asks, and never reads a body it
+//! refused (the connection closes after the answer).
 
-use std::io::{self, Read, Write};
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use log::{debug, warn};
-use tiny_http::{Request, Response};
+use super::connection::{read_some, Conn};
+use super::head::Request;
+use super::{Reply, MAX_BODY_BYTES, MAX_UPLOADS};
 
-use super::{header, Reply, MAX_BODY_BYTES, MAX_UPLOADS};
-
-/// A body still on the socket must have arrived whole within this time (checked between reads).
+/// A body must have arrived whole within this time.
 const BODY_DEADLINE: Duration = Duration::from_secs(30);
-/// What one read of a chunked body asks for.
+/// What one read of a chunked body asks for at most.
 const CHUNKED_READ: usize = 64 << 10;
-/// tiny_http reads bodies up to this size before handing a request over.
-const BUFFERED_BODY_BYTES: usize = 1024;
-/// The most unread body bytes we let tiny_http discard: its discard allocates (lazily, so
-/// address space, not memory) a buffer of the bytes left. Above it, a connection is abandoned.
-const DISCARD_LIMIT: usize = 64 << 20;
-/// How long a refused body may take to be discarded before its connection is abandoned.
-const DISCARD_DEADLINE: Duration = Duration::from_secs(2);
+/// Bodies up to this size, sent without `Expect`, are read without an upload place: a router's
+/// `/query` is a few hundred bytes, and 512 connections × 1 KiB bound what they can hold.
+const SMALL_BODY_BYTES: usize = 1024;
+/// A chunk-size line or a trailer line longer than this is malformed.
+const MAX_CHUNK_LINE: usize = 1024;
 
-/// Connections abandoned (never closed) since the process started; see `settle_unread`.
-static ABANDONED_CONNECTIONS: AtomicU64 = AtomicU64::new(0);
-
-/// Counts the pool threads reading a body from the socket.
+/// Counts the bodies being read from the socket.
 #[derive(Default)]
 pub(super) struct Uploads {
     reading: AtomicUsize,
 }
 
 /// One of the `MAX_UPLOADS` places; given back on drop.
-pub(super) struct UploadSlot<'a>(&'a Uploads);
+struct UploadSlot<'a>(&'a Uploads);
 
 impl Uploads {
     fn try_take(&self) -> Option<UploadSlot<'_>> {
@@ -55,189 +50,187 @@ impl Drop for UploadSlot<'_> {
     }
 }
 
-/// An error answered before the request body was read to its end.
-pub(super) struct Refusal<'a> {
-    pub(super) reply: Reply,
-    /// `Content-Length` bytes not read yet; `None` for a chunked body (tiny_http's chunked
-    /// reader discards nothing on drop).
-    unread: Option<usize>,
-    /// Held while the refused body is discarded, which may wait for the client.
-    slot: Option<UploadSlot<'a>>,
+/// How the body of a request is delimited.
+enum Framing {
+    Length(usize),
+    Chunked,
+}
+
+fn framing(request: &Request) -> Result<Framing, Reply> {
+    let encoding = request.header("Transfer-Encoding");
+    let mut lengths = request.header_values("Content-Length");
+    let length = lengths.next();
+    if lengths.any(|other| Some(other) != length) {
+        return Err(Reply::error(400, "conflicting Content-Length headers"));
+    }
+    match (encoding, length) {
+        (Some(_), Some(_)) => Err(Reply::error(
+            400,
+            "both Transfer-Encoding and Content-Length; send one",
+        )),
+        (Some(encoding), None) if encoding.eq_ignore_ascii_case("chunked") => Ok(Framing::Chunked),
+        (Some(encoding), None) => Err(Reply::error(
+            501,
+            format!("Transfer-Encoding {encoding:?} is not supported; use chunked"),
+        )),
+        (None, Some(length)) => length
+            .parse::<u64>()
+            .ok()
+            .filter(|_| length.bytes().all(|b| b.is_ascii_digit()))
+            .map(|length| Framing::Length(usize::try_from(length).unwrap_or(usize::MAX)))
+            .ok_or_else(|| Reply::error(400, format!("Content-Length {length:?} is not a number"))),
+        (None, None) => Ok(Framing::Length(0)),
+    }
 }
 
 /// Reads the whole body, refusing more than `MAX_BODY_BYTES` (by Content-Length before reading
-/// anything, or while reading a chunked body) and a body slower than `BODY_DEADLINE`.
-pub(super) fn take_body<'a>(
-    request: &mut Request,
-    uploads: &'a Uploads,
-) -> Result<Vec<u8>, Refusal<'a>> {
-    let declared = request.body_length();
-    if let Some(length) = declared.filter(|&l| l > MAX_BODY_BYTES) {
-        return Err(Refusal {
-            reply: Reply::error(
+/// anything, or while reading a chunked body), a body slower than `BODY_DEADLINE`, and a body
+/// on the socket beyond the `MAX_UPLOADS` being read.
+pub(super) fn take_body(
+    conn: &mut Conn,
+    request: &Request,
+    uploads: &Uploads,
+) -> Result<Vec<u8>, Reply> {
+    let framing = framing(request)?;
+    let expects_continue = match request.header("Expect") {
+        None => false,
+        Some(value) if value.eq_ignore_ascii_case("100-continue") => true,
+        Some(value) => {
+            return Err(Reply::error(
+                417,
+                format!("Expect: {value} is not supported"),
+            ))
+        }
+    };
+    let small = match framing {
+        Framing::Length(0) => return Ok(Vec::new()),
+        Framing::Length(length) if length > MAX_BODY_BYTES => {
+            return Err(Reply::error(
                 413,
                 format!("body is {length} bytes; the limit is {MAX_BODY_BYTES}"),
-            ),
-            unread: declared,
-            slot: uploads.try_take(),
-        });
-    }
-    let on_socket = body_on_socket(request);
-    if declared == Some(0) || (declared.is_none() && !on_socket) {
-        return Ok(Vec::new());
-    }
-    let slot = if on_socket {
-        let Some(slot) = uploads.try_take() else {
-            return Err(Refusal {
-                reply: Reply::error(
-                    503,
-                    format!("{MAX_UPLOADS} uploads are in progress; retry shortly"),
-                ),
-                unread: declared,
-                slot: None,
-            });
-        };
-        Some(slot)
-    } else {
-        None
+            ))
+        }
+        Framing::Length(length) => length <= SMALL_BODY_BYTES && !expects_continue,
+        Framing::Chunked => false,
     };
-    let mut body = Vec::with_capacity(declared.unwrap_or(0));
+    let _slot = match small {
+        true => None,
+        false => Some(uploads.try_take().ok_or_else(|| {
+            Reply::error(
+                503,
+                format!("{MAX_UPLOADS} uploads are in progress; retry shortly"),
+            )
+        })?),
+    };
+    if expects_continue {
+        conn.write_raw(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .map_err(|err| Reply::error(400, format!("100 Continue not delivered: {err}")))?;
+    }
     let deadline = Instant::now() + BODY_DEADLINE;
-    let reader = request.as_reader();
+    let read = match framing {
+        Framing::Length(length) => read_length(conn, length, deadline),
+        Framing::Chunked => read_chunked(conn, deadline),
+    };
+    read.map_err(|err| match err {
+        BodyError::TooLarge => Reply::error(
+            413,
+            format!("body is over the limit of {MAX_BODY_BYTES} bytes"),
+        ),
+        BodyError::Io(err) if err.kind() == io::ErrorKind::TimedOut => Reply::error(
+            408,
+            format!("body not received within {}s", BODY_DEADLINE.as_secs()),
+        ),
+        BodyError::Io(err) => Reply::error(400, format!("body could not be read: {err}")),
+        BodyError::Malformed(what) => Reply::error(400, format!("malformed chunked body: {what}")),
+    })
+}
+
+enum BodyError {
+    TooLarge,
+    Io(io::Error),
+    Malformed(&'static str),
+}
+
+impl From<io::Error> for BodyError {
+    fn from(err: io::Error) -> Self {
+        BodyError::Io(err)
+    }
+}
+
+fn ended_early() -> BodyError {
+    BodyError::Io(io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "the connection closed before the body ended",
+    ))
+}
+
+fn read_length(conn: &mut Conn, length: usize, deadline: Instant) -> Result<Vec<u8>, BodyError> {
+    let mut body = Vec::with_capacity(length);
+    while body.len() < length {
+        let want = length - body.len();
+        if read_some(conn, &mut body, want, deadline)? == 0 {
+            return Err(ended_early());
+        }
+    }
+    Ok(body)
+}
+
+/// Decodes `size[;extensions] CRLF data CRLF` chunks up to the `0` chunk and its trailers.
+fn read_chunked(conn: &mut Conn, deadline: Instant) -> Result<Vec<u8>, BodyError> {
+    let mut body = Vec::new();
     loop {
-        // A declared body is over once its length is read; a chunked one at its end.
-        let want = declared.map_or(CHUNKED_READ, |length| length.saturating_sub(body.len()));
-        let failure = if want == 0 {
+        let line = read_line(conn, deadline)?;
+        let size = line.split(|&b| b == b';').next().unwrap_or_default();
+        let size = std::str::from_utf8(size)
+            .ok()
+            .and_then(|size| usize::from_str_radix(size.trim(), 16).ok())
+            .ok_or(BodyError::Malformed("a chunk size is not hexadecimal"))?;
+        if size == 0 {
+            // Trailers, up to the blank line that ends the body.
+            while !read_line(conn, deadline)?.is_empty() {}
             return Ok(body);
-        } else if body.len() > MAX_BODY_BYTES {
-            Reply::error(
-                413,
-                format!("body is over the limit of {MAX_BODY_BYTES} bytes"),
-            )
-        } else if Instant::now() > deadline {
-            Reply::error(
-                408,
-                format!("body not received within {}s", BODY_DEADLINE.as_secs()),
-            )
-        } else {
-            match read_some(reader, &mut body, want) {
-                Ok(0) => return Ok(body),
-                Ok(_) => continue,
-                Err(err) => Reply::error(400, format!("body could not be read: {err}")),
+        }
+        if size > MAX_BODY_BYTES - body.len() {
+            return Err(BodyError::TooLarge);
+        }
+        let end = body.len() + size;
+        while body.len() < end {
+            let want = (end - body.len()).min(CHUNKED_READ);
+            if read_some(conn, &mut body, want, deadline)? == 0 {
+                return Err(ended_early());
             }
-        };
-        return Err(Refusal {
-            reply: failure,
-            unread: declared.map(|length| length.saturating_sub(body.len())),
-            slot,
-        });
-    }
-}
-
-/// Appends what the next read gives, up to `want` bytes; 0 at the end of the body.
-fn read_some(reader: &mut dyn Read, body: &mut Vec<u8>, want: usize) -> io::Result<usize> {
-    let filled = body.len();
-    body.resize(filled + want, 0);
-    let result = loop {
-        match reader.read(&mut body[filled..]) {
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            other => break other,
         }
-    };
-    body.truncate(filled + *result.as_ref().unwrap_or(&0));
-    result
-}
-
-/// Whether reading the body may wait for the client (tiny_http buffered only small bodies sent
-/// without `Expect: 100-continue`).
-fn body_on_socket(request: &Request) -> bool {
-    let has = |name: &'static str| request.headers().iter().any(|h| h.field.equiv(name));
-    match request.body_length() {
-        Some(0) => false,
-        Some(length) => length > BUFFERED_BODY_BYTES || has("Expect"),
-        None => has("Transfer-Encoding"),
-    }
-}
-
-/// Answers `refusal` and closes the connection without letting tiny_http discard a large
-/// unread body.
-///
-/// `Request::upgrade` writes the status line and our headers, adds `Connection: upgrade` and
-/// `Upgrade: <protocol>`, drops our `Content-Length` and any `Connection` header we add, writes
-/// no body, and returns the connection with the body reader in it. It writes header values
-/// verbatim, so the framing a plain client needs rides in the `Upgrade` value: our own
-/// constants and a number, never request bytes. A client sees an ordinary error response with
-/// `Connection: close` (HTTP lists repeated `Connection` headers as one).
-pub(super) fn refuse_unread(request: Request, refusal: Refusal) {
-    let peer = request.remote_addr().copied();
-    let Refusal {
-        reply,
-        unread,
-        slot,
-    } = refusal;
-    let framing = format!(
-        "none\r\nConnection: close\r\nContent-Length: {}",
-        reply.body.len()
-    );
-    let mut head = Response::empty(reply.status);
-    if let Some(header) = header("Content-Type", reply.content_type) {
-        head.add_header(header);
-    }
-    let mut connection = request.upgrade(&framing, head);
-    let sent = connection
-        .write_all(&reply.body)
-        .and_then(|()| connection.flush());
-    if let Err(err) = sent {
-        debug!("HTTP {} to {peer:?} not delivered: {err}", reply.status);
-    }
-    settle_unread(connection, unread, slot.is_some(), peer);
-}
-
-/// Lets tiny_http discard what is left of a refused body when that is cheap; otherwise
-/// abandons the connection.
-///
-/// tiny_http's discard allocates a buffer of the bytes left, and so does its reader as soon as
-/// it meets the end of the stream; so we read nothing when more than `DISCARD_LIMIT` is left.
-/// Below it we read the rest ourselves in 4 KiB chunks (the client, told `Connection: close`,
-/// usually just closes) and drop the connection once the body is over. An abandoned connection
-/// is never closed: one file descriptor and one parked tiny_http thread, counted and logged.
-/// Reading the rest may wait for the client, so it is done only while holding an upload slot.
-fn settle_unread(
-    mut connection: Box<dyn tiny_http::ReadWrite + Send>,
-    unread: Option<usize>,
-    may_wait: bool,
-    peer: Option<SocketAddr>,
-) {
-    let mut left = match unread {
-        None | Some(0) => return drop(connection),
-        Some(left) if left <= DISCARD_LIMIT && may_wait => left,
-        Some(left) => return abandon(connection, left, peer),
-    };
-    let deadline = Instant::now() + DISCARD_DEADLINE;
-    let mut chunk = [0u8; 4096];
-    while left > 0 && Instant::now() < deadline {
-        match connection.read(&mut chunk) {
-            // The end of the stream, or an error tiny_http's own discard will meet at once.
-            Ok(0) | Err(_) => return drop(connection),
-            Ok(n) => left = left.saturating_sub(n),
+        if !read_line(conn, deadline)?.is_empty() {
+            return Err(BodyError::Malformed("a chunk is longer than its size"));
         }
     }
-    if left == 0 {
-        drop(connection);
-    } else {
-        abandon(connection, left, peer);
-    }
 }
 
-fn abandon(
-    connection: Box<dyn tiny_http::ReadWrite + Send>,
-    unread: usize,
-    peer: Option<SocketAddr>,
-) {
-    std::mem::forget(connection);
-    let total = ABANDONED_CONNECTIONS.fetch_add(1, Ordering::Relaxed) + 1;
-    warn!(
-        "HTTP connection from {peer:?} abandoned with {unread} body bytes unread \
-         ({total} abandoned since start)"
-    );
+/// One CRLF-terminated line, without its CRLF.
+fn read_line(conn: &mut Conn, deadline: Instant) -> Result<Vec<u8>, BodyError> {
+    let mut line = Vec::new();
+    loop {
+        let available = conn.fill_before(deadline)?;
+        if available.is_empty() {
+            return Err(ended_early());
+        }
+        match available.iter().position(|&b| b == b'\n') {
+            Some(at) => {
+                line.extend_from_slice(&available[..at]);
+                conn.consume(at + 1);
+                if line.pop() != Some(b'\r') {
+                    return Err(BodyError::Malformed("a line does not end in CRLF"));
+                }
+                return Ok(line);
+            }
+            None => {
+                let n = available.len();
+                line.extend_from_slice(available);
+                conn.consume(n);
+            }
+        }
+        if line.len() > MAX_CHUNK_LINE {
+            return Err(BodyError::Malformed("a chunk line is too long"));
+        }
+    }
 }

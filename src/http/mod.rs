@@ -1,62 +1,70 @@
-//! The HTTP API (SPEC.md "HTTP API"): the server, its thread pool and its replies. `routes`
-//! answers each path with its exact JSON, `query_body` parses `POST /query`, and `body` reads
-//! request bodies against limits and refuses them safely.
+//! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `accept` runs the
+//! listening socket, `connection` serves one connection, `head` and `body` read a request
+//! against limits and deadlines, `routes` answers each path with its exact JSON, and
+//! `query_body` parses `POST /query`.
 //!
-//! Owns: the listening socket, a fixed pool of threads answering requests, body limits and
-//! deadlines, and every status code the API returns. Never: changes the index or the registry
-//! except through the reload callback, panics on a request, spawns a thread per request, or
-//! lets tiny_http drop a request body it has not finished reading when that body is large.
+//! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
+//! status code the API returns. Never: changes the index or the registry except through the
+//! reload callback, panics on a request, waits for a client without a deadline, keeps a thread
+//! or a descriptor for a connection that is done, or stops accepting while it runs.
 //!
-//! tiny_http reads request heads (and bodies up to 1 KiB) on its own per-connection threads and
-//! hands requests to our fixed pool. A body still on the socket is read by the pool thread that
-//! took the request, in chunks, against a deadline: a slow upload holds that one thread, and at
-//! most `MAX_UPLOADS` threads read bodies at once, so `POOL_THREADS - MAX_UPLOADS` always serve
-//! the rest; an upload beyond that bound is refused 503 at once. (Socket timeouts are not an
-//! option: tiny_http does not expose accepted sockets, and a timeout on the listening socket
-//! would make its accept loop quit.)
+//! Why our own connection handling and not tiny_http's `Server`: tiny_http 0.12 reads request
+//! heads on a thread per connection with no size limit and no deadline (20 connections sending
+//! 32 MiB heads took 900 MB), gives no access to the accepted sockets (so no socket timeouts),
+//! cannot be handed a connection it did not accept itself, and its accept thread quits for
+//! good on the first accept error (EMFILE left the API dead while the process lived on). So we
+//! accept on our own `TcpListener` and read, parse and answer requests ourselves (HTTP/1.1 with
+//! keep-alive, Content-Length and chunked bodies, `Expect: 100-continue`; answers always carry
+//! a Content-Length), keeping tiny_http's `Method` and status reasons; the simulated engine
+//! (`sim`) still serves with tiny_http.
 //!
-//! tiny_http 0.12 discards an unread `Content-Length` body when the request drops by allocating
-//! a buffer of the *declared* length (`EqualReader::drop`): a hostile `Content-Length` would
-//! abort the process. Every response path drops that reader except `Request::upgrade`, which
-//! hands it back; so a request whose body we refuse to read is answered through `upgrade`
-//! (see `refuse_unread`), and its reader is dropped only when that is known to be cheap.
+//! Bounds: at most `MAX_CONNECTIONS` open connections (one thread and one descriptor each),
+//! `MAX_HEAD_BYTES` of head, `MAX_BODY_BYTES` of body, `MAX_UPLOADS` bodies read at once, and
+//! `POOL_THREADS` requests answered at once.
 
+mod accept;
 mod body;
+mod connection;
+mod head;
 mod query_body;
 mod routes;
 
-use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
-use log::{debug, info};
+use log::info;
+use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use serde_json::json;
-use tiny_http::{Header, Request, Response, Server};
 
 use crate::config::ConfigError;
 use crate::index::Index;
 use crate::metrics::Metrics;
-use crate::registry::{DirectoryReader, Registry, ReloadDiff};
-use body::{refuse_unread, take_body, Uploads};
+use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
+use accept::{accept_loop, Live, Reserve};
+use body::Uploads;
+pub use head::{Request, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
 pub use routes::diff_json;
 use routes::route;
 
 /// Larger bodies are refused with 413.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
-/// Threads answering requests; each serves a request from its head to its last response byte.
+/// Requests answered at once (routed and their reply built): a query is CPU work, and more at
+/// once than this only adds memory on a machine of a few cores.
 pub const POOL_THREADS: usize = 32;
-/// At most this many pool threads read a body from the socket at once; an upload beyond it is
-/// refused 503 without being read. A trickling client holds one for up to `BODY_DEADLINE`; one
-/// that sends nothing more blocks its read until it closes (no socket timeouts, see above).
+/// At most this many bodies are read from the socket at once (24 × 16 MiB bound their memory);
+/// an upload beyond it is refused 503 without being read.
 pub const MAX_UPLOADS: usize = 24;
-/// How often idle pool threads look at the stop flag.
-const STOP_POLL: Duration = Duration::from_millis(50);
+/// Open connections; one more is answered 503 and closed. 512 keep-alive connections are far
+/// more than a few routers' pools, and bound what connections hold: 512 threads, descriptors
+/// and heads of at most 16 KiB.
+pub const MAX_CONNECTIONS: usize = 512;
+/// How long `stop` waits for open connections to finish the request they are answering.
+const STOP_GRACE: Duration = Duration::from_millis(500);
 
 /// Re-reads the configuration and applies it (the same as SIGHUP).
 pub type ReloadFn = dyn Fn() -> Result<ReloadDiff, ConfigError> + Send + Sync;
@@ -65,48 +73,115 @@ pub type ReloadFn = dyn Fn() -> Result<ReloadDiff, ConfigError> + Send + Sync;
 pub struct Api {
     pub index: Arc<Index>,
     pub metrics: Arc<Metrics>,
-    pub registry: Arc<Mutex<Registry>>,
+    /// Read by `/workers` and `/ready`; never the registry itself, whose lock a reload holds.
+    pub ranks: RanksReader,
     pub directory: DirectoryReader,
     pub reload: Box<ReloadFn>,
 }
 
-/// The running HTTP server and its pool.
+/// What every connection thread shares.
+struct Shared {
+    api: Arc<Api>,
+    uploads: Uploads,
+    answering: Answering,
+    live: Arc<Live>,
+}
+
+/// Counts the requests being answered, up to `POOL_THREADS`.
+#[derive(Default)]
+struct Answering {
+    count: Mutex<usize>,
+    freed: Condvar,
+}
+
+impl Answering {
+    fn run<R>(&self, answer: impl FnOnce() -> R) -> R {
+        {
+            let mut count = self.count.lock();
+            while *count >= POOL_THREADS {
+                self.freed.wait(&mut count);
+            }
+            *count += 1;
+        }
+        let result = answer();
+        *self.count.lock() -= 1;
+        self.freed.notify_one();
+        result
+    }
+}
+
+/// Routes `request` and counts its error, if any.
+fn answer(shared: &Shared, request: &Request, body: &[u8]) -> Reply {
+    let reply = shared.answering.run(|| route(&shared.api, request, body));
+    if reply.status >= 400 {
+        shared.api.metrics.http_error(reply.status);
+    }
+    reply
+}
+
+/// The HTTP socket bound, not serving yet: bound before the engines start, so that they cannot
+/// take the descriptors the API needs.
+pub struct BoundHttp {
+    listener: TcpListener,
+    reserve: Reserve,
+    addr: SocketAddr,
+}
+
+impl BoundHttp {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Starts accepting and answering.
+    pub fn serve(self, api: Arc<Api>) -> anyhow::Result<HttpServer> {
+        let addr = self.addr;
+        let shared = Arc::new(Shared {
+            api,
+            uploads: Uploads::default(),
+            answering: Answering::default(),
+            live: Arc::default(),
+        });
+        let stopping = Arc::new(AtomicBool::new(false));
+        let (for_loop, stopping_for_loop) = (shared.clone(), stopping.clone());
+        let BoundHttp {
+            listener, reserve, ..
+        } = self;
+        let acceptor = std::thread::Builder::new()
+            .name("http-accept".into())
+            .spawn(move || accept_loop(&listener, reserve, &for_loop, &stopping_for_loop))
+            .with_context(|| format!("spawning the HTTP accept thread for {addr}"))?;
+        info!("HTTP API listening on http://{addr} (up to {MAX_CONNECTIONS} connections)");
+        Ok(HttpServer {
+            shared,
+            stopping,
+            acceptor,
+            addr,
+        })
+    }
+}
+
+/// The running HTTP server.
 pub struct HttpServer {
-    server: Arc<Server>,
+    shared: Arc<Shared>,
     stopping: Arc<AtomicBool>,
-    pool: Vec<JoinHandle<()>>,
+    acceptor: JoinHandle<()>,
     addr: SocketAddr,
 }
 
 impl HttpServer {
-    /// Binds `listen` (`IP:port` or `hostname:port`; port 0 picks a free one) and starts serving.
-    pub fn start(listen: &str, api: Arc<Api>) -> anyhow::Result<HttpServer> {
+    /// Binds `listen` (`IP:port` or `hostname:port`; port 0 picks a free one).
+    pub fn bind(listen: &str) -> anyhow::Result<BoundHttp> {
         let listener = TcpListener::bind(listen)
             .with_context(|| format!("binding the HTTP API to {listen}"))?;
         let addr = listener
             .local_addr()
             .with_context(|| format!("reading the bound address of {listen}"))?;
-        inherit_no_delay(&listener).with_context(|| format!("setting TCP_NODELAY on {addr}"))?;
-        let server = Server::from_listener(listener, None)
-            .map_err(|err| anyhow::anyhow!("starting the HTTP server on {addr}: {err}"))?;
-        let server = Arc::new(server);
-        let stopping = Arc::new(AtomicBool::new(false));
-        let uploads = Arc::new(Uploads::default());
-        let pool = (0..POOL_THREADS)
-            .map(|n| {
-                let (server, stopping) = (server.clone(), stopping.clone());
-                let (api, uploads) = (api.clone(), uploads.clone());
-                std::thread::Builder::new()
-                    .name(format!("http-{n}"))
-                    .spawn(move || serve_until_stopped(&server, &stopping, &api, &uploads))
-                    .with_context(|| format!("spawning HTTP thread {n}"))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        info!("HTTP API listening on http://{addr} ({POOL_THREADS} threads)");
-        Ok(HttpServer {
-            server,
-            stopping,
-            pool,
+        listener
+            .set_nonblocking(true)
+            .with_context(|| format!("making the HTTP socket {addr} non-blocking"))?;
+        Ok(BoundHttp {
+            listener,
+            reserve: Reserve::new(),
             addr,
         })
     }
@@ -115,83 +190,18 @@ impl HttpServer {
         self.addr
     }
 
-    /// Answers the requests already received, then stops accepting and returns.
+    /// Stops accepting, lets open connections finish the request they are answering (up to
+    /// `STOP_GRACE`) and returns.
     pub fn stop(self) {
         self.stopping.store(true, Ordering::SeqCst);
-        for thread in self.pool {
-            // A pool thread never panics on a request; a join error would be a bug, not input.
-            let _ = thread.join();
-        }
-        drop(self.server);
+        // The accept loop never panics; a join error would be a bug, not input.
+        let _ = self.acceptor.join();
+        self.shared.live.shut_all(STOP_GRACE);
         info!("HTTP API on {} stopped", self.addr);
     }
 }
 
-/// Linux copies TCP_NODELAY from a listening socket to the sockets it accepts (tiny_http does
-/// not let us reach those): without it, a response whose head and body leave in two writes
-/// waits for the client's delayed ACK, 40 ms.
-fn inherit_no_delay(listener: &TcpListener) -> io::Result<()> {
-    let on: libc::c_int = 1;
-    // SAFETY: a valid socket fd, a pointer to a live c_int and its exact size.
-    let rc = unsafe {
-        libc::setsockopt(
-            listener.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&on as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-fn serve_until_stopped(server: &Server, stopping: &AtomicBool, api: &Api, uploads: &Uploads) {
-    while !stopping.load(Ordering::SeqCst) {
-        match server.recv_timeout(STOP_POLL) {
-            Ok(Some(request)) => serve(api, uploads, request),
-            Ok(None) => {}
-            Err(err) => debug!("HTTP accept error: {err}"),
-        }
-    }
-    // Drain: answer what was already received before leaving.
-    while let Ok(Some(request)) = server.try_recv() {
-        serve(api, uploads, request);
-    }
-}
-
-fn serve(api: &Api, uploads: &Uploads, mut request: Request) {
-    let started = Instant::now();
-    let body = match take_body(&mut request, uploads) {
-        Ok(body) => body,
-        Err(refusal) => {
-            api.metrics.http_error(refusal.reply.status);
-            refuse_unread(request, refusal);
-            return;
-        }
-    };
-    let reply = route(api, &request, &body);
-    let is_query = reply.is_query;
-    if reply.status >= 400 {
-        api.metrics.http_error(reply.status);
-    }
-    if let Err(err) = request.respond(reply.into_response()) {
-        debug!("HTTP response not delivered: {err}");
-    }
-    if is_query {
-        api.metrics.observe_query(started.elapsed().as_secs_f64());
-    }
-}
-
-/// Names and values are ASCII constants of this file: `from_bytes` accepts them.
-fn header(name: &'static str, value: &'static str) -> Option<Header> {
-    Header::from_bytes(name, value).ok()
-}
-
-/// A response before tiny_http sees it.
+/// A response, written by `Reply::write_to`.
 struct Reply {
     status: u16,
     body: Vec<u8>,
@@ -226,20 +236,31 @@ impl Reply {
         }
     }
 
-    fn into_response(self) -> Response<io::Cursor<Vec<u8>>> {
-        let mut response = Response::from_data(self.body)
-            .with_status_code(self.status)
-            // Always a Content-Length, never chunked: simpler for every client.
-            .with_chunked_threshold(usize::MAX);
-        let headers = [
-            ("Content-Type", Some(self.content_type)),
-            ("Allow", self.allow),
-        ];
-        for (name, value) in headers {
-            if let Some(header) = value.and_then(|v| header(name, v)) {
-                response.add_header(header);
-            }
+    /// The whole response in one buffer (one write: no Nagle wait between head and body).
+    /// Always a Content-Length, never chunked: simpler for every client. `Connection` is
+    /// `close` when the connection closes after it, `keep-alive` for an HTTP/1.0 client that
+    /// asked to keep it.
+    fn encode(&self, minor_version: u8, head_only: bool, close: bool) -> Vec<u8> {
+        let reason = tiny_http::StatusCode(self.status).default_reason_phrase();
+        let mut head = format!(
+            "HTTP/1.{minor_version} {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\n",
+            self.status,
+            self.content_type,
+            self.body.len()
+        );
+        if let Some(allow) = self.allow {
+            head.push_str(&format!("Allow: {allow}\r\n"));
         }
-        response
+        match (close, minor_version) {
+            (true, _) => head.push_str("Connection: close\r\n"),
+            (false, 0) => head.push_str("Connection: keep-alive\r\n"),
+            (false, _) => {}
+        }
+        head.push_str("\r\n");
+        let mut bytes = head.into_bytes();
+        if !head_only {
+            bytes.extend_from_slice(&self.body);
+        }
+        bytes
     }
 }

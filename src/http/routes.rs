@@ -4,11 +4,10 @@
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
-use std::sync::PoisonError;
-
+use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
-use tiny_http::{Method, Request};
+use tiny_http::Method;
 
 use super::query_body::parse_query;
 use super::{Api, Reply};
@@ -119,10 +118,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
 }
 
 fn snapshot(api: &Api) -> Vec<ListenerView> {
-    api.registry
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .snapshot()
+    api.ranks.current().views()
 }
 
 #[derive(Serialize)]

@@ -88,6 +88,16 @@ pub struct ListenerStatus {
     pub last_event_ms_ago: Option<u64>,
 }
 
+/// A listener's live status as a cloneable handle: `/workers` reads it without the registry.
+#[derive(Clone)]
+pub struct StatusHandle(Arc<StatusCell>);
+
+impl StatusHandle {
+    pub fn get(&self) -> ListenerStatus {
+        self.0.snapshot()
+    }
+}
+
 /// A running listener for one rank. Dropping it stops it, like `stop`.
 pub struct Listener {
     spec: ListenerSpec,
@@ -161,6 +171,10 @@ impl Listener {
 
     pub fn status(&self) -> ListenerStatus {
         self.status.snapshot()
+    }
+
+    pub fn status_handle(&self) -> StatusHandle {
+        StatusHandle(Arc::clone(&self.status))
     }
 
     /// Stops within 100 ms; when it returns, the rank's blocks are gone from the index.

@@ -2,7 +2,9 @@
 //!
 //! Owns: `register` / `deregister` of whole engines, the reload diff (`apply`), the list of
 //! engines whose start failed and must be retried, and the read-side views HTTP serves
-//! (`snapshot` for `/workers` and `/ready`, `directory` for `/query`).
+//! (`ranks` for `/workers` and `/ready`, `directory` for `/query`), published after every
+//! change so that no reader ever waits for the registry's lock (a reload holds it while it
+//! starts engines, for seconds with thousands of them).
 //! Never: opens a socket itself (the listener does), retries on its own (the service drives
 //! `retry_pending` with backoff), or blocks `/query` (queries read the directory, not the map).
 //!
@@ -19,61 +21,37 @@
 //! - the directory lists exactly the workers of `running`; a worker leaves the directory
 //!   before its listener stops and joins it after its listener started, so a query never names
 //!   a worker whose blocks are being torn down.
+//!
+//! Beside it: `directory` (the worker names `/query` reads), `contexts` (the ZMQ context
+//! pool), `open_files` (descriptor limits against the plan), `parallel` (bounded fan-out),
+//! `ranks` (the rank board `/workers` reads) and `published` (how both are handed to readers).
+
+mod contexts;
+mod directory;
+mod open_files;
+mod parallel;
+mod published;
+mod ranks;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context;
 use log::{info, warn};
 
-use crate::index::{Index, WorkerId};
-use crate::listener::{Listener, ListenerStatus, FDS_PER_LISTENER};
+use crate::index::Index;
+use crate::listener::Listener;
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
-
-/// Who an index worker is, as `/query` names it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WorkerInfo {
-    pub instance: String,
-    pub dp_rank: u32,
-    pub model: Option<String>,
-}
-
-/// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after
-/// every change of the registry.
-#[derive(Debug, Default)]
-pub struct WorkerDirectory {
-    by_id: Vec<Option<WorkerInfo>>,
-}
-
-impl WorkerDirectory {
-    pub fn get(&self, worker: WorkerId) -> Option<&WorkerInfo> {
-        self.by_id.get(worker as usize).and_then(Option::as_ref)
-    }
-}
-
-/// A cheap, cloneable handle on the current `WorkerDirectory`; readers never wait for a reload.
-#[derive(Clone, Default)]
-pub struct DirectoryReader(Arc<RwLock<Arc<WorkerDirectory>>>);
-
-impl DirectoryReader {
-    pub fn current(&self) -> Arc<WorkerDirectory> {
-        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
-    }
-
-    fn publish(&self, directory: WorkerDirectory) {
-        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(directory);
-    }
-}
-
-/// One configured rank as `/workers` shows it. `status` and `worker` are `None` for a rank of
-/// an engine whose start failed and waits for a retry.
-#[derive(Clone, Debug)]
-pub struct ListenerView {
-    pub spec: ListenerSpec,
-    pub worker: Option<WorkerId>,
-    pub status: Option<ListenerStatus>,
-}
+use contexts::ContextPool;
+pub use directory::{DirectoryReader, WorkerDirectory, WorkerInfo};
+use open_files::explain_out_of_files;
+pub use open_files::{open_files_needed, raise_open_files_limit};
+use parallel::in_parallel;
+pub use published::Published;
+use ranks::Rank;
+pub use ranks::{ListenerView, RankBoard, RanksReader};
 
 /// What `apply` did, by listener.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -84,115 +62,15 @@ pub struct ReloadDiff {
     pub unchanged: usize,
     /// Engines whose additions failed to start (rolled back, retried later): the error text.
     pub failed: Vec<String>,
+    /// Engines not started because shutdown began during the call.
+    pub interrupted: usize,
 }
-
-/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS: the zmq
-/// crate neither sets it nor exposes the raw context to `zmq_ctx_set`) and a listener uses up
-/// to 4 (SUB, the monitor's PAIR pair, a replay DEALER while recovering). Each context adds
-/// two threads and eight descriptors, against 8 descriptors and a thread per listener.
-const LISTENERS_PER_CONTEXT: usize = 250;
 
 /// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
 /// (sockets, a thread) partly serialized by kernel locks, so a few starters suffice.
 const STARTERS: usize = 4;
 /// Listeners stopped at once: each stop mostly waits for its thread to notice.
 const STOPPERS: usize = 64;
-
-/// Descriptors the process needs besides its listeners: HTTP, logs, ZMQ contexts, replays.
-const FDS_RESERVE: u64 = 1_000;
-
-/// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
-/// ranks fit. Shared by the starter threads, hence the lock.
-struct ContextPool {
-    contexts: Mutex<Vec<(zmq::Context, usize)>>,
-}
-
-impl ContextPool {
-    /// The index and a handle of a context with room for one more listener.
-    fn take(&self) -> (usize, zmq::Context) {
-        let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
-        let slot = match contexts
-            .iter()
-            .position(|(_, used)| *used < LISTENERS_PER_CONTEXT)
-        {
-            Some(slot) => slot,
-            None => {
-                contexts.push((zmq::Context::new(), 0));
-                contexts.len() - 1
-            }
-        };
-        let (context, used) = &mut contexts[slot];
-        *used += 1;
-        (slot, context.clone())
-    }
-
-    fn give_back(&self, slot: usize) {
-        let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, used)) = contexts.get_mut(slot) {
-            *used = used.saturating_sub(1);
-        }
-    }
-}
-
-/// File descriptors a process running `listeners` listeners needs.
-pub fn open_files_needed(listeners: usize) -> u64 {
-    listeners as u64 * FDS_PER_LISTENER + FDS_RESERVE
-}
-
-/// Raises this process's soft RLIMIT_NOFILE to its hard limit (a listener holds about
-/// `FDS_PER_LISTENER` descriptors and the usual soft default is 1,024). Returns the soft limit
-/// before and after.
-pub fn raise_open_files_limit() -> std::io::Result<(u64, u64)> {
-    let mut limit = open_files_limit()?;
-    let before = limit.rlim_cur;
-    if limit.rlim_cur < limit.rlim_max {
-        limit.rlim_cur = limit.rlim_max;
-        // SAFETY: passes a valid rlimit the kernel only reads.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok((before, limit.rlim_cur))
-}
-
-fn open_files_limit() -> std::io::Result<libc::rlimit> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the valid rlimit it is given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(limit)
-}
-
-/// Whether `error` comes from running out of file descriptors (the process's or the system's).
-fn out_of_files(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| {
-        let code = match cause.downcast_ref::<zmq::Error>() {
-            Some(zmq_error) => Some(zmq_error.to_raw()),
-            None => cause
-                .downcast_ref::<std::io::Error>()
-                .and_then(std::io::Error::raw_os_error),
-        };
-        code.is_some_and(|code| code == libc::EMFILE || code == libc::ENFILE)
-    })
-}
-
-/// Adds to a start error that ran out of descriptors how many `listeners` need and what to do.
-fn explain_out_of_files(error: anyhow::Error, listeners: usize) -> anyhow::Error {
-    if !out_of_files(&error) {
-        return error;
-    }
-    let needed = open_files_needed(listeners);
-    let limit =
-        open_files_limit().map_or_else(|e| format!("unknown: {e}"), |l| l.rlim_cur.to_string());
-    error.context(format!(
-        "out of file descriptors: {listeners} listeners need about {needed} (open files limit: \
-         {limit}); raise LimitNOFILE= in the systemd unit, or `ulimit -n`, to at least {needed}"
-    ))
-}
 
 /// A started listener and the pool slot of its context.
 struct Running {
@@ -217,20 +95,35 @@ pub struct Registry {
     /// by engine name, with the last error.
     pending: BTreeMap<String, (Vec<ListenerSpec>, String)>,
     directory: DirectoryReader,
+    ranks: RanksReader,
+    /// Raised at shutdown: no engine starts after it, so a reload of thousands of engines
+    /// gives the registry back within one listener start.
+    shutting_down: Arc<AtomicBool>,
+}
+
+/// Ends any start in progress and refuses every later one: raised once, at shutdown, from
+/// outside the registry's lock (which a reload holds).
+#[derive(Clone, Default)]
+pub struct ShutdownSignal(Arc<AtomicBool>);
+
+impl ShutdownSignal {
+    pub fn raise(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 impl Registry {
     /// `zmq` is the first context listeners use; more are made as the registry grows.
     pub fn new(zmq: zmq::Context, index: Arc<Index>, metrics: Arc<Metrics>) -> Registry {
         Registry {
-            contexts: ContextPool {
-                contexts: Mutex::new(vec![(zmq, 0)]),
-            },
+            contexts: ContextPool::new(zmq),
             index,
             metrics,
             running: BTreeMap::new(),
             pending: BTreeMap::new(),
             directory: DirectoryReader::default(),
+            ranks: RanksReader::default(),
+            shutting_down: Arc::default(),
         }
     }
 
@@ -244,7 +137,7 @@ impl Registry {
         let planned = self.planned_count() + specs.len();
         let started = self.start_engine(specs, planned)?;
         self.insert_running(started);
-        self.publish_directory();
+        self.publish();
         Ok(())
     }
 
@@ -259,11 +152,12 @@ impl Registry {
             .cloned()
             .collect();
         self.remove_running(&keys);
+        self.publish();
         keys
     }
 
     /// Makes the running set equal to `plan`, touching only listeners whose spec changed
-    /// (SPEC.md "The registry"). Additions are grouped by engine, each group all or nothing;
+    /// (`docs/design.md`, "The registry"). Additions are grouped by engine, each group all or nothing;
     /// a failed group becomes pending for `retry_pending`.
     pub fn apply(&mut self, plan: Vec<ListenerSpec>) -> ReloadDiff {
         let mut diff = ReloadDiff::default();
@@ -313,16 +207,21 @@ impl Registry {
                 }
                 Err(err) => {
                     let err = format!("{err:#}");
-                    diff.failed.push(err.clone());
+                    if self.shutting_down.load(Ordering::SeqCst) {
+                        diff.interrupted += 1;
+                    } else {
+                        diff.failed.push(err.clone());
+                    }
                     self.pending.insert(engine, (specs, err));
                 }
             }
         }
-        self.publish_directory();
+        self.publish();
         diff
     }
 
-    /// Tries again to start every pending engine. Returns the errors of those still failing.
+    /// Tries again to start every pending engine. Returns the errors of those still failing
+    /// (none once shutdown began).
     pub fn retry_pending(&mut self) -> Vec<String> {
         let mut still_failing = Vec::new();
         let planned = self.planned_count();
@@ -343,12 +242,14 @@ impl Registry {
                 }
                 Err(err) => {
                     let err = format!("{err:#}");
-                    still_failing.push(err.clone());
+                    if !self.shutting_down.load(Ordering::SeqCst) {
+                        still_failing.push(err.clone());
+                    }
                     self.pending.insert(engine, (specs, err));
                 }
             }
         }
-        self.publish_directory();
+        self.publish();
         still_failing
     }
 
@@ -358,26 +259,23 @@ impl Registry {
 
     /// Every configured rank, running or pending, sorted by (engine, dp_rank).
     pub fn snapshot(&self) -> Vec<ListenerView> {
-        let running = self.running.values().map(|r| ListenerView {
-            spec: r.listener.spec().clone(),
-            worker: Some(r.listener.worker()),
-            status: Some(r.listener.status()),
-        });
-        let pending = self.pending.values().flat_map(|(specs, _)| {
-            specs.iter().map(|spec| ListenerView {
-                spec: spec.clone(),
-                worker: None,
-                status: None,
-            })
-        });
-        let mut views: Vec<ListenerView> = running.chain(pending).collect();
-        views.sort_by(|a, b| a.spec.key.cmp(&b.spec.key));
-        views
+        self.ranks.current().views()
     }
 
     /// The handle `/query` reads worker names from.
     pub fn directory(&self) -> DirectoryReader {
         self.directory.clone()
+    }
+
+    /// Makes `signal` the one that stops every start (the service raises it at shutdown).
+    pub fn with_shutdown_signal(mut self, signal: ShutdownSignal) -> Registry {
+        self.shutting_down = signal.0;
+        self
+    }
+
+    /// The handle `/workers` and `/ready` read ranks from, never waiting for a reload.
+    pub fn ranks(&self) -> RanksReader {
+        self.ranks.clone()
     }
 
     pub fn running_count(&self) -> usize {
@@ -389,6 +287,7 @@ impl Registry {
         self.pending.clear();
         let keys: Vec<WorkerKey> = self.running.keys().cloned().collect();
         self.remove_running(&keys);
+        self.publish();
     }
 
     /// Listeners running plus those waiting for a retry: what the plan asks for.
@@ -426,6 +325,10 @@ impl Registry {
         let mut started: Vec<Running> = Vec::with_capacity(specs.len());
         for spec in specs {
             let what = spec.describe();
+            if self.shutting_down.load(Ordering::SeqCst) {
+                self.stop(started);
+                anyhow::bail!("{what} not started: shutting down");
+            }
             let (context_slot, context) = self.contexts.take();
             match Listener::start(spec, &context, &self.index, &self.metrics)
                 .with_context(|| format!("starting {what}"))
@@ -476,7 +379,7 @@ impl Registry {
         if leaving.is_empty() {
             return;
         }
-        self.publish_directory();
+        self.publish();
         let names: Vec<String> = leaving
             .iter()
             .map(|r| r.listener.spec().key.to_string())
@@ -494,60 +397,32 @@ impl Registry {
         });
     }
 
-    fn publish_directory(&self) {
-        let mut by_id: Vec<Option<WorkerInfo>> = Vec::new();
-        for running in self.running.values() {
+    /// Publishes the directory and the rank board of what runs and is pending now.
+    fn publish(&self) {
+        let workers = self.running.values().map(|running| {
             let listener = &running.listener;
-            let slot = listener.worker() as usize;
-            if by_id.len() <= slot {
-                by_id.resize(slot + 1, None);
-            }
             let spec = listener.spec();
-            by_id[slot] = Some(WorkerInfo {
+            let info = WorkerInfo {
                 instance: spec.key.engine.clone(),
                 dp_rank: spec.key.dp_rank,
                 model: spec.model.clone(),
-            });
-        }
-        self.directory.publish(WorkerDirectory { by_id });
-    }
-}
-
-/// `work` on every item, on up to `workers` threads; the results in the items' order.
-fn in_parallel<T: Send, R: Send>(
-    items: Vec<T>,
-    workers: usize,
-    work: impl Fn(T) -> R + Sync,
-) -> Vec<R> {
-    if items.len() <= 1 {
-        return items.into_iter().map(work).collect();
-    }
-    let count = items.len();
-    let queue = Mutex::new(items.into_iter().enumerate());
-    let next = || queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..workers.min(count))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    while let Some((at, item)) = next() {
-                        done.push((at, work(item)));
-                    }
-                    done
-                })
+            };
+            (listener.worker(), info)
+        });
+        self.directory.publish(WorkerDirectory::new(workers));
+        let running = self.running.values().map(|running| Rank {
+            spec: running.listener.spec().clone(),
+            running: Some((running.listener.worker(), running.listener.status_handle())),
+        });
+        let pending = self.pending.values().flat_map(|(specs, _)| {
+            specs.iter().map(|spec| Rank {
+                spec: spec.clone(),
+                running: None,
             })
-            .collect();
-        threads
-            .into_iter()
-            .flat_map(|thread| {
-                thread
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect()
-    });
-    done.sort_unstable_by_key(|(at, _)| *at);
-    done.into_iter().map(|(_, result)| result).collect()
+        });
+        self.ranks
+            .publish(RankBoard::new(running.chain(pending).collect()));
+    }
 }
 
 impl Drop for Registry {
@@ -693,29 +568,5 @@ mod tests {
         let diff = registry.apply(good_only);
         assert_eq!(diff.unchanged, 1);
         assert!(!registry.has_pending());
-    }
-
-    #[test]
-    fn running_out_of_descriptors_says_how_many_are_needed_and_what_to_raise() {
-        let emfile = anyhow::Error::new(zmq::Error::EMFILE).context("creating the SUB socket");
-        let explained = format!("{:#}", explain_out_of_files(emfile, 8_000));
-        let needed = open_files_needed(8_000).to_string();
-        assert!(
-            explained.contains(&needed)
-                && explained.contains("LimitNOFILE")
-                && explained.contains("ulimit -n"),
-            "{explained}"
-        );
-        let other = anyhow::Error::new(zmq::Error::EINVAL);
-        assert_eq!(
-            format!("{:#}", explain_out_of_files(other, 8_000)),
-            "Invalid argument"
-        );
-    }
-
-    #[test]
-    fn in_parallel_keeps_the_order_of_its_items() {
-        let squares = in_parallel((0..100u64).collect(), 7, |n| n * n);
-        assert_eq!(squares, (0..100u64).map(|n| n * n).collect::<Vec<_>>());
     }
 }

@@ -1,0 +1,52 @@
+//! The pool of ZMQ contexts the registry's listeners share.
+//!
+//! Owns: how many listeners each context carries, and making a new context when all are full.
+//! Never: creates a socket (listeners do), or frees a context while a listener may use it (a
+//! context's count only goes down when its listener is stopped).
+
+use parking_lot::Mutex;
+
+/// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS: the zmq
+/// crate neither sets it nor exposes the raw context to `zmq_ctx_set`) and a listener uses up
+/// to 4 (SUB, the monitor's PAIR pair, a replay DEALER while recovering). Each context adds
+/// two threads and eight descriptors, against 8 descriptors and a thread per listener.
+const LISTENERS_PER_CONTEXT: usize = 250;
+
+/// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
+/// ranks fit. Shared by the starter threads, hence the lock.
+pub(super) struct ContextPool {
+    contexts: Mutex<Vec<(zmq::Context, usize)>>,
+}
+
+impl ContextPool {
+    /// A pool whose first context is `first`.
+    pub(super) fn new(first: zmq::Context) -> ContextPool {
+        ContextPool {
+            contexts: Mutex::new(vec![(first, 0)]),
+        }
+    }
+
+    /// The index and a handle of a context with room for one more listener.
+    pub(super) fn take(&self) -> (usize, zmq::Context) {
+        let mut contexts = self.contexts.lock();
+        let slot = match contexts
+            .iter()
+            .position(|(_, used)| *used < LISTENERS_PER_CONTEXT)
+        {
+            Some(slot) => slot,
+            None => {
+                contexts.push((zmq::Context::new(), 0));
+                contexts.len() - 1
+            }
+        };
+        let (context, used) = &mut contexts[slot];
+        *used += 1;
+        (slot, context.clone())
+    }
+
+    pub(super) fn give_back(&self, slot: usize) {
+        if let Some((_, used)) = self.contexts.lock().get_mut(slot) {
+            *used = used.saturating_sub(1);
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! Every configured rank as `/workers` and `/ready` show it, running or waiting for a retry.
+//!
+//! Owns: the `RankBoard` the registry publishes after every change, each running rank with a
+//! handle on its live status. Never: holds a listener (a stopped listener's handle only reads
+//! `stopped`), or needs the registry's lock to be read.
+
+use crate::index::WorkerId;
+use crate::listener::{ListenerStatus, StatusHandle};
+use crate::plan::ListenerSpec;
+
+use super::published::Published;
+
+/// One configured rank as `/workers` shows it. `status` and `worker` are `None` for a rank of
+/// an engine whose start failed and waits for a retry.
+#[derive(Clone, Debug)]
+pub struct ListenerView {
+    pub spec: ListenerSpec,
+    pub worker: Option<WorkerId>,
+    pub status: Option<ListenerStatus>,
+}
+
+/// A configured rank: its spec, and its worker and status when it runs.
+pub(super) struct Rank {
+    pub(super) spec: ListenerSpec,
+    pub(super) running: Option<(WorkerId, StatusHandle)>,
+}
+
+/// The ranks of the plan in effect, sorted by (engine, dp_rank).
+#[derive(Default)]
+pub struct RankBoard {
+    ranks: Vec<Rank>,
+}
+
+impl RankBoard {
+    pub(super) fn new(mut ranks: Vec<Rank>) -> RankBoard {
+        ranks.sort_by(|a, b| a.spec.key.cmp(&b.spec.key));
+        RankBoard { ranks }
+    }
+
+    /// Every rank with its status as of now.
+    pub fn views(&self) -> Vec<ListenerView> {
+        self.ranks
+            .iter()
+            .map(|rank| ListenerView {
+                spec: rank.spec.clone(),
+                worker: rank.running.as_ref().map(|(worker, _)| *worker),
+                status: rank.running.as_ref().map(|(_, status)| status.get()),
+            })
+            .collect()
+    }
+}
+
+/// The handle `/workers` and `/ready` read ranks from.
+pub type RanksReader = Published<RankBoard>;

@@ -1,0 +1,337 @@
+//! The HTTP API of the real binary under hostile clients, on 127.0.0.1: refused uploads by the
+//! thousand, oversized and slow heads, more connections than the cap, and a process out of
+//! descriptors. Each test reads the child's descriptors, threads and resident memory from
+//! /proc and prints them.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use kv_indexer::http::{HEAD_DEADLINE, MAX_BODY_BYTES, MAX_CONNECTIONS};
+use support::free_port;
+use support::http_client::{get, wait_for, Connection};
+
+/// One test at a time: each loads the machine and reads its child's figures.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The indexer as a child process with no engines and at most `open_files` descriptors;
+/// killed when dropped.
+struct Indexer {
+    child: Child,
+    addr: SocketAddr,
+    /// Descriptors and threads once started.
+    baseline: (usize, u64),
+    _dir: tempfile::TempDir,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl Indexer {
+    fn start(open_files: u32) -> Indexer {
+        let serial = serial();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("indexer.toml");
+        std::fs::write(
+            &config,
+            "listen = \"127.0.0.1:1\"\nblock_size = 16\nshards = 8\n",
+        )
+        .expect("write config");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        // `ulimit -n` sets the soft and the hard limit: the indexer cannot raise it.
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "ulimit -n {open_files} && exec \"$0\" --config \"$1\" --listen \"$2\""
+            ))
+            .arg(env!("CARGO_BIN_EXE_kv-indexer"))
+            .arg(&config)
+            .arg(addr.to_string())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kv-indexer");
+        let mut indexer = Indexer {
+            child,
+            addr,
+            baseline: (0, 0),
+            _dir: dir,
+            _serial: serial,
+        };
+        wait_for(30, "the HTTP API to answer", || {
+            TcpStream::connect(addr).ok().map(|_| ())
+        });
+        indexer.baseline = (indexer.descriptors(), indexer.threads());
+        indexer
+    }
+
+    fn descriptors(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).map_or(0, |dir| dir.count())
+    }
+
+    /// A field of /proc/PID/status, as its leading number.
+    fn status(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("read /proc/PID/status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {field} in {status}"))
+    }
+
+    fn threads(&self) -> u64 {
+        self.status("Threads:")
+    }
+
+    fn resident_mib(&self) -> u64 {
+        self.status("VmRSS:") / 1024
+    }
+
+    fn figures(&self) -> String {
+        format!(
+            "{} descriptors, {} threads, {} MiB resident",
+            self.descriptors(),
+            self.threads(),
+            self.resident_mib()
+        )
+    }
+
+    /// `/health` answers, and the child comes back to the descriptors and threads it had once
+    /// started (plus a few for connections still closing) within 20 s.
+    fn answers_and_settles(&self) {
+        assert_eq!(get(self.addr, "/health").status, 200);
+        let baseline = self.baseline;
+        wait_for(
+            20,
+            "connections to release their descriptors and threads",
+            || {
+                (self.descriptors() <= baseline.0 + 4 && self.threads() <= baseline.1 + 4)
+                    .then_some(())
+            },
+        );
+    }
+}
+
+impl Drop for Indexer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `head` on a new connection and reads the whole answer (the server closes after an
+/// error), or the error that ended the read.
+fn exchange(addr: SocketAddr, head: &[u8]) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(head)?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer)?;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
+fn status_of(answer: &str) -> Option<u16> {
+    answer.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[test]
+fn twelve_thousand_refused_uploads_leave_nothing_behind_and_health_still_answers() {
+    // 4,096 descriptors: the old server kept 2 per refused upload and died after ~2,000.
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    eprintln!("before: {}", indexer.figures());
+    let head = format!(
+        "POST /query HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n",
+        MAX_BODY_BYTES + 1
+    );
+    const CLIENTS: usize = 8;
+    const EACH: usize = 1_500;
+    // About 10 s here; a server that stops answering fails the test at this bound.
+    let give_up = Instant::now() + Duration::from_secs(120);
+    let refused: usize = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                scope.spawn(|| {
+                    (0..EACH)
+                        .take_while(|_| Instant::now() < give_up)
+                        .filter(|_| {
+                            exchange(addr, head.as_bytes())
+                                .is_ok_and(|answer| status_of(&answer) == Some(413))
+                        })
+                        .count()
+                })
+            })
+            .collect();
+        clients
+            .into_iter()
+            .map(|c| c.join().expect("client thread"))
+            .sum()
+    });
+    eprintln!(
+        "after {} refused uploads: {}",
+        CLIENTS * EACH,
+        indexer.figures()
+    );
+    assert_eq!(refused, CLIENTS * EACH, "every upload is answered 413");
+    indexer.answers_and_settles();
+    eprintln!("settled: {}", indexer.figures());
+}
+
+#[test]
+fn oversized_heads_get_431_or_414_and_memory_stays_bounded() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let resident_before = indexer.resident_mib();
+    eprintln!("before: {}", indexer.figures());
+    // 20 unterminated 1 MiB headers at once (the old server buffered each whole, and more).
+    let mut header = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: ".to_vec();
+    header.resize(header.len() + (1 << 20), b'a');
+    let statuses: Vec<Option<u16>> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..20)
+            .map(|_| scope.spawn(|| exchange(addr, &header).ok().and_then(|a| status_of(&a))))
+            .collect();
+        clients
+            .into_iter()
+            .map(|c| c.join().expect("client"))
+            .collect()
+    });
+    eprintln!("after 20 heads of 1 MiB: {}", indexer.figures());
+    assert!(statuses.iter().all(|s| *s == Some(431)), "{statuses:?}");
+    let grown = indexer.resident_mib().saturating_sub(resident_before);
+    assert!(grown < 64, "resident memory grew by {grown} MiB");
+
+    let mut long_url = b"GET /".to_vec();
+    long_url.resize(4 << 20, b'a');
+    long_url.extend_from_slice(b" HTTP/1.1\r\n\r\n");
+    let answer = exchange(addr, &long_url).expect("answered");
+    assert_eq!(status_of(&answer), Some(414), "{answer}");
+
+    let mut many = String::from("GET /health HTTP/1.1\r\n");
+    for n in 0..10_000 {
+        many.push_str(&format!("X-{n}: 1\r\n"));
+    }
+    many.push_str("\r\n");
+    let answer = exchange(addr, many.as_bytes()).expect("answered");
+    assert_eq!(status_of(&answer), Some(431), "{answer}");
+
+    indexer.answers_and_settles();
+}
+
+#[test]
+fn a_slow_head_is_cut_at_the_deadline() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    // 50 clients each sending a head one byte every 200 ms, which never ends.
+    let mut slow: Vec<TcpStream> = (0..50)
+        .map(|_| {
+            let stream = TcpStream::connect(addr).expect("connect");
+            stream.set_nonblocking(true).expect("non-blocking");
+            stream
+        })
+        .collect();
+    let started = Instant::now();
+    let bound = HEAD_DEADLINE * 3;
+    let mut answers: Vec<Option<String>> = vec![None; slow.len()];
+    let mut sent = 0;
+    while answers.iter().any(Option::is_none) {
+        assert!(
+            started.elapsed() < bound,
+            "{} of {} slow heads still open after {bound:?}",
+            answers.iter().filter(|a| a.is_none()).count(),
+            slow.len()
+        );
+        let byte = b"GET /health HTTP/1.1\r\nX-Slow: "
+            .get(sent)
+            .copied()
+            .unwrap_or(b'a');
+        sent += 1;
+        for (stream, answer) in slow.iter_mut().zip(&mut answers) {
+            if answer.is_some() {
+                continue;
+            }
+            let _ = stream.write_all(&[byte]);
+            let mut buffer = [0u8; 512];
+            match stream.read(&mut buffer) {
+                Ok(n) => *answer = Some(String::from_utf8_lossy(&buffer[..n]).into_owned()),
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(err) => *answer = Some(format!("error: {err}")),
+            }
+        }
+        if sent == 25 {
+            eprintln!("slow heads under way: {}", indexer.figures());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let cut = started.elapsed();
+    eprintln!("all 50 slow heads cut after {cut:?}: {}", indexer.figures());
+    assert!(
+        cut >= HEAD_DEADLINE,
+        "cut after {cut:?}, before the deadline"
+    );
+    for answer in answers.iter().flatten() {
+        assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+    }
+    indexer.answers_and_settles();
+}
+
+#[test]
+fn connections_past_the_cap_are_refused_503_and_counted() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let held: Vec<Connection> = (0..MAX_CONNECTIONS)
+        .map(|_| Connection::open(addr))
+        .collect();
+    wait_for(60, "every held connection to be admitted", || {
+        (indexer.threads() >= indexer.baseline.1 + MAX_CONNECTIONS as u64).then_some(())
+    });
+    eprintln!("{MAX_CONNECTIONS} idle connections: {}", indexer.figures());
+    let answer = exchange(addr, b"").expect("answered");
+    assert_eq!(status_of(&answer), Some(503), "{answer}");
+    assert!(answer.contains("connections are open"), "{answer}");
+    drop(held);
+    indexer.answers_and_settles();
+    let metrics = get(addr, "/metrics").text();
+    assert!(
+        metrics.contains("kv_indexer_http_errors_total{status=\"503\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn out_of_descriptors_the_api_keeps_accepting_and_recovers() {
+    // 128 descriptors: idle connections take them all, and accept fails with EMFILE.
+    let indexer = Indexer::start(128);
+    let addr = indexer.addr;
+    let held: Vec<TcpStream> = (0..300)
+        .filter_map(|_| TcpStream::connect(addr).ok())
+        .collect();
+    // Some of the held connections are answered from the reserve or left in the backlog; the
+    // process runs out either way.
+    wait_for(20, "the indexer to run out of descriptors", || {
+        (indexer.descriptors() >= 120).then_some(())
+    });
+    eprintln!("{} connections held: {}", held.len(), indexer.figures());
+    drop(held);
+    // The listener lives: once descriptors are free, /health answers again.
+    wait_for(30, "/health to answer again", || {
+        let mut connection = TcpStream::connect(addr).ok()?;
+        connection
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .ok()?;
+        connection
+            .write_all(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            .ok()?;
+        let mut answer = String::new();
+        connection.read_to_string(&mut answer).ok()?;
+        answer.starts_with("HTTP/1.1 200 ").then_some(())
+    });
+    indexer.answers_and_settles();
+    eprintln!("recovered: {}", indexer.figures());
+}
