@@ -1,9 +1,16 @@
-//! The running process: index, metrics, registry, HTTP server, signals.
+//! The running process: index, metrics, registry, HTTP server, signals, and the threads that
+//! ask discovered engines for their ranks (`discovery`) and probe fixed engines' neighbour
+//! ports (`neighbours`).
 //!
-//! Owns: start-up order, the configuration in effect, reload (SIGHUP and `POST /reload`, one at
-//! a time), the background retry of engines that failed to start, and clean shutdown.
+//! Owns: start-up order, the configuration and the discovered ranks in effect, reload (SIGHUP
+//! and `POST /reload`, one at a time), applying an engine's new answer (the same road as a
+//! reload: `plan` then `Registry::apply`), the background retry of engines that failed to start,
+//! and clean shutdown.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
 //! listeners do), or exits without stopping the HTTP server and every listener.
+
+mod discovery;
+mod neighbours;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,11 +25,14 @@ use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
+use crate::discover::{Board, Client, Discovery, EngineApi, Limits};
 use crate::http::{Api, HttpServer};
 use crate::index::Index;
 use crate::metrics::Metrics;
-use crate::plan;
+use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
+use discovery::{ApplyFn, Askers, RankWatch};
+use neighbours::NeighbourWatch;
 
 /// First wait before retrying an engine that failed to start; doubles up to `RETRY_MAX`.
 const RETRY_MIN: Duration = Duration::from_secs(1);
@@ -133,6 +143,7 @@ pub struct Service {
     shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
     retry: Retry,
+    rank_watch: RankWatch,
 }
 
 impl Service {
@@ -185,18 +196,52 @@ impl Service {
             diff.failed.len()
         );
 
+        let board = Arc::new(Board::default());
+        board.retain(&board_engines(&config));
+        let neighbours = NeighbourWatch::spawn(board.clone(), metrics.clone())?;
+        neighbours.sync(&config, &plan::expand(&config));
         let reloader = Arc::new(Reloader {
             config_path: config_path.to_owned(),
-            applied: Mutex::new(config),
+            applied: Mutex::new(Applied {
+                config: config.clone(),
+                discovered: Discoveries::new(),
+            }),
             registry: registry.clone(),
             metrics: metrics.clone(),
+            board: board.clone(),
+            askers: Mutex::new(None),
+            neighbours: Mutex::new(Some(neighbours)),
         });
+        // Weak: the askers live in the reloader, and their answers go back to it.
+        let answers = Arc::downgrade(&reloader);
+        let apply: Arc<ApplyFn> = Arc::new(move |api: &EngineApi, discovery: Discovery| {
+            if let Some(reloader) = answers.upgrade() {
+                reloader.apply_discovery(api, discovery);
+            }
+        });
+        let mut askers = Askers::new(
+            Client::new(Limits::default()),
+            board.clone(),
+            metrics.clone(),
+            apply,
+        );
+        askers.sync(&config)?;
+        *reloader.askers.lock() = Some(askers);
         let reload_for_http = reloader.clone();
+        let suspects = Arc::downgrade(&reloader);
+        let rank_watch = RankWatch::spawn(ranks.clone(), move |engine| {
+            if let Some(askers) = suspects.upgrade().as_ref().map(|r| r.askers.lock()) {
+                if let Some(askers) = askers.as_ref() {
+                    askers.suspect(engine);
+                }
+            }
+        })?;
         let api = Arc::new(Api {
             index,
             metrics,
             ranks,
             directory,
+            board,
             reload: Box::new(move || reload_for_http.reload()),
         });
         let http = http.serve(api)?;
@@ -207,6 +252,7 @@ impl Service {
             shutdown_signal,
             reloader,
             retry,
+            rank_watch,
         })
     }
 
@@ -227,6 +273,16 @@ impl Service {
         self.shutdown_signal.raise();
         self.http.stop();
         self.retry.stop();
+        self.rank_watch.stop();
+        // Before the listeners stop: no answer is applied once they are gone.
+        let askers = self.reloader.askers.lock().take();
+        if let Some(askers) = askers {
+            askers.stop();
+        }
+        let neighbours = self.reloader.neighbours.lock().take();
+        if let Some(neighbours) = neighbours {
+            neighbours.stop();
+        }
         let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
@@ -254,19 +310,44 @@ fn allow_open_files(listeners: usize) {
     }
 }
 
-/// Applies the configuration file to the registry; its lock serializes reloads.
-struct Reloader {
-    config_path: PathBuf,
+/// What the registry runs, as `plan` inputs.
+struct Applied {
     /// The file's configuration as last applied, with the values in effect for the keys that
     /// only a restart changes (`listen`, `block_size`, `shards`).
-    applied: Mutex<Config>,
+    config: Config,
+    /// Each discovered engine's last good answer.
+    discovered: Discoveries,
+}
+
+/// Applies the configuration file and the discovered engines' answers to the registry; its
+/// lock serializes reloads and answers.
+struct Reloader {
+    config_path: PathBuf,
+    applied: Mutex<Applied>,
     registry: Arc<Mutex<Registry>>,
     metrics: Arc<Metrics>,
+    board: Arc<Board>,
+    /// `None` only while starting and after shutdown.
+    askers: Mutex<Option<Askers>>,
+    neighbours: Mutex<Option<NeighbourWatch>>,
+}
+
+/// Every engine of `config`, with its `discover` URL if it has one: what the board lists.
+fn board_engines(config: &Config) -> Vec<(String, Option<String>)> {
+    config
+        .engines
+        .iter()
+        .map(|engine| {
+            let url = engine.discover().map(|d| d.api.url.base.clone());
+            (engine.name.clone(), url)
+        })
+        .collect()
 }
 
 impl Reloader {
     fn reload(&self) -> Result<ReloadDiff, ConfigError> {
-        let mut applied = self.applied.lock();
+        let mut guard = self.applied.lock();
+        let applied = &mut *guard;
         let path = self.config_path.display();
         let mut config = match Config::load(&self.config_path) {
             Ok(config) => config,
@@ -282,22 +363,82 @@ impl Reloader {
         keep_for_restart(
             "listen",
             &mut config.listen,
-            &applied.listen,
+            &applied.config.listen,
             &self.config_path,
         );
         keep_for_restart(
             "block_size",
             &mut config.block_size,
-            &applied.block_size,
+            &applied.config.block_size,
             &self.config_path,
         );
         keep_for_restart(
             "shards",
             &mut config.shards,
-            &applied.shards,
+            &applied.config.shards,
             &self.config_path,
         );
-        let diff = self.registry.lock().apply(plan::expand(&config));
+        // An engine asked at the same API keeps its last good answer: a reload does not drop
+        // its ranks until it has answered again.
+        let old = &applied.config;
+        applied.discovered.retain(|name, _| {
+            let api = |config: &Config| {
+                let engine = config.engines.iter().find(|engine| &engine.name == name)?;
+                engine.discover().map(|discover| discover.api.clone())
+            };
+            api(old).is_some() && api(old) == api(&config)
+        });
+        for gone in old
+            .engines
+            .iter()
+            .filter(|engine| !config.engines.iter().any(|e| e.name == engine.name))
+        {
+            self.metrics.forget_engine(&gone.name);
+        }
+        let plan = plan::expand_with(&config, &applied.discovered);
+        let diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
+        applied.config = config;
+        self.board.retain(&board_engines(&applied.config));
+        if let Some(askers) = self.askers.lock().as_mut() {
+            if let Err(error) = askers.sync(&applied.config) {
+                error!("{error:#}: its ranks are not asked for");
+            }
+        }
+        if let Some(neighbours) = self.neighbours.lock().as_ref() {
+            neighbours.sync(&applied.config, &plan);
+        }
+        self.metrics.reload(true);
+        Ok(diff)
+    }
+
+    /// Applies a discovered engine's answer, asked at `api`, unless a reload has changed the
+    /// engine's `discover` since it was asked, or it is the answer in effect.
+    fn apply_discovery(&self, api: &EngineApi, discovery: Discovery) {
+        let mut guard = self.applied.lock();
+        let applied = &mut *guard;
+        let current = applied
+            .config
+            .engines
+            .iter()
+            .find(|engine| engine.name == api.engine)
+            .and_then(|engine| engine.discover());
+        if current.map(|discover| &discover.api) != Some(api)
+            || applied.discovered.get(&api.engine) == Some(&discovery)
+        {
+            return;
+        }
+        applied.discovered.insert(api.engine.clone(), discovery);
+        let plan = plan::expand_with(&applied.config, &applied.discovered);
+        let what = format!("engine {}: its new answer", api.engine);
+        self.apply_plan(plan.clone(), &what);
+        if let Some(neighbours) = self.neighbours.lock().as_ref() {
+            neighbours.sync(&applied.config, &plan);
+        }
+    }
+
+    /// `Registry::apply`, logged as `what`: the one road from a plan to the listeners.
+    fn apply_plan(&self, plan: Vec<ListenerSpec>, what: &str) -> ReloadDiff {
+        let diff = self.registry.lock().apply(plan);
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()
                 .map(|k| format!("{}/{}", k.engine, k.dp_rank))
@@ -305,7 +446,7 @@ impl Reloader {
                 .join(" ")
         };
         info!(
-            "reload of {path} applied: added [{}], removed [{}], replaced [{}], {} unchanged",
+            "{what} applied: added [{}], removed [{}], replaced [{}], {} unchanged",
             names(&diff.added),
             names(&diff.removed),
             names(&diff.replaced),
@@ -316,13 +457,11 @@ impl Reloader {
         }
         if diff.interrupted > 0 {
             info!(
-                "reload interrupted by shutdown: {} engines not started",
+                "{what} interrupted by shutdown: {} engines not started",
                 diff.interrupted
             );
         }
-        *applied = config;
-        self.metrics.reload(true);
-        Ok(diff)
+        diff
     }
 }
 

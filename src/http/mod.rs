@@ -42,6 +42,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::config::ConfigError;
+use crate::discover::Board;
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
@@ -76,6 +77,8 @@ pub struct Api {
     /// Read by `/workers` and `/ready`; never the registry itself, whose lock a reload holds.
     pub ranks: RanksReader,
     pub directory: DirectoryReader,
+    /// Each engine's discovery state and neighbour probe, for `/workers` and `/ready`.
+    pub board: Arc<Board>,
     pub reload: Box<ReloadFn>,
 }
 

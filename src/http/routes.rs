@@ -11,6 +11,7 @@ use tiny_http::Method;
 
 use super::query_body::parse_query;
 use super::{Api, Reply};
+use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 
@@ -126,6 +127,12 @@ struct InstanceJson<'a> {
     instance: &'a str,
     model: Option<&'a str>,
     listeners: Vec<ListenerJson<'a>>,
+    /// A discovered engine's state (docs.md "Ranks from the engine").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    discovery: Option<DiscoveryReport>,
+    /// A fixed engine's publisher past its last rank: `null` when none answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    neighbour: Option<Option<NeighbourReport>>,
 }
 
 #[derive(Serialize)]
@@ -170,6 +177,7 @@ impl<'a> ListenerJson<'a> {
 
 fn workers(api: &Api) -> Reply {
     let views = snapshot(api);
+    let board = api.board.all();
     let mut instances: Vec<InstanceJson> = Vec::new();
     // Views come sorted by (engine, dp_rank): one run per engine.
     for view in &views {
@@ -180,9 +188,33 @@ fn workers(api: &Api) -> Reply {
                 instance: &view.spec.key.engine,
                 model: view.spec.model.as_deref(),
                 listeners: vec![listener],
+                discovery: None,
+                neighbour: None,
             }),
         }
     }
+    // Every engine on the board is listed, a discovered one also before it has ranks.
+    for (name, report) in &board {
+        let at = match instances.iter().position(|i| i.instance == name) {
+            Some(at) => at,
+            None => {
+                instances.push(InstanceJson {
+                    instance: name,
+                    model: None,
+                    listeners: Vec::new(),
+                    discovery: None,
+                    neighbour: None,
+                });
+                instances.len() - 1
+            }
+        };
+        let instance = &mut instances[at];
+        match &report.discovery {
+            Some(discovery) => instance.discovery = Some(discovery.clone()),
+            None => instance.neighbour = Some(report.neighbour.clone()),
+        }
+    }
+    instances.sort_by(|a, b| a.instance.cmp(b.instance));
     Reply::json(200, &instances)
 }
 
@@ -202,6 +234,10 @@ fn ready(api: &Api) -> Reply {
                 "state": v.status.as_ref().map_or(State::Stopped, |s| s.state).as_str(),
             })
         })
+        .chain(api.board.all().into_iter().filter_map(|(name, report)| {
+            let never = report.discovery?.state == DiscoveryState::NeverDiscovered;
+            never.then(|| json!({ "instance": name, "state": "never_discovered" }))
+        }))
         .collect();
     if not_ready.is_empty() {
         Reply::json(200, &json!({ "ready": true }))
