@@ -11,6 +11,7 @@ use std::time::Duration;
 use kv_indexer::sim::api::ApiReply;
 use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer::sim::process::IndexerProcess;
 use kv_indexer::sim::server::{SimConfig, SimEngine};
 use kv_indexer::sim::watch::{IndexerView, OverHttp};
 use kv_indexer::sim::workload::Route;
@@ -49,6 +50,46 @@ fn discovered(api_port: u16, interval_s: u32, dp_size: Option<u32>) -> String {
 fn api_port(engine: &SimEngine) -> u16 {
     engine.api_port().expect("the API server runs")
 }
+
+/// A simulated vLLM (`sim-0`, `config`) and the real binary asking it every `interval_s`.
+struct Asked {
+    fleet: Fleet,
+    indexer: IndexerProcess,
+    addr: SocketAddr,
+}
+
+impl Asked {
+    fn start(config: SimConfig, interval_s: u32, file_dp_size: Option<u32>) -> Asked {
+        let fleet = Fleet::of(vec![SimEngine::start(config).expect("sim")]);
+        let api = api_port(&fleet.engines[0]);
+        let indexer = start_indexer(&discovered(api, interval_s, file_dp_size));
+        let addr = indexer.address;
+        Asked {
+            fleet,
+            indexer,
+            addr,
+        }
+    }
+
+    fn engine(&self) -> &SimEngine {
+        &self.fleet.engines[0]
+    }
+
+    /// Waits for the engine's two ranks, serves `count` trace prompts over them and waits for
+    /// the index to hold them exactly; returns the view, the prompts and their predictions.
+    fn with_blocks(&self, count: usize) -> (OverHttp, Vec<Vec<u32>>, Predictions) {
+        wait_for(WAIT_S, "two connected ranks", || {
+            connected_ranks(self.addr, 2)
+        });
+        let mut view = OverHttp::new(self.addr);
+        let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), count);
+        serve_and_settle(&self.fleet, &mut view, &prompts);
+        let before = predictions(&mut view, &prompts);
+        (view, prompts, before)
+    }
+}
+
+type Predictions = Vec<HashMap<(String, u32), u32>>;
 
 /// `sim-0`'s `/workers` entry.
 fn instance(addr: SocketAddr) -> Value {
@@ -123,7 +164,7 @@ fn serve_and_settle(fleet: &Fleet, view: &mut OverHttp, prompts: &[Vec<u32>]) ->
 }
 
 /// What the indexer predicts for each prompt, rank by rank.
-fn predictions(view: &mut OverHttp, prompts: &[Vec<u32>]) -> Vec<HashMap<(String, u32), u32>> {
+fn predictions(view: &mut OverHttp, prompts: &[Vec<u32>]) -> Predictions {
     prompts
         .iter()
         .map(|prompt| view.matched(prompt).unwrap_or_else(|e| panic!("{e:#}")))
@@ -147,10 +188,8 @@ fn of_rank(all: &[HashMap<(String, u32), u32>], rank: u32) -> Vec<Vec<u32>> {
 
 #[test]
 fn two_ranks_on_os_picked_ports_are_discovered_and_indexed_exactly() {
-    let fleet = Fleet::of(vec![SimEngine::start(sim(2)).expect("sim")]);
-    let engine = &fleet.engines[0];
-    let indexer = start_indexer(&discovered(api_port(engine), 1, None));
-    let addr = indexer.address;
+    let asked = Asked::start(sim(2), 1, None);
+    let (engine, addr, fleet) = (asked.engine(), asked.addr, &asked.fleet);
     let ranks = wait_for(WAIT_S, "two connected ranks", || connected_ranks(addr, 2));
     assert_eq!(ranks, bound(engine));
     let replay = listener_field(addr, 1, "replay");
@@ -159,7 +198,7 @@ fn two_ranks_on_os_picked_ports_are_discovered_and_indexed_exactly() {
 
     let mut view = OverHttp::new(addr);
     serve_and_settle(
-        &fleet,
+        fleet,
         &mut view,
         &trace_prompts(env!("CARGO_MANIFEST_DIR"), 40),
     );
@@ -178,15 +217,9 @@ fn two_ranks_on_os_picked_ports_are_discovered_and_indexed_exactly() {
 
 #[test]
 fn scaling_2_3_1_subscribes_and_stops_ranks_while_rank_0_keeps_its_blocks() {
-    let fleet = Fleet::of(vec![SimEngine::start(sim(2)).expect("sim")]);
-    let engine = &fleet.engines[0];
-    let indexer = start_indexer(&discovered(api_port(engine), 1, None));
-    let addr = indexer.address;
-    wait_for(WAIT_S, "two connected ranks", || connected_ranks(addr, 2));
-    let mut view = OverHttp::new(addr);
-    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 30);
-    serve_and_settle(&fleet, &mut view, &prompts);
-    let before = predictions(&mut view, &prompts);
+    let asked = Asked::start(sim(2), 1, None);
+    let (engine, addr, fleet) = (asked.engine(), asked.addr, &asked.fleet);
+    let (mut view, prompts, before) = asked.with_blocks(30);
     let rank0_blocks = listener_field(addr, 0, "blocks");
     let rank0_batches = listener_field(addr, 0, "batches");
     assert!(of_rank(&before, 0).iter().any(|m| !m.is_empty()));
@@ -279,15 +312,9 @@ fn an_engine_api_down_at_start_is_never_discovered_and_not_ready_until_it_answer
 
 #[test]
 fn bad_answers_keep_the_last_good_ranks_and_their_blocks() {
-    let fleet = Fleet::of(vec![SimEngine::start(sim(2)).expect("sim")]);
-    let engine = &fleet.engines[0];
-    let indexer = start_indexer(&discovered(api_port(engine), 1, None));
-    let addr = indexer.address;
-    wait_for(WAIT_S, "two connected ranks", || connected_ranks(addr, 2));
-    let mut view = OverHttp::new(addr);
-    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 20);
-    serve_and_settle(&fleet, &mut view, &prompts);
-    let before = predictions(&mut view, &prompts);
+    let asked = Asked::start(sim(2), 1, None);
+    let (engine, addr) = (asked.engine(), asked.addr);
+    let (mut view, prompts, before) = asked.with_blocks(20);
     let endpoints = bound(engine);
 
     let disabled = json!({"0": {"enable_kv_cache_events": false, "publisher": "zmq",
@@ -332,10 +359,8 @@ fn bad_answers_keep_the_last_good_ranks_and_their_blocks() {
 
 #[test]
 fn a_dp_size_the_engine_contradicts_is_warned_once_counted_and_shown_and_the_engine_wins() {
-    let fleet = Fleet::of(vec![SimEngine::start(sim(2)).expect("sim")]);
-    let engine = &fleet.engines[0];
-    let indexer = start_indexer(&discovered(api_port(engine), 1, Some(1)));
-    let addr = indexer.address;
+    let asked = Asked::start(sim(2), 1, Some(1));
+    let (engine, addr, indexer) = (asked.engine(), asked.addr, &asked.indexer);
     let ranks = wait_for(WAIT_S, "the engine's two ranks", || {
         connected_ranks(addr, 2)
     });
@@ -426,15 +451,9 @@ fn a_fixed_dp_size_too_small_is_warned_with_the_fix_and_the_neighbour_is_never_i
 #[test]
 fn reload_asks_again_and_a_rank_restarted_on_another_port_is_found_early() {
     // An hour between questions: only start, reloads and a suspect rank ask.
-    let fleet = Fleet::of(vec![SimEngine::start(sim(2)).expect("sim")]);
-    let engine = &fleet.engines[0];
-    let indexer = start_indexer(&discovered(api_port(engine), 3600, None));
-    let addr = indexer.address;
-    wait_for(WAIT_S, "two connected ranks", || connected_ranks(addr, 2));
-    let mut view = OverHttp::new(addr);
-    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 20);
-    serve_and_settle(&fleet, &mut view, &prompts);
-    let before = predictions(&mut view, &prompts);
+    let asked = Asked::start(sim(2), 3600, None);
+    let (engine, addr, indexer) = (asked.engine(), asked.addr, &asked.indexer);
+    let (mut view, prompts, before) = asked.with_blocks(20);
 
     engine.add_rank().expect("scale up");
     let reply = post(addr, "/reload", b"");

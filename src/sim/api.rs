@@ -15,7 +15,7 @@ use anyhow::{Context, Result};
 use log::warn;
 use serde::Deserialize;
 
-use crate::sim::rank_http::{error_reply, respond};
+use crate::sim::rank_http::{error_reply, path_of, respond};
 use crate::sim::server::{bind_http, Shared, STOP_POLL};
 
 /// Largest `POST /scale_elastic_ep` body read: the request is one small object.
@@ -80,12 +80,7 @@ struct ScaleRequest {
 }
 
 fn answer(shared: &Shared, mut request: tiny_http::Request) {
-    let path = request
-        .url()
-        .split('?')
-        .next()
-        .unwrap_or_default()
-        .to_string();
+    let path = path_of(&request);
     let (status, body) = match (request.method(), path.as_str()) {
         (tiny_http::Method::Get, "/kv_event_sources") => match shared.api_reply.lock().clone() {
             ApiReply::Sources => (200, shared.kv_event_sources().to_string().into_bytes()),

@@ -31,12 +31,7 @@ struct PrefixHitRequest {
 }
 
 fn answer(rank: &Rank, mut request: tiny_http::Request) {
-    let path = request
-        .url()
-        .split('?')
-        .next()
-        .unwrap_or_default()
-        .to_string();
+    let path = path_of(&request);
     let (status, body) = match (request.method(), path.as_str()) {
         (tiny_http::Method::Get, "/kv_recover") => (200, rank.snapshot_body()),
         (tiny_http::Method::Post, "/prefix_hit") => prefix_hit(rank, &mut request),
@@ -47,6 +42,16 @@ fn answer(rank: &Rank, mut request: tiny_http::Request) {
         _ => error_reply(404, &format!("no route {path}")),
     };
     respond(request, status, body, &format!("rank {}", rank.index));
+}
+
+/// The request's path, without a query.
+pub(super) fn path_of(request: &tiny_http::Request) -> String {
+    request
+        .url()
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// Sends a JSON reply; a client gone meanwhile is only logged.
