@@ -274,7 +274,8 @@ impl Service {
         self.http.stop();
         self.retry.stop();
         self.rank_watch.stop();
-        // Before the listeners stop: no answer is applied once they are gone.
+        // Their threads end after the question under way; an answer that arrives later meets
+        // the raised shutdown signal, and the registry starts nothing for it.
         let askers = self.reloader.askers.lock().take();
         if let Some(askers) = askers {
             askers.stop();

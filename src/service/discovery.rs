@@ -50,11 +50,10 @@ enum Wake {
     Suspect,
 }
 
-/// One engine's asking thread; dropping `wake` stops it.
+/// One engine's asking thread; dropping `wake` stops it (the thread is not joined).
 struct Asker {
     settings: DiscoverConfig,
     wake: Sender<Wake>,
-    thread: JoinHandle<()>,
 }
 
 /// Every discovered engine's asking thread.
@@ -64,9 +63,6 @@ pub struct Askers {
     metrics: Arc<Metrics>,
     apply: Arc<ApplyFn>,
     engines: BTreeMap<String, Asker>,
-    /// Threads told to stop by a reload, joined at shutdown: a reload must not wait for a
-    /// question under way (up to `Limits::whole`), whose answer the applier drops anyway.
-    retired: Vec<JoinHandle<()>>,
 }
 
 impl Askers {
@@ -82,7 +78,6 @@ impl Askers {
             metrics,
             apply,
             engines: BTreeMap::new(),
-            retired: Vec::new(),
         }
     }
 
@@ -102,10 +97,8 @@ impl Askers {
             .map(|(name, _)| name.clone())
             .collect();
         for name in leaving {
-            if let Some(asker) = self.engines.remove(&name) {
-                drop(asker.wake);
-                self.retired.push(asker.thread);
-            }
+            // Its thread ends after the question under way (see `stop`).
+            self.engines.remove(&name);
         }
         for (name, settings) in wanted {
             match self.engines.get(name) {
@@ -129,17 +122,12 @@ impl Askers {
         }
     }
 
-    /// Stops every thread, waiting for a question under way to end (at most its deadline),
-    /// so that no answer is applied after the service stopped.
+    /// Tells every thread to stop, without waiting: a question under way may take
+    /// `Limits::whole` (5 s), and SIGTERM must end the process within a second. A thread ends
+    /// after that question; its answer, if any, reaches a registry whose shutdown signal is
+    /// raised (it starts nothing), or an applier that drops it (a reload changed the engine).
     pub fn stop(self) {
-        let threads = self.engines.into_values().map(|asker| {
-            drop(asker.wake);
-            asker.thread
-        });
-        for thread in threads.chain(self.retired) {
-            // A thread that panicked has already logged why.
-            let _ = thread.join();
-        }
+        drop(self.engines);
     }
 
     fn spawn(&self, settings: DiscoverConfig) -> anyhow::Result<Asker> {
@@ -156,15 +144,11 @@ impl Askers {
             reported: Vec::new(),
             logged_error: None,
         };
-        let thread = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name(format!("discover-{name}"))
             .spawn(move || asking.run(&woken))
             .with_context(|| format!("engine {name}: spawning its discovery thread"))?;
-        Ok(Asker {
-            settings,
-            wake,
-            thread,
-        })
+        Ok(Asker { settings, wake })
     }
 }
 
