@@ -1,4 +1,4 @@
-//! Block keys: our own chained hash of token content (SPEC.md "The index" → Keys).
+//! Block keys: our own chained hash of a block's content (`docs/design.md`, "The key function").
 //!
 //! The same code hashes events and queries, so a block stored by any engine and the same tokens
 //! in a prompt always meet on one key, whatever the engines' own hash seeds. It never looks at
@@ -126,5 +126,40 @@ impl<'t> LazyKeys<'t> {
             }
         }
         self.keys[i]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{chain, lora_root};
+    use crate::index::block_keys;
+
+    #[test]
+    fn keys_match_the_known_answers() {
+        assert_eq!(
+            block_keys(&[1, 2, 3, 4], 4, None),
+            vec![14643705804678351452]
+        );
+        let tokens: Vec<u32> = (1..=8).collect();
+        assert_eq!(
+            block_keys(&tokens, 4, None),
+            vec![14643705804678351452, 4945711292740353085]
+        );
+        // Trailing tokens that do not fill a block are ignored.
+        assert_eq!(block_keys(&(1..=10).collect::<Vec<_>>(), 4, None).len(), 2);
+    }
+
+    #[test]
+    fn lora_keys_differ_from_base_keys_and_between_adapters() {
+        let tokens: Vec<u32> = (1..=8).collect();
+        let base = block_keys(&tokens, 4, None);
+        let a = block_keys(&tokens, 4, Some("a"));
+        let b = block_keys(&tokens, 4, Some("b"));
+        let second_local = block_keys(&tokens[4..], 4, None)[0];
+        assert_eq!(a[0], chain(lora_root("a"), base[0]));
+        assert_eq!(a[1], chain(a[0], second_local));
+        assert_eq!(base[1], chain(base[0], second_local));
+        assert!(base.iter().all(|k| !a.contains(k) && !b.contains(k)));
+        assert!(a.iter().all(|k| !b.contains(k)));
     }
 }

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::wire::{BlockRemoved, BlockStored, Event, EventBatch};
 
-/// The two event encodings of PROTOCOL.md.
+/// The two event encodings of `docs/protocol.md`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Form {
     /// Tagged maps: vLLM >= 0.24 (the default of current engines).

@@ -1,7 +1,7 @@
 //! The engines' KV-event wire format: ZMQ frames and msgpack payloads → typed events.
 //!
 //! Owns every encoding quirk of every released vLLM, SGLang and TensorRT-LLM version
-//! (PROTOCOL.md). It never touches the index or a socket, and never panics on any input.
+//! (`docs/protocol.md`). It never touches the index or a socket, and never panics on any input.
 //!
 //! `msgpack` is a zero-copy cursor, `batch` decodes KVEventBatch payloads with it, `snapshot`
 //! decodes `GET /kv_recover` bodies; the frame layouts live here.
@@ -73,7 +73,7 @@ pub enum ReplayItem<'a> {
     End,
 }
 
-/// A rank's `GET /kv_recover` snapshot (SPEC.md "Snapshot endpoint").
+/// A rank's `GET /kv_recover` snapshot (`docs/protocol.md`, "Snapshot endpoint").
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     /// Seq of the last batch published before the snapshot; `None` when the body says -1.

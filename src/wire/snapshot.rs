@@ -1,4 +1,4 @@
-//! `GET /kv_recover` JSON bodies → `Snapshot` (SPEC.md "Snapshot endpoint").
+//! `GET /kv_recover` JSON bodies → `Snapshot` (`docs/protocol.md`, "Snapshot endpoint").
 //!
 //! A snapshot replaces what the index knows about a rank, so it is all or nothing: any bad field
 //! fails the whole body with an error naming the field. It never guesses a missing required value.
