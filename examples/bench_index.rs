@@ -42,6 +42,7 @@ fn store(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>) -> Event {
         lora_name: None,
         medium: None,
         group_idx: None,
+        extras: Vec::new(),
     })
 }
 

@@ -48,6 +48,7 @@ fn batch(n: u32, blocks: u32) -> (Vec<u8>, Vec<u32>) {
         lora_name: None,
         medium: None,
         group_idx: None,
+        extras: Vec::new(),
     };
     let payload = encode_batch(
         &EventBatch {

@@ -33,6 +33,7 @@ fn realistic_batch() -> EventBatch {
         lora_name: None,
         medium: Some("GPU".into()),
         group_idx: Some(0),
+        extras: Vec::new(),
     })];
     events.extend((0..4).map(|index| {
         Event::Removed(BlockRemoved {

@@ -1001,6 +1001,7 @@ mod tests {
                 lora_name: None,
                 medium: None,
                 group_idx: None,
+                extras: Vec::new(),
             })
         };
         // Two ranks cache the same prompt, one of them only its first two blocks: 3 keys.

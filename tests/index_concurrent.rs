@@ -50,6 +50,7 @@ fn write(mut writer: WorkerBlocks, seed: u64) -> (WorkerBlocks, HashMap<u64, (us
                 lora_name: None,
                 medium: None,
                 group_idx: None,
+                extras: Vec::new(),
             });
             writer.apply(&event, &mut outcome);
             for (i, hash) in hashes.into_iter().enumerate() {
@@ -179,6 +180,7 @@ fn readers_during_a_bulk_clear_never_see_more_than_was_held() {
                     lora_name: None,
                     medium: None,
                     group_idx: None,
+                    extras: Vec::new(),
                 });
                 writer.apply(&event, outcome);
             }

@@ -143,6 +143,7 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
         lora_name: lora.clone(),
         medium: None,
         group_idx: None,
+        extras: Vec::new(),
     });
     let outcome = apply(worker, event);
     assert_eq!(outcome.stored, 1);

@@ -43,6 +43,7 @@ fn block_stored(prompt: u32, first: u32, blocks: u32) -> BlockStored {
         lora_name: None,
         medium: None,
         group_idx: None,
+        extras: Vec::new(),
     }
 }
 

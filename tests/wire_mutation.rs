@@ -64,6 +64,7 @@ fn realistic_batch(rng: &mut SmallRng) -> EventBatch {
                 lora_name: Some("adapter".into()),
                 medium: Some("GPU".into()),
                 group_idx: Some(0),
+                extras: Vec::new(),
             }),
             Event::Removed(BlockRemoved {
                 block_hashes: vec![rng.random()],

@@ -40,7 +40,7 @@ mod shard;
 mod table;
 mod worker_blocks;
 
-use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -48,6 +48,7 @@ use parking_lot::RwLock;
 use keys::KeyChain;
 use shard::LockedShard;
 
+pub use keys::{MmFeature, Prompt};
 pub use query::Score;
 pub use worker_blocks::{ApplyOutcome, WorkerBlocks};
 
@@ -62,6 +63,9 @@ pub struct Index {
     shard_mask: u64,
     shards: Box<[Padded<LockedShard>]>,
     workers: RwLock<WorkerSlots>,
+    /// Live workers whose engines hash lookahead tokens: while none, a query computes one
+    /// chain of keys.
+    lookahead_workers: AtomicUsize,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -79,10 +83,13 @@ struct WorkerSlots {
 /// What readers need about a worker, kept current by its writer.
 #[derive(Default)]
 struct WorkerStats {
+    /// Physical copies of blocks the worker holds.
     blocks: AtomicU64,
     /// Holdings whose parent key the worker does not hold; 0 means its holdings are closed under
     /// prefixes.
     orphans: AtomicI64,
+    /// Tokens after a block that the worker's engine hashes with it, as its last store showed.
+    lookahead: AtomicU32,
 }
 
 impl Index {
@@ -98,6 +105,7 @@ impl Index {
                 .map(|_| Padded(LockedShard::default()))
                 .collect(),
             workers: RwLock::new(WorkerSlots::default()),
+            lookahead_workers: AtomicUsize::new(0),
         })
     }
 
@@ -149,7 +157,16 @@ impl Index {
     }
 }
 
-/// The chained keys of a prompt's full blocks (`docs/design.md`, "The key function").
+/// The keys of a prompt's full blocks as an engine hashing `lookahead` following tokens keys
+/// them (`docs/design.md`, "The key function"): what a router computes to ask the index itself.
+pub fn prompt_keys(prompt: &Prompt<'_>, block_size: u32, lookahead: usize) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    KeyChain::for_scoring(prompt, block_size as usize, lookahead).collect()
+}
+
+/// The chained keys of a plain prompt's full blocks (`docs/design.md`, "The key function").
 pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();

@@ -7,7 +7,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::keys::{KeyChain, LazyKeys};
+use super::keys::{KeyChain, LazyKeys, Prompt};
 use super::search::Search;
 use super::{Index, WorkerId};
 
@@ -30,17 +30,48 @@ impl Index {
         lora_name: Option<&str>,
         include: &dyn Fn(WorkerId) -> bool,
     ) -> Vec<Score> {
-        let keys = LazyKeys::new(KeyChain::for_prompt(
+        let prompt = Prompt {
             tokens,
-            self.block_size as usize,
             lora_name,
-        ));
-        self.search(keys, include)
+            ..Prompt::default()
+        };
+        self.query_prompt(&prompt, include)
     }
 
-    /// `query` for a prompt whose keys (`block_keys`) are already known.
+    /// `query` for a prompt with a cache salt or multimodal items. Each worker is scored with
+    /// the keys its engine computes: workers whose engines hash `L` lookahead tokens with the
+    /// prompt's own following tokens (so a last full block without `L` tokens after it is not
+    /// matched, as the engine cannot match it either), the others without.
+    pub fn query_prompt(
+        &self,
+        prompt: &Prompt<'_>,
+        include: &dyn Fn(WorkerId) -> bool,
+    ) -> Vec<Score> {
+        let block_size = self.block_size as usize;
+        if self.lookahead_workers.load(Ordering::Relaxed) == 0 {
+            let keys = LazyKeys::new(KeyChain::for_scoring(prompt, block_size, 0));
+            return self.search(keys, include, 0);
+        }
+        let mut lookaheads: Vec<u32> = {
+            let registry = self.workers.read();
+            let live = registry.live.iter().flatten();
+            live.map(|stats| stats.lookahead.load(Ordering::Relaxed))
+                .collect()
+        };
+        lookaheads.sort_unstable();
+        lookaheads.dedup();
+        let mut scores = Vec::new();
+        for lookahead in lookaheads {
+            let chain = KeyChain::for_scoring(prompt, block_size, lookahead as usize);
+            scores.extend(self.search(LazyKeys::new(chain), include, lookahead));
+        }
+        scores
+    }
+
+    /// `query` for a plain prompt whose keys (`block_keys`) are already known, among workers
+    /// whose engines hash no lookahead tokens.
     pub fn query_keys(&self, keys: &[u64], include: &dyn Fn(WorkerId) -> bool) -> Vec<Score> {
-        self.search(LazyKeys::precomputed(keys), include)
+        self.search(LazyKeys::precomputed(keys), include, 0)
     }
 
     /// Blocks (engine hashes) a live worker holds.
@@ -50,9 +81,15 @@ impl Index {
         Some(stats.blocks.load(Ordering::Relaxed))
     }
 
-    /// The candidates are the included live holders of the first key, each matching at least
-    /// that block; the search settles how far each one goes.
-    fn search(&self, mut keys: LazyKeys<'_>, include: &dyn Fn(WorkerId) -> bool) -> Vec<Score> {
+    /// The candidates are the included live holders of the first key whose engines hash
+    /// `lookahead` following tokens, each matching at least that block; the search settles how
+    /// far each one goes.
+    fn search(
+        &self,
+        mut keys: LazyKeys<'_>,
+        include: &dyn Fn(WorkerId) -> bool,
+        lookahead: u32,
+    ) -> Vec<Score> {
         if keys.len() == 0 {
             return Vec::new();
         }
@@ -70,6 +107,9 @@ impl Index {
                 let Some(Some(stats)) = registry.live.get(worker as usize) else {
                     continue;
                 };
+                if stats.lookahead.load(Ordering::Relaxed) != lookahead {
+                    continue;
+                }
                 if stats.orphans.load(Ordering::Relaxed) == 0 {
                     closed.push(scores.len());
                 } else {

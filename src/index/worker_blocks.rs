@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::engine_map::EngineMap;
+use super::engine_map::{EngineMap, Removal};
 use super::keys::{lora_root, KeyChain};
 use super::{Index, WorkerId, WorkerStats};
 use crate::wire::{BlockRemoved, BlockStored, Event};
@@ -95,7 +95,7 @@ impl WorkerBlocks {
         }
         self.stats
             .blocks
-            .store(self.blocks.len() as u64, Ordering::Relaxed);
+            .store(self.blocks.copies(), Ordering::Relaxed);
     }
 
     /// Removes every block the worker holds (AllBlocksCleared, publisher restart, snapshot).
@@ -147,14 +147,15 @@ impl WorkerBlocks {
         }
     }
 
-    /// Blocks (engine hashes) the worker holds.
+    /// Blocks (physical copies) the worker holds.
     pub fn blocks(&self) -> u64 {
-        self.blocks.len() as u64
+        self.blocks.copies()
     }
 
     /// A store chains from its parent's key. Re-storing an engine hash the worker already has
-    /// with the same content changes nothing; with different content (the engine reused the
-    /// hash) the old block is removed first, so the hash always names its latest content.
+    /// with the same content adds a physical copy (each copy is evicted with its own removal);
+    /// with different content (the engine reused the hash) the old block is removed first, so
+    /// the hash always names its latest content.
     fn store(&mut self, stored: &BlockStored, outcome: &mut ApplyOutcome) {
         if !is_gpu(&stored.medium) {
             outcome.ignored_medium += 1;
@@ -169,7 +170,10 @@ impl WorkerBlocks {
             return;
         }
         let block_size = stored.block_size as usize;
-        if stored.block_hashes.len().checked_mul(block_size) != Some(stored.token_ids.len()) {
+        let blocks = stored.block_hashes.len();
+        if blocks.checked_mul(block_size) != Some(stored.token_ids.len())
+            || !(stored.extras.is_empty() || stored.extras.len() == blocks)
+        {
             outcome.invalid_event += 1;
             return;
         }
@@ -186,7 +190,13 @@ impl WorkerBlocks {
         let chained_from = parent_key.or_else(|| stored.lora_name.as_deref().map(lora_root));
         let mut keys = std::mem::take(&mut self.keys);
         keys.clear();
-        keys.extend(KeyChain::new(&stored.token_ids, block_size, chained_from));
+        keys.extend(KeyChain::for_event(
+            &stored.token_ids,
+            block_size,
+            chained_from,
+            &stored.extras,
+        ));
+        self.learn_lookahead(stored);
         let hashes = &stored.block_hashes;
         // Cache misses are started `AHEAD` blocks before they are needed (the shard place of a
         // block's key and the worker map's bucket of its hash): as many overlap as the CPU
@@ -213,7 +223,11 @@ impl WorkerBlocks {
                 self.prefetch_block(hash, key);
             }
             let holding = match held_as {
-                Some(held) if held == key => 0,
+                Some(held) if held == key => {
+                    self.blocks.add_copy(hash);
+                    added += 1;
+                    0
+                }
                 Some(replaced) => {
                     self.drop_holding(replaced);
                     self.blocks.insert(hash, key);
@@ -266,9 +280,10 @@ impl WorkerBlocks {
             if let Some(&ahead) = hashes.get(i + AHEAD) {
                 self.blocks.prefetch(ahead);
             }
-            match self.blocks.remove(hash) {
-                Some(key) => keys.push(key),
-                None => outcome.unknown_block += 1,
+            match self.blocks.remove_copy(hash) {
+                Removal::Last(key) => keys.push(key),
+                Removal::CopyLeft => outcome.removed_blocks += 1,
+                Removal::Unknown => outcome.unknown_block += 1,
             }
         }
         for &key in keys.iter().take(AHEAD) {
@@ -299,6 +314,20 @@ impl WorkerBlocks {
         outcome.removed_blocks += keys.len() as u64;
         self.keys = keys;
         outcome.removed += 1;
+    }
+
+    /// An engine's lookahead shows in every store it sends (vLLM hashes it for every block or
+    /// none): the worker is scored as the latest one says.
+    fn learn_lookahead(&mut self, stored: &BlockStored) {
+        let lookahead = stored.extras.first().map_or(0, |extras| {
+            u32::try_from(extras.lookahead.len()).unwrap_or(u32::MAX)
+        });
+        let before = self.stats.lookahead.swap(lookahead, Ordering::Relaxed);
+        match (before > 0, lookahead > 0) {
+            (false, true) => self.index.lookahead_workers.fetch_add(1, Ordering::Relaxed),
+            (true, false) => self.index.lookahead_workers.fetch_sub(1, Ordering::Relaxed),
+            _ => 0,
+        };
     }
 
     fn prefetch_block(&self, engine_hash: u64, key: u64) {
@@ -348,6 +377,9 @@ impl WorkerBlocks {
 impl Drop for WorkerBlocks {
     fn drop(&mut self) {
         self.clear();
+        if self.stats.lookahead.load(Ordering::Relaxed) > 0 {
+            self.index.lookahead_workers.fetch_sub(1, Ordering::Relaxed);
+        }
         self.index.release_worker(self.id);
     }
 }

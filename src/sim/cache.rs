@@ -285,6 +285,7 @@ impl RankCache {
             lora_name: None,
             medium: Some(GPU.to_string()),
             group_idx: Some(0),
+            extras: Vec::new(),
         }
     }
 }

@@ -78,6 +78,7 @@ impl FakeRank {
                 lora_name: None,
                 medium: None,
                 group_idx: None,
+                extras: Vec::new(),
             })],
             skipped: 0,
         };

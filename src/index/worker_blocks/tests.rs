@@ -12,6 +12,7 @@ pub(in crate::index) fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<
         lora_name: None,
         medium: None,
         group_idx: None,
+        extras: Vec::new(),
     })
 }
 
@@ -102,24 +103,34 @@ fn a_key_held_under_two_engine_hashes_stays_until_the_last_goes() {
     assert_eq!(index.key_count(), 0);
 }
 
+/// vLLM announces a second physical copy of a block under the same engine hash, and evicts each
+/// copy with its own removal: the block stays held until the last copy goes.
 #[test]
-fn re_storing_an_engine_hash_counts_once_and_takes_new_content() {
+fn re_storing_an_engine_hash_adds_a_copy_and_a_new_content_replaces_it() {
     let index = Index::new(4, 2);
     let mut w = index.add_worker();
     let tokens: Vec<u32> = (1..=8).collect();
     apply(&mut w, stored(&[1, 2], None, tokens.clone()));
-    let outcome = apply(&mut w, stored(&[1, 2], None, tokens.clone()));
-    assert_eq!((outcome.stored, outcome.stored_blocks), (1, 0));
-    assert_eq!(w.blocks(), 2);
+    let outcome = apply(&mut w, stored(&[2], Some(1), tokens[4..].to_vec()));
+    assert_eq!((outcome.stored, outcome.stored_blocks), (1, 1));
+    assert_eq!(w.blocks(), 3);
+    assert_eq!(index.key_count(), 2);
+    let outcome = apply(&mut w, removed(&[2]));
+    assert_eq!((outcome.removed_blocks, outcome.unknown_block), (1, 0));
+    assert_eq!(matched(&index, &tokens), vec![(0, 2, 2)]);
     apply(&mut w, removed(&[2]));
     assert_eq!(matched(&index, &tokens), vec![(0, 1, 1)]);
-    // Hash 1 reused for other content: the old key goes, the new one is held.
+    assert_eq!(apply(&mut w, removed(&[2])).unknown_block, 1);
+    // Hash 1 reused for other content: the old key goes, the new one is held, once.
+    apply(&mut w, stored(&[1], None, tokens[..4].to_vec()));
     let other = vec![9, 9, 9, 9];
     apply(&mut w, stored(&[1], None, other.clone()));
     assert_eq!(w.blocks(), 1);
     assert_eq!(matched(&index, &tokens), vec![]);
     assert_eq!(matched(&index, &other), vec![(0, 1, 1)]);
     assert_eq!(index.key_count(), 1);
+    apply(&mut w, removed(&[1]));
+    assert_eq!(index.key_count(), 0);
 }
 
 #[test]
@@ -134,6 +145,7 @@ fn every_outcome_is_counted() {
         lora_name: None,
         medium: Some("GPU".into()),
         group_idx: Some(0),
+        extras: Vec::new(),
     };
     let mut outcome = ApplyOutcome::default();
     let cases = [
@@ -295,6 +307,7 @@ fn lora_stores_meet_lora_queries_only() {
         lora_name: Some("adapter".into()),
         medium: None,
         group_idx: None,
+        extras: Vec::new(),
     });
     apply(&mut w, event);
     assert_eq!(matched(&index, &tokens), vec![]);
