@@ -23,6 +23,7 @@
 
 mod body;
 mod query_body;
+pub use query_body::{parse_query, QueryRequest};
 mod routes;
 
 use std::io;

@@ -83,9 +83,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
         })
     };
     let block_size = api.index.block_size();
-    let found = api
-        .index
-        .query(&query.token_ids, query.lora_name.as_deref(), &include);
+    let found = api.index.query_prompt(&query.prompt(), &include);
     let mut scores: Vec<ScoreJson> = found
         .iter()
         .filter_map(|score| {
