@@ -3,8 +3,14 @@
 //! each probe's `/query` body, parsed as the HTTP route parses it, must match exactly the blocks
 //! the rank truly holds. Then a mixed fleet, and the key function's known answers.
 
+use std::time::{Duration, Instant};
+
+use kv_indexer::config::Config;
 use kv_indexer::http::parse_query;
 use kv_indexer::index::{prompt_keys, ApplyOutcome, Index, MmFeature, Prompt, WorkerBlocks};
+use kv_indexer::service::Service;
+use kv_indexer::sim::cache::Request;
+use kv_indexer::sim::server::{SimConfig, SimEngine};
 use kv_indexer::wire::decode_batch;
 use serde_json::Value;
 
@@ -155,3 +161,123 @@ const SALTED_1: u64 = 6287257062283299983;
 const IMAGE_0: u64 = 8581775248249605281;
 const IMAGE_1: u64 = 8869547897198371885;
 const LOOKAHEAD_0: u64 = 2798744560057046380;
+
+/// End to end: a simulated vLLM rank (real ZMQ PUB on 127.0.0.1) serves salted and multimodal
+/// prompts, the indexer service subscribes to it and answers `POST /query` over real HTTP, and
+/// for every probe the predicted prefix must equal what the rank's cache truly holds, including
+/// probes whose tokens it holds under another salt or another image.
+#[test]
+fn salted_and_multimodal_prompts_end_to_end() {
+    let engine = SimEngine::start(SimConfig {
+        block_size: 4,
+        capacity_blocks: 1_000,
+        replay_port: None,
+        recover_port: None,
+        seed: 14,
+        ..SimConfig::default()
+    })
+    .expect("simulated engine");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("indexer.toml");
+    let toml = format!(
+        "listen = \"127.0.0.1:0\"\nblock_size = 4\nshards = 4\n\n[[engine]]\nname = \"sim\"\n\
+         host = \"127.0.0.1\"\nzmq_port = {}\n",
+        engine.ports()[0].publish
+    );
+    std::fs::write(&path, toml).expect("write config");
+    let config = Config::load(&path).unwrap_or_else(|err| panic!("config: {err}"));
+    let service = Service::start(&path, config, None).expect("service");
+    let url = format!("http://{}/query", service.http_addr());
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .into();
+    let matched = |body: &Value| -> u32 {
+        let text = agent
+            .post(&url)
+            .send(body.to_string())
+            .and_then(|mut reply| reply.body_mut().read_to_string())
+            .unwrap_or_else(|err| panic!("POST /query {body}: {err}"));
+        let answer: Value = serde_json::from_str(&text).expect("JSON answer");
+        answer["scores"][0]["matched_blocks"].as_u64().unwrap_or(0) as u32
+    };
+
+    // A PUB socket drops what it sends before the subscription arrives: serve fresh warm-up
+    // prompts until one is indexed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for round in 0u32.. {
+        let warm: Vec<u32> = (0..8).map(|t| 900_000 + round * 8 + t).collect();
+        engine.serve(0, &warm).expect("serve");
+        std::thread::sleep(Duration::from_millis(50));
+        if matched(&serde_json::json!({ "token_ids": warm })) == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the indexer never saw the rank");
+    }
+
+    let text: Vec<u32> = (101..=120).collect();
+    let image = |identifier: &str, offset: u32| {
+        [MmFeature {
+            identifier: identifier.into(),
+            offset,
+            length: 8,
+        }]
+    };
+    let (img_a, img_b, img_a_moved) = (image("img-a", 4), image("img-b", 4), image("img-a", 8));
+    let probe = |cache_salt, mm_features| Request {
+        tokens: &text,
+        cache_salt,
+        mm_features,
+    };
+    for served in [probe(Some("alice"), &[]), probe(None, &img_a)] {
+        engine.serve(0, served).expect("serve");
+    }
+    let probes = [
+        probe(Some("alice"), &[]),
+        probe(Some("bob"), &[]),
+        probe(None, &[]),
+        probe(None, &img_a),
+        probe(None, &img_b),
+        probe(None, &img_a_moved),
+        probe(Some("alice"), &img_a),
+    ];
+    let truth: Vec<u32> = probes
+        .iter()
+        .map(|&probe| engine.true_prefix_hit(0, probe).expect("truth"))
+        .collect();
+    // The rank holds the text under alice's salt and, apart, with img-a: the other probes share
+    // tokens with a cached prompt without sharing its blocks (beyond the first, which img-a does
+    // not overlap).
+    assert_eq!(truth, vec![5, 0, 1, 5, 1, 1, 1]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let predicted: Vec<u32> = probes
+            .iter()
+            .map(|probe| matched(&query_body(probe)))
+            .collect();
+        if predicted == truth {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "predicted {predicted:?}, the rank holds {truth:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    service.shutdown();
+    engine.stop();
+}
+
+/// The `/query` body a router sends for the simulated engine's request.
+fn query_body(request: &Request) -> Value {
+    let features: Vec<Value> = request
+        .mm_features
+        .iter()
+        .map(|f| serde_json::json!({"identifier": f.identifier, "offset": f.offset, "length": f.length}))
+        .collect();
+    serde_json::json!({
+        "token_ids": request.tokens,
+        "cache_salt": request.cache_salt,
+        "mm_features": features,
+    })
+}

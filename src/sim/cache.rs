@@ -1,8 +1,11 @@
 //! One simulated rank's prefix cache: which full blocks of which prompts it holds, the engine
 //! hashes it gives them, LRU eviction, and the KV events a vLLM engine core would emit for it.
 //!
-//! It owns the ground truth the indexer is measured against. It never touches a socket and never
-//! encodes anything: it produces `wire` events and answers questions about its own content.
+//! It owns the ground truth the indexer is measured against. Like vLLM's, a block's hash covers
+//! its request's cache salt (first block) and the multimodal items overlapping it, so a salted or
+//! multimodal prompt is a different block from the same tokens without. It never touches a socket
+//! and never encodes anything: it produces `wire` events and answers questions about its own
+//! content.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -10,8 +13,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::index::MmFeature;
 use crate::sim::rng::mix;
-use crate::wire::{BlockRemoved, BlockStored, Event};
+use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
 
 /// The medium every simulated block lives in.
 const GPU: &str = "GPU";
@@ -25,9 +29,64 @@ pub struct Served {
     pub events: Vec<Event>,
 }
 
+/// A request as the engine hashes it: the prompt, its cache salt and its multimodal items.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Request<'a> {
+    pub tokens: &'a [u32],
+    pub cache_salt: Option<&'a str>,
+    pub mm_features: &'a [MmFeature],
+}
+
+impl<'a> From<&'a [u32]> for Request<'a> {
+    fn from(tokens: &'a [u32]) -> Self {
+        Request {
+            tokens,
+            ..Request::default()
+        }
+    }
+}
+
+impl<'a> From<&'a Vec<u32>> for Request<'a> {
+    fn from(tokens: &'a Vec<u32>) -> Self {
+        Request::from(tokens.as_slice())
+    }
+}
+
+impl Request<'_> {
+    /// What block `index` (of `block_size` tokens) hashes besides its tokens, as vLLM 0.33's
+    /// `generate_block_hash_extra_keys`: the items overlapping it by offset, each with its offset
+    /// from the block's first token, then the salt on the first block.
+    fn block_extras(&self, index: usize, block_size: usize) -> BlockExtras {
+        if self.mm_features.is_empty() && (self.cache_salt.is_none() || index > 0) {
+            return BlockExtras::default();
+        }
+        let start = (index * block_size) as i64;
+        let end = start + block_size as i64;
+        let mut items: Vec<&MmFeature> = self.mm_features.iter().collect();
+        items.sort_by_key(|item| item.offset);
+        let mm_items = items
+            .into_iter()
+            .filter(|item| {
+                let offset = i64::from(item.offset);
+                offset < end && offset + i64::from(item.length) > start
+            })
+            .map(|item| MmPlacement {
+                identifier: item.identifier.clone(),
+                offset: i64::from(item.offset) - start,
+            })
+            .collect();
+        BlockExtras {
+            mm_items,
+            cache_salt: self.cache_salt.filter(|_| index == 0).map(str::to_owned),
+            ..BlockExtras::default()
+        }
+    }
+}
+
 struct CachedBlock {
     parent: Option<u64>,
     tokens: Vec<u32>,
+    extras: BlockExtras,
     children: Vec<u64>,
     depth: u32,
     last_used: u64,
@@ -102,13 +161,14 @@ impl RankCache {
     /// Runs a prompt: its leading cached blocks are hits and become most recently used; its other
     /// full blocks are cached, evicting least recently used blocks not used by this prompt. A
     /// prompt longer than the whole cache caches only its first `capacity` blocks.
-    pub fn serve(&mut self, prompt: &[u32]) -> Served {
+    pub fn serve<'r>(&mut self, request: impl Into<Request<'r>>) -> Served {
         self.tick += 1;
-        let cacheable: Vec<&[u32]> = self.full_blocks(prompt).take(self.capacity).collect();
+        let request = request.into();
+        let cacheable: Vec<Block> = self.full_blocks(&request).take(self.capacity).collect();
         let mut parent = None;
         let mut hit_blocks = 0;
-        for tokens in &cacheable {
-            let hash = self.block_hash(parent, tokens);
+        for block in &cacheable {
+            let hash = self.block_hash(parent, block);
             if !self.blocks.contains_key(&hash) {
                 break;
             }
@@ -127,13 +187,14 @@ impl RankCache {
         }
     }
 
-    /// Ground truth: how many leading full blocks of `prompt` are cached now. Does not count as a
-    /// use.
-    pub fn true_prefix_hit(&self, prompt: &[u32]) -> u32 {
+    /// Ground truth: how many leading full blocks of `request` are cached now. Does not count as
+    /// a use.
+    pub fn true_prefix_hit<'r>(&self, request: impl Into<Request<'r>>) -> u32 {
+        let request = request.into();
         let mut parent = None;
         let mut hits = 0;
-        for tokens in self.full_blocks(prompt) {
-            let hash = self.block_hash(parent, tokens);
+        for block in self.full_blocks(&request) {
+            let hash = self.block_hash(parent, &block);
             if !self.blocks.contains_key(&hash) {
                 break;
             }
@@ -174,6 +235,7 @@ impl RankCache {
             while let Some(block) = self.blocks.get(&current) {
                 event.block_hashes.push(current);
                 event.token_ids.extend_from_slice(&block.tokens);
+                event.extras.push(block.extras.clone());
                 match block.children.as_slice() {
                     [only] => current = *only,
                     forks => {
@@ -182,23 +244,40 @@ impl RankCache {
                     }
                 }
             }
-            events.push(event);
+            events.push(plain_unless_extras(event));
         }
         events
     }
 
-    fn full_blocks<'p>(&self, prompt: &'p [u32]) -> std::slice::ChunksExact<'p, u32> {
-        prompt.chunks_exact(self.block_size as usize)
+    fn full_blocks<'r>(&self, request: &Request<'r>) -> impl Iterator<Item = Block<'r>> + 'r {
+        let block_size = self.block_size as usize;
+        let request = *request;
+        request
+            .tokens
+            .chunks_exact(block_size)
+            .enumerate()
+            .map(move |(index, tokens)| Block {
+                tokens,
+                extras: request.block_extras(index, block_size),
+            })
     }
 
-    /// The engine hash: chained over the parent's hash and seeded per process, like vLLM's.
-    fn block_hash(&self, parent: Option<u64>, tokens: &[u32]) -> u64 {
-        let mut bytes = Vec::with_capacity(8 + 4 * tokens.len());
+    /// The engine hash: chained over the parent's hash, covering the block's extras, and seeded
+    /// per process, like vLLM's.
+    fn block_hash(&self, parent: Option<u64>, block: &Block) -> u64 {
+        let mut bytes = Vec::with_capacity(8 + 4 * block.tokens.len());
         if let Some(parent) = parent {
             bytes.extend_from_slice(&parent.to_le_bytes());
         }
-        for token in tokens {
+        for token in block.tokens {
             bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        for item in &block.extras.mm_items {
+            bytes.extend_from_slice(item.identifier.as_bytes());
+            bytes.extend_from_slice(&item.offset.to_le_bytes());
+        }
+        if let Some(salt) = &block.extras.cache_salt {
+            bytes.extend_from_slice(salt.as_bytes());
         }
         xxh3_64_with_seed(&bytes, self.seed)
     }
@@ -247,18 +326,19 @@ impl RankCache {
         &mut self,
         parent: Option<u64>,
         first_depth: usize,
-        new_blocks: &[&[u32]],
+        new_blocks: &[Block],
     ) -> BlockStored {
         let mut event = self.stored_event(parent);
         let mut parent = parent;
-        for (offset, tokens) in new_blocks.iter().enumerate() {
-            let hash = self.block_hash(parent, tokens);
+        for (offset, block) in new_blocks.iter().enumerate() {
+            let hash = self.block_hash(parent, block);
             let depth = (first_depth + offset) as u32;
             self.blocks.insert(
                 hash,
                 CachedBlock {
                     parent,
-                    tokens: tokens.to_vec(),
+                    tokens: block.tokens.to_vec(),
+                    extras: block.extras.clone(),
                     children: Vec::new(),
                     depth,
                     last_used: self.tick,
@@ -269,10 +349,11 @@ impl RankCache {
                 parent_block.children.push(hash);
             }
             event.block_hashes.push(hash);
-            event.token_ids.extend_from_slice(tokens);
+            event.token_ids.extend_from_slice(block.tokens);
+            event.extras.push(block.extras.clone());
             parent = Some(hash);
         }
-        event
+        plain_unless_extras(event)
     }
 
     /// An empty vLLM 0.33-style store event after `parent`.
@@ -288,6 +369,21 @@ impl RankCache {
             extras: Vec::new(),
         }
     }
+}
+
+/// One full block of a request: its tokens and what else its hash covers.
+struct Block<'r> {
+    tokens: &'r [u32],
+    extras: BlockExtras,
+}
+
+/// vLLM sends `extra_keys` entries as nil for plain blocks: an event's extras list is empty
+/// unless a block has some.
+fn plain_unless_extras(mut event: BlockStored) -> BlockStored {
+    if event.extras.iter().all(BlockExtras::is_plain) {
+        event.extras.clear();
+    }
+    event
 }
 
 #[cfg(test)]
@@ -343,6 +439,71 @@ mod tests {
         let again = cache.serve(&p);
         assert_eq!(again.hit_blocks, 3);
         assert!(again.events.is_empty());
+    }
+
+    /// As vLLM 0.33 (`tests/data/block-identity.json`): the salt is on the first block's extra
+    /// keys, an image on every block it overlaps with its offset from the block's start, and
+    /// the same tokens under another salt or image are other blocks.
+    #[test]
+    fn salt_and_multimodal_items_make_other_blocks() {
+        let mut cache = RankCache::new(4, 100, 1);
+        let p = prompt(1, 3, 0);
+        let salted = |salt| Request {
+            tokens: &p,
+            cache_salt: Some(salt),
+            ..Request::default()
+        };
+        let served = cache.serve(salted("alice"));
+        let event = stored(&served.events)[0].clone();
+        assert_eq!(event.extras.len(), 3);
+        assert_eq!(event.extras[0].cache_salt.as_deref(), Some("alice"));
+        assert!(event.extras[1].is_plain() && event.extras[2].is_plain());
+        assert_eq!(cache.true_prefix_hit(salted("alice")), 3);
+        assert_eq!(cache.true_prefix_hit(salted("bob")), 0);
+        assert_eq!(cache.true_prefix_hit(&p), 0);
+
+        let q = prompt(2, 5, 0);
+        let image = |identifier: &str, offset| MmFeature {
+            identifier: identifier.into(),
+            offset,
+            length: 8,
+        };
+        let a = [image("img-a", 4)];
+        let with = |features| Request {
+            tokens: &q,
+            mm_features: features,
+            ..Request::default()
+        };
+        let served = cache.serve(with(&a));
+        let event = stored(&served.events)[0].clone();
+        let offsets: Vec<Vec<(&str, i64)>> = event
+            .extras
+            .iter()
+            .map(|x| {
+                x.mm_items
+                    .iter()
+                    .map(|i| (i.identifier.as_str(), i.offset))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            offsets,
+            vec![
+                vec![],
+                vec![("img-a", 0)],
+                vec![("img-a", -4)],
+                vec![],
+                vec![]
+            ]
+        );
+        assert_eq!(cache.true_prefix_hit(with(&a)), 5);
+        let (b, moved) = ([image("img-b", 4)], [image("img-a", 5)]);
+        assert_eq!(cache.true_prefix_hit(with(&b)), 1);
+        assert_eq!(cache.true_prefix_hit(with(&moved)), 1);
+        assert_eq!(cache.true_prefix_hit(&q), 1);
+        // A snapshot carries the extras along.
+        let snapshot = cache.snapshot_events();
+        assert!(snapshot.iter().any(|e| e.extras == event.extras));
     }
 
     #[test]

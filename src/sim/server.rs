@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use log::{debug, warn};
 use serde::Deserialize;
 
-use crate::sim::cache::RankCache;
+use crate::sim::cache::{RankCache, Request};
 use crate::sim::encode::{
     encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
 };
@@ -190,12 +190,13 @@ impl SimEngine {
 
     /// Runs a prompt on `rank` and publishes the resulting batch (if the cache changed); returns
     /// the leading full blocks that were already cached.
-    pub fn serve(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
+    pub fn serve<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
+        let prompt = prompt.into();
         let rank = self.rank(rank)?;
         let mut state = rank.lock();
         let served = state.cache.serve(prompt);
         state.last_prompt.clear();
-        state.last_prompt.extend_from_slice(prompt);
+        state.last_prompt.extend_from_slice(prompt.tokens);
         if !served.events.is_empty() {
             state.publish(rank, served.events)?;
         }
@@ -203,7 +204,7 @@ impl SimEngine {
     }
 
     /// Ground truth: leading full blocks of `prompt` that `rank` holds now.
-    pub fn true_prefix_hit(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
+    pub fn true_prefix_hit<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
         Ok(self.rank(rank)?.lock().cache.true_prefix_hit(prompt))
     }
 
