@@ -8,8 +8,11 @@
 //!
 //! # Invariants
 //!
-//! - A block's key is a function of its content and its chain only (`keys`): the same tokens
-//!   after the same prefix meet on one key whichever engine stored them and whoever asks.
+//! - A block's key is a function of what its engine hash covers that a router can know (`keys`,
+//!   `docs.md` "Block keys"): its tokens, its chain, the LoRA adapter, the cache salt, the
+//!   multimodal items overlapping it and its lookahead tokens, never the engine hash itself. The
+//!   same block meets on one key whichever engine stored it and whoever asks; a block carrying
+//!   an input no prompt reproduces gets a key no query computes.
 //! - Each worker's writer owns its `engine hash → key` map; a shard slot `(worker, key)` counts
 //!   `holdings` (the worker's engine hashes carrying that key) and `children` (its engine hashes
 //!   whose parent key is that key). The worker holds the key while `holdings > 0`.
@@ -19,7 +22,12 @@
 //!   or a clear is half-applied it reads too high, never too low. 0 means the worker's holdings
 //!   are closed under prefixes, so a reader may find its matched prefix by galloping and
 //!   bisection; otherwise it checks block by block, which is exact whatever the count.
-//! - `WorkerStats::blocks` is the size of the worker's map after its last applied event.
+//! - A worker's map holds each engine hash once, with its count of physical copies (a store of a
+//!   held hash adds one, a removal takes one, the hash goes with its last); `WorkerStats::blocks`
+//!   is the number of copies after the worker's last applied event.
+//! - `WorkerStats::lookahead` is the lookahead its engine's last store showed, and
+//!   `Index::lookahead_workers` counts the live workers where it is not 0: while none, a query
+//!   hashes one chain of keys, as before lookahead existed.
 //!
 //! # Cost of each operation
 //!
@@ -27,10 +35,10 @@
 //!
 //! | operation | cost | locks |
 //! |---|---|---|
-//! | `query` | `n` key hashes at most (hashed lazily); `O(log n)` probe rounds of ≤ 8 keys for workers without orphans, `≤ n` probes for the others; `O(c)` scratch | one shard read lock per probe, the worker table's read lock once |
+//! | `query` | `n` key hashes at most (hashed lazily; a block with extras hashes them once more); `O(log n)` probe rounds of ≤ 8 keys for workers without orphans, `≤ n` probes for the others; `O(c)` scratch; all of it once per distinct lookahead among live workers (once in a fleet without speculative decoding) | one shard read lock per probe, the worker table's read lock once per lookahead |
 //! | store, removal | `b` map updates and `b` shard visits (+1 for the parent), misses prefetched 4 blocks ahead | one shard write lock at a time |
 //! | clear, drop | one sweep per shard of the worker's keys, sorted | each shard lock held for ≤ 4096 keys (~1 ms) |
-//! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline) | |
+//! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline); second copies in a side map | |
 
 mod engine_map;
 mod keys;
