@@ -3,16 +3,19 @@
 //! mutated bodies), and answers `None`, never an error, for anything else.
 
 use super::QueryRequest;
+use crate::index::MmFeature;
 
 /// Reads the common body shape in one pass over the bytes, several times faster than serde:
 /// an object with `token_ids` (an array of plain decimal integers: no sign, fraction, exponent
 /// or leading zero, each at most `u32::MAX`) and optionally `model`, `lora_name` and
-/// `cache_salt` (a string without escapes, or null), each key at most once, in any order, with
-/// any JSON whitespace. Bodies with `mm_features` are rare enough to leave to serde.
+/// `cache_salt` (a string without escapes, or null) and `mm_features` (null, or an array of
+/// objects with exactly `identifier`, a string without escapes, and `offset` and `length`, plain
+/// integers, in any order), each key at most once, in any order, with any JSON whitespace.
 /// `None` for anything else, including every error: the caller then asks serde.
 pub(super) fn scan_common_shape(body: &[u8]) -> Option<QueryRequest> {
     let mut scan = Scanner { body, at: 0 };
     let (mut token_ids, mut model, mut lora_name, mut cache_salt) = (None, None, None, None);
+    let mut mm_features = None;
     scan.require(b'{')?;
     loop {
         let key = scan.plain_string()?;
@@ -23,6 +26,7 @@ pub(super) fn scan_common_shape(body: &[u8]) -> Option<QueryRequest> {
             b"model" if model.is_none() => model = Some(scan.string_or_null()?),
             b"lora_name" if lora_name.is_none() => lora_name = Some(scan.string_or_null()?),
             b"cache_salt" if cache_salt.is_none() => cache_salt = Some(scan.string_or_null()?),
+            b"mm_features" if mm_features.is_none() => mm_features = Some(scan.mm_features()?),
             _ => return None,
         }
         match scan.next_byte()? {
@@ -40,7 +44,7 @@ pub(super) fn scan_common_shape(body: &[u8]) -> Option<QueryRequest> {
         model: model.flatten(),
         lora_name: lora_name.flatten(),
         cache_salt: cache_salt.flatten(),
-        mm_features: Vec::new(),
+        mm_features: mm_features.unwrap_or_default(),
     })
 }
 
@@ -120,6 +124,65 @@ impl<'a> Scanner<'a> {
                 _ => return None,
             }
         }
+    }
+
+    /// `null` (no items) or `[{"identifier": .., "offset": .., "length": ..}, ...]`.
+    fn mm_features(&mut self) -> Option<Vec<MmFeature>> {
+        self.skip_whitespace();
+        let rest = self.body.get(self.at..)?;
+        if rest.starts_with(b"null") {
+            self.at += 4;
+            return Some(Vec::new());
+        }
+        self.require(b'[')?;
+        let mut features = Vec::new();
+        self.skip_whitespace();
+        if self.body.get(self.at) == Some(&b']') {
+            self.at += 1;
+            return Some(features);
+        }
+        loop {
+            features.push(self.mm_feature()?);
+            match self.next_byte()? {
+                b',' => continue,
+                b']' => return Some(features),
+                _ => return None,
+            }
+        }
+    }
+
+    fn mm_feature(&mut self) -> Option<MmFeature> {
+        self.require(b'{')?;
+        let (mut identifier, mut offset, mut length) = (None, None, None);
+        loop {
+            let key = self.plain_string()?;
+            self.require(b':')?;
+            match key {
+                b"identifier" if identifier.is_none() => {
+                    self.skip_whitespace();
+                    identifier = Some(std::str::from_utf8(self.plain_string()?).ok()?.to_owned());
+                }
+                b"offset" if offset.is_none() => {
+                    self.skip_whitespace();
+                    offset = Some(self.token()?);
+                }
+                b"length" if length.is_none() => {
+                    self.skip_whitespace();
+                    length = Some(self.token()?);
+                }
+                _ => return None,
+            }
+            match self.next_byte()? {
+                b',' => continue,
+                b'}' => break,
+                _ => return None,
+            }
+        }
+        Some(MmFeature {
+            identifier: identifier?,
+            offset: offset?,
+            length: length?,
+        })
     }
 
     /// A plain decimal integer in `0..=u32::MAX`; what follows it is the caller's to check.

@@ -226,7 +226,14 @@ fn the_scanner_leaves_every_irregular_body_to_serde() {
         br#"{"token_ids": [1], "lora_name": {}}"#,
         br#"{"token_ids": [1], "cache_salt": 7}"#,
         br#"{"token_ids": [1], "cache_salt": "a", "cache_salt": "b"}"#,
-        br#"{"token_ids": [1], "mm_features": []}"#,
+        br#"{"token_ids": [1], "mm_features": [{"identifier": "a", "offset": 1}]}"#,
+        br#"{"token_ids": [1], "mm_features": [{"identifier": 1, "offset": 1, "length": 2}]}"#,
+        br#"{"token_ids": [1], "mm_features": [{"identifier": "a", "offset": -1, "length": 2}]}"#,
+        br#"{"token_ids": [1], "mm_features": [{"identifier": "a", "offset": 1, "length": 2, "x": 0}]}"#,
+        br#"{"token_ids": [1], "mm_features": [{"identifier": "a", "offset": 1, "offset": 2, "length": 2}]}"#,
+        br#"{"token_ids": [1], "mm_features": [{}]}"#,
+        br#"{"token_ids": [1], "mm_features": [1]}"#,
+        br#"{"token_ids": [1], "mm_features": {}}"#,
         br#"{"token_ids": [1],}"#,
         br#"{"token_ids" [1]}"#,
         br#"{"model": "m"}"#,
@@ -294,6 +301,34 @@ fn common_body(rng: &mut SmallRng) -> String {
                 text(rng)
             ));
         }
+    }
+    if rng.random_bool(0.4) {
+        let items: Vec<String> = (0..rng.random_range(0..3))
+            .map(|_| {
+                let mut keys = vec![
+                    format!(
+                        "\"identifier\"{}:{}\"{}\"",
+                        space(rng),
+                        space(rng),
+                        WORDS[rng.random_range(0..WORDS.len())]
+                    ),
+                    format!("\"offset\"{}:{}{}", space(rng), space(rng), token(rng)),
+                    format!("\"length\"{}:{}{}", space(rng), space(rng), token(rng)),
+                ];
+                let first = rng.random_range(0..keys.len());
+                keys.swap(0, first);
+                format!("{}{{{}}}{}", space(rng), keys.join(","), space(rng))
+            })
+            .collect();
+        let value = match rng.random_range(0..5) {
+            0 => "null".to_owned(),
+            _ => format!("[{}{}]", items.join(","), space(rng)),
+        };
+        fields.push(format!(
+            "\"mm_features\"{}:{}{value}",
+            space(rng),
+            space(rng)
+        ));
     }
     let first = rng.random_range(0..fields.len());
     fields.swap(0, first);
