@@ -305,7 +305,7 @@ fn common_body(rng: &mut SmallRng) -> String {
     if rng.random_bool(0.4) {
         let items: Vec<String> = (0..rng.random_range(0..3))
             .map(|_| {
-                let mut keys = vec![
+                let mut keys = [
                     format!(
                         "\"identifier\"{}:{}\"{}\"",
                         space(rng),
