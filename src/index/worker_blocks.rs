@@ -60,12 +60,18 @@ const AHEAD: usize = 4;
 /// A worker's orphan count while it is being cleared: non-zero, for readers.
 const CLEARING: i64 = i64::MIN;
 
-fn is_gpu(medium: &Option<String>) -> bool {
-    matches!(medium.as_deref(), None | Some("GPU"))
-}
-
-fn is_full_attention(group_idx: Option<u32>) -> bool {
-    matches!(group_idx, None | Some(0))
+/// The index holds GPU residency (`medium` nil or "GPU") of full-attention groups (`group_idx`
+/// nil or 0); an event about anything else is counted as ignored.
+fn is_indexed(medium: &Option<String>, group_idx: Option<u32>, outcome: &mut ApplyOutcome) -> bool {
+    if !matches!(medium.as_deref(), None | Some("GPU")) {
+        outcome.ignored_medium += 1;
+        return false;
+    }
+    if !matches!(group_idx, None | Some(0)) {
+        outcome.ignored_group += 1;
+        return false;
+    }
+    true
 }
 
 impl WorkerBlocks {
@@ -157,12 +163,7 @@ impl WorkerBlocks {
     /// with different content (the engine reused the hash) the old block is removed first, so
     /// the hash always names its latest content.
     fn store(&mut self, stored: &BlockStored, outcome: &mut ApplyOutcome) {
-        if !is_gpu(&stored.medium) {
-            outcome.ignored_medium += 1;
-            return;
-        }
-        if !is_full_attention(stored.group_idx) {
-            outcome.ignored_group += 1;
+        if !is_indexed(&stored.medium, stored.group_idx, outcome) {
             return;
         }
         if stored.block_size != self.index.block_size {
@@ -261,12 +262,7 @@ impl WorkerBlocks {
     }
 
     fn remove(&mut self, removed: &BlockRemoved, outcome: &mut ApplyOutcome) {
-        if !is_gpu(&removed.medium) {
-            outcome.ignored_medium += 1;
-            return;
-        }
-        if !is_full_attention(removed.group_idx) {
-            outcome.ignored_group += 1;
+        if !is_indexed(&removed.medium, removed.group_idx, outcome) {
             return;
         }
         // Misses started `AHEAD` blocks early, as in `store`.

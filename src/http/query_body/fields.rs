@@ -186,19 +186,26 @@ impl fmt::Display for Path {
     }
 }
 
+/// Seeds that are their own visitors, for values whose rejections name their path.
+macro_rules! self_visiting_seeds {
+    ($($seed:ty => $value:ty),*) => {$(
+        impl<'de> de::DeserializeSeed<'de> for $seed {
+            type Value = $value;
+
+            fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<$value, D::Error> {
+                deserializer.deserialize_any(self)
+            }
+        }
+    )*};
+}
+
+self_visiting_seeds!(U32At => U32, MmFeatureAt => MmFeature, StringAt => String);
+
 struct U32(u32);
 
 /// Reads the integer in `0..=u32::MAX` at this path (a token, a multimodal offset or length).
 #[derive(Clone, Copy)]
 struct U32At(Path);
-
-impl<'de> de::DeserializeSeed<'de> for U32At {
-    type Value = U32;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<U32, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
 
 impl U32At {
     fn reject<E: de::Error>(self, got: impl fmt::Display) -> Result<U32, E> {
@@ -281,14 +288,6 @@ impl<'de> Visitor<'de> for Expect<MmFeatures> {
 /// Reads the multimodal item at this path.
 struct MmFeatureAt(Path);
 
-impl<'de> de::DeserializeSeed<'de> for MmFeatureAt {
-    type Value = MmFeature;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<MmFeature, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
 impl MmFeatureAt {
     fn reject<E: de::Error>(&self, got: impl fmt::Display) -> Result<MmFeature, E> {
         self.0.reject("an {identifier, offset, length} object", got)
@@ -333,14 +332,6 @@ impl<'de> Visitor<'de> for MmFeatureAt {
 
 /// Reads the string at this path.
 struct StringAt(Path);
-
-impl<'de> de::DeserializeSeed<'de> for StringAt {
-    type Value = String;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
 
 impl StringAt {
     fn reject<E: de::Error>(&self, got: impl fmt::Display) -> Result<String, E> {

@@ -88,11 +88,30 @@ impl<'a> Scanner<'a> {
         Some(text)
     }
 
-    fn string_or_null(&mut self) -> Option<Option<String>> {
+    /// A `null`, consumed; what follows it is the caller's to check.
+    fn null(&mut self) -> bool {
         self.skip_whitespace();
-        let rest = self.body.get(self.at..)?;
-        if rest.starts_with(b"null") {
+        let null = self
+            .body
+            .get(self.at..)
+            .is_some_and(|rest| rest.starts_with(b"null"));
+        if null {
             self.at += 4;
+        }
+        null
+    }
+
+    /// A `[`, and whether a `]` closes it at once (both consumed then).
+    fn open_array(&mut self) -> Option<bool> {
+        self.require(b'[')?;
+        self.skip_whitespace();
+        let empty = self.body.get(self.at) == Some(&b']');
+        self.at += usize::from(empty);
+        Some(empty)
+    }
+
+    fn string_or_null(&mut self) -> Option<Option<String>> {
+        if self.null() {
             return Some(None);
         }
         let text = std::str::from_utf8(self.plain_string()?).ok()?;
@@ -100,11 +119,8 @@ impl<'a> Scanner<'a> {
     }
 
     fn token_ids(&mut self) -> Option<Vec<u32>> {
-        self.require(b'[')?;
         let mut tokens = Vec::new();
-        self.skip_whitespace();
-        if self.body.get(self.at) == Some(&b']') {
-            self.at += 1;
+        if self.open_array()? {
             return Some(tokens);
         }
         loop {
@@ -128,17 +144,8 @@ impl<'a> Scanner<'a> {
 
     /// `null` (no items) or `[{"identifier": .., "offset": .., "length": ..}, ...]`.
     fn mm_features(&mut self) -> Option<Vec<MmFeature>> {
-        self.skip_whitespace();
-        let rest = self.body.get(self.at..)?;
-        if rest.starts_with(b"null") {
-            self.at += 4;
-            return Some(Vec::new());
-        }
-        self.require(b'[')?;
         let mut features = Vec::new();
-        self.skip_whitespace();
-        if self.body.get(self.at) == Some(&b']') {
-            self.at += 1;
+        if self.null() || self.open_array()? {
             return Some(features);
         }
         loop {
