@@ -7,7 +7,7 @@ use kv_indexer::sim::encode::{
 };
 use kv_indexer::wire::{
     decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockExtras, BlockRemoved,
-    BlockStored, Event, EventBatch, FrameError, Message, ReplayItem, Snapshot,
+    BlockStored, Event, EventBatch, FrameError, Message, MmPlacement, ReplayItem, Snapshot,
 };
 use serde_json::Value;
 
@@ -373,4 +373,53 @@ fn identity_fields_decode() {
         "{lora:?}"
     );
     assert_eq!(extras_of("vLLM 0.33.0"), vec![]);
+}
+
+/// Every block-identity input the encoder writes reads back as it was: multimodal items with
+/// negative offsets, a salt beside a LoRA name, lookahead tokens (map form: vLLM added them
+/// after the array form's last version), a prompt-embedding digest; and a snapshot keeps them.
+#[test]
+fn block_identity_survives_encoding() {
+    let extras = vec![
+        BlockExtras {
+            mm_items: vec![MmPlacement {
+                identifier: "img-a".into(),
+                offset: 2,
+            }],
+            cache_salt: Some("alice".into()),
+            lookahead: vec![9],
+            opaque: Vec::new(),
+        },
+        BlockExtras {
+            mm_items: vec![MmPlacement {
+                identifier: "img-a".into(),
+                offset: -2,
+            }],
+            lookahead: vec![10],
+            opaque: vec![0xde, 0xad],
+            ..BlockExtras::default()
+        },
+    ];
+    let stored = BlockStored {
+        lora_name: Some("sql".into()),
+        extras,
+        ..BlockStored::new(vec![1, 2], None, (1..=8).collect(), 4)
+    };
+    let batch = EventBatch {
+        ts: 1_752_000_000.5,
+        dp_rank: Some(0),
+        events: vec![Event::Stored(stored.clone())],
+        skipped: 0,
+    };
+    assert_eq!(
+        decode_batch(&encode_batch(&batch, Form::Map)),
+        Ok(batch.clone())
+    );
+    let snapshot = decode_snapshot(&encode_snapshot(Some(3), 0, 4, &[stored.clone()]));
+    let read = snapshot.expect("snapshot decodes").events;
+    assert_eq!(read[0].extras[0], stored.extras[0]);
+    // JSON has no bytes: the digest stays opaque, not byte for byte.
+    assert!(!read[0].extras[1].opaque.is_empty());
+    assert_eq!(read[0].extras[1].mm_items, stored.extras[1].mm_items);
+    assert_eq!(read[0].extras[1].lookahead, vec![10]);
 }

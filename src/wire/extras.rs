@@ -36,6 +36,15 @@ impl RawIdentity<'_> {
         lora_name: Option<&str>,
         starts_chain: bool,
     ) -> Result<Vec<BlockExtras>, Skip> {
+        // The common store: `extra_keys` all nil and nothing else (no allocation per block).
+        if self.extra_keys.is_none_or(all_nil)
+            && self.lookahead.is_none_or(all_nil)
+            && self.mm_keys.is_none_or(all_nil)
+            && self.cache_salt.is_none()
+            && self.odd_salt.is_none()
+        {
+            return Ok(Vec::new());
+        }
         let mut extras = vec![BlockExtras::default(); blocks];
         if let Some(raw) = self.extra_keys {
             per_block(raw, &mut extras, |reader, block| {
@@ -108,6 +117,18 @@ pub(super) fn add_extra_key(
         ExtraKey::Text(other) => block.opaque.extend_from_slice(other.as_bytes()),
         ExtraKey::Item(item) => block.mm_items.push(item),
         ExtraKey::Other(raw) => block.opaque.extend_from_slice(raw),
+    }
+}
+
+/// Nil, or a list of nils only.
+fn all_nil(raw: &[u8]) -> bool {
+    let mut reader = Reader::new(raw);
+    match reader.header() {
+        Ok(Header::Nil) => true,
+        Ok(Header::Array(len)) => {
+            reader.remaining() == len && raw[raw.len() - len..].iter().all(|&byte| byte == 0xc0)
+        }
+        _ => false,
     }
 }
 
