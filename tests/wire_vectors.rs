@@ -415,7 +415,12 @@ fn block_identity_survives_encoding() {
         decode_batch(&encode_batch(&batch, Form::Map)),
         Ok(batch.clone())
     );
-    let snapshot = decode_snapshot(&encode_snapshot(Some(3), 0, 4, &[stored.clone()]));
+    let snapshot = decode_snapshot(&encode_snapshot(
+        Some(3),
+        0,
+        4,
+        std::slice::from_ref(&stored),
+    ));
     let read = snapshot.expect("snapshot decodes").events;
     assert_eq!(read[0].extras[0], stored.extras[0]);
     // JSON has no bytes: the digest stays opaque, not byte for byte.
