@@ -1,4 +1,4 @@
-//! Block keys: our own chained hash of a block's content (`docs/design.md`, "The key function").
+//! Block keys: our own chained hash of a block's content and identity (`docs.md`, "Block keys").
 //!
 //! The same code hashes events and queries, so a block stored by any engine and the same tokens
 //! in a prompt always meet on one key, whatever the engines' own hash seeds. It never looks at
@@ -72,7 +72,7 @@ impl Prompt<'_> {
     }
 }
 
-/// Tags of the extras encoding (`docs/design.md`, "The key function"); a query never produces
+/// Tags of the extras encoding (`docs.md`, "Block keys"); a query never produces
 /// `OPAQUE`, so a block carrying it is never matched.
 const MM_ITEM: u8 = 1;
 const SALT: u8 = 2;

@@ -166,7 +166,7 @@ impl Index {
 }
 
 /// The keys of a prompt's full blocks as an engine hashing `lookahead` following tokens keys
-/// them (`docs/design.md`, "The key function"): what a router computes to ask the index itself.
+/// them (`docs.md`, "Block keys"): what a router computes to ask the index itself.
 pub fn prompt_keys(prompt: &Prompt<'_>, block_size: u32, lookahead: usize) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();
@@ -174,7 +174,7 @@ pub fn prompt_keys(prompt: &Prompt<'_>, block_size: u32, lookahead: usize) -> Ve
     KeyChain::for_scoring(prompt, block_size as usize, lookahead).collect()
 }
 
-/// The chained keys of a plain prompt's full blocks (`docs/design.md`, "The key function").
+/// The chained keys of a plain prompt's full blocks (`docs.md`, "Block keys").
 pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();

@@ -1,4 +1,4 @@
-//! The block-identity fields of a BlockStored (`docs/protocol.md`, "Block identity") →
+//! The block-identity fields of a BlockStored (`docs.md`, "Block keys"; `docs/protocol.md`) →
 //! `BlockExtras` per block: vLLM's `extra_keys` and `lookahead_token_ids`, SGLang's `cache_salt`,
 //! TensorRT-LLM's `mm_keys`.
 //!

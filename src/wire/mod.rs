@@ -64,7 +64,7 @@ impl BlockStored {
 }
 
 /// The inputs of one block's engine hash besides its tokens, chain and LoRA adapter
-/// (`docs/protocol.md`, "Block identity").
+/// (`docs.md`, "Block keys"; `docs/protocol.md`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlockExtras {
     /// Multimodal items overlapping the block, in the engine's order.
