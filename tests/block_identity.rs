@@ -273,7 +273,13 @@ fn query_body(request: &Request) -> Value {
     let features: Vec<Value> = request
         .mm_features
         .iter()
-        .map(|f| serde_json::json!({"identifier": f.identifier, "offset": f.offset, "length": f.length}))
+        .map(|f| {
+            serde_json::json!({
+                "identifier": f.identifier,
+                "offset": f.offset,
+                "length": f.length,
+            })
+        })
         .collect();
     serde_json::json!({
         "token_ids": request.tokens,

@@ -88,8 +88,9 @@ fn stored_map(out: &mut Writer, stored: &BlockStored) {
     }
 }
 
-/// vLLM 0.22 (which predates lookahead hashing: an event's lookahead tokens are not written): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
-/// extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`.
+/// vLLM 0.22: `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium,
+/// lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`. It
+/// predates lookahead hashing: an event's lookahead tokens are not written.
 fn stored_array(out: &mut Writer, stored: &BlockStored) {
     out.array(12);
     out.str("BlockStored");

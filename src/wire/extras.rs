@@ -16,7 +16,8 @@ use super::{BlockExtras, MmPlacement};
 /// block count, LoRA name and parent) is known.
 #[derive(Default)]
 pub(super) struct RawIdentity<'a> {
-    /// vLLM `extra_keys`: per block nil or `[lora_name?, [identifier, offset]..., salt?, digest...]`.
+    /// vLLM `extra_keys`: per block nil or
+    /// `[lora_name?, [identifier, offset]..., salt?, digest...]`.
     pub(super) extra_keys: Option<&'a [u8]>,
     /// vLLM `lookahead_token_ids`: nil, or per block the tokens after it that its hash covers.
     pub(super) lookahead: Option<&'a [u8]>,

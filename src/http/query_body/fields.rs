@@ -192,7 +192,10 @@ macro_rules! self_visiting_seeds {
         impl<'de> de::DeserializeSeed<'de> for $seed {
             type Value = $value;
 
-            fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<$value, D::Error> {
+            fn deserialize<D>(self, deserializer: D) -> Result<$value, D::Error>
+            where
+                D: Deserializer<'de>,
+            {
                 deserializer.deserialize_any(self)
             }
         }
