@@ -77,7 +77,14 @@ impl EngineMap {
 
     /// Removes one copy of `engine_hash`.
     pub(super) fn remove_copy(&mut self, engine_hash: u64) -> Removal {
-        if let Some(extra) = self.extra_copies.get_mut(&engine_hash) {
+        // Checked for emptiness first: hashing every removal's engine hash for a map that is
+        // almost always empty would cost each removal a SipHash.
+        let extra = if self.extra_copies.is_empty() {
+            None
+        } else {
+            self.extra_copies.get_mut(&engine_hash)
+        };
+        if let Some(extra) = extra {
             *extra -= 1;
             if *extra == 0 {
                 self.extra_copies.remove(&engine_hash);
@@ -103,8 +110,10 @@ impl EngineMap {
 
     /// Maps `engine_hash` to `key` as a single copy; returns the key it had.
     pub(super) fn insert(&mut self, engine_hash: u64, key: u64) -> Option<u64> {
-        if let Some(extra) = self.extra_copies.remove(&engine_hash) {
-            self.extra_total -= u64::from(extra);
+        if !self.extra_copies.is_empty() {
+            if let Some(extra) = self.extra_copies.remove(&engine_hash) {
+                self.extra_total -= u64::from(extra);
+            }
         }
         if engine_hash == 0 {
             return self.zero.replace(key);

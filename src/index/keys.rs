@@ -113,8 +113,6 @@ fn encode_extras<'a>(
 
 /// Where each block's extras come from.
 enum Extras<'t> {
-    /// Plain blocks: the key is the chain of token hashes alone.
-    None,
     /// A store's, one entry per block.
     Event(&'t [BlockExtras]),
     /// A prompt's salt and multimodal items (sorted by offset, as engines list them), and the
@@ -127,81 +125,20 @@ enum Extras<'t> {
     },
 }
 
-/// The keys of consecutive full blocks, computed one at a time (a query stops hashing where its
-/// search stops).
-pub(super) struct KeyChain<'t> {
-    blocks: ChunksExact<'t, u32>,
+/// A chain's extras and the scratch to encode them; boxed, so that a plain chain (the common
+/// case) stays the size it was before extras existed.
+struct ExtrasSource<'t> {
+    from: Extras<'t>,
     block_size: usize,
-    /// Blocks hashed so far.
-    done: usize,
-    /// What the next block chains from: the previous key, or the parent's key / LoRA root for the
-    /// first block; `None` makes the first key the block's content hash.
-    previous: Option<u64>,
-    extras: Extras<'t>,
-    /// Scratch for the extras encoding.
+    /// Full blocks of the chain in all, hashed or not.
+    total: usize,
     encoded: Vec<u8>,
 }
 
-impl<'t> KeyChain<'t> {
-    /// Keys of `tokens`' full blocks. `block_size` must be non-zero.
-    pub(super) fn new(tokens: &'t [u32], block_size: usize, chained_from: Option<u64>) -> Self {
-        KeyChain {
-            blocks: tokens.chunks_exact(block_size),
-            block_size,
-            done: 0,
-            previous: chained_from,
-            extras: Extras::None,
-            encoded: Vec::new(),
-        }
-    }
-
-    /// The keys of a store's blocks, with their extras (empty, or one entry per block).
-    pub(super) fn for_event(
-        tokens: &'t [u32],
-        block_size: usize,
-        chained_from: Option<u64>,
-        extras: &'t [BlockExtras],
-    ) -> Self {
-        let mut chain = Self::new(tokens, block_size, chained_from);
-        if !extras.is_empty() {
-            chain.extras = Extras::Event(extras);
-        }
-        chain
-    }
-
-    /// The chain of a prompt (or of an event without parent) for an optional LoRA adapter.
-    pub(super) fn for_prompt(tokens: &'t [u32], block_size: usize, lora: Option<&str>) -> Self {
-        Self::new(tokens, block_size, lora.map(lora_root))
-    }
-
-    /// The chain of a prompt as an engine hashing `lookahead` following tokens sees it: a block
-    /// is keyed only when that many tokens follow it.
-    pub(super) fn for_scoring(prompt: &Prompt<'t>, block_size: usize, lookahead: usize) -> Self {
-        if prompt.is_plain() && lookahead == 0 {
-            return Self::for_prompt(prompt.tokens, block_size, prompt.lora_name);
-        }
-        let keyed = prompt.tokens.len().saturating_sub(lookahead) / block_size * block_size;
-        let mut chain = Self::for_prompt(&prompt.tokens[..keyed], block_size, prompt.lora_name);
-        let mut mm: Vec<&MmFeature> = prompt.mm_features.iter().collect();
-        mm.sort_by_key(|feature| feature.offset);
-        chain.extras = Extras::Prompt {
-            tokens: prompt.tokens,
-            salt: prompt.cache_salt,
-            mm,
-            lookahead,
-        };
-        chain
-    }
-
-    /// Full blocks not yet hashed.
-    pub(super) fn remaining(&self) -> usize {
-        self.blocks.len()
-    }
-
+impl ExtrasSource<'_> {
     /// The hash of block `index`'s extras, `None` when it has none.
-    fn extras_hash(&mut self, index: usize) -> Option<u64> {
-        match &self.extras {
-            Extras::None => return None,
+    fn hash(&mut self, index: usize) -> Option<u64> {
+        match &self.from {
             Extras::Event(extras) => {
                 let extras = extras.get(index)?;
                 if extras.is_plain() {
@@ -245,17 +182,93 @@ impl<'t> KeyChain<'t> {
     }
 }
 
+/// The keys of consecutive full blocks, computed one at a time (a query stops hashing where its
+/// search stops).
+pub(super) struct KeyChain<'t> {
+    blocks: ChunksExact<'t, u32>,
+    /// What the next block chains from: the previous key, or the parent's key / LoRA root for the
+    /// first block; `None` makes the first key the block's content hash.
+    previous: Option<u64>,
+    /// `None`: plain blocks, keyed by the chain of token hashes alone.
+    extras: Option<Box<ExtrasSource<'t>>>,
+}
+
+impl<'t> KeyChain<'t> {
+    /// Keys of `tokens`' full blocks. `block_size` must be non-zero.
+    pub(super) fn new(tokens: &'t [u32], block_size: usize, chained_from: Option<u64>) -> Self {
+        KeyChain {
+            blocks: tokens.chunks_exact(block_size),
+            previous: chained_from,
+            extras: None,
+        }
+    }
+
+    fn with_extras(mut self, from: Extras<'t>, block_size: usize) -> Self {
+        self.extras = Some(Box::new(ExtrasSource {
+            from,
+            block_size,
+            total: self.blocks.len(),
+            encoded: Vec::new(),
+        }));
+        self
+    }
+
+    /// The keys of a store's blocks, with their extras (empty, or one entry per block).
+    pub(super) fn for_event(
+        tokens: &'t [u32],
+        block_size: usize,
+        chained_from: Option<u64>,
+        extras: &'t [BlockExtras],
+    ) -> Self {
+        let chain = Self::new(tokens, block_size, chained_from);
+        if extras.is_empty() {
+            return chain;
+        }
+        chain.with_extras(Extras::Event(extras), block_size)
+    }
+
+    /// The chain of a prompt (or of an event without parent) for an optional LoRA adapter.
+    pub(super) fn for_prompt(tokens: &'t [u32], block_size: usize, lora: Option<&str>) -> Self {
+        Self::new(tokens, block_size, lora.map(lora_root))
+    }
+
+    /// The chain of a prompt as an engine hashing `lookahead` following tokens sees it: a block
+    /// is keyed only when that many tokens follow it.
+    pub(super) fn for_scoring(prompt: &Prompt<'t>, block_size: usize, lookahead: usize) -> Self {
+        if prompt.is_plain() && lookahead == 0 {
+            return Self::for_prompt(prompt.tokens, block_size, prompt.lora_name);
+        }
+        let keyed = prompt.tokens.len().saturating_sub(lookahead) / block_size * block_size;
+        let chain = Self::for_prompt(&prompt.tokens[..keyed], block_size, prompt.lora_name);
+        let mut mm: Vec<&MmFeature> = prompt.mm_features.iter().collect();
+        mm.sort_by_key(|feature| feature.offset);
+        let from = Extras::Prompt {
+            tokens: prompt.tokens,
+            salt: prompt.cache_salt,
+            mm,
+            lookahead,
+        };
+        chain.with_extras(from, block_size)
+    }
+
+    /// Full blocks not yet hashed.
+    pub(super) fn remaining(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
 impl Iterator for KeyChain<'_> {
     type Item = u64;
 
     fn next(&mut self) -> Option<u64> {
         let block = self.blocks.next()?;
-        let local = local_hash(block);
-        let content = match self.extras_hash(self.done) {
-            None => local,
-            Some(extras) => chain(local, extras),
-        };
-        self.done += 1;
+        let mut content = local_hash(block);
+        if let Some(extras) = &mut self.extras {
+            let index = extras.total - self.blocks.len() - 1;
+            if let Some(extras) = extras.hash(index) {
+                content = chain(content, extras);
+            }
+        }
         let key = match self.previous {
             Some(previous) => chain(previous, content),
             None => content,
