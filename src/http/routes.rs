@@ -1,4 +1,4 @@
-//! The routes of SPEC.md "HTTP API" and their exact JSON shapes.
+//! The routes of docs.md "HTTP API" and their exact JSON shapes.
 //!
 //! Owns: which path answers which method, and what each answer contains. Never: reads a socket
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
@@ -85,9 +85,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
         })
     };
     let block_size = api.index.block_size();
-    let found = api
-        .index
-        .query(&query.token_ids, query.lora_name.as_deref(), &include);
+    let found = api.index.query_prompt(&query.prompt(), &include);
     let mut scores: Vec<ScoreJson> = found
         .iter()
         .filter_map(|score| {
@@ -101,7 +99,9 @@ fn query(api: &Api, body: &[u8]) -> Reply {
             })
         })
         .collect();
-    scores.sort_by(|a, b| {
+    // The one place scores are ordered (the index returns them unordered): best first, then by
+    // instance and rank, so equal matches list in a stable order a router can rely on.
+    scores.sort_unstable_by(|a, b| {
         b.matched_blocks
             .cmp(&a.matched_blocks)
             .then_with(|| a.instance.cmp(b.instance))

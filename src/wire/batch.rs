@@ -5,11 +5,12 @@
 //! skipped and counted, never allowed to lose the rest of its batch. It never fails a batch for
 //! anything but a payload that is not a batch (or ends inside one).
 
+use super::extras::RawIdentity;
 use super::msgpack::{Header, ReadError, Reader, Unexpected};
 use super::{BlockRemoved, BlockStored, DecodeError, Event, EventBatch};
 
 /// Why one event is skipped. Only its fact matters to the caller: the batch counts it.
-struct Skip;
+pub(super) struct Skip;
 
 impl From<ReadError> for Skip {
     fn from(_: ReadError) -> Self {
@@ -127,14 +128,21 @@ fn decode_array_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             let token_ids = reader.token_ids()?;
             let block_size = block_size(reader)?;
             let mut stored = BlockStored::new(block_hashes, parent, token_ids, block_size);
+            let mut identity = RawIdentity::default();
             for position in 5..len {
                 match position {
                     6 => stored.medium = optional_string(reader)?,
-                    7 => stored.lora_name = lora_name(reader)?,
+                    7 => (stored.lora_name, identity.cache_salt) = lora_name(reader)?,
+                    8 => identity.extra_keys = Some(reader.raw_value()?),
                     9 => stored.group_idx = optional_u32(reader)?,
                     _ => reader.skip_value()?,
                 }
             }
+            stored.extras = identity.extras(
+                stored.block_hashes.len(),
+                stored.lora_name.as_deref(),
+                stored.parent.is_none(),
+            )?;
             Ok(Event::Stored(stored))
         }
         Kind::Removed => {
@@ -174,6 +182,7 @@ fn decode_map_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
     let mut lora_name_seen = None;
     let mut medium = None;
     let mut group_idx = None;
+    let mut identity = RawIdentity::default();
     for _ in 0..len {
         match reader.str()? {
             b"type" => kind_seen = Some(kind(reader.str()?)?),
@@ -181,22 +190,47 @@ fn decode_map_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             b"parent_block_hash" => parent = optional_hash(reader)?,
             b"token_ids" => token_ids = Some(reader.token_ids()?),
             b"block_size" => block_size_seen = Some(block_size(reader)?),
-            b"lora_name" => lora_name_seen = lora_name(reader)?,
+            b"lora_name" => {
+                let (name, salt) = lora_name(reader)?;
+                lora_name_seen = name;
+                identity.cache_salt = identity.cache_salt.or(salt);
+            }
             b"medium" => medium = optional_string(reader)?,
             b"group_idx" => group_idx = optional_u32(reader)?,
+            b"extra_keys" => identity.extra_keys = Some(reader.raw_value()?),
+            b"lookahead_token_ids" => identity.lookahead = Some(reader.raw_value()?),
+            b"mm_keys" => identity.mm_keys = Some(reader.raw_value()?),
+            b"cache_salt" => {
+                let start = reader.position();
+                if let Ok(salt) = optional_string(reader) {
+                    identity.cache_salt = salt;
+                } else {
+                    reader.rewind(start);
+                    identity.odd_salt = Some(reader.raw_value()?);
+                }
+            }
             _ => reader.skip_value()?,
         }
     }
     match kind_seen.ok_or(Skip)? {
-        Kind::Stored => Ok(Event::Stored(BlockStored {
-            block_hashes: block_hashes.ok_or(Skip)?,
-            parent,
-            token_ids: token_ids.ok_or(Skip)?,
-            block_size: block_size_seen.ok_or(Skip)?,
-            lora_name: lora_name_seen,
-            medium,
-            group_idx,
-        })),
+        Kind::Stored => {
+            let block_hashes = block_hashes.ok_or(Skip)?;
+            let extras = identity.extras(
+                block_hashes.len(),
+                lora_name_seen.as_deref(),
+                parent.is_none(),
+            )?;
+            Ok(Event::Stored(BlockStored {
+                block_hashes,
+                parent,
+                token_ids: token_ids.ok_or(Skip)?,
+                block_size: block_size_seen.ok_or(Skip)?,
+                lora_name: lora_name_seen,
+                medium,
+                group_idx,
+                extras,
+            }))
+        }
         Kind::Removed => Ok(Event::Removed(BlockRemoved {
             block_hashes: block_hashes.ok_or(Skip)?,
             medium,
@@ -272,38 +306,21 @@ fn optional_string(reader: &mut Reader) -> Result<Option<String>, Skip> {
 }
 
 /// `lora_name`: a string or nil; SGLang 0.5.18–0.5.19 put a `{cache_salt}` map in its place,
-/// which names no adapter.
-fn lora_name(reader: &mut Reader) -> Result<Option<String>, Skip> {
+/// which names no adapter but salts the request. Returns (adapter, salt).
+fn lora_name(reader: &mut Reader) -> Result<(Option<String>, Option<String>), Skip> {
     let start = reader.position();
-    if let Header::Map(_) = reader.header()? {
+    let Header::Map(len) = reader.header()? else {
         reader.rewind(start);
-        reader.skip_value()?;
-        return Ok(None);
-    }
-    reader.rewind(start);
-    optional_string(reader)
-}
-
-impl BlockStored {
-    /// A store of `block_hashes` on the GPU with no adapter and no group: what most engines send,
-    /// and the one literal tests, benchmarks and the simulated engine start from
-    /// (`BlockStored { group_idx: Some(0), ..BlockStored::new(..) }` for the rest).
-    pub fn new(
-        block_hashes: Vec<u64>,
-        parent: Option<u64>,
-        token_ids: Vec<u32>,
-        block_size: u32,
-    ) -> BlockStored {
-        BlockStored {
-            block_hashes,
-            parent,
-            token_ids,
-            block_size,
-            lora_name: None,
-            medium: None,
-            group_idx: None,
+        return Ok((optional_string(reader)?, None));
+    };
+    let mut salt = None;
+    for _ in 0..len {
+        match reader.str()? {
+            b"cache_salt" => salt = optional_string(reader)?,
+            _ => reader.skip_value()?,
         }
     }
+    Ok((None, salt))
 }
 
 #[cfg(test)]
