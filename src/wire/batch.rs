@@ -408,7 +408,7 @@ mod tests {
     fn store_with_salt_in_lora_name(nil_salt_last: bool) -> Vec<u8> {
         use rmp::encode::*;
         let mut out = Vec::new();
-        let mut key = |out: &mut Vec<u8>, k: &str| write_str(out, k).expect("vec");
+        let key = |out: &mut Vec<u8>, k: &str| write_str(out, k).expect("vec");
         write_array_len(&mut out, 3).expect("vec");
         write_f64(&mut out, 1.0).expect("vec");
         write_array_len(&mut out, 1).expect("vec");
