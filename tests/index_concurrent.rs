@@ -88,9 +88,9 @@ fn concurrent_writers_and_readers_end_consistent() {
                     let scores =
                         index.query(&prompt(rng.random_range(0..PROMPTS)), None, &|_| true);
                     assert!(scores.iter().all(|s| s.matched_blocks as usize <= DEPTH));
-                    assert!(scores
-                        .windows(2)
-                        .all(|w| w[0].matched_blocks >= w[1].matched_blocks));
+                    // Unordered (the HTTP route sorts), but each worker at most once.
+                    let workers: HashSet<u32> = scores.iter().map(|s| s.worker).collect();
+                    assert_eq!(workers.len(), scores.len());
                     queries += 1;
                 }
                 queries
@@ -122,12 +122,14 @@ fn concurrent_writers_and_readers_end_consistent() {
                 (matched > 0).then_some((writer.id(), matched as u32, held.len() as u64))
             })
             .collect();
-        expected.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let actual: Vec<(u32, u32, u64)> = index
+        expected.sort_unstable();
+        let mut actual: Vec<(u32, u32, u64)> = index
             .query(&prompt(p), None, &|_| true)
             .into_iter()
             .map(|s| (s.worker, s.matched_blocks, s.cached_blocks))
             .collect();
+        // The index answers in no particular order.
+        actual.sort_unstable();
         assert_eq!(actual, expected, "prompt {p}");
     }
     let keys: HashSet<(usize, usize)> = finished

@@ -1,20 +1,108 @@
-//! Model-based test of the index: random interleavings of stores, removals (of leaves and of
-//! inner blocks), clears and worker removals, applied both to the index and to a deliberately
-//! simple model — per worker, `engine hash → (LoRA, full token prefix)` — and after every step
+//! Model-based test of the index: random interleavings of stores (salted, multimodal, with
+//! inputs no prompt reproduces, re-announced as second physical copies), removals (of leaves, of
+//! inner blocks, of one copy), clears and worker removals, by workers whose engines hash a
+//! lookahead token or not, applied both to the index and to a deliberately simple model — per
+//! worker, `engine hash → (everything the engine's hash covers, copies)` — and after every step
 //! every query must score exactly as the model does.
 
 use std::collections::{HashMap, HashSet};
 
-use kv_indexer::index::{ApplyOutcome, Index, Score, WorkerBlocks, WorkerId};
-use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
+use kv_indexer::index::{ApplyOutcome, Index, MmFeature, Prompt, Score, WorkerBlocks, WorkerId};
+use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 const BLOCK: usize = 4;
 const WORKERS: usize = 4;
 
-/// What a block is in the model: its adapter and every token from the start of the prompt.
-type Prefix = (Option<String>, Vec<u32>);
+/// What a block is in the model: everything its engine hash covers, spelled out. Two blocks are
+/// the same block exactly when these are equal.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Identity {
+    lora: Option<String>,
+    salt: Option<String>,
+    /// Every token from the start of the prompt to the block's end.
+    tokens: Vec<u32>,
+    /// Per block up to this one: the multimodal items overlapping it, offsets from its start.
+    mm: Vec<Vec<(String, i64)>>,
+    /// The tokens after the block that its engine hashes with it.
+    lookahead: Vec<u32>,
+    /// Blocks up to this one whose hash covers an input no prompt carries.
+    opaque: Vec<usize>,
+}
+
+/// A request: its prompt and what else the engine hashes.
+#[derive(Clone, Debug)]
+struct Request {
+    tokens: Vec<u32>,
+    lora: Option<String>,
+    salt: Option<String>,
+    mm: Vec<MmFeature>,
+}
+
+impl Request {
+    fn random(rng: &mut SmallRng, tokens: Vec<u32>) -> Request {
+        let lora = rng.random_bool(0.2).then(|| "adapter".to_string());
+        let salt = match rng.random_range(0..5) {
+            0 => Some("alice".to_string()),
+            1 => Some("bob".to_string()),
+            _ => None,
+        };
+        let mut mm = Vec::new();
+        if !tokens.is_empty() {
+            while rng.random_bool(0.4) && mm.len() < 2 {
+                mm.push(MmFeature {
+                    identifier: ["img-a", "img-b"][rng.random_range(0..2)].to_string(),
+                    offset: rng.random_range(0..tokens.len() as u32),
+                    length: rng.random_range(1..=2 * BLOCK as u32),
+                });
+            }
+        }
+        Request {
+            tokens,
+            lora,
+            salt,
+            mm,
+        }
+    }
+
+    fn prompt(&self) -> Prompt<'_> {
+        Prompt {
+            tokens: &self.tokens,
+            lora_name: self.lora.as_deref(),
+            cache_salt: self.salt.as_deref(),
+            mm_features: &self.mm,
+        }
+    }
+
+    /// The items overlapping block `b`, as vLLM lists them: by offset, offsets from the
+    /// block's first token.
+    fn mm_of(&self, b: usize) -> Vec<(String, i64)> {
+        let (start, end) = ((b * BLOCK) as i64, ((b + 1) * BLOCK) as i64);
+        let mut items: Vec<&MmFeature> = self.mm.iter().collect();
+        items.sort_by_key(|f| f.offset);
+        items
+            .into_iter()
+            .filter(|f| i64::from(f.offset) < end && i64::from(f.offset + f.length) > start)
+            .map(|f| (f.identifier.clone(), i64::from(f.offset) - start))
+            .collect()
+    }
+
+    /// Block `b` as an engine hashing `lookahead` following tokens identifies it; `None` when
+    /// it is not full or not enough tokens follow it.
+    fn identity(&self, b: usize, lookahead: usize) -> Option<Identity> {
+        let end = (b + 1) * BLOCK;
+        let following = self.tokens.get(end..end + lookahead)?.to_vec();
+        Some(Identity {
+            lora: self.lora.clone(),
+            salt: self.salt.clone(),
+            tokens: self.tokens[..end].to_vec(),
+            mm: (0..=b).map(|j| self.mm_of(j)).collect(),
+            lookahead: following,
+            opaque: Vec::new(),
+        })
+    }
+}
 
 /// A tree of blocks shared by all workers, so their chains overlap.
 struct Tree {
@@ -54,40 +142,62 @@ impl Tree {
     }
 }
 
+/// A block as the model holds it: what it is and how many physical copies the engine has.
+struct Held {
+    identity: Identity,
+    copies: u64,
+}
+
 struct Worker {
     writer: WorkerBlocks,
-    model: HashMap<u64, Prefix>,
+    /// Tokens after a block its engine hashes with it (1 under speculative decoding).
+    lookahead: usize,
+    model: HashMap<u64, Held>,
+}
+
+impl Worker {
+    fn hash_of(&self, identity: &Identity) -> Option<u64> {
+        self.model
+            .iter()
+            .find(|(_, held)| held.identity == *identity)
+            .map(|(&hash, _)| hash)
+    }
+
+    fn copies(&self) -> u64 {
+        self.model.values().map(|held| held.copies).sum()
+    }
 }
 
 fn model_scores(
     workers: &[Option<Worker>],
-    tokens: &[u32],
-    lora: Option<&str>,
+    request: &Request,
     include: &dyn Fn(WorkerId) -> bool,
 ) -> Vec<Score> {
-    let blocks = tokens.len() / BLOCK;
     let mut scores = Vec::new();
     for worker in workers.iter().flatten() {
         if !include(worker.writer.id()) {
             continue;
         }
-        let held: HashSet<&Prefix> = worker.model.values().collect();
-        let matched = (1..=blocks)
-            .take_while(|&b| held.contains(&(lora.map(String::from), tokens[..b * BLOCK].to_vec())))
+        let held: HashSet<&Identity> = worker.model.values().map(|h| &h.identity).collect();
+        let matched = (0..)
+            .map_while(|b| request.identity(b, worker.lookahead))
+            .take_while(|identity| held.contains(identity))
             .count();
         if matched > 0 {
             scores.push(Score {
                 worker: worker.writer.id(),
                 matched_blocks: matched as u32,
-                cached_blocks: worker.model.len() as u64,
+                cached_blocks: worker.copies(),
             });
         }
     }
-    scores.sort_by(|a, b| {
-        b.matched_blocks
-            .cmp(&a.matched_blocks)
-            .then(a.worker.cmp(&b.worker))
-    });
+    scores.sort_by_key(|s| s.worker);
+    scores
+}
+
+/// The index answers in no particular order: compared by worker.
+fn by_worker(mut scores: Vec<Score>) -> Vec<Score> {
+    scores.sort_by_key(|s| s.worker);
     scores
 }
 
@@ -97,20 +207,22 @@ fn apply(worker: &mut Worker, event: Event) -> ApplyOutcome {
     outcome
 }
 
-/// Stores part of a tree path on a worker: from the root, or chained from a block it holds,
-/// with fresh or reused engine hashes.
+/// Stores part of a tree path on a worker, as its engine serving a random request would: from
+/// the root, or chained from a block it holds; with fresh engine hashes, reused ones (the
+/// engine reused a hash for other content) or the hash of a block it already holds (a second
+/// physical copy); sometimes with an input no prompt carries.
 fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     let path = tree.path(rng.random_range(0..tree.nodes.len()));
-    let lora = rng.random_bool(0.2).then(|| "adapter".to_string());
+    let mut tokens = tree.tokens(&path);
+    // The request goes on past the stored blocks, so that each has its lookahead token.
+    tokens.push(rng.random_range(0..5));
+    let request = Request::random(rng, tokens);
+    let lookahead = worker.lookahead;
     // Where the event starts: the root, or after a block of the path the worker holds.
     let held_parents: Vec<(usize, u64)> = (1..path.len())
         .filter_map(|start| {
-            let prefix = (lora.clone(), tree.tokens(&path[..start]));
-            worker
-                .model
-                .iter()
-                .find(|(_, p)| **p == prefix)
-                .map(|(&hash, _)| (start, hash))
+            let parent = request.identity(start - 1, lookahead)?;
+            Some((start, worker.hash_of(&parent)?))
         })
         .collect();
     let (start, parent) = match held_parents.len() {
@@ -123,18 +235,49 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     };
     let end = rng.random_range(start + 1..=path.len());
     let existing: Vec<u64> = worker.model.keys().copied().collect();
-    let hashes: Vec<u64> = (start..end)
-        .map(|_| {
-            if !existing.is_empty() && rng.random_bool(0.1) {
+    let mut identities = Vec::new();
+    let mut opaque = Vec::new();
+    for b in start..end {
+        let mut identity = request
+            .identity(b, lookahead)
+            .expect("a stored block has its lookahead tokens");
+        if rng.random_bool(0.05) {
+            opaque.push(b);
+        }
+        identity.opaque = opaque.clone();
+        identities.push(identity);
+    }
+    let hashes: Vec<u64> = identities
+        .iter()
+        .map(|identity| match worker.hash_of(identity) {
+            Some(held) if rng.random_bool(0.5) => held,
+            _ if !existing.is_empty() && rng.random_bool(0.1) => {
                 existing[rng.random_range(0..existing.len())]
-            } else {
-                rng.random()
             }
+            _ => rng.random(),
+        })
+        .collect();
+    let extras = (start..end)
+        .map(|b| BlockExtras {
+            mm_items: request
+                .mm_of(b)
+                .into_iter()
+                .map(|(identifier, offset)| MmPlacement { identifier, offset })
+                .collect(),
+            // vLLM salts a chain's first block only: the chain carries it on.
+            cache_salt: request.salt.clone().filter(|_| b == 0),
+            lookahead: request.tokens[(b + 1) * BLOCK..(b + 1) * BLOCK + lookahead].to_vec(),
+            opaque: if opaque.contains(&b) {
+                vec![0xc4, 1, 7]
+            } else {
+                Vec::new()
+            },
         })
         .collect();
     let event = Event::Stored(BlockStored {
         // An event with a parent chains from it whatever it says; send the same adapter anyway.
-        lora_name: lora.clone(),
+        lora_name: request.lora.clone(),
+        extras,
         ..BlockStored::new(
             hashes.clone(),
             parent,
@@ -144,13 +287,23 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     });
     let outcome = apply(worker, event);
     assert_eq!(outcome.stored, 1);
-    for (i, hash) in hashes.into_iter().enumerate() {
-        worker
-            .model
-            .insert(hash, (lora.clone(), tree.tokens(&path[..start + i + 1])));
+    for (hash, identity) in hashes.into_iter().zip(identities) {
+        match worker.model.get_mut(&hash) {
+            Some(held) if held.identity == identity => held.copies += 1,
+            _ => {
+                worker.model.insert(
+                    hash,
+                    Held {
+                        identity,
+                        copies: 1,
+                    },
+                );
+            }
+        }
     }
 }
 
+/// Removes one copy of some of the worker's engine hashes.
 fn remove(rng: &mut SmallRng, worker: &mut Worker) {
     let mut hashes: Vec<u64> = worker
         .model
@@ -172,7 +325,13 @@ fn remove(rng: &mut SmallRng, worker: &mut Worker) {
     );
     let mut removed = 0;
     for hash in &hashes {
-        removed += u64::from(worker.model.remove(hash).is_some());
+        if let Some(held) = worker.model.get_mut(hash) {
+            removed += 1;
+            held.copies -= 1;
+            if held.copies == 0 {
+                worker.model.remove(hash);
+            }
+        }
     }
     assert_eq!(outcome.removed_blocks, removed);
     assert_eq!(outcome.unknown_block, u64::from(unknown));
@@ -189,23 +348,23 @@ fn check(rng: &mut SmallRng, tree: &Tree, index: &Index, workers: &[Option<Worke
         if rng.random_bool(0.3) {
             tokens.extend((0..rng.random_range(0..2 * BLOCK)).map(|_| rng.random_range(0..5)));
         }
-        let lora = rng.random_bool(0.2).then_some("adapter");
+        let request = Request::random(rng, tokens);
         let excluded = rng.random_range(0..2 * WORKERS) as WorkerId;
         let include = |w: WorkerId| w != excluded;
         assert_eq!(
-            index.query(&tokens, lora, &include),
-            model_scores(workers, &tokens, lora, &include),
-            "query {tokens:?} lora {lora:?}"
+            by_worker(index.query_prompt(&request.prompt(), &include)),
+            model_scores(workers, &request, &include),
+            "query {request:?}"
         );
     }
-    let keys: HashSet<&Prefix> = workers
+    let keys: HashSet<&Identity> = workers
         .iter()
         .flatten()
-        .flat_map(|w| w.model.values())
+        .flat_map(|w| w.model.values().map(|held| &held.identity))
         .collect();
     assert_eq!(index.key_count(), keys.len() as u64);
     for worker in workers.iter().flatten() {
-        assert_eq!(worker.writer.blocks(), worker.model.len() as u64);
+        assert_eq!(worker.writer.blocks(), worker.copies());
     }
 }
 
@@ -227,6 +386,7 @@ fn run(seed: u64, steps: usize) {
                 );
                 workers[id] = Some(Worker {
                     writer,
+                    lookahead: usize::from(rng.random_bool(0.3)),
                     model: HashMap::new(),
                 });
             }

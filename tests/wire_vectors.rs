@@ -8,8 +8,8 @@ use kv_indexer::sim::encode::{
     encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
 };
 use kv_indexer::wire::{
-    decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockRemoved, BlockStored,
-    Event, EventBatch, FrameError, Message, ReplayItem, Snapshot,
+    decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockExtras, BlockRemoved,
+    BlockStored, Event, EventBatch, FrameError, Message, MmPlacement, ReplayItem, Snapshot,
 };
 use serde_json::Value;
 use support::batches::{realistic_batch, stored_events};
@@ -101,7 +101,13 @@ fn every_vector_decodes_to_its_expectation() {
     for row in rows() {
         let batch = decode_batch(&row.payload)
             .unwrap_or_else(|error| panic!("row {:?}: decode failed: {error}", row.name));
-        assert_eq!(batch.events, row.events, "row {:?}: events", row.name);
+        // The shared expectations predate block identity: checked by `identity_fields_decode`.
+        assert_eq!(
+            without_extras(batch.events.clone()),
+            row.events,
+            "row {:?}: events",
+            row.name
+        );
         assert_eq!(batch.dp_rank, row.dp_rank, "row {:?}: dp_rank", row.name);
         assert_eq!(batch.skipped, row.skipped, "row {:?}: skipped", row.name);
         assert!(batch.ts > 1.7e9, "row {:?}: ts {}", row.name, batch.ts);
@@ -276,4 +282,116 @@ fn malformed_replay_replies_are_frame_errors() {
         parse_replay_reply(&five),
         Err(FrameError::ReplayFrameCount(4))
     );
+}
+
+fn without_extras(events: Vec<Event>) -> Vec<Event> {
+    events
+        .into_iter()
+        .map(|event| match event {
+            Event::Stored(stored) => Event::Stored(BlockStored {
+                extras: Vec::new(),
+                ..stored
+            }),
+            other => other,
+        })
+        .collect()
+}
+
+fn extras_of(name: &str) -> Vec<BlockExtras> {
+    let rows = rows();
+    let row = rows
+        .iter()
+        .find(|r| r.name.starts_with(name))
+        .unwrap_or_else(|| panic!("no vector row {name:?}"));
+    match decode_batch(&row.payload).map(|batch| batch.events) {
+        Ok(events) => match events.first() {
+            Some(Event::Stored(stored)) => stored.extras.clone(),
+            other => panic!("row {name:?}: expected a store first, got {other:?}"),
+        },
+        Err(error) => panic!("row {name:?}: {error}"),
+    }
+}
+
+/// What the identity fields of the shared vectors decode to: SGLang's salt in both of its
+/// places lands on the chain's first block; TensorRT-LLM's `mm_keys` and a lookahead list that
+/// does not line up with the blocks make the blocks opaque (never matched); plain vLLM stores
+/// carry no extras, and the LoRA name in `extra_keys` is the adapter, not a salt.
+#[test]
+fn identity_fields_decode() {
+    let salted = |salt: &str| BlockExtras {
+        cache_salt: Some(salt.into()),
+        ..BlockExtras::default()
+    };
+    assert_eq!(
+        extras_of("SGLang 0.5.18-0.5.19 salted"),
+        vec![salted("tenant-a")]
+    );
+    assert_eq!(
+        extras_of("SGLang >= 0.5.20 map form"),
+        vec![salted("tenant-a")]
+    );
+    let trt = extras_of("TensorRT-LLM streaming map form with mm_keys");
+    assert_eq!(trt.len(), 2);
+    assert!(!trt[0].opaque.is_empty() && trt[1].is_plain(), "{trt:?}");
+    let lora = extras_of("vLLM 0.33 LoRA adapter");
+    assert!(
+        lora.iter()
+            .all(|b| b.cache_salt.is_none() && !b.opaque.is_empty()),
+        "{lora:?}"
+    );
+    assert_eq!(extras_of("vLLM 0.33.0"), vec![]);
+}
+
+/// Every block-identity input the encoder writes reads back as it was: multimodal items with
+/// negative offsets, a salt beside a LoRA name, lookahead tokens (map form: vLLM added them
+/// after the array form's last version), a prompt-embedding digest; and a snapshot keeps them.
+#[test]
+fn block_identity_survives_encoding() {
+    let extras = vec![
+        BlockExtras {
+            mm_items: vec![MmPlacement {
+                identifier: "img-a".into(),
+                offset: 2,
+            }],
+            cache_salt: Some("alice".into()),
+            lookahead: vec![9],
+            opaque: Vec::new(),
+        },
+        BlockExtras {
+            mm_items: vec![MmPlacement {
+                identifier: "img-a".into(),
+                offset: -2,
+            }],
+            lookahead: vec![10],
+            opaque: vec![0xde, 0xad],
+            ..BlockExtras::default()
+        },
+    ];
+    let stored = BlockStored {
+        lora_name: Some("sql".into()),
+        extras,
+        ..BlockStored::new(vec![1, 2], None, (1..=8).collect(), 4)
+    };
+    let batch = EventBatch {
+        ts: 1_752_000_000.5,
+        dp_rank: Some(0),
+        events: vec![Event::Stored(stored.clone())],
+        skipped: 0,
+    };
+    assert_eq!(
+        decode_batch(&encode_batch(&batch, Form::Map)),
+        Ok(batch.clone())
+    );
+    let snapshot = decode_snapshot(&encode_snapshot(
+        Some(3),
+        0,
+        4,
+        std::slice::from_ref(&stored),
+    ));
+    let read = snapshot.expect("snapshot decodes").events;
+    assert_eq!(read[0].extras[0], stored.extras[0]);
+    // JSON has no bytes: the digest stays opaque, not byte for byte.
+    assert!(!read[0].extras[1].opaque.is_empty());
+    assert_eq!(read[0].extras[1].mm_items, stored.extras[1].mm_items);
+    assert_eq!(read[0].extras[1].lookahead, vec![10]);
 }

@@ -27,6 +27,7 @@ mod body;
 mod connection;
 mod head;
 mod query_body;
+pub use query_body::{parse_query, QueryRequest};
 mod routes;
 
 use std::net::{SocketAddr, TcpListener};

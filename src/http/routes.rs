@@ -1,4 +1,4 @@
-//! The routes of SPEC.md "HTTP API" and their exact JSON shapes.
+//! The routes of docs.md "HTTP API" and their exact JSON shapes.
 //!
 //! Owns: which path answers which method, and what each answer contains. Never: reads a socket
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
@@ -86,9 +86,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
         })
     };
     let block_size = api.index.block_size();
-    let found = api
-        .index
-        .query(&query.token_ids, query.lora_name.as_deref(), &include);
+    let found = api.index.query_prompt(&query.prompt(), &include);
     let mut scores: Vec<ScoreJson> = found
         .iter()
         .filter_map(|score| {
@@ -102,7 +100,9 @@ fn query(api: &Api, body: &[u8]) -> Reply {
             })
         })
         .collect();
-    scores.sort_by(|a, b| {
+    // The one place scores are ordered (the index returns them unordered): best first, then by
+    // instance and rank, so equal matches list in a stable order a router can rely on.
+    scores.sort_unstable_by(|a, b| {
         b.matched_blocks
             .cmp(&a.matched_blocks)
             .then_with(|| a.instance.cmp(b.instance))
@@ -249,15 +249,16 @@ fn ready(api: &Api) -> Reply {
 /// The `POST /reload` answer for an applied reload.
 pub fn diff_json(diff: &ReloadDiff) -> Value {
     let names = |keys: &[crate::plan::WorkerKey]| -> Vec<String> {
-        keys.iter()
-            .map(|k| format!("{}/{}", k.engine, k.dp_rank))
-            .collect()
+        keys.iter().map(ToString::to_string).collect()
     };
+    // `failed`: engines whose ranks did not start (retried in the background, shown `stopped`
+    // on /workers); without it a reload that half failed would answer like a clean one.
     json!({
         "added": names(&diff.added),
         "removed": names(&diff.removed),
         "replaced": names(&diff.replaced),
         "unchanged": diff.unchanged,
+        "failed": diff.failed,
     })
 }
 

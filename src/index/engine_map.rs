@@ -1,5 +1,13 @@
 //! One worker's `engine hash → key` map: 16 bytes a block in an open-addressing table (see
-//! `table`). It never touches the shards.
+//! `table`), and how many physical copies of each block the engine holds. It never touches the
+//! shards.
+//!
+//! Copies: vLLM can hold one engine hash in two physical blocks (a fully cached, block-aligned
+//! prompt run again recomputes its last block into a second copy, announced again), and evicts
+//! each with its own removal. Second copies are rare, so they are counted beside the table
+//! (`extra_copies`) rather than widening every entry.
+
+use std::collections::HashMap;
 
 use super::table::{Item, Table};
 
@@ -34,11 +42,60 @@ pub(super) struct EngineMap {
     table: Table<Block>,
     /// The key of engine hash 0, if held.
     zero: Option<u64>,
+    /// Copies beyond the first, by engine hash.
+    extra_copies: HashMap<u64, u32>,
+    extra_total: u64,
+}
+
+/// What removing one copy of an engine hash did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Removal {
+    /// The hash was not held.
+    Unknown,
+    /// Another copy remains: the worker still holds the block.
+    CopyLeft,
+    /// The last copy went; the hash carried this key.
+    Last(u64),
 }
 
 impl EngineMap {
+    /// Engine hashes held.
     pub(super) fn len(&self) -> usize {
         self.table.len() + usize::from(self.zero.is_some())
+    }
+
+    /// Physical copies held (at least one per engine hash).
+    pub(super) fn copies(&self) -> u64 {
+        self.len() as u64 + self.extra_total
+    }
+
+    /// One more copy of a held engine hash.
+    pub(super) fn add_copy(&mut self, engine_hash: u64) {
+        *self.extra_copies.entry(engine_hash).or_default() += 1;
+        self.extra_total += 1;
+    }
+
+    /// Removes one copy of `engine_hash`.
+    pub(super) fn remove_copy(&mut self, engine_hash: u64) -> Removal {
+        // Checked for emptiness first: hashing every removal's engine hash for a map that is
+        // almost always empty would cost each removal a SipHash.
+        let extra = if self.extra_copies.is_empty() {
+            None
+        } else {
+            self.extra_copies.get_mut(&engine_hash)
+        };
+        if let Some(extra) = extra {
+            *extra -= 1;
+            if *extra == 0 {
+                self.extra_copies.remove(&engine_hash);
+            }
+            self.extra_total -= 1;
+            return Removal::CopyLeft;
+        }
+        match self.remove(engine_hash) {
+            Some(key) => Removal::Last(key),
+            None => Removal::Unknown,
+        }
     }
 
     pub(super) fn get(&self, engine_hash: u64) -> Option<u64> {
@@ -51,8 +108,13 @@ impl EngineMap {
         Some(self.table.get(place).key)
     }
 
-    /// Maps `engine_hash` to `key`; returns the key it had.
+    /// Maps `engine_hash` to `key` as a single copy; returns the key it had.
     pub(super) fn insert(&mut self, engine_hash: u64, key: u64) -> Option<u64> {
+        if !self.extra_copies.is_empty() {
+            if let Some(extra) = self.extra_copies.remove(&engine_hash) {
+                self.extra_total -= u64::from(extra);
+            }
+        }
         if engine_hash == 0 {
             return self.zero.replace(key);
         }
@@ -68,7 +130,7 @@ impl EngineMap {
         }
     }
 
-    pub(super) fn remove(&mut self, engine_hash: u64) -> Option<u64> {
+    fn remove(&mut self, engine_hash: u64) -> Option<u64> {
         if engine_hash == 0 {
             return self.zero.take();
         }

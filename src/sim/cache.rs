@@ -1,8 +1,11 @@
 //! One simulated rank's prefix cache: which full blocks of which prompts it holds, the engine
 //! hashes it gives them, LRU eviction, and the KV events a vLLM engine core would emit for it.
 //!
-//! It owns the ground truth the indexer is measured against. It never touches a socket and never
-//! encodes anything: it produces `wire` events and answers questions about its own content.
+//! It owns the ground truth the indexer is measured against. Like vLLM's, a block's hash covers
+//! its request's cache salt (first block) and the multimodal items overlapping it, so a salted or
+//! multimodal prompt is a different block from the same tokens without. It never touches a socket
+//! and never encodes anything: it produces `wire` events and answers questions about its own
+//! content.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -10,8 +13,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::index::MmFeature;
 use crate::sim::rng::mix;
-use crate::wire::{BlockRemoved, BlockStored, Event};
+use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
 
 /// The medium every simulated block lives in.
 const GPU: &str = "GPU";
@@ -25,9 +29,64 @@ pub struct Served {
     pub events: Vec<Event>,
 }
 
+/// A request as the engine hashes it: the prompt, its cache salt and its multimodal items.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Request<'a> {
+    pub tokens: &'a [u32],
+    pub cache_salt: Option<&'a str>,
+    pub mm_features: &'a [MmFeature],
+}
+
+impl<'a> From<&'a [u32]> for Request<'a> {
+    fn from(tokens: &'a [u32]) -> Self {
+        Request {
+            tokens,
+            ..Request::default()
+        }
+    }
+}
+
+impl<'a> From<&'a Vec<u32>> for Request<'a> {
+    fn from(tokens: &'a Vec<u32>) -> Self {
+        Request::from(tokens.as_slice())
+    }
+}
+
+impl Request<'_> {
+    /// What block `index` (of `block_size` tokens) hashes besides its tokens, as vLLM 0.33's
+    /// `generate_block_hash_extra_keys`: the items overlapping it by offset, each with its offset
+    /// from the block's first token, then the salt on the first block.
+    fn block_extras(&self, index: usize, block_size: usize) -> BlockExtras {
+        if self.mm_features.is_empty() && (self.cache_salt.is_none() || index > 0) {
+            return BlockExtras::default();
+        }
+        let start = (index * block_size) as i64;
+        let end = start + block_size as i64;
+        let mut items: Vec<&MmFeature> = self.mm_features.iter().collect();
+        items.sort_by_key(|item| item.offset);
+        let mm_items = items
+            .into_iter()
+            .filter(|item| {
+                let offset = i64::from(item.offset);
+                offset < end && offset + i64::from(item.length) > start
+            })
+            .map(|item| MmPlacement {
+                identifier: item.identifier.clone(),
+                offset: i64::from(item.offset) - start,
+            })
+            .collect();
+        BlockExtras {
+            mm_items,
+            cache_salt: self.cache_salt.filter(|_| index == 0).map(str::to_owned),
+            ..BlockExtras::default()
+        }
+    }
+}
+
 struct CachedBlock {
     parent: Option<u64>,
     tokens: Vec<u32>,
+    extras: BlockExtras,
     children: Vec<u64>,
     depth: u32,
     last_used: u64,
@@ -102,13 +161,14 @@ impl RankCache {
     /// Runs a prompt: its leading cached blocks are hits and become most recently used; its other
     /// full blocks are cached, evicting least recently used blocks not used by this prompt. A
     /// prompt longer than the whole cache caches only its first `capacity` blocks.
-    pub fn serve(&mut self, prompt: &[u32]) -> Served {
+    pub fn serve<'r>(&mut self, request: impl Into<Request<'r>>) -> Served {
         self.tick += 1;
-        let cacheable: Vec<&[u32]> = self.full_blocks(prompt).take(self.capacity).collect();
+        let request = request.into();
+        let cacheable: Vec<Block> = self.full_blocks(&request).take(self.capacity).collect();
         let mut parent = None;
         let mut hit_blocks = 0;
-        for tokens in &cacheable {
-            let hash = self.block_hash(parent, tokens);
+        for block in &cacheable {
+            let hash = self.block_hash(parent, block);
             if !self.blocks.contains_key(&hash) {
                 break;
             }
@@ -127,13 +187,14 @@ impl RankCache {
         }
     }
 
-    /// Ground truth: how many leading full blocks of `prompt` are cached now. Does not count as a
-    /// use.
-    pub fn true_prefix_hit(&self, prompt: &[u32]) -> u32 {
+    /// Ground truth: how many leading full blocks of `request` are cached now. Does not count as
+    /// a use.
+    pub fn true_prefix_hit<'r>(&self, request: impl Into<Request<'r>>) -> u32 {
+        let request = request.into();
         let mut parent = None;
         let mut hits = 0;
-        for tokens in self.full_blocks(prompt) {
-            let hash = self.block_hash(parent, tokens);
+        for block in self.full_blocks(&request) {
+            let hash = self.block_hash(parent, &block);
             if !self.blocks.contains_key(&hash) {
                 break;
             }
@@ -174,6 +235,7 @@ impl RankCache {
             while let Some(block) = self.blocks.get(&current) {
                 event.block_hashes.push(current);
                 event.token_ids.extend_from_slice(&block.tokens);
+                event.extras.push(block.extras.clone());
                 match block.children.as_slice() {
                     [only] => current = *only,
                     forks => {
@@ -182,23 +244,40 @@ impl RankCache {
                     }
                 }
             }
-            events.push(event);
+            events.push(plain_unless_extras(event));
         }
         events
     }
 
-    fn full_blocks<'p>(&self, prompt: &'p [u32]) -> std::slice::ChunksExact<'p, u32> {
-        prompt.chunks_exact(self.block_size as usize)
+    fn full_blocks<'r>(&self, request: &Request<'r>) -> impl Iterator<Item = Block<'r>> + 'r {
+        let block_size = self.block_size as usize;
+        let request = *request;
+        request
+            .tokens
+            .chunks_exact(block_size)
+            .enumerate()
+            .map(move |(index, tokens)| Block {
+                tokens,
+                extras: request.block_extras(index, block_size),
+            })
     }
 
-    /// The engine hash: chained over the parent's hash and seeded per process, like vLLM's.
-    fn block_hash(&self, parent: Option<u64>, tokens: &[u32]) -> u64 {
-        let mut bytes = Vec::with_capacity(8 + 4 * tokens.len());
+    /// The engine hash: chained over the parent's hash, covering the block's extras, and seeded
+    /// per process, like vLLM's.
+    fn block_hash(&self, parent: Option<u64>, block: &Block) -> u64 {
+        let mut bytes = Vec::with_capacity(8 + 4 * block.tokens.len());
         if let Some(parent) = parent {
             bytes.extend_from_slice(&parent.to_le_bytes());
         }
-        for token in tokens {
+        for token in block.tokens {
             bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        for item in &block.extras.mm_items {
+            bytes.extend_from_slice(item.identifier.as_bytes());
+            bytes.extend_from_slice(&item.offset.to_le_bytes());
+        }
+        if let Some(salt) = &block.extras.cache_salt {
+            bytes.extend_from_slice(salt.as_bytes());
         }
         xxh3_64_with_seed(&bytes, self.seed)
     }
@@ -247,18 +326,19 @@ impl RankCache {
         &mut self,
         parent: Option<u64>,
         first_depth: usize,
-        new_blocks: &[&[u32]],
+        new_blocks: &[Block],
     ) -> BlockStored {
         let mut event = self.stored_event(parent);
         let mut parent = parent;
-        for (offset, tokens) in new_blocks.iter().enumerate() {
-            let hash = self.block_hash(parent, tokens);
+        for (offset, block) in new_blocks.iter().enumerate() {
+            let hash = self.block_hash(parent, block);
             let depth = (first_depth + offset) as u32;
             self.blocks.insert(
                 hash,
                 CachedBlock {
                     parent,
-                    tokens: tokens.to_vec(),
+                    tokens: block.tokens.to_vec(),
+                    extras: block.extras.clone(),
                     children: Vec::new(),
                     depth,
                     last_used: self.tick,
@@ -269,10 +349,11 @@ impl RankCache {
                 parent_block.children.push(hash);
             }
             event.block_hashes.push(hash);
-            event.token_ids.extend_from_slice(tokens);
+            event.token_ids.extend_from_slice(block.tokens);
+            event.extras.push(block.extras.clone());
             parent = Some(hash);
         }
-        event
+        plain_unless_extras(event)
     }
 
     /// An empty vLLM 0.33-style store event after `parent`.
@@ -285,210 +366,20 @@ impl RankCache {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A prompt of `blocks` full blocks of 4 tokens, distinct per `tag`, plus `extra` tokens.
-    fn prompt(tag: u32, blocks: u32, extra: u32) -> Vec<u32> {
-        (0..blocks * 4 + extra).map(|i| tag * 10_000 + i).collect()
-    }
-
-    fn stored(events: &[Event]) -> Vec<&BlockStored> {
-        events
-            .iter()
-            .filter_map(|e| match e {
-                Event::Stored(s) => Some(s),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn removed(events: &[Event]) -> Vec<u64> {
-        events
-            .iter()
-            .filter_map(|e| match e {
-                Event::Removed(r) => {
-                    assert_eq!(r.block_hashes.len(), 1, "vLLM sends one hash per removal");
-                    Some(r.block_hashes[0])
-                }
-                _ => None,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn first_serve_stores_full_blocks_then_hits() {
-        let mut cache = RankCache::new(4, 100, 1);
-        let p = prompt(1, 3, 2);
-        let first = cache.serve(&p);
-        assert_eq!(first.hit_blocks, 0);
-        let s = stored(&first.events);
-        assert_eq!(s.len(), 1);
-        assert_eq!(s[0].parent, None);
-        assert_eq!(s[0].block_hashes.len(), 3);
-        assert_eq!(s[0].token_ids, p[..12].to_vec());
-        assert_eq!(s[0].block_size, 4);
-        assert_eq!(
-            (s[0].medium.as_deref(), s[0].group_idx),
-            (Some("GPU"), Some(0))
-        );
-        assert_eq!(cache.true_prefix_hit(&p), 3);
-
-        let again = cache.serve(&p);
-        assert_eq!(again.hit_blocks, 3);
-        assert!(again.events.is_empty());
-    }
-
-    #[test]
-    fn extension_stores_only_the_new_blocks_after_the_last_hit() {
-        let mut cache = RankCache::new(4, 100, 1);
-        let short = prompt(1, 2, 0);
-        let first_hashes = stored(&cache.serve(&short).events)[0].block_hashes.clone();
-        let long = prompt(1, 5, 0);
-        let served = cache.serve(&long);
-        assert_eq!(served.hit_blocks, 2);
-        let s = stored(&served.events);
-        assert_eq!(s[0].parent, Some(first_hashes[1]));
-        assert_eq!(s[0].token_ids, long[8..20].to_vec());
-        assert_eq!(cache.true_prefix_hit(&long), 5);
-        assert_eq!(cache.len(), 5);
-    }
-
-    #[test]
-    fn engine_hashes_differ_between_seeds_and_after_reset() {
-        let p = prompt(1, 2, 0);
-        let mut a = RankCache::new(4, 100, 1);
-        let mut b = RankCache::new(4, 100, 2);
-        let ha = stored(&a.serve(&p).events)[0].block_hashes.clone();
-        let hb = stored(&b.serve(&p).events)[0].block_hashes.clone();
-        assert_ne!(ha, hb);
-        a.reset();
-        assert!(a.is_empty());
-        assert_eq!(a.true_prefix_hit(&p), 0);
-        let after = stored(&a.serve(&p).events)[0].block_hashes.clone();
-        assert_ne!(after, ha);
-        // A prefix-cache reset keeps the process, hence its hashes.
-        a.clear();
-        assert!(a.is_empty());
-        assert_eq!(stored(&a.serve(&p).events)[0].block_hashes, after);
-    }
-
-    #[test]
-    fn lru_evicts_the_least_recently_used_tail_first_and_never_the_running_prompt() {
-        let mut cache = RankCache::new(4, 6, 1);
-        let a = prompt(1, 3, 0);
-        let b = prompt(2, 3, 0);
-        let a_hashes = stored(&cache.serve(&a).events)[0].block_hashes.clone();
-        cache.serve(&b);
-        cache.serve(&a); // a is now more recently used than b
-        let c = prompt(3, 2, 0);
-        let served = cache.serve(&c);
-        // Two blocks of b go, deepest first; a is untouched.
-        assert_eq!(removed(&served.events).len(), 2);
-        assert_eq!(cache.true_prefix_hit(&a), 3);
-        assert_eq!(cache.true_prefix_hit(&b), 1);
-        assert_eq!(cache.true_prefix_hit(&c), 2);
-        assert_eq!(cache.len(), 6);
-        // Removals come before the store in the batch.
-        assert!(matches!(served.events.last(), Some(Event::Stored(_))));
-
-        // A prompt that shares a's head pins it while evicting.
-        let mut a_ext = a.clone();
-        a_ext.extend(prompt(4, 3, 0));
-        let served = cache.serve(&a_ext);
-        assert_eq!(served.hit_blocks, 3);
-        let gone = removed(&served.events);
-        assert!(gone.iter().all(|h| !a_hashes.contains(h)));
-        assert_eq!(cache.true_prefix_hit(&a_ext), 6);
-        assert_eq!(cache.len(), 6);
-    }
-
-    #[test]
-    fn a_prompt_longer_than_the_cache_caches_its_head() {
-        let mut cache = RankCache::new(4, 3, 1);
-        cache.serve(&prompt(1, 2, 0));
-        let big = prompt(2, 10, 0);
-        let served = cache.serve(&big);
-        assert_eq!(removed(&served.events).len(), 2);
-        assert_eq!(stored(&served.events)[0].block_hashes.len(), 3);
-        assert_eq!(cache.true_prefix_hit(&big), 3);
-    }
-
-    #[test]
-    fn true_prefix_hit_does_not_touch_lru() {
-        let mut cache = RankCache::new(4, 4, 1);
-        let a = prompt(1, 2, 0);
-        let b = prompt(2, 2, 0);
-        cache.serve(&a);
-        cache.serve(&b);
-        assert_eq!(cache.true_prefix_hit(&a), 2); // must not make a recent
-        cache.serve(&prompt(3, 2, 0));
-        assert_eq!(cache.true_prefix_hit(&a), 0);
-        assert_eq!(cache.true_prefix_hit(&b), 2);
-    }
-
-    /// Replays a snapshot into a model of (hash → parent, tokens) and checks every parent comes
-    /// first and every cached block is present once.
-    #[test]
-    fn snapshot_lists_every_block_once_parents_first() {
-        let mut cache = RankCache::new(4, 50, 3);
-        let mut shared = prompt(1, 3, 0);
-        for branch in 0..4 {
-            let mut p = shared.clone();
-            p.extend(prompt(10 + branch, 2, 1));
-            cache.serve(&p);
-        }
-        shared.extend(prompt(20, 1, 0));
-        cache.serve(&shared);
-        cache.serve(&prompt(30, 2, 0));
-
-        let mut seen: HashMap<u64, Vec<u32>> = HashMap::new();
-        for event in cache.snapshot_events() {
-            if let Some(parent) = event.parent {
-                assert!(seen.contains_key(&parent), "parent before child");
-            }
-            assert_eq!(event.token_ids.len(), event.block_hashes.len() * 4);
-            for (hash, tokens) in event.block_hashes.iter().zip(event.token_ids.chunks(4)) {
-                assert!(seen.insert(*hash, tokens.to_vec()).is_none(), "listed once");
-            }
-        }
-        assert_eq!(seen.len(), cache.len());
-        assert_eq!(seen.len(), 3 + 4 * 2 + 1 + 2);
-    }
-
-    #[test]
-    fn random_workload_keeps_capacity_and_no_orphans() {
-        let mut rng = crate::sim::rng::SplitMix64::new(9);
-        let mut cache = RankCache::new(4, 40, 5);
-        let mut live: HashMap<u64, Option<u64>> = HashMap::new();
-        for _ in 0..500 {
-            let head = rng.below(5) as u32;
-            let mut p = prompt(head, 1 + rng.below(6) as u32, 0);
-            p.extend(prompt(100 + rng.below(20) as u32, rng.below(8) as u32, 3));
-            let expected_hit = cache.true_prefix_hit(&p);
-            let served = cache.serve(&p);
-            assert_eq!(served.hit_blocks, expected_hit);
-            for event in &served.events {
-                match event {
-                    Event::Removed(r) => {
-                        let hash = r.block_hashes[0];
-                        assert!(live.values().all(|p| *p != Some(hash)), "no orphan child");
-                        assert!(live.remove(&hash).is_some());
-                    }
-                    Event::Stored(s) => {
-                        let mut parent = s.parent;
-                        assert!(parent.is_none_or(|p| live.contains_key(&p)));
-                        for &hash in &s.block_hashes {
-                            live.insert(hash, parent);
-                            parent = Some(hash);
-                        }
-                    }
-                    Event::Cleared => unreachable!("the cache never clears itself"),
-                }
-            }
-            assert!(cache.len() <= 40);
-            assert_eq!(live.len(), cache.len());
-        }
-    }
+/// One full block of a request: its tokens and what else its hash covers.
+struct Block<'r> {
+    tokens: &'r [u32],
+    extras: BlockExtras,
 }
+
+/// vLLM sends `extra_keys` entries as nil for plain blocks: an event's extras list is empty
+/// unless a block has some.
+fn plain_unless_extras(mut event: BlockStored) -> BlockStored {
+    if event.extras.iter().all(BlockExtras::is_plain) {
+        event.extras.clear();
+    }
+    event
+}
+
+#[cfg(test)]
+mod tests;

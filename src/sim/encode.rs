@@ -7,9 +7,9 @@
 use rmp::encode::{self as mp, ByteBuf};
 use serde_json::json;
 
-use crate::wire::{BlockRemoved, BlockStored, Event, EventBatch};
+use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, EventBatch};
 
-/// The two event encodings of PROTOCOL.md.
+/// The two event encodings of `docs/protocol.md`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Form {
     /// Tagged maps: vLLM >= 0.24 (the default of current engines).
@@ -49,9 +49,14 @@ pub fn encode_batch(batch: &EventBatch, form: Form) -> Vec<u8> {
 }
 
 /// vLLM 0.24+: `{type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-/// lora_name, extra_keys, group_idx}`, `group_idx` left out when unset.
+/// lora_name, extra_keys, group_idx, lookahead_token_ids}`, `group_idx` left out when unset and
+/// `lookahead_token_ids` when no block has any (as vLLM 0.33 without speculative decoding).
 fn stored_map(out: &mut Writer, stored: &BlockStored) {
-    out.map(9 + usize::from(stored.group_idx.is_some()));
+    let lookahead = stored
+        .extras
+        .iter()
+        .any(|extras| !extras.lookahead.is_empty());
+    out.map(9 + usize::from(stored.group_idx.is_some()) + usize::from(lookahead));
     out.str("type");
     out.str("BlockStored");
     out.str("block_hashes");
@@ -74,10 +79,18 @@ fn stored_map(out: &mut Writer, stored: &BlockStored) {
         out.str("group_idx");
         out.uint(u64::from(group_idx));
     }
+    if lookahead {
+        out.str("lookahead_token_ids");
+        out.array(stored.extras.len());
+        for extras in &stored.extras {
+            out.tokens(&extras.lookahead);
+        }
+    }
 }
 
-/// vLLM 0.22: `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
-/// extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`.
+/// vLLM 0.22: `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium,
+/// lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`. It
+/// predates lookahead hashing: an event's lookahead tokens are not written.
 fn stored_array(out: &mut Writer, stored: &BlockStored) {
     out.array(12);
     out.str("BlockStored");
@@ -94,16 +107,36 @@ fn stored_array(out: &mut Writer, stored: &BlockStored) {
     out.nil();
 }
 
-/// One entry per block, as vLLM sends: the adapter name when there is one, else nil.
+/// One entry per block, as vLLM sends: nil, or `[lora_name?, [identifier, offset]..., salt?,
+/// digest?]` (the opaque inputs as one bytes digest).
 fn extra_keys(out: &mut Writer, stored: &BlockStored) {
+    let lora = stored.lora_name.as_deref();
     out.array(stored.block_hashes.len());
-    for _ in &stored.block_hashes {
-        match stored.lora_name.as_deref() {
-            Some(name) => {
-                out.array(1);
-                out.str(name);
-            }
-            None => out.nil(),
+    for block in 0..stored.block_hashes.len() {
+        let plain = BlockExtras::default();
+        let extras = stored.extras.get(block).unwrap_or(&plain);
+        let len = usize::from(lora.is_some())
+            + extras.mm_items.len()
+            + usize::from(extras.cache_salt.is_some())
+            + usize::from(!extras.opaque.is_empty());
+        if len == 0 {
+            out.nil();
+            continue;
+        }
+        out.array(len);
+        if let Some(name) = lora {
+            out.str(name);
+        }
+        for item in &extras.mm_items {
+            out.array(2);
+            out.str(&item.identifier);
+            out.int(item.offset);
+        }
+        if let Some(salt) = &extras.cache_salt {
+            out.str(salt);
+        }
+        if !extras.opaque.is_empty() {
+            out.bin(&extras.opaque);
         }
     }
 }
@@ -152,6 +185,12 @@ impl Writer {
     }
     fn uint(&mut self, value: u64) {
         let Ok(_) = mp::write_uint(&mut self.0, value);
+    }
+    fn int(&mut self, value: i64) {
+        let Ok(_) = mp::write_sint(&mut self.0, value);
+    }
+    fn bin(&mut self, bytes: &[u8]) {
+        let Ok(()) = mp::write_bin(&mut self.0, bytes);
     }
     fn float(&mut self, value: f64) {
         let Ok(()) = mp::write_f64(&mut self.0, value);
@@ -217,7 +256,7 @@ pub fn encode_snapshot(
     let events: Vec<_> = events
         .iter()
         .map(|stored| {
-            json!({
+            let mut event = json!({
                 "type": "BlockStored",
                 "block_hashes": stored.block_hashes,
                 "parent_block_hash": stored.parent,
@@ -226,7 +265,26 @@ pub fn encode_snapshot(
                 "lora_name": stored.lora_name,
                 "medium": stored.medium,
                 "group_idx": stored.group_idx,
-            })
+            });
+            if !stored.extras.is_empty() {
+                event["extra_keys"] = stored
+                    .extras
+                    .iter()
+                    .map(|x| json_extra_keys(stored, x))
+                    .collect();
+            }
+            if stored
+                .extras
+                .iter()
+                .any(|extras| !extras.lookahead.is_empty())
+            {
+                event["lookahead_token_ids"] = stored
+                    .extras
+                    .iter()
+                    .map(|extras| json!(extras.lookahead))
+                    .collect();
+            }
+            event
         })
         .collect();
     let body = json!({
@@ -236,4 +294,31 @@ pub fn encode_snapshot(
         "events": events,
     });
     body.to_string().into_bytes()
+}
+
+/// A block's `extra_keys` entry in a snapshot: as in `extra_keys`, the opaque inputs as one
+/// `{"opaque": hex}` entry (still opaque when read back, not byte for byte).
+fn json_extra_keys(stored: &BlockStored, extras: &BlockExtras) -> serde_json::Value {
+    let mut keys: Vec<serde_json::Value> = Vec::new();
+    keys.extend(stored.lora_name.iter().map(|name| json!(name)));
+    keys.extend(
+        extras
+            .mm_items
+            .iter()
+            .map(|item| json!([item.identifier, item.offset])),
+    );
+    keys.extend(extras.cache_salt.iter().map(|salt| json!(salt)));
+    if !extras.opaque.is_empty() {
+        let hex: String = extras
+            .opaque
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect();
+        keys.push(json!({ "opaque": hex }));
+    }
+    if keys.is_empty() {
+        serde_json::Value::Null
+    } else {
+        json!(keys)
+    }
 }

@@ -20,7 +20,7 @@ use log::warn;
 use parking_lot::Mutex;
 
 use crate::sim::api::{self, ApiReply, ApiServer};
-use crate::sim::cache::RankCache;
+use crate::sim::cache::{RankCache, Request};
 use crate::sim::encode::{encode_batch, encode_snapshot, message_frames, Form};
 use crate::sim::rank_http;
 use crate::sim::replay::{self, Layout};
@@ -239,12 +239,13 @@ impl SimEngine {
 
     /// Runs a prompt on `rank` and publishes the resulting batch (if the cache changed); returns
     /// the leading full blocks that were already cached.
-    pub fn serve(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
+    pub fn serve<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
+        let prompt = prompt.into();
         let rank = self.rank(rank)?;
         let mut state = rank.state.lock();
         let served = state.cache.serve(prompt);
         state.last_prompt.clear();
-        state.last_prompt.extend_from_slice(prompt);
+        state.last_prompt.extend_from_slice(prompt.tokens);
         if !served.events.is_empty() {
             state.publish(&rank, served.events)?;
         }
@@ -252,7 +253,7 @@ impl SimEngine {
     }
 
     /// Ground truth: leading full blocks of `prompt` that `rank` holds now.
-    pub fn true_prefix_hit(&self, rank: u32, prompt: &[u32]) -> Result<u32> {
+    pub fn true_prefix_hit<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
         Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
     }
 

@@ -5,11 +5,12 @@
 //! skipped and counted, never allowed to lose the rest of its batch. It never fails a batch for
 //! anything but a payload that is not a batch (or ends inside one).
 
+use super::extras::RawIdentity;
 use super::msgpack::{Header, ReadError, Reader, Unexpected};
 use super::{BlockRemoved, BlockStored, DecodeError, Event, EventBatch};
 
 /// Why one event is skipped. Only its fact matters to the caller: the batch counts it.
-struct Skip;
+pub(super) struct Skip;
 
 impl From<ReadError> for Skip {
     fn from(_: ReadError) -> Self {
@@ -127,14 +128,21 @@ fn decode_array_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             let token_ids = reader.token_ids()?;
             let block_size = block_size(reader)?;
             let mut stored = BlockStored::new(block_hashes, parent, token_ids, block_size);
+            let mut identity = RawIdentity::default();
             for position in 5..len {
                 match position {
                     6 => stored.medium = optional_string(reader)?,
-                    7 => stored.lora_name = lora_name(reader)?,
+                    7 => (stored.lora_name, identity.cache_salt) = lora_name(reader)?,
+                    8 => identity.extra_keys = Some(reader.raw_value()?),
                     9 => stored.group_idx = optional_u32(reader)?,
                     _ => reader.skip_value()?,
                 }
             }
+            stored.extras = identity.extras(
+                stored.block_hashes.len(),
+                stored.lora_name.as_deref(),
+                stored.parent.is_none(),
+            )?;
             Ok(Event::Stored(stored))
         }
         Kind::Removed => {
@@ -174,6 +182,7 @@ fn decode_map_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
     let mut lora_name_seen = None;
     let mut medium = None;
     let mut group_idx = None;
+    let mut identity = RawIdentity::default();
     for _ in 0..len {
         match reader.str()? {
             b"type" => kind_seen = Some(kind(reader.str()?)?),
@@ -181,22 +190,49 @@ fn decode_map_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             b"parent_block_hash" => parent = optional_hash(reader)?,
             b"token_ids" => token_ids = Some(reader.token_ids()?),
             b"block_size" => block_size_seen = Some(block_size(reader)?),
-            b"lora_name" => lora_name_seen = lora_name(reader)?,
+            b"lora_name" => {
+                let (name, salt) = lora_name(reader)?;
+                lora_name_seen = name;
+                identity.cache_salt = identity.cache_salt.or(salt);
+            }
             b"medium" => medium = optional_string(reader)?,
             b"group_idx" => group_idx = optional_u32(reader)?,
+            b"extra_keys" => identity.extra_keys = Some(reader.raw_value()?),
+            b"lookahead_token_ids" => identity.lookahead = Some(reader.raw_value()?),
+            b"mm_keys" => identity.mm_keys = Some(reader.raw_value()?),
+            b"cache_salt" => {
+                let start = reader.position();
+                if let Ok(salt) = optional_string(reader) {
+                    // A nil here must not erase a salt the `{cache_salt}` map in `lora_name`
+                    // gave: the two are read in whatever order the map has them.
+                    identity.cache_salt = salt.or(identity.cache_salt.take());
+                } else {
+                    reader.rewind(start);
+                    identity.odd_salt = Some(reader.raw_value()?);
+                }
+            }
             _ => reader.skip_value()?,
         }
     }
     match kind_seen.ok_or(Skip)? {
-        Kind::Stored => Ok(Event::Stored(BlockStored {
-            block_hashes: block_hashes.ok_or(Skip)?,
-            parent,
-            token_ids: token_ids.ok_or(Skip)?,
-            block_size: block_size_seen.ok_or(Skip)?,
-            lora_name: lora_name_seen,
-            medium,
-            group_idx,
-        })),
+        Kind::Stored => {
+            let block_hashes = block_hashes.ok_or(Skip)?;
+            let extras = identity.extras(
+                block_hashes.len(),
+                lora_name_seen.as_deref(),
+                parent.is_none(),
+            )?;
+            Ok(Event::Stored(BlockStored {
+                block_hashes,
+                parent,
+                token_ids: token_ids.ok_or(Skip)?,
+                block_size: block_size_seen.ok_or(Skip)?,
+                lora_name: lora_name_seen,
+                medium,
+                group_idx,
+                extras,
+            }))
+        }
         Kind::Removed => Ok(Event::Removed(BlockRemoved {
             block_hashes: block_hashes.ok_or(Skip)?,
             medium,
@@ -272,38 +308,21 @@ fn optional_string(reader: &mut Reader) -> Result<Option<String>, Skip> {
 }
 
 /// `lora_name`: a string or nil; SGLang 0.5.18–0.5.19 put a `{cache_salt}` map in its place,
-/// which names no adapter.
-fn lora_name(reader: &mut Reader) -> Result<Option<String>, Skip> {
+/// which names no adapter but salts the request. Returns (adapter, salt).
+fn lora_name(reader: &mut Reader) -> Result<(Option<String>, Option<String>), Skip> {
     let start = reader.position();
-    if let Header::Map(_) = reader.header()? {
+    let Header::Map(len) = reader.header()? else {
         reader.rewind(start);
-        reader.skip_value()?;
-        return Ok(None);
-    }
-    reader.rewind(start);
-    optional_string(reader)
-}
-
-impl BlockStored {
-    /// A store of `block_hashes` on the GPU with no adapter and no group: what most engines send,
-    /// and the one literal tests, benchmarks and the simulated engine start from
-    /// (`BlockStored { group_idx: Some(0), ..BlockStored::new(..) }` for the rest).
-    pub fn new(
-        block_hashes: Vec<u64>,
-        parent: Option<u64>,
-        token_ids: Vec<u32>,
-        block_size: u32,
-    ) -> BlockStored {
-        BlockStored {
-            block_hashes,
-            parent,
-            token_ids,
-            block_size,
-            lora_name: None,
-            medium: None,
-            group_idx: None,
+        return Ok((optional_string(reader)?, None));
+    };
+    let mut salt = None;
+    for _ in 0..len {
+        match reader.str()? {
+            b"cache_salt" => salt = optional_string(reader)?,
+            _ => reader.skip_value()?,
         }
     }
+    Ok((None, salt))
 }
 
 #[cfg(test)]
@@ -382,5 +401,62 @@ mod tests {
         payload.extend_from_slice(&[0x91, 0x01, 0xc0, 0x91, 0x01, 0xfc]);
         let batch = decode_batch(&payload);
         assert_eq!(batch.map(|b| (b.events.len(), b.skipped)), Ok((0, 1)));
+    }
+
+    /// A map-form store whose salt stands in SGLang's `{cache_salt}` map under `lora_name`,
+    /// beside a nil `cache_salt` key, in either order.
+    fn store_with_salt_in_lora_name(nil_salt_last: bool) -> Vec<u8> {
+        use rmp::encode::*;
+        let mut out = Vec::new();
+        let key = |out: &mut Vec<u8>, k: &str| write_str(out, k).expect("vec");
+        write_array_len(&mut out, 3).expect("vec");
+        write_f64(&mut out, 1.0).expect("vec");
+        write_array_len(&mut out, 1).expect("vec");
+        write_map_len(&mut out, 7).expect("vec");
+        key(&mut out, "type");
+        write_str(&mut out, "BlockStored").expect("vec");
+        key(&mut out, "block_hashes");
+        write_array_len(&mut out, 1).expect("vec");
+        write_uint(&mut out, 7).expect("vec");
+        key(&mut out, "parent_block_hash");
+        write_nil(&mut out).expect("vec");
+        key(&mut out, "token_ids");
+        write_array_len(&mut out, 16).expect("vec");
+        for token in 0..16 {
+            write_uint(&mut out, token).expect("vec");
+        }
+        key(&mut out, "block_size");
+        write_uint(&mut out, 16).expect("vec");
+        let nil_salt = |out: &mut Vec<u8>| {
+            write_str(out, "cache_salt").expect("vec");
+            write_nil(out).expect("vec");
+        };
+        if !nil_salt_last {
+            nil_salt(&mut out);
+        }
+        key(&mut out, "lora_name");
+        write_map_len(&mut out, 1).expect("vec");
+        key(&mut out, "cache_salt");
+        write_str(&mut out, "carol").expect("vec");
+        if nil_salt_last {
+            nil_salt(&mut out);
+        }
+        write_uint(&mut out, 0).expect("vec");
+        out
+    }
+
+    #[test]
+    fn a_nil_cache_salt_key_keeps_the_salt_of_a_lora_name_map_in_either_order() {
+        for nil_salt_last in [false, true] {
+            let batch = decode_batch(&store_with_salt_in_lora_name(nil_salt_last));
+            let Ok(EventBatch { events, .. }) = batch else {
+                panic!("not decoded: {batch:?}");
+            };
+            let [Event::Stored(stored)] = &events[..] else {
+                panic!("one store expected: {events:?}");
+            };
+            let salt = stored.extras.first().and_then(|b| b.cache_salt.as_deref());
+            assert_eq!(salt, Some("carol"), "nil salt last: {nil_salt_last}");
+        }
     }
 }

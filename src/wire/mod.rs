@@ -1,12 +1,13 @@
 //! The engines' KV-event wire format: ZMQ frames and msgpack payloads → typed events.
 //!
 //! Owns every encoding quirk of every released vLLM, SGLang and TensorRT-LLM version
-//! (PROTOCOL.md). It never touches the index or a socket, and never panics on any input.
+//! (`docs/protocol.md`). It never touches the index or a socket, and never panics on any input.
 //!
 //! `msgpack` is a zero-copy cursor, `batch` decodes KVEventBatch payloads with it, `snapshot`
 //! decodes `GET /kv_recover` bodies; the frame layouts live here.
 
 mod batch;
+mod extras;
 mod msgpack;
 mod snapshot;
 
@@ -36,6 +37,67 @@ pub struct BlockStored {
     /// `None` or `"GPU"` is GPU residency.
     pub medium: Option<String>,
     pub group_idx: Option<u32>,
+    /// What each block's engine hash covers beyond its tokens, its chain and the LoRA adapter,
+    /// one entry per block; empty when no block has anything (the common case).
+    pub extras: Vec<BlockExtras>,
+}
+
+impl BlockStored {
+    /// A GPU store of plain blocks (no adapter, no extras) of `block_size` tokens.
+    pub fn new(
+        block_hashes: Vec<u64>,
+        parent: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> Self {
+        BlockStored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_name: None,
+            medium: None,
+            group_idx: None,
+            extras: Vec::new(),
+        }
+    }
+}
+
+/// The inputs of one block's engine hash besides its tokens, chain and LoRA adapter
+/// (`docs.md`, "Block keys"; `docs/protocol.md`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockExtras {
+    /// Multimodal items overlapping the block, in the engine's order.
+    pub mm_items: Vec<MmPlacement>,
+    /// The request's cache salt (vLLM puts it on a chain's first block only).
+    pub cache_salt: Option<String>,
+    /// The tokens after the block that its hash covers (vLLM's lookahead hashing under
+    /// speculative decoding); empty when the engine hashes none.
+    pub lookahead: Vec<u32>,
+    /// Inputs no prompt can reproduce (prompt-embedding digests, extra-key shapes this decoder
+    /// does not know), concatenated (a digest's bytes, anything else its raw encoding): such a
+    /// block is never matched.
+    pub opaque: Vec<u8>,
+}
+
+impl BlockExtras {
+    /// No input beyond the block's tokens and chain.
+    pub fn is_plain(&self) -> bool {
+        self.mm_items.is_empty()
+            && self.cache_salt.is_none()
+            && self.lookahead.is_empty()
+            && self.opaque.is_empty()
+    }
+}
+
+/// A multimodal item as one block's hash sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MmPlacement {
+    /// The item's identifier (vLLM's `MultiModalFeatureSpec.identifier`, a content digest).
+    pub identifier: String,
+    /// The item's first token relative to the block's first token: negative when the item began
+    /// in an earlier block.
+    pub offset: i64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -73,7 +135,7 @@ pub enum ReplayItem<'a> {
     End,
 }
 
-/// A rank's `GET /kv_recover` snapshot (SPEC.md "Snapshot endpoint").
+/// A rank's `GET /kv_recover` snapshot (`docs/protocol.md`, "Snapshot endpoint").
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     /// Seq of the last batch published before the snapshot; `None` when the body says -1.

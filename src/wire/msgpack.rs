@@ -196,6 +196,13 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// Skips one whole value and returns its bytes.
+    pub(crate) fn raw_value(&mut self) -> Result<&'a [u8], ReadError> {
+        let start = self.pos;
+        self.skip_value()?;
+        Ok(&self.buf[start..self.pos])
+    }
+
     /// Reads an array of token ids straight into a `Vec<u32>`. Any element that is not an int
     /// in `0..=u32::MAX` (SGLang bigram pairs, strings, negatives) is `Unexpected`.
     pub(crate) fn token_ids(&mut self) -> Result<Vec<u32>, Unexpected> {

@@ -1,11 +1,12 @@
-//! `GET /kv_recover` JSON bodies → `Snapshot` (SPEC.md "Snapshot endpoint").
+//! `GET /kv_recover` JSON bodies → `Snapshot` (`docs/protocol.md`, "Snapshot endpoint").
 //!
 //! A snapshot replaces what the index knows about a rank, so it is all or nothing: any bad field
 //! fails the whole body with an error naming the field. It never guesses a missing required value.
 
 use serde_json::{Map, Value};
 
-use super::{BlockStored, DecodeError, Snapshot};
+use super::extras::{add_extra_key, finish, ExtraKey};
+use super::{BlockExtras, BlockStored, DecodeError, MmPlacement, Snapshot};
 
 /// Decodes a `GET /kv_recover` JSON body.
 pub fn decode_snapshot(body: &[u8]) -> Result<Snapshot, DecodeError> {
@@ -75,15 +76,83 @@ fn block_stored(event: &Value, index: usize) -> Result<BlockStored, DecodeError>
         .and_then(Value::as_array)
         .and_then(|tokens| tokens.iter().map(as_u32).collect::<Option<Vec<_>>>())
         .ok_or_else(|| field(path("token_ids"), "an array of ints in 0..=4294967295"))?;
+    let lora_name = optional_string(object, "lora_name", &path("lora_name"))?;
+    let salt = optional_string(object, "cache_salt", &path("cache_salt"))?;
+    let mut extras = vec![BlockExtras::default(); block_hashes.len()];
+    per_block(object.get("extra_keys"), &mut extras, |entry, block| {
+        let keys = entry.as_array()?;
+        for (position, key) in keys.iter().enumerate() {
+            let other = key.to_string();
+            let key = match key {
+                Value::String(text) => ExtraKey::Text(text),
+                Value::Array(pair) => match mm_placement(pair) {
+                    Some(item) => ExtraKey::Item(item),
+                    None => ExtraKey::Other(other.as_bytes()),
+                },
+                _ => ExtraKey::Other(other.as_bytes()),
+            };
+            add_extra_key(block, position, key, lora_name.as_deref());
+        }
+        Some(())
+    });
+    per_block(
+        object.get("lookahead_token_ids"),
+        &mut extras,
+        |entry, block| {
+            block.lookahead = entry
+                .as_array()?
+                .iter()
+                .map(as_u32)
+                .collect::<Option<_>>()?;
+            Some(())
+        },
+    );
     Ok(BlockStored {
+        extras: finish(extras, salt.as_deref(), parent.is_none()),
         block_hashes,
         parent,
         token_ids,
         block_size: required_u32(object, "block_size", &path("block_size"))?,
-        lora_name: optional_string(object, "lora_name", &path("lora_name"))?,
+        lora_name,
         medium: optional_string(object, "medium", &path("medium"))?,
         group_idx: optional_u32(object, "group_idx", &path("group_idx"))?,
     })
+}
+
+/// The JSON form of the wire's per-block reading (see `extras`): `list` is absent, null, or one
+/// entry per block; an entry `read` cannot take, or a list that does not line up with the
+/// blocks, makes the blocks concerned opaque (never matched).
+fn per_block(
+    list: Option<&Value>,
+    extras: &mut [BlockExtras],
+    mut read: impl FnMut(&Value, &mut BlockExtras) -> Option<()>,
+) {
+    let entries = match list {
+        None | Some(Value::Null) => return,
+        Some(Value::Array(entries)) if entries.len() == extras.len() => entries,
+        Some(other) => {
+            let text = other.to_string();
+            for block in extras {
+                block.opaque.extend_from_slice(text.as_bytes());
+            }
+            return;
+        }
+    };
+    for (entry, block) in entries.iter().zip(extras) {
+        if !entry.is_null() && read(entry, block).is_none() {
+            block.opaque.extend_from_slice(entry.to_string().as_bytes());
+        }
+    }
+}
+
+fn mm_placement(pair: &[Value]) -> Option<MmPlacement> {
+    match pair {
+        [Value::String(identifier), offset] => Some(MmPlacement {
+            identifier: identifier.clone(),
+            offset: offset.as_i64()?,
+        }),
+        _ => None,
+    }
 }
 
 /// A hash as JSON carries it: a u64, or an i64 bit-cast.
@@ -173,6 +242,7 @@ mod tests {
                     lora_name: None,
                     medium: Some("GPU".into()),
                     group_idx: None,
+                    extras: Vec::new(),
                 }],
             })
         );

@@ -1,0 +1,65 @@
+//! The `POST /query` body: parsed in one pass, every rejection naming the offending field.
+//!
+//! The common shape (plain integers, strings without escapes, known keys once each) is read by
+//! a hand-written scanner; anything else, valid or not, goes to the serde_json visitors, which
+//! alone decide every other result and word every rejection. The scanner must never accept
+//! what serde would reject or read differently.
+//!
+//! Never builds a JSON tree of the body and never panics on what a client sends.
+//!
+//! `scan` is the fast path, `fields` the serde visitors.
+
+mod fields;
+mod scan;
+#[cfg(test)]
+mod tests;
+
+use crate::index::{MmFeature, Prompt};
+use scan::scan_common_shape;
+
+/// A `/query` body.
+#[derive(Debug, Default, PartialEq)]
+pub struct QueryRequest {
+    pub token_ids: Vec<u32>,
+    pub model: Option<String>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    /// Multimodal items of the prompt (vLLM's `MultiModalFeatureSpec`: identifier, offset and
+    /// length in tokens).
+    pub mm_features: Vec<MmFeature>,
+}
+
+impl QueryRequest {
+    /// The prompt whose blocks the index scores.
+    pub fn prompt(&self) -> Prompt<'_> {
+        Prompt {
+            tokens: &self.token_ids,
+            lora_name: self.lora_name.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+            mm_features: &self.mm_features,
+        }
+    }
+}
+
+/// Parses a `/query` body in one pass, without building a JSON tree (a 16 MiB body of small
+/// numbers would make one of ~256 MiB); a rejection names the offending field or element.
+pub fn parse_query(body: &[u8]) -> Result<QueryRequest, String> {
+    match scan_common_shape(body) {
+        Some(query) => Ok(query),
+        None => parse_any_shape(body),
+    }
+}
+
+/// The serde path: every shape serde_json reads, every rejection worded for the client.
+fn parse_any_shape(body: &[u8]) -> Result<QueryRequest, String> {
+    serde_json::from_slice(body).map_err(|err| {
+        let text = err.to_string();
+        // serde_json appends the position to every message; ours already say where.
+        let position = format!(" at line {} column {}", err.line(), err.column());
+        let reason = text.strip_suffix(&position).unwrap_or(&text);
+        match err.classify() {
+            serde_json::error::Category::Data => reason.to_owned(),
+            _ => format!("body is not valid JSON: {text}"),
+        }
+    })
+}
