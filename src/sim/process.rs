@@ -44,6 +44,18 @@ impl IndexerProcess {
         log_filter: &str,
         deadline: Duration,
     ) -> Result<IndexerProcess> {
+        IndexerProcess::start_with_env(binary, toml, log_filter, &[], deadline)
+    }
+
+    /// `start` with extra environment variables for the child (a benchmark comparing, say,
+    /// glibc's `MALLOC_*` tunables against what the binary sets itself).
+    pub fn start_with_env(
+        binary: &Path,
+        toml: &str,
+        log_filter: &str,
+        env: &[(String, String)],
+        deadline: Duration,
+    ) -> Result<IndexerProcess> {
         const ATTEMPTS: usize = 3;
         let dir = PrivateDir::create()?;
         let config = dir.0.join("indexer.toml");
@@ -57,6 +69,7 @@ impl IndexerProcess {
                 .arg("--listen")
                 .arg(address.to_string())
                 .env("RUST_LOG", log_filter)
+                .envs(env.iter().map(|(name, value)| (name, value)))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
@@ -82,6 +95,23 @@ impl IndexerProcess {
     /// The child's process id.
     pub fn pid(&self) -> Result<u32> {
         Ok(self.running()?.id())
+    }
+
+    /// The child's memory as the kernel counts it: (resident now, peak resident), in KiB, from
+    /// `VmRSS` and `VmHWM` of `/proc/PID/status` (Linux only).
+    pub fn resident_kib(&self) -> Result<(u64, u64)> {
+        let pid = self.pid()?;
+        let path = format!("/proc/{pid}/status");
+        let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+        let field = |name: &str| -> Result<u64> {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .and_then(|value| value.split_whitespace().next())
+                .and_then(|kib| kib.parse().ok())
+                .with_context(|| format!("{path}: no {name} in kB"))
+        };
+        Ok((field("VmRSS:")?, field("VmHWM:")?))
     }
 
     /// The config file the child was started on.
@@ -149,6 +179,36 @@ impl Drop for IndexerProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Builds the release `kv-indexer` with the cargo that built the running benchmark (an example
+/// under `target/release/examples/`) and returns the binary's path, next to that directory.
+pub fn build_release_indexer() -> Result<PathBuf> {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let status = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "--bin",
+            "kv-indexer",
+            "--manifest-path",
+        ])
+        .arg(&manifest)
+        .status()
+        .context("running cargo build for the kv-indexer binary")?;
+    ensure!(
+        status.success(),
+        "cargo build --release --bin kv-indexer failed"
+    );
+    let examples = std::env::current_exe().context("locating this benchmark")?;
+    let binary = examples
+        .parent()
+        .and_then(Path::parent)
+        .map(|release| release.join("kv-indexer"))
+        .context("no target directory above this benchmark")?;
+    ensure!(binary.exists(), "{} was not built", binary.display());
+    Ok(binary)
 }
 
 /// Waits until `child` answers `GET /health` on `address` with 200; on failure it is gone.

@@ -8,9 +8,12 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
 use crate::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 
@@ -78,6 +81,71 @@ impl OverHttp {
         }
         serde_json::from_str(&text).with_context(|| format!("{url}: not JSON: {text}"))
     }
+}
+
+impl OverHttp {
+    /// Sends a ready `POST /query` body and returns how long the answer took, from the first
+    /// byte sent to the last byte received; a status other than 200 is an error.
+    pub fn time_query(&self, body: &[u8]) -> Result<Duration> {
+        let url = format!("{}/query", self.base);
+        let sent = Instant::now();
+        let mut reply = self
+            .agent
+            .post(&url)
+            .header("Content-Type", "application/json")
+            .send(body)
+            .with_context(|| format!("POST {url}"))?;
+        let answer = reply.body_mut().read_to_vec();
+        let took = sent.elapsed();
+        let answer = answer.with_context(|| format!("POST {url}: reading the body"))?;
+        ensure!(
+            reply.status() == 200,
+            "POST {url}: {}: {}",
+            reply.status(),
+            String::from_utf8_lossy(&answer)
+        );
+        Ok(took)
+    }
+}
+
+/// Sends `bodies` to `POST /query` one after another (concurrency 1, one kept-alive
+/// connection, as a router holds it), from the first again after the last, while `running`;
+/// the thread returns each query's latency.
+pub fn spawn_querier(
+    address: SocketAddr,
+    bodies: Arc<[Vec<u8>]>,
+    running: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Vec<Duration>>>> {
+    std::thread::Builder::new()
+        .name("sim-query".into())
+        .spawn(move || {
+            let indexer = OverHttp::new(address);
+            let mut latencies = Vec::new();
+            for body in bodies.iter().cycle() {
+                if !running.load(Ordering::Relaxed) {
+                    break;
+                }
+                latencies.push(indexer.time_query(body)?);
+            }
+            Ok(latencies)
+        })
+        .context("spawning the query thread")
+}
+
+/// The `quantile` (0 to 1) of sorted latencies, `None` when there are none.
+pub fn percentile(sorted: &[Duration], quantile: f64) -> Option<Duration> {
+    let last = sorted.len().checked_sub(1)?;
+    sorted
+        .get((last as f64 * quantile).round() as usize)
+        .copied()
+}
+
+/// A latency in whole microseconds, `-` for none.
+pub fn micros(value: Option<Duration>) -> String {
+    value.map_or_else(
+        || "-".to_string(),
+        |d| format!("{:.0} µs", d.as_secs_f64() * 1e6),
+    )
 }
 
 impl IndexerView for OverHttp {
