@@ -66,6 +66,11 @@ struct Args {
     /// How long after the stream the resident set is read again.
     #[arg(long, default_value_t = 5)]
     rest_secs: u64,
+    /// Pause the indexer (SIGSTOP) while everything is published, then resume it: the largest
+    /// burst the queues hold (ZMQ's and the kernel's), drained at the indexer's own pace. The
+    /// querier starts at the resume.
+    #[arg(long)]
+    burst: bool,
     /// An extra `NAME=VALUE` in the indexer's environment (repeatable), to compare tunables.
     #[arg(long = "env", value_name = "NAME=VALUE")]
     env: Vec<String>,
@@ -205,17 +210,30 @@ fn run(
         })
         .collect();
 
-    let querying = Arc::new(AtomicBool::new(true));
-    let querier = spawn_querier(process.address, Arc::clone(&bodies), Arc::clone(&querying))?;
-    let streaming = Instant::now();
     let pace = Pace {
         generators: args.generators,
         step_tokens: Some(args.step_tokens).filter(|&n| n > 0),
         capacity_blocks: args.capacity_blocks,
     };
-    let settled = fleet
-        .serve_in_parallel(prompts, &placed, pace)
-        .and_then(|stored| Ok((stored, settle(&fleet, &mut indexer, DEADLINE)?)));
+    let querying = Arc::new(AtomicBool::new(true));
+    let (served, streaming, querier) = if args.burst {
+        process.signal(libc::SIGSTOP)?;
+        let served = fleet.serve_in_parallel(prompts, &placed, pace);
+        // Resumed even when serving failed, so that the child can be killed cleanly.
+        process.signal(libc::SIGCONT)?;
+        let streaming = Instant::now();
+        let querier = spawn_querier(process.address, Arc::clone(&bodies), Arc::clone(&querying))?;
+        (served, streaming, querier)
+    } else {
+        let querier = spawn_querier(process.address, Arc::clone(&bodies), Arc::clone(&querying))?;
+        let streaming = Instant::now();
+        (
+            fleet.serve_in_parallel(prompts, &placed, pace),
+            streaming,
+            querier,
+        )
+    };
+    let settled = served.and_then(|stored| Ok((stored, settle(&fleet, &mut indexer, DEADLINE)?)));
     let ingest = streaming.elapsed();
     querying.store(false, Ordering::Relaxed);
     let busy = querier
@@ -303,8 +321,13 @@ fn print_figures(
         load_average()
     );
     println!(
-        "stream: {} prompts, {} engines x {} ranks, {} blocks per rank, {} tokens per step; \
+        "stream{}: {} prompts, {} engines x {} ranks, {} blocks per rank, {} tokens per step; \
          {} batches, {} stored blocks published, {} generator threads; indexer env: {:?}",
+        if args.burst {
+            " (burst: indexer paused while publishing)"
+        } else {
+            ""
+        },
         prompts.len(),
         args.engines,
         args.dp_size,
