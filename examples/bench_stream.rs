@@ -88,6 +88,8 @@ struct Figures {
     batches: u64,
     stored_blocks: u64,
     ingest: Duration,
+    /// The indexer's CPU time (user, system) from the first batch published to the last applied.
+    cpu: (Duration, Duration),
     /// VmRSS in KiB: before the stream, at the peak (VmHWM), right after it, after the rest.
     rss_before: u64,
     rss_peak: u64,
@@ -195,6 +197,7 @@ fn run(
     let warm = warm_up(&fleet, &mut indexer, DEADLINE)?;
     let published_before = published_batches(&fleet)?;
     let (rss_before, _) = process.resident_kib()?;
+    let cpu_before = process.cpu_time()?;
 
     let mut router = fleet.router(Route::Sticky);
     let placed: Vec<RankRef> = prompts.iter().map(|p| router.pick(p)).collect();
@@ -235,6 +238,7 @@ fn run(
     };
     let settled = served.and_then(|stored| Ok((stored, settle(&fleet, &mut indexer, DEADLINE)?)));
     let ingest = streaming.elapsed();
+    let cpu_after = process.cpu_time()?;
     querying.store(false, Ordering::Relaxed);
     let busy = querier
         .join()
@@ -256,6 +260,7 @@ fn run(
         batches: published_batches(&fleet)? - published_before,
         stored_blocks,
         ingest,
+        cpu: (cpu_after.0 - cpu_before.0, cpu_after.1 - cpu_before.1),
         rss_before,
         rss_peak,
         rss_after,
@@ -339,9 +344,12 @@ fn print_figures(
         env
     );
     println!(
-        "ingest: {:.3} s ({:.0} blocks/s); gaps {}, lost batches {}",
+        "ingest: {:.3} s ({:.0} blocks/s); indexer CPU {:.3} s user + {:.3} s system; gaps {}, \
+         lost batches {}",
         figures.ingest.as_secs_f64(),
         figures.stored_blocks as f64 / figures.ingest.as_secs_f64(),
+        figures.cpu.0.as_secs_f64(),
+        figures.cpu.1.as_secs_f64(),
         figures.gaps,
         figures.lost_batches
     );

@@ -114,6 +114,33 @@ impl IndexerProcess {
         Ok((field("VmRSS:")?, field("VmHWM:")?))
     }
 
+    /// CPU time the child has used so far, user and system, from `/proc/PID/stat` (Linux only):
+    /// the cost of a run however loaded the machine is.
+    pub fn cpu_time(&self) -> Result<(Duration, Duration)> {
+        let pid = self.pid()?;
+        let path = format!("/proc/{pid}/stat");
+        let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+        // Fields after the command (which may hold spaces), from field 3 on: utime is field 14.
+        let after_command = stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest)
+            .with_context(|| format!("{path}: no command field"))?;
+        let ticks: Vec<u64> = after_command
+            .split_whitespace()
+            .skip(11)
+            .take(2)
+            .map(|field| field.parse().unwrap_or(0))
+            .collect();
+        // SAFETY: sysconf takes no pointers.
+        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        ensure!(
+            ticks.len() == 2 && per_second > 0,
+            "{path}: no utime and stime"
+        );
+        let seconds = |ticks: u64| Duration::from_secs_f64(ticks as f64 / per_second as f64);
+        Ok((seconds(ticks[0]), seconds(ticks[1])))
+    }
+
     /// The config file the child was started on.
     pub fn config_path(&self) -> &Path {
         &self.config
