@@ -71,6 +71,9 @@ struct Args {
     /// querier starts at the resume.
     #[arg(long)]
     burst: bool,
+    /// No queries while the stream is ingested: the indexer's CPU time is then ingestion's alone.
+    #[arg(long)]
+    quiet_ingest: bool,
     /// An extra `NAME=VALUE` in the indexer's environment (repeatable), to compare tunables.
     #[arg(long = "env", value_name = "NAME=VALUE")]
     env: Vec<String>,
@@ -218,7 +221,7 @@ fn run(
         step_tokens: Some(args.step_tokens).filter(|&n| n > 0),
         capacity_blocks: args.capacity_blocks,
     };
-    let querying = Arc::new(AtomicBool::new(true));
+    let querying = Arc::new(AtomicBool::new(!args.quiet_ingest));
     let (served, streaming, querier) = if args.burst {
         process.signal(libc::SIGSTOP)?;
         let served = fleet.serve_in_parallel(prompts, &placed, pace);
