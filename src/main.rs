@@ -2,9 +2,9 @@
 //! configuration, then either prints the expanded plan (`--check`) or hands everything to
 //! `service::run`. It never serves anything itself, and starts nothing from a broken file.
 //!
-//! It also tunes the C allocator before any thread starts (`return_bursts_to_the_kernel`):
-//! libzmq allocates every received message with C malloc, so this is the one place that decides
-//! whether a burst's message buffers go back to the kernel.
+//! Before serving it starts the one thread that returns what the C allocator keeps after a
+//! burst (`return_bursts_to_the_kernel`): libzmq allocates every received message with C
+//! malloc, which no Rust allocator setting reaches.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,7 +29,6 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    return_bursts_to_the_kernel();
     let args = Args::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
 
@@ -60,6 +59,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
 
+    return_bursts_to_the_kernel();
     match service::run(&args.config, config, args.listen) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -69,29 +69,55 @@ fn main() -> ExitCode {
     }
 }
 
-/// Makes glibc serve allocations of `MMAP_FROM_BYTES` and more with their own mappings, which
-/// `free` unmaps at once, instead of from its arenas, which keep what they held.
+/// Starts a thread that gives what glibc keeps after a burst back to the kernel: once a second
+/// it reads the resident set (`/proc/self/statm`), and when that grew by `TRIM_AFTER_GROWTH`
+/// since the last trim and stopped growing (the burst is over), calls `malloc_trim(0)`.
 ///
-/// Why: libzmq mallocs each received message, and most of ours are 8–16 KiB (a scheduler step
-/// of ~96 blocks in vLLM's map form). A burst that outruns the listeners queues thousands of
-/// them; freed, they stay in the arenas, fragmented between longer-lived chunks, for good.
-/// Measured with `examples/bench_stream` (16 ranks, 262,144 live pairs, docs/performance.md):
-/// RSS growth after a burst 134.6 MiB with glibc's default (a threshold that climbs to the
-/// largest block freed), 31.9 MiB with 8 KiB; on a live stream 53.1 → 25.7 MiB at the peak;
-/// the indexer's CPU for the burst 7.56 s → 7.51 s. 16 KiB leaves the burst at 137 MiB. An
-/// operator's own `MALLOC_MMAP_THRESHOLD_` or `GLIBC_TUNABLES` wins: then this does nothing.
+/// Why: libzmq mallocs each received message (most of ours are 8–16 KiB), and glibc keeps
+/// freed chunks in its arenas, fragmented between live ones, for good. Measured with
+/// `examples/bench_stream --burst` (16 ranks, 262,144 live pairs, docs/performance.md): 23 MiB
+/// of 46 MiB growth kept after the burst without it, none with it. The other fix measured,
+/// `mallopt(M_MMAP_THRESHOLD, 8 KiB)` (a mapping per message), cost the burst 26% more CPU.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn return_bursts_to_the_kernel() {
-    const MMAP_FROM_BYTES: libc::c_int = 8 << 10;
-    if ["MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"]
-        .iter()
-        .any(|name| std::env::var_os(name).is_some())
-    {
-        return;
+    const TRIM_AFTER_GROWTH: u64 = 8 << 20;
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+    let spawned = std::thread::Builder::new()
+        .name("malloc-trim".into())
+        .spawn(|| {
+            let mut trimmed_at = resident_bytes();
+            let mut previous = trimmed_at;
+            loop {
+                std::thread::sleep(EVERY);
+                let now = resident_bytes();
+                if now >= trimmed_at.saturating_add(TRIM_AFTER_GROWTH) && now <= previous {
+                    // SAFETY: malloc_trim takes no pointers and is thread-safe (it locks each
+                    // arena in turn).
+                    unsafe { libc::malloc_trim(0) };
+                    let after = resident_bytes();
+                    log::debug!(
+                        "returned {} KiB to the kernel",
+                        now.saturating_sub(after) >> 10
+                    );
+                    trimmed_at = after;
+                }
+                previous = now;
+            }
+        });
+    if let Err(error) = spawned {
+        log::warn!("no malloc-trim thread ({error}): memory a burst took stays with the process");
     }
-    // SAFETY: mallopt takes no pointers; it runs first in main, before any thread exists. It
-    // returns 0 only for an unknown option, and M_MMAP_THRESHOLD is one on every glibc.
-    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_FROM_BYTES) };
+}
+
+/// Bytes resident now; 0 when `/proc/self/statm` cannot be read (nothing is trimmed then).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn resident_bytes() -> u64 {
+    // SAFETY: sysconf takes no pointers.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * page)
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
