@@ -28,13 +28,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 
-use kv_indexer::sim::fleet::{trace_path, Fleet, Pace, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::process::{build_release_indexer, IndexerProcess};
+use kv_indexer::sim::fleet::{load_benchmark_trace, Fleet, Pace, RankRef, BLOCK_SIZE};
+use kv_indexer::sim::process::benchmark_binary;
 use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::watch::{
-    compare, micros, percentile, settle, spawn_querier, total, warm_up, OverHttp,
+    compare, micros, percentile, query_body, settle, spawn_querier, total, WatchedFleet,
 };
-use kv_indexer::sim::workload::{load_trace, Route};
+use kv_indexer::sim::workload::Route;
 
 #[derive(Parser)]
 #[command(about = "Memory and /query latency of the kv-indexer binary on a replayed stream")]
@@ -145,11 +145,7 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
     ensure!(args.queries >= 1, "--queries must be at least 1");
-    let trace = args
-        .trace
-        .clone()
-        .unwrap_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")));
-    let mut prompts = load_trace(&trace, BLOCK_SIZE)?;
+    let mut prompts = load_benchmark_trace(args.trace.as_deref())?;
     prompts.truncate(args.prompts);
     let env = args
         .env
@@ -160,10 +156,7 @@ fn main() -> Result<()> {
                 .with_context(|| format!("--env {pair}: expected NAME=VALUE"))
         })
         .collect::<Result<Vec<_>>>()?;
-    let binary = match &args.indexer {
-        Some(path) => path.clone(),
-        None => build_release_indexer()?,
-    };
+    let binary = benchmark_binary(args.indexer.as_deref())?;
     let started = load_average();
     let figures = run(&args, &binary, &env, &prompts)?;
     print_figures(&args, &env, &prompts, &figures, &started);
@@ -183,23 +176,25 @@ fn run(
     env: &[(String, String)],
     prompts: &[Vec<u32>],
 ) -> Result<Figures> {
-    let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
-        dp_size: args.dp_size,
-        capacity_blocks: args.capacity_blocks,
-        block_size: BLOCK_SIZE,
-        seed: 0x5778 + i as u64,
-        ..SimConfig::default()
-    })?;
-    let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
-    let process = IndexerProcess::start_with_env(
+    let watched = WatchedFleet::start(
         binary,
-        &fleet.indexer_config(),
-        &log_filter,
+        args.engines,
+        |i| SimConfig {
+            dp_size: args.dp_size,
+            capacity_blocks: args.capacity_blocks,
+            block_size: BLOCK_SIZE,
+            seed: 0x5778 + i as u64,
+            ..SimConfig::default()
+        },
         env,
-        Duration::from_secs(10),
+        DEADLINE,
     )?;
-    let mut indexer = OverHttp::new(process.address);
-    let warm = warm_up(&fleet, &mut indexer, DEADLINE)?;
+    let WatchedFleet {
+        fleet,
+        process,
+        mut indexer,
+        warm,
+    } = watched;
     let published_before = published_batches(&fleet)?;
     let (rss_before, _) = process.resident_kib()?;
     let cpu_before = process.cpu_time()?;
@@ -208,15 +203,7 @@ fn run(
     let placed: Vec<RankRef> = prompts.iter().map(|p| router.pick(p)).collect();
     let recent = prompts.len().saturating_sub(args.queries);
     let (queried, queried_at) = (&prompts[recent..], &placed[recent..]);
-    // Bodies built beforehand: the figures are the indexer's, not serde_json's.
-    let bodies: Arc<[Vec<u8>]> = queried
-        .iter()
-        .map(|p| {
-            serde_json::json!({ "token_ids": p })
-                .to_string()
-                .into_bytes()
-        })
-        .collect();
+    let bodies: Arc<[Vec<u8>]> = queried.iter().map(|p| query_body(p)).collect();
 
     let pace = Pace {
         generators: args.generators,
@@ -261,10 +248,7 @@ fn run(
     let mut exactly_long: Vec<Duration> = queried
         .iter()
         .filter(|prompt| prompt.len() >= LONG_PROMPT_TOKENS)
-        .map(|prompt| {
-            let body = serde_json::json!({ "token_ids": &prompt[..LONG_PROMPT_TOKENS] });
-            indexer.time_query(body.to_string().as_bytes())
-        })
+        .map(|prompt| indexer.time_query(&query_body(&prompt[..LONG_PROMPT_TOKENS])))
         .collect::<Result<_>>()?;
     exactly_long.sort_unstable();
     let accuracy = compare(&fleet, &mut indexer, &views, queried, queried_at)?;

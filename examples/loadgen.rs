@@ -31,13 +31,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use clap::Parser;
 
-use kv_indexer::sim::fleet::{trace_path, Fleet, Pace, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::process::{build_release_indexer, IndexerProcess};
+use kv_indexer::sim::fleet::{load_benchmark_trace, Pace, RankRef, BLOCK_SIZE};
+use kv_indexer::sim::process::benchmark_binary;
 use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::watch::{
-    compare, micros, percentile, settle, spawn_querier, total, warm_up, Accuracy, OverHttp,
+    compare, micros, percentile, query_body, settle, spawn_querier, total, Accuracy, WatchedFleet,
 };
-use kv_indexer::sim::workload::{load_trace, Route};
+use kv_indexer::sim::workload::Route;
 
 #[derive(Parser)]
 #[command(about = "Replays the trace through a simulated fleet against the kv-indexer binary")]
@@ -87,24 +87,9 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
     ensure!(args.generators >= 1, "--generators must be at least 1");
-    let trace = args
-        .trace
-        .clone()
-        .unwrap_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")));
-    let prompts = load_trace(&trace, BLOCK_SIZE)?;
-    // Query bodies built beforehand: the figures are the indexer's, not serde_json's.
-    let queries: Arc<[Vec<u8>]> = prompts
-        .iter()
-        .map(|p| {
-            serde_json::json!({ "token_ids": p })
-                .to_string()
-                .into_bytes()
-        })
-        .collect();
-    let binary = match &args.indexer {
-        Some(path) => path.clone(),
-        None => build_release_indexer()?,
-    };
+    let prompts = load_benchmark_trace(args.trace.as_deref())?;
+    let queries: Arc<[Vec<u8>]> = prompts.iter().map(|p| query_body(p)).collect();
+    let binary = benchmark_binary(args.indexer.as_deref())?;
     let live = run_round(&args, &binary, &prompts, &queries, Mode::Live)?;
     let burst = run_round(&args, &binary, &prompts, &queries, Mode::Burst)?;
     print_table(&args, &prompts, &live, &burst);
@@ -124,22 +109,24 @@ fn run_round(
     queries: &Arc<[Vec<u8>]>,
     mode: Mode,
 ) -> Result<Round> {
-    let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
-        dp_size: args.dp_size,
-        capacity_blocks: args.capacity_blocks,
-        block_size: BLOCK_SIZE,
-        seed: 0x10AD + i as u64,
-        ..SimConfig::default()
-    })?;
-    let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
-    let process = IndexerProcess::start(
+    let WatchedFleet {
+        fleet,
+        process,
+        mut indexer,
+        warm,
+    } = WatchedFleet::start(
         binary,
-        &fleet.indexer_config(),
-        &log_filter,
-        Duration::from_secs(10),
+        args.engines,
+        |i| SimConfig {
+            dp_size: args.dp_size,
+            capacity_blocks: args.capacity_blocks,
+            block_size: BLOCK_SIZE,
+            seed: 0x10AD + i as u64,
+            ..SimConfig::default()
+        },
+        &[],
+        DEADLINE,
     )?;
-    let mut indexer = OverHttp::new(process.address);
-    let warm = warm_up(&fleet, &mut indexer, DEADLINE)?;
     let rss_before = process.resident_kib()?.0;
 
     // Where each prompt goes is fixed by the sticky router.

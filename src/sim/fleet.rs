@@ -34,6 +34,12 @@ pub fn trace_path(manifest_dir: &str) -> PathBuf {
     )
 }
 
+/// The trace's prompts for a benchmark: from `given`, else from `trace_path` of this crate.
+pub fn load_benchmark_trace(given: Option<&Path>) -> Result<Vec<Vec<u32>>> {
+    let path = given.map_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")), Path::to_path_buf);
+    crate::sim::workload::load_trace(&path, BLOCK_SIZE)
+}
+
 /// One rank of one engine of the fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RankRef {

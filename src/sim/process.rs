@@ -208,6 +208,12 @@ impl Drop for IndexerProcess {
     }
 }
 
+/// The binary a benchmark runs: `given`, else the release `kv-indexer` built by
+/// `build_release_indexer`.
+pub fn benchmark_binary(given: Option<&Path>) -> Result<PathBuf> {
+    given.map_or_else(build_release_indexer, |path| Ok(path.to_path_buf()))
+}
+
 /// Builds the release `kv-indexer` with the cargo that built the running benchmark (an example
 /// under `target/release/examples/`) and returns the binary's path, next to that directory.
 pub fn build_release_indexer() -> Result<PathBuf> {

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use crate::sim::process::IndexerProcess;
+use crate::sim::server::SimConfig;
 
 /// What an indexer says about one of its listeners.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -159,6 +161,14 @@ impl IndexerView for OverHttp {
     }
 }
 
+/// The `POST /query` JSON body of a prompt, built before a benchmark times it (the figures
+/// are then the indexer's, not serde_json's).
+pub fn query_body(prompt: &[u32]) -> Vec<u8> {
+    serde_json::json!({ "token_ids": prompt })
+        .to_string()
+        .into_bytes()
+}
+
 /// `GET /workers` as rank views.
 pub fn parse_workers(workers: &serde_json::Value) -> Result<Vec<RankView>> {
     let mut views = Vec::new();
@@ -257,6 +267,47 @@ pub fn warm_up(
         fleet.nudge(at)?;
     }
     settle(fleet, indexer, deadline)
+}
+
+/// A fleet on consecutive ports and the `kv-indexer` binary watching it, for the benchmarks
+/// that drive the real binary; every listener warmed up.
+pub struct WatchedFleet {
+    pub fleet: Fleet,
+    pub process: IndexerProcess,
+    pub indexer: OverHttp,
+    /// The listeners' views right after the warm-up (counters to subtract).
+    pub warm: Vec<RankView>,
+}
+
+impl WatchedFleet {
+    /// Starts `engines` engines (engine `i` on `config(i)`) and `binary` on their config, with
+    /// `env` added to its environment and `$RUST_LOG` (default `warn`) as its log filter, and
+    /// warms every listener up within `deadline`.
+    pub fn start(
+        binary: &std::path::Path,
+        engines: usize,
+        config: impl Fn(usize) -> SimConfig,
+        env: &[(String, String)],
+        deadline: Duration,
+    ) -> Result<WatchedFleet> {
+        let fleet = Fleet::start_on_consecutive_ports(engines, config)?;
+        let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+        let process = IndexerProcess::start_with_env(
+            binary,
+            &fleet.indexer_config(),
+            &log_filter,
+            env,
+            Duration::from_secs(10),
+        )?;
+        let mut indexer = OverHttp::new(process.address);
+        let warm = warm_up(&fleet, &mut indexer, deadline)?;
+        Ok(WatchedFleet {
+            fleet,
+            process,
+            indexer,
+            warm,
+        })
+    }
 }
 
 /// What `compare` looked at.
