@@ -30,9 +30,8 @@ use clap::Parser;
 
 use kv_indexer::sim::fleet::{load_benchmark_trace, Fleet, Pace, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::process::benchmark_binary;
-use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::watch::{
-    compare, micros, percentile, query_body, settle, spawn_querier, total, WatchedFleet,
+    compare, micros, percentile, query_body, settle, spawn_querier, total, FleetShape, WatchedFleet,
 };
 use kv_indexer::sim::workload::Route;
 
@@ -178,13 +177,11 @@ fn run(
 ) -> Result<Figures> {
     let watched = WatchedFleet::start(
         binary,
-        args.engines,
-        |i| SimConfig {
+        FleetShape {
+            engines: args.engines,
             dp_size: args.dp_size,
             capacity_blocks: args.capacity_blocks,
-            block_size: BLOCK_SIZE,
-            seed: 0x5778 + i as u64,
-            ..SimConfig::default()
+            seed: 0x5778,
         },
         env,
         DEADLINE,

@@ -31,11 +31,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use clap::Parser;
 
-use kv_indexer::sim::fleet::{load_benchmark_trace, Pace, RankRef, BLOCK_SIZE};
+use kv_indexer::sim::fleet::{load_benchmark_trace, Pace, RankRef};
 use kv_indexer::sim::process::benchmark_binary;
-use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::watch::{
-    compare, micros, percentile, query_body, settle, spawn_querier, total, Accuracy, WatchedFleet,
+    compare, micros, percentile, query_body, settle, spawn_querier, total, Accuracy, FleetShape,
+    WatchedFleet,
 };
 use kv_indexer::sim::workload::Route;
 
@@ -116,13 +116,11 @@ fn run_round(
         warm,
     } = WatchedFleet::start(
         binary,
-        args.engines,
-        |i| SimConfig {
+        FleetShape {
+            engines: args.engines,
             dp_size: args.dp_size,
             capacity_blocks: args.capacity_blocks,
-            block_size: BLOCK_SIZE,
-            seed: 0x10AD + i as u64,
-            ..SimConfig::default()
+            seed: 0x10AD,
         },
         &[],
         DEADLINE,

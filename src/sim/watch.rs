@@ -279,18 +279,33 @@ pub struct WatchedFleet {
     pub warm: Vec<RankView>,
 }
 
+/// The engines of a `WatchedFleet`: `engines` × `dp_size` ranks of `capacity_blocks` blocks,
+/// engine `i` seeded `seed + i`, everything else `SimConfig::default()`.
+#[derive(Clone, Copy, Debug)]
+pub struct FleetShape {
+    pub engines: usize,
+    pub dp_size: u32,
+    pub capacity_blocks: usize,
+    pub seed: u64,
+}
+
 impl WatchedFleet {
-    /// Starts `engines` engines (engine `i` on `config(i)`) and `binary` on their config, with
-    /// `env` added to its environment and `$RUST_LOG` (default `warn`) as its log filter, and
-    /// warms every listener up within `deadline`.
+    /// Starts the engines of `shape` and `binary` on their config, with `env` added to its
+    /// environment and `$RUST_LOG` (default `warn`) as its log filter, and warms every
+    /// listener up within `deadline`.
     pub fn start(
         binary: &std::path::Path,
-        engines: usize,
-        config: impl Fn(usize) -> SimConfig,
+        shape: FleetShape,
         env: &[(String, String)],
         deadline: Duration,
     ) -> Result<WatchedFleet> {
-        let fleet = Fleet::start_on_consecutive_ports(engines, config)?;
+        let fleet = Fleet::start_on_consecutive_ports(shape.engines, |i| SimConfig {
+            dp_size: shape.dp_size,
+            capacity_blocks: shape.capacity_blocks,
+            block_size: BLOCK_SIZE,
+            seed: shape.seed + i as u64,
+            ..SimConfig::default()
+        })?;
         let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
         let process = IndexerProcess::start_with_env(
             binary,
