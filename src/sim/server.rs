@@ -562,6 +562,14 @@ fn bind_zmq(
 ) -> Result<(zmq::Socket, u16)> {
     let socket = context.socket(kind).context("creating the socket")?;
     socket.set_linger(0).context("setting linger")?;
+    if kind == zmq::PUB {
+        // As vLLM's publisher (`hwm` 100,000 per subscriber), not ZeroMQ's default 1,000, so
+        // that a paused subscriber loses no sooner here. Before `bind`: a bound socket's
+        // connections take the options it had when it was bound.
+        socket
+            .set_sndhwm(100_000)
+            .context("setting the send high-water mark")?;
+    }
     let ipv6 = bind.contains(':');
     socket.set_ipv6(ipv6).context("enabling IPv6")?;
     let host = if ipv6 {
