@@ -37,6 +37,7 @@ pub struct WorkerInfo {
     pub instance: String,
     pub dp_rank: u32,
     pub model: Option<String>,
+    pub instance_id: u64,
 }
 
 /// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after
@@ -507,6 +508,7 @@ impl Registry {
                 instance: spec.key.engine.clone(),
                 dp_rank: spec.key.dp_rank,
                 model: spec.model.clone(),
+                instance_id: spec.instance_id,
             });
         }
         self.directory.publish(WorkerDirectory { by_id });
@@ -571,6 +573,8 @@ mod tests {
             recover: None,
             topic: String::new(),
             model: None,
+            instance_id: 0,
+            registered_at_runtime: false,
         }
     }
 

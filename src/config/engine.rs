@@ -30,6 +30,7 @@ struct RawEngine {
     recover_port: Option<Spanned<Int>>,
     model: Option<Spanned<String>>,
     topic: Option<Spanned<String>>,
+    instance_id: Option<Spanned<Int>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
@@ -44,6 +45,7 @@ pub(super) struct EngineFields {
     recover_port: Checked<u16>,
     model: Checked<String>,
     topic: Checked<String>,
+    instance_id: Checked<u64>,
 }
 
 impl EngineFields {
@@ -92,6 +94,13 @@ impl EngineFields {
             recover_port: checker.port("recover_port", raw.recover_port),
             model: checker.text("model", raw.model, |_| None),
             topic: checker.text("topic", raw.topic, |_| None),
+            // TOML integers are i64: ids above 2^63 - 1 cannot be written.
+            instance_id: checker.int(
+                "instance_id",
+                raw.instance_id,
+                "an integer 0..=9223372036854775807",
+                |n| u64::try_from(n).ok(),
+            ),
         }
     }
 
@@ -107,6 +116,7 @@ impl EngineFields {
             recover_port: self.recover_port.or(&defaults.recover_port),
             model: self.model.or(&defaults.model),
             topic: self.topic.or(&defaults.topic),
+            instance_id: self.instance_id.clone(),
         }
     }
 }
@@ -121,15 +131,21 @@ pub(super) fn check_defaults(
     else {
         return EngineFields::default();
     };
-    for (key, present) in [("name", &raw.name), ("host", &raw.host)] {
-        if let Some(present) = present {
+    let own_keys = [
+        ("name", raw.name.as_ref().map(Spanned::span)),
+        ("host", raw.host.as_ref().map(Spanned::span)),
+        ("instance_id", raw.instance_id.as_ref().map(Spanned::span)),
+    ];
+    for (key, span) in own_keys {
+        if let Some(span) = span {
             let why = format!("`{key}` is not allowed here: each [[engine]] sets its own");
-            problems.add(Some(present.span()), section, why);
+            problems.add(Some(span), section, why);
         }
     }
     let mut fields = EngineFields::check(raw, &dropped, section, problems);
     fields.name = Checked::Absent;
     fields.host = Checked::Absent;
+    fields.instance_id = Checked::Absent;
     fields
 }
 
@@ -163,6 +179,7 @@ pub(super) fn check_engines(
         return engines;
     };
     let mut first_line_of_name: HashMap<String, usize> = HashMap::new();
+    let mut first_line_of_instance: HashMap<u64, usize> = HashMap::new();
     for (position, value) in tables.iter().enumerate() {
         let at = EngineAt {
             position,
@@ -190,7 +207,11 @@ pub(super) fn check_engines(
                 .extend(fitting.into_iter().map(|range| placed(host, &at, range)));
         }
         if all_fit && ranks.below_max() {
-            engines.valid.extend(engine_config(fields, ranks));
+            let engine = engine_config(fields, ranks);
+            if let Some(engine) = &engine {
+                check_unique_instance(engine, &mut first_line_of_instance, &at, problems);
+            }
+            engines.valid.extend(engine);
         }
     }
     engines
@@ -262,6 +283,37 @@ fn check_unique_name(
     }
 }
 
+/// Two engines with one `instance_id` (written, or derived from their names) would answer the
+/// Dynamo API as one instance: the later one is reported, with the line of the first.
+fn check_unique_instance(
+    engine: &EngineConfig,
+    first_line_of_instance: &mut HashMap<u64, usize>,
+    at: &EngineAt,
+    problems: &mut Problems<'_>,
+) {
+    let line = problems.line(at.span.start);
+    match first_line_of_instance.get(&engine.instance_id) {
+        Some(first) => {
+            let why = format!(
+                "`instance_id` {} is already the id of the engine on line {first}",
+                engine.instance_id
+            );
+            problems.add(Some(at.span.clone()), &at.label, why);
+        }
+        None => {
+            first_line_of_instance.insert(engine.instance_id, line);
+        }
+    }
+}
+
+/// The id the Dynamo API gives an engine without `instance_id`: a hash of its name, stable
+/// across restarts and hosts, kept below 2^53 so that every JSON client (JavaScript's numbers
+/// are doubles) reads it exactly.
+pub fn derived_instance_id(name: &str) -> u64 {
+    const JSON_SAFE_BITS: u32 = 53;
+    xxhash_rust::xxh3::xxh3_64(name.as_bytes()) & ((1 << JSON_SAFE_BITS) - 1)
+}
+
 /// The engine's global ranks as written, when `dp_rank_start` and `dp_size` are valid; ranks
 /// that run past `MAX_DP_SIZE` are reported and still returned, for the port checks.
 fn check_ranks(
@@ -321,8 +373,14 @@ fn placed(host: &str, at: &EngineAt, range: PortRange) -> Placed {
 
 /// The engine with defaults applied, when every key of it is valid.
 fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig> {
+    let name: String = fields.name.optional()??;
+    let instance_id = fields
+        .instance_id
+        .optional()?
+        .unwrap_or_else(|| derived_instance_id(&name));
     Some(EngineConfig {
-        name: fields.name.optional()??,
+        instance_id,
+        name,
         host: fields.host.optional()??,
         zmq_port: fields.zmq_port.or_default_to(DEFAULT_ZMQ_PORT)?,
         dp_rank_start: ranks.start,
@@ -576,5 +634,54 @@ zmq_port = 6010
             ],
         );
         assert_eq!(found.len(), 2, "{found:#?}");
+    }
+}
+
+#[cfg(test)]
+mod instance_id_tests {
+    use super::derived_instance_id;
+    use crate::config::test_support::{find, problems};
+    use crate::config::Config;
+
+    #[test]
+    fn instance_id_is_the_written_one_else_a_json_safe_hash_of_the_name() {
+        let text = "[[engine]]\nname = \"a\"\nhost = \"h\"\ninstance_id = 7\n\
+                    [[engine]]\nname = \"b\"\nhost = \"h\"\nzmq_port = 6000\n";
+        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(config.engines[0].instance_id, 7);
+        assert_eq!(config.engines[1].instance_id, derived_instance_id("b"));
+        assert_ne!(derived_instance_id("a"), derived_instance_id("b"));
+        assert!(derived_instance_id("b") < 1 << 53);
+    }
+
+    #[test]
+    fn a_negative_shared_or_defaulted_instance_id_is_reported() {
+        let text = "[defaults]\ninstance_id = 1\n\
+                    [[engine]]\nname = \"a\"\nhost = \"h\"\ninstance_id = -1\n\
+                    [[engine]]\nname = \"b\"\nhost = \"h\"\nzmq_port = 6000\ninstance_id = 5\n\
+                    [[engine]]\nname = \"c\"\nhost = \"h\"\nzmq_port = 7000\ninstance_id = 5\n";
+        let found = problems(text);
+        find(
+            &found,
+            &[
+                "indexer.toml:2:",
+                "[defaults]",
+                "`instance_id` is not allowed",
+            ],
+        );
+        find(
+            &found,
+            &["indexer.toml:6:", "engine \"a\"", "`instance_id` must be"],
+        );
+        find(
+            &found,
+            &[
+                "indexer.toml:12:",
+                "engine \"c\"",
+                "already the id",
+                "line 7",
+            ],
+        );
+        assert_eq!(found.len(), 3, "{found:#?}");
     }
 }

@@ -219,6 +219,8 @@ fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
             .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),
         topic: String::new(),
         model: None,
+        instance_id: 0,
+        registered_at_runtime: false,
     }
 }
 
