@@ -22,6 +22,7 @@
 //! (see `refuse_unread`), and its reader is dropped only when that is known to be cheap.
 
 mod body;
+pub mod dynamo;
 mod query_body;
 mod routes;
 

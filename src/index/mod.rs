@@ -54,6 +54,7 @@ pub struct ApplyOutcome {
 
 mod engine_map;
 mod keys;
+mod local_hashes;
 mod shard;
 mod table;
 
@@ -66,6 +67,8 @@ use crate::wire::{BlockRemoved, BlockStored, Event};
 use engine_map::EngineMap;
 use keys::{lora_root, KeyChain, LazyKeys};
 use shard::LockedShard;
+
+pub use local_hashes::keys_of_local_hashes;
 
 /// The shared index: shards of `key → holders`. Readers (`query`) and every worker's writer use
 /// it concurrently.
