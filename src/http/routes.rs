@@ -126,6 +126,10 @@ fn snapshot(api: &Api) -> Vec<ListenerView> {
 struct InstanceJson<'a> {
     instance: &'a str,
     model: Option<&'a str>,
+    /// Its id in the Dynamo API.
+    instance_id: u64,
+    /// Added by the Dynamo API's `POST /register`: gone after a restart.
+    registered_at_runtime: bool,
     listeners: Vec<ListenerJson<'a>>,
 }
 
@@ -180,6 +184,8 @@ fn workers(api: &Api) -> Reply {
             _ => instances.push(InstanceJson {
                 instance: &view.spec.key.engine,
                 model: view.spec.model.as_deref(),
+                instance_id: view.spec.instance_id,
+                registered_at_runtime: view.spec.registered_at_runtime,
                 listeners: vec![listener],
             }),
         }
