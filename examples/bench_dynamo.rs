@@ -9,19 +9,15 @@
 mod fake_engine;
 #[path = "../tests/support/http_client.rs"]
 mod http_client;
+#[path = "../tests/support/two_apis.rs"]
+mod two_apis;
 
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fake_engine::{FakeRank, BLOCK_SIZE};
 use http_client::{wait_for, Connection};
-use kv_indexer::config::Config;
-use kv_indexer::http::dynamo::{DynamoApi, DynamoServer, RuntimeEngines};
-use kv_indexer::http::{Api, HttpServer};
 use kv_indexer::index::Index;
-use kv_indexer::metrics::Metrics;
-use kv_indexer::plan;
-use kv_indexer::registry::Registry;
+use two_apis::Servers;
 
 const ENGINES: usize = 8;
 const PROMPT_BLOCKS: u32 = 512;
@@ -38,39 +34,8 @@ fn main() {
             rank.port
         );
     }
-    let config = Config::parse(&toml, "bench.toml").expect("valid config");
-    let index = Index::new(config.block_size, config.shards);
-    let metrics = Arc::new(Metrics::new());
-    let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
-    let directory = registry.directory();
-    let registry = Arc::new(Mutex::new(registry));
-    let applier = registry.clone();
-    let engines = Arc::new(RuntimeEngines::new(Box::new(move |plan| {
-        let mut registry = applier.lock().unwrap_or_else(PoisonError::into_inner);
-        registry.apply(plan)
-    })));
-    engines.apply_file_plan(plan::expand(&config));
-    let ours = HttpServer::start(
-        "127.0.0.1:0",
-        Arc::new(Api {
-            index: index.clone(),
-            metrics: metrics.clone(),
-            registry: registry.clone(),
-            directory: directory.clone(),
-            reload: Box::new(|| Err(kv_indexer::config::ConfigError { problems: vec![] })),
-        }),
-    )
-    .expect("our API");
-    let dynamo = DynamoServer::start(
-        "127.0.0.1:0",
-        Arc::new(DynamoApi {
-            index: index.clone(),
-            metrics,
-            directory,
-            engines,
-        }),
-    )
-    .expect("the Dynamo API");
+    let servers = Servers::start(&toml);
+    let index = servers.index.clone();
 
     let prompt: Vec<u32> = (0..PROMPT_BLOCKS * BLOCK_SIZE).collect();
     let mut next_hash = 1u64;
@@ -94,8 +59,8 @@ fn main() {
 
     let our_body = serde_json::json!({ "token_ids": prompt }).to_string();
     let dynamo_body = serde_json::json!({ "token_ids": prompt, "model_name": "any" }).to_string();
-    let mut our_client = Connection::open(ours.addr());
-    let mut dynamo_client = Connection::open(dynamo.addr());
+    let mut our_client = Connection::open(servers.ours());
+    let mut dynamo_client = Connection::open(servers.dynamo());
     let our_answer = our_client
         .send("POST", "/query", Some(our_body.as_bytes()))
         .json();
@@ -132,12 +97,6 @@ fn main() {
     }
     report("ours   POST /query", &mut our_latencies);
     report("Dynamo POST /query", &mut dynamo_latencies);
-    dynamo.stop();
-    ours.stop();
-    registry
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .stop_all();
 }
 
 fn indexed(index: &Index) -> u64 {

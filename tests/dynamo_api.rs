@@ -3,106 +3,24 @@
 //! the two APIs give consistent numbers, registrations run beside the file's engines and
 //! survive a reload, and every bad request gets its status and a message naming the field.
 //!
-//! The servers are started here as the service will start them (`dynamo_listen`): the same
-//! `Api`, `DynamoApi` and `RuntimeEngines` the service builds, with `POST /reload` applying the
-//! file's plan again through `RuntimeEngines::apply_file_plan`, as SIGHUP will.
+//! The servers are started as the service will start them for `dynamo_listen` (see
+//! `support/two_apis.rs`), `POST /reload` applying the file's plan again as SIGHUP will.
 
 #[path = "support/fake_engine.rs"]
 mod fake_engine;
 #[path = "support/http_client.rs"]
 mod http_client;
+#[path = "support/two_apis.rs"]
+mod two_apis;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
 
 use fake_engine::{prompt, FakeRank, BLOCK_SIZE};
 use http_client::{get, post, wait_for, Connection};
-use kv_indexer::config::{derived_instance_id, Config};
-use kv_indexer::http::dynamo::{DynamoApi, DynamoServer, RuntimeEngines};
-use kv_indexer::http::{Api, HttpServer, MAX_BODY_BYTES};
-use kv_indexer::index::Index;
-use kv_indexer::metrics::Metrics;
-use kv_indexer::plan;
-use kv_indexer::registry::Registry;
+use kv_indexer::config::derived_instance_id;
+use kv_indexer::http::MAX_BODY_BYTES;
 use serde_json::{json, Value};
-
-/// Our API and the Dynamo API over one registry running `toml`'s engines.
-struct Servers {
-    ours: Option<HttpServer>,
-    dynamo: Option<DynamoServer>,
-    registry: Arc<Mutex<Registry>>,
-}
-
-impl Servers {
-    fn start(toml: &str) -> Servers {
-        let config = Config::parse(toml, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
-        let index = Index::new(config.block_size, config.shards);
-        let metrics = Arc::new(Metrics::new());
-        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone());
-        let directory = registry.directory();
-        let registry = Arc::new(Mutex::new(registry));
-        let applier = registry.clone();
-        let engines = Arc::new(RuntimeEngines::new(Box::new(move |plan| {
-            applier
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .apply(plan)
-        })));
-        let file_plan = plan::expand(&config);
-        let diff = engines.apply_file_plan(file_plan.clone());
-        assert!(diff.failed.is_empty(), "{:?}", diff.failed);
-        let reloader = engines.clone();
-        let ours = HttpServer::start(
-            "127.0.0.1:0",
-            Arc::new(Api {
-                index: index.clone(),
-                metrics: metrics.clone(),
-                registry: registry.clone(),
-                directory: directory.clone(),
-                reload: Box::new(move || Ok(reloader.apply_file_plan(file_plan.clone()))),
-            }),
-        )
-        .unwrap_or_else(|err| panic!("{err:#}"));
-        let dynamo = DynamoServer::start(
-            "127.0.0.1:0",
-            Arc::new(DynamoApi {
-                index,
-                metrics,
-                directory,
-                engines,
-            }),
-        )
-        .unwrap_or_else(|err| panic!("{err:#}"));
-        Servers {
-            ours: Some(ours),
-            dynamo: Some(dynamo),
-            registry,
-        }
-    }
-
-    fn ours(&self) -> SocketAddr {
-        self.ours.as_ref().expect("running").addr()
-    }
-
-    fn dynamo(&self) -> SocketAddr {
-        self.dynamo.as_ref().expect("running").addr()
-    }
-}
-
-impl Drop for Servers {
-    fn drop(&mut self) {
-        if let Some(server) = self.dynamo.take() {
-            server.stop();
-        }
-        if let Some(server) = self.ours.take() {
-            server.stop();
-        }
-        self.registry
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stop_all();
-    }
-}
+use two_apis::Servers;
 
 fn engine(name: &str, port: u16, model: Option<&str>, instance_id: Option<u64>) -> String {
     let model = model.map_or(String::new(), |m| format!("model = \"{m}\"\n"));

@@ -23,6 +23,8 @@
 
 mod body;
 pub mod dynamo;
+#[cfg(test)]
+mod json_mutation;
 mod query_body;
 mod routes;
 
@@ -71,44 +73,74 @@ pub struct Api {
     pub reload: Box<ReloadFn>,
 }
 
+/// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`).
+pub(crate) trait Routes: Send + Sync + 'static {
+    /// What the logs and thread names call this API.
+    fn name(&self) -> &'static str;
+    fn route(&self, request: &Request, body: &[u8]) -> Reply;
+    fn metrics(&self) -> &Metrics;
+}
+
+impl Routes for Api {
+    fn name(&self) -> &'static str {
+        "HTTP API"
+    }
+
+    fn route(&self, request: &Request, body: &[u8]) -> Reply {
+        route(self, request, body)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
 /// The running HTTP server and its pool.
 pub struct HttpServer {
     server: Arc<Server>,
     stopping: Arc<AtomicBool>,
     pool: Vec<JoinHandle<()>>,
     addr: SocketAddr,
+    name: &'static str,
 }
 
 impl HttpServer {
     /// Binds `listen` (`IP:port` or `hostname:port`; port 0 picks a free one) and starts serving.
     pub fn start(listen: &str, api: Arc<Api>) -> anyhow::Result<HttpServer> {
-        let listener = TcpListener::bind(listen)
-            .with_context(|| format!("binding the HTTP API to {listen}"))?;
+        HttpServer::serve(listen, api)
+    }
+
+    /// Binds `listen` and answers with `routes`.
+    pub(crate) fn serve(listen: &str, routes: Arc<dyn Routes>) -> anyhow::Result<HttpServer> {
+        let name = routes.name();
+        let listener =
+            TcpListener::bind(listen).with_context(|| format!("binding the {name} to {listen}"))?;
         let addr = listener
             .local_addr()
             .with_context(|| format!("reading the bound address of {listen}"))?;
         inherit_no_delay(&listener).with_context(|| format!("setting TCP_NODELAY on {addr}"))?;
         let server = Server::from_listener(listener, None)
-            .map_err(|err| anyhow::anyhow!("starting the HTTP server on {addr}: {err}"))?;
+            .map_err(|err| anyhow::anyhow!("starting the {name} server on {addr}: {err}"))?;
         let server = Arc::new(server);
         let stopping = Arc::new(AtomicBool::new(false));
         let uploads = Arc::new(Uploads::default());
         let pool = (0..POOL_THREADS)
             .map(|n| {
                 let (server, stopping) = (server.clone(), stopping.clone());
-                let (api, uploads) = (api.clone(), uploads.clone());
+                let (routes, uploads) = (routes.clone(), uploads.clone());
                 std::thread::Builder::new()
                     .name(format!("http-{n}"))
-                    .spawn(move || serve_until_stopped(&server, &stopping, &api, &uploads))
-                    .with_context(|| format!("spawning HTTP thread {n}"))
+                    .spawn(move || serve_until_stopped(&server, &stopping, &*routes, &uploads))
+                    .with_context(|| format!("spawning {name} thread {n}"))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        info!("HTTP API listening on http://{addr} ({POOL_THREADS} threads)");
+        info!("{name} listening on http://{addr} ({POOL_THREADS} threads)");
         Ok(HttpServer {
             server,
             stopping,
             pool,
             addr,
+            name,
         })
     }
 
@@ -124,7 +156,7 @@ impl HttpServer {
             let _ = thread.join();
         }
         drop(self.server);
-        info!("HTTP API on {} stopped", self.addr);
+        info!("{} on {} stopped", self.name, self.addr);
     }
 }
 
@@ -150,41 +182,70 @@ fn inherit_no_delay(listener: &TcpListener) -> io::Result<()> {
     }
 }
 
-fn serve_until_stopped(server: &Server, stopping: &AtomicBool, api: &Api, uploads: &Uploads) {
+fn serve_until_stopped(
+    server: &Server,
+    stopping: &AtomicBool,
+    routes: &dyn Routes,
+    uploads: &Uploads,
+) {
     while !stopping.load(Ordering::SeqCst) {
         match server.recv_timeout(STOP_POLL) {
-            Ok(Some(request)) => serve(api, uploads, request),
+            Ok(Some(request)) => serve(routes, uploads, request),
             Ok(None) => {}
             Err(err) => debug!("HTTP accept error: {err}"),
         }
     }
     // Drain: answer what was already received before leaving.
     while let Ok(Some(request)) = server.try_recv() {
-        serve(api, uploads, request);
+        serve(routes, uploads, request);
     }
 }
 
-fn serve(api: &Api, uploads: &Uploads, mut request: Request) {
+fn serve(routes: &dyn Routes, uploads: &Uploads, mut request: Request) {
     let started = Instant::now();
+    let metrics = routes.metrics();
     let body = match take_body(&mut request, uploads) {
         Ok(body) => body,
         Err(refusal) => {
-            api.metrics.http_error(refusal.reply.status);
+            metrics.http_error(refusal.reply.status);
             refuse_unread(request, refusal);
             return;
         }
     };
-    let reply = route(api, &request, &body);
+    let reply = routes.route(&request, &body);
     let is_query = reply.is_query;
     if reply.status >= 400 {
-        api.metrics.http_error(reply.status);
+        metrics.http_error(reply.status);
     }
     if let Err(err) = request.respond(reply.into_response()) {
         debug!("HTTP response not delivered: {err}");
     }
     if is_query {
-        api.metrics.observe_query(started.elapsed().as_secs_f64());
+        metrics.observe_query(started.elapsed().as_secs_f64());
     }
+}
+
+/// A 405 naming the methods `path` allows (`POST`, or `GET, HEAD` for a path that reads), unless
+/// `request` uses one of them.
+fn check_method(request: &Request, path: &str, wants_post: bool) -> Result<(), Reply> {
+    let allowed = match request.method() {
+        tiny_http::Method::Post => wants_post,
+        tiny_http::Method::Get | tiny_http::Method::Head => !wants_post,
+        _ => false,
+    };
+    if allowed {
+        return Ok(());
+    }
+    let allow = if wants_post { "POST" } else { "GET, HEAD" };
+    let mut reply = Reply::error(
+        405,
+        format!(
+            "{} {path}: method not allowed; use {allow}",
+            request.method()
+        ),
+    );
+    reply.allow = Some(allow);
+    Err(reply)
 }
 
 /// Names and values are ASCII constants of this file: `from_bytes` accepts them.
@@ -193,7 +254,7 @@ fn header(name: &'static str, value: &'static str) -> Option<Header> {
 }
 
 /// A response before tiny_http sees it.
-struct Reply {
+pub(crate) struct Reply {
     status: u16,
     body: Vec<u8>,
     content_type: &'static str,

@@ -8,35 +8,22 @@ use std::sync::PoisonError;
 
 use serde::Serialize;
 use serde_json::{json, Value};
-use tiny_http::{Method, Request};
+use tiny_http::Request;
 
 use super::query_body::parse_query;
-use super::{Api, Reply};
+use super::{check_method, Api, Reply};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 
 pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
-    let (allow, wants_post) = match path {
-        "/query" | "/reload" => ("POST", true),
-        "/workers" | "/health" | "/ready" | "/metrics" => ("GET, HEAD", false),
+    let wants_post = match path {
+        "/query" | "/reload" => true,
+        "/workers" | "/health" | "/ready" | "/metrics" => false,
         _ => return Reply::error(404, format!("no such path: {path}")),
     };
-    let method_ok = match request.method() {
-        Method::Post => wants_post,
-        Method::Get | Method::Head => !wants_post,
-        _ => false,
-    };
-    if !method_ok {
-        let mut reply = Reply::error(
-            405,
-            format!(
-                "{} {path}: method not allowed; use {allow}",
-                request.method()
-            ),
-        );
-        reply.allow = Some(allow);
-        return reply;
+    if let Err(refused) = check_method(request, path, wants_post) {
+        return refused;
     }
     match path {
         "/query" => query(api, body),

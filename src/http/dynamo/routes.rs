@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use serde_json::json;
-use tiny_http::{Method, Request};
+use tiny_http::Request;
 
 use super::engines::EngineChange;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
 use crate::config::{validate_listen, MAX_DP_SIZE};
-use crate::http::Reply;
+use crate::http::{check_method, Reply};
 use crate::index::{keys_of_local_hashes, Score};
 use crate::plan::{ListenerSpec, WorkerKey};
 use crate::registry::WorkerDirectory;
@@ -24,26 +24,13 @@ pub const ROUTING_GROUP: &str = "default";
 
 pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
-    let (allow, wants_post) = match path {
-        "/query" | "/query_by_hash" | "/register" | "/unregister" => ("POST", true),
-        "/workers" | "/health" => ("GET, HEAD", false),
+    let wants_post = match path {
+        "/query" | "/query_by_hash" | "/register" | "/unregister" => true,
+        "/workers" | "/health" => false,
         _ => return Reply::error(404, format!("no such path: {path}")),
     };
-    let method_ok = match request.method() {
-        Method::Post => wants_post,
-        Method::Get | Method::Head => !wants_post,
-        _ => false,
-    };
-    if !method_ok {
-        let mut reply = Reply::error(
-            405,
-            format!(
-                "{} {path}: method not allowed; use {allow}",
-                request.method()
-            ),
-        );
-        reply.allow = Some(allow);
-        return reply;
+    if let Err(refused) = check_method(request, path, wants_post) {
+        return refused;
     }
     if path == "/health" {
         return Reply::json(200, &json!({ "status": "ok" }));

@@ -3,6 +3,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 use super::*;
+use crate::http::json_mutation::mutate;
 
 fn rejection(body: &str) -> String {
     match parse_body(body.as_bytes()) {
@@ -43,54 +44,56 @@ fn every_field_reads_and_unknown_ones_are_ignored() {
 
 #[test]
 fn a_bad_value_is_named_by_its_field_or_index() {
-    assert_eq!(
-        rejection(r#"{"token_ids": [1, 2, 3, -1]}"#),
-        "token_ids[3]: expected an integer in 0..=4294967295, got -1"
-    );
-    assert_eq!(
-        rejection(r#"{"token_ids": [4294967296]}"#),
-        "token_ids[0]: expected an integer in 0..=4294967295, got 4294967296"
-    );
-    assert_eq!(
-        rejection(r#"{"block_hashes": [1, 2.5]}"#),
-        "block_hashes[1]: expected an integer in -9223372036854775808..=18446744073709551615 \
-         (a 64-bit hash), got 2.5"
-    );
-    assert_eq!(
-        rejection(r#"{"token_ids": "1 2"}"#),
-        "token_ids: expected an array of integers in 0..=4294967295, got \"1 2\""
-    );
-    assert_eq!(
-        rejection(r#"{"model_name": 7}"#),
-        "model_name: expected a string or null, got 7"
-    );
-    assert_eq!(
-        rejection(r#"{"instance_id": -7}"#),
-        "instance_id: expected an integer in 0..=18446744073709551615 or null, got -7"
-    );
-    assert_eq!(
-        rejection(r#"{"dp_rank": "0"}"#),
-        "dp_rank: expected an integer in 0..=4294967295 or null, got \"0\""
-    );
-    assert_eq!(
-        rejection(r#"{"token_ids": [null]}"#),
-        "token_ids[0]: expected an integer in 0..=4294967295, got null"
-    );
-    assert_eq!(
-        rejection("[1]"),
-        "body: expected a JSON object, got an array"
-    );
-    assert_eq!(rejection("null"), "body: expected a JSON object, got null");
+    let cases: &[(&str, &str)] = &[
+        (
+            r#"{"token_ids": [1, 2, 3, -1]}"#,
+            "token_ids[3]: expected an integer in 0..=4294967295, got -1",
+        ),
+        (
+            r#"{"token_ids": [4294967296]}"#,
+            "token_ids[0]: expected an integer in 0..=4294967295, got 4294967296",
+        ),
+        (
+            r#"{"block_hashes": [1, 2.5]}"#,
+            "block_hashes[1]: expected an integer in -9223372036854775808..=18446744073709551615 \
+         (a 64-bit hash), got 2.5",
+        ),
+        (
+            r#"{"token_ids": "1 2"}"#,
+            "token_ids: expected an array of integers in 0..=4294967295, got \"1 2\"",
+        ),
+        (
+            r#"{"model_name": 7}"#,
+            "model_name: expected a string or null, got 7",
+        ),
+        (
+            r#"{"instance_id": -7}"#,
+            "instance_id: expected an integer in 0..=18446744073709551615 or null, got -7",
+        ),
+        (
+            r#"{"dp_rank": "0"}"#,
+            "dp_rank: expected an integer in 0..=4294967295 or null, got \"0\"",
+        ),
+        (
+            r#"{"token_ids": [null]}"#,
+            "token_ids[0]: expected an integer in 0..=4294967295, got null",
+        ),
+        ("[1]", "body: expected a JSON object, got an array"),
+        ("null", "body: expected a JSON object, got null"),
+        (
+            r#"{"model_name": [1]}"#,
+            "model_name: expected a string or null, got an array",
+        ),
+    ];
+    for (body, message) in cases {
+        assert_eq!(rejection(body), *message, "{body}");
+    }
     assert!(rejection(r#"{"token_ids": [1,"#).starts_with("body is not valid JSON: "));
     assert!(rejection(r#"{} {}"#).starts_with("body is not valid JSON: "));
     assert!(rejection("").starts_with("body is not valid JSON: "));
     assert_eq!(
         parse_body(b"{\"other\": \"\xff\"}"),
         Err("body is not valid JSON: not UTF-8 after byte 11".into())
-    );
-    assert_eq!(
-        rejection(r#"{"model_name": [1]}"#),
-        "model_name: expected a string or null, got an array"
     );
     let cut = rejection(&format!(r#"{{"token_ids": "{}"}}"#, "é".repeat(100)));
     assert!(cut.ends_with("...") && cut.chars().count() < 130, "{cut}");
@@ -196,25 +199,6 @@ fn generated_body(rng: &mut SmallRng) -> String {
         }
     }
     format!("{{{}}}", fields.join(", "))
-}
-
-/// Changes a few bytes of `body`, favouring bytes that matter to JSON.
-fn mutate(rng: &mut SmallRng, body: &[u8]) -> Vec<u8> {
-    const INTERESTING: &[u8] = b"-+.eE0123456789\"\\,:[]{} \t\n\x00\x7f\xc3\xa9\xffnul";
-    let mut bytes = body.to_vec();
-    for _ in 0..rng.random_range(1..4) {
-        let at = rng.random_range(0..=bytes.len());
-        let byte = INTERESTING[rng.random_range(0..INTERESTING.len())];
-        match rng.random_range(0..3) {
-            0 => bytes.insert(at, byte),
-            1 if at < bytes.len() => bytes[at] = byte,
-            _ if at < bytes.len() => {
-                bytes.remove(at);
-            }
-            _ => bytes.push(byte),
-        }
-    }
-    bytes
 }
 
 #[test]
