@@ -336,6 +336,20 @@ mod tests {
     }
 
     #[test]
+    fn table_shows_each_engines_instance_id() {
+        let mut pinned = engine("pinned", "10.0.0.5", 1);
+        pinned.instance_id = 7;
+        let derived = engine("derived", "10.0.0.6", 1);
+        let table = render_table(&expand(&config(vec![pinned, derived])));
+        let lines: Vec<&str> = table.lines().collect();
+        let column = lines[0].find("INSTANCE_ID").expect("an INSTANCE_ID column");
+        let id = |line: &str| line[column..].split_whitespace().next().map(str::to_owned);
+        assert_eq!(id(lines[1]), Some("7".to_owned()));
+        let derived_id = crate::config::derived_instance_id("derived").to_string();
+        assert_eq!(id(lines[2]), Some(derived_id));
+    }
+
+    #[test]
     fn a_value_longer_than_a_column_shifts_only_its_own_row() {
         let long_name = "n".repeat(100_000);
         let long_model = "m".repeat(100_000);

@@ -207,3 +207,89 @@ impl RuntimeEngines {
         Ok(leaving)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    fn spec(engine: &str, instance_id: u64, model: Option<&str>, runtime: bool) -> ListenerSpec {
+        ListenerSpec {
+            key: WorkerKey {
+                engine: engine.into(),
+                dp_rank: 0,
+            },
+            endpoint: format!("tcp://127.0.0.1:{}", 5000 + instance_id),
+            replay: None,
+            recover: None,
+            topic: String::new(),
+            model: model.map(str::to_owned),
+            instance_id,
+            registered_at_runtime: runtime,
+        }
+    }
+
+    /// Engines whose `apply` records each plan and starts every rank of it.
+    fn engines() -> (RuntimeEngines, Arc<Mutex<Vec<Vec<WorkerKey>>>>) {
+        let plans = Arc::new(Mutex::new(Vec::new()));
+        let seen = plans.clone();
+        let engines = RuntimeEngines::new(Box::new(move |plan: Vec<ListenerSpec>| {
+            let keys: Vec<WorkerKey> = plan.into_iter().map(|s| s.key).collect();
+            seen.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(keys.clone());
+            ReloadDiff {
+                added: keys,
+                ..ReloadDiff::default()
+            }
+        }));
+        (engines, plans)
+    }
+
+    fn names(keys: &[WorkerKey]) -> Vec<String> {
+        keys.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn runtime_ranks_follow_the_file_and_give_way_when_it_claims_them() {
+        let (engines, plans) = engines();
+        engines.apply_file_plan(vec![spec("a", 1, Some("m1"), false)]);
+        assert!(engines.serves("m1") && !engines.serves("m2"));
+        engines
+            .register(vec![spec("dynamo-2", 2, Some("m2"), true)])
+            .expect("a new rank");
+        assert!(engines.serves("m2"));
+        let last = |plans: &Mutex<Vec<Vec<WorkerKey>>>| {
+            names(
+                plans
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .last()
+                    .expect("a plan"),
+            )
+        };
+        assert_eq!(last(&plans), ["a/0", "dynamo-2/0"]);
+
+        // A reload keeps it; a file that configures instance 2 rank 0 itself takes it over.
+        engines.apply_file_plan(vec![spec("a", 1, Some("m1"), false)]);
+        assert_eq!(last(&plans), ["a/0", "dynamo-2/0"]);
+        engines.apply_file_plan(vec![spec("b", 2, Some("m1"), false)]);
+        assert_eq!(last(&plans), ["b/0"]);
+        assert!(!engines.serves("m2"), "the runtime rank is gone");
+        assert_eq!(
+            engines.unregister(2, "m2", None),
+            Err(EngineChange::Unknown(
+                "no instance 2 registered for model_name \"m2\"".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn a_model_less_rank_serves_every_model() {
+        let (engines, _) = engines();
+        assert!(!engines.serves("m"), "nothing planned serves nothing");
+        engines.apply_file_plan(vec![spec("any", 1, None, false)]);
+        assert!(engines.serves("m") && engines.serves(""));
+    }
+}
