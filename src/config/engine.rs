@@ -13,6 +13,7 @@ use toml::de::{DeArray, DeValue};
 use toml::Spanned;
 
 use super::diagnostics::Problems;
+use super::instance::{check_unique_instance, derived_instance_id};
 use super::keys::{as_table, read_table, Checked, Int, SectionChecker};
 use super::ports::{check_port_ranges, Placed, PortRange, RankRange, SocketKind};
 use super::{EngineConfig, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT, MAX_DP_SIZE};
@@ -209,7 +210,8 @@ pub(super) fn check_engines(
         if all_fit && ranks.below_max() {
             let engine = engine_config(fields, ranks);
             if let Some(engine) = &engine {
-                check_unique_instance(engine, &mut first_line_of_instance, &at, problems);
+                let (label, span) = (&at.label, at.span.clone());
+                check_unique_instance(engine, &mut first_line_of_instance, label, span, problems);
             }
             engines.valid.extend(engine);
         }
@@ -281,37 +283,6 @@ fn check_unique_name(
             first_line_of_name.insert(name.get_ref().clone(), line);
         }
     }
-}
-
-/// Two engines with one `instance_id` (written, or derived from their names) would answer the
-/// Dynamo API as one instance: the later one is reported, with the line of the first.
-fn check_unique_instance(
-    engine: &EngineConfig,
-    first_line_of_instance: &mut HashMap<u64, usize>,
-    at: &EngineAt,
-    problems: &mut Problems<'_>,
-) {
-    let line = problems.line(at.span.start);
-    match first_line_of_instance.get(&engine.instance_id) {
-        Some(first) => {
-            let why = format!(
-                "`instance_id` {} is already the id of the engine on line {first}",
-                engine.instance_id
-            );
-            problems.add(Some(at.span.clone()), &at.label, why);
-        }
-        None => {
-            first_line_of_instance.insert(engine.instance_id, line);
-        }
-    }
-}
-
-/// The id the Dynamo API gives an engine without `instance_id`: a hash of its name, stable
-/// across restarts and hosts, kept below 2^53 so that every JSON client (JavaScript's numbers
-/// are doubles) reads it exactly.
-pub fn derived_instance_id(name: &str) -> u64 {
-    const JSON_SAFE_BITS: u32 = 53;
-    xxhash_rust::xxh3::xxh3_64(name.as_bytes()) & ((1 << JSON_SAFE_BITS) - 1)
 }
 
 /// The engine's global ranks as written, when `dp_rank_start` and `dp_size` are valid; ranks
@@ -634,54 +605,5 @@ zmq_port = 6010
             ],
         );
         assert_eq!(found.len(), 2, "{found:#?}");
-    }
-}
-
-#[cfg(test)]
-mod instance_id_tests {
-    use super::derived_instance_id;
-    use crate::config::test_support::{find, problems};
-    use crate::config::Config;
-
-    #[test]
-    fn instance_id_is_the_written_one_else_a_json_safe_hash_of_the_name() {
-        let text = "[[engine]]\nname = \"a\"\nhost = \"h\"\ninstance_id = 7\n\
-                    [[engine]]\nname = \"b\"\nhost = \"h\"\nzmq_port = 6000\n";
-        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
-        assert_eq!(config.engines[0].instance_id, 7);
-        assert_eq!(config.engines[1].instance_id, derived_instance_id("b"));
-        assert_ne!(derived_instance_id("a"), derived_instance_id("b"));
-        assert!(derived_instance_id("b") < 1 << 53);
-    }
-
-    #[test]
-    fn a_negative_shared_or_defaulted_instance_id_is_reported() {
-        let text = "[defaults]\ninstance_id = 1\n\
-                    [[engine]]\nname = \"a\"\nhost = \"h\"\ninstance_id = -1\n\
-                    [[engine]]\nname = \"b\"\nhost = \"h\"\nzmq_port = 6000\ninstance_id = 5\n\
-                    [[engine]]\nname = \"c\"\nhost = \"h\"\nzmq_port = 7000\ninstance_id = 5\n";
-        let found = problems(text);
-        find(
-            &found,
-            &[
-                "indexer.toml:2:",
-                "[defaults]",
-                "`instance_id` is not allowed",
-            ],
-        );
-        find(
-            &found,
-            &["indexer.toml:6:", "engine \"a\"", "`instance_id` must be"],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:12:",
-                "engine \"c\"",
-                "already the id",
-                "line 7",
-            ],
-        );
-        assert_eq!(found.len(), 3, "{found:#?}");
     }
 }

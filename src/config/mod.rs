@@ -8,10 +8,12 @@
 //! - `diagnostics`: the `FILE:LINE: section: problem` list;
 //! - `keys`: reading one section's keys, each bad key reported and dropped;
 //! - `engine`: `[defaults]` and the per-engine rules;
+//! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide.
 
 mod diagnostics;
 mod engine;
+mod instance;
 mod keys;
 mod ports;
 
@@ -25,8 +27,8 @@ use toml::de::DeTable;
 use toml::Spanned;
 
 use diagnostics::Problems;
-pub use engine::derived_instance_id;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
+pub use instance::derived_instance_id;
 use keys::{read_table, Checked, Int, SectionChecker};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
