@@ -32,6 +32,11 @@ pub struct ListenerSpec {
     pub topic: String,
     /// Model served by the engine, for `/query` filtering.
     pub model: Option<String>,
+    /// The engine's id in the Dynamo API (`EngineConfig::instance_id`).
+    pub instance_id: u64,
+    /// Added through the Dynamo API's `POST /register`, not by the file: it survives a reload
+    /// and is gone after a restart.
+    pub registered_at_runtime: bool,
 }
 
 impl fmt::Display for WorkerKey {
@@ -78,6 +83,8 @@ pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
                 .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, rank))),
             topic: engine.topic.clone(),
             model: engine.model.clone(),
+            instance_id: engine.instance_id,
+            registered_at_runtime: false,
         })
         .collect()
 }
@@ -100,10 +107,17 @@ const MAX_COLUMN_WIDTH: usize = 80;
 
 /// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
 pub fn render_table(specs: &[ListenerSpec]) -> String {
-    const HEADER: [&str; 7] = [
-        "ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL",
+    const HEADER: [&str; 8] = [
+        "ENGINE",
+        "RANK",
+        "ENDPOINT",
+        "REPLAY",
+        "RECOVER",
+        "TOPIC",
+        "INSTANCE_ID",
+        "MODEL",
     ];
-    let rows: Vec<[String; 7]> = specs
+    let rows: Vec<[String; 8]> = specs
         .iter()
         .map(|spec| {
             [
@@ -113,6 +127,7 @@ pub fn render_table(specs: &[ListenerSpec]) -> String {
                 spec.replay.clone().unwrap_or_else(|| "-".into()),
                 spec.recover.clone().unwrap_or_else(|| "-".into()),
                 format!("{:?}", spec.topic),
+                spec.instance_id.to_string(),
                 spec.model.clone().unwrap_or_else(|| "-".into()),
             ]
         })
@@ -152,12 +167,14 @@ mod tests {
             recover_port: None,
             model: None,
             topic: String::new(),
+            instance_id: crate::config::derived_instance_id(name),
         }
     }
 
     fn config(engines: Vec<EngineConfig>) -> Config {
         Config {
             listen: "127.0.0.1:8090".into(),
+            dynamo_listen: None,
             block_size: 16,
             shards: 64,
             engines,
@@ -179,6 +196,8 @@ mod tests {
                 recover: None,
                 topic: String::new(),
                 model: None,
+                instance_id: crate::config::derived_instance_id("local"),
+                registered_at_runtime: false,
             }]
         );
     }
@@ -314,6 +333,20 @@ mod tests {
         let column = |line: &str| line.find("tcp://");
         assert_eq!(column(lines[1]), column(lines[2]));
         assert_eq!(column(lines[1]), lines[0].find("ENDPOINT"));
+    }
+
+    #[test]
+    fn table_shows_each_engines_instance_id() {
+        let mut pinned = engine("pinned", "10.0.0.5", 1);
+        pinned.instance_id = 7;
+        let derived = engine("derived", "10.0.0.6", 1);
+        let table = render_table(&expand(&config(vec![pinned, derived])));
+        let lines: Vec<&str> = table.lines().collect();
+        let column = lines[0].find("INSTANCE_ID").expect("an INSTANCE_ID column");
+        let id = |line: &str| line[column..].split_whitespace().next().map(str::to_owned);
+        assert_eq!(id(lines[1]), Some("7".to_owned()));
+        let derived_id = crate::config::derived_instance_id("derived").to_string();
+        assert_eq!(id(lines[2]), Some(derived_id));
     }
 
     #[test]

@@ -1,9 +1,12 @@
-//! The running process: index, metrics, registry, HTTP server, signals.
+//! The running process: index, metrics, registry, HTTP server (and the Dynamo API's, when
+//! `dynamo_listen` is set), signals.
 //!
 //! Owns: start-up order, the configuration in effect, reload (SIGHUP and `POST /reload`, one at
 //! a time), the background retry of engines that failed to start, and clean shutdown.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
-//! listeners do), or exits without stopping the HTTP server and every listener.
+//! listeners do), or exits without stopping the HTTP servers and every listener. Every plan goes
+//! to the registry through `RuntimeEngines`, so the file's ranks and those registered at
+//! runtime (the Dynamo API's `POST /register`) are applied together, the file's winning a clash.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,7 +21,8 @@ use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
-use crate::http::{Api, HttpServer};
+use crate::http::dynamo::{DynamoApi, RuntimeEngines};
+use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::plan;
@@ -129,6 +133,8 @@ impl HangupReloads {
 /// Everything the process runs, started and stopped as one.
 pub struct Service {
     http: HttpServer,
+    /// The Dynamo API, when `dynamo_listen` is set.
+    dynamo: Option<HttpServer>,
     registry: Arc<Mutex<Registry>>,
     shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
@@ -161,6 +167,7 @@ impl Service {
         let directory = registry.directory();
         let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
+        let engines = runtime_engines(&registry);
 
         let plan = plan::expand(&config);
         info!(
@@ -175,7 +182,8 @@ impl Service {
         let listen = listen.unwrap_or_else(|| config.listen.clone());
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
-        let diff = registry.lock().apply(plan);
+        let dynamo = bind_dynamo(&config)?;
+        let diff = engines.apply_file_plan(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
         }
@@ -188,10 +196,16 @@ impl Service {
         let reloader = Arc::new(Reloader {
             config_path: config_path.to_owned(),
             applied: Mutex::new(config),
-            registry: registry.clone(),
+            engines: engines.clone(),
             metrics: metrics.clone(),
         });
         let reload_for_http = reloader.clone();
+        let dynamo_api = DynamoApi {
+            index: index.clone(),
+            metrics: metrics.clone(),
+            directory: directory.clone(),
+            engines,
+        };
         let api = Arc::new(Api {
             index,
             metrics,
@@ -200,9 +214,13 @@ impl Service {
             reload: Box::new(move || reload_for_http.reload()),
         });
         let http = http.serve(api)?;
+        let dynamo = dynamo
+            .map(|bound| bound.serve(Arc::new(dynamo_api)))
+            .transpose()?;
         let retry = Retry::spawn(registry.clone())?;
         Ok(Service {
             http,
+            dynamo,
             registry,
             shutdown_signal,
             reloader,
@@ -213,6 +231,11 @@ impl Service {
     /// The address the HTTP API is bound to.
     pub fn http_addr(&self) -> SocketAddr {
         self.http.addr()
+    }
+
+    /// The address the Dynamo API is bound to, when `dynamo_listen` is set.
+    pub fn dynamo_addr(&self) -> Option<SocketAddr> {
+        self.dynamo.as_ref().map(HttpServer::addr)
     }
 
     /// Re-reads the configuration file and applies it (SIGHUP).
@@ -226,12 +249,45 @@ impl Service {
         // more engines, so the lock is free within one listener start.
         self.shutdown_signal.raise();
         self.http.stop();
+        if let Some(dynamo) = self.dynamo {
+            dynamo.stop();
+        }
         self.retry.stop();
         let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
         info!("stopped {ranks} listeners; bye");
     }
+}
+
+/// The registry's plans, the file's and the runtime registrations together.
+fn runtime_engines(registry: &Arc<Mutex<Registry>>) -> Arc<RuntimeEngines> {
+    let registry = registry.clone();
+    Arc::new(RuntimeEngines::new(Box::new(move |plan| {
+        registry.lock().apply(plan)
+    })))
+}
+
+/// Binds `dynamo_listen`, if set, before the engines start (as `listen` is).
+fn bind_dynamo(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
+    let Some(listen) = config.dynamo_listen.as_deref() else {
+        return Ok(None);
+    };
+    let bound = HttpServer::bind(listen).context("dynamo_listen: the Dynamo API")?;
+    Ok(Some(bound))
+}
+
+/// `dynamo_listen` is bound once, at start-up: like `listen`, a change waits for a restart.
+fn keep_dynamo_listen(config: &mut Config, applied: &Config, path: &Path) {
+    let shown = |listen: &Option<String>| listen.clone().unwrap_or_else(|| "(none)".into());
+    let mut new = shown(&config.dynamo_listen);
+    keep_for_restart(
+        "dynamo_listen",
+        &mut new,
+        &shown(&applied.dynamo_listen),
+        path,
+    );
+    config.dynamo_listen = applied.dynamo_listen.clone();
 }
 
 /// Raises the soft open-files limit to the hard one (each rank holds a few descriptors) and
@@ -258,9 +314,9 @@ fn allow_open_files(listeners: usize) {
 struct Reloader {
     config_path: PathBuf,
     /// The file's configuration as last applied, with the values in effect for the keys that
-    /// only a restart changes (`listen`, `block_size`, `shards`).
+    /// only a restart changes (`listen`, `dynamo_listen`, `block_size`, `shards`).
     applied: Mutex<Config>,
-    registry: Arc<Mutex<Registry>>,
+    engines: Arc<RuntimeEngines>,
     metrics: Arc<Metrics>,
 }
 
@@ -297,7 +353,8 @@ impl Reloader {
             &applied.shards,
             &self.config_path,
         );
-        let diff = self.registry.lock().apply(plan::expand(&config));
+        keep_dynamo_listen(&mut config, &applied, &self.config_path);
+        let diff = self.engines.apply_file_plan(plan::expand(&config));
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()
                 .map(|k| format!("{}/{}", k.engine, k.dp_rank))

@@ -227,7 +227,14 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
     let instances = workers.as_array().expect("an array");
     assert_eq!(instances.len(), 2);
     for instance in instances {
-        assert_eq!(keys(instance), ["instance", "listeners", "model"].into());
+        let instance_keys = [
+            "instance",
+            "instance_id",
+            "listeners",
+            "model",
+            "registered_at_runtime",
+        ];
+        assert_eq!(keys(instance), instance_keys.into());
         for listener in instance["listeners"].as_array().expect("listeners") {
             assert_eq!(keys(listener), all_fields);
         }

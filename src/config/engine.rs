@@ -13,6 +13,7 @@ use toml::de::{DeArray, DeValue};
 use toml::Spanned;
 
 use super::diagnostics::Problems;
+use super::instance::{check_unique_instance, derived_instance_id};
 use super::keys::{as_table, read_table, Checked, Int, SectionChecker};
 use super::ports::{check_port_ranges, Placed, PortRange, RankRange, SocketKind};
 use super::{EngineConfig, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT, MAX_DP_SIZE};
@@ -30,6 +31,7 @@ struct RawEngine {
     recover_port: Option<Spanned<Int>>,
     model: Option<Spanned<String>>,
     topic: Option<Spanned<String>>,
+    instance_id: Option<Spanned<Int>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
@@ -44,6 +46,7 @@ pub(super) struct EngineFields {
     recover_port: Checked<u16>,
     model: Checked<String>,
     topic: Checked<String>,
+    instance_id: Checked<u64>,
 }
 
 impl EngineFields {
@@ -92,6 +95,13 @@ impl EngineFields {
             recover_port: checker.port("recover_port", raw.recover_port),
             model: checker.text("model", raw.model, |_| None),
             topic: checker.text("topic", raw.topic, |_| None),
+            // TOML integers are i64: ids above 2^63 - 1 cannot be written.
+            instance_id: checker.int(
+                "instance_id",
+                raw.instance_id,
+                "an integer 0..=9223372036854775807",
+                |n| u64::try_from(n).ok(),
+            ),
         }
     }
 
@@ -107,6 +117,7 @@ impl EngineFields {
             recover_port: self.recover_port.or(&defaults.recover_port),
             model: self.model.or(&defaults.model),
             topic: self.topic.or(&defaults.topic),
+            instance_id: self.instance_id.clone(),
         }
     }
 }
@@ -121,15 +132,21 @@ pub(super) fn check_defaults(
     else {
         return EngineFields::default();
     };
-    for (key, present) in [("name", &raw.name), ("host", &raw.host)] {
-        if let Some(present) = present {
+    let own_keys = [
+        ("name", raw.name.as_ref().map(Spanned::span)),
+        ("host", raw.host.as_ref().map(Spanned::span)),
+        ("instance_id", raw.instance_id.as_ref().map(Spanned::span)),
+    ];
+    for (key, span) in own_keys {
+        if let Some(span) = span {
             let why = format!("`{key}` is not allowed here: each [[engine]] sets its own");
-            problems.add(Some(present.span()), section, why);
+            problems.add(Some(span), section, why);
         }
     }
     let mut fields = EngineFields::check(raw, &dropped, section, problems);
     fields.name = Checked::Absent;
     fields.host = Checked::Absent;
+    fields.instance_id = Checked::Absent;
     fields
 }
 
@@ -163,6 +180,7 @@ pub(super) fn check_engines(
         return engines;
     };
     let mut first_line_of_name: HashMap<String, usize> = HashMap::new();
+    let mut first_line_of_instance: HashMap<u64, usize> = HashMap::new();
     for (position, value) in tables.iter().enumerate() {
         let at = EngineAt {
             position,
@@ -190,7 +208,12 @@ pub(super) fn check_engines(
                 .extend(fitting.into_iter().map(|range| placed(host, &at, range)));
         }
         if all_fit && ranks.below_max() {
-            engines.valid.extend(engine_config(fields, ranks));
+            let engine = engine_config(fields, ranks);
+            if let Some(engine) = &engine {
+                let (label, span) = (&at.label, at.span.clone());
+                check_unique_instance(engine, &mut first_line_of_instance, label, span, problems);
+            }
+            engines.valid.extend(engine);
         }
     }
     engines
@@ -321,8 +344,14 @@ fn placed(host: &str, at: &EngineAt, range: PortRange) -> Placed {
 
 /// The engine with defaults applied, when every key of it is valid.
 fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig> {
+    let name: String = fields.name.optional()??;
+    let instance_id = fields
+        .instance_id
+        .optional()?
+        .unwrap_or_else(|| derived_instance_id(&name));
     Some(EngineConfig {
-        name: fields.name.optional()??,
+        instance_id,
+        name,
         host: fields.host.optional()??,
         zmq_port: fields.zmq_port.or_default_to(DEFAULT_ZMQ_PORT)?,
         dp_rank_start: ranks.start,

@@ -7,35 +7,21 @@
 use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
-use tiny_http::Method;
 
 use super::query_body::parse_query;
-use super::{Api, Reply};
+use super::{check_method, Api, Reply};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 
 pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
-    let (allow, wants_post) = match path {
-        "/query" | "/reload" => ("POST", true),
-        "/workers" | "/health" | "/ready" | "/metrics" => ("GET, HEAD", false),
+    let wants_post = match path {
+        "/query" | "/reload" => true,
+        "/workers" | "/health" | "/ready" | "/metrics" => false,
         _ => return Reply::error(404, format!("no such path: {path}")),
     };
-    let method_ok = match request.method() {
-        Method::Post => wants_post,
-        Method::Get | Method::Head => !wants_post,
-        _ => false,
-    };
-    if !method_ok {
-        let mut reply = Reply::error(
-            405,
-            format!(
-                "{} {path}: method not allowed; use {allow}",
-                request.method()
-            ),
-        );
-        reply.allow = Some(allow);
-        return reply;
+    if let Err(refused) = check_method(request, path, wants_post) {
+        return refused;
     }
     match path {
         "/query" => query(api, body),
@@ -125,6 +111,10 @@ fn snapshot(api: &Api) -> Vec<ListenerView> {
 struct InstanceJson<'a> {
     instance: &'a str,
     model: Option<&'a str>,
+    /// Its id in the Dynamo API.
+    instance_id: u64,
+    /// Added by the Dynamo API's `POST /register`: gone after a restart.
+    registered_at_runtime: bool,
     listeners: Vec<ListenerJson<'a>>,
 }
 
@@ -179,6 +169,8 @@ fn workers(api: &Api) -> Reply {
             _ => instances.push(InstanceJson {
                 instance: &view.spec.key.engine,
                 model: view.spec.model.as_deref(),
+                instance_id: view.spec.instance_id,
+                registered_at_runtime: view.spec.registered_at_runtime,
                 listeners: vec![listener],
             }),
         }
