@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 
 use kv_indexer::config::derived_instance_id;
 use kv_indexer::http::MAX_BODY_BYTES;
+use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
 use support::http_client::{get, post, wait_for, Connection};
@@ -179,6 +180,53 @@ fn both_apis_answer_the_same_fleet_with_consistent_numbers() {
             json!({"scores": {}, "frequencies": [], "instances": {}})
         )
     );
+}
+
+/// Block identity: blocks an engine stored under a cache salt are that salt's. A Dynamo
+/// `/query` with the same `cache_salt` matches them, one without or with another does not; our
+/// API agrees.
+#[test]
+fn a_salted_store_is_a_hit_only_for_a_query_with_the_same_salt() {
+    let zmq = zmq::Context::new();
+    let mut rank = FakeRank::bind(&zmq, 0);
+    let servers = Servers::start(&config(&[engine("a", rank.port, Some("m1"), Some(5))]));
+    let (ours, dynamo) = (servers.ours(), servers.dynamo());
+    let tokens = prompt(300, 2);
+    rank.wait_subscribed();
+    let mut stored = BlockStored::new(vec![1, 2], None, tokens.clone(), BLOCK_SIZE);
+    // vLLM puts the salt on a chain's first block only.
+    let salted = BlockExtras {
+        cache_salt: Some("alice".into()),
+        ..BlockExtras::default()
+    };
+    stored.extras = vec![salted, BlockExtras::default()];
+    rank.publish(vec![Event::Stored(stored)]);
+
+    let query = |salt: Option<&str>| {
+        let mut body = json!({"token_ids": tokens, "model_name": "m1"});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        let (status, answer) = call(dynamo, "/query", &body);
+        assert_eq!(status, 200, "{answer}");
+        answer["scores"].clone()
+    };
+    wait_for(10, "the salted blocks to be indexed", || {
+        (query(Some("alice")) == json!({"5": {"0": 32}})).then_some(())
+    });
+    assert_eq!(query(None), json!({}));
+    assert_eq!(query(Some("bob")), json!({}));
+    let (_, our_salted) = call(
+        ours,
+        "/query",
+        &json!({"token_ids": tokens, "cache_salt": "alice"}),
+    );
+    assert_eq!(
+        our_salted["scores"][0]["matched_tokens"], 32,
+        "{our_salted}"
+    );
+    let (_, our_plain) = call(ours, "/query", &json!({"token_ids": tokens}));
+    assert_eq!(our_plain["scores"], json!([]), "{our_plain}");
 }
 
 #[test]
