@@ -8,7 +8,8 @@
 
 mod support;
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
 
 use kv_indexer::config::derived_instance_id;
 use kv_indexer::http::MAX_BODY_BYTES;
@@ -397,4 +398,77 @@ fn a_registered_engine_runs_beside_the_files_survives_a_reload_and_unregisters()
     let (_, answer) = call(dynamo, "/query", &query);
     assert_eq!(answer["scores"].get("42"), None, "{answer}");
     assert_eq!(runtime_on_workers(ours), json!([]));
+}
+
+/// The binary with `dynamo_listen` set: a rank registered through the Dynamo API runs beside
+/// the file's, survives a real SIGHUP that changes the file (queryable through both APIs, its
+/// blocks kept), and is gone after a restart (registrations live in the process only).
+#[test]
+fn the_binary_keeps_a_registration_across_sighup_and_forgets_it_on_restart() {
+    let zmq = zmq::Context::new();
+    let (file_rank, added_rank) = (FakeRank::bind(&zmq, 0), FakeRank::bind(&zmq, 0));
+    let mut joining = FakeRank::bind(&zmq, 0);
+    let dynamo = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+    let toml = |engines: &[String]| format!("dynamo_listen = \"{dynamo}\"\n{}", config(engines));
+    let first = toml(&[engine("a", file_rank.port, Some("m1"), None)]);
+    let mut indexer = support::start_indexer(&first);
+    let ours = indexer.address;
+    wait_for(10, "the Dynamo API to answer", || {
+        TcpStream::connect(dynamo).is_ok().then_some(())
+    });
+
+    let endpoint = format!("tcp://127.0.0.1:{}", joining.port);
+    let registration =
+        json!({"instance_id": 42, "endpoint": endpoint, "model_name": "m1", "block_size": 16});
+    assert_eq!(
+        call(dynamo, "/register", &registration),
+        (201, json!({"status": "ok"}))
+    );
+    joining.wait_subscribed();
+    let tokens = prompt(700, 2);
+    store(&mut joining, &tokens, 2);
+    let query = json!({"token_ids": tokens, "model_name": "m1"});
+    wait_for(10, "the registered rank's blocks", || {
+        (call(dynamo, "/query", &query).1["scores"] == json!({"42": {"0": 32}})).then_some(())
+    });
+
+    // A real SIGHUP with a new engine in the file: both run, the registration kept its blocks.
+    let second = toml(&[
+        engine("a", file_rank.port, Some("m1"), None),
+        engine("b", added_rank.port, Some("m1"), None),
+    ]);
+    indexer.write_config(&second).expect("write config");
+    indexer.signal(libc::SIGHUP).expect("signal");
+    added_rank.wait_subscribed();
+    wait_for(10, "the reload to be applied", || {
+        indexer.log().contains("applied: added [b/0]").then_some(())
+    });
+    let (_, answer) = call(dynamo, "/query", &query);
+    assert_eq!(answer["scores"], json!({"42": {"0": 32}}), "{answer}");
+    let (_, our_answer) = call(ours, "/query", &json!({"token_ids": tokens, "model": "m1"}));
+    let our_scores = our_answer["scores"].as_array().expect("scores");
+    assert_eq!(our_scores.len(), 1, "{our_answer}");
+    assert_eq!(our_scores[0]["instance"], "dynamo-42");
+    assert_eq!(our_scores[0]["matched_tokens"], 32);
+    let runtime = |addr: SocketAddr| -> Vec<Value> {
+        let workers = get(addr, "/workers").json();
+        let all = workers.as_array().expect("an array").clone();
+        all.into_iter().filter(|w| w["instance_id"] == 42).collect()
+    };
+    assert_eq!(runtime(ours).len(), 1);
+    assert_eq!(runtime(ours)[0]["registered_at_runtime"], true);
+    assert_eq!(runtime(dynamo).len(), 1);
+
+    // A restart starts from the file alone.
+    indexer.signal(libc::SIGTERM).expect("signal");
+    let (status, _) = indexer.wait_exit(Duration::from_secs(10)).expect("exit");
+    assert!(status.success(), "{status:?}\n{}", indexer.log());
+    let restarted = support::start_indexer(&second);
+    wait_for(10, "the restarted Dynamo API to answer", || {
+        TcpStream::connect(dynamo).is_ok().then_some(())
+    });
+    assert_eq!(runtime(restarted.address), Vec::<Value>::new());
+    assert_eq!(runtime(dynamo), Vec::<Value>::new());
+    let (status, answer) = call(dynamo, "/query", &query);
+    assert_eq!((status, &answer["scores"]), (200, &json!({})), "{answer}");
 }
