@@ -1,5 +1,5 @@
-//! Engine ids for the Dynamo API (`docs/dynamo-api.md`, "Instances"): `instance_id` as
-//! written, else derived from the engine's name, and no two engines with one id.
+//! Engine ids for the Dynamo API (docs.md, "Dynamo / Mooncake indexer API", "Instances"):
+//! `instance_id` as written, else derived from the engine's name, and no two engines with one id.
 //!
 //! Owns the derivation and the uniqueness rule. Never reads a key (`engine` does) and never
 //! decides anything else about an engine.

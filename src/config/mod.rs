@@ -38,8 +38,8 @@ pub use ports::rank_port;
 pub struct Config {
     /// HTTP API address, `IP:port` or `hostname:port`.
     pub listen: String,
-    /// Where the Dynamo / Mooncake indexer API is served (`docs/dynamo-api.md`); not served
-    /// when absent.
+    /// Where the Dynamo / Mooncake indexer API is served (docs.md, "Dynamo / Mooncake indexer
+    /// API"); not served when absent.
     pub dynamo_listen: Option<String>,
     /// Tokens per KV block.
     pub block_size: u32,

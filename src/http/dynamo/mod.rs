@@ -1,13 +1,14 @@
-//! The Dynamo / Mooncake indexer API (docs.md, "Dynamo / Mooncake indexer API"): NVIDIA Dynamo's standalone
-//! indexer routes (`/query`, `/query_by_hash`, `/register`, `/unregister`, `/workers`,
-//! `/health`) on their own address (`dynamo_listen`), so that routers written for Dynamo or
-//! Mooncake Conductor use kv-indexer as a drop-in, beside our own API and without clashing paths.
+//! The Dynamo / Mooncake indexer API (docs.md, "Dynamo / Mooncake indexer API"): NVIDIA
+//! Dynamo's standalone indexer routes (`/query`, `/query_by_hash`, `/register`, `/unregister`,
+//! `/workers`, `/health`) on their own address (`dynamo_listen`), so that routers written for
+//! Dynamo or Mooncake Conductor use kv-indexer as a drop-in, beside our own API and without
+//! clashing paths.
 //!
 //! Owns: its routes (`routes`), its body parser (`requests`) and the engines registered at
 //! runtime (`engines`). It is served by a second `HttpServer` (`HttpServer::bind(dynamo_listen)`
 //! then `BoundHttp::serve`: the same connection cap, head and body limits and deadlines as our
-//! API). Never: changes the index or starts a listener itself
-//! (registrations go through `RuntimeEngines` to the registry), or panics on a request.
+//! API). Never: changes the index or starts a listener itself (registrations go through
+//! `RuntimeEngines` to the registry), or panics on a request.
 
 mod engines;
 mod requests;

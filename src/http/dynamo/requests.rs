@@ -2,11 +2,11 @@
 //! rejection naming the offending field or element (`token_ids[3]: expected an integer in
 //! 0..=4294967295, got -1`), worded like our own `/query`'s.
 //!
-//! Owns the field names and types of every Dynamo body (`docs/dynamo-api.md`). Never builds a
-//! JSON tree of the body (a 16 MiB body of small numbers would make one of ~256 MiB), never
-//! decides what a route does with a field, and never panics on what a client sends. Unknown
-//! keys are ignored, as Dynamo's serde structs ignore them; a repeated key keeps its last value,
-//! as serde does.
+//! Owns the field names and types of every Dynamo body (docs.md, "Dynamo / Mooncake indexer API").
+//! Never builds a JSON tree of the body (a 16 MiB body of small numbers would make one of ~256
+//! MiB), never decides what a route does with a field, and never panics on what a client sends.
+//! Unknown keys are ignored, as Dynamo's serde structs ignore them; a repeated key keeps its last
+//! value, as serde does.
 
 use std::fmt;
 use std::marker::PhantomData;
