@@ -402,7 +402,8 @@ fn a_registered_engine_runs_beside_the_files_survives_a_reload_and_unregisters()
 
 /// The binary with `dynamo_listen` set: a rank registered through the Dynamo API runs beside
 /// the file's, survives a real SIGHUP that changes the file (queryable through both APIs, its
-/// blocks kept), and is gone after a restart (registrations live in the process only).
+/// blocks kept; a change of `dynamo_listen` itself waits for a restart), and is gone after a
+/// restart (registrations live in the process only).
 #[test]
 fn the_binary_keeps_a_registration_across_sighup_and_forgets_it_on_restart() {
     let zmq = zmq::Context::new();
@@ -458,6 +459,22 @@ fn the_binary_keeps_a_registration_across_sighup_and_forgets_it_on_restart() {
     assert_eq!(runtime(ours).len(), 1);
     assert_eq!(runtime(ours)[0]["registered_at_runtime"], true);
     assert_eq!(runtime(dynamo).len(), 1);
+
+    // dynamo_listen is bound at start: a reload that changes it warns and keeps the address.
+    let moved = second.replace(&dynamo.to_string(), "127.0.0.1:1");
+    indexer.write_config(&moved).expect("write config");
+    indexer.signal(libc::SIGHUP).expect("signal");
+    wait_for(10, "the restart warning", || {
+        let log = indexer.log();
+        log.contains(&format!(
+            "dynamo_listen changed from {dynamo} to 127.0.0.1:1; restart"
+        ))
+        .then_some(())
+    });
+    assert_eq!(
+        call(dynamo, "/query", &query).1["scores"],
+        json!({"42": {"0": 32}})
+    );
 
     // A restart starts from the file alone.
     indexer.signal(libc::SIGTERM).expect("signal");
