@@ -15,6 +15,7 @@ use toml::Spanned;
 
 use super::diagnostics::Problems;
 use super::discovered::{self, check_discover_url};
+use super::instance::{check_unique_instance, derived_instance_id};
 use super::keys::{as_table, read_table, Checked, Int, SectionChecker};
 use super::ports::{check_port_ranges, Placed, PortRange, RankRange, SocketKind};
 use super::{
@@ -37,6 +38,7 @@ struct RawEngine {
     topic: Option<Spanned<String>>,
     discover: Option<Spanned<String>>,
     discover_interval_s: Option<Spanned<Int>>,
+    instance_id: Option<Spanned<Int>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
@@ -53,6 +55,7 @@ pub(super) struct EngineFields {
     pub(super) topic: Checked<String>,
     pub(super) discover: Checked<String>,
     pub(super) discover_interval_s: Checked<u32>,
+    pub(super) instance_id: Checked<u64>,
 }
 
 impl EngineFields {
@@ -112,6 +115,13 @@ impl EngineFields {
                         .filter(|s| (1..=MAX_DISCOVER_INTERVAL_S).contains(s))
                 },
             ),
+            // TOML integers are i64: ids above 2^63 - 1 cannot be written.
+            instance_id: checker.int(
+                "instance_id",
+                raw.instance_id,
+                "an integer 0..=9223372036854775807",
+                |n| u64::try_from(n).ok(),
+            ),
         }
     }
 
@@ -136,6 +146,7 @@ impl EngineFields {
             topic: self.topic.or(&defaults.topic),
             discover: self.discover.clone(),
             discover_interval_s: self.discover_interval_s.or(&defaults.discover_interval_s),
+            instance_id: self.instance_id.clone(),
         }
     }
 
@@ -156,20 +167,23 @@ pub(super) fn check_defaults(
     else {
         return EngineFields::default();
     };
-    for (key, present) in [
-        ("name", &raw.name),
-        ("host", &raw.host),
-        ("discover", &raw.discover),
-    ] {
-        if let Some(present) = present {
+    let own_keys = [
+        ("name", raw.name.as_ref().map(Spanned::span)),
+        ("host", raw.host.as_ref().map(Spanned::span)),
+        ("discover", raw.discover.as_ref().map(Spanned::span)),
+        ("instance_id", raw.instance_id.as_ref().map(Spanned::span)),
+    ];
+    for (key, span) in own_keys {
+        if let Some(span) = span {
             let why = format!("`{key}` is not allowed here: each [[engine]] sets its own");
-            problems.add(Some(present.span()), section, why);
+            problems.add(Some(span), section, why);
         }
     }
     let mut fields = EngineFields::check(raw, &dropped, section, problems);
     fields.name = Checked::Absent;
     fields.host = Checked::Absent;
     fields.discover = Checked::Absent;
+    fields.instance_id = Checked::Absent;
     fields
 }
 
@@ -203,6 +217,7 @@ pub(super) fn check_engines(
         return engines;
     };
     let mut first_line_of_name: HashMap<String, usize> = HashMap::new();
+    let mut first_line_of_instance: HashMap<u64, usize> = HashMap::new();
     for (position, value) in tables.iter().enumerate() {
         let at = EngineAt {
             position,
@@ -233,7 +248,12 @@ pub(super) fn check_engines(
                 .extend(fitting.into_iter().map(|range| placed(&host, &at, range)));
         }
         if all_fit && ranks.below_max() {
-            engines.valid.extend(engine_config(fields, ranks));
+            let engine = engine_config(fields, ranks);
+            if let Some(engine) = &engine {
+                let (label, span) = (&at.label, at.span.clone());
+                check_unique_instance(engine, &mut first_line_of_instance, label, span, problems);
+            }
+            engines.valid.extend(engine);
         }
     }
     engines
@@ -379,8 +399,14 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
             replay_port: fields.replay_port.optional()?,
         }),
     };
+    let name: String = fields.name.optional()??;
+    let instance_id = fields
+        .instance_id
+        .optional()?
+        .unwrap_or_else(|| derived_instance_id(&name));
     Some(EngineConfig {
-        name: fields.name.optional()??,
+        instance_id,
+        name,
         host,
         ranks: source,
         recover_port: fields.recover_port.optional()?,
