@@ -284,6 +284,23 @@ fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
     let asked = check(&path, &["--discover"]);
     let (stdout, stderr) = (text(&asked.stdout), text(&asked.stderr));
     assert!(asked.status.success(), "{stdout}{stderr}");
+    let header: Vec<&str> = stdout
+        .lines()
+        .find(|line| line.starts_with("ENGINE"))
+        .map(|line| line.split_whitespace().collect())
+        .unwrap_or_default();
+    let columns = [
+        "ENGINE",
+        "RANK",
+        "ENDPOINT",
+        "REPLAY",
+        "RECOVER",
+        "TOPIC",
+        "INSTANCE_ID",
+        "MODEL",
+        "SOURCE",
+    ];
+    assert_eq!(header, columns, "{stdout}");
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .skip(1)
@@ -297,11 +314,12 @@ fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
             rank.to_string(),
             format!("tcp://127.0.0.1:{}", ports[rank].publish),
             format!("tcp://127.0.0.1:{}", ports[rank].replay.expect("replay")),
+            kv_indexer::config::derived_instance_id("asked").to_string(),
             "vllm".to_string(),
         ]
     };
     let picked = |row: &Vec<&str>| -> Vec<String> {
-        [0, 1, 2, 3, row.len() - 1]
+        [0, 1, 2, 3, 6, row.len() - 1]
             .iter()
             .map(|&i| row[i].to_string())
             .collect()
