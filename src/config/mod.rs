@@ -28,6 +28,7 @@ use serde::Deserialize;
 use toml::de::DeTable;
 use toml::Spanned;
 
+pub use crate::discover::MAX_DP_SIZE;
 use crate::discover::{EngineApi, FileLayout};
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
@@ -141,8 +142,6 @@ pub const DEFAULT_DISCOVER_INTERVAL_S: u32 = 30;
 /// A day: a longer interval would leave a scaled engine unindexed for longer than any operator
 /// would wait before asking why.
 pub const MAX_DISCOVER_INTERVAL_S: u32 = 86_400;
-/// Global data-parallel ranks are below this: it bounds `dp_size` and `dp_rank_start + dp_size`.
-pub const MAX_DP_SIZE: u32 = 1024;
 /// More shards than this buys no concurrency on any real machine and costs memory.
 pub const MAX_SHARDS: usize = 1 << 16;
 
