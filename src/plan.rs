@@ -161,6 +161,7 @@ mod tests {
             block_size: 16,
             shards: 64,
             engines,
+            replicas: Default::default(),
         }
     }
 

@@ -8,12 +8,14 @@
 //! - `diagnostics`: the `FILE:LINE: section: problem` list;
 //! - `keys`: reading one section's keys, each bad key reported and dropped;
 //! - `engine`: `[defaults]` and the per-engine rules;
-//! - `ports`: which port rank r of an engine uses, and which port ranges collide.
+//! - `ports`: which port rank r of an engine uses, and which port ranges collide;
+//! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`.
 
 mod diagnostics;
 mod engine;
 mod keys;
 mod ports;
+mod replicas;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -29,6 +31,8 @@ use engine::{check_defaults, check_engines, EngineFields, Engines};
 use keys::{read_table, Int, SectionChecker};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
+use replicas::check_replicas;
+pub use replicas::Replicas;
 
 /// A validated configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +45,8 @@ pub struct Config {
     pub shards: usize,
     /// `[[engine]]` tables with `[defaults]` applied.
     pub engines: Vec<EngineConfig>,
+    /// Other indexers to recover from, and what this one serves them.
+    pub replicas: Replicas,
 }
 
 /// One `[[engine]]` with defaults applied.
@@ -114,6 +120,7 @@ impl Config {
                 block_size: top.block_size,
                 shards: top.shards,
                 engines: engines.valid,
+                replicas: top.replicas,
             }),
             _ => Err(problems.into_error()),
         }
@@ -163,6 +170,9 @@ struct RawTop {
     listen: Option<Spanned<String>>,
     block_size: Option<Spanned<Int>>,
     shards: Option<Spanned<Int>>,
+    peers: Option<Spanned<Vec<Spanned<String>>>>,
+    serve_snapshots: Option<Spanned<bool>>,
+    auth_token_file: Option<Spanned<String>>,
     #[serde(rename = "defaults")]
     _defaults: Option<IgnoredAny>,
     #[serde(rename = "engine")]
@@ -173,6 +183,7 @@ struct Top {
     listen: String,
     block_size: u32,
     shards: usize,
+    replicas: Replicas,
 }
 
 fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option<Top> {
@@ -200,10 +211,18 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
                 .filter(|&n| n.is_power_of_two() && n <= MAX_SHARDS)
         },
     );
+    let replicas = check_replicas(
+        raw.peers,
+        raw.serve_snapshots,
+        raw.auth_token_file,
+        &dropped,
+        problems,
+    );
     Some(Top {
         listen: listen.or_default_to(DEFAULT_LISTEN.to_string())?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
+        replicas: replicas?,
     })
 }
 
@@ -262,6 +281,7 @@ mod tests {
                     model: None,
                     topic: String::new(),
                 }],
+                replicas: Replicas::default(),
             }
         );
     }
