@@ -17,9 +17,10 @@ use log::{error, info, warn};
 use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-use crate::config::{Config, ConfigError};
+use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::http::{Api, HttpServer};
 use crate::index::Index;
+use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
@@ -156,8 +157,11 @@ impl Service {
     ) -> anyhow::Result<Service> {
         let index = Index::new(config.block_size, config.shards);
         let metrics = Arc::new(Metrics::new());
+        let listen = listen.unwrap_or_else(|| config.listen.clone());
+        let replication = start_replication(&config, &listen)?;
         let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone())
-            .with_shutdown_signal(shutdown_signal.clone());
+            .with_shutdown_signal(shutdown_signal.clone())
+            .with_replication(replication.clone());
         let directory = registry.directory();
         let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
@@ -172,7 +176,6 @@ impl Service {
             plan.len()
         );
         allow_open_files(plan.len());
-        let listen = listen.unwrap_or_else(|| config.listen.clone());
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
         let diff = registry.lock().apply(plan);
@@ -190,6 +193,7 @@ impl Service {
             applied: Mutex::new(config),
             registry: registry.clone(),
             metrics: metrics.clone(),
+            replication: replication.clone(),
         });
         let reload_for_http = reloader.clone();
         let api = Arc::new(Api {
@@ -198,6 +202,7 @@ impl Service {
             ranks,
             directory,
             reload: Box::new(move || reload_for_http.reload()),
+            secret: replication.secret().cloned(),
         });
         let http = http.serve(api)?;
         let retry = Retry::spawn(registry.clone())?;
@@ -234,6 +239,41 @@ impl Service {
     }
 }
 
+/// The peers, the secret (read from `auth_token_file` now) and whether ranks keep their
+/// contents (docs.md "Replicas"); warns loudly when the API is reachable from other hosts
+/// without a secret, as it then serves users' token ids to anyone.
+fn start_replication(config: &Config, listen: &str) -> anyhow::Result<Arc<Replication>> {
+    let replicas = &config.replicas;
+    let secret = replicas
+        .read_auth_token()?
+        .as_deref()
+        .and_then(Secret::from_file_text);
+    if secret.is_none() && !is_loopback_listen(listen) {
+        warn!(
+            "SECURITY: the HTTP API listens on {listen}, reachable from other hosts, and no \
+             auth_token_file is set: anyone who can connect may POST /reload{} — set \
+             auth_token_file in the configuration",
+            if replicas.retains_contents() {
+                " and read every cached prompt's token ids from /snapshot/"
+            } else {
+                ""
+            }
+        );
+    }
+    if replicas.retains_contents() {
+        info!(
+            "replicas: {} peers, serving snapshots; every rank keeps its blocks' token ids \
+             (~170 bytes a block at block_size 16)",
+            replicas.peers.len()
+        );
+    }
+    Ok(Replication::new(
+        replicas.peers.clone(),
+        secret,
+        replicas.retains_contents(),
+    ))
+}
+
 /// Raises the soft open-files limit to the hard one (each rank holds a few descriptors) and
 /// warns when even that is too low for `listeners`.
 fn allow_open_files(listeners: usize) {
@@ -262,6 +302,8 @@ struct Reloader {
     applied: Mutex<Config>,
     registry: Arc<Mutex<Registry>>,
     metrics: Arc<Metrics>,
+    /// Its `peers` follow the file; listeners are not touched.
+    replication: Arc<Replication>,
 }
 
 impl Reloader {
@@ -297,6 +339,7 @@ impl Reloader {
             &applied.shards,
             &self.config_path,
         );
+        self.replication.set_peers(config.replicas.peers.clone());
         let diff = self.registry.lock().apply(plan::expand(&config));
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()

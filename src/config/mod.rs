@@ -32,7 +32,7 @@ use keys::{read_table, Int, SectionChecker};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
 use replicas::check_replicas;
-pub use replicas::Replicas;
+pub use replicas::{is_loopback_listen, Replicas};
 
 /// A validated configuration.
 #[derive(Clone, Debug, PartialEq)]

@@ -2,9 +2,10 @@
 //! `peers`, `serve_snapshots` and `auth_token_file`.
 //!
 //! Owns their shapes and checks: a peer is an `http://host:port` base URL, a token file is a
-//! path (read by the service, never here: a check must not touch the file system, and the token
-//! must never land in a problem message). It never opens a socket.
+//! path, read at start (`read_auth_token`; a check never touches the file system). It never
+//! opens a socket and never puts a token in a message.
 
+use anyhow::Context as _;
 use toml::Spanned;
 
 use super::diagnostics::Problems;
@@ -27,6 +28,30 @@ impl Replicas {
     pub fn retains_contents(&self) -> bool {
         self.serve_snapshots || !self.peers.is_empty()
     }
+
+    /// The text of `auth_token_file`, when set; the error names the file, never its content.
+    pub fn read_auth_token(&self) -> anyhow::Result<Option<String>> {
+        let Some(path) = &self.auth_token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading auth_token_file {path}"))?;
+        anyhow::ensure!(
+            !text.trim().is_empty(),
+            "auth_token_file {path} is empty: write the shared token in it"
+        );
+        Ok(Some(text))
+    }
+}
+
+/// Whether an HTTP `listen` address only accepts connections from this host.
+pub fn is_loopback_listen(listen: &str) -> bool {
+    let host = listen.rsplit_once(':').map_or(listen, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Checks `peers`, `serve_snapshots` and `auth_token_file`; `None` when any is wrong (reported).
@@ -37,14 +62,21 @@ pub(super) fn check_replicas(
     dropped: &[String],
     problems: &mut Problems<'_>,
 ) -> Option<Replicas> {
-    let mut ok = !dropped
-        .iter()
-        .any(|key| matches!(key.as_str(), "peers" | "serve_snapshots" | "auth_token_file"));
+    let mut ok = !dropped.iter().any(|key| {
+        matches!(
+            key.as_str(),
+            "peers" | "serve_snapshots" | "auth_token_file"
+        )
+    });
     let mut urls = Vec::new();
     for peer in peers.map(Spanned::into_inner).unwrap_or_default() {
         match peer_url(peer.get_ref()) {
             Ok(url) if urls.contains(&url) => {
-                problems.add(Some(peer.span()), "", format!("`peers`: {url} is listed twice"));
+                problems.add(
+                    Some(peer.span()),
+                    "",
+                    format!("`peers`: {url} is listed twice"),
+                );
                 ok = false;
             }
             Ok(url) => urls.push(url),
@@ -107,6 +139,21 @@ mod tests {
             .unwrap_or_else(|err| panic!("{err}"));
         assert!(serving.replicas.retains_contents());
         assert_eq!(serving.replicas.auth_token_file.as_deref(), Some("/t"));
+    }
+
+    #[test]
+    fn loopback_listen_addresses_are_told_apart() {
+        for local in [
+            "127.0.0.1:8090",
+            "[::1]:8090",
+            "localhost:80",
+            "127.1.2.3:1",
+        ] {
+            assert!(super::is_loopback_listen(local), "{local}");
+        }
+        for open in ["0.0.0.0:8090", "[::]:8090", "10.0.0.9:8090", "indexer:8090"] {
+            assert!(!super::is_loopback_listen(open), "{open}");
+        }
     }
 
     #[test]

@@ -23,12 +23,15 @@
 //! `POOL_THREADS` requests answered at once.
 
 mod accept;
+mod auth;
+pub use auth::{constant_time_eq, is_authorized};
 mod body;
 mod connection;
 mod head;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod routes;
+mod snapshot_route;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,6 +47,7 @@ use serde_json::json;
 
 use crate::config::ConfigError;
 use crate::index::Index;
+use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use accept::{accept_loop, Live, Reserve};
@@ -78,6 +82,8 @@ pub struct Api {
     pub ranks: RanksReader,
     pub directory: DirectoryReader,
     pub reload: Box<ReloadFn>,
+    /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
+    pub secret: Option<Secret>,
 }
 
 /// What every connection thread shares.

@@ -14,7 +14,6 @@ use serde_json::{json, Map, Value};
 use super::extras::{add_extra_key, finish, ExtraKey};
 use super::{BlockExtras, BlockStored, DecodeError, MmPlacement, Snapshot};
 
-
 /// Decodes a `GET /kv_recover` JSON body.
 pub fn decode_snapshot(body: &[u8]) -> Result<Snapshot, DecodeError> {
     let value: Value =
