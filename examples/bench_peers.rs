@@ -95,6 +95,19 @@ fn main() -> Result<()> {
         without as f64 / 1048576.0
     );
     drop(plain);
+    let url = format!("http://{}/snapshot/sim-0/0", serving.address);
+    let asked = Instant::now();
+    let body = ureq::get(&url)
+        .call()?
+        .body_mut()
+        .with_config()
+        .limit(256 << 20)
+        .read_to_vec()?;
+    println!(
+        "one rank's snapshot: {} bytes, served in {:.1?}",
+        body.len(),
+        asked.elapsed()
+    );
 
     let replica_toml = format!(
         "{}{}",

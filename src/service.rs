@@ -339,6 +339,18 @@ impl Reloader {
             &applied.shards,
             &self.config_path,
         );
+        if (
+            &config.replicas.auth_token_file,
+            config.replicas.retains_contents(),
+        ) != (
+            &applied.replicas.auth_token_file,
+            applied.replicas.retains_contents(),
+        ) {
+            warn!(
+                "{path}: auth_token_file or serve_snapshots changed, or peers were added or all \
+                 removed: restart kv-indexer to apply that (the new peers list is applied)"
+            );
+        }
         self.replication.set_peers(config.replicas.peers.clone());
         let diff = self.registry.lock().apply(plan::expand(&config));
         let names = |keys: &[plan::WorkerKey]| -> String {
