@@ -14,7 +14,7 @@ use kv_indexer::sim::process::IndexerProcess;
 use kv_indexer::sim::server::SimConfig;
 use kv_indexer::sim::watch::{self, IndexerView, OverHttp, RankView};
 use kv_indexer::sim::workload::Route;
-use support::http_client::{get, Connection};
+use support::http_client::{get, post, Connection};
 use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
 
 const ENGINES: usize = 2;
@@ -41,6 +41,10 @@ fn fleet(helpful: bool, drop_fraction: f64, capacity_blocks: usize) -> Fleet {
         ..SimConfig::default()
     })
     .expect("fleet")
+}
+
+fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
 fn config(fleet: &Fleet, peers: &[SocketAddr], serve: bool, token: Option<&Path>) -> String {
@@ -157,10 +161,7 @@ fn two_replicas_naming_each_other_agree_with_each_other_and_the_engines() {
     let fleet = fleet(true, 0.1, EVICTING);
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
-    let (a_addr, b_addr) = (
-        SocketAddr::from(([127, 0, 0, 1], free_port())),
-        SocketAddr::from(([127, 0, 0, 1], free_port())),
-    );
+    let (a_addr, b_addr) = (free_addr(), free_addr());
     let start = |own: SocketAddr, peer: SocketAddr| {
         IndexerProcess::start_at(
             binary,
@@ -287,6 +288,19 @@ fn a_degraded_peer_is_not_used() {
         ),
         0.0
     );
+    // `peers` is reloadable without touching a listener.
+    asking
+        .write_config(&config(
+            &fleet,
+            &[degraded.address, free_addr()],
+            false,
+            None,
+        ))
+        .expect("config");
+    let reply = post(asking.address, "/reload", b"");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["unchanged"], 4, "{}", reply.text());
+    assert_eq!(reply.json()["replaced"], serde_json::json!([]));
     // An indexer that keeps no contents says how to turn snapshots on.
     let plain = start_indexer(&fleet.indexer_config());
     let reply = get(plain.address, "/snapshot/sim-0/0");
