@@ -472,11 +472,10 @@ impl RankLoop {
         }
     }
 
-    /// After history was lost: when the engine or a peer serves snapshots, try again later.
+    /// After history was lost: try a snapshot again later, from the peers or the engine. Even
+    /// with neither configured now: a reload may add peers (a retry that finds none costs one
+    /// wake-up, at most every 30 s).
     fn schedule_snapshot_retry(&mut self) {
-        if self.applier.spec.recover.is_none() && self.replication.peers().is_empty() {
-            return;
-        }
         let backoff = self
             .snapshot_retry
             .map_or(SNAPSHOT_RETRY_FIRST, |(_, backoff)| backoff);
