@@ -1,7 +1,8 @@
 //! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `accept` runs the
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
-//! against limits and deadlines, `routes` answers each path with its exact JSON, and
-//! `query_body` parses `POST /query`.
+//! against limits and deadlines, `routes` answers each path with its exact JSON,
+//! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
+//! reveal cache contents or change state, and `query_body` parses `POST /query`.
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the

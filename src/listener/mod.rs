@@ -22,7 +22,10 @@
 //! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
 //! through `Listener::status`; the one route to the rank's metrics). A hole in the history
 //! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on the same
-//! thread: replay, else snapshot, else `degraded` with the lost batches counted. Meanwhile live
+//! thread: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
+//! `degraded` with the lost batches counted. When this indexer serves snapshots, the applier
+//! keeps the rank's block contents (`contents`) in step with the index, and `StatusHandle`
+//! builds the rank's snapshot from them for `GET /snapshot/...`. Meanwhile live
 //! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
 //! ZMQ and shows up as the next gap. `stop` is the eventfd every wait watches.
 //!
