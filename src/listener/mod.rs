@@ -155,6 +155,7 @@ impl StatusHandle {
 
     /// The rank's snapshot, only while the rank is `active`. The state is read under the
     /// contents' lock, which every change to them takes: the body is the state at one seq.
+    /// The events are copied under it and encoded after.
     pub fn snapshot(&self) -> Result<ServedSnapshot, Unservable> {
         let contents = self.contents.as_ref().ok_or(Unservable::NotRetained)?;
         let contents = contents.lock();
@@ -163,10 +164,11 @@ impl StatusHandle {
             return Err(Unservable::NotWhole(state));
         }
         let built = contents
-            .build(self.dp_rank, self.block_size)
+            .build(self.block_size)
             .ok_or(Unservable::NotWhole(State::Connecting))?;
+        drop(contents);
         Ok(ServedSnapshot {
-            body: built.body,
+            body: built.body(self.dp_rank, self.block_size),
             blocks: built.blocks,
             orphans: built.orphans,
         })
