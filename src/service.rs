@@ -263,7 +263,7 @@ fn start_replication(config: &Config, listen: &str) -> anyhow::Result<Arc<Replic
     if replicas.retains_contents() {
         info!(
             "replicas: {} peers, serving snapshots; every rank keeps its blocks' token ids \
-             (~170 bytes a block at block_size 16)",
+             (~190 bytes a block at block_size 16)",
             replicas.peers.len()
         );
     }

@@ -9,7 +9,7 @@
 //!
 //! Cost: per block its tokens (4 B × block_size, 64 B at 16) in their own allocation, ~72 B of
 //! map entry (hash, parent, tokens pointer, adapter, extras pointer, copies) and the map's
-//! slack: ~170 B a block at block_size 16, measured by `examples/bench_peers.rs`. Hence off
+//! slack: ~190 B a block (RSS) at block_size 16, measured by `examples/bench_peers.rs`. Hence off
 //! unless `peers` or `serve_snapshots` asks for it.
 
 use std::collections::HashMap;
