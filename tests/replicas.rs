@@ -385,3 +385,30 @@ fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
     assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
     assert!(stranger.log().contains("401"), "{}", stranger.log());
 }
+
+/// An API reachable from other hosts with no token is a loud warning at start; with a token,
+/// or on loopback, there is none.
+#[test]
+fn an_open_listen_without_a_token_is_a_loud_warning() {
+    let fleet = fleet(false, 0.0, ROOMY);
+    let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "t0ken").expect("token file");
+    let open = SocketAddr::from(([0, 0, 0, 0], free_port()));
+    let warned = |toml: &str, address: SocketAddr| {
+        let indexer = IndexerProcess::start_at(binary, toml, address, "info", DEADLINE)
+            .unwrap_or_else(|error| panic!("{error:#}"));
+        // Logged after the warning: once it is in, so is the warning, if any.
+        let started = Instant::now();
+        while !indexer.log().contains("HTTP API listening") {
+            assert!(started.elapsed() < DEADLINE, "{}", indexer.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        indexer.log().contains("SECURITY")
+    };
+    assert!(warned(&config(&fleet, &[], true, None), open));
+    let open = SocketAddr::from(([0, 0, 0, 0], free_port()));
+    assert!(!warned(&config(&fleet, &[], true, Some(&token_file)), open));
+    assert!(!warned(&config(&fleet, &[], true, None), free_addr()));
+}
