@@ -43,6 +43,7 @@ fn config(engines: u32) -> Config {
         block_size: 16,
         shards: 64,
         engines,
+        replicas: Default::default(),
     }
 }
 

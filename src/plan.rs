@@ -246,6 +246,7 @@ mod tests {
             block_size: 16,
             shards: 64,
             engines,
+            replicas: Default::default(),
         }
     }
 

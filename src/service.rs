@@ -26,11 +26,12 @@ use log::{error, info, warn};
 use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-use crate::config::{Config, ConfigError};
+use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EngineApi, Limits};
 use crate::http::dynamo::{DynamoApi, RuntimeEngines};
 use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
+use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
@@ -172,8 +173,11 @@ impl Service {
     ) -> anyhow::Result<Service> {
         let index = Index::new(config.block_size, config.shards);
         let metrics = Arc::new(Metrics::new());
+        let listen = listen.unwrap_or_else(|| config.listen.clone());
+        let replication = start_replication(&config, &listen)?;
         let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone())
-            .with_shutdown_signal(shutdown_signal.clone());
+            .with_shutdown_signal(shutdown_signal.clone())
+            .with_replication(replication.clone());
         let directory = registry.directory();
         let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
@@ -189,7 +193,6 @@ impl Service {
             plan.len()
         );
         allow_open_files(plan.len());
-        let listen = listen.unwrap_or_else(|| config.listen.clone());
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
         let dynamo = bind_dynamo(&config)?;
@@ -218,6 +221,7 @@ impl Service {
             board: board.clone(),
             askers: Mutex::new(None),
             neighbours: Mutex::new(Some(neighbours)),
+            replication: replication.clone(),
         });
         // Weak: the askers live in the reloader, and their answers go back to it.
         let answers = Arc::downgrade(&reloader);
@@ -248,6 +252,7 @@ impl Service {
             metrics: metrics.clone(),
             directory: directory.clone(),
             engines,
+            secret: replication.secret().cloned(),
         };
         let api = Arc::new(Api {
             index,
@@ -256,6 +261,7 @@ impl Service {
             directory,
             board,
             reload: Box::new(move || reload_for_http.reload()),
+            secret: replication.secret().cloned(),
         });
         let http = http.serve(api)?;
         let dynamo = dynamo
@@ -346,6 +352,41 @@ fn keep_dynamo_listen(config: &mut Config, applied: &Config, path: &Path) {
     config.dynamo_listen = applied.dynamo_listen.clone();
 }
 
+/// The peers, the secret (read from `auth_token_file` now) and whether ranks keep their
+/// contents (docs.md "Replicas"); warns loudly when the API is reachable from other hosts
+/// without a secret, as it then serves users' token ids to anyone.
+fn start_replication(config: &Config, listen: &str) -> anyhow::Result<Arc<Replication>> {
+    let replicas = &config.replicas;
+    let secret = replicas
+        .read_auth_token()?
+        .as_deref()
+        .and_then(Secret::from_file_text);
+    if secret.is_none() && !is_loopback_listen(listen) {
+        warn!(
+            "SECURITY: the HTTP API listens on {listen}, reachable from other hosts, and no \
+             auth_token_file is set: anyone who can connect may POST /reload{} — set \
+             auth_token_file in the configuration",
+            if replicas.retains_contents() {
+                " and read every cached prompt's token ids from /snapshot/"
+            } else {
+                ""
+            }
+        );
+    }
+    if replicas.retains_contents() {
+        info!(
+            "replicas: {} peers, serving snapshots; every rank keeps its blocks' token ids \
+             (~190 bytes a block at block_size 16)",
+            replicas.peers.len()
+        );
+    }
+    Ok(Replication::new(
+        replicas.peers.clone(),
+        secret,
+        replicas.retains_contents(),
+    ))
+}
+
 /// Raises the soft open-files limit to the hard one (each rank holds a few descriptors) and
 /// warns when even that is too low for `listeners`.
 fn allow_open_files(listeners: usize) {
@@ -388,6 +429,8 @@ struct Reloader {
     /// `None` only while starting and after shutdown.
     askers: Mutex<Option<Askers>>,
     neighbours: Mutex<Option<NeighbourWatch>>,
+    /// Its `peers` follow the file; listeners are not touched.
+    replication: Arc<Replication>,
 }
 
 /// Every engine of `config`, with its `discover` URL if it has one: what the board lists.
@@ -437,6 +480,19 @@ impl Reloader {
             &self.config_path,
         );
         keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
+        if (
+            &config.replicas.auth_token_file,
+            config.replicas.retains_contents(),
+        ) != (
+            &applied.config.replicas.auth_token_file,
+            applied.config.replicas.retains_contents(),
+        ) {
+            warn!(
+                "{path}: auth_token_file or serve_snapshots changed, or peers were added or all \
+                 removed: restart kv-indexer to apply that (the new peers list is applied)"
+            );
+        }
+        self.replication.set_peers(config.replicas.peers.clone());
         // An engine asked at the same API keeps its last good answer: a reload does not drop
         // its ranks until it has answered again.
         let old = &applied.config;

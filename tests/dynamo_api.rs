@@ -489,3 +489,57 @@ fn the_binary_keeps_a_registration_across_sighup_and_forgets_it_on_restart() {
     let (status, answer) = call(dynamo, "/query", &query);
     assert_eq!((status, &answer["scores"]), (200, &json!({})), "{answer}");
 }
+
+#[test]
+fn with_a_token_registration_needs_it_and_queries_do_not() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret\n").expect("write the token");
+    let zmq = zmq::Context::new();
+    let rank = FakeRank::bind(&zmq, 0);
+    let toml = format!(
+        "auth_token_file = \"{}\"\n{}",
+        token_file.display(),
+        config(&[engine("a", rank.port, Some("m1"), Some(7))])
+    );
+    let servers = Servers::start(&toml);
+    let dynamo = servers.dynamo();
+    let joining = FakeRank::bind(&zmq, 3);
+    let registration = json!({
+        "instance_id": 42, "endpoint": format!("tcp://127.0.0.1:{}", joining.port),
+        "model_name": "m1", "block_size": 16, "dp_rank": 3,
+    })
+    .to_string();
+    let unregistration = json!({"instance_id": 42, "model_name": "m1", "dp_rank": 3}).to_string();
+    let send = |path: &str, body: &str, authorization: Option<&str>| -> u16 {
+        let header = authorization.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+        let mut connection = Connection::open(dynamo);
+        connection.write_raw(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: t\r\n{header}Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        );
+        connection.read_reply().status
+    };
+    for wrong in [None, Some("Bearer nope"), Some("Basic czNjcmV0")] {
+        assert_eq!(send("/register", &registration, wrong), 401, "{wrong:?}");
+        assert_eq!(
+            send("/unregister", &unregistration, wrong),
+            401,
+            "{wrong:?}"
+        );
+    }
+    let query = json!({"token_ids": [1, 2, 3], "model_name": "m1"}).to_string();
+    assert_eq!(send("/query", &query, None), 200);
+    assert_eq!(get(dynamo, "/workers").status, 200);
+    let right = Some("Bearer s3cret");
+    assert_eq!(send("/register", &registration, right), 201);
+    assert_eq!(send("/unregister", &unregistration, right), 200);
+    let metrics = get(servers.ours(), "/metrics").text();
+    assert!(
+        metrics.contains("kv_indexer_http_errors_total{status=\"401\"} 6"),
+        "{metrics}"
+    );
+}

@@ -221,6 +221,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "gaps",
         "lost_batches",
         "parent_missing",
+        "recovered_by",
         "last_event_ms_ago",
     ]
     .into();

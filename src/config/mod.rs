@@ -10,7 +10,8 @@
 //! - `engine`: `[defaults]` and the per-engine rules;
 //! - `discovered`: the keys of an engine whose ranks come from its own HTTP server;
 //! - `instance`: the engines' ids in the Dynamo API;
-//! - `ports`: which port rank r of an engine uses, and which port ranges collide.
+//! - `ports`: which port rank r of an engine uses, and which port ranges collide;
+//! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`.
 
 mod diagnostics;
 mod discovered;
@@ -18,6 +19,7 @@ mod engine;
 mod instance;
 mod keys;
 mod ports;
+mod replicas;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -36,6 +38,8 @@ pub use instance::derived_instance_id;
 use keys::{read_table, Checked, Int, SectionChecker};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
+use replicas::check_replicas;
+pub use replicas::{is_loopback_listen, Replicas};
 
 /// A validated configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -51,6 +55,8 @@ pub struct Config {
     pub shards: usize,
     /// `[[engine]]` tables with `[defaults]` applied.
     pub engines: Vec<EngineConfig>,
+    /// Other indexers to recover from, and what this one serves them.
+    pub replicas: Replicas,
 }
 
 /// One `[[engine]]` with defaults applied.
@@ -182,6 +188,7 @@ impl Config {
                 block_size: top.block_size,
                 shards: top.shards,
                 engines: engines.valid,
+                replicas: top.replicas,
             }),
             _ => Err(problems.into_error()),
         }
@@ -232,6 +239,9 @@ struct RawTop {
     dynamo_listen: Option<Spanned<String>>,
     block_size: Option<Spanned<Int>>,
     shards: Option<Spanned<Int>>,
+    peers: Option<Spanned<Vec<Spanned<String>>>>,
+    serve_snapshots: Option<Spanned<bool>>,
+    auth_token_file: Option<Spanned<String>>,
     #[serde(rename = "defaults")]
     _defaults: Option<IgnoredAny>,
     #[serde(rename = "engine")]
@@ -243,6 +253,7 @@ struct Top {
     dynamo_listen: Option<String>,
     block_size: u32,
     shards: usize,
+    replicas: Replicas,
 }
 
 fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option<Top> {
@@ -283,11 +294,19 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
                 .filter(|&n| n.is_power_of_two() && n <= MAX_SHARDS)
         },
     );
+    let replicas = check_replicas(
+        raw.peers,
+        raw.serve_snapshots,
+        raw.auth_token_file,
+        &dropped,
+        problems,
+    );
     Some(Top {
         listen: listen.or_default_to(DEFAULT_LISTEN.to_string())?,
         dynamo_listen: dynamo_listen.optional()?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
+        replicas: replicas?,
     })
 }
 
@@ -350,6 +369,7 @@ mod tests {
                     topic: String::new(),
                     instance_id: derived_instance_id("local"),
                 }],
+                replicas: Replicas::default(),
             }
         );
     }

@@ -1,8 +1,10 @@
 //! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `accept` runs the
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
-//! against limits and deadlines, `routes` answers each path with its exact JSON, and
-//! `query_body` parses `POST /query`; `dynamo` is the Dynamo / Mooncake indexer API, served by
-//! the same server code on its own address (`Routes` says which API a server answers).
+//! against limits and deadlines, `routes` answers each path with its exact JSON,
+//! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
+//! reveal cache contents or change state, and `query_body` parses `POST /query`; `dynamo` is
+//! the Dynamo / Mooncake indexer API, served by the same server code on its own address
+//! (`Routes` says which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
@@ -24,6 +26,8 @@
 //! `POOL_THREADS` requests answered at once.
 
 mod accept;
+mod auth;
+pub use auth::{constant_time_eq, is_authorized};
 mod body;
 mod connection;
 pub mod dynamo;
@@ -33,6 +37,7 @@ mod json_mutation;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod routes;
+mod snapshot_route;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,6 +55,7 @@ use tiny_http::Method;
 use crate::config::ConfigError;
 use crate::discover::Board;
 use crate::index::Index;
+use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use accept::{accept_loop, Live, Reserve};
@@ -86,6 +92,8 @@ pub struct Api {
     /// Each engine's discovery state and neighbour probe, for `/workers` and `/ready`.
     pub board: Arc<Board>,
     pub reload: Box<ReloadFn>,
+    /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
+    pub secret: Option<Secret>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one

@@ -8,7 +8,9 @@ use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::auth::{is_authorized, unauthorized};
 use super::query_body::parse_query;
+use super::snapshot_route::snapshot_route;
 use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::listener::State;
@@ -16,6 +18,9 @@ use crate::registry::{ListenerView, ReloadDiff};
 
 pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
+    if let Some(rank) = path.strip_prefix("/snapshot/") {
+        return snapshot_route(api, request, rank);
+    }
     let wants_post = match path {
         "/query" | "/reload" => true,
         "/workers" | "/health" | "/ready" | "/metrics" => false,
@@ -26,6 +31,7 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
     }
     match path {
         "/query" => query(api, body),
+        "/reload" if !is_authorized(request, api.secret.as_ref()) => unauthorized(),
         "/reload" => reload(api),
         "/workers" => workers(api),
         "/health" => Reply::json(200, &json!({ "status": "ok" })),
@@ -140,6 +146,8 @@ struct ListenerJson<'a> {
     gaps: u64,
     lost_batches: u64,
     parent_missing: u64,
+    /// `replay`, `peer <url>` or `engine snapshot`: how the last hole was filled.
+    recovered_by: Option<String>,
     last_event_ms_ago: Option<u64>,
 }
 
@@ -161,6 +169,7 @@ impl<'a> ListenerJson<'a> {
             gaps: status.map_or(0, |s| s.gaps),
             lost_batches: status.map_or(0, |s| s.lost_batches),
             parent_missing: status.map_or(0, |s| s.parent_missing),
+            recovered_by: status.and_then(|s| s.recovered_by.as_ref().map(|by| by.to_string())),
             last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
         }
     }

@@ -2,15 +2,18 @@
 //! `WorkerBlocks`, reporting what happened to its `StatusCell`. It never decides what to apply
 //! (the sequence rules in `run` do) and never touches a socket.
 
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use parking_lot::Mutex;
 
+use super::contents::Contents;
 use super::status::StatusCell;
 use crate::index::{ApplyOutcome, Index, WorkerBlocks};
 use crate::metrics::MalformedReason;
 use crate::plan::ListenerSpec;
-use crate::wire::{self, Event, EventBatch};
+use crate::wire::{self, Event, EventBatch, Snapshot};
 
 /// Applies batches and snapshots to the rank's worker, counting what happened.
 pub(super) struct Applier {
@@ -20,6 +23,8 @@ pub(super) struct Applier {
     pub(super) status: Arc<StatusCell>,
     pub(super) warned_dp_rank: bool,
     pub(super) warned_block_size: bool,
+    /// The rank's block contents for peers' snapshots, when retained: changed with the index.
+    pub(super) contents: Option<Arc<Mutex<Contents>>>,
 }
 
 impl Applier {
@@ -53,8 +58,16 @@ impl Applier {
             self.status.dp_rank_mismatch();
         }
         let mut outcome = ApplyOutcome::default();
-        for event in &batch.events {
-            self.blocks.apply(event, &mut outcome);
+        if let Some(contents) = &self.contents {
+            let mut contents = contents.lock();
+            for event in &batch.events {
+                contents.apply(&mut self.blocks, event, &mut outcome);
+            }
+            contents.applied_through(seq);
+        } else {
+            for event in &batch.events {
+                self.blocks.apply(event, &mut outcome);
+            }
         }
         self.note_block_size(&outcome);
         self.status
@@ -64,6 +77,18 @@ impl Applier {
     /// Decodes a snapshot body and, when it is usable and covers `need`, makes it the rank's
     /// whole state. Returns the seq it covers.
     pub(super) fn apply_snapshot(&mut self, body: &[u8], need: u64) -> anyhow::Result<u64> {
+        let snapshot = self.usable_snapshot(body, need..=u64::MAX)?;
+        Ok(self.install_snapshot(snapshot))
+    }
+
+    /// Decodes a snapshot body and checks it: the index's block size, a seq in `seqs` (the
+    /// hole's end up to, for a peer's, the newest seq this listener has seen live: see
+    /// docs/design.md "Recovery from a peer"). The snapshot's seq is then `Some`.
+    pub(super) fn usable_snapshot(
+        &self,
+        body: &[u8],
+        seqs: RangeInclusive<u64>,
+    ) -> anyhow::Result<Snapshot> {
         let snapshot = wire::decode_snapshot(body).context("decoding the snapshot")?;
         let block_size = self.index.block_size();
         anyhow::ensure!(
@@ -71,12 +96,17 @@ impl Applier {
             "snapshot block_size {} differs from the index's {block_size}",
             snapshot.block_size
         );
-        let seq = snapshot.seq.filter(|&seq| seq >= need).with_context(|| {
-            format!(
-                "snapshot at seq {:?} is older than seq {need}: it does not cover the hole",
-                snapshot.seq
-            )
-        })?;
+        let (need, newest) = (*seqs.start(), *seqs.end());
+        match snapshot.seq {
+            Some(seq) if seq > newest => anyhow::bail!(
+                "snapshot at seq {seq} is past seq {newest}, the newest this listener has seen: \
+                 it may be of a publisher process that has restarted since"
+            ),
+            Some(seq) if seq >= need => {}
+            seq => anyhow::bail!(
+                "snapshot at seq {seq:?} is older than seq {need}: it does not cover the hole"
+            ),
+        }
         if let Some(rank) = snapshot
             .dp_rank
             .filter(|&rank| rank != self.spec.key.dp_rank)
@@ -84,18 +114,36 @@ impl Applier {
             log::warn!("{}: snapshot says dp_rank {rank}", self.who());
             self.status.dp_rank_mismatch();
         }
-        self.blocks.clear();
+        Ok(snapshot)
+    }
+
+    /// Makes a snapshot `usable_snapshot` approved the rank's whole state; returns its seq.
+    pub(super) fn install_snapshot(&mut self, snapshot: Snapshot) -> u64 {
+        let seq = snapshot.seq.unwrap_or_default();
+        self.clear();
         let mut outcome = ApplyOutcome::default();
+        let mut contents = self.contents.as_ref().map(|contents| contents.lock());
         for stored in snapshot.events {
-            self.blocks.apply(&Event::Stored(stored), &mut outcome);
+            let event = Event::Stored(stored);
+            match contents.as_mut() {
+                Some(contents) => contents.apply(&mut self.blocks, &event, &mut outcome),
+                None => self.blocks.apply(&event, &mut outcome),
+            }
         }
+        if let Some(contents) = contents.as_mut() {
+            contents.applied_through(seq);
+        }
+        drop(contents);
         self.note_block_size(&outcome);
         self.status
             .snapshot_applied(seq, &outcome, self.blocks.blocks());
-        Ok(seq)
+        seq
     }
 
     pub(super) fn clear(&mut self) {
+        if let Some(contents) = &self.contents {
+            contents.lock().clear();
+        }
         self.blocks.clear();
         self.status.set_blocks(self.blocks.blocks());
     }

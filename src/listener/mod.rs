@@ -22,7 +22,10 @@
 //! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
 //! through `Listener::status`; the one route to the rank's metrics). A hole in the history
 //! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on the same
-//! thread: replay, else snapshot, else `degraded` with the lost batches counted. Meanwhile live
+//! thread: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
+//! `degraded` with the lost batches counted. When this indexer serves snapshots, the applier
+//! keeps the rank's block contents (`contents`) in step with the index, and `StatusHandle`
+//! builds the rank's snapshot from them for `GET /snapshot/...`. Meanwhile live
 //! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
 //! ZMQ and shows up as the next gap. `stop` is the eventfd every wait watches.
 //!
@@ -34,7 +37,9 @@
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
 mod applier;
+mod contents;
 mod frames;
+mod peers;
 mod recovery;
 mod run;
 mod sequence;
@@ -50,10 +55,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::Context as _;
+use parking_lot::Mutex;
 
 use crate::index::{Index, WorkerId};
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
+use applier::Applier;
+use contents::Contents;
+pub use peers::{Replication, Secret};
 use run::{RankLoop, Sockets};
 use status::StatusCell;
 use stop::{Stop, StopHandle};
@@ -89,16 +98,84 @@ pub struct ListenerStatus {
     pub lost_batches: u64,
     /// Stores skipped because their parent was unknown: the symptom of lost events.
     pub parent_missing: u64,
+    /// How the last hole was recovered, if one was.
+    pub recovered_by: Option<RecoveredBy>,
     pub last_event_ms_ago: Option<u64>,
 }
 
-/// A listener's live status as a cloneable handle: `/workers` reads it without the registry.
+/// How a rank's last hole was filled, as `/workers` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecoveredBy {
+    /// The engine's replay socket.
+    Replay,
+    /// Another indexer's snapshot of the rank: its base URL.
+    Peer(String),
+    /// The engine's `/kv_recover`.
+    EngineSnapshot,
+}
+
+impl std::fmt::Display for RecoveredBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecoveredBy::Replay => f.write_str("replay"),
+            RecoveredBy::Peer(url) => write!(f, "peer {url}"),
+            RecoveredBy::EngineSnapshot => f.write_str("engine snapshot"),
+        }
+    }
+}
+
+/// A listener's live status as a cloneable handle: `/workers` reads it without the registry,
+/// and the snapshot route the rank's contents.
 #[derive(Clone)]
-pub struct StatusHandle(Arc<StatusCell>);
+pub struct StatusHandle {
+    status: Arc<StatusCell>,
+    contents: Option<Arc<Mutex<Contents>>>,
+    dp_rank: u32,
+    block_size: u32,
+}
+
+/// Why a rank has no snapshot to give a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unservable {
+    /// This indexer keeps no block contents (`peers` empty and `serve_snapshots` off).
+    NotRetained,
+    /// The rank is not whole (`active`): what it holds may miss blocks.
+    NotWhole(State),
+}
+
+/// A rank's snapshot for a peer: the `/kv_recover` body.
+pub struct ServedSnapshot {
+    pub body: Vec<u8>,
+    pub blocks: usize,
+    /// Blocks left out because their parent is no longer held (docs/design.md "Recovery from
+    /// a peer").
+    pub orphans: usize,
+}
 
 impl StatusHandle {
     pub fn get(&self) -> ListenerStatus {
-        self.0.snapshot()
+        self.status.snapshot()
+    }
+
+    /// The rank's snapshot, only while the rank is `active`. The state is read under the
+    /// contents' lock, which every change to them takes: the body is the state at one seq.
+    /// The events are copied under it and encoded after.
+    pub fn snapshot(&self) -> Result<ServedSnapshot, Unservable> {
+        let contents = self.contents.as_ref().ok_or(Unservable::NotRetained)?;
+        let contents = contents.lock();
+        let state = self.status.snapshot().state;
+        if state != State::Active {
+            return Err(Unservable::NotWhole(state));
+        }
+        let built = contents
+            .build(self.block_size)
+            .ok_or(Unservable::NotWhole(State::Connecting))?;
+        drop(contents);
+        Ok(ServedSnapshot {
+            body: built.body(self.dp_rank, self.block_size),
+            blocks: built.blocks,
+            orphans: built.orphans,
+        })
     }
 }
 
@@ -107,6 +184,8 @@ pub struct Listener {
     spec: ListenerSpec,
     worker: WorkerId,
     status: Arc<StatusCell>,
+    contents: Option<Arc<Mutex<Contents>>>,
+    block_size: u32,
     metrics: Arc<Metrics>,
     stop: StopHandle,
     thread: Option<JoinHandle<()>>,
@@ -121,6 +200,18 @@ impl Listener {
         index: &Arc<Index>,
         metrics: &Arc<Metrics>,
     ) -> anyhow::Result<Listener> {
+        Listener::start_with(spec, zmq, index, metrics, &Replication::none())
+    }
+
+    /// `start`, for an indexer with replicas: holes may be filled from `replication`'s peers,
+    /// and the rank keeps its contents for theirs when it says so.
+    pub fn start_with(
+        spec: ListenerSpec,
+        zmq: &zmq::Context,
+        index: &Arc<Index>,
+        metrics: &Arc<Metrics>,
+        replication: &Arc<Replication>,
+    ) -> anyhow::Result<Listener> {
         let what = format!(
             "engine {} rank {} endpoint {}",
             spec.key.engine, spec.key.dp_rank, spec.endpoint
@@ -132,14 +223,19 @@ impl Listener {
         let status = Arc::new(StatusCell::new(
             metrics.rank(&spec.key.engine, spec.key.dp_rank),
         ));
-        let rank_loop = RankLoop::new(
-            spec.clone(),
-            zmq.clone(),
-            sockets,
-            Arc::clone(index),
+        let contents = replication
+            .retains_contents()
+            .then(|| Arc::new(Mutex::new(Contents::default())));
+        let applier = Applier {
+            spec: spec.clone(),
+            index: Arc::clone(index),
             blocks,
-            Arc::clone(&status),
-        );
+            status: Arc::clone(&status),
+            warned_dp_rank: false,
+            warned_block_size: false,
+            contents: contents.clone(),
+        };
+        let rank_loop = RankLoop::new(zmq.clone(), sockets, applier, Arc::clone(replication));
         let thread_what = what.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("kvi-rank-{}", spec.key.dp_rank))
@@ -159,6 +255,8 @@ impl Listener {
             spec,
             worker,
             status,
+            contents,
+            block_size: index.block_size(),
             metrics: Arc::clone(metrics),
             stop,
             thread: Some(thread),
@@ -178,7 +276,12 @@ impl Listener {
     }
 
     pub fn status_handle(&self) -> StatusHandle {
-        StatusHandle(Arc::clone(&self.status))
+        StatusHandle {
+            status: Arc::clone(&self.status),
+            contents: self.contents.clone(),
+            dp_rank: self.spec.key.dp_rank,
+            block_size: self.block_size,
+        }
     }
 
     /// Stops within 100 ms; when it returns, the rank's blocks are gone from the index.

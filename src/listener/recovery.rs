@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 
+use super::peers::Secret;
 use super::stop::Stop;
 use crate::wire::{self, ReplayItem};
 
@@ -30,6 +31,8 @@ const SNAPSHOT_WHOLE: Duration = Duration::from_secs(30);
 /// comma) = 112 MB, plus, at 16-token blocks (1 M blocks), ≤ 21 bytes per block hash and
 /// ~100 bytes of per-event fields = 121 MB: 233 MB in all, under 256 MiB.
 const SNAPSHOT_MAX_BYTES: u64 = 256 << 20;
+/// Of an error answer, this much is read for the log.
+const ERROR_BODY_MAX_BYTES: u64 = 1024;
 /// Granularity of every wait, so stop requests are seen promptly.
 const TICK: Duration = Duration::from_millis(20);
 
@@ -158,16 +161,18 @@ pub(super) enum Fetched {
 /// `GET url` on a helper thread, so the listener thread keeps watching its stop signal: on
 /// stop the listener returns at once and tells the helper to give up; the helper owns nothing
 /// of the listener and ends at its next chunk or its next timeout (`http_get`).
-pub(super) fn fetch_snapshot(url: &str, stop: &Stop) -> Fetched {
+/// `bearer` is sent as `Authorization: Bearer` (peers that require `auth_token_file`).
+pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) -> Fetched {
     let (sender, receiver) = mpsc::channel();
     let abandoned = Arc::new(AtomicBool::new(false));
     let helper_abandoned = Arc::clone(&abandoned);
     let helper_url = url.to_owned();
+    let header = bearer.map(|secret| format!("Bearer {}", secret.expose()));
     let spawned = std::thread::Builder::new()
         .name("kvi-snapshot".into())
         .spawn(move || {
             // The listener may have gone: nobody to tell then.
-            let _ = sender.send(http_get(&helper_url, &helper_abandoned));
+            let _ = sender.send(http_get(&helper_url, header, &helper_abandoned));
         });
     if let Err(error) = spawned {
         return Fetched::Body(Err(
@@ -194,19 +199,35 @@ pub(super) fn fetch_snapshot(url: &str, stop: &Stop) -> Fetched {
 /// cannot be interrupted inside a read, so a server that goes silent holds this helper thread
 /// until `SNAPSHOT_SILENCE` passes (the listener itself does not wait for it), and the whole
 /// fetch never outlives `SNAPSHOT_WHOLE`: an abandoned helper is gone within 5 s of silence.
-fn http_get(url: &str, abandoned: &AtomicBool) -> anyhow::Result<Vec<u8>> {
+fn http_get(
+    url: &str,
+    authorization: Option<String>,
+    abandoned: &AtomicBool,
+) -> anyhow::Result<Vec<u8>> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_connect(Some(SNAPSHOT_CONNECT))
         .timeout_per_read(Some(SNAPSHOT_SILENCE))
         .timeout_global(Some(SNAPSHOT_WHOLE))
         .max_redirects(0)
+        .http_status_as_error(false)
         .build()
         .into();
-    let mut response = agent
-        .get(url)
-        .header("Accept", "application/json")
-        .call()
-        .context("requesting the snapshot")?;
+    let mut request = agent.get(url).header("Accept", "application/json");
+    if let Some(authorization) = authorization {
+        request = request.header("Authorization", authorization);
+    }
+    let mut response = request.call().context("requesting the snapshot")?;
+    let status = response.status();
+    if status != 200 {
+        // The reason a peer gives ("rank degraded", "snapshots are off") is short JSON.
+        let reason = response
+            .body_mut()
+            .with_config()
+            .limit(ERROR_BODY_MAX_BYTES)
+            .read_to_string()
+            .unwrap_or_default();
+        bail!("answered {status}: {}", reason.trim());
+    }
     if let Some(length) = response.body().content_length() {
         anyhow::ensure!(
             length <= SNAPSHOT_MAX_BYTES,

@@ -10,13 +10,12 @@ use anyhow::Context as _;
 
 use super::applier::Applier;
 use super::frames::Frames;
+use super::peers::{snapshot_url, Replication};
 use super::recovery::{self, Fetched, Replayed};
 use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
-use super::status::StatusCell;
 use super::stop::Stop;
-use crate::index::{Index, WorkerBlocks};
+use super::RecoveredBy;
 use crate::metrics::{MalformedReason, RecoveryMethod};
-use crate::plan::ListenerSpec;
 use crate::wire::{self, EventBatch};
 
 /// Live messages taken in one go before stop and the monitor are looked at again.
@@ -41,6 +40,7 @@ pub(super) struct RankLoop {
     context: zmq::Context,
     sockets: Sockets,
     applier: Applier,
+    replication: Arc<Replication>,
     sequence: Sequence,
     /// Reused for every live message.
     live_frames: Frames,
@@ -71,24 +71,16 @@ enum Recovery {
 
 impl RankLoop {
     pub(super) fn new(
-        spec: ListenerSpec,
         context: zmq::Context,
         sockets: Sockets,
-        index: Arc<Index>,
-        blocks: WorkerBlocks,
-        status: Arc<StatusCell>,
+        applier: Applier,
+        replication: Arc<Replication>,
     ) -> RankLoop {
         RankLoop {
             context,
             sockets,
-            applier: Applier {
-                spec,
-                index,
-                blocks,
-                status,
-                warned_dp_rank: false,
-                warned_block_size: false,
-            },
+            applier,
+            replication,
             sequence: Sequence::new(),
             live_frames: Frames::default(),
             snapshot_retry: None,
@@ -276,6 +268,7 @@ impl RankLoop {
         let status = Arc::clone(&self.applier.status);
         status.set_recovering(true);
         let mut covered: Option<u64> = None;
+        let mut how = RecoveredBy::Replay;
         // Whether the rank is whole again: a snapshot, or a replay from the first unrepaired loss.
         let mut whole_state = false;
         // A hole longer than any history holds (a publisher seen first, or again, at a seq near
@@ -306,10 +299,13 @@ impl RankLoop {
             let ok = covered.is_some_and(|c| c >= through);
             status.recovery(RecoveryMethod::Replay, ok);
         }
-        if covered.is_none_or(|c| c < through) && self.applier.spec.recover.is_some() {
-            match self.snapshot(through) {
-                Snapshot::Covered(seq) => {
+        if covered.is_none_or(|c| c < through) {
+            // The newest seq seen live: the message that revealed the hole, else its end.
+            let newest = pending.as_ref().map_or(through, |pending| pending.seq);
+            match self.whole_state_snapshot(through, newest) {
+                Snapshot::Covered(seq, by) => {
                     covered = Some(seq);
+                    how = by;
                     whole_state = true;
                 }
                 Snapshot::Unusable => {}
@@ -320,7 +316,7 @@ impl RankLoop {
             Some(c) => {
                 log::info!("{}: recovered batches {from}..={c}", self.applier.who());
                 self.sequence.covered_through(c);
-                status.recovered(whole_state);
+                status.recovered(how, whole_state);
                 if whole_state {
                     self.snapshot_retry = None;
                     self.lost_since = None;
@@ -395,12 +391,66 @@ impl RankLoop {
         }
     }
 
-    /// Fetches the rank's snapshot and, when it covers `need`, makes it the rank's whole state.
-    fn snapshot(&mut self, need: u64) -> Snapshot {
+    /// A snapshot with a seq in `need..=newest` from the best peer, else one covering `need`
+    /// from the engine (docs/design.md "Recovery"), made the rank's whole state.
+    fn whole_state_snapshot(&mut self, need: u64, newest: u64) -> Snapshot {
+        match self.peer_snapshot(need, newest) {
+            Snapshot::Unusable => {}
+            done => return done,
+        }
+        if self.applier.spec.recover.is_none() {
+            return Snapshot::Unusable;
+        }
+        self.engine_snapshot(need)
+    }
+
+    /// Asks every peer for the rank's snapshot and installs the newest usable one. A peer that
+    /// is down, slow, degraded or wrong is skipped (logged, and counted in
+    /// `recoveries_total{method="peer",outcome="failed"}`).
+    fn peer_snapshot(&mut self, need: u64, newest: u64) -> Snapshot {
+        let peers = self.replication.peers();
+        let mut best: Option<(crate::wire::Snapshot, &str)> = None;
+        for peer in peers.iter() {
+            let url = snapshot_url(peer, &self.applier.spec.key);
+            let secret = self.replication.secret();
+            let checked = match recovery::fetch_snapshot(&url, secret, &self.sockets.stop) {
+                Fetched::Stopped => return Snapshot::Stopped,
+                Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
+                Fetched::Body(Err(error)) => Err(error),
+            };
+            match checked {
+                Ok(snapshot) if best.as_ref().is_none_or(|(b, _)| b.seq < snapshot.seq) => {
+                    best = Some((snapshot, peer));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    self.applier.status.recovery(RecoveryMethod::Peer, false);
+                    log::warn!(
+                        "{}: peer {peer} gave no usable snapshot: {error:#}",
+                        self.applier.who()
+                    );
+                }
+            }
+        }
+        let Some((snapshot, peer)) = best else {
+            return Snapshot::Unusable;
+        };
+        let seq = self.applier.install_snapshot(snapshot);
+        self.applier.status.recovery(RecoveryMethod::Peer, true);
+        log::info!(
+            "{}: recovered from peer {peer}: its snapshot at seq {seq}",
+            self.applier.who()
+        );
+        Snapshot::Covered(seq, RecoveredBy::Peer(peer.to_owned()))
+    }
+
+    /// Fetches the engine's snapshot and, when it covers `need`, makes it the rank's whole
+    /// state.
+    fn engine_snapshot(&mut self, need: u64) -> Snapshot {
         let Some(url) = self.applier.spec.recover.clone() else {
             return Snapshot::Unusable;
         };
-        let outcome = match recovery::fetch_snapshot(&url, &self.sockets.stop) {
+        let outcome = match recovery::fetch_snapshot(&url, None, &self.sockets.stop) {
             Fetched::Stopped => return Snapshot::Stopped,
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),
@@ -409,7 +459,7 @@ impl RankLoop {
         match outcome {
             Ok(seq) => {
                 status.recovery(RecoveryMethod::Snapshot, true);
-                Snapshot::Covered(seq)
+                Snapshot::Covered(seq, RecoveredBy::EngineSnapshot)
             }
             Err(error) => {
                 status.recovery(RecoveryMethod::Snapshot, false);
@@ -422,11 +472,10 @@ impl RankLoop {
         }
     }
 
-    /// After history was lost: when the engine serves snapshots, try again later.
+    /// After history was lost: try a snapshot again later, from the peers or the engine. Even
+    /// with neither configured now: a reload may add peers (a retry that finds none costs one
+    /// wake-up, at most every 30 s).
     fn schedule_snapshot_retry(&mut self) {
-        if self.applier.spec.recover.is_none() {
-            return;
-        }
         let backoff = self
             .snapshot_retry
             .map_or(SNAPSHOT_RETRY_FIRST, |(_, backoff)| backoff);
@@ -445,17 +494,19 @@ impl RankLoop {
         };
         let status = Arc::clone(&self.applier.status);
         status.set_recovering(true);
-        let result = self.snapshot(need);
+        // Everything received is applied (the retry runs between drains): `need` is also the
+        // newest seq seen, so only a peer snapshot at exactly it qualifies.
+        let result = self.whole_state_snapshot(need, need);
         status.set_recovering(false);
         match result {
             Snapshot::Stopped => return Recovery::Stopped,
-            Snapshot::Covered(seq) => {
+            Snapshot::Covered(seq, how) => {
                 log::info!(
                     "{}: lost history repaired by a snapshot at seq {seq}",
                     self.applier.who()
                 );
                 self.sequence.covered_through(seq);
-                status.recovered(true);
+                status.recovered(how, true);
                 self.snapshot_retry = None;
                 self.lost_since = None;
             }
@@ -467,8 +518,8 @@ impl RankLoop {
 
 /// How a snapshot attempt ended.
 enum Snapshot {
-    /// Applied; it covers up to this seq.
-    Covered(u64),
+    /// Applied; it covers up to this seq, and came from there.
+    Covered(u64, RecoveredBy),
     Unusable,
     Stopped,
 }

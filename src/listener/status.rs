@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::{ListenerStatus, State};
+use super::{ListenerStatus, RecoveredBy, State};
 use crate::index::ApplyOutcome;
 use crate::metrics::{EventSeries, MalformedReason, RankMetrics, RecoveryMethod};
 
@@ -54,6 +54,7 @@ struct Facts {
     lost_batches: u64,
     parent_missing: u64,
     last_event: Option<Instant>,
+    recovered_by: Option<RecoveredBy>,
 }
 
 impl Facts {
@@ -93,6 +94,7 @@ impl StatusCell {
             gaps: facts.gaps,
             lost_batches: facts.lost_batches,
             parent_missing: facts.parent_missing,
+            recovered_by: facts.recovered_by.clone(),
             last_event_ms_ago: facts
                 .last_event
                 .map(|at| u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX)),
@@ -169,9 +171,11 @@ impl StatusCell {
         self.update(|facts| facts.history_lost = true);
     }
 
-    /// A recovery covered its hole. A snapshot (`whole_state`) also repairs older holes.
-    pub(super) fn recovered(&self, whole_state: bool) {
+    /// A recovery covered its hole, by `how`. A snapshot (`whole_state`) also repairs older
+    /// holes.
+    pub(super) fn recovered(&self, how: RecoveredBy, whole_state: bool) {
         self.update(|facts| {
+            facts.recovered_by = Some(how);
             facts.block_size_mismatch = false;
             if whole_state {
                 facts.history_lost = false;

@@ -68,16 +68,24 @@ impl MalformedReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RecoveryMethod {
     Replay,
+    /// The engine's `/kv_recover`.
     Snapshot,
+    /// Another indexer's snapshot of the rank: one attempt per peer asked.
+    Peer,
 }
 
 impl RecoveryMethod {
-    pub const ALL: [RecoveryMethod; 2] = [RecoveryMethod::Replay, RecoveryMethod::Snapshot];
+    pub const ALL: [RecoveryMethod; 3] = [
+        RecoveryMethod::Replay,
+        RecoveryMethod::Snapshot,
+        RecoveryMethod::Peer,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             RecoveryMethod::Replay => "replay",
             RecoveryMethod::Snapshot => "snapshot",
+            RecoveryMethod::Peer => "peer",
         }
     }
 }

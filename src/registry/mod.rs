@@ -41,7 +41,7 @@ use anyhow::Context;
 use log::{info, warn};
 
 use crate::index::Index;
-use crate::listener::Listener;
+use crate::listener::{Listener, Replication};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
 use contexts::ContextPool;
@@ -99,6 +99,8 @@ pub struct Registry {
     /// Raised at shutdown: no engine starts after it, so a reload of thousands of engines
     /// gives the registry back within one listener start.
     shutting_down: Arc<AtomicBool>,
+    /// The peers every listener may recover from (docs/design.md "Recovery from a peer").
+    replication: Arc<Replication>,
 }
 
 /// Ends any start in progress and refuses every later one: raised once, at shutdown, from
@@ -124,7 +126,14 @@ impl Registry {
             directory: DirectoryReader::default(),
             ranks: RanksReader::default(),
             shutting_down: Arc::default(),
+            replication: Replication::none(),
         }
+    }
+
+    /// Listeners started from now on recover from `replication`'s peers.
+    pub fn with_replication(mut self, replication: Arc<Replication>) -> Registry {
+        self.replication = replication;
+        self
     }
 
     /// Starts every rank in `specs` (the ranks of one engine). Rejects a key already running;
@@ -330,8 +339,14 @@ impl Registry {
                 anyhow::bail!("{what} not started: shutting down");
             }
             let (context_slot, context) = self.contexts.take();
-            match Listener::start(spec, &context, &self.index, &self.metrics)
-                .with_context(|| format!("starting {what}"))
+            match Listener::start_with(
+                spec,
+                &context,
+                &self.index,
+                &self.metrics,
+                &self.replication,
+            )
+            .with_context(|| format!("starting {what}"))
             {
                 Ok(listener) => started.push(Running {
                     listener,

@@ -48,6 +48,20 @@ impl RankBoard {
             })
             .collect()
     }
+
+    /// The status handle of the running rank `engine`/`dp_rank`, for its snapshot route.
+    pub fn handle(&self, engine: &str, dp_rank: u32) -> Option<StatusHandle> {
+        let at = self
+            .ranks
+            .binary_search_by(|rank| {
+                (rank.spec.key.engine.as_str(), rank.spec.key.dp_rank).cmp(&(engine, dp_rank))
+            })
+            .ok()?;
+        self.ranks[at]
+            .running
+            .as_ref()
+            .map(|(_, handle)| handle.clone())
+    }
 }
 
 /// The handle `/workers` and `/ready` read ranks from.

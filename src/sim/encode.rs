@@ -5,7 +5,6 @@
 //! a decoder tested against it is tested against the real layout. It never decodes anything.
 
 use rmp::encode::{self as mp, ByteBuf};
-use serde_json::json;
 
 use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, EventBatch};
 
@@ -246,79 +245,6 @@ pub fn replay_end_frames(topic: Option<&[u8]>) -> Vec<Vec<u8>> {
     replay_frames(topic, END_SEQ, &[])
 }
 
-/// A `GET /kv_recover` JSON body; `seq` `None` is written as -1.
-pub fn encode_snapshot(
-    seq: Option<u64>,
-    dp_rank: u32,
-    block_size: u32,
-    events: &[BlockStored],
-) -> Vec<u8> {
-    let events: Vec<_> = events
-        .iter()
-        .map(|stored| {
-            let mut event = json!({
-                "type": "BlockStored",
-                "block_hashes": stored.block_hashes,
-                "parent_block_hash": stored.parent,
-                "token_ids": stored.token_ids,
-                "block_size": stored.block_size,
-                "lora_name": stored.lora_name,
-                "medium": stored.medium,
-                "group_idx": stored.group_idx,
-            });
-            if !stored.extras.is_empty() {
-                event["extra_keys"] = stored
-                    .extras
-                    .iter()
-                    .map(|x| json_extra_keys(stored, x))
-                    .collect();
-            }
-            if stored
-                .extras
-                .iter()
-                .any(|extras| !extras.lookahead.is_empty())
-            {
-                event["lookahead_token_ids"] = stored
-                    .extras
-                    .iter()
-                    .map(|extras| json!(extras.lookahead))
-                    .collect();
-            }
-            event
-        })
-        .collect();
-    let body = json!({
-        "seq": seq.map_or(json!(-1), |seq| json!(seq)),
-        "dp_rank": dp_rank,
-        "block_size": block_size,
-        "events": events,
-    });
-    body.to_string().into_bytes()
-}
-
-/// A block's `extra_keys` entry in a snapshot: as in `extra_keys`, the opaque inputs as one
-/// `{"opaque": hex}` entry (still opaque when read back, not byte for byte).
-fn json_extra_keys(stored: &BlockStored, extras: &BlockExtras) -> serde_json::Value {
-    let mut keys: Vec<serde_json::Value> = Vec::new();
-    keys.extend(stored.lora_name.iter().map(|name| json!(name)));
-    keys.extend(
-        extras
-            .mm_items
-            .iter()
-            .map(|item| json!([item.identifier, item.offset])),
-    );
-    keys.extend(extras.cache_salt.iter().map(|salt| json!(salt)));
-    if !extras.opaque.is_empty() {
-        let hex: String = extras
-            .opaque
-            .iter()
-            .map(|byte| format!("{byte:02x}"))
-            .collect();
-        keys.push(json!({ "opaque": hex }));
-    }
-    if keys.is_empty() {
-        serde_json::Value::Null
-    } else {
-        json!(keys)
-    }
-}
+/// The `GET /kv_recover` JSON body, written by the indexer's own encoder (an indexer serves
+/// its peers the same format).
+pub use crate::wire::encode_snapshot;

@@ -84,3 +84,27 @@ pub fn indexer_toml(
     }
     toml
 }
+
+/// The replica keys (docs.md "Replicas"), to put before a file's `[[engine]]` tables: `peers`
+/// as `http://ADDRESS`, `serve_snapshots` when true, `auth_token_file` when given.
+pub fn replica_keys(
+    peers: &[std::net::SocketAddr],
+    serve_snapshots: bool,
+    auth_token_file: Option<&std::path::Path>,
+) -> String {
+    let peers: Vec<String> = peers
+        .iter()
+        .map(|peer| format!("\"http://{peer}\""))
+        .collect();
+    let mut toml = format!("peers = [{}]\n", peers.join(", "));
+    if serve_snapshots {
+        toml.push_str("serve_snapshots = true\n");
+    }
+    if let Some(path) = auth_token_file {
+        toml.push_str(&format!(
+            "auth_token_file = {:?}\n",
+            path.display().to_string()
+        ));
+    }
+    toml
+}

@@ -57,39 +57,64 @@ impl IndexerProcess {
         deadline: Duration,
     ) -> Result<IndexerProcess> {
         const ATTEMPTS: usize = 3;
-        let dir = PrivateDir::create()?;
-        let config = dir.0.join("indexer.toml");
-        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
         let mut exits = Vec::new();
         for _ in 0..ATTEMPTS {
             let address = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-            let mut child = Command::new(binary)
-                .arg("--config")
-                .arg(&config)
-                .arg("--listen")
-                .arg(address.to_string())
-                .env("RUST_LOG", log_filter)
-                .envs(env.iter().map(|(name, value)| (name, value)))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .with_context(|| format!("starting {}", binary.display()))?;
-            let log = capture_stderr(&mut child)?;
-            match wait_healthy(&mut child, address, deadline) {
-                Ok(()) => {
-                    return Ok(IndexerProcess {
-                        child: Some(child),
-                        address,
-                        config,
-                        log,
-                        _dir: dir,
-                    })
-                }
-                Err(exit) => exits.push(format!("{exit:#}\n{}", log.lock())),
+            match IndexerProcess::spawn_at(binary, toml, address, log_filter, env, deadline) {
+                Ok(process) => return Ok(process),
+                Err(exit) => exits.push(format!("{exit:#}")),
             }
         }
         bail!("kv-indexer did not start: {exits:#?}")
+    }
+
+    /// `start` on `address`, once: for replicas that must know each other's address before
+    /// either runs (their `peers`). Fails when the child exits before serving (the port was
+    /// taken meanwhile): the caller picks other ports.
+    pub fn start_at(
+        binary: &Path,
+        toml: &str,
+        address: SocketAddr,
+        log_filter: &str,
+        deadline: Duration,
+    ) -> Result<IndexerProcess> {
+        IndexerProcess::spawn_at(binary, toml, address, log_filter, &[], deadline)
+    }
+
+    fn spawn_at(
+        binary: &Path,
+        toml: &str,
+        address: SocketAddr,
+        log_filter: &str,
+        env: &[(String, String)],
+        deadline: Duration,
+    ) -> Result<IndexerProcess> {
+        let dir = PrivateDir::create()?;
+        let config = dir.0.join("indexer.toml");
+        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
+        let mut child = Command::new(binary)
+            .arg("--config")
+            .arg(&config)
+            .arg("--listen")
+            .arg(address.to_string())
+            .env("RUST_LOG", log_filter)
+            .envs(env.iter().map(|(name, value)| (name, value)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let log = capture_stderr(&mut child)?;
+        match wait_healthy(&mut child, address, deadline) {
+            Ok(()) => Ok(IndexerProcess {
+                child: Some(child),
+                address,
+                config,
+                log,
+                _dir: dir,
+            }),
+            Err(exit) => bail!("{exit:#}\n{}", log.lock()),
+        }
     }
 
     /// The child's process id.

@@ -12,7 +12,7 @@ mod msgpack;
 mod snapshot;
 
 pub use batch::decode_batch;
-pub use snapshot::decode_snapshot;
+pub use snapshot::{decode_snapshot, encode_snapshot};
 
 /// One engine event, as far as the index cares.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,9 +1,15 @@
-//! `GET /kv_recover` JSON bodies → `Snapshot` (`docs/protocol.md`, "Snapshot endpoint").
+//! `GET /kv_recover` JSON bodies ↔ `Snapshot` (`docs/protocol.md`, "Snapshot endpoint"): the
+//! decoder for engines' and peers' snapshots, and the encoder an indexer serves its peers with
+//! (and the simulated engine its `/kv_recover`).
+//!
+//! The encoder writes every block's identity so that the decoder reads back the same
+//! `BlockExtras`, except opaque inputs: written as one `{"opaque": hex}` entry, read back as
+//! other opaque bytes, which changes nothing a query sees (an opaque block never matches).
 //!
 //! A snapshot replaces what the index knows about a rank, so it is all or nothing: any bad field
 //! fails the whole body with an error naming the field. It never guesses a missing required value.
 
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 use super::extras::{add_extra_key, finish, ExtraKey};
 use super::{BlockExtras, BlockStored, DecodeError, MmPlacement, Snapshot};
@@ -41,6 +47,83 @@ pub fn decode_snapshot(body: &[u8]) -> Result<Snapshot, DecodeError> {
         block_size,
         events,
     })
+}
+
+/// A `GET /kv_recover` JSON body; `seq` `None` is written as -1.
+pub fn encode_snapshot(
+    seq: Option<u64>,
+    dp_rank: u32,
+    block_size: u32,
+    events: &[BlockStored],
+) -> Vec<u8> {
+    let events: Vec<_> = events
+        .iter()
+        .map(|stored| {
+            let mut event = json!({
+                "type": "BlockStored",
+                "block_hashes": stored.block_hashes,
+                "parent_block_hash": stored.parent,
+                "token_ids": stored.token_ids,
+                "block_size": stored.block_size,
+                "lora_name": stored.lora_name,
+                "medium": stored.medium,
+                "group_idx": stored.group_idx,
+            });
+            if !stored.extras.is_empty() {
+                event["extra_keys"] = stored
+                    .extras
+                    .iter()
+                    .map(|x| json_extra_keys(stored, x))
+                    .collect();
+            }
+            if stored
+                .extras
+                .iter()
+                .any(|extras| !extras.lookahead.is_empty())
+            {
+                event["lookahead_token_ids"] = stored
+                    .extras
+                    .iter()
+                    .map(|extras| json!(extras.lookahead))
+                    .collect();
+            }
+            event
+        })
+        .collect();
+    let body = json!({
+        "seq": seq.map_or(json!(-1), |seq| json!(seq)),
+        "dp_rank": dp_rank,
+        "block_size": block_size,
+        "events": events,
+    });
+    body.to_string().into_bytes()
+}
+
+/// A block's `extra_keys` entry in a snapshot: as in `extra_keys`, the opaque inputs as one
+/// `{"opaque": hex}` entry (still opaque when read back, not byte for byte).
+fn json_extra_keys(stored: &BlockStored, extras: &BlockExtras) -> serde_json::Value {
+    let mut keys: Vec<serde_json::Value> = Vec::new();
+    keys.extend(stored.lora_name.iter().map(|name| json!(name)));
+    keys.extend(
+        extras
+            .mm_items
+            .iter()
+            .map(|item| json!([item.identifier, item.offset])),
+    );
+    keys.extend(extras.cache_salt.iter().map(|salt| json!(salt)));
+    if !extras.opaque.is_empty() {
+        let hex: String = extras
+            .opaque
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect();
+        keys.push(json!({ "opaque": hex }));
+    }
+    if keys.is_empty() {
+        serde_json::Value::Null
+    } else {
+        json!(keys)
+    }
 }
 
 fn field(name: impl Into<String>, expected: &'static str) -> DecodeError {

@@ -20,6 +20,7 @@ use crate::http::Request;
 
 use super::{Reply, Routes};
 use crate::index::Index;
+use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
 pub use engines::{ApplyFn, EngineChange, RuntimeEngines};
@@ -31,6 +32,9 @@ pub struct DynamoApi {
     pub metrics: Arc<Metrics>,
     pub directory: DirectoryReader,
     pub engines: Arc<RuntimeEngines>,
+    /// The secret `/register` and `/unregister` require (they change state), when
+    /// `auth_token_file` is set; the query routes stay open, as on our own API.
+    pub secret: Option<Secret>,
 }
 
 impl Routes for DynamoApi {

@@ -14,6 +14,7 @@ use super::engines::EngineChange;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
 use crate::config::{validate_listen, MAX_DP_SIZE};
+use crate::http::auth::{is_authorized, unauthorized};
 use crate::http::{check_method, Reply};
 use crate::index::{keys_of_local_hashes, Prompt, Score};
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -37,6 +38,10 @@ pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
     }
     if path == "/workers" {
         return workers(api);
+    }
+    let changes_state = matches!(path, "/register" | "/unregister");
+    if changes_state && !is_authorized(request, api.secret.as_ref()) {
+        return unauthorized();
     }
     let answer = parse_body(body).and_then(|body| match path {
         "/query" => query(api, &body),

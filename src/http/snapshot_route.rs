@@ -1,0 +1,106 @@
+//! `GET /snapshot/{engine}/{dp_rank}`: a rank's current state in the `/kv_recover` format, for
+//! the other indexers that recover from this one (docs.md "Replicas", docs/design.md "Recovery
+//! from a peer").
+//!
+//! Owns: the route's path, its guard (`auth`) and every status it answers. Never: serves a
+//! rank that is not whole (`active`), or a part of one.
+
+use tiny_http::Method;
+
+use super::auth::{is_authorized, unauthorized};
+use super::{Api, Reply};
+use crate::listener::Unservable;
+
+/// `rank` is the path after `/snapshot/`: `{engine, percent-encoded}/{dp_rank}`.
+pub(super) fn snapshot_route(api: &Api, request: &super::Request, rank: &str) -> Reply {
+    if !matches!(request.method(), Method::Get | Method::Head) {
+        let mut reply = Reply::error(
+            405,
+            format!(
+                "{} /snapshot/: method not allowed; use GET, HEAD",
+                request.method()
+            ),
+        );
+        reply.allow = Some("GET, HEAD");
+        return reply;
+    }
+    if !is_authorized(request, api.secret.as_ref()) {
+        return unauthorized();
+    }
+    let parsed = rank.rsplit_once('/').and_then(|(engine, dp_rank)| {
+        Some((percent_decode(engine)?, dp_rank.parse::<u32>().ok()?))
+    });
+    let Some((engine, dp_rank)) = parsed else {
+        return Reply::error(
+            404,
+            format!("no such path: /snapshot/{rank}; expected /snapshot/{{engine}}/{{dp_rank}}"),
+        );
+    };
+    let Some(handle) = api.ranks.current().handle(&engine, dp_rank) else {
+        return Reply::error(404, format!("no running rank {engine}/{dp_rank}"));
+    };
+    match handle.snapshot() {
+        Ok(served) => {
+            log::debug!(
+                "served the snapshot of {engine}/{dp_rank}: {} blocks, {} orphans left out, \
+                 {} bytes",
+                served.blocks,
+                served.orphans,
+                served.body.len()
+            );
+            Reply {
+                status: 200,
+                body: served.body,
+                content_type: "application/json",
+                allow: None,
+                is_query: false,
+            }
+        }
+        Err(Unservable::NotRetained) => Reply::error(
+            409,
+            "this indexer keeps no block contents, so it serves no snapshots: set \
+             serve_snapshots = true (or peers) in its indexer.toml and restart it",
+        ),
+        Err(Unservable::NotWhole(state)) => Reply::error(
+            503,
+            format!(
+                "rank {engine}/{dp_rank} is {}: it has nothing trustworthy to serve",
+                state.as_str()
+            ),
+        ),
+    }
+}
+
+/// `%XX` escapes decoded; `None` for a broken escape or bytes that are not UTF-8.
+fn percent_decode(text: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(text.len());
+    let mut rest = text.as_bytes();
+    while let Some((&byte, tail)) = rest.split_first() {
+        if byte == b'%' {
+            let hex = std::str::from_utf8(tail.get(..2)?).ok()?;
+            bytes.push(u8::from_str_radix(hex, 16).ok()?);
+            rest = &tail[2..];
+        } else {
+            bytes.push(byte);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percent_decode;
+
+    #[test]
+    fn percent_escapes_are_decoded_and_broken_ones_refused() {
+        assert_eq!(percent_decode("vllm%20a%2Fb").as_deref(), Some("vllm a/b"));
+        assert_eq!(
+            percent_decode("plain-name_1").as_deref(),
+            Some("plain-name_1")
+        );
+        assert_eq!(percent_decode("bad%2"), None);
+        assert_eq!(percent_decode("bad%zz"), None);
+        assert_eq!(percent_decode("%ff"), None);
+    }
+}

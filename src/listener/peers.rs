@@ -1,0 +1,118 @@
+//! The other indexers a rank may recover from (docs/design.md "Recovery from a peer"): the
+//! reloadable `peers` list, the shared secret sent to them, and whether ranks keep the block
+//! contents a snapshot needs. Shared by every listener (and read by the HTTP API for the
+//! secret); a reload swaps the list without touching any listener.
+//!
+//! Owns: the list, the secret (never printed: its `Debug` is redacted) and the snapshot URL of
+//! a rank at a peer. Never: fetches anything (`recovery` does) or decides whether an answer is
+//! usable (`applier` does).
+
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use crate::plan::WorkerKey;
+
+/// The shared secret of `auth_token_file`. Never logged: `Debug` prints a placeholder.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The token as read from its file, trimmed of surrounding whitespace (the file's final
+    /// newline); `None` when nothing is left.
+    pub fn from_file_text(text: &str) -> Option<Secret> {
+        let token = text.trim();
+        (!token.is_empty()).then(|| Secret(token.to_owned()))
+    }
+
+    /// The token itself, for the `Authorization` header and the constant-time comparison.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// What every listener of the process shares about its replicas.
+pub struct Replication {
+    peers: RwLock<Arc<[String]>>,
+    secret: Option<Secret>,
+    retain: bool,
+}
+
+impl Replication {
+    /// `peers` are base URLs (`http://host:port`); `retain`: whether ranks keep their block
+    /// contents (decided at start: a rank cannot serve what it did not keep).
+    pub fn new(peers: Vec<String>, secret: Option<Secret>, retain: bool) -> Arc<Replication> {
+        Arc::new(Replication {
+            peers: RwLock::new(peers.into()),
+            secret,
+            retain,
+        })
+    }
+
+    /// No peers, no secret, nothing retained: a lone indexer.
+    pub fn none() -> Arc<Replication> {
+        Replication::new(Vec::new(), None, false)
+    }
+
+    /// A reload's new list; recoveries already running keep the list they started with.
+    pub fn set_peers(&self, peers: Vec<String>) {
+        *self.peers.write() = peers.into();
+    }
+
+    pub fn peers(&self) -> Arc<[String]> {
+        Arc::clone(&self.peers.read())
+    }
+
+    pub fn secret(&self) -> Option<&Secret> {
+        self.secret.as_ref()
+    }
+
+    pub fn retains_contents(&self) -> bool {
+        self.retain
+    }
+}
+
+/// `GET {peer}/snapshot/{engine}/{dp_rank}`, the engine name percent-encoded.
+pub(super) fn snapshot_url(peer: &str, key: &WorkerKey) -> String {
+    let mut engine = String::new();
+    for byte in key.engine.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            engine.push(char::from(byte));
+        } else {
+            engine.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    format!("{peer}/snapshot/{engine}/{}", key.dp_rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_secret_never_prints_and_is_trimmed() {
+        let secret = Secret::from_file_text("  s3cret\n").expect("a token");
+        assert_eq!(secret.expose(), "s3cret");
+        assert!(!format!("{secret:?}").contains("s3cret"));
+        assert_eq!(Secret::from_file_text(" \n"), None);
+    }
+
+    #[test]
+    fn engine_names_are_percent_encoded_in_the_snapshot_url() {
+        let key = WorkerKey {
+            engine: "vllm a/b".into(),
+            dp_rank: 3,
+        };
+        assert_eq!(
+            snapshot_url("http://x:1", &key),
+            "http://x:1/snapshot/vllm%20a%2Fb/3"
+        );
+    }
+}

@@ -1,0 +1,414 @@
+//! Replicas (docs.md "Replicas"): several `kv-indexer` processes on one simulated fleet, each
+//! subscribed to every rank, recovering a rank from a peer when the engines cannot help. Real
+//! processes, sockets and HTTP on 127.0.0.1; the engines' caches are the ground truth.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer::sim::indexer_toml::replica_keys;
+use kv_indexer::sim::process::IndexerProcess;
+use kv_indexer::sim::server::SimConfig;
+use kv_indexer::sim::watch::{self, IndexerView, OverHttp, RankView};
+use kv_indexer::sim::workload::Route;
+use support::http_client::{get, post, Connection};
+use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
+
+const ENGINES: usize = 2;
+const DP_SIZE: u32 = 2;
+const REQUESTS: usize = 160;
+/// Below what 160 requests store on a rank: ranks evict, and replicas follow the removals.
+const EVICTING: usize = 2_500;
+/// Above it: what a replica missed is still cached, so missing it shows.
+const ROOMY: usize = 20_000;
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// Engines that publish on consecutive ports (the indexer's `port + rank`); `helpful`: with a
+/// replay socket (else neither replay nor `/kv_recover`: a real vLLM long past its buffer).
+fn fleet(helpful: bool, drop_fraction: f64, capacity_blocks: usize) -> Fleet {
+    let _ = env_logger::builder().is_test(true).try_init();
+    Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
+        dp_size: DP_SIZE,
+        replay_port: helpful.then_some(0),
+        recover_port: None,
+        block_size: BLOCK_SIZE,
+        capacity_blocks,
+        drop_fraction,
+        seed: 0x5EE5 + i as u64,
+        ..SimConfig::default()
+    })
+    .expect("fleet")
+}
+
+fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+fn config(fleet: &Fleet, peers: &[SocketAddr], serve: bool, token: Option<&Path>) -> String {
+    format!(
+        "{}{}",
+        replica_keys(peers, serve, token),
+        fleet.indexer_config()
+    )
+}
+
+fn serve(fleet: &Fleet, prompts: &[Vec<u32>]) -> Vec<RankRef> {
+    let mut router = fleet.router(Route::Sticky);
+    fleet.serve_all(&mut router, prompts).expect("serve")
+}
+
+/// Settles `indexer` and checks it against every rank's ground truth.
+fn assert_settled_exact(
+    fleet: &Fleet,
+    indexer: &IndexerProcess,
+    prompts: &[Vec<u32>],
+) -> Vec<RankView> {
+    let mut view = OverHttp::new(indexer.address);
+    let views = settle(fleet, &mut view, DEADLINE);
+    assert_exact(fleet, &mut view, &views, prompts, &[]);
+    views
+}
+
+fn workers(indexer: &IndexerProcess) -> serde_json::Value {
+    let reply = get(indexer.address, "/workers");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()
+}
+
+/// Waits until every listener of `indexer` is connected, and a little more for the
+/// subscriptions to reach the engines: on engines that cannot replay, a first batch lost to
+/// the PUB/SUB slow joiner would be lost for good.
+fn connected(indexer: &IndexerProcess) {
+    let started = Instant::now();
+    while !workers(indexer)
+        .as_array()
+        .expect("an array")
+        .iter()
+        .flat_map(|instance| {
+            instance["listeners"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .all(|listener| listener["connected"] == true)
+    {
+        assert!(started.elapsed() < DEADLINE, "{}", workers(indexer));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+}
+
+/// Every listener's `recovered_by`.
+fn recovered_by(indexer: &IndexerProcess) -> Vec<String> {
+    let workers = workers(indexer);
+    let mut found = Vec::new();
+    for instance in workers.as_array().expect("an array") {
+        for listener in instance["listeners"].as_array().expect("listeners") {
+            found.push(
+                listener["recovered_by"]
+                    .as_str()
+                    .unwrap_or("none")
+                    .to_owned(),
+            );
+        }
+    }
+    found
+}
+
+/// Waits until `indexer` has seen every rank's last batch, whatever its state; returns views.
+fn caught_up(fleet: &Fleet, indexer: &IndexerProcess) -> Vec<RankView> {
+    let mut view = OverHttp::new(indexer.address);
+    let started = Instant::now();
+    loop {
+        let views = view.ranks().expect("ranks");
+        let behind = fleet.ranks().into_iter().any(|at| {
+            let published = fleet.engine(at).last_seq(at.rank).expect("rank");
+            !views.iter().any(|v| {
+                v.engine == Fleet::name(at.engine)
+                    && v.dp_rank == at.rank
+                    && v.last_seq == published
+            })
+        });
+        if !behind && views.iter().all(|v| v.state != "recovering") {
+            return views;
+        }
+        assert!(started.elapsed() < DEADLINE, "not caught up: {views:#?}");
+        for at in fleet.ranks() {
+            fleet.nudge(at).expect("nudge");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// The counter `name{labels}` summed over every series that has all of `labels`.
+fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
+    get(indexer.address, "/metrics")
+        .text()
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Two replicas naming each other, started together on a fleet that drops 10% of its batches
+/// (repaired by replay): each is exact, so they answer identically.
+#[test]
+fn two_replicas_naming_each_other_agree_with_each_other_and_the_engines() {
+    let fleet = fleet(true, 0.1, EVICTING);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
+    let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
+    let (a_addr, b_addr) = (free_addr(), free_addr());
+    let start = |own: SocketAddr, peer: SocketAddr| {
+        IndexerProcess::start_at(
+            binary,
+            &config(&fleet, &[peer], false, None),
+            own,
+            "info",
+            DEADLINE,
+        )
+        .unwrap_or_else(|error| panic!("{error:#}"))
+    };
+    let a = start(a_addr, b_addr);
+    let b = start(b_addr, a_addr);
+    for indexer in [&a, &b] {
+        warm_up(&fleet, &mut OverHttp::new(indexer.address), DEADLINE);
+    }
+    let placed = serve(&fleet, &prompts);
+    assert!(fleet.ranks().iter().any(|&at| fleet
+        .engine(at)
+        .dropped_batches(at.rank)
+        .expect("rank")
+        > 0));
+    for indexer in [&a, &b] {
+        let mut view = OverHttp::new(indexer.address);
+        let views = settle(&fleet, &mut view, DEADLINE);
+        assert_exact(&fleet, &mut view, &views, &prompts, &placed);
+        assert_eq!(watch::total(&views, |v| v.lost_batches), 0);
+    }
+    let (mut view_a, mut view_b) = (OverHttp::new(a.address), OverHttp::new(b.address));
+    for prompt in &prompts {
+        assert_eq!(
+            view_a.matched(prompt).expect("a"),
+            view_b.matched(prompt).expect("b")
+        );
+    }
+    for indexer in [&a, &b] {
+        assert!(!indexer.log().contains("panicked"), "{}", indexer.log());
+    }
+}
+
+/// On engines that cannot help (no replay, no snapshot), a replica that joins mid-run, or is
+/// killed and restarted, is exact again from its peer; one without peers is not.
+#[test]
+fn a_replica_joining_or_restarted_recovers_from_its_peer_and_one_without_peers_does_not() {
+    let fleet = fleet(false, 0.0, ROOMY);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
+    let half = prompts.len() / 2;
+    let first = start_indexer(&config(&fleet, &[], true, None));
+    connected(&first);
+    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    serve(&fleet, &prompts[..half]);
+    assert_settled_exact(&fleet, &first, &prompts[..half]);
+
+    let joined = start_indexer(&config(&fleet, &[first.address], false, None));
+    let alone = start_indexer(&fleet.indexer_config());
+    serve(&fleet, &prompts[half..]);
+    assert_settled_exact(&fleet, &joined, &prompts);
+    assert!(
+        recovered_by(&joined)
+            .iter()
+            .all(|by| by == &format!("peer http://{}", first.address)),
+        "{:?}",
+        recovered_by(&joined)
+    );
+    assert!(
+        metric(
+            &joined,
+            "kv_indexer_recoveries_total",
+            &["method=\"peer\"", "outcome=\"ok\""]
+        ) >= 4.0
+    );
+
+    let views = caught_up(&fleet, &alone);
+    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    let accuracy = watch::compare(
+        &fleet,
+        &mut OverHttp::new(alone.address),
+        &views,
+        &prompts,
+        &[],
+    )
+    .expect("compare");
+    assert!(
+        accuracy.exact < accuracy.pairs,
+        "without peers it cannot know: {accuracy:?}"
+    );
+
+    // Killed and started again: exact again from the same peer.
+    let toml = config(&fleet, &[first.address], false, None);
+    drop(joined);
+    let restarted = start_indexer(&toml);
+    assert_settled_exact(&fleet, &restarted, &prompts);
+}
+
+/// A peer whose rank is degraded answers 503 and is not used: the asking replica stays
+/// degraded rather than copying a partial state.
+#[test]
+fn a_degraded_peer_is_not_used() {
+    let fleet = fleet(false, 0.0, ROOMY);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS / 2);
+    serve(&fleet, &prompts);
+    // Joins after the prompts: it misses their history and is degraded, yet would serve.
+    let degraded = start_indexer(&config(&fleet, &[], true, None));
+    let views = caught_up(&fleet, &degraded);
+    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    let reply = get(degraded.address, "/snapshot/sim-0/0");
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert!(reply.text().contains("degraded"), "{}", reply.text());
+
+    let asking = start_indexer(&config(&fleet, &[degraded.address], false, None));
+    let views = caught_up(&fleet, &asking);
+    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    assert!(
+        metric(
+            &asking,
+            "kv_indexer_recoveries_total",
+            &["method=\"peer\"", "outcome=\"failed\""]
+        ) >= 4.0
+    );
+    assert_eq!(
+        metric(
+            &asking,
+            "kv_indexer_recoveries_total",
+            &["method=\"peer\"", "outcome=\"ok\""]
+        ),
+        0.0
+    );
+    // `peers` is reloadable without touching a listener.
+    asking
+        .write_config(&config(
+            &fleet,
+            &[degraded.address, free_addr()],
+            false,
+            None,
+        ))
+        .expect("config");
+    let reply = post(asking.address, "/reload", b"");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["unchanged"], 4, "{}", reply.text());
+    assert_eq!(reply.json()["replaced"], serde_json::json!([]));
+    // An indexer that keeps no contents says how to turn snapshots on.
+    let plain = start_indexer(&fleet.indexer_config());
+    let reply = get(plain.address, "/snapshot/sim-0/0");
+    assert_eq!(reply.status, 409, "{}", reply.text());
+    assert!(reply.text().contains("serve_snapshots"), "{}", reply.text());
+    assert_eq!(get(degraded.address, "/snapshot/sim-9/0").status, 404);
+}
+
+/// With `auth_token_file`, the snapshot and reload routes want the token (401 otherwise,
+/// counted), the open routes stay open, and a peer holding the token recovers.
+#[test]
+fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
+    let fleet = fleet(false, 0.0, ROOMY);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS / 2);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "correct-horse-battery\n").expect("token file");
+    let guarded = start_indexer(&config(&fleet, &[], true, Some(&token_file)));
+    connected(&guarded);
+    warm_up(&fleet, &mut OverHttp::new(guarded.address), DEADLINE);
+    serve(&fleet, &prompts);
+    assert_settled_exact(&fleet, &guarded, &prompts);
+
+    let ask = |method: &str, path: &str, authorization: Option<&str>| {
+        let mut connection = Connection::open(guarded.address);
+        let header =
+            authorization.map_or_else(String::new, |value| format!("Authorization: {value}\r\n"));
+        connection.write_raw(
+            format!("{method} {path} HTTP/1.1\r\nHost: x\r\n{header}Content-Length: 0\r\n\r\n")
+                .as_bytes(),
+        );
+        connection.read_reply().status
+    };
+    for authorization in [
+        None,
+        Some("Bearer wrong"),
+        Some("Basic correct-horse-battery"),
+    ] {
+        assert_eq!(
+            ask("GET", "/snapshot/sim-0/0", authorization),
+            401,
+            "{authorization:?}"
+        );
+        assert_eq!(
+            ask("POST", "/reload", authorization),
+            401,
+            "{authorization:?}"
+        );
+    }
+    assert_eq!(
+        metric(
+            &guarded,
+            "kv_indexer_http_errors_total",
+            &["status=\"401\""]
+        ),
+        6.0
+    );
+    assert_eq!(
+        ask(
+            "GET",
+            "/snapshot/sim-0/0",
+            Some("Bearer correct-horse-battery")
+        ),
+        200
+    );
+    assert_eq!(
+        ask("POST", "/reload", Some("bearer correct-horse-battery")),
+        200
+    );
+    assert_eq!(ask("GET", "/workers", None), 200);
+    assert!(!guarded.log().contains("correct-horse-battery"));
+
+    let holder = start_indexer(&config(
+        &fleet,
+        &[guarded.address],
+        false,
+        Some(&token_file),
+    ));
+    assert_settled_exact(&fleet, &holder, &prompts);
+    let stranger = start_indexer(&config(&fleet, &[guarded.address], false, None));
+    let views = caught_up(&fleet, &stranger);
+    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    assert!(stranger.log().contains("401"), "{}", stranger.log());
+}
+
+/// An API reachable from other hosts with no token is a loud warning at start; with a token,
+/// or on loopback, there is none.
+#[test]
+fn an_open_listen_without_a_token_is_a_loud_warning() {
+    let fleet = fleet(false, 0.0, ROOMY);
+    let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "t0ken").expect("token file");
+    let open = SocketAddr::from(([0, 0, 0, 0], free_port()));
+    let warned = |toml: &str, address: SocketAddr| {
+        let indexer = IndexerProcess::start_at(binary, toml, address, "info", DEADLINE)
+            .unwrap_or_else(|error| panic!("{error:#}"));
+        // Logged after the warning: once it is in, so is the warning, if any.
+        let started = Instant::now();
+        while !indexer.log().contains("HTTP API listening") {
+            assert!(started.elapsed() < DEADLINE, "{}", indexer.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        indexer.log().contains("SECURITY")
+    };
+    assert!(warned(&config(&fleet, &[], true, None), open));
+    let open = SocketAddr::from(([0, 0, 0, 0], free_port()));
+    assert!(!warned(&config(&fleet, &[], true, Some(&token_file)), open));
+    assert!(!warned(&config(&fleet, &[], true, None), free_addr()));
+}
