@@ -7,7 +7,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kv_indexer::index::{ApplyOutcome, Index, MmFeature, Prompt, Score, WorkerBlocks, WorkerId};
+use kv_indexer::index::{
+    ApplyOutcome, Index, MmFeature, PerTier, Prompt, Score, WorkerBlocks, WorkerId,
+};
 use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -188,6 +190,7 @@ fn model_scores(
                 worker: worker.writer.id(),
                 matched_blocks: matched as u32,
                 cached_blocks: worker.copies(),
+                tiers: PerTier::all(matched as u32),
             });
         }
     }
@@ -393,7 +396,7 @@ fn run(seed: u64, steps: usize) {
             (Some(worker), 0..=59) => store(&mut rng, &tree, worker),
             (Some(worker), 60..=89) => remove(&mut rng, worker),
             (Some(worker), 90..=94) => {
-                assert_eq!(apply(worker, Event::Cleared).cleared, 1);
+                assert_eq!(apply(worker, Event::Cleared { medium: None }).cleared, 1);
                 worker.model.clear();
             }
             (Some(_), _) => {

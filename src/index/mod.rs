@@ -46,18 +46,22 @@ mod query;
 mod search;
 mod shard;
 mod table;
+mod tier_blocks;
+mod tiers;
 mod worker_blocks;
 
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 
 use keys::KeyChain;
 use shard::LockedShard;
+use tier_blocks::TierBlocks;
 
 pub use keys::{MmFeature, Prompt};
 pub use query::Score;
+pub use tiers::{PerTier, Tier};
 pub use worker_blocks::{ApplyOutcome, WorkerBlocks};
 
 /// A worker (one engine rank) inside the index: a small integer, reused after the worker is
@@ -74,6 +78,8 @@ pub struct Index {
     /// Live workers whose engines hash lookahead tokens: while none, a query computes one
     /// chain of keys.
     lookahead_workers: AtomicUsize,
+    /// Live CPU and disk tier workers: while none, a query scores the GPU tier alone.
+    tier_workers: AtomicUsize,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -89,8 +95,12 @@ struct WorkerSlots {
 }
 
 /// What readers need about a worker, kept current by its writer.
-#[derive(Default)]
 struct WorkerStats {
+    /// The tier this worker indexes, and the GPU worker of its rank (itself for a GPU worker).
+    tier: Tier,
+    rank: WorkerId,
+    /// A GPU worker's CPU and disk tier workers (`NO_WORKER` while the rank has none).
+    lower: [AtomicU32; 2],
     /// Physical copies of blocks the worker holds.
     blocks: AtomicU64,
     /// Holdings whose parent key the worker does not hold; 0 means its holdings are closed under
@@ -98,6 +108,33 @@ struct WorkerStats {
     orphans: AtomicI64,
     /// Tokens after a block that the worker's engine hashes with it, as its last store showed.
     lookahead: AtomicU32,
+}
+
+/// No worker: a rank without a CPU or disk tier.
+const NO_WORKER: WorkerId = WorkerId::MAX;
+
+impl WorkerStats {
+    fn new(tier: Tier, rank: WorkerId) -> WorkerStats {
+        WorkerStats {
+            tier,
+            rank,
+            lower: [AtomicU32::new(NO_WORKER), AtomicU32::new(NO_WORKER)],
+            blocks: AtomicU64::new(0),
+            orphans: AtomicI64::new(0),
+            lookahead: AtomicU32::new(0),
+        }
+    }
+
+    /// The rank's worker for `tier` (a GPU worker's view), if it has one.
+    fn tier_worker(&self, tier: Tier) -> Option<WorkerId> {
+        match tier {
+            Tier::Gpu => Some(self.rank),
+            lower => {
+                let id = self.lower[lower as usize - 1].load(Ordering::Relaxed);
+                (id != NO_WORKER).then_some(id)
+            }
+        }
+    }
 }
 
 impl Index {
@@ -114,6 +151,7 @@ impl Index {
                 .collect(),
             workers: RwLock::new(WorkerSlots::default()),
             lookahead_workers: AtomicUsize::new(0),
+            tier_workers: AtomicUsize::new(0),
         })
     }
 
@@ -121,30 +159,45 @@ impl Index {
         self.block_size
     }
 
-    /// Adds a worker; the returned writer is the only way to change what it holds.
+    /// Adds a worker (a rank, its GPU tier first); the returned writer is the only way to
+    /// change what it holds.
     pub fn add_worker(self: &Arc<Self>) -> WorkerBlocks {
-        let stats = Arc::new(WorkerStats::default());
-        let mut registry = self.workers.write();
-        let id = match registry.free.pop() {
-            Some(id) => {
-                registry.live[id as usize] = Some(stats.clone());
-                id
-            }
-            None => {
-                registry.live.push(Some(stats.clone()));
-                WorkerId::try_from(registry.live.len() - 1).unwrap_or(WorkerId::MAX)
-            }
-        };
-        drop(registry);
-        WorkerBlocks::new(self.clone(), id, stats)
+        WorkerBlocks::new(self.add_tier_worker(Tier::Gpu, None))
     }
 
-    /// Frees a removed worker's id for reuse (its writer has cleared its holdings).
+    /// Adds the worker of one tier of a rank: of the rank whose GPU worker is `rank`, or a new
+    /// rank's GPU worker when `None`.
+    fn add_tier_worker(self: &Arc<Self>, tier: Tier, rank: Option<WorkerId>) -> TierBlocks {
+        let mut registry = self.workers.write();
+        let id = registry.free.pop().unwrap_or_else(|| {
+            registry.live.push(None);
+            WorkerId::try_from(registry.live.len() - 1).unwrap_or(NO_WORKER)
+        });
+        let stats = Arc::new(WorkerStats::new(tier, rank.unwrap_or(id)));
+        registry.live[id as usize] = Some(stats.clone());
+        if let (Some(rank), Tier::Cpu | Tier::Disk) = (rank, tier) {
+            if let Some(Some(gpu)) = registry.live.get(rank as usize) {
+                gpu.lower[tier as usize - 1].store(id, Ordering::Relaxed);
+            }
+            self.tier_workers.fetch_add(1, Ordering::Relaxed);
+        }
+        drop(registry);
+        TierBlocks::new(self.clone(), id, stats)
+    }
+
+    /// Frees a removed worker's id for reuse (its writer has cleared its holdings); a lower
+    /// tier's is unlinked from its rank first.
     fn release_worker(&self, id: WorkerId) {
         let mut registry = self.workers.write();
-        if let Some(slot) = registry.live.get_mut(id as usize) {
-            *slot = None;
-            registry.free.push(id);
+        let Some(stats) = registry.live.get_mut(id as usize).and_then(Option::take) else {
+            return;
+        };
+        registry.free.push(id);
+        if stats.tier != Tier::Gpu {
+            if let Some(Some(gpu)) = registry.live.get(stats.rank as usize) {
+                gpu.lower[stats.tier as usize - 1].store(NO_WORKER, Ordering::Relaxed);
+            }
+            self.tier_workers.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

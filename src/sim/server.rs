@@ -228,7 +228,7 @@ impl SimEngine {
         let rank = self.rank(rank)?;
         let mut state = rank.state.lock();
         state.cache.clear();
-        state.publish(rank, vec![Event::Cleared])
+        state.publish(rank, vec![Event::Cleared { medium: None }])
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.

@@ -19,8 +19,11 @@ pub use snapshot::decode_snapshot;
 pub enum Event {
     Stored(BlockStored),
     Removed(BlockRemoved),
-    /// The rank's whole cache is gone.
-    Cleared,
+    /// The rank's whole cache of one medium is gone (`None`: GPU, as vLLM's after
+    /// `/reset_prefix_cache`).
+    Cleared {
+        medium: Option<String>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
