@@ -1,0 +1,315 @@
+//! Storage tiers through the real decoder and index: stores and removals per medium, cumulative
+//! `tiers` scores (with gaps), vLLM's offloading placeholders resolved through the GPU tier (and
+//! unknown ones counted), clears per medium, and the wire form of a clear with a medium.
+
+use kv_indexer::index::{ApplyOutcome, Index, PerTier, Score, WorkerBlocks, WorkerId};
+use kv_indexer::sim::encode::{encode_batch, Form};
+use kv_indexer::wire::{decode_batch, BlockRemoved, BlockStored, Event, EventBatch};
+
+const BLOCK: u32 = 4;
+
+/// Tokens of blocks `from..to` of the one prompt every test asks about.
+fn tokens(from: u32, to: u32) -> Vec<u32> {
+    (from * BLOCK..to * BLOCK).map(|t| 1000 + t).collect()
+}
+
+fn store(medium: &str, hashes: &[u64], parent: Option<u64>, first_block: u32) -> Event {
+    let to = first_block + hashes.len() as u32;
+    Event::Stored(BlockStored {
+        medium: Some(medium.into()),
+        ..BlockStored::new(hashes.to_vec(), parent, tokens(first_block, to), BLOCK)
+    })
+}
+
+/// vLLM's offloading connector's announcement of blocks copied to `medium`: hashes only.
+fn placeholder(medium: &str, hashes: &[u64]) -> Event {
+    Event::Stored(BlockStored {
+        medium: Some(medium.into()),
+        ..BlockStored::new(hashes.to_vec(), None, Vec::new(), 0)
+    })
+}
+
+fn remove(medium: Option<&str>, hashes: &[u64]) -> Event {
+    Event::Removed(BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium: medium.map(str::to_owned),
+        group_idx: None,
+    })
+}
+
+fn clear(medium: Option<&str>) -> Event {
+    Event::Cleared {
+        medium: medium.map(str::to_owned),
+    }
+}
+
+/// Encodes `events` as the engine would (both msgpack forms in turn), decodes them with the
+/// real decoder and applies them to `worker`.
+fn feed(worker: &mut WorkerBlocks, events: Vec<Event>) -> ApplyOutcome {
+    let batch = EventBatch {
+        ts: 1_752_000_000.5,
+        dp_rank: Some(0),
+        events,
+        skipped: 0,
+    };
+    let mut outcome = ApplyOutcome::default();
+    for (i, event) in batch.events.iter().enumerate() {
+        let form = if i % 2 == 0 { Form::Map } else { Form::Array };
+        let one = EventBatch {
+            events: vec![event.clone()],
+            ..batch.clone()
+        };
+        let decoded = decode_batch(&encode_batch(&one, form)).expect("the encoder's bytes decode");
+        assert_eq!(decoded.events, one.events, "{form:?} round trip");
+        worker.apply(&decoded.events[0], &mut outcome);
+    }
+    outcome
+}
+
+/// `(worker, matched_blocks, [gpu, cpu, disk])` of every listed rank, by worker.
+fn scores(index: &Index, blocks: u32) -> Vec<(WorkerId, u32, [u32; 3])> {
+    let mut scores: Vec<Score> = index.query(&tokens(0, blocks), None, &|_| true);
+    scores.sort_by_key(|s| s.worker);
+    scores
+        .into_iter()
+        .map(|s| {
+            assert!(s.tiers.gpu <= s.tiers.cpu && s.tiers.cpu <= s.tiers.disk);
+            assert_eq!(s.tiers.gpu, s.matched_blocks);
+            (
+                s.worker,
+                s.matched_blocks,
+                [s.tiers.gpu, s.tiers.cpu, s.tiers.disk],
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn tiers_add_up_the_way_an_engine_loads_a_prefix() {
+    let index = Index::new(BLOCK, 4);
+    let mut w = index.add_worker();
+    // GPU holds blocks 0-1, CPU blocks 2-4 (chained from the GPU's block 1), disk 5-6 (chained
+    // from the CPU's block 4).
+    feed(
+        &mut w,
+        vec![
+            store("GPU", &[10, 11], None, 0),
+            store("CPU", &[12, 13, 14], Some(11), 2),
+            store("DISK", &[15, 16], Some(14), 5),
+        ],
+    );
+    let id = w.id();
+    assert_eq!(scores(&index, 8), vec![(id, 2, [2, 5, 7])]);
+    assert_eq!(
+        w.tier_blocks(),
+        PerTier {
+            gpu: 2,
+            cpu: 3,
+            disk: 2
+        }
+    );
+    // A shorter prompt stops every tier at its end.
+    assert_eq!(scores(&index, 3), vec![(id, 2, [2, 3, 3])]);
+    // A gap in CPU at block 3: the CPU run stops there, and disk (which starts at block 5) adds
+    // nothing, as an engine cannot load past a block it lacks.
+    let outcome = feed(&mut w, vec![remove(Some("CPU"), &[13])]);
+    assert_eq!((outcome.removed, outcome.removed_blocks), (1, 1));
+    assert_eq!(scores(&index, 8), vec![(id, 2, [2, 3, 3])]);
+    // A removal in one tier leaves the others: block 1 leaves GPU, the CPU run now starts at 1,
+    // where CPU lacks it.
+    feed(&mut w, vec![remove(Some("GPU"), &[11])]);
+    assert_eq!(scores(&index, 8), vec![(id, 1, [1, 1, 1])]);
+    // The disk tier holding a run right where GPU stops.
+    feed(&mut w, vec![store("STORAGE", &[21, 22], Some(10), 1)]);
+    assert_eq!(scores(&index, 8), vec![(id, 1, [1, 1, 3])]);
+}
+
+#[test]
+fn a_rank_holding_the_first_block_in_a_lower_tier_only_is_listed() {
+    let index = Index::new(BLOCK, 4);
+    let mut gpu_rank = index.add_worker();
+    let mut cpu_rank = index.add_worker();
+    feed(&mut gpu_rank, vec![store("GPU", &[1, 2], None, 0)]);
+    feed(
+        &mut cpu_rank,
+        vec![
+            store("CPU_PINNED", &[7, 8, 9], None, 0),
+            store("EXTERNAL", &[6], Some(9), 3),
+        ],
+    );
+    assert_eq!(
+        scores(&index, 8),
+        vec![(gpu_rank.id(), 2, [2, 2, 2]), (cpu_rank.id(), 0, [0, 3, 4])]
+    );
+    // It is listed with the GPU blocks it holds (none).
+    let listed = index.query(&tokens(0, 8), None, &|w| w == cpu_rank.id());
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].cached_blocks, 0);
+    // The rank filter applies to it like to any rank.
+    assert!(index
+        .query(&tokens(0, 8), None, &|w| w != cpu_rank.id())
+        .iter()
+        .all(|s| s.worker == gpu_rank.id()));
+}
+
+#[test]
+fn every_documented_medium_lands_in_its_tier_and_unknown_ones_are_counted() {
+    for (medium, expected) in [
+        ("GPU", [1, 1, 1]),
+        ("CPU", [0, 1, 1]),
+        ("CPU_PINNED", [0, 1, 1]),
+        ("STORAGE", [0, 0, 1]),
+        ("DISK", [0, 0, 1]),
+        ("FS", [0, 0, 1]),
+        ("OBJ", [0, 0, 1]),
+        ("EXTERNAL", [0, 0, 1]),
+    ] {
+        let index = Index::new(BLOCK, 2);
+        let mut w = index.add_worker();
+        let outcome = feed(&mut w, vec![store(medium, &[5], None, 0)]);
+        assert_eq!((outcome.stored, outcome.ignored_medium), (1, 0), "{medium}");
+        assert_eq!(
+            scores(&index, 2),
+            vec![(w.id(), expected[0], expected)],
+            "{medium}"
+        );
+        let outcome = feed(&mut w, vec![remove(Some(medium), &[5])]);
+        assert_eq!(outcome.removed_blocks, 1, "{medium}");
+        assert_eq!(scores(&index, 2), vec![], "{medium}");
+        assert_eq!(index.key_count(), 0, "{medium}");
+    }
+    let index = Index::new(BLOCK, 2);
+    let mut w = index.add_worker();
+    let outcome = feed(
+        &mut w,
+        vec![
+            store("NVME_OF", &[5], None, 0),
+            remove(Some("NVME_OF"), &[5]),
+            clear(Some("NVME_OF")),
+        ],
+    );
+    assert_eq!((outcome.ignored_medium, outcome.stored), (3, 0));
+    assert_eq!(scores(&index, 2), vec![]);
+}
+
+#[test]
+fn offloading_placeholders_resolve_through_the_gpu_tier_and_unknown_hashes_are_counted() {
+    let index = Index::new(BLOCK, 4);
+    let mut w = index.add_worker();
+    feed(&mut w, vec![store("GPU", &[1, 2, 3, 4], None, 0)]);
+    // vLLM copies blocks 1-3 to CPU; hash 99 was never announced in GPU.
+    let outcome = feed(&mut w, vec![placeholder("CPU", &[2, 3, 99, 4])]);
+    assert_eq!(outcome.placeholder_unknown, 1);
+    assert_eq!((outcome.stored, outcome.stored_blocks), (1, 3));
+    assert_eq!(w.tier_blocks().cpu, 3);
+    // GPU evicts blocks 2-3: the engine loads them back from CPU.
+    feed(&mut w, vec![remove(None, &[4, 3, 2])]);
+    assert_eq!(scores(&index, 4), vec![(w.id(), 1, [1, 4, 4])]);
+    // CPU evicts block 3 although GPU no longer knows its hash: the CPU tier does.
+    let outcome = feed(&mut w, vec![remove(Some("CPU"), &[4])]);
+    assert_eq!((outcome.removed_blocks, outcome.unknown_block), (1, 0));
+    assert_eq!(scores(&index, 4), vec![(w.id(), 1, [1, 3, 3])]);
+    // A placeholder of a hash GPU has dropped cannot be resolved.
+    let outcome = feed(&mut w, vec![placeholder("DISK", &[3])]);
+    assert_eq!(outcome.placeholder_unknown, 1);
+    assert_eq!(scores(&index, 4), vec![(w.id(), 1, [1, 3, 3])]);
+    // A placeholder in disk of a hash GPU still has.
+    feed(&mut w, vec![placeholder("STORAGE", &[1])]);
+    assert_eq!(scores(&index, 4), vec![(w.id(), 1, [1, 3, 3])]);
+    drop(w);
+    assert_eq!(index.key_count(), 0);
+}
+
+#[test]
+fn a_clear_with_a_medium_clears_that_tier_and_one_without_clears_gpu() {
+    let index = Index::new(BLOCK, 4);
+    let mut w = index.add_worker();
+    let fill = vec![
+        store("GPU", &[1, 2], None, 0),
+        store("CPU", &[3], Some(2), 2),
+        store("DISK", &[4], Some(3), 3),
+    ];
+    feed(&mut w, fill.clone());
+    assert_eq!(scores(&index, 4), vec![(w.id(), 2, [2, 3, 4])]);
+    let outcome = feed(&mut w, vec![clear(Some("CPU"))]);
+    assert_eq!(outcome.cleared, 1);
+    assert_eq!(scores(&index, 4), vec![(w.id(), 2, [2, 2, 2])]);
+    assert_eq!(
+        w.tier_blocks(),
+        PerTier {
+            gpu: 2,
+            cpu: 0,
+            disk: 1
+        }
+    );
+    feed(&mut w, vec![store("CPU", &[3], Some(2), 2)]);
+    // vLLM's clear after /reset_prefix_cache: GPU only.
+    feed(&mut w, vec![clear(None)]);
+    assert_eq!(
+        w.tier_blocks(),
+        PerTier {
+            gpu: 0,
+            cpu: 1,
+            disk: 1
+        }
+    );
+    assert_eq!(scores(&index, 4), vec![]);
+    feed(&mut w, vec![clear(Some("STORAGE"))]);
+    assert_eq!(
+        w.tier_blocks(),
+        PerTier {
+            gpu: 0,
+            cpu: 1,
+            disk: 0
+        }
+    );
+    // A publisher restart (or a snapshot) empties every tier.
+    feed(&mut w, fill);
+    w.clear();
+    assert_eq!(w.tier_blocks(), PerTier::default());
+    assert_eq!(index.key_count(), 0);
+}
+
+/// `["AllBlocksCleared", medium]` and `{"type": "AllBlocksCleared", "medium": ...}` as an
+/// engine's msgpack writer lays them out, byte by byte.
+#[test]
+fn the_decoder_keeps_a_clears_medium() {
+    let batch = |event: &[u8]| -> Vec<u8> {
+        let mut bytes = vec![0x93, 0xcb];
+        bytes.extend(1_752_000_000.5f64.to_be_bytes());
+        bytes.push(0x91);
+        bytes.extend(event);
+        bytes.push(0x00);
+        bytes
+    };
+    let text = |s: &str| -> Vec<u8> {
+        let mut bytes = vec![0xa0 | s.len() as u8];
+        bytes.extend(s.as_bytes());
+        bytes
+    };
+    let array = [vec![0x92], text("AllBlocksCleared"), text("CPU")].concat();
+    let map = [
+        vec![0x82],
+        text("type"),
+        text("AllBlocksCleared"),
+        text("medium"),
+        text("DISK"),
+    ]
+    .concat();
+    let nil_medium = [vec![0x92], text("AllBlocksCleared"), vec![0xc0]].concat();
+    let bare = [vec![0x91], text("AllBlocksCleared")].concat();
+    for (event, medium) in [
+        (array, Some("CPU")),
+        (map, Some("DISK")),
+        (nil_medium, None),
+        (bare, None),
+    ] {
+        let decoded = decode_batch(&batch(&event)).expect("decodes");
+        assert_eq!(decoded.skipped, 0);
+        assert_eq!(decoded.events, vec![clear(medium)]);
+    }
+    // A medium that is not a string is not a clear of anything: skipped, counted.
+    let odd = [vec![0x92], text("AllBlocksCleared"), vec![0x07]].concat();
+    let decoded = decode_batch(&batch(&odd)).expect("decodes");
+    assert_eq!((decoded.events.len(), decoded.skipped), (0, 1));
+}
