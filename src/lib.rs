@@ -5,17 +5,20 @@
 //! every rank of every engine listed in `indexer.toml`, keeps an index of which rank holds which
 //! blocks, and tells a router, per rank, how long a prompt's cached prefix is.
 //!
-//! Data flows one way:
+//! Data flows one way (docs/design.md "Data flow" has the long story):
 //!
 //! ```text
 //! config (parse, validate) → plan (engines × ranks → listener specs)
-//!   → registry (running listeners; register / deregister / reload diff)
+//!   → registry (running listeners; register / deregister / reload diff; published views)
 //!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
-//! http (routes, JSON) reads the index and the registry;  metrics is written by all.
+//! http (our HTTP/1.1 server and routes) reads the index and the registry's published views.
+//! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
+//! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
 //! ```
 //!
-//! `sim` is a simulated engine speaking the real protocol, used by tests, examples and
-//! benchmarks; the indexer itself never uses it.
+//! `service` is on top: it wires these together, handles signals and reloads. `sim` is a
+//! simulated engine speaking the real protocol, used by tests, examples and benchmarks; the
+//! indexer itself never uses it.
 
 pub mod config;
 pub mod discover;

@@ -287,7 +287,7 @@ fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     assert_eq!(reload.status, 200, "{}", reload.text());
     assert_eq!(
         reload.json(),
-        json!({"added": [], "removed": [], "replaced": [], "unchanged": 1})
+        json!({"added": [], "removed": [], "replaced": [], "unchanged": 1, "failed": []})
     );
 
     let metrics = get(addr, "/metrics");

@@ -175,7 +175,7 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(
         reply.json(),
-        json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1})
+        json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1, "failed": []})
     );
     assert_eq!(workers(addr), ["a/0", "b/0"]);
     assert_eq!(scores(addr, &tokens), held);
@@ -205,7 +205,7 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
     let reply = post(addr, "/reload", b"");
     assert_eq!(
         reply.json(),
-        json!({"added": [], "removed": [], "replaced": ["a/0"], "unchanged": 0})
+        json!({"added": [], "removed": [], "replaced": ["a/0"], "unchanged": 0, "failed": []})
     );
     second.wait_subscribed();
     assert_eq!(scores(addr, &tokens), []);

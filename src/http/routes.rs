@@ -238,15 +238,16 @@ fn ready(api: &Api) -> Reply {
 /// The `POST /reload` answer for an applied reload.
 pub fn diff_json(diff: &ReloadDiff) -> Value {
     let names = |keys: &[crate::plan::WorkerKey]| -> Vec<String> {
-        keys.iter()
-            .map(|k| format!("{}/{}", k.engine, k.dp_rank))
-            .collect()
+        keys.iter().map(ToString::to_string).collect()
     };
+    // `failed`: engines whose ranks did not start (retried in the background, shown `stopped`
+    // on /workers); without it a reload that half failed would answer like a clean one.
     json!({
         "added": names(&diff.added),
         "removed": names(&diff.removed),
         "replaced": names(&diff.replaced),
         "unchanged": diff.unchanged,
+        "failed": diff.failed,
     })
 }
 

@@ -207,7 +207,9 @@ fn decode_map_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             b"cache_salt" => {
                 let start = reader.position();
                 if let Ok(salt) = optional_string(reader) {
-                    identity.cache_salt = salt;
+                    // A nil here must not erase a salt the `{cache_salt}` map in `lora_name`
+                    // gave: the two are read in whatever order the map has them.
+                    identity.cache_salt = salt.or(identity.cache_salt.take());
                 } else {
                     reader.rewind(start);
                     identity.odd_salt = Some(reader.raw_value()?);
@@ -403,5 +405,62 @@ mod tests {
         payload.extend_from_slice(&[0x91, 0x01, 0xc0, 0x91, 0x01, 0xfc]);
         let batch = decode_batch(&payload);
         assert_eq!(batch.map(|b| (b.events.len(), b.skipped)), Ok((0, 1)));
+    }
+
+    /// A map-form store whose salt stands in SGLang's `{cache_salt}` map under `lora_name`,
+    /// beside a nil `cache_salt` key, in either order.
+    fn store_with_salt_in_lora_name(nil_salt_last: bool) -> Vec<u8> {
+        use rmp::encode::*;
+        let mut out = Vec::new();
+        let key = |out: &mut Vec<u8>, k: &str| write_str(out, k).expect("vec");
+        write_array_len(&mut out, 3).expect("vec");
+        write_f64(&mut out, 1.0).expect("vec");
+        write_array_len(&mut out, 1).expect("vec");
+        write_map_len(&mut out, 7).expect("vec");
+        key(&mut out, "type");
+        write_str(&mut out, "BlockStored").expect("vec");
+        key(&mut out, "block_hashes");
+        write_array_len(&mut out, 1).expect("vec");
+        write_uint(&mut out, 7).expect("vec");
+        key(&mut out, "parent_block_hash");
+        write_nil(&mut out).expect("vec");
+        key(&mut out, "token_ids");
+        write_array_len(&mut out, 16).expect("vec");
+        for token in 0..16 {
+            write_uint(&mut out, token).expect("vec");
+        }
+        key(&mut out, "block_size");
+        write_uint(&mut out, 16).expect("vec");
+        let nil_salt = |out: &mut Vec<u8>| {
+            write_str(out, "cache_salt").expect("vec");
+            write_nil(out).expect("vec");
+        };
+        if !nil_salt_last {
+            nil_salt(&mut out);
+        }
+        key(&mut out, "lora_name");
+        write_map_len(&mut out, 1).expect("vec");
+        key(&mut out, "cache_salt");
+        write_str(&mut out, "carol").expect("vec");
+        if nil_salt_last {
+            nil_salt(&mut out);
+        }
+        write_uint(&mut out, 0).expect("vec");
+        out
+    }
+
+    #[test]
+    fn a_nil_cache_salt_key_keeps_the_salt_of_a_lora_name_map_in_either_order() {
+        for nil_salt_last in [false, true] {
+            let batch = decode_batch(&store_with_salt_in_lora_name(nil_salt_last));
+            let Ok(EventBatch { events, .. }) = batch else {
+                panic!("not decoded: {batch:?}");
+            };
+            let [Event::Stored(stored)] = &events[..] else {
+                panic!("one store expected: {events:?}");
+            };
+            let salt = stored.extras.first().and_then(|b| b.cache_salt.as_deref());
+            assert_eq!(salt, Some("carol"), "nil salt last: {nil_salt_last}");
+        }
     }
 }
