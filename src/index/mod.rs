@@ -2,12 +2,19 @@
 //!
 //! Owns the index's data (shards of `key → holders`, the live workers' stats) and the rules that
 //! keep it consistent; `query` is its read side, `search` the prefix search readers run,
-//! `worker_blocks` the one writer per worker, `keys` the key function, `shard` and `engine_map`
-//! the two maps, `table` their memory. It never decodes bytes, never touches a socket, and never
+//! `worker_blocks` the one writer per rank (which tier an event is about), `tier_blocks` the
+//! writer of one tier, `tiers` the media, `keys` the key function, `shard` and `engine_map` the
+//! two maps, `table` their memory. It never decodes bytes, never touches a socket, and never
 //! blocks a reader behind a whole batch: a writer takes one shard lock per block.
 //!
 //! # Invariants
 //!
+//! - A worker is one storage tier of one rank (`docs.md`, "Storage tiers"). A rank's GPU worker
+//!   is created with it and its id is the rank's; its CPU and disk workers exist from the tier's
+//!   first store, each with its own map and slots, linked from the GPU worker's stats
+//!   (`WorkerStats::lower`) and counted in `Index::tier_workers`. While that count is 0 a query
+//!   scores GPU alone, as before tiers existed. A lower tier is freed before its rank's GPU
+//!   worker, whose id it names.
 //! - A block's key is a function of what its engine hash covers that a router can know (`keys`,
 //!   `docs.md` "Block keys"): its tokens, its chain, the LoRA adapter, the cache salt, the
 //!   multimodal items overlapping it and its lookahead tokens, never the engine hash itself. The
@@ -25,9 +32,12 @@
 //! - A worker's map holds each engine hash once, with its count of physical copies (a store of a
 //!   held hash adds one, a removal takes one, the hash goes with its last); `WorkerStats::blocks`
 //!   is the number of copies after the worker's last applied event.
-//! - `WorkerStats::lookahead` is the lookahead its engine's last store showed, and
-//!   `Index::lookahead_workers` counts the live workers where it is not 0: while none, a query
-//!   hashes one chain of keys, as before lookahead existed.
+//! - `WorkerStats::lookahead` is the lookahead its engine's last store with content showed, kept
+//!   on the rank's GPU worker, and `Index::lookahead_workers` counts the live workers where it is
+//!   not 0: while none, a query hashes one chain of keys, as before lookahead existed.
+//! - A score's tiers are cumulative: `gpu` is the GPU worker's matched prefix, `cpu` adds the
+//!   CPU worker's run of held keys from position `gpu` on, `disk` the disk worker's run from
+//!   `cpu` on; a rank is listed when any of its workers holds key 0.
 //!
 //! # Cost of each operation
 //!
@@ -35,10 +45,10 @@
 //!
 //! | operation | cost | locks |
 //! |---|---|---|
-//! | `query` | `n` key hashes at most (hashed lazily; a block with extras hashes them once more); `O(log n)` probe rounds of ≤ 8 keys for workers without orphans, `≤ n` probes for the others; `O(c)` scratch; all of it once per distinct lookahead among live workers (once in a fleet without speculative decoding) | one shard read lock per probe, the worker table's read lock once per lookahead |
-//! | store, removal | `b` map updates and `b` shard visits (+1 for the parent), misses prefetched 4 blocks ahead | one shard write lock at a time |
+//! | `query` | `n` key hashes at most (hashed lazily; a block with extras hashes them once more); `O(log n)` probe rounds of ≤ 8 keys for workers without orphans, `≤ n` probes for the others; with lower tiers, `c - g + 1` probes for a CPU run from `g` to `c` and `d - c + 1` for disk, shared by ranks probing the same block; `O(c)` scratch; all of it once per distinct lookahead among live workers (once in a fleet without speculative decoding) | one shard read lock per probe, the worker table's read lock once per lookahead |
+//! | store, removal | `b` map updates and `b` shard visits (+1 for the parent), misses prefetched 4 blocks ahead; a placeholder store `b` GPU map lookups and ≤ `2b` shard visits | one shard write lock at a time |
 //! | clear, drop | one sweep per shard of the worker's keys, sorted | each shard lock held for ≤ 4096 keys (~1 ms) |
-//! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline); second copies in a side map | |
+//! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline; a block held in two tiers of a rank takes two); second copies in a side map; a GPU-only rank pays 16 B of stats and two empty tier slots for tiers | |
 
 mod engine_map;
 mod keys;
