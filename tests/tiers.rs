@@ -313,3 +313,128 @@ fn the_decoder_keeps_a_clears_medium() {
     let decoded = decode_batch(&batch(&odd)).expect("decodes");
     assert_eq!((decoded.events.len(), decoded.skipped), (0, 1));
 }
+
+mod support;
+
+mod end_to_end {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
+    use kv_indexer::sim::server::SimConfig;
+    use kv_indexer::sim::watch::OverHttp;
+    use kv_indexer::sim::workload::Route;
+    use serde_json::Value;
+
+    use super::support::{settle, start_indexer, trace_prompts, warm_up};
+
+    const REQUESTS: usize = 200;
+    const DEADLINE: Duration = Duration::from_secs(20);
+
+    fn json(mut reply: ureq::http::Response<ureq::Body>) -> Value {
+        let text = reply.body_mut().read_to_string().expect("a body");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+    }
+
+    /// `(instance, dp_rank) → [gpu, cpu, disk]` of every listed rank of a `/query` reply.
+    fn tiers_of(reply: &Value) -> HashMap<(String, u32), [u32; 3]> {
+        let scores = reply["scores"].as_array().expect("scores");
+        scores
+            .iter()
+            .map(|score| {
+                let tier = |name: &str| score["tiers"][name].as_u64().expect("a tier") as u32;
+                let key = (
+                    score["instance"].as_str().expect("instance").to_owned(),
+                    score["dp_rank"].as_u64().expect("dp_rank") as u32,
+                );
+                assert_eq!(
+                    score["matched_blocks"].as_u64(),
+                    Some(u64::from(tier("gpu")))
+                );
+                (key, [tier("gpu"), tier("cpu"), tier("disk")])
+            })
+            .collect()
+    }
+
+    /// Simulated vLLM ranks with small GPU caches that offload every evicted block to a CPU tier
+    /// (itself evicting), announced as vLLM's offloading connector does, through ZMQ to the real
+    /// binary; every prompt's `tiers` on `/query` equal each rank's ground truth per tier, and
+    /// `/workers` shows each tier's blocks.
+    #[test]
+    fn the_binary_scores_every_tier_as_the_offloading_engine_holds_it() {
+        let _ = env_logger::builder().is_test(true).try_init();
+        let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
+        let fleet = Fleet::start_on_consecutive_ports(1, |_| SimConfig {
+            dp_size: 2,
+            block_size: BLOCK_SIZE,
+            capacity_blocks: 1_500,
+            cpu_capacity_blocks: 3_000,
+            seed: 0x71E5,
+            ..SimConfig::default()
+        })
+        .expect("fleet");
+        let process = start_indexer(&fleet.indexer_config());
+        let mut indexer = OverHttp::new(process.address);
+        warm_up(&fleet, &mut indexer, DEADLINE);
+        let mut router = fleet.router(Route::RoundRobin);
+        fleet.serve_all(&mut router, &prompts).expect("serve");
+        let views = settle(&fleet, &mut indexer, DEADLINE);
+        assert!(views.iter().all(|v| v.state == "active"), "{views:#?}");
+
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(DEADLINE))
+            .build()
+            .into();
+        let base = format!("http://{}", process.address);
+        let (mut pairs, mut from_cpu) = (0, 0);
+        for prompt in &prompts {
+            let body = serde_json::json!({ "token_ids": prompt }).to_string();
+            let reply = json(
+                agent
+                    .post(&format!("{base}/query"))
+                    .send(&body)
+                    .expect("/query answers"),
+            );
+            let listed = tiers_of(&reply);
+            for at in fleet.ranks() {
+                let truth = fleet
+                    .engine(at)
+                    .true_tiers(at.rank, prompt.as_slice())
+                    .expect("rank");
+                let key = (Fleet::name(at.engine), at.rank);
+                let shown = listed.get(&key).copied().unwrap_or([0; 3]);
+                assert_eq!(shown, truth, "rank {key:?}");
+                pairs += 1;
+                from_cpu += u32::from(truth[1] > truth[0]);
+            }
+        }
+        assert_eq!(pairs, REQUESTS * 2);
+        assert!(
+            from_cpu > 0,
+            "no prompt found blocks in CPU: the test tests nothing"
+        );
+
+        let workers = json(
+            agent
+                .get(&format!("{base}/workers"))
+                .call()
+                .expect("/workers answers"),
+        );
+        for at in fleet.ranks() {
+            let engine = fleet.engine(at);
+            let listener = &workers[0]["listeners"][at.rank as usize];
+            let cpu = engine.cpu_blocks(at.rank).expect("rank");
+            assert!(cpu > 1_500, "rank {at:?} offloaded little: {cpu} blocks");
+            assert_eq!(
+                listener["tier_blocks"]["cpu"].as_u64(),
+                Some(cpu as u64),
+                "{listener}"
+            );
+            assert_eq!(
+                listener["tier_blocks"]["gpu"].as_u64(),
+                Some(engine.cached_blocks(at.rank).expect("rank") as u64)
+            );
+            assert_eq!(listener["tier_blocks"]["disk"].as_u64(), Some(0));
+        }
+    }
+}
