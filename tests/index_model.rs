@@ -381,15 +381,7 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker, tier: Tier) {
 /// vLLM's offloading connector announcing copies in a lower tier by engine hash alone: some of
 /// the GPU tier's hashes, sometimes one GPU does not know.
 fn store_placeholder(rng: &mut SmallRng, worker: &mut Worker, tier: Tier) {
-    let mut hashes: Vec<u64> = worker.model[0]
-        .keys()
-        .copied()
-        .filter(|_| rng.random_bool(0.4))
-        .collect();
-    let unknown = rng.random_bool(0.2);
-    if unknown {
-        hashes.insert(rng.random_range(0..=hashes.len()), rng.random());
-    }
+    let (hashes, unknown) = some_hashes(rng, &worker.model[0], 0.4);
     let event = Event::Stored(BlockStored {
         medium: medium(rng, tier),
         ..BlockStored::new(hashes.clone(), None, Vec::new(), 0)
@@ -404,17 +396,24 @@ fn store_placeholder(rng: &mut SmallRng, worker: &mut Worker, tier: Tier) {
     }
 }
 
-/// Removes one copy of some of the worker's engine hashes in `tier`.
-fn remove(rng: &mut SmallRng, worker: &mut Worker, tier: Tier) {
-    let mut hashes: Vec<u64> = worker.model[tier as usize]
+/// A random share of `model`'s hashes and, one time in five, a hash it does not hold (placed
+/// at random); whether it added one.
+fn some_hashes(rng: &mut SmallRng, model: &HashMap<u64, Held>, share: f64) -> (Vec<u64>, bool) {
+    let mut hashes: Vec<u64> = model
         .keys()
         .copied()
-        .filter(|_| rng.random_bool(0.3))
+        .filter(|_| rng.random_bool(share))
         .collect();
     let unknown = rng.random_bool(0.2);
     if unknown {
-        hashes.push(rng.random());
+        hashes.insert(rng.random_range(0..=hashes.len()), rng.random());
     }
+    (hashes, unknown)
+}
+
+/// Removes one copy of some of the worker's engine hashes in `tier`.
+fn remove(rng: &mut SmallRng, worker: &mut Worker, tier: Tier) {
+    let (hashes, unknown) = some_hashes(rng, &worker.model[tier as usize], 0.3);
     let outcome = apply(
         worker,
         Event::Removed(BlockRemoved {
