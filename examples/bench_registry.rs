@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_indexer::config::{Config, EngineConfig};
+use kv_indexer::config::{Config, EngineConfig, FixedRanks, Ranks};
 use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan;
@@ -25,17 +25,21 @@ fn config(engines: u32) -> Config {
             host: "127.0.0.1".into(),
             // From 20000 up, below 60000 for up to 5,000 engines: loopback ports nobody
             // listens on.
-            zmq_port: (20_000 + i * RANKS) as u16,
-            dp_rank_start: 0,
-            dp_size: RANKS,
-            replay_port: None,
+            ranks: Ranks::Fixed(FixedRanks {
+                zmq_port: (20_000 + i * RANKS) as u16,
+                dp_rank_start: 0,
+                dp_size: RANKS,
+                replay_port: None,
+            }),
             recover_port: None,
             model: None,
             topic: String::new(),
+            instance_id: u64::from(i),
         })
         .collect();
     Config {
         listen: "127.0.0.1:0".into(),
+        dynamo_listen: None,
         block_size: 16,
         shards: 64,
         engines,
@@ -93,7 +97,12 @@ fn main() {
     let running = Process::now();
 
     // Move one engine to other ports: its 8 listeners are replaced, nothing else is touched.
-    config.engines[changed].zmq_port = 60_000;
+    config.engines[changed].ranks = Ranks::Fixed(FixedRanks {
+        zmq_port: 60_000,
+        dp_rank_start: 0,
+        dp_size: RANKS,
+        replay_port: None,
+    });
     let started = Instant::now();
     let specs = plan::expand(&config);
     let diff = registry.apply(specs);

@@ -24,19 +24,20 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use clap::Parser;
 
-use kv_indexer::sim::fleet::{trace_path, Fleet, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::process::IndexerProcess;
-use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{compare, settle, total, warm_up, Accuracy, OverHttp};
-use kv_indexer::sim::workload::{load_trace, Route};
+use kv_indexer::sim::fleet::{load_benchmark_trace, Pace, RankRef};
+use kv_indexer::sim::process::benchmark_binary;
+use kv_indexer::sim::watch::{
+    compare, micros, percentile, query_body, settle, spawn_querier, total, Accuracy, FleetShape,
+    WatchedFleet,
+};
+use kv_indexer::sim::workload::Route;
 
 #[derive(Parser)]
 #[command(about = "Replays the trace through a simulated fleet against the kv-indexer binary")]
@@ -78,7 +79,7 @@ struct Round {
     lost_batches: u64,
     latencies: Vec<Duration>,
     indexed: u64,
-    rss_mib: Option<(u64, u64)>,
+    rss_mib: (u64, u64),
     accuracy: Accuracy,
 }
 
@@ -86,24 +87,9 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
     ensure!(args.generators >= 1, "--generators must be at least 1");
-    let trace = args
-        .trace
-        .clone()
-        .unwrap_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")));
-    let prompts = load_trace(&trace, BLOCK_SIZE)?;
-    // Query bodies built beforehand: the figures are the indexer's, not serde_json's.
-    let queries: Arc<[Vec<u8>]> = prompts
-        .iter()
-        .map(|p| {
-            serde_json::json!({ "token_ids": p })
-                .to_string()
-                .into_bytes()
-        })
-        .collect();
-    let binary = match &args.indexer {
-        Some(path) => path.clone(),
-        None => build_indexer()?,
-    };
+    let prompts = load_benchmark_trace(args.trace.as_deref())?;
+    let queries: Arc<[Vec<u8>]> = prompts.iter().map(|p| query_body(p)).collect();
+    let binary = benchmark_binary(args.indexer.as_deref())?;
     let live = run_round(&args, &binary, &prompts, &queries, Mode::Live)?;
     let burst = run_round(&args, &binary, &prompts, &queries, Mode::Burst)?;
     print_table(&args, &prompts, &live, &burst);
@@ -123,23 +109,23 @@ fn run_round(
     queries: &Arc<[Vec<u8>]>,
     mode: Mode,
 ) -> Result<Round> {
-    let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
-        dp_size: args.dp_size,
-        capacity_blocks: args.capacity_blocks,
-        block_size: BLOCK_SIZE,
-        seed: 0x10AD + i as u64,
-        ..SimConfig::default()
-    })?;
-    let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
-    let process = IndexerProcess::start(
+    let WatchedFleet {
+        fleet,
+        process,
+        mut indexer,
+        warm,
+    } = WatchedFleet::start(
         binary,
-        &fleet.indexer_config(),
-        &log_filter,
-        Duration::from_secs(10),
+        FleetShape {
+            engines: args.engines,
+            dp_size: args.dp_size,
+            capacity_blocks: args.capacity_blocks,
+            seed: 0x10AD,
+        },
+        &[],
+        DEADLINE,
     )?;
-    let mut indexer = OverHttp::new(process.address);
-    let warm = warm_up(&fleet, &mut indexer, DEADLINE)?;
-    let rss_before = rss_kib(process.pid()?);
+    let rss_before = process.resident_kib()?.0;
 
     // Where each prompt goes is fixed by the sticky router.
     let mut router = fleet.router(Route::Sticky);
@@ -151,13 +137,13 @@ fn run_round(
             let querier =
                 spawn_querier(process.address, Arc::clone(queries), Arc::clone(&querying))?;
             let started = Instant::now();
-            let stored = serve_in_parallel(&fleet, prompts, &placed, args)?;
+            let stored = fleet.serve_in_parallel(prompts, &placed, pace(args))?;
             (stored, started.elapsed(), started, querier)
         }
         Mode::Burst => {
             process.signal(libc::SIGSTOP)?;
             let serving = Instant::now();
-            let stored = serve_in_parallel(&fleet, prompts, &placed, args);
+            let stored = fleet.serve_in_parallel(prompts, &placed, pace(args));
             let served = serving.elapsed();
             // Resumed even when serving failed, so that the child can be killed cleanly.
             process.signal(libc::SIGCONT)?;
@@ -174,7 +160,7 @@ fn run_round(
         .join()
         .map_err(|_| anyhow::anyhow!("the query thread panicked"))??;
     latencies.sort_unstable();
-    let rss_after = rss_kib(process.pid()?);
+    let rss_after = process.resident_kib()?.0;
     let accuracy = compare(&fleet, &mut indexer, &views, prompts, &placed)?;
     Ok(Round {
         stored_blocks,
@@ -184,9 +170,18 @@ fn run_round(
         lost_batches: total(&views, |v| v.lost_batches),
         latencies,
         indexed: total(&views, |v| v.blocks),
-        rss_mib: rss_before.zip(rss_after).map(|(b, a)| (b / 1024, a / 1024)),
+        rss_mib: (rss_before / 1024, rss_after / 1024),
         accuracy,
     })
+}
+
+/// One batch per prompt, as fast as `--generators` threads serve.
+fn pace(args: &Args) -> Pace {
+    Pace {
+        generators: args.generators,
+        step_tokens: None,
+        capacity_blocks: args.capacity_blocks,
+    }
 }
 
 fn print_table(args: &Args, prompts: &[Vec<u32>], live: &Round, burst: &Round) {
@@ -242,8 +237,7 @@ fn print_table(args: &Args, prompts: &[Vec<u32>], live: &Round, burst: &Round) {
         r.indexed.to_string()
     });
     row("indexer RSS before / after", &|r| {
-        r.rss_mib
-            .map_or_else(|| "-".into(), |(b, a)| format!("{b} / {a} MiB"))
+        format!("{} / {} MiB", r.rss_mib.0, r.rss_mib.1)
     });
     row("exact (prompt, rank) pairs", &|r| {
         format!("{} / {}", r.accuracy.exact, r.accuracy.pairs)
@@ -252,137 +246,4 @@ fn print_table(args: &Args, prompts: &[Vec<u32>], live: &Round, burst: &Round) {
         format!("{:.4} %", 100.0 * r.accuracy.fraction())
     });
     row("pairs with a prefix hit", &|r| r.accuracy.hits.to_string());
-}
-
-/// Serves every prompt on its rank, `--generators` threads each owning the engines `i` with
-/// `i % generators == thread`, in trace order; returns the blocks stored (published).
-fn serve_in_parallel(
-    fleet: &Fleet,
-    prompts: &[Vec<u32>],
-    placed: &[RankRef],
-    args: &Args,
-) -> Result<u64> {
-    let (generators, capacity) = (args.generators, args.capacity_blocks);
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..generators)
-            .map(|thread| {
-                scope.spawn(move || -> Result<u64> {
-                    let mut stored = 0u64;
-                    for (prompt, at) in prompts.iter().zip(placed) {
-                        if at.engine % generators != thread {
-                            continue;
-                        }
-                        let hit = fleet.engine(*at).serve(at.rank, prompt)?;
-                        let cacheable = (prompt.len() / BLOCK_SIZE as usize).min(capacity);
-                        stored += cacheable as u64 - u64::from(hit);
-                    }
-                    Ok(stored)
-                })
-            })
-            .collect();
-        workers.into_iter().try_fold(0, |sum, worker| {
-            let stored = worker
-                .join()
-                .map_err(|_| anyhow::anyhow!("a generator thread panicked"))??;
-            Ok(sum + stored)
-        })
-    })
-}
-
-/// Sends the query bodies to `POST /query` one after another while `running`; returns each
-/// query's latency.
-fn spawn_querier(
-    address: std::net::SocketAddr,
-    bodies: Arc<[Vec<u8>]>,
-    running: Arc<AtomicBool>,
-) -> Result<std::thread::JoinHandle<Result<Vec<Duration>>>> {
-    std::thread::Builder::new()
-        .name("loadgen-query".into())
-        .spawn(move || {
-            // One kept-alive connection, as a router holds it.
-            let agent: ureq::Agent = ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(10)))
-                .build()
-                .into();
-            let url = format!("http://{address}/query");
-            let mut latencies = Vec::new();
-            for body in bodies.iter().cycle() {
-                if !running.load(Ordering::Relaxed) {
-                    break;
-                }
-                let sent = Instant::now();
-                let mut reply = agent
-                    .post(&url)
-                    .header("Content-Type", "application/json")
-                    .send(&body[..])
-                    .with_context(|| format!("POST {url}"))?;
-                let answer = reply.body_mut().read_to_vec();
-                latencies.push(sent.elapsed());
-                let answer = answer.with_context(|| format!("POST {url}: reading the body"))?;
-                ensure!(
-                    reply.status() == 200,
-                    "/query: {}: {}",
-                    reply.status(),
-                    String::from_utf8_lossy(&answer)
-                );
-            }
-            Ok(latencies)
-        })
-        .context("spawning the query thread")
-}
-
-/// Builds the release binary with the cargo that built this example; returns its path.
-fn build_indexer() -> Result<PathBuf> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--release",
-            "--quiet",
-            "--bin",
-            "kv-indexer",
-            "--manifest-path",
-        ])
-        .arg(&manifest)
-        .status()
-        .context("running cargo build for the kv-indexer binary")?;
-    ensure!(
-        status.success(),
-        "cargo build --release --bin kv-indexer failed"
-    );
-    let examples = std::env::current_exe().context("locating this example")?;
-    let binary = examples
-        .parent()
-        .and_then(Path::parent)
-        .map(|release| release.join("kv-indexer"))
-        .context("no target directory above this example")?;
-    ensure!(binary.exists(), "{} was not built", binary.display());
-    Ok(binary)
-}
-
-fn percentile(sorted: &[Duration], quantile: f64) -> Option<Duration> {
-    let last = sorted.len().checked_sub(1)?;
-    sorted
-        .get((last as f64 * quantile).round() as usize)
-        .copied()
-}
-
-fn micros(value: Option<Duration>) -> String {
-    value.map_or_else(
-        || "-".to_string(),
-        |d| format!("{:.0} µs", d.as_secs_f64() * 1e6),
-    )
-}
-
-/// Resident set of a process, from /proc (Linux only).
-fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
 }

@@ -1,10 +1,15 @@
 //! A simulated vLLM engine with `--dp-size` ranks that speaks the real KV-event protocol: PUB on
-//! `--port + r`, replay ROUTER on `--replay-port + r`, `GET /kv_recover` and the ground truth
-//! `POST /prefix_hit` on `--recover-port + r`. It runs a workload (the Mooncake trace or synthetic
-//! conversations), then keeps serving snapshots and ground truth until Ctrl-C.
+//! `--port + r` (`--port 0`: each rank on a port the OS picks, as vLLM's `tcp://*:0`), replay
+//! ROUTER on `--replay-port + r`, `GET /kv_recover` and the ground truth `POST /prefix_hit` on
+//! `--recover-port + r`, and vLLM's API server on `--api-port`: `GET /kv_event_sources` (what
+//! the indexer's `discover` asks) and `POST /scale_elastic_ep` to add or remove ranks while it
+//! runs. It runs a workload (the Mooncake trace or synthetic conversations), then keeps serving
+//! until Ctrl-C.
 //!
 //! ```text
 //! cargo run --example mock_engine -- --dp-size 2 --requests 500 --rate 50
+//! cargo run --example mock_engine -- --dp-size 2 --port 0 --api-port 8000
+//! curl -d '{"new_data_parallel_size": 3}' http://127.0.0.1:8000/scale_elastic_ep
 //! ```
 
 use std::path::PathBuf;
@@ -41,6 +46,7 @@ enum FormArg {
 struct Args {
     #[arg(long, default_value_t = 1)]
     dp_size: u32,
+    /// Rank 0's PUB port; rank r binds `port + r`. 0: every rank binds a port the OS picks.
     #[arg(long, default_value_t = 5557)]
     port: u16,
     /// Rank 0's replay ROUTER port; 0 disables replay.
@@ -49,6 +55,9 @@ struct Args {
     /// Rank 0's HTTP port (/kv_recover, /prefix_hit); 0 disables it.
     #[arg(long, default_value_t = 8200)]
     recover_port: u16,
+    /// The API server's port (GET /kv_event_sources, POST /scale_elastic_ep); 0 disables it.
+    #[arg(long, default_value_t = 8000)]
+    api_port: u16,
     /// Host to bind: an IP, `*` or an IPv6 literal.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
@@ -102,6 +111,7 @@ fn main() -> Result<()> {
         port: args.port,
         replay_port: (args.replay_port != 0).then_some(args.replay_port),
         recover_port: (args.recover_port != 0).then_some(args.recover_port),
+        api_port: (args.api_port != 0).then_some(args.api_port),
         topic: args.topic.clone(),
         block_size: args.block_size,
         capacity_blocks: args.capacity_blocks,
@@ -121,6 +131,9 @@ fn main() -> Result<()> {
             args.bind, ports.publish, ports.replay, ports.recover
         );
     }
+    if let Some(port) = engine.api_port() {
+        info!("API server http://{}:{port}/kv_event_sources", args.bind);
+    }
     info!(
         "seed {seed}; {} requests, rate {}",
         prompts.len(),
@@ -132,7 +145,7 @@ fn main() -> Result<()> {
     );
 
     run_workload(&engine, &args, prompts)?;
-    info!("workload done; serving snapshots and ground truth until Ctrl-C");
+    info!("workload done; serving snapshots, ground truth and the API until Ctrl-C");
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -182,6 +195,10 @@ fn run_workload(engine: &SimEngine, args: &Args, prompts: Vec<Vec<u32>>) -> Resu
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
         let rank = router.rank_for(&prompt);
+        if rank >= engine.dp_size() {
+            // Scaled down through the API meanwhile: that rank serves nothing any more.
+            continue;
+        }
         hit_blocks += u64::from(engine.serve(rank, &prompt)?);
         full_blocks += (prompt.len() / args.block_size as usize) as u64;
         if args.restart_rank_after == Some(done + 1) {

@@ -1,14 +1,19 @@
-//! Expansion of the validated configuration into one listener spec per data-parallel rank.
+//! Expansion of the validated configuration, and of what discovered engines answered, into one
+//! listener spec per data-parallel rank.
 //!
-//! Owns the listener specs: one per global data-parallel rank r (`dp_rank_start..dp_rank_start +
-//! dp_size`, for one deployment spread over several nodes), its URLs on `config::rank_port` (the
-//! one place "rank r lives on port + r" is written), and how a spec and its key read in messages
-//! and in the `--check` table. It never opens a socket: it only computes what the registry should
-//! be running.
+//! Owns the listener specs: for a fixed engine one per global data-parallel rank r
+//! (`dp_rank_start..dp_rank_start + dp_size`, for one deployment spread over several nodes), its
+//! URLs on `config::rank_port` (the one place "rank r lives on port + r" is written); for a
+//! discovered engine one per rank of its last good answer (endpoint, replay and topic from the
+//! engine, recover port and model from the file). Owns how a spec and its key read in messages
+//! and in the `--check` table. It never opens a socket nor asks an engine: it only computes what
+//! the registry should be running, from the file and the answers it is given.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::config::{rank_port, Config, EngineConfig};
+use crate::config::{rank_port, Config, EngineConfig, Ranks};
+use crate::discover::{DiscoveredRank, Discovery};
 
 /// Identity of one listener: the worker (engine name, global dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -32,6 +37,11 @@ pub struct ListenerSpec {
     pub topic: String,
     /// Model served by the engine, for `/query` filtering.
     pub model: Option<String>,
+    /// The engine's id in the Dynamo API (`EngineConfig::instance_id`).
+    pub instance_id: u64,
+    /// Added through the Dynamo API's `POST /register`, not by the file: it survives a reload
+    /// and is gone after a restart.
+    pub registered_at_runtime: bool,
 }
 
 impl fmt::Display for WorkerKey {
@@ -51,35 +61,73 @@ impl ListenerSpec {
     }
 }
 
-/// One spec per rank of every engine, in config order then rank order.
+/// The last good answer of each discovered engine, by engine name: `plan`'s input beside the
+/// file.
+pub type Discoveries = BTreeMap<String, Discovery>;
+
+/// The plan the file alone gives: a discovered engine has no ranks until it has answered.
 pub fn expand(config: &Config) -> Vec<ListenerSpec> {
-    config.engines.iter().flat_map(expand_engine).collect()
+    expand_with(config, &Discoveries::new())
 }
 
-/// One spec per rank of `engine`: global rank `r` (from `dp_rank_start`) is on `port + r` for
-/// every socket kind.
-pub fn expand_engine(engine: &EngineConfig) -> Vec<ListenerSpec> {
+/// One spec per rank of every engine, in config order then rank order; a discovered engine's
+/// ranks are those of its entry in `discovered` (none without one).
+pub fn expand_with(config: &Config, discovered: &Discoveries) -> Vec<ListenerSpec> {
+    config
+        .engines
+        .iter()
+        .flat_map(|engine| expand_engine(engine, discovered.get(&engine.name)))
+        .collect()
+}
+
+/// One spec per rank of `engine`. Fixed: global rank `r` (from `dp_rank_start`) is on
+/// `port + r` for every socket kind. Discovered: the ranks of `discovery` (ignored for a fixed
+/// engine), each on the endpoints the engine reported.
+pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Vec<ListenerSpec> {
     // `rank_port` is wider than a port: a validated engine never passes 65535, and an
     // unvalidated one yields a URL that fails to connect rather than a panic.
     let host = url_host(&engine.host);
-    let first = engine.dp_rank_start;
-    (first..first.saturating_add(engine.dp_size))
-        .map(|rank| ListenerSpec {
-            key: WorkerKey {
-                engine: engine.name.clone(),
-                dp_rank: rank,
-            },
-            endpoint: format!("tcp://{host}:{}", rank_port(engine.zmq_port, rank)),
-            replay: engine
-                .replay_port
-                .map(|port| format!("tcp://{host}:{}", rank_port(port, rank))),
-            recover: engine
-                .recover_port
-                .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, rank))),
-            topic: engine.topic.clone(),
-            model: engine.model.clone(),
-        })
-        .collect()
+    let spec = |dp_rank: u32, endpoint: String, replay: Option<String>, topic: &str| ListenerSpec {
+        key: WorkerKey {
+            engine: engine.name.clone(),
+            dp_rank,
+        },
+        endpoint,
+        replay,
+        recover: engine
+            .recover_port
+            .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, dp_rank))),
+        topic: topic.to_string(),
+        model: engine.model.clone(),
+        instance_id: engine.instance_id,
+        registered_at_runtime: false,
+    };
+    match &engine.ranks {
+        Ranks::Fixed(fixed) => {
+            let first = fixed.dp_rank_start;
+            (first..first.saturating_add(fixed.dp_size))
+                .map(|rank| {
+                    let endpoint = format!("tcp://{host}:{}", rank_port(fixed.zmq_port, rank));
+                    let replay = fixed
+                        .replay_port
+                        .map(|port| format!("tcp://{host}:{}", rank_port(port, rank)));
+                    spec(rank, endpoint, replay, &engine.topic)
+                })
+                .collect()
+        }
+        Ranks::Discovered(_) => discovery
+            .map_or(&[][..], |discovery| &discovery.ranks)
+            .iter()
+            .map(|rank: &DiscoveredRank| {
+                spec(
+                    rank.dp_rank,
+                    rank.endpoint.clone(),
+                    rank.replay.clone(),
+                    &rank.topic,
+                )
+            })
+            .collect(),
+    }
 }
 
 /// The host as it goes into a URL: IPv6 literals in brackets.
@@ -99,13 +147,34 @@ fn url_host(host: &str) -> String {
 const MAX_COLUMN_WIDTH: usize = 80;
 
 /// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
-pub fn render_table(specs: &[ListenerSpec]) -> String {
-    const HEADER: [&str; 7] = [
-        "ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL",
+/// With `discovered` answers a last column, SOURCE, marks each row: the engine kind that
+/// reported the rank (its endpoint, replay and topic are the engine's) or `file`.
+pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String {
+    const HEADER: [&str; 9] = [
+        "ENGINE",
+        "RANK",
+        "ENDPOINT",
+        "REPLAY",
+        "RECOVER",
+        "TOPIC",
+        "INSTANCE_ID",
+        "MODEL",
+        "SOURCE",
     ];
-    let rows: Vec<[String; 7]> = specs
+    let columns = if discovered.is_empty() { 8 } else { 9 };
+    let rows: Vec<[String; 9]> = specs
         .iter()
         .map(|spec| {
+            let from_engine = |discovery: &&Discovery| {
+                let reported = |rank: &DiscoveredRank| {
+                    rank.dp_rank == spec.key.dp_rank && rank.endpoint == spec.endpoint
+                };
+                discovery.ranks.iter().any(reported)
+            };
+            let source = discovered
+                .get(&spec.key.engine)
+                .filter(from_engine)
+                .map_or("file", |discovery| discovery.kind.label());
             [
                 spec.key.engine.clone(),
                 spec.key.dp_rank.to_string(),
@@ -113,7 +182,9 @@ pub fn render_table(specs: &[ListenerSpec]) -> String {
                 spec.replay.clone().unwrap_or_else(|| "-".into()),
                 spec.recover.clone().unwrap_or_else(|| "-".into()),
                 format!("{:?}", spec.topic),
+                spec.instance_id.to_string(),
                 spec.model.clone().unwrap_or_else(|| "-".into()),
+                source.to_string(),
             ]
         })
         .collect();
@@ -129,6 +200,7 @@ pub fn render_table(specs: &[ListenerSpec]) -> String {
         let cells: Vec<String> = row
             .iter()
             .zip(widths)
+            .take(columns)
             .map(|(cell, width)| format!("{cell:<width$}"))
             .collect();
         table.push_str(cells.join("  ").trim_end());
@@ -140,24 +212,37 @@ pub fn render_table(specs: &[ListenerSpec]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{DiscoverConfig, FixedRanks};
+    use crate::discover::{EngineApi, EngineKind, FileLayout};
+
+    fn fixed(engine: &mut EngineConfig) -> &mut FixedRanks {
+        match &mut engine.ranks {
+            Ranks::Fixed(fixed) => fixed,
+            Ranks::Discovered(_) => panic!("{} is discovered", engine.name),
+        }
+    }
 
     fn engine(name: &str, host: &str, dp_size: u32) -> EngineConfig {
         EngineConfig {
             name: name.into(),
             host: host.into(),
-            zmq_port: 5557,
-            dp_rank_start: 0,
-            dp_size,
-            replay_port: None,
+            ranks: Ranks::Fixed(FixedRanks {
+                zmq_port: 5557,
+                dp_rank_start: 0,
+                dp_size,
+                replay_port: None,
+            }),
             recover_port: None,
             model: None,
             topic: String::new(),
+            instance_id: crate::config::derived_instance_id(name),
         }
     }
 
     fn config(engines: Vec<EngineConfig>) -> Config {
         Config {
             listen: "127.0.0.1:8090".into(),
+            dynamo_listen: None,
             block_size: 16,
             shards: 64,
             engines,
@@ -179,6 +264,8 @@ mod tests {
                 recover: None,
                 topic: String::new(),
                 model: None,
+                instance_id: crate::config::derived_instance_id("local"),
+                registered_at_runtime: false,
             }]
         );
     }
@@ -186,7 +273,7 @@ mod tests {
     #[test]
     fn dp_size_2_puts_rank_r_on_port_plus_r_for_every_socket() {
         let mut vllm = engine("vllm-a", "10.0.0.5", 2);
-        vllm.replay_port = Some(5600);
+        fixed(&mut vllm).replay_port = Some(5600);
         vllm.recover_port = Some(8200);
         vllm.model = Some("Qwen/Qwen3-8B".into());
         vllm.topic = "kv".into();
@@ -246,8 +333,8 @@ mod tests {
         // vLLM node B of `--data-parallel-size 4 --data-parallel-size-local 2
         // --data-parallel-start-rank 2`, kv-events endpoint 5557.
         let mut node_b = engine("llama-node-b", "10.0.0.6", 2);
-        node_b.dp_rank_start = 2;
-        node_b.replay_port = Some(5600);
+        fixed(&mut node_b).dp_rank_start = 2;
+        fixed(&mut node_b).replay_port = Some(5600);
         node_b.recover_port = Some(8200);
         let rows: Vec<_> = expand(&config(vec![node_b]))
             .into_iter()
@@ -270,8 +357,8 @@ mod tests {
     #[test]
     fn table_shows_the_global_rank() {
         let mut node_b = engine("llama-node-b", "10.0.0.6", 2);
-        node_b.dp_rank_start = 2;
-        let table = render_table(&expand(&config(vec![node_b])));
+        fixed(&mut node_b).dp_rank_start = 2;
+        let table = render_table(&expand(&config(vec![node_b])), &Discoveries::new());
         let rows: Vec<Vec<&str>> = table
             .lines()
             .skip(1)
@@ -289,7 +376,7 @@ mod tests {
     #[test]
     fn ipv6_hosts_get_brackets_in_every_url() {
         let mut v6 = engine("v6", "::1", 2);
-        v6.replay_port = Some(5600);
+        fixed(&mut v6).replay_port = Some(5600);
         v6.recover_port = Some(8200);
         let specs = expand(&config(vec![v6]));
         assert_eq!(specs[0].endpoint, "tcp://[::1]:5557");
@@ -305,7 +392,7 @@ mod tests {
     fn table_has_a_header_and_one_aligned_row_per_rank() {
         let mut vllm = engine("vllm-a", "10.0.0.5", 2);
         vllm.model = Some("m".into());
-        let table = render_table(&expand(&config(vec![vllm])));
+        let table = render_table(&expand(&config(vec![vllm])), &Discoveries::new());
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 3);
         assert!(lines[0].starts_with("ENGINE"));
@@ -317,15 +404,29 @@ mod tests {
     }
 
     #[test]
+    fn table_shows_each_engines_instance_id() {
+        let mut pinned = engine("pinned", "10.0.0.5", 1);
+        pinned.instance_id = 7;
+        let derived = engine("derived", "10.0.0.6", 1);
+        let table = render_table(&expand(&config(vec![pinned, derived])), &Discoveries::new());
+        let lines: Vec<&str> = table.lines().collect();
+        let column = lines[0].find("INSTANCE_ID").expect("an INSTANCE_ID column");
+        let id = |line: &str| line[column..].split_whitespace().next().map(str::to_owned);
+        assert_eq!(id(lines[1]), Some("7".to_owned()));
+        let derived_id = crate::config::derived_instance_id("derived").to_string();
+        assert_eq!(id(lines[2]), Some(derived_id));
+    }
+
+    #[test]
     fn a_value_longer_than_a_column_shifts_only_its_own_row() {
         let long_name = "n".repeat(100_000);
         let long_model = "m".repeat(100_000);
         let mut long = engine(&long_name, "10.0.0.9", 1);
         long.model = Some(long_model.clone());
-        let table = render_table(&expand(&config(vec![
-            engine("vllm-a", "10.0.0.5", 2),
-            long,
-        ])));
+        let table = render_table(
+            &expand(&config(vec![engine("vllm-a", "10.0.0.5", 2), long])),
+            &Discoveries::new(),
+        );
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 4);
         let column = |line: &str| line.find("tcp://");
@@ -335,5 +436,99 @@ mod tests {
         let long_row: Vec<&str> = lines[3].split_whitespace().take(3).collect();
         assert_eq!(long_row, [long_name.as_str(), "0", "tcp://10.0.0.9:5557"]);
         assert!(lines[3].ends_with(&format!("  {long_model}")));
+    }
+
+    fn discovered_engine(name: &str) -> EngineConfig {
+        EngineConfig {
+            ranks: Ranks::Discovered(DiscoverConfig {
+                api: EngineApi::new(name, "http://10.0.0.5:8000", None).expect("valid"),
+                interval_s: 30,
+                file: FileLayout::default(),
+            }),
+            recover_port: Some(8200),
+            model: Some("m".into()),
+            topic: "file-topic".into(),
+            ..engine(name, "10.0.0.5", 1)
+        }
+    }
+
+    fn answer(ranks: &[(u32, &str, Option<&str>)]) -> Discovery {
+        Discovery {
+            kind: EngineKind::Vllm,
+            url: "http://10.0.0.5:8000/kv_event_sources".into(),
+            ranks: ranks
+                .iter()
+                .map(|&(dp_rank, endpoint, replay)| DiscoveredRank {
+                    dp_rank,
+                    endpoint: endpoint.into(),
+                    replay: replay.map(String::from),
+                    topic: "kv".into(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_discovered_engine_has_no_ranks_until_it_answers_then_the_ranks_it_reported() {
+        let config = config(vec![discovered_engine("asked"), engine("fixed", "h", 1)]);
+        let offline: Vec<String> = expand(&config).iter().map(|s| s.key.to_string()).collect();
+        assert_eq!(offline, ["fixed/0"]);
+        let discovered = Discoveries::from([(
+            "asked".to_string(),
+            answer(&[
+                (0, "tcp://10.0.0.5:41234", Some("tcp://10.0.0.5:41300")),
+                (3, "tcp://10.0.0.9:5560", None),
+            ]),
+        )]);
+        let specs = expand_with(&config, &discovered);
+        assert_eq!(specs.len(), 3);
+        assert_eq!(
+            specs[1],
+            ListenerSpec {
+                key: WorkerKey {
+                    engine: "asked".into(),
+                    dp_rank: 3
+                },
+                endpoint: "tcp://10.0.0.9:5560".into(),
+                replay: None,
+                recover: Some("http://10.0.0.5:8203/kv_recover".into()),
+                topic: "kv".into(),
+                model: Some("m".into()),
+                instance_id: crate::config::derived_instance_id("asked"),
+                registered_at_runtime: false,
+            }
+        );
+        assert_eq!(specs[0].replay.as_deref(), Some("tcp://10.0.0.5:41300"));
+        assert_eq!(specs[2].key.to_string(), "fixed/0");
+    }
+
+    #[test]
+    fn an_answer_for_a_fixed_engine_is_ignored_and_the_table_marks_the_source() {
+        let config = config(vec![discovered_engine("asked"), engine("fixed", "h", 1)]);
+        let discovered = Discoveries::from([
+            (
+                "asked".to_string(),
+                answer(&[(0, "tcp://10.0.0.5:41234", None)]),
+            ),
+            (
+                "fixed".to_string(),
+                answer(&[(7, "tcp://elsewhere:1", None)]),
+            ),
+        ]);
+        let specs = expand_with(&config, &discovered);
+        let table = render_table(&specs, &discovered);
+        let sources: Vec<(&str, &str)> = table
+            .lines()
+            .map(|line| {
+                let cells: Vec<&str> = line.split_whitespace().collect();
+                (cells[0], cells[cells.len() - 1])
+            })
+            .collect();
+        assert_eq!(
+            sources,
+            [("ENGINE", "SOURCE"), ("asked", "vllm"), ("fixed", "file")],
+            "{table}"
+        );
+        assert_eq!(specs[1].endpoint, "tcp://h:5557", "{table}");
     }
 }

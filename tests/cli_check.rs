@@ -46,7 +46,7 @@ fn the_shipped_file_checks_clean_and_subscribes_to_the_vllm_default_endpoint() {
 #[test]
 fn every_rank_gets_a_row_on_port_plus_rank() {
     let (_dir, path) = temp_config(
-        "[[engine]]\nname = \"vllm-a\"\nhost = \"10.0.0.5\"\nzmq_port = 5557\ndp_size = 2\nreplay_port = 5600\nmodel = \"m\"\n",
+        "[[engine]]\nname = \"vllm-a\"\nhost = \"10.0.0.5\"\nzmq_port = 5557\ndp_size = 2\nreplay_port = 5600\nmodel = \"m\"\ninstance_id = 7\n",
     );
     let output = check(&path, &["--listen", "0.0.0.0:9000"]);
     let stdout = text(&output.stdout);
@@ -66,6 +66,7 @@ fn every_rank_gets_a_row_on_port_plus_rank() {
                 "tcp://10.0.0.5:5600",
                 "-",
                 "\"\"",
+                "7",
                 "m"
             ],
             vec![
@@ -75,6 +76,7 @@ fn every_rank_gets_a_row_on_port_plus_rank() {
                 "tcp://10.0.0.5:5601",
                 "-",
                 "\"\"",
+                "7",
                 "m"
             ],
         ],
@@ -202,8 +204,8 @@ fn a_100000_character_name_and_model_are_listed_whole_without_padding_the_other_
     };
     let long_row: Vec<&str> = row(&long).split_whitespace().collect();
     let widths: Vec<usize> = long_row.iter().map(|cell| cell.len()).collect();
-    assert_eq!(widths.len(), 7, "cell widths {widths:?}");
-    assert_eq!(long_row[6], long);
+    assert_eq!(widths.len(), 8, "cell widths {widths:?}");
+    assert_eq!(long_row[7], long);
     // Padding the other rows to a 100,000-character column would make each that long.
     assert!(row("short").len() < 1000, "{}", row("short").len());
     assert!(stdout.contains("2 engines, 2 listeners"), "{stdout:.300}");
@@ -249,4 +251,106 @@ fn an_engine_with_an_unknown_key_or_no_host_still_has_its_port_ranges_checked() 
     }
     assert_eq!(problems.len(), 5, "{stderr}");
     assert!(stderr.contains("5 problems found"), "{stderr}");
+}
+
+/// A simulated vLLM with `dp_size` ranks on OS-picked ports and its API server.
+fn discoverable_engine(dp_size: u32) -> kv_indexer::sim::server::SimEngine {
+    kv_indexer::sim::server::SimEngine::start(kv_indexer::sim::server::SimConfig {
+        dp_size,
+        recover_port: None,
+        api_port: Some(0),
+        ..Default::default()
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"))
+}
+
+#[test]
+fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
+    let engine = discoverable_engine(2);
+    let api = engine.api_port().expect("API port");
+    let (_dir, path) = temp_config(&format!(
+        "[[engine]]\nname = \"asked\"\ndiscover = \"http://127.0.0.1:{api}\"\ndp_size = 1\n\
+         [[engine]]\nname = \"fixed\"\nhost = \"10.0.0.5\"\n"
+    ));
+    let offline = check(&path, &[]);
+    let stdout = text(&offline.stdout);
+    assert!(offline.status.success(), "{offline:?}");
+    assert!(
+        !stdout.contains("asked"),
+        "no ranks without asking: {stdout}"
+    );
+    assert!(!stdout.contains("SOURCE"), "{stdout}");
+
+    let asked = check(&path, &["--discover"]);
+    let (stdout, stderr) = (text(&asked.stdout), text(&asked.stderr));
+    assert!(asked.status.success(), "{stdout}{stderr}");
+    let header: Vec<&str> = stdout
+        .lines()
+        .find(|line| line.starts_with("ENGINE"))
+        .map(|line| line.split_whitespace().collect())
+        .unwrap_or_default();
+    let columns = [
+        "ENGINE",
+        "RANK",
+        "ENDPOINT",
+        "REPLAY",
+        "RECOVER",
+        "TOPIC",
+        "INSTANCE_ID",
+        "MODEL",
+        "SOURCE",
+    ];
+    assert_eq!(header, columns, "{stdout}");
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .skip(1)
+        .filter(|line| line.starts_with("asked") || line.starts_with("fixed"))
+        .map(|line| line.split_whitespace().collect())
+        .collect();
+    let ports = engine.ports();
+    let expected = |rank: usize| {
+        vec![
+            "asked".to_string(),
+            rank.to_string(),
+            format!("tcp://127.0.0.1:{}", ports[rank].publish),
+            format!("tcp://127.0.0.1:{}", ports[rank].replay.expect("replay")),
+            kv_indexer::config::derived_instance_id("asked").to_string(),
+            "vllm".to_string(),
+        ]
+    };
+    let picked = |row: &Vec<&str>| -> Vec<String> {
+        [0, 1, 2, 3, 6, row.len() - 1]
+            .iter()
+            .map(|&i| row[i].to_string())
+            .collect()
+    };
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert_eq!(picked(&rows[0]), expected(0), "{stdout}");
+    assert_eq!(picked(&rows[1]), expected(1), "{stdout}");
+    assert_eq!(rows[2].last(), Some(&"file"), "{stdout}");
+    assert!(
+        stderr.contains("engine asked: dp_size = 1 in the file, the engine runs 2 ranks (0, 1)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_discover_fails_naming_the_engine_that_cannot_be_asked() {
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("address").port()
+    };
+    let (_dir, path) = temp_config(&format!(
+        "[[engine]]\nname = \"down\"\ndiscover = \"http://127.0.0.1:{closed}\"\n"
+    ));
+    let output = check(&path, &["--discover"]);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "engine down: http://127.0.0.1:{closed}/kv_event_sources"
+        )),
+        "{stderr}"
+    );
+    assert!(stderr.contains("1 engine could not be asked"), "{stderr}");
 }

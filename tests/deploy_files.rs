@@ -265,8 +265,10 @@ fn deploy_tomls_pass_config_validation() {
         let (_, engine) = only_engine(file);
         assert_eq!(config.engines.len(), 1, "{file}");
         assert_eq!(
-            i64::from(config.engines[0].dp_size),
-            int(&engine, "dp_size", file)
+            config.engines[0]
+                .fixed()
+                .map(|fixed| i64::from(fixed.dp_size)),
+            Some(int(&engine, "dp_size", file))
         );
     }
 }

@@ -40,6 +40,7 @@ fn rendered_families() -> BTreeSet<String> {
     let rank = metrics.rank("engine", 0);
     rank.gap();
     metrics.http_error(404);
+    metrics.engine("engine");
     let text = metrics.render();
     text.lines()
         .filter_map(|line| match LineInfo::parse(line) {

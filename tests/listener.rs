@@ -133,6 +133,8 @@ impl Fixture {
             recover: recover.map(str::to_owned),
             topic: String::new(),
             model: None,
+            instance_id: 0,
+            registered_at_runtime: false,
         };
         let listener =
             Listener::start(spec, &self.context, &self.index, &self.metrics).expect("start");
@@ -536,6 +538,8 @@ fn start_fails_cleanly_on_a_malformed_endpoint() {
         recover: None,
         topic: String::new(),
         model: None,
+        instance_id: 0,
+        registered_at_runtime: false,
     };
     let error = Listener::start(spec, &fixture.context, &fixture.index, &fixture.metrics)
         .err()

@@ -39,6 +39,8 @@ fn spec(engine: &str, dp_rank: u32, endpoint: String) -> ListenerSpec {
         recover: None,
         topic: String::new(),
         model: None,
+        instance_id: 0,
+        registered_at_runtime: false,
     }
 }
 

@@ -326,7 +326,7 @@ mod end_to_end {
     use kv_indexer::sim::workload::Route;
     use serde_json::Value;
 
-    use super::support::{settle, start_indexer, trace_prompts, warm_up};
+    use super::support::{free_port, settle, start_indexer, trace_prompts, warm_up};
 
     const REQUESTS: usize = 200;
     const DEADLINE: Duration = Duration::from_secs(20);
@@ -358,8 +358,9 @@ mod end_to_end {
 
     /// Simulated vLLM ranks with small GPU caches that offload every evicted block to a CPU tier
     /// (itself evicting), announced as vLLM's offloading connector does, through ZMQ to the real
-    /// binary; every prompt's `tiers` on `/query` equal each rank's ground truth per tier, and
-    /// `/workers` shows each tier's blocks.
+    /// binary; every prompt's `tiers` on `/query` equal each rank's ground truth per tier, the
+    /// Dynamo API's `gpu`/`cpu`/`disk`/`dp` are the same in tokens, and `/workers` shows each
+    /// tier's blocks.
     #[test]
     fn the_binary_scores_every_tier_as_the_offloading_engine_holds_it() {
         let _ = env_logger::builder().is_test(true).try_init();
@@ -373,7 +374,9 @@ mod end_to_end {
             ..SimConfig::default()
         })
         .expect("fleet");
-        let process = start_indexer(&fleet.indexer_config());
+        let dynamo = format!("127.0.0.1:{}", free_port());
+        let toml = format!("dynamo_listen = \"{dynamo}\"\n{}", fleet.indexer_config());
+        let process = start_indexer(&toml);
         let mut indexer = OverHttp::new(process.address);
         warm_up(&fleet, &mut indexer, DEADLINE);
         let mut router = fleet.router(Route::RoundRobin);
@@ -386,6 +389,14 @@ mod end_to_end {
             .build()
             .into();
         let base = format!("http://{}", process.address);
+        let workers = json(
+            agent
+                .get(&format!("{base}/workers"))
+                .call()
+                .expect("/workers answers"),
+        );
+        let instance_id = workers[0]["instance_id"].to_string();
+        let block = u64::from(BLOCK_SIZE);
         let (mut pairs, mut from_cpu) = (0, 0);
         for prompt in &prompts {
             let body = serde_json::json!({ "token_ids": prompt }).to_string();
@@ -396,6 +407,15 @@ mod end_to_end {
                     .expect("/query answers"),
             );
             let listed = tiers_of(&reply);
+            let body = serde_json::json!({ "token_ids": prompt, "model_name": "any" }).to_string();
+            let dynamo = json(
+                agent
+                    .post(&format!("http://{dynamo}/query"))
+                    .send(&body)
+                    .expect("the Dynamo /query answers"),
+            );
+            let instance = &dynamo["instances"][&instance_id];
+            let mut most = [0u64; 3];
             for at in fleet.ranks() {
                 let truth = fleet
                     .engine(at)
@@ -404,8 +424,28 @@ mod end_to_end {
                 let key = (Fleet::name(at.engine), at.rank);
                 let shown = listed.get(&key).copied().unwrap_or([0; 3]);
                 assert_eq!(shown, truth, "rank {key:?}");
+                for (most, tier) in most.iter_mut().zip(truth) {
+                    *most = (*most).max(u64::from(tier) * block);
+                }
+                let loadable = instance["dp"][at.rank.to_string()].as_u64();
+                let gpu_score = dynamo["scores"][&instance_id][at.rank.to_string()].as_u64();
+                if truth[2] > 0 {
+                    assert_eq!(loadable, Some(u64::from(truth[2]) * block), "{dynamo}");
+                } else {
+                    assert_eq!(loadable, None, "{dynamo}");
+                }
+                let expected_score = (truth[0] > 0).then(|| u64::from(truth[0]) * block);
+                assert_eq!(gpu_score, expected_score, "{dynamo}");
                 pairs += 1;
                 from_cpu += u32::from(truth[1] > truth[0]);
+            }
+            if most[2] > 0 {
+                let field = |name: &str| instance[name].as_u64().expect("a tier");
+                let shown = [field("gpu"), field("cpu"), field("disk")];
+                assert_eq!(shown, most, "{dynamo}");
+                assert_eq!(field("longest_matched"), most[2]);
+            } else {
+                assert!(instance.is_null(), "{dynamo}");
             }
         }
         assert_eq!(pairs, REQUESTS * 2);

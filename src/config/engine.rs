@@ -1,7 +1,8 @@
 //! `[defaults]` and `[[engine]]`: the per-engine rules, each a named check.
 //!
-//! Owns what makes one engine valid (a unique non-empty name, a host, ranks below 1024, port
-//! ranges below 65536) and how `[defaults]` fills what an engine leaves out. It reports every
+//! Owns what makes one engine valid (a unique non-empty name, a host or a `discover` URL, ranks
+//! below 1024, port ranges below 65536) and how `[defaults]` fills what an engine leaves out
+//! (`discovered` says which keys a discovered engine takes from where). It reports every
 //! problem of every engine and goes on to the next; it never decides where a rank's ports are
 //! (`ports` does) and never compares two engines' ports (`ports::check_port_overlaps`).
 
@@ -13,9 +14,14 @@ use toml::de::{DeArray, DeValue};
 use toml::Spanned;
 
 use super::diagnostics::Problems;
+use super::discovered::{self, check_discover_url};
+use super::instance::{check_unique_instance, derived_instance_id};
 use super::keys::{as_table, read_table, Checked, Int, SectionChecker};
 use super::ports::{check_port_ranges, Placed, PortRange, RankRange, SocketKind};
-use super::{EngineConfig, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT, MAX_DP_SIZE};
+use super::{
+    EngineConfig, FixedRanks, Ranks, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT,
+    MAX_DISCOVER_INTERVAL_S, MAX_DP_SIZE,
+};
 
 /// One `[[engine]]` or `[defaults]` table as written.
 #[derive(Deserialize)]
@@ -30,20 +36,26 @@ struct RawEngine {
     recover_port: Option<Spanned<Int>>,
     model: Option<Spanned<String>>,
     topic: Option<Spanned<String>>,
+    discover: Option<Spanned<String>>,
+    discover_interval_s: Option<Spanned<Int>>,
+    instance_id: Option<Spanned<Int>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
 #[derive(Clone, Debug, Default)]
 pub(super) struct EngineFields {
-    name: Checked<String>,
-    host: Checked<String>,
-    zmq_port: Checked<u16>,
-    dp_rank_start: Checked<u32>,
-    dp_size: Checked<u32>,
-    replay_port: Checked<u16>,
-    recover_port: Checked<u16>,
-    model: Checked<String>,
-    topic: Checked<String>,
+    pub(super) name: Checked<String>,
+    pub(super) host: Checked<String>,
+    pub(super) zmq_port: Checked<u16>,
+    pub(super) dp_rank_start: Checked<u32>,
+    pub(super) dp_size: Checked<u32>,
+    pub(super) replay_port: Checked<u16>,
+    pub(super) recover_port: Checked<u16>,
+    pub(super) model: Checked<String>,
+    pub(super) topic: Checked<String>,
+    pub(super) discover: Checked<String>,
+    pub(super) discover_interval_s: Checked<u32>,
+    pub(super) instance_id: Checked<u64>,
 }
 
 impl EngineFields {
@@ -92,22 +104,56 @@ impl EngineFields {
             recover_port: checker.port("recover_port", raw.recover_port),
             model: checker.text("model", raw.model, |_| None),
             topic: checker.text("topic", raw.topic, |_| None),
+            discover: checker.text("discover", raw.discover, check_discover_url),
+            discover_interval_s: checker.int(
+                "discover_interval_s",
+                raw.discover_interval_s,
+                &format!("1..={MAX_DISCOVER_INTERVAL_S} (seconds)"),
+                |n| {
+                    u32::try_from(n)
+                        .ok()
+                        .filter(|s| (1..=MAX_DISCOVER_INTERVAL_S).contains(s))
+                },
+            ),
+            // TOML integers are i64: ids above 2^63 - 1 cannot be written.
+            instance_id: checker.int(
+                "instance_id",
+                raw.instance_id,
+                "an integer 0..=9223372036854775807",
+                |n| u64::try_from(n).ok(),
+            ),
         }
     }
 
-    /// These fields where set, else the `[defaults]` ones.
+    /// These fields where set, else the `[defaults]` ones; a discovered engine takes no rank
+    /// key from `[defaults]` (see `discovered`).
     fn or(&self, defaults: &EngineFields) -> EngineFields {
+        let none = EngineFields::default();
+        let rank_defaults = if self.is_discovered() {
+            &none
+        } else {
+            defaults
+        };
         EngineFields {
             name: self.name.clone(),
             host: self.host.clone(),
-            zmq_port: self.zmq_port.or(&defaults.zmq_port),
-            dp_rank_start: self.dp_rank_start.or(&defaults.dp_rank_start),
-            dp_size: self.dp_size.or(&defaults.dp_size),
-            replay_port: self.replay_port.or(&defaults.replay_port),
+            zmq_port: self.zmq_port.or(&rank_defaults.zmq_port),
+            dp_rank_start: self.dp_rank_start.or(&rank_defaults.dp_rank_start),
+            dp_size: self.dp_size.or(&rank_defaults.dp_size),
+            replay_port: self.replay_port.or(&rank_defaults.replay_port),
             recover_port: self.recover_port.or(&defaults.recover_port),
             model: self.model.or(&defaults.model),
             topic: self.topic.or(&defaults.topic),
+            discover: self.discover.clone(),
+            discover_interval_s: self.discover_interval_s.or(&defaults.discover_interval_s),
+            instance_id: self.instance_id.clone(),
         }
+    }
+
+    /// Whether the engine's ranks come from `discover` (also when its URL was rejected, so
+    /// that a bad URL does not add a "missing `host`" of its own).
+    pub(super) fn is_discovered(&self) -> bool {
+        !matches!(self.discover, Checked::Absent)
     }
 }
 
@@ -121,15 +167,23 @@ pub(super) fn check_defaults(
     else {
         return EngineFields::default();
     };
-    for (key, present) in [("name", &raw.name), ("host", &raw.host)] {
-        if let Some(present) = present {
+    let own_keys = [
+        ("name", raw.name.as_ref().map(Spanned::span)),
+        ("host", raw.host.as_ref().map(Spanned::span)),
+        ("discover", raw.discover.as_ref().map(Spanned::span)),
+        ("instance_id", raw.instance_id.as_ref().map(Spanned::span)),
+    ];
+    for (key, span) in own_keys {
+        if let Some(span) = span {
             let why = format!("`{key}` is not allowed here: each [[engine]] sets its own");
-            problems.add(Some(present.span()), section, why);
+            problems.add(Some(span), section, why);
         }
     }
     let mut fields = EngineFields::check(raw, &dropped, section, problems);
     fields.name = Checked::Absent;
     fields.host = Checked::Absent;
+    fields.discover = Checked::Absent;
+    fields.instance_id = Checked::Absent;
     fields
 }
 
@@ -163,6 +217,7 @@ pub(super) fn check_engines(
         return engines;
     };
     let mut first_line_of_name: HashMap<String, usize> = HashMap::new();
+    let mut first_line_of_instance: HashMap<u64, usize> = HashMap::new();
     for (position, value) in tables.iter().enumerate() {
         let at = EngineAt {
             position,
@@ -176,7 +231,10 @@ pub(super) fn check_engines(
         };
         check_required_keys(&raw, &dropped, &at, problems);
         check_unique_name(raw.name.as_ref(), &mut first_line_of_name, &at, problems);
-        let fields = EngineFields::check(raw, &dropped, &at.label, problems).or(defaults);
+        let interval_span = raw.discover_interval_s.as_ref().map(Spanned::span);
+        let own = EngineFields::check(raw, &dropped, &at.label, problems);
+        discovered::check_interval_needs_discover(&own, interval_span, &at.label, problems);
+        let fields = own.or(defaults);
         // Every check below runs whatever the others found: a missing host or too many ranks
         // must not hide a port range past 65535 (#13: one edit per round, not one per problem).
         let Some(ranks) = check_ranks(&fields, &at, problems) else {
@@ -184,13 +242,18 @@ pub(super) fn check_engines(
         };
         let (fitting, all_fit) =
             check_port_ranges(port_bases(&fields), ranks, &at.label, &at.span, problems);
-        if let Checked::Valid(host) = &fields.host {
+        if let Some(host) = discovered::node_host(&fields) {
             engines
                 .placed
-                .extend(fitting.into_iter().map(|range| placed(host, &at, range)));
+                .extend(fitting.into_iter().map(|range| placed(&host, &at, range)));
         }
         if all_fit && ranks.below_max() {
-            engines.valid.extend(engine_config(fields, ranks));
+            let engine = engine_config(fields, ranks);
+            if let Some(engine) = &engine {
+                let (label, span) = (&at.label, at.span.clone());
+                check_unique_instance(engine, &mut first_line_of_instance, label, span, problems);
+            }
+            engines.valid.extend(engine);
         }
     }
     engines
@@ -228,14 +291,17 @@ fn engine_label(value: &Spanned<DeValue<'_>>, position: usize) -> String {
     }
 }
 
-/// `name` and `host` have no default; one that was written but dropped is already reported.
+/// `name` and `host` have no default (`host` defaults to the `discover` URL's host); one that
+/// was written but dropped is already reported.
 fn check_required_keys(
     raw: &RawEngine,
     dropped: &[String],
     at: &EngineAt,
     problems: &mut Problems<'_>,
 ) {
-    for (key, present) in [("name", raw.name.is_some()), ("host", raw.host.is_some())] {
+    let has_discover = raw.discover.is_some() || dropped.iter().any(|key| key == "discover");
+    let host_present = raw.host.is_some() || has_discover;
+    for (key, present) in [("name", raw.name.is_some()), ("host", host_present)] {
         if !present && !dropped.iter().any(|dropped| dropped == key) {
             problems.add(Some(at.span.clone()), &at.label, format!("missing `{key}`"));
         }
@@ -290,13 +356,15 @@ fn check_ranks(
     Some(ranks)
 }
 
-/// Rank 0's port of each socket the engine has; a rejected port is left out (already reported).
+/// Rank 0's port of each socket the engine has; a rejected port is left out (already reported),
+/// and so is a port a discovered engine's file does not name (the engine has it).
 fn port_bases(fields: &EngineFields) -> [(SocketKind, Option<u16>); 3] {
+    let zmq_port = match fields.is_discovered() {
+        true => fields.zmq_port.clone().optional().flatten(),
+        false => fields.zmq_port.clone().or_default_to(DEFAULT_ZMQ_PORT),
+    };
     [
-        (
-            SocketKind::Zmq,
-            fields.zmq_port.clone().or_default_to(DEFAULT_ZMQ_PORT),
-        ),
+        (SocketKind::Zmq, zmq_port),
         (
             SocketKind::Replay,
             fields.replay_port.clone().optional().flatten(),
@@ -321,13 +389,26 @@ fn placed(host: &str, at: &EngineAt, range: PortRange) -> Placed {
 
 /// The engine with defaults applied, when every key of it is valid.
 fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig> {
+    let host = discovered::node_host(&fields)?;
+    let source = match fields.is_discovered() {
+        true => Ranks::Discovered(discovered::discover_config(&fields)?),
+        false => Ranks::Fixed(FixedRanks {
+            zmq_port: fields.zmq_port.or_default_to(DEFAULT_ZMQ_PORT)?,
+            dp_rank_start: ranks.start,
+            dp_size: ranks.size,
+            replay_port: fields.replay_port.optional()?,
+        }),
+    };
+    let name: String = fields.name.optional()??;
+    let instance_id = fields
+        .instance_id
+        .optional()?
+        .unwrap_or_else(|| derived_instance_id(&name));
     Some(EngineConfig {
-        name: fields.name.optional()??,
-        host: fields.host.optional()??,
-        zmq_port: fields.zmq_port.or_default_to(DEFAULT_ZMQ_PORT)?,
-        dp_rank_start: ranks.start,
-        dp_size: ranks.size,
-        replay_port: fields.replay_port.optional()?,
+        instance_id,
+        name,
+        host,
+        ranks: source,
         recover_port: fields.recover_port.optional()?,
         model: fields.model.optional()?,
         topic: fields.topic.or_default_to(String::new())?,
@@ -335,246 +416,4 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
 }
 
 #[cfg(test)]
-mod tests {
-    use crate::config::test_support::{find, problems, ENGINE_A};
-    use crate::config::Config;
-
-    #[test]
-    fn missing_empty_and_duplicate_names_and_hosts() {
-        let text = r#"
-[[engine]]
-host = "h"
-[[engine]]
-name = ""
-host = "h2"
-[[engine]]
-name = "twice"
-[[engine]]
-name = "twice"
-host = " "
-zmq_port = 6000
-[[engine]]
-name = "bracketed"
-host = "[::1]"
-"#;
-        let found = problems(text);
-        find(&found, &["indexer.toml:2:", "engine #1", "missing `name`"]);
-        find(&found, &["indexer.toml:5:", "engine #2", "`name` is empty"]);
-        find(
-            &found,
-            &["indexer.toml:7:", "engine \"twice\"", "missing `host`"],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:10:",
-                "engine \"twice\"",
-                "duplicate `name`",
-                "line 8",
-            ],
-        );
-        find(
-            &found,
-            &["indexer.toml:11:", "engine \"twice\"", "`host` is empty"],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:15:",
-                "engine \"bracketed\"",
-                "`host`",
-                "without brackets",
-            ],
-        );
-        assert_eq!(found.len(), 6, "{found:#?}");
-    }
-
-    #[test]
-    fn a_rejected_default_is_reported_once_not_per_engine() {
-        let text = "[defaults]\ndp_size = 0\n[[engine]]\nname = \"a\"\nhost = \"h\"\n[[engine]]\nname = \"b\"\nhost = \"h\"\n";
-        assert_eq!(problems(text).len(), 1);
-    }
-
-    #[test]
-    fn dp_rank_start_comes_from_the_engine_else_defaults_else_0() {
-        let text = r#"
-[defaults]
-dp_rank_start = 4
-[[engine]]
-name = "inherits"
-host = "h1"
-[[engine]]
-name = "node-b"
-host = "h2"
-dp_rank_start = 2
-dp_size = 2
-"#;
-        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
-        let starts: Vec<(u32, u32)> = config
-            .engines
-            .iter()
-            .map(|engine| (engine.dp_rank_start, engine.dp_size))
-            .collect();
-        assert_eq!(starts, vec![(4, 1), (2, 2)]);
-        let plain = Config::parse(ENGINE_A, "f").unwrap_or_else(|err| panic!("{err}"));
-        assert_eq!(plain.engines[0].dp_rank_start, 0);
-    }
-
-    #[test]
-    fn dp_rank_start_and_the_last_global_rank_stay_below_1024() {
-        let text = r#"
-[defaults]
-dp_rank_start = -1
-[[engine]]
-name = "a"
-host = "h"
-dp_rank_start = 1024
-[[engine]]
-name = "b"
-host = "h2"
-dp_rank_start = 1000
-dp_size = 25
-[[engine]]
-name = "c"
-host = "h3"
-dp_rank_start = 1000
-dp_size = 24
-[[engine]]
-name = "d"
-host = "h4"
-dp_rank_start = "2"
-"#;
-        let found = problems(text);
-        find(
-            &found,
-            &[
-                "indexer.toml:3:",
-                "[defaults]",
-                "`dp_rank_start`",
-                "0..=1023, found -1",
-            ],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:7:",
-                "engine \"a\"",
-                "`dp_rank_start`",
-                "found 1024",
-            ],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:8:",
-                "engine \"b\"",
-                "global ranks 1000..1024 run past 1023",
-                "`dp_rank_start` 1000 + `dp_size` 25",
-            ],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:21:",
-                "engine \"d\"",
-                "`dp_rank_start`",
-                "expected an integer",
-            ],
-        );
-        assert_eq!(found.len(), 4, "{found:#?}");
-    }
-
-    #[test]
-    fn a_rejected_or_missing_host_or_too_many_ranks_do_not_hide_the_port_ranges() {
-        let text = r#"
-[[engine]]
-name = "empty-host"
-host = ""
-zmq_port = 65535
-dp_size = 4
-[[engine]]
-name = "no-host"
-zmq_port = 65534
-dp_size = 3
-[[engine]]
-name = "past-1023"
-host = "h"
-zmq_port = 65535
-dp_rank_start = 1000
-dp_size = 30
-"#;
-        let found = problems(text);
-        find(
-            &found,
-            &[
-                "indexer.toml:4:",
-                "engine \"empty-host\"",
-                "`host` is empty",
-            ],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:2:",
-                "engine \"empty-host\"",
-                "zmq ports 65535..65538 run past 65535",
-            ],
-        );
-        find(
-            &found,
-            &["indexer.toml:7:", "engine \"no-host\"", "missing `host`"],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:7:",
-                "engine \"no-host\"",
-                "zmq ports 65534..65536 run past 65535",
-            ],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:11:",
-                "engine \"past-1023\"",
-                "global ranks 1000..1029 run past 1023",
-            ],
-        );
-        find(
-            &found,
-            &[
-                "indexer.toml:11:",
-                "engine \"past-1023\"",
-                "zmq ports 66535..66564 run past 65535",
-            ],
-        );
-        assert_eq!(found.len(), 6, "{found:#?}");
-    }
-
-    #[test]
-    fn the_ports_of_an_engine_past_rank_1023_still_collide_with_its_neighbours() {
-        let text = r#"
-[[engine]]
-name = "past-1023"
-host = "h"
-zmq_port = 5000
-dp_rank_start = 1000
-dp_size = 30
-[[engine]]
-name = "neighbour"
-host = "h"
-zmq_port = 6010
-"#;
-        let found = problems(text);
-        find(&found, &["engine \"past-1023\"", "global ranks 1000..1029"]);
-        find(
-            &found,
-            &[
-                "indexer.toml:8:",
-                "engine \"neighbour\"",
-                "zmq ports 6010..6010 overlap zmq ports of engine \"past-1023\" (6000..6029)",
-            ],
-        );
-        assert_eq!(found.len(), 2, "{found:#?}");
-    }
-}
+mod tests;

@@ -8,10 +8,14 @@
 //! - `diagnostics`: the `FILE:LINE: section: problem` list;
 //! - `keys`: reading one section's keys, each bad key reported and dropped;
 //! - `engine`: `[defaults]` and the per-engine rules;
+//! - `discovered`: the keys of an engine whose ranks come from its own HTTP server;
+//! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide.
 
 mod diagnostics;
+mod discovered;
 mod engine;
+mod instance;
 mod keys;
 mod ports;
 
@@ -24,9 +28,12 @@ use serde::Deserialize;
 use toml::de::DeTable;
 use toml::Spanned;
 
+pub use crate::discover::MAX_DP_SIZE;
+use crate::discover::{EngineApi, FileLayout};
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
-use keys::{read_table, Int, SectionChecker};
+pub use instance::derived_instance_id;
+use keys::{read_table, Checked, Int, SectionChecker};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
 
@@ -35,6 +42,9 @@ pub use ports::rank_port;
 pub struct Config {
     /// HTTP API address, `IP:port` or `hostname:port`.
     pub listen: String,
+    /// Where the Dynamo / Mooncake indexer API is served (docs.md, "Dynamo / Mooncake indexer
+    /// API"); not served when absent.
+    pub dynamo_listen: Option<String>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// Lock shards of the index (a power of two).
@@ -47,7 +57,32 @@ pub struct Config {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
     pub name: String,
+    /// The engine's node: where fixed ranks publish, and what replaces a wildcard host in the
+    /// endpoints a discovered engine reports (the `discover` URL's host unless written).
     pub host: String,
+    /// Where the ranks come from: the file, or the engine itself.
+    pub ranks: Ranks,
+    pub recover_port: Option<u16>,
+    pub model: Option<String>,
+    /// The subscription prefix of fixed ranks (a discovered rank has its own).
+    pub topic: String,
+    /// The engine's id in the Dynamo API: `instance_id` as written, else
+    /// `derived_instance_id(name)`.
+    pub instance_id: u64,
+}
+
+/// Where an engine's ranks come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ranks {
+    /// Written in the file: rank r on `zmq_port + r`.
+    Fixed(FixedRanks),
+    /// Asked of the engine's HTTP server (`discover`).
+    Discovered(DiscoverConfig),
+}
+
+/// Ranks written in the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FixedRanks {
     /// Rank 0's port, the base the engine was given; rank r publishes on `zmq_port + r`.
     pub zmq_port: u16,
     /// The first global data-parallel rank this engine runs (vLLM's
@@ -56,9 +91,37 @@ pub struct EngineConfig {
     pub dp_rank_start: u32,
     pub dp_size: u32,
     pub replay_port: Option<u16>,
-    pub recover_port: Option<u16>,
-    pub model: Option<String>,
-    pub topic: String,
+}
+
+/// An engine whose ranks come from its HTTP server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiscoverConfig {
+    /// The engine's HTTP server (`discover`, checked by `discover::BaseUrl::parse`) and the
+    /// host that replaces a wildcard in its endpoints (the engine's `host`).
+    pub api: EngineApi,
+    /// Seconds between two questions while the engine answers.
+    pub interval_s: u32,
+    /// The rank keys the engine's own table wrote: compared with the engine's answer, never
+    /// used to place a rank (the engine wins).
+    pub file: FileLayout,
+}
+
+impl EngineConfig {
+    /// The fixed ranks, when the file places them.
+    pub fn fixed(&self) -> Option<&FixedRanks> {
+        match &self.ranks {
+            Ranks::Fixed(fixed) => Some(fixed),
+            Ranks::Discovered(_) => None,
+        }
+    }
+
+    /// The `discover` settings, when the engine is asked for its ranks.
+    pub fn discover(&self) -> Option<&DiscoverConfig> {
+        match &self.ranks {
+            Ranks::Fixed(_) => None,
+            Ranks::Discovered(discover) => Some(discover),
+        }
+    }
 }
 
 /// Every problem found in a configuration file; each names the file, the engine and the key.
@@ -73,8 +136,12 @@ pub const DEFAULT_SHARDS: usize = 64;
 pub const DEFAULT_ZMQ_PORT: u16 = 5557;
 pub const DEFAULT_DP_SIZE: u32 = 1;
 pub const DEFAULT_DP_RANK_START: u32 = 0;
-/// Global data-parallel ranks are below this: it bounds `dp_size` and `dp_rank_start + dp_size`.
-pub const MAX_DP_SIZE: u32 = 1024;
+/// Seconds between two discoveries of an engine: its ranks change only when an operator scales
+/// it, and each question costs the engine's API server one small JSON answer.
+pub const DEFAULT_DISCOVER_INTERVAL_S: u32 = 30;
+/// A day: a longer interval would leave a scaled engine unindexed for longer than any operator
+/// would wait before asking why.
+pub const MAX_DISCOVER_INTERVAL_S: u32 = 86_400;
 /// More shards than this buys no concurrency on any real machine and costs memory.
 pub const MAX_SHARDS: usize = 1 << 16;
 
@@ -111,6 +178,7 @@ impl Config {
         match top {
             Some(top) if problems.is_empty() => Ok(Config {
                 listen: top.listen,
+                dynamo_listen: top.dynamo_listen,
                 block_size: top.block_size,
                 shards: top.shards,
                 engines: engines.valid,
@@ -161,6 +229,7 @@ impl std::error::Error for ConfigError {}
 #[serde(deny_unknown_fields)]
 struct RawTop {
     listen: Option<Spanned<String>>,
+    dynamo_listen: Option<Spanned<String>>,
     block_size: Option<Spanned<Int>>,
     shards: Option<Spanned<Int>>,
     #[serde(rename = "defaults")]
@@ -171,6 +240,7 @@ struct RawTop {
 
 struct Top {
     listen: String,
+    dynamo_listen: Option<String>,
     block_size: u32,
     shards: usize,
 }
@@ -187,6 +257,19 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
             .err()
             .map(|why| format!("is invalid: {why}"))
     });
+    let listen_in_effect = match &listen {
+        Checked::Valid(listen) => listen.clone(),
+        _ => DEFAULT_LISTEN.to_string(),
+    };
+    let dynamo_listen = checker.text("dynamo_listen", raw.dynamo_listen, |addr| {
+        let listen = listen_in_effect.as_str();
+        match validate_listen(addr) {
+            Err(why) => Some(format!("is invalid: {why}")),
+            // Two servers on one address: the second bind would fail at start-up.
+            Ok(()) if addr == listen => Some(format!("must differ from `listen` ({listen})")),
+            Ok(()) => None,
+        }
+    });
     let block_size = checker.int("block_size", raw.block_size, "1..=4294967295", |n| {
         u32::try_from(n).ok().filter(|&size| size > 0)
     });
@@ -202,6 +285,7 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
     );
     Some(Top {
         listen: listen.or_default_to(DEFAULT_LISTEN.to_string())?,
+        dynamo_listen: dynamo_listen.optional()?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
     })
@@ -249,18 +333,22 @@ mod tests {
             config,
             Config {
                 listen: "127.0.0.1:8090".into(),
+                dynamo_listen: None,
                 block_size: 16,
                 shards: 64,
                 engines: vec![EngineConfig {
                     name: "local".into(),
                     host: "127.0.0.1".into(),
-                    zmq_port: 5557,
-                    dp_rank_start: 0,
-                    dp_size: 1,
-                    replay_port: None,
+                    ranks: Ranks::Fixed(FixedRanks {
+                        zmq_port: 5557,
+                        dp_rank_start: 0,
+                        dp_size: 1,
+                        replay_port: None,
+                    }),
                     recover_port: None,
                     model: None,
                     topic: String::new(),
+                    instance_id: derived_instance_id("local"),
                 }],
             }
         );
@@ -304,11 +392,12 @@ topic = ""
             ("0.0.0.0:9000", 32, 8)
         );
         let inherits = &config.engines[0];
+        let fixed = inherits.fixed().expect("fixed ranks");
         assert_eq!(
             (
-                inherits.zmq_port,
-                inherits.dp_size,
-                inherits.replay_port,
+                fixed.zmq_port,
+                fixed.dp_size,
+                fixed.replay_port,
                 inherits.recover_port
             ),
             (6000, 2, Some(6100), Some(6200))
@@ -318,11 +407,12 @@ topic = ""
             (Some("m"), "kv")
         );
         let overrides = &config.engines[1];
+        let fixed = overrides.fixed().expect("fixed ranks");
         assert_eq!(
             (
-                overrides.zmq_port,
-                overrides.dp_size,
-                overrides.replay_port,
+                fixed.zmq_port,
+                fixed.dp_size,
+                fixed.replay_port,
                 overrides.recover_port
             ),
             (7000, 4, Some(7100), Some(7200))
@@ -420,6 +510,33 @@ zmq_port = "5557"
         find(
             &err.problems,
             &[&format!("{}:1:", path.display()), "`shards`"],
+        );
+    }
+}
+
+#[cfg(test)]
+mod dynamo_listen_tests {
+    use super::test_support::{find, problems};
+    use super::Config;
+
+    #[test]
+    fn dynamo_listen_is_optional_and_checked_like_listen() {
+        let absent = Config::parse("", "f").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(absent.dynamo_listen, None);
+        let set = Config::parse("dynamo_listen = \"0.0.0.0:8091\"\n", "f")
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(set.dynamo_listen.as_deref(), Some("0.0.0.0:8091"));
+        find(
+            &problems("dynamo_listen = \"nowhere\"\n"),
+            &["indexer.toml:1:", "`dynamo_listen` is invalid", "IP:port"],
+        );
+        find(
+            &problems("dynamo_listen = \"127.0.0.1:8090\"\n"),
+            &["`dynamo_listen` must differ from `listen`"],
+        );
+        find(
+            &problems("listen = \"[::1]:9\"\ndynamo_listen = \"[::1]:9\"\n"),
+            &["indexer.toml:2:", "must differ from `listen` ([::1]:9)"],
         );
     }
 }

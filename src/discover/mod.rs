@@ -1,19 +1,22 @@
 //! Ranks from the engine itself: ask an engine's HTTP server which data-parallel ranks publish
-//! KV events, and on which endpoints (docs/discovery.md).
+//! KV events, and on which endpoints (docs.md "Ranks from the engine").
 //!
 //! Owns: the two answers kv-indexer understands, vLLM's `GET /kv_event_sources` (`vllm.rs`)
 //! and SGLang's `GET /server_info` (`sglang.rs`), telling them apart by the route that answers,
 //! the bounded HTTP fetch (`fetch.rs`), the `discover` URL and endpoint rules (`url.rs`), and
-//! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), and the
-//! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`).
+//! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), the
+//! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`), and
+//! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`).
 //!
-//! Never: touches the registry, a listener or the index. A `Discovery` is an input of `plan`,
-//! which turns its ranks into listener specs as it does the file's; the registry's `apply` then
-//! changes only what differs, exactly as on reload (it is the one rank-set diff: none here).
+//! Never: imports `config` (which imports this module), touches the registry, a listener or the
+//! index. A `Discovery` is an input of `plan`, which turns its ranks into listener specs as it
+//! does the file's; the registry's `apply` then changes only what differs, exactly as on reload
+//! (it is the one rank-set diff: none here).
 //! An answer is taken whole or not at all: one bad rank rejects it, so the caller keeps the
 //! last good rank set.
 
 mod agreement;
+mod board;
 mod fetch;
 mod probe;
 mod sglang;
@@ -25,9 +28,18 @@ use std::fmt;
 use serde::Deserialize;
 
 pub use agreement::{Disagreement, FileLayout};
+pub use board::{
+    Board, DisagreementReport, DiscoveryReport, DiscoveryState, EngineReport, NeighbourReport,
+};
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
 pub use url::{BaseUrl, TcpEndpoint};
+
+/// Global data-parallel ranks are below this: it bounds a file's `dp_size` and `dp_rank_start +
+/// dp_size` (re-exported as `config::MAX_DP_SIZE`) and the ranks an engine may announce. Here,
+/// not in `config`, because `config` imports `discover` (the `discover` URL rules) and imports go
+/// one way.
+pub const MAX_DP_SIZE: u32 = 1024;
 
 /// Which engine answered: each has its own route and answer shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

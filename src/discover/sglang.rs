@@ -7,13 +7,12 @@
 //! picks the attention-DP rank with DP attention and the replica's `dp_rank` without, both
 //! spanning `0..dp_size`. So rank r is on `port + r`. Older SGLang offset only by the
 //! attention-DP rank, which is 0 for every replica without `--enable-dp-attention`
-//! (docs/discovery.md). Never: asks anything beyond `/server_info`.
+//! (docs.md "Ranks from the engine"). Never: asks anything beyond `/server_info`.
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint};
-use crate::config::MAX_DP_SIZE;
+use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint, MAX_DP_SIZE};
 
 /// SGLang's `KVEventsConfig` default endpoint.
 const DEFAULT_ENDPOINT: &str = "tcp://*:5557";

@@ -52,6 +52,7 @@
 
 mod engine_map;
 mod keys;
+mod local_hashes;
 mod query;
 mod search;
 mod shard;
@@ -70,6 +71,7 @@ use shard::LockedShard;
 use tier_blocks::TierBlocks;
 
 pub use keys::{MmFeature, Prompt};
+pub use local_hashes::keys_of_local_hashes;
 pub use query::Score;
 pub use tiers::{PerTier, Tier};
 pub use worker_blocks::{ApplyOutcome, WorkerBlocks};

@@ -58,8 +58,12 @@ use run::{RankLoop, Sockets};
 use status::StatusCell;
 use stop::{Stop, StopHandle};
 
-/// Queued live messages per rank before ZMQ drops (and the seq rules notice the loss).
-const RECEIVE_HIGH_WATER_MARK: i32 = 100_000;
+/// Live messages a rank's SUB socket queues in our memory. Past it ZeroMQ stops reading the TCP
+/// connection: the backlog waits in the kernel's socket buffers and the engine's send queue
+/// (vLLM's holds 100,000), and only what overflows *that* is lost (the seq rules notice it).
+/// At ~9 KiB a message, 100 bound a rank's burst to ~1 MiB; 100,000 let 16 ranks hold a whole
+/// 27,000-batch stream, +200 MiB that glibc then kept (docs/performance.md, bench_stream).
+const RECEIVE_HIGH_WATER_MARK: i32 = 100;
 /// Reconnecting to a rank that is down: first after this many ms, doubling up to the max.
 const RECONNECT_FIRST_MS: i32 = 100;
 const RECONNECT_MAX_MS: i32 = 5_000;

@@ -82,6 +82,83 @@ impl RecoveryMethod {
     }
 }
 
+/// How asking an engine for its ranks ended: the `outcome` of `discoveries_total`. The caller
+/// maps the discovery error onto these (the service maps `discover::Failure`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DiscoveryOutcome {
+    Ok,
+    Unreachable,
+    Timeout,
+    NotHttp,
+    Status,
+    Redirect,
+    TooLarge,
+    NotJson,
+    Shape,
+}
+
+impl DiscoveryOutcome {
+    pub const ALL: [DiscoveryOutcome; 9] = [
+        DiscoveryOutcome::Ok,
+        DiscoveryOutcome::Unreachable,
+        DiscoveryOutcome::Timeout,
+        DiscoveryOutcome::NotHttp,
+        DiscoveryOutcome::Status,
+        DiscoveryOutcome::Redirect,
+        DiscoveryOutcome::TooLarge,
+        DiscoveryOutcome::NotJson,
+        DiscoveryOutcome::Shape,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DiscoveryOutcome::Ok => "ok",
+            DiscoveryOutcome::Unreachable => "unreachable",
+            DiscoveryOutcome::Timeout => "timeout",
+            DiscoveryOutcome::NotHttp => "not_http",
+            DiscoveryOutcome::Status => "status",
+            DiscoveryOutcome::Redirect => "redirect",
+            DiscoveryOutcome::TooLarge => "too_large",
+            DiscoveryOutcome::NotJson => "not_json",
+            DiscoveryOutcome::Shape => "shape",
+        }
+    }
+}
+
+/// A key of `indexer.toml` a discovered engine can contradict: the `key` of
+/// `discovery_disagreement`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayoutKey {
+    ZmqPort,
+    DpRankStart,
+    DpSize,
+    ReplayPort,
+}
+
+impl LayoutKey {
+    pub const ALL: [LayoutKey; 4] = [
+        LayoutKey::ZmqPort,
+        LayoutKey::DpRankStart,
+        LayoutKey::DpSize,
+        LayoutKey::ReplayPort,
+    ];
+
+    /// The config key, which is also the label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayoutKey::ZmqPort => "zmq_port",
+            LayoutKey::DpRankStart => "dp_rank_start",
+            LayoutKey::DpSize => "dp_size",
+            LayoutKey::ReplayPort => "replay_port",
+        }
+    }
+
+    /// The key named `key`, if it is one.
+    pub fn from_key(key: &str) -> Option<LayoutKey> {
+        LayoutKey::ALL.into_iter().find(|k| k.as_str() == key)
+    }
+}
+
 /// One `events_total{type, outcome}` series. The caller maps what applying a batch did onto
 /// these (the listener maps the index's `ApplyOutcome`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -225,6 +302,27 @@ pub(super) struct TierLabels {
     #[prometheus(flatten)]
     pub(super) rank: RankLabels,
     pub(super) tier: &'static str,
+}
+
+/// The label of an engine's own series (discovery, the neighbour probe): `instance` as on
+/// the rank series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct EngineLabels {
+    pub(super) instance: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct DiscoveryLabels {
+    #[prometheus(flatten)]
+    pub(super) engine: EngineLabels,
+    pub(super) outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct DisagreementLabels {
+    #[prometheus(flatten)]
+    pub(super) engine: EngineLabels,
+    pub(super) key: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -26,6 +26,12 @@
 //! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
 //! | `http_errors_total` | counter | `status` only |
 //! | `config_reloads_total` | counter | `outcome` only (`applied`, `rejected`) |
+//! | `discoveries_total` | counter | `instance`, `outcome` ([`DiscoveryOutcome`]) |
+//! | `discovered_ranks` | gauge | `instance` |
+//! | `discovery_disagreement` | gauge | `instance`, `key` ([`LayoutKey`]) |
+//! | `neighbour_publishers_total` | counter | `instance` |
+//!
+//! The engine-level series (`engines`) are resolved once per engine through [`EngineMetrics`].
 
 use std::sync::atomic::AtomicU64;
 
@@ -39,14 +45,19 @@ use prometheus_client::registry::{Registry, Unit};
 /// negotiates and parses).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+mod engines;
 mod labels;
 
+use engines::EngineFamilies;
+pub use engines::EngineMetrics;
 use labels::{
     event_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
     ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels, StatusLabels,
     TierLabels, TIERS,
 };
-pub use labels::{EventSeries, ListenerState, MalformedReason, RecoveryMethod};
+pub use labels::{
+    DiscoveryOutcome, EventSeries, LayoutKey, ListenerState, MalformedReason, RecoveryMethod,
+};
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
 /// loopback queries land; slower ones fall in `+Inf`.
@@ -79,6 +90,7 @@ pub struct Metrics {
     http_errors: Family<StatusLabels, Counter>,
     reloads_applied: Counter,
     reloads_rejected: Counter,
+    engines: EngineFamilies,
 }
 
 impl Metrics {
@@ -110,6 +122,7 @@ impl Metrics {
             reloads_rejected: reloads.get_or_create_owned(&ReloadLabels {
                 outcome: ReloadOutcome::rejected,
             }),
+            engines: EngineFamilies::default(),
         };
         metrics.register(reloads);
         metrics
@@ -211,6 +224,18 @@ impl Metrics {
             "Configuration reloads by outcome (applied, rejected)",
             reloads,
         );
+        self.engines.register(r);
+    }
+
+    /// The handles of one engine's own series (discovery, the neighbour probe), labelled
+    /// `instance`. Creates every series of the engine (at 0), or returns the existing ones.
+    pub fn engine(&self, instance: &str) -> EngineMetrics {
+        self.engines.engine(instance)
+    }
+
+    /// Drops a removed engine's own series (those [`Self::engine`] created).
+    pub fn forget_engine(&self, instance: &str) {
+        self.engines.forget(instance);
     }
 
     /// The handles of one listener's metrics, labelled `instance` and `dp_rank`. Creates every

@@ -34,11 +34,30 @@ pub fn trace_path(manifest_dir: &str) -> PathBuf {
     )
 }
 
+/// The trace's prompts for a benchmark: from `given`, else from `trace_path` of this crate.
+pub fn load_benchmark_trace(given: Option<&Path>) -> Result<Vec<Vec<u32>>> {
+    let path = given.map_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")), Path::to_path_buf);
+    crate::sim::workload::load_trace(&path, BLOCK_SIZE)
+}
+
 /// One rank of one engine of the fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RankRef {
     pub engine: usize,
     pub rank: u32,
+}
+
+/// How `Fleet::serve_in_parallel` serves a workload.
+#[derive(Clone, Copy, Debug)]
+pub struct Pace {
+    /// Threads serving prompts, each owning a share of the engines.
+    pub generators: usize,
+    /// Serve a prompt as an engine schedules a chunked prefill: its first `step_tokens`, then
+    /// `2 × step_tokens`, …, then all of it, each step's new blocks in a batch of their own.
+    /// `None`: one batch per prompt.
+    pub step_tokens: Option<usize>,
+    /// Every rank's cache size (a longer prompt caches only this many blocks).
+    pub capacity_blocks: usize,
 }
 
 /// Simulated engines named `sim-0`, `sim-1`, …
@@ -133,6 +152,60 @@ impl Fleet {
                 Ok(at)
             })
             .collect()
+    }
+
+    /// Serves `prompts[i]` on `placed[i]` from `pace.generators` threads, each owning the
+    /// engines `e` with `e % generators == thread`, in trace order, as fast as they can; returns
+    /// the blocks stored (published).
+    pub fn serve_in_parallel(
+        &self,
+        prompts: &[Vec<u32>],
+        placed: &[RankRef],
+        pace: Pace,
+    ) -> Result<u64> {
+        let generators = pace.generators.max(1);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..generators)
+                .map(|thread| {
+                    scope.spawn(move || -> Result<u64> {
+                        let mut stored = 0u64;
+                        for (prompt, &at) in prompts.iter().zip(placed) {
+                            if at.engine % generators == thread {
+                                stored += self.serve_in_steps(at, prompt, pace)?;
+                            }
+                        }
+                        Ok(stored)
+                    })
+                })
+                .collect();
+            workers.into_iter().try_fold(0, |sum, worker| {
+                let stored = worker
+                    .join()
+                    .map_err(|_| anyhow!("a generator thread panicked"))??;
+                Ok(sum + stored)
+            })
+        })
+    }
+
+    /// One prompt, in steps of `pace.step_tokens` (all at once without); returns the blocks
+    /// stored.
+    fn serve_in_steps(&self, at: RankRef, prompt: &[u32], pace: Pace) -> Result<u64> {
+        let step = pace
+            .step_tokens
+            .filter(|&n| n > 0)
+            .unwrap_or(prompt.len())
+            .max(1);
+        let capacity = pace.capacity_blocks;
+        let mut stored = 0u64;
+        let mut end = 0;
+        while end < prompt.len() {
+            end = (end + step).min(prompt.len());
+            let served = &prompt[..end];
+            let hit = self.engine(at).serve(at.rank, served)?;
+            let cacheable = (served.len() / BLOCK_SIZE as usize).min(capacity);
+            stored += (cacheable as u64).saturating_sub(u64::from(hit));
+        }
+        Ok(stored)
     }
 
     /// Makes a rank publish one more batch: a fresh one-block prompt nothing else shares.

@@ -6,15 +6,20 @@
 
 use std::fmt;
 
-/// One `[[engine]]` table on 127.0.0.1; unset keys are left out (the file's defaults apply).
+/// One `[[engine]]` table on 127.0.0.1 (or asked of `discover`); unset keys are left out (the
+/// file's defaults apply).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EngineToml {
     pub name: String,
+    /// 0: not written (an engine with `discover` needs none).
     pub zmq_port: u16,
     pub dp_size: Option<u32>,
     pub replay_port: Option<u16>,
     pub recover_port: Option<u16>,
     pub model: Option<String>,
+    /// The engine's HTTP server; written instead of `host`.
+    pub discover: Option<String>,
+    pub discover_interval_s: Option<u32>,
 }
 
 impl EngineToml {
@@ -25,15 +30,30 @@ impl EngineToml {
             ..EngineToml::default()
         }
     }
+
+    /// An engine whose ranks come from its API server at `api_port` on 127.0.0.1.
+    pub fn discovered(name: impl Into<String>, api_port: u16) -> EngineToml {
+        EngineToml {
+            name: name.into(),
+            discover: Some(format!("http://127.0.0.1:{api_port}")),
+            ..EngineToml::default()
+        }
+    }
 }
 
 impl fmt::Display for EngineToml {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "[[engine]]\nname = \"{}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",
-            self.name, self.zmq_port
-        )?;
+        writeln!(f, "[[engine]]\nname = \"{}\"", self.name)?;
+        match &self.discover {
+            Some(url) => writeln!(f, "discover = \"{url}\"")?,
+            None => writeln!(f, "host = \"127.0.0.1\"")?,
+        }
+        if let Some(interval) = self.discover_interval_s {
+            writeln!(f, "discover_interval_s = {interval}")?;
+        }
+        if self.zmq_port != 0 {
+            writeln!(f, "zmq_port = {}", self.zmq_port)?;
+        }
         if let Some(dp_size) = self.dp_size {
             writeln!(f, "dp_size = {dp_size}")?;
         }

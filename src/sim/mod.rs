@@ -2,17 +2,20 @@
 //! peer for tests, examples and benchmarks. The indexer binary never uses this module.
 //!
 //! `cache` is one rank's prefix cache (the ground truth), `workload` makes prompts and routes
-//! them to ranks, `server` runs ranks behind real sockets, `replay` answers replay requests
+//! them to ranks, `server` runs ranks behind real sockets (`rank_http` is a rank's HTTP server,
+//! `api` the engine's API server with `/kv_event_sources`), `replay` answers replay requests
 //! from a history, `encode` writes the wire format. For driving an indexer: `fleet` runs many
 //! engines, `watch` checks an indexer against them, `process` runs the `kv-indexer` binary as a
 //! child, `indexer_toml` writes its config and `ports` finds free ports.
 
+pub mod api;
 pub mod cache;
 pub mod encode;
 pub mod fleet;
 pub mod indexer_toml;
 pub mod ports;
 pub mod process;
+mod rank_http;
 pub mod replay;
 pub mod rng;
 pub mod server;

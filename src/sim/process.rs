@@ -44,6 +44,18 @@ impl IndexerProcess {
         log_filter: &str,
         deadline: Duration,
     ) -> Result<IndexerProcess> {
+        IndexerProcess::start_with_env(binary, toml, log_filter, &[], deadline)
+    }
+
+    /// `start` with extra environment variables for the child (a benchmark comparing, say,
+    /// glibc's `MALLOC_*` tunables against what the binary sets itself).
+    pub fn start_with_env(
+        binary: &Path,
+        toml: &str,
+        log_filter: &str,
+        env: &[(String, String)],
+        deadline: Duration,
+    ) -> Result<IndexerProcess> {
         const ATTEMPTS: usize = 3;
         let dir = PrivateDir::create()?;
         let config = dir.0.join("indexer.toml");
@@ -57,6 +69,7 @@ impl IndexerProcess {
                 .arg("--listen")
                 .arg(address.to_string())
                 .env("RUST_LOG", log_filter)
+                .envs(env.iter().map(|(name, value)| (name, value)))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
@@ -82,6 +95,50 @@ impl IndexerProcess {
     /// The child's process id.
     pub fn pid(&self) -> Result<u32> {
         Ok(self.running()?.id())
+    }
+
+    /// The child's memory as the kernel counts it: (resident now, peak resident), in KiB, from
+    /// `VmRSS` and `VmHWM` of `/proc/PID/status` (Linux only).
+    pub fn resident_kib(&self) -> Result<(u64, u64)> {
+        let pid = self.pid()?;
+        let path = format!("/proc/{pid}/status");
+        let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+        let field = |name: &str| -> Result<u64> {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .and_then(|value| value.split_whitespace().next())
+                .and_then(|kib| kib.parse().ok())
+                .with_context(|| format!("{path}: no {name} in kB"))
+        };
+        Ok((field("VmRSS:")?, field("VmHWM:")?))
+    }
+
+    /// CPU time the child has used so far, user and system, from `/proc/PID/stat` (Linux only):
+    /// the cost of a run however loaded the machine is.
+    pub fn cpu_time(&self) -> Result<(Duration, Duration)> {
+        let pid = self.pid()?;
+        let path = format!("/proc/{pid}/stat");
+        let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+        // Fields after the command (which may hold spaces), from field 3 on: utime is field 14.
+        let after_command = stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest)
+            .with_context(|| format!("{path}: no command field"))?;
+        let ticks: Vec<u64> = after_command
+            .split_whitespace()
+            .skip(11)
+            .take(2)
+            .map(|field| field.parse().unwrap_or(0))
+            .collect();
+        // SAFETY: sysconf takes no pointers.
+        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        ensure!(
+            ticks.len() == 2 && per_second > 0,
+            "{path}: no utime and stime"
+        );
+        let seconds = |ticks: u64| Duration::from_secs_f64(ticks as f64 / per_second as f64);
+        Ok((seconds(ticks[0]), seconds(ticks[1])))
     }
 
     /// The config file the child was started on.
@@ -149,6 +206,42 @@ impl Drop for IndexerProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The binary a benchmark runs: `given`, else the release `kv-indexer` built by
+/// `build_release_indexer`.
+pub fn benchmark_binary(given: Option<&Path>) -> Result<PathBuf> {
+    given.map_or_else(build_release_indexer, |path| Ok(path.to_path_buf()))
+}
+
+/// Builds the release `kv-indexer` with the cargo that built the running benchmark (an example
+/// under `target/release/examples/`) and returns the binary's path, next to that directory.
+pub fn build_release_indexer() -> Result<PathBuf> {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let status = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "--bin",
+            "kv-indexer",
+            "--manifest-path",
+        ])
+        .arg(&manifest)
+        .status()
+        .context("running cargo build for the kv-indexer binary")?;
+    ensure!(
+        status.success(),
+        "cargo build --release --bin kv-indexer failed"
+    );
+    let examples = std::env::current_exe().context("locating this benchmark")?;
+    let binary = examples
+        .parent()
+        .and_then(Path::parent)
+        .map(|release| release.join("kv-indexer"))
+        .context("no target directory above this benchmark")?;
+    ensure!(binary.exists(), "{} was not built", binary.display());
+    Ok(binary)
 }
 
 /// Waits until `child` answers `GET /health` on `address` with 200; on failure it is gone.

@@ -1,34 +1,34 @@
 //! A running simulated engine: `dp_size` ranks in one process, each with its prefix cache, a
 //! bound PUB socket on `port + rank`, an optional replay ROUTER on `replay_port + rank` and an
-//! optional HTTP server on `recover_port + rank` (`GET /kv_recover`, the ground truth
-//! `POST /prefix_hit`, and `GET /last_prompt` — the prompt served last, as a `/query` body), as vLLM engine cores with kv-events enabled (plus the snapshot patch).
+//! optional HTTP server on `recover_port + rank` (`rank_http`), as vLLM engine cores with
+//! kv-events enabled (plus the snapshot patch); and optionally the engine's API server
+//! (`api`: `GET /kv_event_sources`, elastic scaling), as vLLM's OpenAI server.
 //!
-//! It owns sequencing, the replay history and fault injection (dropped batches, restarts). It
-//! never decodes what it publishes, and it never connects: every socket is bound.
+//! It owns sequencing, the replay history, the rank set (ranks added and removed while running,
+//! as elastic data parallelism does) and fault injection (dropped batches, restarts, a broken
+//! API answer). It never decodes what it publishes, and it never connects: every socket is
+//! bound.
 
 use std::collections::VecDeque;
-use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, ensure, Context, Result};
-use log::{debug, warn};
+use log::warn;
 use parking_lot::Mutex;
-use serde::Deserialize;
 
+use crate::sim::api::{self, ApiReply, ApiServer};
 use crate::sim::cache::{RankCache, Request};
 use crate::sim::encode::{encode_batch, encode_snapshot, message_frames, Form};
+use crate::sim::rank_http;
 use crate::sim::replay::{self, Layout};
 use crate::sim::rng::{mix, SplitMix64};
 use crate::wire::{BlockStored, Event, EventBatch};
 
 /// How often the socket and HTTP threads look at the stop flag.
-const STOP_POLL: Duration = Duration::from_millis(100);
-
-/// Largest `POST /prefix_hit` body read (the indexer's own limit).
-const MAX_BODY_BYTES: u64 = 16 << 20;
+pub(super) const STOP_POLL: Duration = Duration::from_millis(100);
 
 /// What to simulate and where to bind it.
 #[derive(Clone, Debug)]
@@ -42,6 +42,9 @@ pub struct SimConfig {
     pub replay_port: Option<u16>,
     /// Rank 0's HTTP port (`None`: no HTTP; 0: picked by the OS).
     pub recover_port: Option<u16>,
+    /// The engine's API server (`GET /kv_event_sources`): `None`: none (start one later with
+    /// `start_api`); 0: picked by the OS.
+    pub api_port: Option<u16>,
     pub topic: String,
     pub block_size: u32,
     pub capacity_blocks: usize,
@@ -67,6 +70,7 @@ impl Default for SimConfig {
             port: 0,
             replay_port: Some(0),
             recover_port: Some(0),
+            api_port: None,
             topic: String::new(),
             block_size: 16,
             capacity_blocks: 20_000,
@@ -100,37 +104,54 @@ struct Settings {
 }
 
 /// A rank's mutable state, behind one lock so that a snapshot's seq always matches its blocks.
-struct RankState {
-    cache: RankCache,
+pub(super) struct RankState {
+    pub(super) cache: RankCache,
     publisher: zmq::Socket,
     next_seq: u64,
     history: VecDeque<replay::Batch>,
     drops: SplitMix64,
     dropped: u64,
     /// The prompt served last, for `GET /last_prompt`.
-    last_prompt: Vec<u32>,
+    pub(super) last_prompt: Vec<u32>,
 }
 
-struct Rank {
-    index: u32,
+pub(super) struct Rank {
+    pub(super) index: u32,
     settings: Arc<Settings>,
-    state: Mutex<RankState>,
+    pub(super) state: Mutex<RankState>,
+}
+
+/// One running rank: its state, the ports it bound and its threads (replay, HTTP), stopped and
+/// its sockets closed when it is dropped.
+struct RankRuntime {
+    rank: Arc<Rank>,
+    ports: RankPorts,
+    stopping: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// What the engine's threads (the API server's included) share.
+pub(super) struct Shared {
+    config: SimConfig,
+    context: zmq::Context,
+    settings: Arc<Settings>,
+    /// Ranks 0..n in rank order: elastic scaling adds and removes at the top, as vLLM's does.
+    ranks: Mutex<Vec<RankRuntime>>,
+    api: Mutex<Option<ApiServer>>,
+    pub(super) api_reply: Mutex<ApiReply>,
 }
 
 /// A running simulated engine. Dropping it (or [`SimEngine::stop`]) stops its threads and closes
 /// its sockets.
 pub struct SimEngine {
-    ranks: Vec<Arc<Rank>>,
-    ports: Vec<RankPorts>,
-    stopping: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
 }
 
 impl SimEngine {
-    /// Binds every rank's sockets and starts their threads; nothing keeps running on error.
+    /// Binds every rank's sockets (and the API server's, with `api_port`) and starts their
+    /// threads; nothing keeps running on error.
     pub fn start(config: SimConfig) -> Result<SimEngine> {
         validate(&config)?;
-        let context = zmq::Context::new();
         let settings = Arc::new(Settings {
             block_size: config.block_size,
             form: config.form,
@@ -144,59 +165,79 @@ impl SimEngine {
             },
             drop_fraction: config.drop_fraction,
         });
-        let mut engine = SimEngine {
-            ranks: Vec::new(),
-            ports: Vec::new(),
-            stopping: Arc::new(AtomicBool::new(false)),
-            threads: Vec::new(),
+        let engine = SimEngine {
+            shared: Arc::new(Shared {
+                config,
+                context: zmq::Context::new(),
+                settings,
+                ranks: Mutex::new(Vec::new()),
+                api: Mutex::new(None),
+                api_reply: Mutex::new(ApiReply::Sources),
+            }),
         };
-        for index in 0..config.dp_size {
-            let (publisher, publish) =
-                bind_zmq(&context, zmq::PUB, &config.bind, config.port, index)
-                    .with_context(|| format!("rank {index}: binding the PUB socket"))?;
-            let rank_seed = mix(config.seed, u64::from(index));
-            let rank = Arc::new(Rank {
-                index,
-                settings: Arc::clone(&settings),
-                state: Mutex::new(RankState {
-                    cache: match config.cpu_capacity_blocks {
-                        0 => RankCache::new(config.block_size, config.capacity_blocks, rank_seed),
-                        cpu => RankCache::new(config.block_size, config.capacity_blocks, rank_seed)
-                            .with_cpu_tier(cpu),
-                    },
-                    publisher,
-                    next_seq: 0,
-                    history: VecDeque::new(),
-                    drops: SplitMix64::new(mix(rank_seed, 0xD809)),
-                    dropped: 0,
-                    last_prompt: Vec::new(),
-                }),
-            });
-            let replay = match config.replay_port {
-                Some(base) => Some(engine.start_replay(&context, &rank, &config.bind, base)?),
-                None => None,
-            };
-            let recover = match config.recover_port {
-                Some(base) => Some(engine.start_http(&rank, &config.bind, base)?),
-                None => None,
-            };
-            engine.ranks.push(rank);
-            engine.ports.push(RankPorts {
-                publish,
-                replay,
-                recover,
-            });
+        engine.shared.scale_to(engine.shared.config.dp_size)?;
+        if let Some(port) = engine.shared.config.api_port {
+            engine.start_api(port)?;
         }
         Ok(engine)
     }
 
     /// The bound ports, indexed by rank.
-    pub fn ports(&self) -> &[RankPorts] {
-        &self.ports
+    pub fn ports(&self) -> Vec<RankPorts> {
+        self.shared.ranks.lock().iter().map(|r| r.ports).collect()
     }
 
+    /// Ranks running now.
     pub fn dp_size(&self) -> u32 {
-        self.ranks.len() as u32
+        self.shared.ranks.lock().len() as u32
+    }
+
+    /// Starts rank `dp_size` (elastic scale-up by one); returns its rank.
+    pub fn add_rank(&self) -> Result<u32> {
+        let size = self.dp_size();
+        self.shared.scale_to(size + 1)?;
+        Ok(size)
+    }
+
+    /// Stops the highest rank (elastic scale-down by one), closing its sockets; returns it.
+    pub fn remove_rank(&self) -> Result<u32> {
+        let size = self.dp_size();
+        ensure!(size > 0, "no rank left to remove");
+        self.shared.scale_to(size - 1)?;
+        Ok(size - 1)
+    }
+
+    /// Adds or removes ranks at the top until `dp_size` run (what vLLM's
+    /// `POST /scale_elastic_ep` does).
+    pub fn scale_to(&self, dp_size: u32) -> Result<()> {
+        self.shared.scale_to(dp_size)
+    }
+
+    /// Starts the engine's API server on `port` (0: picked by the OS), when it has none yet;
+    /// returns the bound port. An engine whose API comes up after its ranks starts without
+    /// `api_port` and calls this later.
+    pub fn start_api(&self, port: u16) -> Result<u16> {
+        let mut api = self.shared.api.lock();
+        ensure!(api.is_none(), "the API server already runs");
+        let server = api::start(Arc::clone(&self.shared), &self.shared.config.bind, port)?;
+        let bound = server.port();
+        *api = Some(server);
+        Ok(bound)
+    }
+
+    /// The API server's port, while it runs.
+    pub fn api_port(&self) -> Option<u16> {
+        self.shared.api.lock().as_ref().map(ApiServer::port)
+    }
+
+    /// What `GET /kv_event_sources` answers from now on (fault injection).
+    pub fn set_api_reply(&self, reply: ApiReply) {
+        *self.shared.api_reply.lock() = reply;
+    }
+
+    /// The `GET /kv_event_sources` answer for the ranks running now, in vLLM's shape.
+    pub fn kv_event_sources(&self) -> serde_json::Value {
+        self.shared.kv_event_sources()
     }
 
     /// Runs a prompt on `rank` and publishes the resulting batch (if the cache changed); returns
@@ -209,7 +250,7 @@ impl SimEngine {
         state.last_prompt.clear();
         state.last_prompt.extend_from_slice(prompt.tokens);
         if !served.events.is_empty() {
-            state.publish(rank, served.events)?;
+            state.publish(&rank, served.events)?;
         }
         Ok(served.hit_blocks)
     }
@@ -241,7 +282,7 @@ impl SimEngine {
         let rank = self.rank(rank)?;
         let mut state = rank.state.lock();
         state.cache.clear();
-        state.publish(rank, vec![Event::Cleared { medium: None }])
+        state.publish(&rank, vec![Event::Cleared { medium: None }])
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.
@@ -270,31 +311,139 @@ impl SimEngine {
     }
 
     /// Stops every thread and closes every socket.
-    pub fn stop(mut self) {
-        self.shutdown();
-    }
+    pub fn stop(self) {}
 
-    fn rank(&self, rank: u32) -> Result<&Arc<Rank>> {
-        self.ranks
+    fn rank(&self, rank: u32) -> Result<Arc<Rank>> {
+        let ranks = self.shared.ranks.lock();
+        ranks
             .get(rank as usize)
-            .ok_or_else(|| anyhow!("rank {rank} out of range (dp_size {})", self.ranks.len()))
+            .map(|running| Arc::clone(&running.rank))
+            .ok_or_else(|| anyhow!("rank {rank} out of range (dp_size {})", ranks.len()))
+    }
+}
+
+impl Drop for SimEngine {
+    fn drop(&mut self) {
+        // The API server first: its thread holds the shared state and may be scaling.
+        let api = self.shared.api.lock().take();
+        if let Some(api) = api {
+            api.stop();
+        }
+        self.shared.ranks.lock().clear();
+    }
+}
+
+impl Shared {
+    /// Adds or removes ranks at the top until `dp_size` run; a rank that fails to start leaves
+    /// the ranks started before it running.
+    pub(super) fn scale_to(&self, dp_size: u32) -> Result<()> {
+        ensure!(
+            dp_size <= crate::config::MAX_DP_SIZE,
+            "dp_size {dp_size} is past {}",
+            crate::config::MAX_DP_SIZE
+        );
+        let mut ranks = self.ranks.lock();
+        // Dropping a runtime stops its threads and closes its sockets.
+        ranks.truncate(dp_size as usize);
+        while (ranks.len() as u32) < dp_size {
+            let index = ranks.len() as u32;
+            ranks.push(self.start_rank(index)?);
+        }
+        Ok(())
     }
 
-    fn start_replay(
-        &mut self,
-        context: &zmq::Context,
-        rank: &Arc<Rank>,
-        bind: &str,
-        base: u16,
-    ) -> Result<u16> {
-        let index = rank.index;
+    fn start_rank(&self, index: u32) -> Result<RankRuntime> {
+        let config = &self.config;
+        let (publisher, publish) =
+            bind_zmq(&self.context, zmq::PUB, &config.bind, config.port, index)
+                .with_context(|| format!("rank {index}: binding the PUB socket"))?;
+        let rank_seed = mix(config.seed, u64::from(index));
+        let mut runtime = RankRuntime {
+            rank: Arc::new(Rank {
+                index,
+                settings: Arc::clone(&self.settings),
+                state: Mutex::new(RankState {
+                    cache: match config.cpu_capacity_blocks {
+                        0 => RankCache::new(config.block_size, config.capacity_blocks, rank_seed),
+                        cpu => RankCache::new(config.block_size, config.capacity_blocks, rank_seed)
+                            .with_cpu_tier(cpu),
+                    },
+                    publisher,
+                    next_seq: 0,
+                    history: VecDeque::new(),
+                    drops: SplitMix64::new(mix(rank_seed, 0xD809)),
+                    dropped: 0,
+                    last_prompt: Vec::new(),
+                }),
+            }),
+            ports: RankPorts {
+                publish,
+                replay: None,
+                recover: None,
+            },
+            stopping: Arc::new(AtomicBool::new(false)),
+            threads: Vec::new(),
+        };
+        if let Some(base) = config.replay_port {
+            runtime.ports.replay = Some(runtime.start_replay(&self.context, &config.bind, base)?);
+        }
+        if let Some(base) = config.recover_port {
+            runtime.ports.recover = Some(runtime.start_http(&config.bind, base)?);
+        }
+        Ok(runtime)
+    }
+
+    /// vLLM's answer: one entry per running rank keyed by rank, endpoints already offset. A
+    /// fixed port reads as vLLM's usual `tcp://*:PORT`; an OS-picked one as vLLM reports
+    /// `tcp://*:0` once bound: the node's address (here the bound host) and the port.
+    pub(super) fn kv_event_sources(&self) -> serde_json::Value {
+        let config = &self.config;
+        let node = match config.bind.as_str() {
+            "*" => "127.0.0.1".to_string(),
+            ip if ip.contains(':') => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
+        let endpoint = |base: u16, port: u16| match base {
+            0 => format!("tcp://{node}:{port}"),
+            _ => format!("tcp://*:{port}"),
+        };
+        let entries: serde_json::Map<String, serde_json::Value> = self
+            .ranks
+            .lock()
+            .iter()
+            .map(|running| {
+                let ports = running.ports;
+                let replay = config
+                    .replay_port
+                    .zip(ports.replay)
+                    .map(|(base, port)| endpoint(base, port));
+                let entry = serde_json::json!({
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": endpoint(config.port, ports.publish),
+                    "replay_endpoint": replay,
+                    "buffer_steps": config.replay_buffer,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": config.topic,
+                });
+                (running.rank.index.to_string(), entry)
+            })
+            .collect();
+        serde_json::Value::Object(entries)
+    }
+}
+
+impl RankRuntime {
+    fn start_replay(&mut self, context: &zmq::Context, bind: &str, base: u16) -> Result<u16> {
+        let index = self.rank.index;
         let (socket, port) = bind_zmq(context, zmq::ROUTER, bind, base, index)
             .with_context(|| format!("rank {index}: binding the replay ROUTER"))?;
         // A whole history must fit in one reply (0 = no high-water mark).
         socket
             .set_sndhwm(0)
             .with_context(|| format!("rank {index}: replay send high-water mark"))?;
-        let rank = Arc::clone(rank);
+        let rank = Arc::clone(&self.rank);
         let stopping = Arc::clone(&self.stopping);
         self.spawn(format!("sim-replay-{index}"), move || {
             let topic = rank.settings.replay_layout.topic(&rank.settings.topic);
@@ -305,25 +454,18 @@ impl SimEngine {
         Ok(port)
     }
 
-    fn start_http(&mut self, rank: &Arc<Rank>, bind: &str, base: u16) -> Result<u16> {
-        let index = rank.index;
+    fn start_http(&mut self, bind: &str, base: u16) -> Result<u16> {
+        let index = self.rank.index;
         let port = if base == 0 {
             0
         } else {
             offset_port(base, index)?
         };
-        let address = format!("{}:{port}", http_host(bind));
-        let server = tiny_http::Server::http(address.as_str())
-            .map_err(|e| anyhow!("rank {index}: binding HTTP on {address}: {e}"))?;
-        let port = server
-            .server_addr()
-            .to_ip()
-            .map(|address| address.port())
-            .with_context(|| format!("rank {index}: HTTP server on {address} has no IP port"))?;
-        let rank = Arc::clone(rank);
+        let (server, port) = bind_http(bind, port).with_context(|| format!("rank {index}"))?;
+        let rank = Arc::clone(&self.rank);
         let stopping = Arc::clone(&self.stopping);
         self.spawn(format!("sim-http-{index}"), move || {
-            serve_http(&rank, &server, &stopping)
+            rank_http::serve(&rank, &server, &stopping)
         })?;
         Ok(port)
     }
@@ -336,34 +478,33 @@ impl SimEngine {
         self.threads.push(handle);
         Ok(())
     }
+}
 
-    fn shutdown(&mut self) {
+impl Drop for RankRuntime {
+    fn drop(&mut self) {
         self.stopping.store(true, Ordering::Relaxed);
         for thread in self.threads.drain(..) {
             if thread.join().is_err() {
-                warn!("a simulated engine thread panicked");
+                warn!(
+                    "rank {}: a simulated engine thread panicked",
+                    self.rank.index
+                );
             }
         }
-    }
-}
-
-impl Drop for SimEngine {
-    fn drop(&mut self) {
-        self.shutdown();
     }
 }
 
 impl Rank {
     /// The `GET /last_prompt` body, `{"token_ids": [...]}`: ready to send to the indexer's
     /// `POST /query`.
-    fn last_prompt_body(&self) -> Vec<u8> {
+    pub(super) fn last_prompt_body(&self) -> Vec<u8> {
         serde_json::json!({ "token_ids": self.state.lock().last_prompt })
             .to_string()
             .into_bytes()
     }
 
     /// The `GET /kv_recover` body: the cache and the seq of the last batch, taken together.
-    fn snapshot_body(&self) -> Vec<u8> {
+    pub(super) fn snapshot_body(&self) -> Vec<u8> {
         let state = self.state.lock();
         let events = state.cache.snapshot_events();
         encode_snapshot(
@@ -439,6 +580,14 @@ fn bind_zmq(
 ) -> Result<(zmq::Socket, u16)> {
     let socket = context.socket(kind).context("creating the socket")?;
     socket.set_linger(0).context("setting linger")?;
+    if kind == zmq::PUB {
+        // As vLLM's publisher (`hwm` 100,000 per subscriber), not ZeroMQ's default 1,000, so
+        // that a paused subscriber loses no sooner here. Before `bind`: a bound socket's
+        // connections take the options it had when it was bound.
+        socket
+            .set_sndhwm(100_000)
+            .context("setting the send high-water mark")?;
+    }
     let ipv6 = bind.contains(':');
     socket.set_ipv6(ipv6).context("enabling IPv6")?;
     let host = if ipv6 {
@@ -467,14 +616,24 @@ fn bind_zmq(
     Ok((socket, port))
 }
 
-fn http_host(bind: &str) -> String {
-    if bind == "*" {
+/// A tiny_http server on `bind:port` (0: picked by the OS) and the port it bound.
+pub(super) fn bind_http(bind: &str, port: u16) -> Result<(tiny_http::Server, u16)> {
+    let host = if bind == "*" {
         "0.0.0.0".to_string()
     } else if bind.contains(':') {
         format!("[{bind}]")
     } else {
         bind.to_string()
-    }
+    };
+    let address = format!("{host}:{port}");
+    let server = tiny_http::Server::http(address.as_str())
+        .map_err(|e| anyhow!("binding HTTP on {address}: {e}"))?;
+    let port = server
+        .server_addr()
+        .to_ip()
+        .map(|address| address.port())
+        .with_context(|| format!("HTTP server on {address} has no IP port"))?;
+    Ok((server, port))
 }
 
 fn unix_seconds() -> f64 {
@@ -482,83 +641,4 @@ fn unix_seconds() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map(|elapsed| elapsed.as_secs_f64())
         .unwrap_or(0.0)
-}
-
-/// The HTTP loop of one rank, until stopped.
-fn serve_http(rank: &Rank, server: &tiny_http::Server, stopping: &AtomicBool) {
-    while !stopping.load(Ordering::Relaxed) {
-        match server.recv_timeout(STOP_POLL) {
-            Ok(Some(request)) => answer_http(rank, request),
-            Ok(None) => {}
-            Err(error) => warn!("rank {}: HTTP accept failed: {error}", rank.index),
-        }
-    }
-}
-
-#[derive(Deserialize)]
-struct PrefixHitRequest {
-    token_ids: Vec<u32>,
-}
-
-fn answer_http(rank: &Rank, mut request: tiny_http::Request) {
-    let path = request
-        .url()
-        .split('?')
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    let (status, body) = match (request.method(), path.as_str()) {
-        (tiny_http::Method::Get, "/kv_recover") => (200, rank.snapshot_body()),
-        (tiny_http::Method::Post, "/prefix_hit") => prefix_hit(rank, &mut request),
-        (tiny_http::Method::Get, "/last_prompt") => (200, rank.last_prompt_body()),
-        (_, "/kv_recover" | "/prefix_hit" | "/last_prompt") => {
-            error_reply(405, "method not allowed")
-        }
-        _ => error_reply(404, &format!("no route {path}")),
-    };
-    let mut response = tiny_http::Response::from_data(body).with_status_code(status);
-    if let Ok(header) = tiny_http::Header::from_bytes("Content-Type", "application/json") {
-        response.add_header(header);
-    }
-    if let Err(error) = request.respond(response) {
-        debug!("rank {}: HTTP response not sent: {error}", rank.index);
-    }
-}
-
-fn prefix_hit(rank: &Rank, request: &mut tiny_http::Request) -> (u16, Vec<u8>) {
-    let mut body = Vec::new();
-    if let Err(error) = request
-        .as_reader()
-        .take(MAX_BODY_BYTES + 1)
-        .read_to_end(&mut body)
-    {
-        return error_reply(400, &format!("reading the body: {error}"));
-    }
-    if body.len() as u64 > MAX_BODY_BYTES {
-        return error_reply(413, "body above 16 MiB");
-    }
-    match serde_json::from_slice::<PrefixHitRequest>(&body) {
-        Ok(query) => {
-            let matched = rank.state.lock().cache.true_prefix_hit(&query.token_ids);
-            (
-                200,
-                serde_json::json!({ "matched_blocks": matched })
-                    .to_string()
-                    .into_bytes(),
-            )
-        }
-        Err(error) => error_reply(
-            400,
-            &format!("expected {{\"token_ids\": [u32...]}}: {error}"),
-        ),
-    }
-}
-
-fn error_reply(status: u16, message: &str) -> (u16, Vec<u8>) {
-    (
-        status,
-        serde_json::json!({ "error": message })
-            .to_string()
-            .into_bytes(),
-    )
 }

@@ -8,11 +8,16 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
 use crate::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use crate::sim::process::IndexerProcess;
+use crate::sim::server::SimConfig;
 
 /// What an indexer says about one of its listeners.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,6 +85,71 @@ impl OverHttp {
     }
 }
 
+impl OverHttp {
+    /// Sends a ready `POST /query` body and returns how long the answer took, from the first
+    /// byte sent to the last byte received; a status other than 200 is an error.
+    pub fn time_query(&self, body: &[u8]) -> Result<Duration> {
+        let url = format!("{}/query", self.base);
+        let sent = Instant::now();
+        let mut reply = self
+            .agent
+            .post(&url)
+            .header("Content-Type", "application/json")
+            .send(body)
+            .with_context(|| format!("POST {url}"))?;
+        let answer = reply.body_mut().read_to_vec();
+        let took = sent.elapsed();
+        let answer = answer.with_context(|| format!("POST {url}: reading the body"))?;
+        ensure!(
+            reply.status() == 200,
+            "POST {url}: {}: {}",
+            reply.status(),
+            String::from_utf8_lossy(&answer)
+        );
+        Ok(took)
+    }
+}
+
+/// Sends `bodies` to `POST /query` one after another (concurrency 1, one kept-alive
+/// connection, as a router holds it), from the first again after the last, while `running`;
+/// the thread returns each query's latency.
+pub fn spawn_querier(
+    address: SocketAddr,
+    bodies: Arc<[Vec<u8>]>,
+    running: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Vec<Duration>>>> {
+    std::thread::Builder::new()
+        .name("sim-query".into())
+        .spawn(move || {
+            let indexer = OverHttp::new(address);
+            let mut latencies = Vec::new();
+            for body in bodies.iter().cycle() {
+                if !running.load(Ordering::Relaxed) {
+                    break;
+                }
+                latencies.push(indexer.time_query(body)?);
+            }
+            Ok(latencies)
+        })
+        .context("spawning the query thread")
+}
+
+/// The `quantile` (0 to 1) of sorted latencies, `None` when there are none.
+pub fn percentile(sorted: &[Duration], quantile: f64) -> Option<Duration> {
+    let last = sorted.len().checked_sub(1)?;
+    sorted
+        .get((last as f64 * quantile).round() as usize)
+        .copied()
+}
+
+/// A latency in whole microseconds, `-` for none.
+pub fn micros(value: Option<Duration>) -> String {
+    value.map_or_else(
+        || "-".to_string(),
+        |d| format!("{:.0} µs", d.as_secs_f64() * 1e6),
+    )
+}
+
 impl IndexerView for OverHttp {
     fn ranks(&mut self) -> Result<Vec<RankView>> {
         parse_workers(&self.json("/workers", None)?)
@@ -89,6 +159,14 @@ impl IndexerView for OverHttp {
         let body = serde_json::json!({ "token_ids": prompt }).to_string();
         parse_scores(&self.json("/query", Some(&body))?)
     }
+}
+
+/// The `POST /query` JSON body of a prompt, built before a benchmark times it (the figures
+/// are then the indexer's, not serde_json's).
+pub fn query_body(prompt: &[u32]) -> Vec<u8> {
+    serde_json::json!({ "token_ids": prompt })
+        .to_string()
+        .into_bytes()
 }
 
 /// `GET /workers` as rank views.
@@ -189,6 +267,62 @@ pub fn warm_up(
         fleet.nudge(at)?;
     }
     settle(fleet, indexer, deadline)
+}
+
+/// A fleet on consecutive ports and the `kv-indexer` binary watching it, for the benchmarks
+/// that drive the real binary; every listener warmed up.
+pub struct WatchedFleet {
+    pub fleet: Fleet,
+    pub process: IndexerProcess,
+    pub indexer: OverHttp,
+    /// The listeners' views right after the warm-up (counters to subtract).
+    pub warm: Vec<RankView>,
+}
+
+/// The engines of a `WatchedFleet`: `engines` × `dp_size` ranks of `capacity_blocks` blocks,
+/// engine `i` seeded `seed + i`, everything else `SimConfig::default()`.
+#[derive(Clone, Copy, Debug)]
+pub struct FleetShape {
+    pub engines: usize,
+    pub dp_size: u32,
+    pub capacity_blocks: usize,
+    pub seed: u64,
+}
+
+impl WatchedFleet {
+    /// Starts the engines of `shape` and `binary` on their config, with `env` added to its
+    /// environment and `$RUST_LOG` (default `warn`) as its log filter, and warms every
+    /// listener up within `deadline`.
+    pub fn start(
+        binary: &std::path::Path,
+        shape: FleetShape,
+        env: &[(String, String)],
+        deadline: Duration,
+    ) -> Result<WatchedFleet> {
+        let fleet = Fleet::start_on_consecutive_ports(shape.engines, |i| SimConfig {
+            dp_size: shape.dp_size,
+            capacity_blocks: shape.capacity_blocks,
+            block_size: BLOCK_SIZE,
+            seed: shape.seed + i as u64,
+            ..SimConfig::default()
+        })?;
+        let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+        let process = IndexerProcess::start_with_env(
+            binary,
+            &fleet.indexer_config(),
+            &log_filter,
+            env,
+            Duration::from_secs(10),
+        )?;
+        let mut indexer = OverHttp::new(process.address);
+        let warm = warm_up(&fleet, &mut indexer, deadline)?;
+        Ok(WatchedFleet {
+            fleet,
+            process,
+            indexer,
+            warm,
+        })
+    }
 }
 
 /// What `compare` looked at.

@@ -1,6 +1,6 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
-//! tests (`batches`), and, over the fleet harness of
+//! tests (`batches`), our API beside the Dynamo API in one service (`two_apis`), and, over the fleet harness of
 //! `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the shipped trace
 //! head, an in-process indexer view, and failing the test where the harness returns an error.
 //!
@@ -13,6 +13,7 @@
 pub mod batches;
 pub mod fake_engine;
 pub mod http_client;
+pub mod two_apis;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -102,6 +103,8 @@ fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
             .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),
         topic: String::new(),
         model: None,
+        instance_id: 0,
+        registered_at_runtime: false,
     }
 }
 

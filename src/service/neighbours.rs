@@ -1,0 +1,241 @@
+//! The neighbour-port watch of fixed engines: a `dp_size` typed too small leaves a rank
+//! unindexed without a word, so the port the next rank would use (`zmq_port + dp_rank_start +
+//! dp_size`) is probed, and a publisher answering there is made loud: warned about once with the
+//! fix, counted (`neighbour_publishers_total`) and shown on `/workers`.
+//!
+//! Owns: which ports are probed (not one that is another rank of the plan), when (at start, on
+//! reload, every 30 s), and the transitions a probe reports. Never: subscribes to or indexes
+//! anything from that port (`discover::publisher_answers` only waits for the handshake).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::Context;
+use log::{info, warn};
+use parking_lot::Mutex;
+
+use crate::config::Config;
+use crate::discover::{
+    neighbour_port, neighbour_warning, publisher_answers, Board, NeighbourReport,
+};
+use crate::metrics::Metrics;
+use crate::plan::ListenerSpec;
+
+/// Between two rounds of probes. An engine is scaled by an operator, rarely; one round costs a
+/// refused connection per engine (well under a millisecond on a LAN).
+const PROBE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How long one probe waits for a handshake. ZMTP's greeting and handshake take two round
+/// trips (well under 1 ms on a LAN, 200 ms over a 100 ms link); only a silent peer costs the
+/// whole wait. It also bounds how long `stop` waits for the probe under way.
+const PROBE_WAIT: Duration = Duration::from_millis(250);
+
+/// One fixed engine's neighbour port.
+struct Target {
+    engine: String,
+    endpoint: String,
+    port: u16,
+    dp_size: u32,
+}
+
+/// The probing thread; `sync` gives it the fixed engines of a new configuration.
+pub struct NeighbourWatch {
+    targets: Arc<Mutex<Vec<Target>>>,
+    wake: Sender<()>,
+    /// Checked between two probes: a round over thousands of engines stops at once.
+    stopping: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl NeighbourWatch {
+    pub fn spawn(board: Arc<Board>, metrics: Arc<Metrics>) -> anyhow::Result<NeighbourWatch> {
+        let targets: Arc<Mutex<Vec<Target>>> = Arc::default();
+        let (wake, woken) = mpsc::channel::<()>();
+        let probed = Arc::clone(&targets);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = Arc::clone(&stopping);
+        let thread = std::thread::Builder::new()
+            .name("neighbour-probe".into())
+            .spawn(move || {
+                let zmq = zmq::Context::new();
+                // The ports answering now, by engine: a warning is logged when one appears.
+                let mut answering: BTreeMap<String, u16> = BTreeMap::new();
+                loop {
+                    match woken.recv_timeout(PROBE_INTERVAL) {
+                        Ok(()) | Err(RecvTimeoutError::Timeout) => {}
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
+                    let targets = probed.lock();
+                    let round = Round {
+                        zmq: &zmq,
+                        board: &board,
+                        metrics: &metrics,
+                        stopping: &stop,
+                    };
+                    round.probe(&targets, &mut answering);
+                }
+            })
+            .context("spawning the neighbour probe thread")?;
+        Ok(NeighbourWatch {
+            targets,
+            wake,
+            stopping,
+            thread,
+        })
+    }
+
+    /// Probes the fixed engines of `config` from now on, starting now; a port that is a rank
+    /// of `plan` (another engine's) is not probed.
+    pub fn sync(&self, config: &Config, plan: &[ListenerSpec]) {
+        *self.targets.lock() = targets(config, plan);
+        let _ = self.wake.send(());
+    }
+
+    /// Stops the thread; waits at most for the probe under way (`PROBE_WAIT`).
+    pub fn stop(self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        drop(self.wake);
+        // A panicked thread has already logged why.
+        let _ = self.thread.join();
+    }
+}
+
+/// The neighbour port of every fixed engine of `config`, except a port that is a rank of `plan`
+/// (an engine placed right after this one).
+fn targets(config: &Config, plan: &[ListenerSpec]) -> Vec<Target> {
+    let in_plan: BTreeSet<&str> = plan
+        .iter()
+        .flat_map(|spec| std::iter::once(spec.endpoint.as_str()).chain(spec.replay.as_deref()))
+        .collect();
+    config
+        .engines
+        .iter()
+        .filter_map(|engine| {
+            let fixed = engine.fixed()?;
+            let port = neighbour_port(fixed.zmq_port, fixed.dp_rank_start, fixed.dp_size)?;
+            let endpoint = if engine.host.contains(':') {
+                format!("tcp://[{}]:{port}", engine.host)
+            } else {
+                format!("tcp://{}:{port}", engine.host)
+            };
+            (!in_plan.contains(endpoint.as_str())).then(|| Target {
+                engine: engine.name.clone(),
+                endpoint,
+                port,
+                dp_size: fixed.dp_size,
+            })
+        })
+        .collect()
+}
+
+/// What one round of probes uses.
+struct Round<'a> {
+    zmq: &'a zmq::Context,
+    board: &'a Board,
+    metrics: &'a Metrics,
+    stopping: &'a AtomicBool,
+}
+
+impl Round<'_> {
+    /// Probes every target once; logs, counts and shows each port that starts answering, and
+    /// clears each that stops (or is no longer the engine's neighbour after a reload).
+    fn probe(&self, targets: &[Target], answering: &mut BTreeMap<String, u16>) {
+        let (zmq, board, metrics) = (self.zmq, self.board, self.metrics);
+        answering.retain(|engine, port| {
+            let still = targets
+                .iter()
+                .any(|t| &t.engine == engine && t.port == *port);
+            if !still {
+                board.update(engine, |report| report.neighbour = None);
+            }
+            still
+        });
+        for target in targets {
+            if self.stopping.load(Ordering::Relaxed) {
+                return;
+            }
+            let answers = match publisher_answers(zmq, &target.endpoint, PROBE_WAIT) {
+                Ok(answers) => answers,
+                Err(error) => {
+                    warn!(
+                        "engine {}: probing {}: {error:#}",
+                        target.engine, target.endpoint
+                    );
+                    continue;
+                }
+            };
+            let was = answering.get(&target.engine) == Some(&target.port);
+            match (was, answers) {
+                (false, true) => {
+                    let warning = neighbour_warning(&target.engine, target.port, target.dp_size);
+                    warn!("{warning} (nothing from that port is indexed)");
+                    metrics.engine(&target.engine).neighbour_publisher();
+                    answering.insert(target.engine.clone(), target.port);
+                    board.update(&target.engine, |report| {
+                        report.neighbour = Some(NeighbourReport {
+                            port: target.port,
+                            warning,
+                        });
+                    });
+                }
+                (true, false) => {
+                    info!(
+                        "engine {}: no publisher answers on {} any more",
+                        target.engine, target.port
+                    );
+                    answering.remove(&target.engine);
+                    board.update(&target.engine, |report| report.neighbour = None);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan;
+
+    #[test]
+    fn the_neighbour_is_probed_unless_another_engine_runs_a_rank_there() {
+        let text = r#"
+[[engine]]
+name = "a"
+host = "10.0.0.5"
+zmq_port = 5557
+dp_size = 2
+[[engine]]
+name = "right-after-a"
+host = "10.0.0.5"
+zmq_port = 5559
+[[engine]]
+name = "v6"
+host = "fd00::5"
+zmq_port = 6000
+dp_rank_start = 2
+[[engine]]
+name = "asked"
+discover = "http://10.0.0.5:8000"
+"#;
+        let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
+        let probed: Vec<(String, String)> = targets(&config, &plan::expand(&config))
+            .into_iter()
+            .map(|t| (t.engine, t.endpoint))
+            .collect();
+        assert_eq!(
+            probed,
+            [
+                (
+                    "right-after-a".to_string(),
+                    "tcp://10.0.0.5:5560".to_string()
+                ),
+                ("v6".to_string(), "tcp://[fd00::5]:6003".to_string()),
+            ]
+        );
+    }
+}
