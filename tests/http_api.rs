@@ -122,9 +122,9 @@ fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
             "block_size": 16,
             "query_blocks": 4,
             "scores": [
-                {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "matched_tokens": 64, "cached_blocks": 4},
-                {"instance": "b", "dp_rank": 0, "matched_blocks": 2, "matched_tokens": 32, "cached_blocks": 2},
-                {"instance": "c", "dp_rank": 0, "matched_blocks": 2, "matched_tokens": 32, "cached_blocks": 2},
+                {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "matched_tokens": 64, "cached_blocks": 4, "tiers": {"gpu": 4, "cpu": 4, "disk": 4}},
+                {"instance": "b", "dp_rank": 0, "matched_blocks": 2, "matched_tokens": 32, "cached_blocks": 2, "tiers": {"gpu": 2, "cpu": 2, "disk": 2}},
+                {"instance": "c", "dp_rank": 0, "matched_blocks": 2, "matched_tokens": 32, "cached_blocks": 2, "tiers": {"gpu": 2, "cpu": 2, "disk": 2}},
             ]
         })
     );
@@ -218,6 +218,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "last_seq",
         "batches",
         "blocks",
+        "tier_blocks",
         "gaps",
         "lost_batches",
         "parent_missing",
@@ -263,6 +264,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
     assert_eq!(rank["state"], "connecting");
     assert_eq!(rank["connected"], false);
     assert_eq!(rank["batches"], 0);
+    assert_eq!(rank["tier_blocks"], json!({"gpu": 0, "cpu": 0, "disk": 0}));
 
     let ready = get(running.addr(), "/ready");
     assert_eq!(ready.status, 503);

@@ -217,7 +217,7 @@ fn readers_during_a_bulk_clear_never_see_more_than_was_held() {
         let scores = index.query(&tokens, None, &|w| w == clearing_id);
         assert_eq!(scores[0].matched_blocks as usize, HOLE, "round {round}");
         drop(gate);
-        clearing.apply(&Event::Cleared, &mut outcome);
+        clearing.apply(&Event::Cleared { medium: None }, &mut outcome);
         assert!(index.query(&tokens, None, &|w| w == clearing_id).is_empty());
     }
     stop.store(true, Ordering::Relaxed);

@@ -1,13 +1,16 @@
 //! Model-based test of the index: random interleavings of stores (salted, multimodal, with
 //! inputs no prompt reproduces, re-announced as second physical copies), removals (of leaves, of
-//! inner blocks, of one copy), clears and worker removals, by workers whose engines hash a
-//! lookahead token or not, applied both to the index and to a deliberately simple model — per
-//! worker, `engine hash → (everything the engine's hash covers, copies)` — and after every step
-//! every query must score exactly as the model does.
+//! inner blocks, of one copy), clears and worker removals, in every storage tier (lower tiers
+//! also by offloading placeholders, resolved through GPU or unknown), by workers whose engines
+//! hash a lookahead token or not, applied both to the index and to a deliberately simple model —
+//! per worker and tier, `engine hash → (everything the engine's hash covers, copies)` — and after
+//! every step every query must score exactly as the model does, tier by tier.
 
 use std::collections::{HashMap, HashSet};
 
-use kv_indexer::index::{ApplyOutcome, Index, MmFeature, Prompt, Score, WorkerBlocks, WorkerId};
+use kv_indexer::index::{
+    ApplyOutcome, Index, MmFeature, PerTier, Prompt, Score, Tier, WorkerBlocks, WorkerId,
+};
 use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -152,19 +155,72 @@ struct Worker {
     writer: WorkerBlocks,
     /// Tokens after a block its engine hashes with it (1 under speculative decoding).
     lookahead: usize,
-    model: HashMap<u64, Held>,
+    /// By tier (GPU, CPU, disk).
+    model: [HashMap<u64, Held>; 3],
+}
+
+/// The media a tier's events name, one picked at random (they all name the tier).
+const MEDIA: [&[Option<&str>]; 3] = [
+    &[None, Some("GPU")],
+    &[Some("CPU"), Some("CPU_PINNED")],
+    &[
+        Some("STORAGE"),
+        Some("DISK"),
+        Some("FS"),
+        Some("OBJ"),
+        Some("EXTERNAL"),
+    ],
+];
+
+fn medium(rng: &mut SmallRng, tier: Tier) -> Option<String> {
+    let media = MEDIA[tier as usize];
+    media[rng.random_range(0..media.len())].map(str::to_owned)
 }
 
 impl Worker {
-    fn hash_of(&self, identity: &Identity) -> Option<u64> {
-        self.model
+    fn hash_of(&self, tier: Tier, identity: &Identity) -> Option<u64> {
+        self.model[tier as usize]
             .iter()
             .find(|(_, held)| held.identity == *identity)
             .map(|(&hash, _)| hash)
     }
 
-    fn copies(&self) -> u64 {
-        self.model.values().map(|held| held.copies).sum()
+    /// What a store's parent hash resolves to in `tier`: its own map first, then GPU's, then
+    /// the other lower tier's.
+    fn resolve(&self, tier: Tier, hash: u64) -> Option<&Identity> {
+        let order: [Tier; 3] = match tier {
+            Tier::Gpu => [Tier::Gpu, Tier::Gpu, Tier::Gpu],
+            Tier::Cpu => [Tier::Cpu, Tier::Gpu, Tier::Disk],
+            Tier::Disk => [Tier::Disk, Tier::Gpu, Tier::Cpu],
+        };
+        order
+            .iter()
+            .find_map(|&t| self.model[t as usize].get(&hash))
+            .map(|held| &held.identity)
+    }
+
+    fn copies(&self, tier: Tier) -> u64 {
+        self.model[tier as usize]
+            .values()
+            .map(|held| held.copies)
+            .sum()
+    }
+
+    /// Records one stored block in `tier`: a copy of a held hash with the same identity, else
+    /// the hash now names `identity`.
+    fn record(&mut self, tier: Tier, hash: u64, identity: Identity) {
+        match self.model[tier as usize].get_mut(&hash) {
+            Some(held) if held.identity == identity => held.copies += 1,
+            _ => {
+                self.model[tier as usize].insert(
+                    hash,
+                    Held {
+                        identity,
+                        copies: 1,
+                    },
+                );
+            }
+        }
     }
 }
 
@@ -178,16 +234,37 @@ fn model_scores(
         if !include(worker.writer.id()) {
             continue;
         }
-        let held: HashSet<&Identity> = worker.model.values().map(|h| &h.identity).collect();
-        let matched = (0..)
+        let held: Vec<HashSet<&Identity>> = worker
+            .model
+            .iter()
+            .map(|tier| tier.values().map(|h| &h.identity).collect())
+            .collect();
+        let identities: Vec<Identity> = (0..)
             .map_while(|b| request.identity(b, worker.lookahead))
-            .take_while(|identity| held.contains(identity))
-            .count();
-        if matched > 0 {
+            .collect();
+        // Each tier's run from where the one above stopped.
+        let run = |tier: usize, from: usize| {
+            from + identities[from..]
+                .iter()
+                .take_while(|identity| held[tier].contains(identity))
+                .count()
+        };
+        let gpu = run(0, 0);
+        let cpu = run(1, gpu);
+        let disk = run(2, cpu);
+        let listed = identities
+            .first()
+            .is_some_and(|first| held.iter().any(|tier| tier.contains(first)));
+        if listed {
             scores.push(Score {
                 worker: worker.writer.id(),
-                matched_blocks: matched as u32,
-                cached_blocks: worker.copies(),
+                matched_blocks: gpu as u32,
+                cached_blocks: worker.copies(Tier::Gpu),
+                tiers: PerTier {
+                    gpu: gpu as u32,
+                    cpu: cpu as u32,
+                    disk: disk as u32,
+                },
             });
         }
     }
@@ -211,7 +288,7 @@ fn apply(worker: &mut Worker, event: Event) -> ApplyOutcome {
 /// the root, or chained from a block it holds; with fresh engine hashes, reused ones (the
 /// engine reused a hash for other content) or the hash of a block it already holds (a second
 /// physical copy); sometimes with an input no prompt carries.
-fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
+fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker, tier: Tier) {
     let path = tree.path(rng.random_range(0..tree.nodes.len()));
     let mut tokens = tree.tokens(&path);
     // The request goes on past the stored blocks, so that each has its lookahead token.
@@ -222,7 +299,11 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     let held_parents: Vec<(usize, u64)> = (1..path.len())
         .filter_map(|start| {
             let parent = request.identity(start - 1, lookahead)?;
-            Some((start, worker.hash_of(&parent)?))
+            let hash = Tier::ALL
+                .iter()
+                .filter_map(|&t| worker.hash_of(t, &parent))
+                .find(|&hash| worker.resolve(tier, hash) == Some(&parent))?;
+            Some((start, hash))
         })
         .collect();
     let (start, parent) = match held_parents.len() {
@@ -234,7 +315,7 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
         _ => (0, None),
     };
     let end = rng.random_range(start + 1..=path.len());
-    let existing: Vec<u64> = worker.model.keys().copied().collect();
+    let existing: Vec<u64> = worker.model[tier as usize].keys().copied().collect();
     let mut identities = Vec::new();
     let mut opaque = Vec::new();
     for b in start..end {
@@ -249,8 +330,12 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     }
     let hashes: Vec<u64> = identities
         .iter()
-        .map(|identity| match worker.hash_of(identity) {
+        .map(|identity| match worker.hash_of(tier, identity) {
             Some(held) if rng.random_bool(0.5) => held,
+            // A lower tier keeps the engine hash the block has in GPU.
+            _ if tier != Tier::Gpu && rng.random_bool(0.5) => worker
+                .hash_of(Tier::Gpu, identity)
+                .unwrap_or_else(|| rng.random()),
             _ if !existing.is_empty() && rng.random_bool(0.1) => {
                 existing[rng.random_range(0..existing.len())]
             }
@@ -277,6 +362,7 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     let event = Event::Stored(BlockStored {
         // An event with a parent chains from it whatever it says; send the same adapter anyway.
         lora_name: request.lora.clone(),
+        medium: medium(rng, tier),
         extras,
         ..BlockStored::new(
             hashes.clone(),
@@ -288,48 +374,62 @@ fn store(rng: &mut SmallRng, tree: &Tree, worker: &mut Worker) {
     let outcome = apply(worker, event);
     assert_eq!(outcome.stored, 1);
     for (hash, identity) in hashes.into_iter().zip(identities) {
-        match worker.model.get_mut(&hash) {
-            Some(held) if held.identity == identity => held.copies += 1,
-            _ => {
-                worker.model.insert(
-                    hash,
-                    Held {
-                        identity,
-                        copies: 1,
-                    },
-                );
-            }
+        worker.record(tier, hash, identity);
+    }
+}
+
+/// vLLM's offloading connector announcing copies in a lower tier by engine hash alone: some of
+/// the GPU tier's hashes, sometimes one GPU does not know.
+fn store_placeholder(rng: &mut SmallRng, worker: &mut Worker, tier: Tier) {
+    let (hashes, unknown) = some_hashes(rng, &worker.model[0], 0.4);
+    let event = Event::Stored(BlockStored {
+        medium: medium(rng, tier),
+        ..BlockStored::new(hashes.clone(), None, Vec::new(), 0)
+    });
+    let outcome = apply(worker, event);
+    assert_eq!(outcome.placeholder_unknown, u64::from(unknown));
+    for hash in hashes {
+        if let Some(held) = worker.model[0].get(&hash) {
+            let identity = held.identity.clone();
+            worker.record(tier, hash, identity);
         }
     }
 }
 
-/// Removes one copy of some of the worker's engine hashes.
-fn remove(rng: &mut SmallRng, worker: &mut Worker) {
-    let mut hashes: Vec<u64> = worker
-        .model
+/// A random share of `model`'s hashes and, one time in five, a hash it does not hold (placed
+/// at random); whether it added one.
+fn some_hashes(rng: &mut SmallRng, model: &HashMap<u64, Held>, share: f64) -> (Vec<u64>, bool) {
+    let mut hashes: Vec<u64> = model
         .keys()
         .copied()
-        .filter(|_| rng.random_bool(0.3))
+        .filter(|_| rng.random_bool(share))
         .collect();
     let unknown = rng.random_bool(0.2);
     if unknown {
-        hashes.push(rng.random());
+        hashes.insert(rng.random_range(0..=hashes.len()), rng.random());
     }
+    (hashes, unknown)
+}
+
+/// Removes one copy of some of the worker's engine hashes in `tier`.
+fn remove(rng: &mut SmallRng, worker: &mut Worker, tier: Tier) {
+    let (hashes, unknown) = some_hashes(rng, &worker.model[tier as usize], 0.3);
     let outcome = apply(
         worker,
         Event::Removed(BlockRemoved {
             block_hashes: hashes.clone(),
-            medium: None,
+            medium: medium(rng, tier),
             group_idx: None,
         }),
     );
+    let model = &mut worker.model[tier as usize];
     let mut removed = 0;
     for hash in &hashes {
-        if let Some(held) = worker.model.get_mut(hash) {
+        if let Some(held) = model.get_mut(hash) {
             removed += 1;
             held.copies -= 1;
             if held.copies == 0 {
-                worker.model.remove(hash);
+                model.remove(hash);
             }
         }
     }
@@ -360,11 +460,16 @@ fn check(rng: &mut SmallRng, tree: &Tree, index: &Index, workers: &[Option<Worke
     let keys: HashSet<&Identity> = workers
         .iter()
         .flatten()
-        .flat_map(|w| w.model.values().map(|held| &held.identity))
+        .flat_map(|w| w.model.iter().flat_map(|tier| tier.values()))
+        .map(|held| &held.identity)
         .collect();
     assert_eq!(index.key_count(), keys.len() as u64);
     for worker in workers.iter().flatten() {
-        assert_eq!(worker.writer.blocks(), worker.copies());
+        assert_eq!(worker.writer.blocks(), worker.copies(Tier::Gpu));
+        let tiers = worker.writer.tier_blocks();
+        for tier in Tier::ALL {
+            assert_eq!(tiers.get(tier), worker.copies(tier), "{tier:?}");
+        }
     }
 }
 
@@ -378,31 +483,43 @@ fn run(seed: u64, steps: usize) {
         match (&mut workers[slot], rng.random_range(0..100)) {
             (None, _) => {
                 let writer = index.add_worker();
-                // A freed id is reused, so ids stay below the number of worker slots.
-                let id = writer.id() as usize;
+                // A freed id is reused (by ranks and their tiers alike), so ids stay below the
+                // number of workers there can be, and no two live ranks share one.
+                let id = writer.id();
+                assert!((id as usize) < 3 * WORKERS, "id {id} not reused");
                 assert!(
-                    id < WORKERS && workers[id].is_none(),
-                    "id {id} reused badly"
+                    workers.iter().flatten().all(|w| w.writer.id() != id),
+                    "id {id} reused while live"
                 );
-                workers[id] = Some(Worker {
+                workers[slot] = Some(Worker {
                     writer,
                     lookahead: usize::from(rng.random_bool(0.3)),
-                    model: HashMap::new(),
+                    model: Default::default(),
                 });
             }
-            (Some(worker), 0..=59) => store(&mut rng, &tree, worker),
-            (Some(worker), 60..=89) => remove(&mut rng, worker),
+            (Some(worker), step @ 0..=89) => {
+                let tier = match rng.random_range(0..10) {
+                    0..=5 => Tier::Gpu,
+                    6..=8 => Tier::Cpu,
+                    _ => Tier::Disk,
+                };
+                match step {
+                    0..=39 => store(&mut rng, &tree, worker, tier),
+                    40..=59 if tier != Tier::Gpu => store_placeholder(&mut rng, worker, tier),
+                    40..=59 => store(&mut rng, &tree, worker, tier),
+                    _ => remove(&mut rng, worker, tier),
+                }
+            }
             (Some(worker), 90..=94) => {
-                assert_eq!(apply(worker, Event::Cleared).cleared, 1);
-                worker.model.clear();
+                // vLLM's clear has no medium and clears GPU; others name their tier.
+                let tier = Tier::ALL[rng.random_range(0..3)];
+                let clear = Event::Cleared {
+                    medium: medium(&mut rng, tier),
+                };
+                assert_eq!(apply(worker, clear).cleared, 1);
+                worker.model[tier as usize].clear();
             }
-            (Some(_), _) => {
-                let id = workers[slot].as_ref().map(|w| w.writer.id() as usize);
-                let dropped = workers[slot].take();
-                // Slots are indexed by id, so the writer is in its own slot.
-                assert_eq!(id, Some(slot));
-                drop(dropped);
-            }
+            (Some(_), _) => drop(workers[slot].take()),
         }
         check(&mut rng, &tree, &index, &workers);
     }

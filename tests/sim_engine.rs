@@ -197,7 +197,7 @@ fn array_form_carries_the_same_events_as_map_form() {
                 .collect::<Vec<_>>(),
         );
     }
-    assert_eq!(decoded[0][0], [Event::Cleared]);
+    assert_eq!(decoded[0][0], [Event::Cleared { medium: None }]);
     let removals = decoded[0][2]
         .iter()
         .filter(|e| matches!(e, Event::Removed(_)))
@@ -454,7 +454,10 @@ fn restart_rank_starts_seq_again_at_zero_with_an_empty_cache_and_new_hashes() {
     // A prefix-cache reset publishes AllBlocksCleared on the next seq.
     engine.reset_prefix_cache(1).expect("reset");
     let (seq, cleared) = receive(&sub, 1).remove(0);
-    assert_eq!((seq, cleared.events), (1, vec![Event::Cleared]));
+    assert_eq!(
+        (seq, cleared.events),
+        (1, vec![Event::Cleared { medium: None }])
+    );
     assert_eq!(engine.cached_blocks(1).expect("rank"), 0);
 }
 

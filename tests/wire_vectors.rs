@@ -91,7 +91,7 @@ fn expected_event(event: &Value, row: &str) -> Event {
             medium: text("medium"),
             group_idx,
         }),
-        Some("AllBlocksCleared") => Event::Cleared,
+        Some("AllBlocksCleared") => Event::Cleared { medium: None },
         other => panic!("row {row:?}: unknown expected event type {other:?}"),
     }
 }

@@ -13,6 +13,7 @@ use super::query_body::parse_query;
 use super::snapshot_route::snapshot_route;
 use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
+use crate::index::PerTier;
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 
@@ -63,6 +64,25 @@ struct ScoreJson<'a> {
     matched_blocks: u32,
     matched_tokens: u64,
     cached_blocks: u64,
+    tiers: TiersJson<u32>,
+}
+
+/// One value per storage tier, as `/query` and `/workers` show it.
+#[derive(Serialize)]
+struct TiersJson<T> {
+    gpu: T,
+    cpu: T,
+    disk: T,
+}
+
+impl<T: Copy> From<PerTier<T>> for TiersJson<T> {
+    fn from(tiers: PerTier<T>) -> Self {
+        TiersJson {
+            gpu: tiers.gpu,
+            cpu: tiers.cpu,
+            disk: tiers.disk,
+        }
+    }
 }
 
 fn query(api: &Api, body: &[u8]) -> Reply {
@@ -89,6 +109,7 @@ fn query(api: &Api, body: &[u8]) -> Reply {
                 matched_blocks: score.matched_blocks,
                 matched_tokens: u64::from(score.matched_blocks) * u64::from(block_size),
                 cached_blocks: score.cached_blocks,
+                tiers: score.tiers.into(),
             })
         })
         .collect();
@@ -143,6 +164,7 @@ struct ListenerJson<'a> {
     last_seq: Option<u64>,
     batches: u64,
     blocks: u64,
+    tier_blocks: TiersJson<u64>,
     gaps: u64,
     lost_batches: u64,
     parent_missing: u64,
@@ -166,6 +188,9 @@ impl<'a> ListenerJson<'a> {
             last_seq: status.and_then(|s| s.last_seq),
             batches: status.map_or(0, |s| s.batches),
             blocks: status.map_or(0, |s| s.blocks),
+            tier_blocks: status
+                .map_or_else(PerTier::default, |s| s.tier_blocks)
+                .into(),
             gaps: status.map_or(0, |s| s.gaps),
             lost_batches: status.map_or(0, |s| s.lost_batches),
             parent_missing: status.map_or(0, |s| s.parent_missing),

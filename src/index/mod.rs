@@ -2,12 +2,19 @@
 //!
 //! Owns the index's data (shards of `key → holders`, the live workers' stats) and the rules that
 //! keep it consistent; `query` is its read side, `search` the prefix search readers run,
-//! `worker_blocks` the one writer per worker, `keys` the key function, `shard` and `engine_map`
-//! the two maps, `table` their memory. It never decodes bytes, never touches a socket, and never
+//! `worker_blocks` the one writer per rank (which tier an event is about), `tier_blocks` the
+//! writer of one tier, `tiers` the media, `keys` the key function, `shard` and `engine_map` the
+//! two maps, `table` their memory. It never decodes bytes, never touches a socket, and never
 //! blocks a reader behind a whole batch: a writer takes one shard lock per block.
 //!
 //! # Invariants
 //!
+//! - A worker is one storage tier of one rank (`docs.md`, "Storage tiers"). A rank's GPU worker
+//!   is created with it and its id is the rank's; its CPU and disk workers exist from the tier's
+//!   first store, each with its own map and slots, linked from the GPU worker's stats
+//!   (`WorkerStats::lower`) and counted in `Index::tier_workers`. While that count is 0 a query
+//!   scores GPU alone, as before tiers existed. A lower tier is freed before its rank's GPU
+//!   worker, whose id it names.
 //! - A block's key is a function of what its engine hash covers that a router can know (`keys`,
 //!   `docs.md` "Block keys"): its tokens, its chain, the LoRA adapter, the cache salt, the
 //!   multimodal items overlapping it and its lookahead tokens, never the engine hash itself. The
@@ -25,9 +32,12 @@
 //! - A worker's map holds each engine hash once, with its count of physical copies (a store of a
 //!   held hash adds one, a removal takes one, the hash goes with its last); `WorkerStats::blocks`
 //!   is the number of copies after the worker's last applied event.
-//! - `WorkerStats::lookahead` is the lookahead its engine's last store showed, and
-//!   `Index::lookahead_workers` counts the live workers where it is not 0: while none, a query
-//!   hashes one chain of keys, as before lookahead existed.
+//! - `WorkerStats::lookahead` is the lookahead its engine's last store with content showed, kept
+//!   on the rank's GPU worker, and `Index::lookahead_workers` counts the live workers where it is
+//!   not 0: while none, a query hashes one chain of keys, as before lookahead existed.
+//! - A score's tiers are cumulative: `gpu` is the GPU worker's matched prefix, `cpu` adds the
+//!   CPU worker's run of held keys from position `gpu` on, `disk` the disk worker's run from
+//!   `cpu` on; a rank is listed when any of its workers holds key 0.
 //!
 //! # Cost of each operation
 //!
@@ -35,10 +45,10 @@
 //!
 //! | operation | cost | locks |
 //! |---|---|---|
-//! | `query` | `n` key hashes at most (hashed lazily; a block with extras hashes them once more); `O(log n)` probe rounds of ≤ 8 keys for workers without orphans, `≤ n` probes for the others; `O(c)` scratch; all of it once per distinct lookahead among live workers (once in a fleet without speculative decoding) | one shard read lock per probe, the worker table's read lock once per lookahead |
-//! | store, removal | `b` map updates and `b` shard visits (+1 for the parent), misses prefetched 4 blocks ahead | one shard write lock at a time |
+//! | `query` | `n` key hashes at most (hashed lazily; a block with extras hashes them once more); `O(log n)` probe rounds of ≤ 8 keys for workers without orphans, `≤ n` probes for the others; with lower tiers, `c - g + 1` probes for a CPU run from `g` to `c` and `d - c + 1` for disk, shared by ranks probing the same block; `O(c)` scratch; all of it once per distinct lookahead among live workers (once in a fleet without speculative decoding) | one shard read lock per probe, the worker table's read lock once per lookahead |
+//! | store, removal | `b` map updates and `b` shard visits (+1 for the parent), misses prefetched 4 blocks ahead; a placeholder store `b` GPU map lookups and ≤ `2b` shard visits | one shard write lock at a time |
 //! | clear, drop | one sweep per shard of the worker's keys, sorted | each shard lock held for ≤ 4096 keys (~1 ms) |
-//! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline); second copies in a side map | |
+//! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline; a block held in two tiers of a rank takes two); second copies in a side map; a GPU-only rank pays 16 B of stats and two empty tier slots for tiers | |
 
 mod engine_map;
 mod keys;
@@ -47,19 +57,23 @@ mod query;
 mod search;
 mod shard;
 mod table;
+mod tier_blocks;
+mod tiers;
 mod worker_blocks;
 
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 
 use keys::KeyChain;
 use shard::LockedShard;
+use tier_blocks::TierBlocks;
 
 pub use keys::{MmFeature, Prompt};
 pub use local_hashes::keys_of_local_hashes;
 pub use query::Score;
+pub use tiers::{PerTier, Tier};
 pub use worker_blocks::{ApplyOutcome, WorkerBlocks};
 
 /// A worker (one engine rank) inside the index: a small integer, reused after the worker is
@@ -76,6 +90,8 @@ pub struct Index {
     /// Live workers whose engines hash lookahead tokens: while none, a query computes one
     /// chain of keys.
     lookahead_workers: AtomicUsize,
+    /// Live CPU and disk tier workers: while none, a query scores the GPU tier alone.
+    tier_workers: AtomicUsize,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -91,8 +107,12 @@ struct WorkerSlots {
 }
 
 /// What readers need about a worker, kept current by its writer.
-#[derive(Default)]
 struct WorkerStats {
+    /// The tier this worker indexes, and the GPU worker of its rank (itself for a GPU worker).
+    tier: Tier,
+    rank: WorkerId,
+    /// A GPU worker's CPU and disk tier workers (`NO_WORKER` while the rank has none).
+    lower: [AtomicU32; 2],
     /// Physical copies of blocks the worker holds.
     blocks: AtomicU64,
     /// Holdings whose parent key the worker does not hold; 0 means its holdings are closed under
@@ -100,6 +120,33 @@ struct WorkerStats {
     orphans: AtomicI64,
     /// Tokens after a block that the worker's engine hashes with it, as its last store showed.
     lookahead: AtomicU32,
+}
+
+/// No worker: a rank without a CPU or disk tier.
+const NO_WORKER: WorkerId = WorkerId::MAX;
+
+impl WorkerStats {
+    fn new(tier: Tier, rank: WorkerId) -> WorkerStats {
+        WorkerStats {
+            tier,
+            rank,
+            lower: [AtomicU32::new(NO_WORKER), AtomicU32::new(NO_WORKER)],
+            blocks: AtomicU64::new(0),
+            orphans: AtomicI64::new(0),
+            lookahead: AtomicU32::new(0),
+        }
+    }
+
+    /// The rank's worker for `tier` (a GPU worker's view), if it has one.
+    fn tier_worker(&self, tier: Tier) -> Option<WorkerId> {
+        match tier {
+            Tier::Gpu => Some(self.rank),
+            lower => {
+                let id = self.lower[lower as usize - 1].load(Ordering::Relaxed);
+                (id != NO_WORKER).then_some(id)
+            }
+        }
+    }
 }
 
 impl Index {
@@ -116,6 +163,7 @@ impl Index {
                 .collect(),
             workers: RwLock::new(WorkerSlots::default()),
             lookahead_workers: AtomicUsize::new(0),
+            tier_workers: AtomicUsize::new(0),
         })
     }
 
@@ -123,30 +171,45 @@ impl Index {
         self.block_size
     }
 
-    /// Adds a worker; the returned writer is the only way to change what it holds.
+    /// Adds a worker (a rank, its GPU tier first); the returned writer is the only way to
+    /// change what it holds.
     pub fn add_worker(self: &Arc<Self>) -> WorkerBlocks {
-        let stats = Arc::new(WorkerStats::default());
-        let mut registry = self.workers.write();
-        let id = match registry.free.pop() {
-            Some(id) => {
-                registry.live[id as usize] = Some(stats.clone());
-                id
-            }
-            None => {
-                registry.live.push(Some(stats.clone()));
-                WorkerId::try_from(registry.live.len() - 1).unwrap_or(WorkerId::MAX)
-            }
-        };
-        drop(registry);
-        WorkerBlocks::new(self.clone(), id, stats)
+        WorkerBlocks::new(self.add_tier_worker(Tier::Gpu, None))
     }
 
-    /// Frees a removed worker's id for reuse (its writer has cleared its holdings).
+    /// Adds the worker of one tier of a rank: of the rank whose GPU worker is `rank`, or a new
+    /// rank's GPU worker when `None`.
+    fn add_tier_worker(self: &Arc<Self>, tier: Tier, rank: Option<WorkerId>) -> TierBlocks {
+        let mut registry = self.workers.write();
+        let id = registry.free.pop().unwrap_or_else(|| {
+            registry.live.push(None);
+            WorkerId::try_from(registry.live.len() - 1).unwrap_or(NO_WORKER)
+        });
+        let stats = Arc::new(WorkerStats::new(tier, rank.unwrap_or(id)));
+        registry.live[id as usize] = Some(stats.clone());
+        if let (Some(rank), Tier::Cpu | Tier::Disk) = (rank, tier) {
+            if let Some(Some(gpu)) = registry.live.get(rank as usize) {
+                gpu.lower[tier as usize - 1].store(id, Ordering::Relaxed);
+            }
+            self.tier_workers.fetch_add(1, Ordering::Relaxed);
+        }
+        drop(registry);
+        TierBlocks::new(self.clone(), id, stats)
+    }
+
+    /// Frees a removed worker's id for reuse (its writer has cleared its holdings); a lower
+    /// tier's is unlinked from its rank first.
     fn release_worker(&self, id: WorkerId) {
         let mut registry = self.workers.write();
-        if let Some(slot) = registry.live.get_mut(id as usize) {
-            *slot = None;
-            registry.free.push(id);
+        let Some(stats) = registry.live.get_mut(id as usize).and_then(Option::take) else {
+            return;
+        };
+        registry.free.push(id);
+        if stats.tier != Tier::Gpu {
+            if let Some(Some(gpu)) = registry.live.get(stats.rank as usize) {
+                gpu.lower[stats.tier as usize - 1].store(NO_WORKER, Ordering::Relaxed);
+            }
+            self.tier_workers.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

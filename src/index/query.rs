@@ -9,16 +9,20 @@ use std::sync::atomic::Ordering;
 
 use super::keys::{KeyChain, LazyKeys, Prompt};
 use super::search::Search;
-use super::{Index, WorkerId};
+use super::{Index, PerTier, Tier, WorkerId};
 
-/// One worker's answer to a query.
+/// One rank's answer to a query.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Score {
     pub worker: WorkerId,
-    /// Consecutive blocks of the prompt, from the start, that the worker holds.
+    /// Consecutive blocks of the prompt, from the start, that the rank holds in GPU.
     pub matched_blocks: u32,
-    /// How many blocks (engine hashes) the worker holds in all.
+    /// How many blocks (engine hashes) the rank holds in GPU in all.
     pub cached_blocks: u64,
+    /// The prefix as an engine loads it, cumulative: `gpu` is `matched_blocks`, `cpu` adds the
+    /// blocks from there on held in CPU up to the first it lacks, `disk` the blocks from there on
+    /// held in disk likewise.
+    pub tiers: PerTier<u32>,
 }
 
 impl Index {
@@ -55,7 +59,8 @@ impl Index {
         let mut lookaheads: Vec<u32> = {
             let registry = self.workers.read();
             let live = registry.live.iter().flatten();
-            live.map(|stats| stats.lookahead.load(Ordering::Relaxed))
+            live.filter(|stats| stats.tier == Tier::Gpu)
+                .map(|stats| stats.lookahead.load(Ordering::Relaxed))
                 .collect()
         };
         lookaheads.sort_unstable();
@@ -81,9 +86,9 @@ impl Index {
         Some(stats.blocks.load(Ordering::Relaxed))
     }
 
-    /// The candidates are the included live holders of the first key whose engines hash
-    /// `lookahead` following tokens, each matching at least that block; the search settles how
-    /// far each one goes.
+    /// The candidates are the included live ranks holding the first key in any tier, whose
+    /// engines hash `lookahead` following tokens; those holding it in GPU match at least that
+    /// block there. The search settles how far each one goes in each tier.
     fn search(
         &self,
         mut keys: LazyKeys<'_>,
@@ -95,19 +100,24 @@ impl Index {
         }
         let mut holders = Vec::new();
         self.holders(keys.get(0), &mut holders);
+        let tiered = self.tier_workers.load(Ordering::Relaxed) > 0;
         let mut scores = Vec::with_capacity(holders.len());
         let mut closed = Vec::new();
         let mut with_orphans = Vec::new();
+        // By score, when the index has lower tiers: the rank's CPU and disk workers.
+        let mut lower = Vec::new();
         {
             let registry = self.workers.read();
+            let mut lower_only = Vec::new();
             for &worker in &holders {
-                if !include(worker) {
-                    continue;
-                }
                 let Some(Some(stats)) = registry.live.get(worker as usize) else {
                     continue;
                 };
-                if stats.lookahead.load(Ordering::Relaxed) != lookahead {
+                if stats.tier != Tier::Gpu {
+                    lower_only.push(stats.rank);
+                    continue;
+                }
+                if !include(worker) || stats.lookahead.load(Ordering::Relaxed) != lookahead {
                     continue;
                 }
                 if stats.orphans.load(Ordering::Relaxed) == 0 {
@@ -119,9 +129,39 @@ impl Index {
                     worker,
                     matched_blocks: 1,
                     cached_blocks: stats.blocks.load(Ordering::Relaxed),
+                    tiers: PerTier::all(1),
                 });
+                if tiered {
+                    lower.push([stats.tier_worker(Tier::Cpu), stats.tier_worker(Tier::Disk)]);
+                }
+            }
+            // Ranks holding the first block in a lower tier only: matched 0 blocks in GPU.
+            lower_only.sort_unstable();
+            lower_only.dedup();
+            for rank in lower_only {
+                if holders.contains(&rank) || !include(rank) {
+                    continue;
+                }
+                let Some(Some(stats)) = registry.live.get(rank as usize) else {
+                    continue;
+                };
+                if stats.lookahead.load(Ordering::Relaxed) != lookahead {
+                    continue;
+                }
+                scores.push(Score {
+                    worker: rank,
+                    matched_blocks: 0,
+                    cached_blocks: stats.blocks.load(Ordering::Relaxed),
+                    tiers: PerTier::all(0),
+                });
+                lower.push([stats.tier_worker(Tier::Cpu), stats.tier_worker(Tier::Disk)]);
             }
         }
-        Search::new(self, keys, holders, scores).run(closed, with_orphans)
+        let mut search = Search::new(self, keys, holders, scores);
+        search.run(closed, with_orphans);
+        if tiered {
+            search.score_lower_tiers(&lower);
+        }
+        search.into_scores(tiered)
     }
 }

@@ -4,12 +4,14 @@
 //! Owns the probing strategy: candidates without orphans (their holdings are closed under
 //! prefixes, see the invariants in `index`) are settled by galloping then bisection, probing up
 //! to 8 keys per round so that their cache misses overlap; candidates with orphans block by
-//! block. It hashes a prompt no further than its probes need. It never writes the index and
-//! takes one shard read lock per probe, never two at once.
+//! block. It hashes a prompt no further than its probes need. Lower tiers are settled after
+//! the GPU one, block by block from where the tier above stopped (their holdings are mostly
+//! orphans: a CPU block's parent is usually still in GPU). It never writes the index and takes
+//! one shard read lock per probe, never two at once.
 
 use super::keys::LazyKeys;
 use super::query::Score;
-use super::{Index, WorkerId};
+use super::{Index, PerTier, Tier, WorkerId};
 
 /// One query's search for each candidate's matched prefix.
 pub(super) struct Search<'a, 't> {
@@ -63,13 +65,62 @@ impl<'a, 't> Search<'a, 't> {
         }
     }
 
-    /// Settles every candidate: `closed` (indices into the scores) have no orphans,
-    /// `with_orphans` do.
-    pub(super) fn run(mut self, closed: Vec<usize>, with_orphans: Vec<usize>) -> Vec<Score> {
+    /// Settles every candidate's GPU match: `closed` (indices into the scores) have no
+    /// orphans, `with_orphans` do.
+    pub(super) fn run(&mut self, closed: Vec<usize>, with_orphans: Vec<usize>) {
         self.gallop(closed);
         self.scan(with_orphans);
+    }
+
+    /// Settles every candidate's CPU and disk tiers, after `run`: `lower[c]` are candidate
+    /// `c`'s CPU and disk workers. `c - g + 1` probes for a CPU run from `g` to `c`, shared by
+    /// candidates probing the same block.
+    pub(super) fn score_lower_tiers(&mut self, lower: &[[Option<WorkerId>; 2]]) {
+        for score in &mut self.scores {
+            score.tiers = PerTier::all(score.matched_blocks);
+        }
+        for (t, tier) in [Tier::Cpu, Tier::Disk].into_iter().enumerate() {
+            let mut runs: Vec<Run> = lower
+                .iter()
+                .enumerate()
+                .filter_map(|(c, workers)| {
+                    let start = self.scores[c].tiers.get(tier) as usize;
+                    workers[t].map(|worker| Run {
+                        candidate: c,
+                        worker,
+                        start,
+                        end: start,
+                    })
+                })
+                .collect();
+            self.extend_runs(&mut runs);
+            for run in runs {
+                let end = u32::try_from(run.end).unwrap_or(u32::MAX);
+                // A disk run starts where the CPU one ended.
+                let tiers = &mut self.scores[run.candidate].tiers;
+                tiers.set(tier, end);
+                tiers.disk = end;
+            }
+        }
+    }
+
+    /// The scores, with each tier's match (all the GPU one's where no lower tier was scored).
+    pub(super) fn into_scores(mut self, lower_scored: bool) -> Vec<Score> {
+        if !lower_scored {
+            for score in &mut self.scores {
+                score.tiers = PerTier::all(score.matched_blocks);
+            }
+        }
         self.scores
     }
+}
+
+/// A run of consecutive blocks a worker holds from `start` on: `end` once settled.
+struct Run {
+    candidate: usize,
+    worker: WorkerId,
+    start: usize,
+    end: usize,
 }
 
 impl Search<'_, '_> {
@@ -212,6 +263,45 @@ impl Search<'_, '_> {
         self.narrow(low, probes, group, &mut all);
         // Those holding every probe matched in [last probe + 1, high].
         self.refine(probes[count - 1] + 1, high, &mut all);
+    }
+
+    /// Settles each run block by block (a probe shared by the runs at that block) until its
+    /// worker lacks one.
+    fn extend_runs(&mut self, runs: &mut [Run]) {
+        let blocks = self.keys.len();
+        runs.sort_unstable_by_key(|run| run.start);
+        let mut active: Vec<usize> = Vec::new();
+        let mut next = 0;
+        let mut i = 0;
+        loop {
+            if active.is_empty() {
+                let Some(run) = runs.get(next) else {
+                    return;
+                };
+                i = run.start;
+            }
+            while runs.get(next).is_some_and(|run| run.start <= i) {
+                active.push(next);
+                next += 1;
+            }
+            if i >= blocks {
+                for &r in &active {
+                    runs[r].end = blocks;
+                }
+                return;
+            }
+            let key = self.keys.get(i);
+            self.index.holders(key, &mut self.holders);
+            let holders = &self.holders;
+            active.retain(|&r| {
+                let held = holders.contains(&runs[r].worker);
+                if !held {
+                    runs[r].end = i;
+                }
+                held
+            });
+            i += 1;
+        }
     }
 
     /// Candidates with orphans: block by block until each drops out.

@@ -1,26 +1,24 @@
-//! One worker's writer: applies its engine's events to the index.
+//! The writer of one rank's blocks, in every storage tier: the only way events reach the index.
 //!
-//! Owns the worker's `engine hash → key` map and every change to the worker's shard slots and
-//! stats; the event rules (which media and KV-cache groups count, what a re-store or an unknown
-//! parent means) live here. It never reads another worker's slots, never decodes bytes, and
-//! never holds a shard lock for more than one block, or `CLEAR_CHUNK` keys in a clear.
+//! Owns the event rules that pick what is indexed and where: which media name which tier
+//! (`tiers`), which KV-cache groups count, what a placeholder store is, what a clear clears. Each
+//! tier is its own index worker (`tier_blocks` applies the events), created at the tier's first
+//! store, so a rank that never offloads costs what it did before tiers existed. It never decodes
+//! bytes and never touches another rank's workers.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
-use super::engine_map::{EngineMap, Removal};
-use super::keys::{lora_root, KeyChain};
-use super::{Index, WorkerId, WorkerStats};
-use crate::wire::{BlockRemoved, BlockStored, Event};
+use super::engine_map::EngineMap;
+use super::tier_blocks::TierBlocks;
+use super::{PerTier, Tier, WorkerId};
+use crate::wire::{BlockStored, Event};
 
 /// What applying events did, accumulated over a batch. Event counts unless the name says
 /// blocks.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ApplyOutcome {
-    /// BlockStored events applied, and the blocks they added.
+    /// BlockStored events applied (any tier), and the blocks they added.
     pub stored: u64,
     pub stored_blocks: u64,
-    /// BlockRemoved events applied, and the block hashes they removed.
+    /// BlockRemoved events applied (any tier), and the block hashes they removed.
     pub removed: u64,
     pub removed_blocks: u64,
     /// AllBlocksCleared events applied.
@@ -33,350 +31,158 @@ pub struct ApplyOutcome {
     pub block_size_mismatch: u64,
     /// Stores skipped because token_ids.len() != blocks × block_size.
     pub invalid_event: u64,
-    /// Events (stores and removals) about a medium other than GPU.
+    /// Engine hashes of placeholder stores (lower tier, no content) that the rank's GPU tier
+    /// does not know: skipped.
+    pub placeholder_unknown: u64,
+    /// Events (stores, removals and clears) about a medium that names no tier.
     pub ignored_medium: u64,
     /// Events (stores and removals) about a KV-cache group other than 0.
     pub ignored_group: u64,
 }
 
-/// One worker's writer: owns the worker's `engine hash → key` map. Dropping it removes every
-/// block the worker holds from the index and frees its id.
+/// One rank's writer: its GPU tier's worker (whose id is the rank's), and its CPU and disk
+/// tiers' once they have had a store. Dropping it removes every block of every tier from the
+/// index and frees the ids.
 pub struct WorkerBlocks {
-    index: Arc<Index>,
-    id: WorkerId,
-    stats: Arc<WorkerStats>,
-    blocks: EngineMap,
-    /// Scratch: the keys of the event being applied.
-    keys: Vec<u64>,
+    gpu: TierBlocks,
+    /// CPU then disk.
+    lower: [Option<TierBlocks>; 2],
 }
 
-/// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
-const CLEAR_CHUNK: usize = 4096;
-
-/// How many blocks ahead of its use an event's cache misses are started: enough to cover a
-/// miss's latency, few enough that the CPU keeps every one in flight.
-const AHEAD: usize = 4;
-
-/// A worker's orphan count while it is being cleared: non-zero, for readers.
-const CLEARING: i64 = i64::MIN;
-
-/// The index holds GPU residency (`medium` nil or "GPU") of full-attention groups (`group_idx`
-/// nil or 0); an event about anything else is counted as ignored.
-fn is_indexed(medium: &Option<String>, group_idx: Option<u32>, outcome: &mut ApplyOutcome) -> bool {
-    if !matches!(medium.as_deref(), None | Some("GPU")) {
+/// The tier an event is about, when the index keeps it: full-attention groups (`group_idx` nil
+/// or 0) of a medium that names a tier; anything else is counted as ignored.
+fn indexed_tier(
+    medium: &Option<String>,
+    group_idx: Option<u32>,
+    outcome: &mut ApplyOutcome,
+) -> Option<Tier> {
+    let Some(tier) = Tier::of_medium(medium.as_deref()) else {
         outcome.ignored_medium += 1;
-        return false;
-    }
+        return None;
+    };
     if !matches!(group_idx, None | Some(0)) {
         outcome.ignored_group += 1;
-        return false;
+        return None;
     }
-    true
+    Some(tier)
+}
+
+/// vLLM's offloading connector announces a block it copied to a lower tier by engine hash alone
+/// (`token_ids` empty, `block_size` 0, no parent): the block is one the rank announced in GPU.
+fn is_placeholder(stored: &BlockStored) -> bool {
+    stored.token_ids.is_empty() && stored.block_size == 0 && stored.parent.is_none()
 }
 
 impl WorkerBlocks {
-    pub(super) fn new(index: Arc<Index>, id: WorkerId, stats: Arc<WorkerStats>) -> Self {
+    pub(super) fn new(gpu: TierBlocks) -> Self {
         WorkerBlocks {
-            index,
-            id,
-            stats,
-            blocks: EngineMap::default(),
-            keys: Vec::new(),
+            gpu,
+            lower: [None, None],
         }
     }
 
+    /// The rank's id: what queries name it by.
     pub fn id(&self) -> WorkerId {
-        self.id
+        self.gpu.id()
     }
 
     /// Applies one event, counting what happened into `outcome`.
     pub fn apply(&mut self, event: &Event, outcome: &mut ApplyOutcome) {
         match event {
-            Event::Stored(stored) => self.store(stored, outcome),
-            Event::Removed(removed) => self.remove(removed, outcome),
-            Event::Cleared => {
-                self.clear();
+            Event::Stored(stored) => {
+                let Some(tier) = indexed_tier(&stored.medium, stored.group_idx, outcome) else {
+                    return;
+                };
+                if tier == Tier::Gpu {
+                    if self.gpu.store(stored, &[], outcome) {
+                        self.gpu.learn_lookahead(stored);
+                    }
+                    self.gpu.publish_blocks();
+                    return;
+                }
+                let index = self.gpu.index().clone();
+                let [cpu, disk] = &mut self.lower;
+                let (this, other) = if tier == Tier::Cpu {
+                    (cpu, &*disk)
+                } else {
+                    (disk, &*cpu)
+                };
+                let this =
+                    this.get_or_insert_with(|| index.add_tier_worker(tier, Some(self.gpu.id())));
+                if is_placeholder(stored) {
+                    this.store_placeholder(stored, self.gpu.map(), outcome);
+                } else {
+                    let mut also: Vec<&EngineMap> = vec![self.gpu.map()];
+                    also.extend(other.as_ref().map(TierBlocks::map));
+                    if this.store(stored, &also, outcome) {
+                        self.gpu.learn_lookahead(stored);
+                    }
+                }
+                this.publish_blocks();
+            }
+            Event::Removed(removed) => {
+                let Some(tier) = indexed_tier(&removed.medium, removed.group_idx, outcome) else {
+                    return;
+                };
+                match self.tier_mut(tier) {
+                    Some(this) => {
+                        this.remove(removed, outcome);
+                        this.publish_blocks();
+                    }
+                    None => outcome.unknown_block += removed.block_hashes.len() as u64,
+                }
+            }
+            Event::Cleared { medium } => {
+                let Some(tier) = Tier::of_medium(medium.as_deref()) else {
+                    outcome.ignored_medium += 1;
+                    return;
+                };
+                if let Some(this) = self.tier_mut(tier) {
+                    this.clear();
+                }
                 outcome.cleared += 1;
             }
         }
-        self.stats
-            .blocks
-            .store(self.blocks.copies(), Ordering::Relaxed);
     }
 
-    /// Removes every block the worker holds (AllBlocksCleared, publisher restart, snapshot).
-    ///
-    /// In bulk: the worker's keys grouped by shard and sorted (ascending keys sit at ascending
-    /// places, so each group is one sweep of its table), each lock taken once per
-    /// `CLEAR_CHUNK` keys so readers never wait long. Meanwhile the worker's orphan count reads
-    /// non-zero, so readers check it block by block, which is exact whatever order its holdings
-    /// go in.
+    fn tier_mut(&mut self, tier: Tier) -> Option<&mut TierBlocks> {
+        match tier {
+            Tier::Gpu => Some(&mut self.gpu),
+            lower => self.lower[lower as usize - 1].as_mut(),
+        }
+    }
+
+    /// Removes every block the rank holds, in every tier (publisher restart, snapshot).
     pub fn clear(&mut self) {
-        let blocks = std::mem::take(&mut self.blocks);
-        self.stats.blocks.store(0, Ordering::Relaxed);
-        if blocks.len() == 0 {
-            return;
-        }
-        // Slots on keys the worker does not hold exist only while it has orphans (such a slot
-        // counts children and nothing else): they are on parents of held keys.
-        let had_orphans = self.stats.orphans.swap(CLEARING, Ordering::Relaxed) != 0;
-        let mut parents = Vec::new();
-        self.forget(blocks.keys(), |parent| {
-            if had_orphans {
-                parents.push(parent);
-            }
-        });
-        drop(blocks);
-        self.forget(parents.into_iter(), |_| {});
-        self.stats.orphans.store(0, Ordering::Relaxed);
-    }
-
-    /// Drops the worker's slot on every key of `keys`, in bulk (see `clear`); gives `parent`
-    /// the parent of every key that had an entry.
-    fn forget(&mut self, keys: impl Iterator<Item = u64>, mut parent: impl FnMut(u64)) {
-        let mut groups: Vec<Vec<u64>> = vec![Vec::new(); self.index.shards.len()];
-        for key in keys {
-            groups[(key & self.index.shard_mask) as usize].push(key);
-        }
-        for (shard, mut keys) in groups.into_iter().enumerate() {
-            keys.sort_unstable();
-            keys.dedup();
-            for chunk in keys.chunks(CLEAR_CHUNK) {
-                self.index.shards[shard].0.write(|shard| {
-                    for &key in chunk {
-                        if let Some(key_parent) = shard.forget(key, self.id).parent {
-                            parent(key_parent);
-                        }
-                    }
-                });
-            }
+        self.gpu.clear();
+        for tier in self.lower.iter_mut().flatten() {
+            tier.clear();
         }
     }
 
-    /// Blocks (physical copies) the worker holds.
+    /// Blocks (physical copies) the rank holds in GPU: what `cached_blocks` reports.
     pub fn blocks(&self) -> u64 {
-        self.blocks.copies()
+        self.gpu.blocks()
     }
 
-    /// A store chains from its parent's key. Re-storing an engine hash the worker already has
-    /// with the same content adds a physical copy (each copy is evicted with its own removal);
-    /// with different content (the engine reused the hash) the old block is removed first, so
-    /// the hash always names its latest content.
-    fn store(&mut self, stored: &BlockStored, outcome: &mut ApplyOutcome) {
-        if !is_indexed(&stored.medium, stored.group_idx, outcome) {
-            return;
-        }
-        if stored.block_size != self.index.block_size {
-            outcome.block_size_mismatch += 1;
-            return;
-        }
-        let block_size = stored.block_size as usize;
-        let blocks = stored.block_hashes.len();
-        if blocks.checked_mul(block_size) != Some(stored.token_ids.len())
-            || !(stored.extras.is_empty() || stored.extras.len() == blocks)
-        {
-            outcome.invalid_event += 1;
-            return;
-        }
-        let parent_key = match stored.parent {
-            None => None,
-            Some(parent) => match self.key_of(parent) {
-                Some(key) => Some(key),
-                None => {
-                    outcome.parent_missing += 1;
-                    return;
-                }
-            },
-        };
-        let chained_from = parent_key.or_else(|| stored.lora_name.as_deref().map(lora_root));
-        let mut keys = std::mem::take(&mut self.keys);
-        keys.clear();
-        keys.extend(KeyChain::for_event(
-            &stored.token_ids,
-            block_size,
-            chained_from,
-            &stored.extras,
-        ));
-        self.learn_lookahead(stored);
-        let hashes = &stored.block_hashes;
-        // Cache misses are started `AHEAD` blocks before they are needed (the shard place of a
-        // block's key and the worker map's bucket of its hash): as many overlap as the CPU
-        // tracks, none is dropped for want of room.
-        if let Some(parent_key) = parent_key {
-            self.index.shard(parent_key).prefetch(parent_key);
-        }
-        for (&hash, &key) in hashes.iter().zip(&keys).take(AHEAD) {
-            self.prefetch_block(hash, key);
-        }
-
-        // Each new holding is counted as a child of its parent key: the event's parent here, the
-        // previous block below (in the same shard visit as that block's own holding). Which
-        // blocks are new is looked up one block ahead, once per block.
-        let mut held_as = hashes.first().and_then(|&hash| self.key_of(hash));
-        if let (Some(parent_key), Some(&key)) = (parent_key, keys.first()) {
-            if held_as != Some(key) {
-                self.add(parent_key, None, 0, 1);
-            }
-        }
-        let mut added = 0;
-        for (i, (&hash, &key)) in hashes.iter().zip(&keys).enumerate() {
-            if let (Some(&hash), Some(&key)) = (hashes.get(i + AHEAD), keys.get(i + AHEAD)) {
-                self.prefetch_block(hash, key);
-            }
-            let holding = match held_as {
-                Some(held) if held == key => {
-                    self.blocks.add_copy(hash);
-                    added += 1;
-                    0
-                }
-                Some(replaced) => {
-                    self.drop_holding(replaced);
-                    self.blocks.insert(hash, key);
-                    1
-                }
-                None => {
-                    self.blocks.insert(hash, key);
-                    1
-                }
-            };
-            added += u64::from(holding);
-            let child = match (hashes.get(i + 1), keys.get(i + 1)) {
-                (Some(&next_hash), Some(&next_key)) => {
-                    held_as = self.key_of(next_hash);
-                    u32::from(held_as != Some(next_key))
-                }
-                _ => 0,
-            };
-            if holding + child > 0 {
-                let parent = if i == 0 {
-                    parent_key
-                } else {
-                    Some(keys[i - 1])
-                };
-                self.add(key, parent, holding, child);
-            }
-        }
-        self.keys = keys;
-        outcome.stored += 1;
-        outcome.stored_blocks += added;
-    }
-
-    fn remove(&mut self, removed: &BlockRemoved, outcome: &mut ApplyOutcome) {
-        if !is_indexed(&removed.medium, removed.group_idx, outcome) {
-            return;
-        }
-        // Misses started `AHEAD` blocks early, as in `store`.
-        let hashes = &removed.block_hashes;
-        for &hash in hashes.iter().take(AHEAD) {
-            self.blocks.prefetch(hash);
-        }
-        let mut keys = std::mem::take(&mut self.keys);
-        keys.clear();
-        for (i, &hash) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + AHEAD) {
-                self.blocks.prefetch(ahead);
-            }
-            match self.blocks.remove_copy(hash) {
-                Removal::Last(key) => keys.push(key),
-                Removal::CopyLeft => outcome.removed_blocks += 1,
-                Removal::Unknown => outcome.unknown_block += 1,
-            }
-        }
-        for &key in keys.iter().take(AHEAD) {
-            self.index.shard(key).prefetch(key);
-        }
-        // Engines evict a chain last block first, so a block's parent is usually the next key:
-        // its count as a parent is then dropped in the same shard visit as its own holding.
-        // Meanwhile the worker's orphan count only reads too high (a parent's dropped child can
-        // only lower it), which readers handle exactly.
-        let mut pending_parent = None;
-        for (i, &key) in keys.iter().enumerate() {
-            if let Some(&ahead) = keys.get(i + AHEAD) {
-                self.index.shard(ahead).prefetch(ahead);
-            }
-            let children = match pending_parent.take() {
-                Some(parent) if parent == key => 1,
-                Some(parent) => {
-                    self.remove_counts(parent, 0, 1);
-                    0
-                }
-                None => 0,
-            };
-            pending_parent = self.remove_counts(key, 1, children);
-        }
-        if let Some(parent) = pending_parent {
-            self.remove_counts(parent, 0, 1);
-        }
-        outcome.removed_blocks += keys.len() as u64;
-        self.keys = keys;
-        outcome.removed += 1;
-    }
-
-    /// An engine's lookahead shows in every store it sends (vLLM hashes it for every block or
-    /// none): the worker is scored as the latest one says.
-    fn learn_lookahead(&mut self, stored: &BlockStored) {
-        let lookahead = stored.extras.first().map_or(0, |extras| {
-            u32::try_from(extras.lookahead.len()).unwrap_or(u32::MAX)
-        });
-        let before = self.stats.lookahead.swap(lookahead, Ordering::Relaxed);
-        match (before > 0, lookahead > 0) {
-            (false, true) => self.index.lookahead_workers.fetch_add(1, Ordering::Relaxed),
-            (true, false) => self.index.lookahead_workers.fetch_sub(1, Ordering::Relaxed),
-            _ => 0,
-        };
-    }
-
-    fn prefetch_block(&self, engine_hash: u64, key: u64) {
-        self.index.shard(key).prefetch(key);
-        self.blocks.prefetch(engine_hash);
-    }
-
-    fn key_of(&self, engine_hash: u64) -> Option<u64> {
-        self.blocks.get(engine_hash)
-    }
-
-    fn add(&mut self, key: u64, parent: Option<u64>, holdings: u32, children: u32) {
-        let change = self
-            .index
-            .shard(key)
-            .write(|shard| shard.add(key, parent, self.id, holdings, children));
-        self.count_orphans(change.orphans);
-    }
-
-    /// Drops one holding of `key` (its engine hash is already out of the map), and its count as
-    /// a child of its parent.
-    fn drop_holding(&mut self, key: u64) {
-        if let Some(parent) = self.remove_counts(key, 1, 0) {
-            self.remove_counts(parent, 0, 1);
-        }
-    }
-
-    /// Removes counts from the worker's slot on `key`; returns the key's parent.
-    fn remove_counts(&mut self, key: u64, holdings: u32, children: u32) -> Option<u64> {
-        let id = self.id;
-        let change = self
-            .index
-            .shard(key)
-            .write(|shard| shard.remove(key, id, holdings, children));
-        self.count_orphans(change.orphans);
-        change.parent
-    }
-
-    /// Most changes leave the orphan count alone: skip the atomic write then.
-    fn count_orphans(&self, change: i64) {
-        if change != 0 {
-            self.stats.orphans.fetch_add(change, Ordering::Relaxed);
+    /// Blocks (physical copies) the rank holds in each tier.
+    pub fn tier_blocks(&self) -> PerTier<u64> {
+        let lower = |i: usize| self.lower[i].as_ref().map_or(0, TierBlocks::blocks);
+        PerTier {
+            gpu: self.gpu.blocks(),
+            cpu: lower(0),
+            disk: lower(1),
         }
     }
 }
 
 impl Drop for WorkerBlocks {
+    /// The lower tiers go first: their stats name the GPU worker's id, which is reused once
+    /// freed.
     fn drop(&mut self) {
-        self.clear();
-        if self.stats.lookahead.load(Ordering::Relaxed) > 0 {
-            self.index.lookahead_workers.fetch_sub(1, Ordering::Relaxed);
+        for tier in &mut self.lower {
+            tier.take();
         }
-        self.index.release_worker(self.id);
     }
 }
 

@@ -71,7 +71,7 @@ impl Applier {
         }
         self.note_block_size(&outcome);
         self.status
-            .applied(seq, &outcome, batch.skipped, self.blocks.blocks());
+            .applied(seq, &outcome, batch.skipped, self.blocks.tier_blocks());
     }
 
     /// Decodes a snapshot body and, when it is usable and covers `need`, makes it the rank's
@@ -136,7 +136,7 @@ impl Applier {
         drop(contents);
         self.note_block_size(&outcome);
         self.status
-            .snapshot_applied(seq, &outcome, self.blocks.blocks());
+            .snapshot_applied(seq, &outcome, self.blocks.tier_blocks());
         seq
     }
 
@@ -145,7 +145,7 @@ impl Applier {
             contents.lock().clear();
         }
         self.blocks.clear();
-        self.status.set_blocks(self.blocks.blocks());
+        self.status.set_blocks(self.blocks.tier_blocks());
     }
 
     fn note_block_size(&mut self, outcome: &ApplyOutcome) {

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::index::{ApplyOutcome, WorkerBlocks};
+use crate::index::{ApplyOutcome, Tier, WorkerBlocks};
 use crate::wire::{self, BlockExtras, BlockStored, Event};
 
 /// One held engine hash.
@@ -75,10 +75,14 @@ impl Contents {
     ) {
         let counted = outcome.stored + outcome.removed;
         blocks.apply(event, outcome);
+        // A snapshot is the GPU tier's state (what `/kv_recover` carries): the lower tiers'
+        // events reach the index but not the contents, or a CPU copy of a GPU block would be
+        // served as a second GPU copy.
+        let gpu = |medium: &Option<String>| Tier::of_medium(medium.as_deref()) == Some(Tier::Gpu);
         let applied = outcome.stored + outcome.removed != counted;
         match event {
-            Event::Stored(stored) if applied => self.store(stored),
-            Event::Removed(removed) if applied => {
+            Event::Stored(stored) if applied && gpu(&stored.medium) => self.store(stored),
+            Event::Removed(removed) if applied && gpu(&removed.medium) => {
                 for hash in &removed.block_hashes {
                     if let Some(held) = self.blocks.get_mut(hash) {
                         held.copies -= 1;
@@ -88,7 +92,7 @@ impl Contents {
                     }
                 }
             }
-            Event::Cleared => self.blocks.clear(),
+            Event::Cleared { medium } if gpu(medium) => self.blocks.clear(),
             _ => {}
         }
     }
@@ -319,5 +323,36 @@ mod tests {
         assert!(contents.build(4).is_some());
         contents.clear();
         assert!(contents.build(4).is_none());
+    }
+
+    /// Offloading announces a GPU block's engine hash again in the CPU tier (and may clear that
+    /// tier alone): the snapshot still serves the GPU copy once, and a CPU clear keeps it.
+    #[test]
+    fn lower_tier_events_leave_the_contents_alone() {
+        let index = Index::new(4, 4);
+        let mut blocks = index.add_worker();
+        let mut contents = Contents::default();
+        apply(&mut blocks, &mut contents, stored(&[1, 2], None, 0));
+        let Event::Stored(mut offloaded) = stored(&[2], Some(1), 4) else {
+            unreachable!("stored() builds a store");
+        };
+        offloaded.medium = Some("CPU".into());
+        apply(&mut blocks, &mut contents, Event::Stored(offloaded));
+        apply(
+            &mut blocks,
+            &mut contents,
+            Event::Cleared {
+                medium: Some("CPU".into()),
+            },
+        );
+        contents.applied_through(3);
+        let built = contents.build(4).expect("a seq was applied");
+        let snapshot = wire::decode_snapshot(&built.body(0, 4)).expect("decodes");
+        let served: Vec<u64> = snapshot
+            .events
+            .iter()
+            .flat_map(|event| event.block_hashes.iter().copied())
+            .collect();
+        assert_eq!(served, [1, 2], "one GPU copy of each block");
     }
 }

@@ -90,8 +90,10 @@ pub struct ListenerStatus {
     pub last_seq: Option<u64>,
     /// Batches applied.
     pub batches: u64,
-    /// Blocks (engine hashes) the rank holds in the index.
+    /// Blocks (engine hashes) the rank holds in the index, in GPU.
     pub blocks: u64,
+    /// The same in every storage tier.
+    pub tier_blocks: crate::index::PerTier<u64>,
     /// Holes detected: gaps, mid-stream joins, publisher restarts, undecodable batches.
     pub gaps: u64,
     /// Batches known lost and not recovered.

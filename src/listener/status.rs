@@ -10,7 +10,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::{ListenerStatus, RecoveredBy, State};
-use crate::index::ApplyOutcome;
+use crate::index::{ApplyOutcome, PerTier};
 use crate::metrics::{EventSeries, MalformedReason, RankMetrics, RecoveryMethod};
 
 /// An `events_total` series and the `ApplyOutcome` field it counts.
@@ -18,13 +18,16 @@ type EventCount = (EventSeries, fn(&ApplyOutcome) -> u64);
 
 /// Which `ApplyOutcome` field each `events_total` series counts (the decoder's skipped events
 /// go to `EventSeries::Skipped`).
-const EVENT_COUNTS: [EventCount; 9] = [
+const EVENT_COUNTS: [EventCount; 10] = [
     (EventSeries::StoredApplied, |o| o.stored),
     (EventSeries::StoredParentMissing, |o| o.parent_missing),
     (EventSeries::StoredBlockSizeMismatch, |o| {
         o.block_size_mismatch
     }),
     (EventSeries::StoredInvalid, |o| o.invalid_event),
+    (EventSeries::StoredPlaceholderUnknown, |o| {
+        o.placeholder_unknown
+    }),
     (EventSeries::RemovedApplied, |o| o.removed),
     (EventSeries::RemovedUnknownBlock, |o| o.unknown_block),
     (EventSeries::ClearedApplied, |o| o.cleared),
@@ -49,7 +52,7 @@ struct Facts {
     block_size_mismatch: bool,
     last_seq: Option<u64>,
     batches: u64,
-    blocks: u64,
+    blocks: PerTier<u64>,
     gaps: u64,
     lost_batches: u64,
     parent_missing: u64,
@@ -90,7 +93,8 @@ impl StatusCell {
             connected: facts.connected,
             last_seq: facts.last_seq,
             batches: facts.batches,
-            blocks: facts.blocks,
+            blocks: facts.blocks.gpu,
+            tier_blocks: facts.blocks,
             gaps: facts.gaps,
             lost_batches: facts.lost_batches,
             parent_missing: facts.parent_missing,
@@ -102,9 +106,16 @@ impl StatusCell {
     }
 
     /// A batch was applied (live or replayed).
-    pub(super) fn applied(&self, seq: u64, outcome: &ApplyOutcome, skipped: u32, blocks: u64) {
+    pub(super) fn applied(
+        &self,
+        seq: u64,
+        outcome: &ApplyOutcome,
+        skipped: u32,
+        blocks: PerTier<u64>,
+    ) {
         self.count_batch(outcome, skipped);
-        self.metrics.set_blocks(blocks);
+        self.metrics
+            .set_blocks([blocks.gpu, blocks.cpu, blocks.disk]);
         let mut facts = self.lock();
         facts.last_seq = Some(seq);
         facts.batches += 1;
@@ -114,7 +125,7 @@ impl StatusCell {
     }
 
     /// A snapshot covering up to `seq` became the rank's whole state.
-    pub(super) fn snapshot_applied(&self, seq: u64, outcome: &ApplyOutcome, blocks: u64) {
+    pub(super) fn snapshot_applied(&self, seq: u64, outcome: &ApplyOutcome, blocks: PerTier<u64>) {
         self.count_batch(outcome, 0);
         self.update(|facts| {
             facts.last_seq = Some(seq);
@@ -124,8 +135,9 @@ impl StatusCell {
         });
     }
 
-    pub(super) fn set_blocks(&self, blocks: u64) {
-        self.metrics.set_blocks(blocks);
+    pub(super) fn set_blocks(&self, blocks: PerTier<u64>) {
+        self.metrics
+            .set_blocks([blocks.gpu, blocks.cpu, blocks.disk]);
         self.lock().blocks = blocks;
     }
 
@@ -255,11 +267,12 @@ mod tests {
             unknown_block: 13,
             block_size_mismatch: 17,
             invalid_event: 19,
+            placeholder_unknown: 37,
             ignored_medium: 23,
             ignored_group: 29,
         };
-        cell.applied(0, &outcome, 31, 0);
-        cell.snapshot_applied(1, &outcome, 0);
+        cell.applied(0, &outcome, 31, PerTier::default());
+        cell.snapshot_applied(1, &outcome, PerTier::default());
         let text = metrics.render();
         let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
         let value = |name: &str, labels: &[(&str, &str)]| -> f64 {
@@ -290,6 +303,10 @@ mod tests {
         assert_eq!(
             events("stored", "invalid_event"),
             twice(outcome.invalid_event)
+        );
+        assert_eq!(
+            events("stored", "placeholder_unknown"),
+            twice(outcome.placeholder_unknown)
         );
         assert_eq!(events("removed", "applied"), twice(outcome.removed));
         assert_eq!(

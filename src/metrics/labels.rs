@@ -175,10 +175,12 @@ pub enum EventSeries {
     StoredParentMissing,
     StoredBlockSizeMismatch,
     StoredInvalid,
+    /// Engine hashes of lower-tier placeholder stores unknown in the rank's GPU tier.
+    StoredPlaceholderUnknown,
     RemovedApplied,
     RemovedUnknownBlock,
     ClearedApplied,
-    /// Stores and removals together, about a medium other than GPU.
+    /// Stores, removals and clears together, about a medium that names no tier.
     IgnoredMedium,
     /// Stores and removals together, about a KV-cache group other than 0.
     IgnoredGroup,
@@ -187,11 +189,12 @@ pub enum EventSeries {
 }
 
 impl EventSeries {
-    pub const ALL: [EventSeries; 10] = [
+    pub const ALL: [EventSeries; 11] = [
         EventSeries::StoredApplied,
         EventSeries::StoredParentMissing,
         EventSeries::StoredBlockSizeMismatch,
         EventSeries::StoredInvalid,
+        EventSeries::StoredPlaceholderUnknown,
         EventSeries::RemovedApplied,
         EventSeries::RemovedUnknownBlock,
         EventSeries::ClearedApplied,
@@ -208,6 +211,9 @@ impl EventSeries {
                 (EventType::stored, EventOutcome::block_size_mismatch)
             }
             EventSeries::StoredInvalid => (EventType::stored, EventOutcome::invalid_event),
+            EventSeries::StoredPlaceholderUnknown => {
+                (EventType::stored, EventOutcome::placeholder_unknown)
+            }
             EventSeries::RemovedApplied => (EventType::removed, EventOutcome::applied),
             EventSeries::RemovedUnknownBlock => (EventType::removed, EventOutcome::unknown_block),
             EventSeries::ClearedApplied => (EventType::cleared, EventOutcome::applied),
@@ -240,6 +246,7 @@ pub(super) enum EventOutcome {
     unknown_block,
     block_size_mismatch,
     invalid_event,
+    placeholder_unknown,
     ignored_medium,
     ignored_group,
     skipped,
@@ -293,6 +300,16 @@ pub(super) struct StateLabels {
     #[prometheus(flatten)]
     pub(super) rank: RankLabels,
     pub(super) state: &'static str,
+}
+
+/// The storage tiers of `worker_tier_blocks`, in the order [`RankMetrics::set_blocks`] takes.
+pub(super) const TIERS: [&str; 3] = ["gpu", "cpu", "disk"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct TierLabels {
+    #[prometheus(flatten)]
+    pub(super) rank: RankLabels,
+    pub(super) tier: &'static str,
 }
 
 /// The label of an engine's own series (discovery, the neighbour probe): `instance` as on

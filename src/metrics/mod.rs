@@ -22,6 +22,7 @@
 //! | `listener_up` | gauge | |
 //! | `listener_state` | gauge | `state` (every [`ListenerState`]) |
 //! | `worker_blocks` | gauge | |
+//! | `worker_tier_blocks` | gauge | `tier` (`gpu`, `cpu`, `disk`) |
 //! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
 //! | `http_errors_total` | counter | `status` only |
 //! | `config_reloads_total` | counter | `outcome` only (`applied`, `rejected`) |
@@ -52,6 +53,7 @@ pub use engines::EngineMetrics;
 use labels::{
     event_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
     ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels, StatusLabels,
+    TierLabels, TIERS,
 };
 pub use labels::{
     DiscoveryOutcome, EventSeries, LayoutKey, ListenerState, MalformedReason, RecoveryMethod,
@@ -81,6 +83,7 @@ pub struct Metrics {
     listener_up: Family<RankLabels, Gauge>,
     listener_state: Family<StateLabels, Gauge>,
     worker_blocks: Family<RankLabels, U64Gauge>,
+    worker_tier_blocks: Family<TierLabels, U64Gauge>,
     index_keys: U64Gauge,
     queries: Counter,
     query_duration: Histogram,
@@ -108,6 +111,7 @@ impl Metrics {
             listener_up: Family::default(),
             listener_state: Family::default(),
             worker_blocks: Family::default(),
+            worker_tier_blocks: Family::default(),
             index_keys: U64Gauge::default(),
             queries: Counter::default(),
             query_duration: Histogram::new(QUERY_SECONDS_BUCKETS),
@@ -194,6 +198,11 @@ impl Metrics {
             self.worker_blocks.clone(),
         );
         r.register(
+            "worker_tier_blocks",
+            "Blocks (engine hashes) the rank holds in the index, by storage tier",
+            self.worker_tier_blocks.clone(),
+        );
+        r.register(
             "index_keys",
             "Distinct keys in the index",
             self.index_keys.clone(),
@@ -260,6 +269,12 @@ impl Metrics {
                     .get_or_create_owned(&state_labels(&rank, i))
             }),
             worker_blocks: self.worker_blocks.get_or_create_owned(&rank),
+            worker_tier_blocks: TIERS.map(|tier| {
+                self.worker_tier_blocks.get_or_create_owned(&TierLabels {
+                    rank: rank.clone(),
+                    tier,
+                })
+            }),
         }
     }
 
@@ -284,6 +299,12 @@ impl Metrics {
         }
         self.listener_up.remove(&rank);
         self.worker_blocks.remove(&rank);
+        for tier in TIERS {
+            self.worker_tier_blocks.remove(&TierLabels {
+                rank: rank.clone(),
+                tier,
+            });
+        }
         for i in 0..EventSeries::ALL.len() {
             self.events.remove(&event_labels(&rank, i));
         }
@@ -362,6 +383,8 @@ pub struct RankMetrics {
     /// In [`ListenerState::ALL`] order.
     listener_state: [Gauge; ListenerState::ALL.len()],
     worker_blocks: U64Gauge,
+    /// In [`TIERS`] order.
+    worker_tier_blocks: [U64Gauge; 3],
 }
 
 impl RankMetrics {
@@ -420,8 +443,12 @@ impl RankMetrics {
         }
     }
 
-    pub fn set_blocks(&self, blocks: u64) {
-        self.worker_blocks.set(blocks);
+    /// The rank's blocks per tier (GPU, CPU, disk); `worker_blocks` is the GPU tier's.
+    pub fn set_blocks(&self, tiers: [u64; 3]) {
+        self.worker_blocks.set(tiers[0]);
+        for (gauge, blocks) in self.worker_tier_blocks.iter().zip(tiers) {
+            gauge.set(blocks);
+        }
     }
 }
 

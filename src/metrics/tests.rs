@@ -102,7 +102,8 @@ fn a_fresh_registry_renders_valid_exposition_with_every_rank_series_at_zero() {
         + RecoveryMethod::ALL.len() * 2
         + 1 // listener_up
         + ListenerState::ALL.len()
-        + 1; // worker_blocks
+        + 1 // worker_blocks
+        + 3; // worker_tier_blocks
     assert_eq!(per_rank, expected);
     for s in &scrape.samples {
         if let Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) = s.value {
@@ -149,6 +150,7 @@ fn each_event_series_moves_its_own_type_and_outcome() {
         ("stored", "parent_missing"),
         ("stored", "block_size_mismatch"),
         ("stored", "invalid_event"),
+        ("stored", "placeholder_unknown"),
         ("removed", "applied"),
         ("removed", "unknown_block"),
         ("cleared", "applied"),
@@ -196,7 +198,7 @@ fn rank_methods_move_their_own_series_and_no_other_ranks() {
     a.recovery(RecoveryMethod::Replay, false);
     a.recovery(RecoveryMethod::Snapshot, true);
     a.dp_rank_mismatch();
-    a.set_blocks(1234);
+    a.set_blocks([1234, 5, 6]);
     b.batch(0, 0);
     let scrape = parse(&metrics.render());
     let ra = ("a", "0");

@@ -5,7 +5,8 @@
 //! its request's cache salt (first block) and the multimodal items overlapping it, so a salted or
 //! multimodal prompt is a different block from the same tokens without. It never touches a socket
 //! and never encodes anything: it produces `wire` events and answers questions about its own
-//! content.
+//! content. With a CPU tier (`offload`), blocks GPU evicts are copied there first, as vLLM's
+//! offloading connector does, and a prompt's blocks found there are loaded back into GPU.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -16,6 +17,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use crate::index::MmFeature;
 use crate::sim::rng::mix;
 use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
+use offload::CpuTier;
+
+mod offload;
 
 /// The medium every simulated block lives in.
 const GPU: &str = "GPU";
@@ -129,6 +133,7 @@ pub struct RankCache {
     blocks: ByDigest<CachedBlock>,
     lru: BTreeSet<LruKey>,
     tick: u64,
+    cpu: Option<CpuTier>,
 }
 
 impl RankCache {
@@ -142,7 +147,19 @@ impl RankCache {
             blocks: ByDigest::default(),
             lru: BTreeSet::new(),
             tick: 0,
+            cpu: None,
         }
+    }
+
+    /// The same cache with a CPU tier of `capacity` blocks that GPU offloads to.
+    pub fn with_cpu_tier(mut self, capacity: usize) -> Self {
+        self.cpu = Some(CpuTier::new(capacity));
+        self
+    }
+
+    /// Number of blocks in the CPU tier (0 without one).
+    pub fn cpu_len(&self) -> usize {
+        self.cpu.as_ref().map_or(0, CpuTier::len)
     }
 
     pub fn block_size(&self) -> u32 {
@@ -177,6 +194,18 @@ impl RankCache {
             hit_blocks += 1;
         }
         let new_blocks = &cacheable[hit_blocks..];
+        // Blocks the CPU tier has are loaded back into GPU rather than computed: the same GPU
+        // store either way, and a use of the CPU copy.
+        if self.cpu.is_some() {
+            let mut parent = parent;
+            for block in new_blocks {
+                let hash = self.block_hash(parent, block);
+                if let Some(cpu) = &mut self.cpu {
+                    cpu.touch(hash, self.tick);
+                }
+                parent = Some(hash);
+            }
+        }
         let mut events = self.evict(new_blocks.len());
         if !new_blocks.is_empty() {
             events.push(Event::Stored(self.store(parent, hit_blocks, new_blocks)));
@@ -204,15 +233,42 @@ impl RankCache {
         hits
     }
 
-    /// Drops every block, as vLLM's `/reset_prefix_cache`; the engine hashes stay the same.
+    /// Ground truth per tier, cumulative as an engine loads a prefix: `[gpu, cpu, disk]` with
+    /// `gpu` the leading blocks in GPU, `cpu` that plus the CPU tier's run from there on (there
+    /// is no disk tier: `disk` equals `cpu`).
+    pub fn true_tiers<'r>(&self, request: impl Into<Request<'r>>) -> [u32; 3] {
+        let request = request.into();
+        let mut parent = None;
+        let hashes: Vec<u64> = self
+            .full_blocks(&request)
+            .map(|block| {
+                let hash = self.block_hash(parent, &block);
+                parent = Some(hash);
+                hash
+            })
+            .collect();
+        let gpu = hashes
+            .iter()
+            .take_while(|hash| self.blocks.contains_key(hash))
+            .count();
+        let in_cpu = |hash: &&u64| self.cpu.as_ref().is_some_and(|tier| tier.holds(**hash));
+        let cpu = gpu + hashes[gpu..].iter().take_while(in_cpu).count();
+        [gpu as u32, cpu as u32, cpu as u32]
+    }
+
+    /// Drops every GPU block, as vLLM's `/reset_prefix_cache`; the engine hashes stay the same.
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.lru.clear();
     }
 
-    /// A process restart: the cache is empty and engine hashes come from a new seed.
+    /// A process restart: the cache (every tier) is empty and engine hashes come from a new
+    /// seed.
     pub fn reset(&mut self) {
         self.clear();
+        if let Some(cpu) = &mut self.cpu {
+            cpu.clear();
+        }
         self.seed = mix(self.seed, 0x5EED);
     }
 
@@ -306,6 +362,9 @@ impl RankCache {
                 break;
             }
             self.lru.remove(&oldest);
+            if let Some(cpu) = &mut self.cpu {
+                cpu.offload(hash, self.tick, &mut removed);
+            }
             if let Some(block) = self.blocks.remove(&hash) {
                 debug_assert!(block.children.is_empty(), "LRU order evicts leaves first");
                 if let Some(parent) = block.parent.and_then(|p| self.blocks.get_mut(&p)) {

@@ -32,14 +32,22 @@ pub fn encode_batch(batch: &EventBatch, form: Form) -> Vec<u8> {
             (Event::Stored(stored), Form::Array) => stored_array(&mut out, stored),
             (Event::Removed(removed), Form::Map) => removed_map(&mut out, removed),
             (Event::Removed(removed), Form::Array) => removed_array(&mut out, removed),
-            (Event::Cleared, Form::Map) => {
-                out.map(1);
+            // vLLM's clear has no medium: a clear of GPU is encoded as its bytes.
+            (Event::Cleared { medium }, Form::Map) => {
+                out.map(1 + usize::from(medium.is_some()));
                 out.str("type");
                 out.str("AllBlocksCleared");
+                if let Some(medium) = medium {
+                    out.str("medium");
+                    out.str(medium);
+                }
             }
-            (Event::Cleared, Form::Array) => {
-                out.array(1);
+            (Event::Cleared { medium }, Form::Array) => {
+                out.array(1 + usize::from(medium.is_some()));
                 out.str("AllBlocksCleared");
+                if let Some(medium) = medium {
+                    out.str(medium);
+                }
             }
         }
     }

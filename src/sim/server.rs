@@ -48,6 +48,8 @@ pub struct SimConfig {
     pub topic: String,
     pub block_size: u32,
     pub capacity_blocks: usize,
+    /// Blocks of the CPU tier each rank offloads to, as vLLM's offloading connector (0: none).
+    pub cpu_capacity_blocks: usize,
     pub form: Form,
     /// Batches the replay socket keeps (vLLM's `buffer_steps`).
     pub replay_buffer: usize,
@@ -72,6 +74,7 @@ impl Default for SimConfig {
             topic: String::new(),
             block_size: 16,
             capacity_blocks: 20_000,
+            cpu_capacity_blocks: 0,
             form: Form::Map,
             replay_buffer: 10_000,
             old_replay_layout: false,
@@ -257,6 +260,12 @@ impl SimEngine {
         Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
     }
 
+    /// Ground truth per tier: `[gpu, cpu, disk]` leading blocks of `prompt` as `rank` would load
+    /// them now (`RankCache::true_tiers`).
+    pub fn true_tiers<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<[u32; 3]> {
+        Ok(self.rank(rank)?.state.lock().cache.true_tiers(prompt))
+    }
+
     /// Restarts a rank's engine process: empty cache, new engine-hash seed, seq from 0, empty
     /// replay history. Its sockets stay bound, so subscribers see only the seq going back.
     pub fn restart_rank(&self, rank: u32) -> Result<()> {
@@ -273,7 +282,7 @@ impl SimEngine {
         let rank = self.rank(rank)?;
         let mut state = rank.state.lock();
         state.cache.clear();
-        state.publish(&rank, vec![Event::Cleared])
+        state.publish(&rank, vec![Event::Cleared { medium: None }])
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.
@@ -284,6 +293,11 @@ impl SimEngine {
     /// Blocks `rank` holds.
     pub fn cached_blocks(&self, rank: u32) -> Result<usize> {
         Ok(self.rank(rank)?.state.lock().cache.len())
+    }
+
+    /// Blocks in `rank`'s CPU tier (0 without one).
+    pub fn cpu_blocks(&self, rank: u32) -> Result<usize> {
+        Ok(self.rank(rank)?.state.lock().cache.cpu_len())
     }
 
     /// Batches `rank` did not send on PUB because of `drop_fraction`.
@@ -349,7 +363,11 @@ impl Shared {
                 index,
                 settings: Arc::clone(&self.settings),
                 state: Mutex::new(RankState {
-                    cache: RankCache::new(config.block_size, config.capacity_blocks, rank_seed),
+                    cache: match config.cpu_capacity_blocks {
+                        0 => RankCache::new(config.block_size, config.capacity_blocks, rank_seed),
+                        cpu => RankCache::new(config.block_size, config.capacity_blocks, rank_seed)
+                            .with_cpu_tier(cpu),
+                    },
                     publisher,
                     next_seq: 0,
                     history: VecDeque::new(),

@@ -113,7 +113,7 @@ fn kind(tag: &[u8]) -> Result<Kind, Skip> {
 
 /// `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
 /// extra_keys, group_idx, kv_cache_spec_kind, sliding_window]` and its shorter and longer
-/// versions; `["BlockRemoved", hashes, medium, group_idx]`; `["AllBlocksCleared"]`.
+/// versions; `["BlockRemoved", hashes, medium, group_idx]`; `["AllBlocksCleared", medium?]`.
 fn decode_array_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
     if len == 0 {
         return Err(Skip);
@@ -164,10 +164,14 @@ fn decode_array_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             Ok(Event::Removed(removed))
         }
         Kind::Cleared => {
-            for _ in 1..len {
-                reader.skip_value()?;
+            let mut medium = None;
+            for position in 1..len {
+                match position {
+                    1 => medium = optional_string(reader)?,
+                    _ => reader.skip_value()?,
+                }
             }
-            Ok(Event::Cleared)
+            Ok(Event::Cleared { medium })
         }
     }
 }
@@ -238,7 +242,7 @@ fn decode_map_event(reader: &mut Reader, len: usize) -> Result<Event, Skip> {
             medium,
             group_idx,
         })),
-        Kind::Cleared => Ok(Event::Cleared),
+        Kind::Cleared => Ok(Event::Cleared { medium }),
     }
 }
 
@@ -389,7 +393,7 @@ mod tests {
         let batch = decode_batch(&payload);
         assert_eq!(
             batch.map(|b| (b.events, b.skipped)),
-            Ok((vec![Event::Cleared], 4))
+            Ok((vec![Event::Cleared { medium: None }], 4))
         );
     }
 

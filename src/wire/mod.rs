@@ -19,8 +19,11 @@ pub use snapshot::{decode_snapshot, encode_snapshot};
 pub enum Event {
     Stored(BlockStored),
     Removed(BlockRemoved),
-    /// The rank's whole cache is gone.
-    Cleared,
+    /// The rank's whole cache of one medium is gone (`None`: GPU, as vLLM's after
+    /// `/reset_prefix_cache`).
+    Cleared {
+        medium: Option<String>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -34,7 +37,7 @@ pub struct BlockStored {
     pub token_ids: Vec<u32>,
     pub block_size: u32,
     pub lora_name: Option<String>,
-    /// `None` or `"GPU"` is GPU residency.
+    /// The storage tier it names (`docs.md`, "Storage tiers"): `None` or `"GPU"` is GPU.
     pub medium: Option<String>,
     pub group_idx: Option<u32>,
     /// What each block's engine hash covers beyond its tokens, its chain and the LoRA adapter,

@@ -38,7 +38,7 @@ pub fn realistic_batch(mut value: impl FnMut() -> u64) -> EventBatch {
                 medium: None,
                 group_idx: None,
             }),
-            Event::Cleared,
+            Event::Cleared { medium: None },
         ],
         skipped: 0,
     }

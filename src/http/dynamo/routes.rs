@@ -169,17 +169,23 @@ fn score_reply(api: &DynamoApi, directory: &WorkerDirectory, found: &[Score]) ->
         for held in &mut answer.frequencies[..blocks] {
             *held += 1;
         }
-        let gpu = u64::from(score.matched_blocks) * block_size;
-        // TIERS: the index knows the GPU tier only, so cpu = disk = gpu. With per-tier scores
-        // (issue #16, storage tiers) cpu and disk become the cumulative tier lengths and
-        // longest_matched their maximum, per rank.
-        let (cpu, disk) = (gpu, gpu);
+        // The tiers are cumulative (docs.md "Storage tiers"): `disk` is what the rank can load.
+        let tokens = |blocks: u32| u64::from(blocks) * block_size;
+        let (gpu, cpu, disk) = (
+            tokens(score.tiers.gpu),
+            tokens(score.tiers.cpu),
+            tokens(score.tiers.disk),
+        );
         let (instance, rank) = (info.instance_id.to_string(), info.dp_rank.to_string());
-        answer
-            .scores
-            .entry(instance.clone())
-            .or_default()
-            .insert(rank.clone(), gpu);
+        // Dynamo's scores are GPU overlaps: a rank holding the prompt in a lower tier only is
+        // in `instances`, not here.
+        if gpu > 0 {
+            answer
+                .scores
+                .entry(instance.clone())
+                .or_default()
+                .insert(rank.clone(), gpu);
+        }
         let summary = answer.instances.entry(instance).or_insert(InstanceAnswer {
             longest_matched: 0,
             gpu: 0,

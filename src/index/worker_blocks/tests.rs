@@ -1,7 +1,8 @@
 //! The writer's rules, checked through the read side.
 
 use super::*;
-use crate::index::Score;
+use crate::index::{Index, Score};
+use crate::wire::BlockRemoved;
 
 pub(in crate::index) fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> Event {
     Event::Stored(BlockStored {
@@ -163,7 +164,7 @@ fn every_outcome_is_counted() {
             ..base.clone()
         },
         BlockStored {
-            medium: Some("CPU".into()),
+            medium: Some("NVME".into()),
             ..base.clone()
         },
         BlockStored {
@@ -195,7 +196,7 @@ fn every_outcome_is_counted() {
     for removal in removals {
         w.apply(&Event::Removed(removal), &mut outcome);
     }
-    w.apply(&Event::Cleared, &mut outcome);
+    w.apply(&Event::Cleared { medium: None }, &mut outcome);
     let expected = ApplyOutcome {
         stored: 1,
         stored_blocks: 1,
@@ -206,6 +207,7 @@ fn every_outcome_is_counted() {
         unknown_block: 1,
         block_size_mismatch: 1,
         invalid_event: 1,
+        placeholder_unknown: 0,
         ignored_medium: 2,
         ignored_group: 2,
     };
@@ -221,7 +223,7 @@ fn clear_and_drop_remove_everything_and_ids_are_reused() {
     let tokens: Vec<u32> = (1..=8).collect();
     apply(&mut w0, stored(&[1, 2], None, tokens.clone()));
     apply(&mut w1, stored(&[3, 4], None, tokens.clone()));
-    let outcome = apply(&mut w0, Event::Cleared);
+    let outcome = apply(&mut w0, Event::Cleared { medium: None });
     assert_eq!(outcome.cleared, 1);
     assert_eq!(w0.blocks(), 0);
     assert_eq!(matched(&index, &tokens), vec![(1, 2, 2)]);
