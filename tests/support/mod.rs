@@ -51,11 +51,24 @@ pub fn free_port() -> u16 {
     ports::free_port().unwrap_or_else(|error| panic!("{error:#}"))
 }
 
+/// Holds the tests of one test binary to one at a time while it lives: for tests that load the
+/// machine (thousands of listeners or connections) or read their process's figures.
+pub fn one_at_a_time() -> parking_lot::MutexGuard<'static, ()> {
+    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    SERIAL.lock()
+}
+
+/// The `kv-indexer` binary of this build, to start with `IndexerProcess::launch`.
+pub fn indexer_binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_kv-indexer"))
+}
+
 /// The `kv-indexer` binary of this build on `toml`, healthy, or the test fails. It logs at
 /// `info`: tests read its reload lines.
 pub fn start_indexer(toml: &str) -> IndexerProcess {
-    let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
-    IndexerProcess::start(binary, toml, "info", Duration::from_secs(10))
+    IndexerProcess::launch(indexer_binary(), toml)
+        .log_filter("info")
+        .start(Duration::from_secs(10))
         .unwrap_or_else(|error| panic!("{error:#}"))
 }
 
