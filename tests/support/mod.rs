@@ -1,8 +1,9 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
-//! tests (`batches`), and, over the fleet harness of
-//! `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the shipped trace
-//! head, an in-process indexer view, and failing the test where the harness returns an error.
+//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the fleet
+//! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the
+//! shipped trace head, an in-process indexer view, one test at a time, and failing the test
+//! where the harness returns an error.
 //!
 //! It never decides what a test expects beyond the fleet's exactness; each test asserts its
 //! own counters (gaps, restarts) on the `RankView`s it gets back.
@@ -13,6 +14,7 @@
 pub mod batches;
 pub mod fake_engine;
 pub mod http_client;
+pub mod listeners;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -22,7 +24,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
-use kv_indexer::plan::{ListenerSpec, WorkerKey};
+use kv_indexer::plan::ListenerSpec;
 use kv_indexer::registry::Registry;
 use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::ports;
@@ -107,14 +109,15 @@ impl InProcess {
 /// The listener spec of a rank bound on OS-picked (so not consecutive) ports.
 fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
     ListenerSpec {
-        key: WorkerKey { engine, dp_rank },
-        endpoint: format!("tcp://127.0.0.1:{}", ports.publish),
         replay: ports.replay.map(|port| format!("tcp://127.0.0.1:{port}")),
         recover: ports
             .recover
             .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),
-        topic: String::new(),
-        model: None,
+        ..listeners::spec(
+            &engine,
+            dp_rank,
+            format!("tcp://127.0.0.1:{}", ports.publish),
+        )
     }
 }
 
