@@ -242,6 +242,8 @@ fn main() -> anyhow::Result<()> {
         recover: None,
         topic: String::new(),
         model: None,
+        instance_id: 0,
+        registered_at_runtime: false,
     };
     let listener = Listener::start(spec.clone(), &context, &index, &metrics)?;
     await_subscriber(&publisher)?;

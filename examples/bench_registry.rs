@@ -34,10 +34,12 @@ fn config(engines: u32) -> Config {
             recover_port: None,
             model: None,
             topic: String::new(),
+            instance_id: u64::from(i),
         })
         .collect();
     Config {
         listen: "127.0.0.1:0".into(),
+        dynamo_listen: None,
         block_size: 16,
         shards: 64,
         engines,

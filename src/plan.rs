@@ -37,6 +37,11 @@ pub struct ListenerSpec {
     pub topic: String,
     /// Model served by the engine, for `/query` filtering.
     pub model: Option<String>,
+    /// The engine's id in the Dynamo API (`EngineConfig::instance_id`).
+    pub instance_id: u64,
+    /// Added through the Dynamo API's `POST /register`, not by the file: it survives a reload
+    /// and is gone after a restart.
+    pub registered_at_runtime: bool,
 }
 
 impl fmt::Display for WorkerKey {
@@ -94,6 +99,8 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
             .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, dp_rank))),
         topic: topic.to_string(),
         model: engine.model.clone(),
+        instance_id: engine.instance_id,
+        registered_at_runtime: false,
     };
     match &engine.ranks {
         Ranks::Fixed(fixed) => {
@@ -143,11 +150,19 @@ const MAX_COLUMN_WIDTH: usize = 80;
 /// With `discovered` answers a last column, SOURCE, marks each row: the engine kind that
 /// reported the rank (its endpoint, replay and topic are the engine's) or `file`.
 pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String {
-    const HEADER: [&str; 8] = [
-        "ENGINE", "RANK", "ENDPOINT", "REPLAY", "RECOVER", "TOPIC", "MODEL", "SOURCE",
+    const HEADER: [&str; 9] = [
+        "ENGINE",
+        "RANK",
+        "ENDPOINT",
+        "REPLAY",
+        "RECOVER",
+        "TOPIC",
+        "INSTANCE_ID",
+        "MODEL",
+        "SOURCE",
     ];
-    let columns = if discovered.is_empty() { 7 } else { 8 };
-    let rows: Vec<[String; 8]> = specs
+    let columns = if discovered.is_empty() { 8 } else { 9 };
+    let rows: Vec<[String; 9]> = specs
         .iter()
         .map(|spec| {
             let from_engine = |discovery: &&Discovery| {
@@ -167,6 +182,7 @@ pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String 
                 spec.replay.clone().unwrap_or_else(|| "-".into()),
                 spec.recover.clone().unwrap_or_else(|| "-".into()),
                 format!("{:?}", spec.topic),
+                spec.instance_id.to_string(),
                 spec.model.clone().unwrap_or_else(|| "-".into()),
                 source.to_string(),
             ]
@@ -219,12 +235,14 @@ mod tests {
             recover_port: None,
             model: None,
             topic: String::new(),
+            instance_id: crate::config::derived_instance_id(name),
         }
     }
 
     fn config(engines: Vec<EngineConfig>) -> Config {
         Config {
             listen: "127.0.0.1:8090".into(),
+            dynamo_listen: None,
             block_size: 16,
             shards: 64,
             engines,
@@ -246,6 +264,8 @@ mod tests {
                 recover: None,
                 topic: String::new(),
                 model: None,
+                instance_id: crate::config::derived_instance_id("local"),
+                registered_at_runtime: false,
             }]
         );
     }
@@ -384,6 +404,20 @@ mod tests {
     }
 
     #[test]
+    fn table_shows_each_engines_instance_id() {
+        let mut pinned = engine("pinned", "10.0.0.5", 1);
+        pinned.instance_id = 7;
+        let derived = engine("derived", "10.0.0.6", 1);
+        let table = render_table(&expand(&config(vec![pinned, derived])), &Discoveries::new());
+        let lines: Vec<&str> = table.lines().collect();
+        let column = lines[0].find("INSTANCE_ID").expect("an INSTANCE_ID column");
+        let id = |line: &str| line[column..].split_whitespace().next().map(str::to_owned);
+        assert_eq!(id(lines[1]), Some("7".to_owned()));
+        let derived_id = crate::config::derived_instance_id("derived").to_string();
+        assert_eq!(id(lines[2]), Some(derived_id));
+    }
+
+    #[test]
     fn a_value_longer_than_a_column_shifts_only_its_own_row() {
         let long_name = "n".repeat(100_000);
         let long_model = "m".repeat(100_000);
@@ -460,6 +494,8 @@ mod tests {
                 recover: Some("http://10.0.0.5:8203/kv_recover".into()),
                 topic: "kv".into(),
                 model: Some("m".into()),
+                instance_id: crate::config::derived_instance_id("asked"),
+                registered_at_runtime: false,
             }
         );
         assert_eq!(specs[0].replay.as_deref(), Some("tcp://10.0.0.5:41300"));

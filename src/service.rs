@@ -1,13 +1,15 @@
-//! The running process: index, metrics, registry, HTTP server, signals, and the threads that
-//! ask discovered engines for their ranks (`discovery`) and probe fixed engines' neighbour
-//! ports (`neighbours`).
+//! The running process: index, metrics, registry, HTTP server (and the Dynamo API's, when
+//! `dynamo_listen` is set), signals, and the threads that ask discovered engines for their
+//! ranks (`discovery`) and probe fixed engines' neighbour ports (`neighbours`).
 //!
 //! Owns: start-up order, the configuration and the discovered ranks in effect, reload (SIGHUP
 //! and `POST /reload`, one at a time), applying an engine's new answer (the same road as a
 //! reload: `plan` then `Registry::apply`), the background retry of engines that failed to start,
 //! and clean shutdown.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
-//! listeners do), or exits without stopping the HTTP server and every listener.
+//! listeners do), or exits without stopping the HTTP servers and every listener. Every plan goes
+//! to the registry through `RuntimeEngines`, so the file's ranks and those registered at
+//! runtime (the Dynamo API's `POST /register`) are applied together, the file's winning a clash.
 
 mod discovery;
 mod neighbours;
@@ -26,7 +28,8 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EngineApi, Limits};
-use crate::http::{Api, HttpServer};
+use crate::http::dynamo::{DynamoApi, RuntimeEngines};
+use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
@@ -139,6 +142,8 @@ impl HangupReloads {
 /// Everything the process runs, started and stopped as one.
 pub struct Service {
     http: HttpServer,
+    /// The Dynamo API, when `dynamo_listen` is set.
+    dynamo: Option<HttpServer>,
     registry: Arc<Mutex<Registry>>,
     shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
@@ -172,6 +177,7 @@ impl Service {
         let directory = registry.directory();
         let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
+        let engines = runtime_engines(&registry);
 
         let plan = plan::expand(&config);
         info!(
@@ -186,7 +192,8 @@ impl Service {
         let listen = listen.unwrap_or_else(|| config.listen.clone());
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
-        let diff = registry.lock().apply(plan);
+        let dynamo = bind_dynamo(&config)?;
+        let diff = engines.apply_file_plan(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
         }
@@ -206,7 +213,7 @@ impl Service {
                 config: config.clone(),
                 discovered: Discoveries::new(),
             }),
-            registry: registry.clone(),
+            engines: engines.clone(),
             metrics: metrics.clone(),
             board: board.clone(),
             askers: Mutex::new(None),
@@ -236,6 +243,12 @@ impl Service {
                 }
             }
         })?;
+        let dynamo_api = DynamoApi {
+            index: index.clone(),
+            metrics: metrics.clone(),
+            directory: directory.clone(),
+            engines,
+        };
         let api = Arc::new(Api {
             index,
             metrics,
@@ -245,9 +258,13 @@ impl Service {
             reload: Box::new(move || reload_for_http.reload()),
         });
         let http = http.serve(api)?;
+        let dynamo = dynamo
+            .map(|bound| bound.serve(Arc::new(dynamo_api)))
+            .transpose()?;
         let retry = Retry::spawn(registry.clone())?;
         Ok(Service {
             http,
+            dynamo,
             registry,
             shutdown_signal,
             reloader,
@@ -261,6 +278,11 @@ impl Service {
         self.http.addr()
     }
 
+    /// The address the Dynamo API is bound to, when `dynamo_listen` is set.
+    pub fn dynamo_addr(&self) -> Option<SocketAddr> {
+        self.dynamo.as_ref().map(HttpServer::addr)
+    }
+
     /// Re-reads the configuration file and applies it (SIGHUP).
     pub fn reload(&self) -> Result<ReloadDiff, ConfigError> {
         self.reloader.reload()
@@ -272,6 +294,9 @@ impl Service {
         // more engines, so the lock is free within one listener start.
         self.shutdown_signal.raise();
         self.http.stop();
+        if let Some(dynamo) = self.dynamo {
+            dynamo.stop();
+        }
         self.retry.stop();
         self.rank_watch.stop();
         // Their threads end after the question under way; an answer that arrives later meets
@@ -289,6 +314,36 @@ impl Service {
         registry.stop_all();
         info!("stopped {ranks} listeners; bye");
     }
+}
+
+/// The registry's plans, the file's and the runtime registrations together.
+fn runtime_engines(registry: &Arc<Mutex<Registry>>) -> Arc<RuntimeEngines> {
+    let registry = registry.clone();
+    Arc::new(RuntimeEngines::new(Box::new(move |plan| {
+        registry.lock().apply(plan)
+    })))
+}
+
+/// Binds `dynamo_listen`, if set, before the engines start (as `listen` is).
+fn bind_dynamo(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
+    let Some(listen) = config.dynamo_listen.as_deref() else {
+        return Ok(None);
+    };
+    let bound = HttpServer::bind(listen).context("dynamo_listen: the Dynamo API")?;
+    Ok(Some(bound))
+}
+
+/// `dynamo_listen` is bound once, at start-up: like `listen`, a change waits for a restart.
+fn keep_dynamo_listen(config: &mut Config, applied: &Config, path: &Path) {
+    let shown = |listen: &Option<String>| listen.clone().unwrap_or_else(|| "(none)".into());
+    let mut new = shown(&config.dynamo_listen);
+    keep_for_restart(
+        "dynamo_listen",
+        &mut new,
+        &shown(&applied.dynamo_listen),
+        path,
+    );
+    config.dynamo_listen = applied.dynamo_listen.clone();
 }
 
 /// Raises the soft open-files limit to the hard one (each rank holds a few descriptors) and
@@ -314,7 +369,7 @@ fn allow_open_files(listeners: usize) {
 /// What the registry runs, as `plan` inputs.
 struct Applied {
     /// The file's configuration as last applied, with the values in effect for the keys that
-    /// only a restart changes (`listen`, `block_size`, `shards`).
+    /// only a restart changes (`listen`, `dynamo_listen`, `block_size`, `shards`).
     config: Config,
     /// Each discovered engine's last good answer.
     discovered: Discoveries,
@@ -325,7 +380,9 @@ struct Applied {
 struct Reloader {
     config_path: PathBuf,
     applied: Mutex<Applied>,
-    registry: Arc<Mutex<Registry>>,
+    /// The one road to the registry: every plan, the file's and a discovered engine's new
+    /// answer, is applied together with the runtime registrations.
+    engines: Arc<RuntimeEngines>,
     metrics: Arc<Metrics>,
     board: Arc<Board>,
     /// `None` only while starting and after shutdown.
@@ -379,6 +436,7 @@ impl Reloader {
             &applied.config.shards,
             &self.config_path,
         );
+        keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
         // An engine asked at the same API keeps its last good answer: a reload does not drop
         // its ranks until it has answered again.
         let old = &applied.config;
@@ -437,9 +495,10 @@ impl Reloader {
         }
     }
 
-    /// `Registry::apply`, logged as `what`: the one road from a plan to the listeners.
+    /// `RuntimeEngines::apply_file_plan` (the plan with the runtime registrations, then
+    /// `Registry::apply`), logged as `what`: the one road from a plan to the listeners.
     fn apply_plan(&self, plan: Vec<ListenerSpec>, what: &str) -> ReloadDiff {
-        let diff = self.registry.lock().apply(plan);
+        let diff = self.engines.apply_file_plan(plan);
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()
                 .map(|k| format!("{}/{}", k.engine, k.dp_rank))

@@ -46,7 +46,7 @@ fn the_shipped_file_checks_clean_and_subscribes_to_the_vllm_default_endpoint() {
 #[test]
 fn every_rank_gets_a_row_on_port_plus_rank() {
     let (_dir, path) = temp_config(
-        "[[engine]]\nname = \"vllm-a\"\nhost = \"10.0.0.5\"\nzmq_port = 5557\ndp_size = 2\nreplay_port = 5600\nmodel = \"m\"\n",
+        "[[engine]]\nname = \"vllm-a\"\nhost = \"10.0.0.5\"\nzmq_port = 5557\ndp_size = 2\nreplay_port = 5600\nmodel = \"m\"\ninstance_id = 7\n",
     );
     let output = check(&path, &["--listen", "0.0.0.0:9000"]);
     let stdout = text(&output.stdout);
@@ -66,6 +66,7 @@ fn every_rank_gets_a_row_on_port_plus_rank() {
                 "tcp://10.0.0.5:5600",
                 "-",
                 "\"\"",
+                "7",
                 "m"
             ],
             vec![
@@ -75,6 +76,7 @@ fn every_rank_gets_a_row_on_port_plus_rank() {
                 "tcp://10.0.0.5:5601",
                 "-",
                 "\"\"",
+                "7",
                 "m"
             ],
         ],
@@ -202,8 +204,8 @@ fn a_100000_character_name_and_model_are_listed_whole_without_padding_the_other_
     };
     let long_row: Vec<&str> = row(&long).split_whitespace().collect();
     let widths: Vec<usize> = long_row.iter().map(|cell| cell.len()).collect();
-    assert_eq!(widths.len(), 7, "cell widths {widths:?}");
-    assert_eq!(long_row[6], long);
+    assert_eq!(widths.len(), 8, "cell widths {widths:?}");
+    assert_eq!(long_row[7], long);
     // Padding the other rows to a 100,000-character column would make each that long.
     assert!(row("short").len() < 1000, "{}", row("short").len());
     assert!(stdout.contains("2 engines, 2 listeners"), "{stdout:.300}");
@@ -282,6 +284,23 @@ fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
     let asked = check(&path, &["--discover"]);
     let (stdout, stderr) = (text(&asked.stdout), text(&asked.stderr));
     assert!(asked.status.success(), "{stdout}{stderr}");
+    let header: Vec<&str> = stdout
+        .lines()
+        .find(|line| line.starts_with("ENGINE"))
+        .map(|line| line.split_whitespace().collect())
+        .unwrap_or_default();
+    let columns = [
+        "ENGINE",
+        "RANK",
+        "ENDPOINT",
+        "REPLAY",
+        "RECOVER",
+        "TOPIC",
+        "INSTANCE_ID",
+        "MODEL",
+        "SOURCE",
+    ];
+    assert_eq!(header, columns, "{stdout}");
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .skip(1)
@@ -295,11 +314,12 @@ fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
             rank.to_string(),
             format!("tcp://127.0.0.1:{}", ports[rank].publish),
             format!("tcp://127.0.0.1:{}", ports[rank].replay.expect("replay")),
+            kv_indexer::config::derived_instance_id("asked").to_string(),
             "vllm".to_string(),
         ]
     };
     let picked = |row: &Vec<&str>| -> Vec<String> {
-        [0, 1, 2, 3, row.len() - 1]
+        [0, 1, 2, 3, 6, row.len() - 1]
             .iter()
             .map(|&i| row[i].to_string())
             .collect()

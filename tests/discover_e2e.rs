@@ -16,6 +16,7 @@ use kv_indexer::sim::server::{SimConfig, SimEngine};
 use kv_indexer::sim::watch::{IndexerView, OverHttp};
 use kv_indexer::sim::workload::Route;
 use serde_json::{json, Value};
+use support::fake_engine::FakeRank;
 use support::http_client::{get, post, wait_for};
 use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
 
@@ -481,4 +482,45 @@ fn reload_asks_again_and_a_rank_restarted_on_another_port_is_found_early() {
         connected_ranks(addr, 1).filter(|ranks| ranks == &bound(engine))
     });
     assert_eq!(ranks.len(), 1);
+}
+
+/// A rank registered through the Dynamo API survives a re-plan driven by the engine's new
+/// answer, as it survives a reload: the discovery threads reach the registry through the same
+/// `RuntimeEngines` road, never by applying the file's plan alone.
+#[test]
+fn a_rank_registered_at_runtime_survives_a_discovered_engine_scaling() {
+    let fleet = Fleet::of(vec![SimEngine::start(sim(1)).expect("sim")]);
+    let engine = &fleet.engines[0];
+    let dynamo = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let toml = format!(
+        "dynamo_listen = \"{dynamo}\"\n{}",
+        discovered(api_port(engine), 1, None)
+    );
+    let indexer = start_indexer(&toml);
+    let addr = indexer.address;
+    wait_for(WAIT_S, "one connected rank", || connected_ranks(addr, 1));
+
+    let zmq = zmq::Context::new();
+    let joining = FakeRank::bind(&zmq, 0);
+    let registration = json!({"instance_id": 42, "endpoint": joining.endpoint,
+                              "model_name": "m", "block_size": BLOCK_SIZE});
+    let registered = post(dynamo, "/register", registration.to_string().as_bytes());
+    assert_eq!(registered.status, 201, "{}", registered.text());
+    joining.wait_subscribed();
+    let runtime = || -> Vec<Value> {
+        let workers = get(addr, "/workers").json();
+        let all = workers.as_array().cloned().unwrap_or_default();
+        all.into_iter().filter(|w| w["instance_id"] == 42).collect()
+    };
+    assert_eq!(runtime().len(), 1, "{:?}", runtime());
+
+    assert_eq!(engine.add_rank().expect("scale up"), 1);
+    // Rank 1 has a listener only once the answer that reports it is applied.
+    wait_for(WAIT_S, "two connected ranks", || connected_ranks(addr, 2));
+    let kept = runtime();
+    assert_eq!(kept.len(), 1, "the registration was dropped: {kept:?}");
+    assert_eq!(kept[0]["registered_at_runtime"], true);
+    assert_eq!(kept[0]["listeners"][0]["connected"], true, "{kept:?}");
+    let log = indexer.log();
+    assert!(!log.contains("removed [dynamo-42/0]"), "{log}");
 }

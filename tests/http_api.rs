@@ -228,10 +228,15 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
     assert_eq!(instances.len(), 2);
     for instance in instances {
         // A fixed engine also names a publisher past its last rank: none here.
-        assert_eq!(
-            keys(instance),
-            ["instance", "listeners", "model", "neighbour"].into()
-        );
+        let instance_keys = [
+            "instance",
+            "instance_id",
+            "listeners",
+            "model",
+            "neighbour",
+            "registered_at_runtime",
+        ];
+        assert_eq!(keys(instance), instance_keys.into());
         assert_eq!(instance["neighbour"], Value::Null);
         for listener in instance["listeners"].as_array().expect("listeners") {
             assert_eq!(keys(listener), all_fields);

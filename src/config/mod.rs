@@ -9,11 +9,13 @@
 //! - `keys`: reading one section's keys, each bad key reported and dropped;
 //! - `engine`: `[defaults]` and the per-engine rules;
 //! - `discovered`: the keys of an engine whose ranks come from its own HTTP server;
+//! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide.
 
 mod diagnostics;
 mod discovered;
 mod engine;
+mod instance;
 mod keys;
 mod ports;
 
@@ -26,10 +28,12 @@ use serde::Deserialize;
 use toml::de::DeTable;
 use toml::Spanned;
 
+pub use crate::discover::MAX_DP_SIZE;
 use crate::discover::{EngineApi, FileLayout};
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
-use keys::{read_table, Int, SectionChecker};
+pub use instance::derived_instance_id;
+use keys::{read_table, Checked, Int, SectionChecker};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
 
@@ -38,6 +42,9 @@ pub use ports::rank_port;
 pub struct Config {
     /// HTTP API address, `IP:port` or `hostname:port`.
     pub listen: String,
+    /// Where the Dynamo / Mooncake indexer API is served (docs.md, "Dynamo / Mooncake indexer
+    /// API"); not served when absent.
+    pub dynamo_listen: Option<String>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// Lock shards of the index (a power of two).
@@ -59,6 +66,9 @@ pub struct EngineConfig {
     pub model: Option<String>,
     /// The subscription prefix of fixed ranks (a discovered rank has its own).
     pub topic: String,
+    /// The engine's id in the Dynamo API: `instance_id` as written, else
+    /// `derived_instance_id(name)`.
+    pub instance_id: u64,
 }
 
 /// Where an engine's ranks come from.
@@ -132,8 +142,6 @@ pub const DEFAULT_DISCOVER_INTERVAL_S: u32 = 30;
 /// A day: a longer interval would leave a scaled engine unindexed for longer than any operator
 /// would wait before asking why.
 pub const MAX_DISCOVER_INTERVAL_S: u32 = 86_400;
-/// Global data-parallel ranks are below this: it bounds `dp_size` and `dp_rank_start + dp_size`.
-pub const MAX_DP_SIZE: u32 = 1024;
 /// More shards than this buys no concurrency on any real machine and costs memory.
 pub const MAX_SHARDS: usize = 1 << 16;
 
@@ -170,6 +178,7 @@ impl Config {
         match top {
             Some(top) if problems.is_empty() => Ok(Config {
                 listen: top.listen,
+                dynamo_listen: top.dynamo_listen,
                 block_size: top.block_size,
                 shards: top.shards,
                 engines: engines.valid,
@@ -220,6 +229,7 @@ impl std::error::Error for ConfigError {}
 #[serde(deny_unknown_fields)]
 struct RawTop {
     listen: Option<Spanned<String>>,
+    dynamo_listen: Option<Spanned<String>>,
     block_size: Option<Spanned<Int>>,
     shards: Option<Spanned<Int>>,
     #[serde(rename = "defaults")]
@@ -230,6 +240,7 @@ struct RawTop {
 
 struct Top {
     listen: String,
+    dynamo_listen: Option<String>,
     block_size: u32,
     shards: usize,
 }
@@ -246,6 +257,19 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
             .err()
             .map(|why| format!("is invalid: {why}"))
     });
+    let listen_in_effect = match &listen {
+        Checked::Valid(listen) => listen.clone(),
+        _ => DEFAULT_LISTEN.to_string(),
+    };
+    let dynamo_listen = checker.text("dynamo_listen", raw.dynamo_listen, |addr| {
+        let listen = listen_in_effect.as_str();
+        match validate_listen(addr) {
+            Err(why) => Some(format!("is invalid: {why}")),
+            // Two servers on one address: the second bind would fail at start-up.
+            Ok(()) if addr == listen => Some(format!("must differ from `listen` ({listen})")),
+            Ok(()) => None,
+        }
+    });
     let block_size = checker.int("block_size", raw.block_size, "1..=4294967295", |n| {
         u32::try_from(n).ok().filter(|&size| size > 0)
     });
@@ -261,6 +285,7 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
     );
     Some(Top {
         listen: listen.or_default_to(DEFAULT_LISTEN.to_string())?,
+        dynamo_listen: dynamo_listen.optional()?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
     })
@@ -308,6 +333,7 @@ mod tests {
             config,
             Config {
                 listen: "127.0.0.1:8090".into(),
+                dynamo_listen: None,
                 block_size: 16,
                 shards: 64,
                 engines: vec![EngineConfig {
@@ -322,6 +348,7 @@ mod tests {
                     recover_port: None,
                     model: None,
                     topic: String::new(),
+                    instance_id: derived_instance_id("local"),
                 }],
             }
         );
@@ -483,6 +510,33 @@ zmq_port = "5557"
         find(
             &err.problems,
             &[&format!("{}:1:", path.display()), "`shards`"],
+        );
+    }
+}
+
+#[cfg(test)]
+mod dynamo_listen_tests {
+    use super::test_support::{find, problems};
+    use super::Config;
+
+    #[test]
+    fn dynamo_listen_is_optional_and_checked_like_listen() {
+        let absent = Config::parse("", "f").unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(absent.dynamo_listen, None);
+        let set = Config::parse("dynamo_listen = \"0.0.0.0:8091\"\n", "f")
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(set.dynamo_listen.as_deref(), Some("0.0.0.0:8091"));
+        find(
+            &problems("dynamo_listen = \"nowhere\"\n"),
+            &["indexer.toml:1:", "`dynamo_listen` is invalid", "IP:port"],
+        );
+        find(
+            &problems("dynamo_listen = \"127.0.0.1:8090\"\n"),
+            &["`dynamo_listen` must differ from `listen`"],
+        );
+        find(
+            &problems("listen = \"[::1]:9\"\ndynamo_listen = \"[::1]:9\"\n"),
+            &["indexer.toml:2:", "must differ from `listen` ([::1]:9)"],
         );
     }
 }

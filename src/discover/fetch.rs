@@ -18,7 +18,7 @@ pub struct Limits {
     /// trickles its body is cut off here.
     pub whole: Duration,
     /// Largest body taken. An entry of `/kv_event_sources` is about 250 bytes, so 1,024 ranks
-    /// (`config::MAX_DP_SIZE`) answer about 256 KiB; SGLang's `/server_info` is some 10 KiB.
+    /// (`MAX_DP_SIZE`) answer about 256 KiB; SGLang's `/server_info` is some 10 KiB.
     /// 1 MiB is four times the largest real answer, and bounds what a broken server can make
     /// the indexer hold.
     pub max_body: u64,

@@ -8,9 +8,10 @@
 //! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`), and
 //! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`).
 //!
-//! Never: touches the registry, a listener or the index. A `Discovery` is an input of `plan`,
-//! which turns its ranks into listener specs as it does the file's; the registry's `apply` then
-//! changes only what differs, exactly as on reload (it is the one rank-set diff: none here).
+//! Never: imports `config` (which imports this module), touches the registry, a listener or the
+//! index. A `Discovery` is an input of `plan`, which turns its ranks into listener specs as it
+//! does the file's; the registry's `apply` then changes only what differs, exactly as on reload
+//! (it is the one rank-set diff: none here).
 //! An answer is taken whole or not at all: one bad rank rejects it, so the caller keeps the
 //! last good rank set.
 
@@ -33,6 +34,12 @@ pub use board::{
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
 pub use url::{BaseUrl, TcpEndpoint};
+
+/// Global data-parallel ranks are below this: it bounds a file's `dp_size` and `dp_rank_start +
+/// dp_size` (re-exported as `config::MAX_DP_SIZE`) and the ranks an engine may announce. Here,
+/// not in `config`, because `config` imports `discover` (the `discover` URL rules) and imports go
+/// one way.
+pub const MAX_DP_SIZE: u32 = 1024;
 
 /// Which engine answered: each has its own route and answer shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

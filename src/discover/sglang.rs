@@ -12,8 +12,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint};
-use crate::config::MAX_DP_SIZE;
+use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint, MAX_DP_SIZE};
 
 /// SGLang's `KVEventsConfig` default endpoint.
 const DEFAULT_ENDPOINT: &str = "tcp://*:5557";

@@ -9,8 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint};
-use crate::config::MAX_DP_SIZE;
+use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint, MAX_DP_SIZE};
 
 /// The ranks of a `/kv_event_sources` answer, in rank order; `{}` is zero ranks.
 pub(super) fn ranks(body: &Value, engine_host: &str) -> Result<Vec<DiscoveredRank>, String> {

@@ -171,7 +171,8 @@ pub(super) fn accept_loop(
                 starved = false;
                 failures.warn(|| {
                     format!(
-                        "HTTP API on {addr:?}: accept failed: {err}; retrying in {}ms",
+                        "{} on {addr:?}: accept failed: {err}; retrying in {}ms",
+                        shared.routes.name(),
                         backoff.as_millis()
                     )
                 });
@@ -218,7 +219,7 @@ fn admit(socket: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, refusals: &m
         return;
     }
     let Some(entry) = shared.live.enter(&socket) else {
-        shared.api.metrics.http_error(503);
+        shared.routes.metrics().http_error(503);
         refusals.warn(|| {
             format!("HTTP connection from {peer} refused: {MAX_CONNECTIONS} connections are open")
         });

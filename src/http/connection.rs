@@ -117,7 +117,7 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
             Ok(request) => request,
             Err(HeadError::Gone) => return,
             Err(HeadError::Refused(reply)) => {
-                shared.api.metrics.http_error(reply.status);
+                shared.routes.metrics().http_error(reply.status);
                 conn.write_reply(&reply, 1, false, true);
                 return conn.linger();
             }
@@ -126,7 +126,7 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
         let body = match take_body(&mut conn, &request, &shared.uploads) {
             Ok(body) => body,
             Err(reply) => {
-                shared.api.metrics.http_error(reply.status);
+                shared.routes.metrics().http_error(reply.status);
                 conn.write_reply(&reply, request.minor_version(), false, true);
                 return conn.linger();
             }
@@ -138,8 +138,8 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
         conn.write_reply(&reply, request.minor_version(), head_only, !keep_alive);
         if is_query {
             shared
-                .api
-                .metrics
+                .routes
+                .metrics()
                 .observe_query(started.elapsed().as_secs_f64());
         }
         if !keep_alive {

@@ -1,7 +1,8 @@
 //! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `accept` runs the
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
 //! against limits and deadlines, `routes` answers each path with its exact JSON, and
-//! `query_body` parses `POST /query`.
+//! `query_body` parses `POST /query`; `dynamo` is the Dynamo / Mooncake indexer API, served by
+//! the same server code on its own address (`Routes` says which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
@@ -25,7 +26,10 @@
 mod accept;
 mod body;
 mod connection;
+pub mod dynamo;
 mod head;
+#[cfg(test)]
+mod json_mutation;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod routes;
@@ -41,6 +45,7 @@ use log::info;
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use serde_json::json;
+use tiny_http::Method;
 
 use crate::config::ConfigError;
 use crate::discover::Board;
@@ -83,9 +88,33 @@ pub struct Api {
     pub reload: Box<ReloadFn>,
 }
 
+/// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one
+/// server implementation, so both get the same connection cap, head and body limits and
+/// deadlines.
+pub trait Routes: Send + Sync + 'static {
+    /// What the logs and thread names call this API.
+    fn name(&self) -> &'static str;
+    fn route(&self, request: &Request, body: &[u8]) -> Reply;
+    fn metrics(&self) -> &Metrics;
+}
+
+impl Routes for Api {
+    fn name(&self) -> &'static str {
+        "HTTP API"
+    }
+
+    fn route(&self, request: &Request, body: &[u8]) -> Reply {
+        route(self, request, body)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
 /// What every connection thread shares.
 struct Shared {
-    api: Arc<Api>,
+    routes: Arc<dyn Routes>,
     uploads: Uploads,
     answering: Answering,
     live: Arc<Live>,
@@ -116,11 +145,34 @@ impl Answering {
 
 /// Routes `request` and counts its error, if any.
 fn answer(shared: &Shared, request: &Request, body: &[u8]) -> Reply {
-    let reply = shared.answering.run(|| route(&shared.api, request, body));
+    let reply = shared.answering.run(|| shared.routes.route(request, body));
     if reply.status >= 400 {
-        shared.api.metrics.http_error(reply.status);
+        shared.routes.metrics().http_error(reply.status);
     }
     reply
+}
+
+/// A 405 naming the methods `path` allows (`POST`, or `GET, HEAD` for a path that reads), unless
+/// `request` uses one of them.
+fn check_method(request: &Request, path: &str, wants_post: bool) -> Result<(), Reply> {
+    let allowed = match request.method() {
+        Method::Post => wants_post,
+        Method::Get | Method::Head => !wants_post,
+        _ => false,
+    };
+    if allowed {
+        return Ok(());
+    }
+    let allow = if wants_post { "POST" } else { "GET, HEAD" };
+    let mut reply = Reply::error(
+        405,
+        format!(
+            "{} {path}: method not allowed; use {allow}",
+            request.method()
+        ),
+    );
+    reply.allow = Some(allow);
+    Err(reply)
 }
 
 /// The HTTP socket bound, not serving yet: bound before the engines start, so that they cannot
@@ -136,11 +188,12 @@ impl BoundHttp {
         self.addr
     }
 
-    /// Starts accepting and answering.
-    pub fn serve(self, api: Arc<Api>) -> anyhow::Result<HttpServer> {
+    /// Starts accepting and answering with `routes`.
+    pub fn serve(self, routes: Arc<dyn Routes>) -> anyhow::Result<HttpServer> {
         let addr = self.addr;
+        let name = routes.name();
         let shared = Arc::new(Shared {
-            api,
+            routes,
             uploads: Uploads::default(),
             answering: Answering::default(),
             live: Arc::default(),
@@ -153,8 +206,8 @@ impl BoundHttp {
         let acceptor = std::thread::Builder::new()
             .name("http-accept".into())
             .spawn(move || accept_loop(&listener, reserve, &for_loop, &stopping_for_loop))
-            .with_context(|| format!("spawning the HTTP accept thread for {addr}"))?;
-        info!("HTTP API listening on http://{addr} (up to {MAX_CONNECTIONS} connections)");
+            .with_context(|| format!("spawning the {name} accept thread for {addr}"))?;
+        info!("{name} listening on http://{addr} (up to {MAX_CONNECTIONS} connections)");
         Ok(HttpServer {
             shared,
             stopping,
@@ -201,12 +254,12 @@ impl HttpServer {
         // The accept loop never panics; a join error would be a bug, not input.
         let _ = self.acceptor.join();
         self.shared.live.shut_all(STOP_GRACE);
-        info!("HTTP API on {} stopped", self.addr);
+        info!("{} on {} stopped", self.shared.routes.name(), self.addr);
     }
 }
 
-/// A response, written by `Reply::write_to`.
-struct Reply {
+/// A response, written by `Reply::encode`.
+pub struct Reply {
     status: u16,
     body: Vec<u8>,
     content_type: &'static str,

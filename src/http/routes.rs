@@ -7,36 +7,22 @@
 use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
-use tiny_http::Method;
 
 use super::query_body::parse_query;
-use super::{Api, Reply};
+use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 
 pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
-    let (allow, wants_post) = match path {
-        "/query" | "/reload" => ("POST", true),
-        "/workers" | "/health" | "/ready" | "/metrics" => ("GET, HEAD", false),
+    let wants_post = match path {
+        "/query" | "/reload" => true,
+        "/workers" | "/health" | "/ready" | "/metrics" => false,
         _ => return Reply::error(404, format!("no such path: {path}")),
     };
-    let method_ok = match request.method() {
-        Method::Post => wants_post,
-        Method::Get | Method::Head => !wants_post,
-        _ => false,
-    };
-    if !method_ok {
-        let mut reply = Reply::error(
-            405,
-            format!(
-                "{} {path}: method not allowed; use {allow}",
-                request.method()
-            ),
-        );
-        reply.allow = Some(allow);
-        return reply;
+    if let Err(refused) = check_method(request, path, wants_post) {
+        return refused;
     }
     match path {
         "/query" => query(api, body),
@@ -126,6 +112,11 @@ fn snapshot(api: &Api) -> Vec<ListenerView> {
 struct InstanceJson<'a> {
     instance: &'a str,
     model: Option<&'a str>,
+    /// Its id in the Dynamo API; `null` for a discovered engine with no ranks yet (the id, like
+    /// the model, is read from its ranks' specs).
+    instance_id: Option<u64>,
+    /// Added by the Dynamo API's `POST /register`: gone after a restart.
+    registered_at_runtime: bool,
     listeners: Vec<ListenerJson<'a>>,
     /// A discovered engine's state (docs.md "Ranks from the engine").
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -187,6 +178,8 @@ fn workers(api: &Api) -> Reply {
             _ => instances.push(InstanceJson {
                 instance: &view.spec.key.engine,
                 model: view.spec.model.as_deref(),
+                instance_id: Some(view.spec.instance_id),
+                registered_at_runtime: view.spec.registered_at_runtime,
                 listeners: vec![listener],
                 discovery: None,
                 neighbour: None,
@@ -201,6 +194,8 @@ fn workers(api: &Api) -> Reply {
                 instances.push(InstanceJson {
                     instance: name,
                     model: None,
+                    instance_id: None,
+                    registered_at_runtime: false,
                     listeners: Vec::new(),
                     discovery: None,
                     neighbour: None,

@@ -42,6 +42,7 @@
 
 mod engine_map;
 mod keys;
+mod local_hashes;
 mod query;
 mod search;
 mod shard;
@@ -57,6 +58,7 @@ use keys::KeyChain;
 use shard::LockedShard;
 
 pub use keys::{MmFeature, Prompt};
+pub use local_hashes::keys_of_local_hashes;
 pub use query::Score;
 pub use worker_blocks::{ApplyOutcome, WorkerBlocks};
 

@@ -14,6 +14,8 @@ pub struct WorkerInfo {
     pub instance: String,
     pub dp_rank: u32,
     pub model: Option<String>,
+    /// Its id in the Dynamo API (`EngineConfig::instance_id`).
+    pub instance_id: u64,
 }
 
 /// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after

@@ -406,6 +406,7 @@ impl Registry {
                 instance: spec.key.engine.clone(),
                 dp_rank: spec.key.dp_rank,
                 model: spec.model.clone(),
+                instance_id: spec.instance_id,
             };
             (listener.worker(), info)
         });
@@ -446,6 +447,8 @@ mod tests {
             recover: None,
             topic: String::new(),
             model: None,
+            instance_id: 0,
+            registered_at_runtime: false,
         }
     }
 

@@ -165,6 +165,8 @@ pub fn spec(engine: &str, dp_rank: u32, endpoint: String) -> ListenerSpec {
         recover: None,
         topic: String::new(),
         model: None,
+        instance_id: 0,
+        registered_at_runtime: false,
     }
 }
 

@@ -1,6 +1,7 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
-//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the fleet
+//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), our API beside the
+//! Dynamo API in one service (`two_apis`), and, over the fleet
 //! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the
 //! shipped trace head, an in-process indexer view, one test at a time, and failing the test
 //! where the harness returns an error.
@@ -15,6 +16,7 @@ pub mod batches;
 pub mod fake_engine;
 pub mod http_client;
 pub mod listeners;
+pub mod two_apis;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -2,6 +2,7 @@
 
 use super::scan::scan_common_shape;
 use super::*;
+use crate::http::json_mutation::mutate;
 use crate::index::MmFeature;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -337,25 +338,6 @@ fn common_body(rng: &mut SmallRng) -> String {
         .map(|field| format!("{}{field}{}", space(rng), space(rng)))
         .collect();
     format!("{}{{{}}}{}", space(rng), spaced.join(","), space(rng))
-}
-
-/// Changes a few bytes of `body`, favouring bytes that matter to JSON.
-fn mutate(rng: &mut SmallRng, body: &[u8]) -> Vec<u8> {
-    const INTERESTING: &[u8] = b"-+.eE0123456789\"\\,:[]{} \t\n\x00\x0c\x7f\x80\xc3\xa9\xffnulx";
-    let mut bytes = body.to_vec();
-    for _ in 0..rng.random_range(1..4) {
-        let at = rng.random_range(0..=bytes.len());
-        let byte = INTERESTING[rng.random_range(0..INTERESTING.len())];
-        match rng.random_range(0..3) {
-            0 => bytes.insert(at, byte),
-            1 if at < bytes.len() => bytes[at] = byte,
-            _ if at < bytes.len() => {
-                bytes.remove(at);
-            }
-            _ => bytes.push(byte),
-        }
-    }
-    bytes
 }
 
 #[test]

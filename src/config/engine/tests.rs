@@ -1,0 +1,244 @@
+//! The per-engine rules' tests: every problem named with its file, line, engine and key.
+
+use crate::config::test_support::{find, problems, ENGINE_A};
+use crate::config::Config;
+
+#[test]
+fn missing_empty_and_duplicate_names_and_hosts() {
+    let text = r#"
+[[engine]]
+host = "h"
+[[engine]]
+name = ""
+host = "h2"
+[[engine]]
+name = "twice"
+[[engine]]
+name = "twice"
+host = " "
+zmq_port = 6000
+[[engine]]
+name = "bracketed"
+host = "[::1]"
+"#;
+    let found = problems(text);
+    find(&found, &["indexer.toml:2:", "engine #1", "missing `name`"]);
+    find(&found, &["indexer.toml:5:", "engine #2", "`name` is empty"]);
+    find(
+        &found,
+        &["indexer.toml:7:", "engine \"twice\"", "missing `host`"],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:10:",
+            "engine \"twice\"",
+            "duplicate `name`",
+            "line 8",
+        ],
+    );
+    find(
+        &found,
+        &["indexer.toml:11:", "engine \"twice\"", "`host` is empty"],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:15:",
+            "engine \"bracketed\"",
+            "`host`",
+            "without brackets",
+        ],
+    );
+    assert_eq!(found.len(), 6, "{found:#?}");
+}
+
+#[test]
+fn a_rejected_default_is_reported_once_not_per_engine() {
+    let text = "[defaults]\ndp_size = 0\n[[engine]]\nname = \"a\"\nhost = \"h\"\n[[engine]]\nname = \"b\"\nhost = \"h\"\n";
+    assert_eq!(problems(text).len(), 1);
+}
+
+#[test]
+fn dp_rank_start_comes_from_the_engine_else_defaults_else_0() {
+    let text = r#"
+[defaults]
+dp_rank_start = 4
+[[engine]]
+name = "inherits"
+host = "h1"
+[[engine]]
+name = "node-b"
+host = "h2"
+dp_rank_start = 2
+dp_size = 2
+"#;
+    let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
+    let starts: Vec<(u32, u32)> = config
+        .engines
+        .iter()
+        .map(|engine| engine.fixed().expect("fixed ranks"))
+        .map(|fixed| (fixed.dp_rank_start, fixed.dp_size))
+        .collect();
+    assert_eq!(starts, vec![(4, 1), (2, 2)]);
+    let plain = Config::parse(ENGINE_A, "f").unwrap_or_else(|err| panic!("{err}"));
+    assert_eq!(plain.engines[0].fixed().map(|f| f.dp_rank_start), Some(0));
+}
+
+#[test]
+fn dp_rank_start_and_the_last_global_rank_stay_below_1024() {
+    let text = r#"
+[defaults]
+dp_rank_start = -1
+[[engine]]
+name = "a"
+host = "h"
+dp_rank_start = 1024
+[[engine]]
+name = "b"
+host = "h2"
+dp_rank_start = 1000
+dp_size = 25
+[[engine]]
+name = "c"
+host = "h3"
+dp_rank_start = 1000
+dp_size = 24
+[[engine]]
+name = "d"
+host = "h4"
+dp_rank_start = "2"
+"#;
+    let found = problems(text);
+    find(
+        &found,
+        &[
+            "indexer.toml:3:",
+            "[defaults]",
+            "`dp_rank_start`",
+            "0..=1023, found -1",
+        ],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:7:",
+            "engine \"a\"",
+            "`dp_rank_start`",
+            "found 1024",
+        ],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:8:",
+            "engine \"b\"",
+            "global ranks 1000..1024 run past 1023",
+            "`dp_rank_start` 1000 + `dp_size` 25",
+        ],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:21:",
+            "engine \"d\"",
+            "`dp_rank_start`",
+            "expected an integer",
+        ],
+    );
+    assert_eq!(found.len(), 4, "{found:#?}");
+}
+
+#[test]
+fn a_rejected_or_missing_host_or_too_many_ranks_do_not_hide_the_port_ranges() {
+    let text = r#"
+[[engine]]
+name = "empty-host"
+host = ""
+zmq_port = 65535
+dp_size = 4
+[[engine]]
+name = "no-host"
+zmq_port = 65534
+dp_size = 3
+[[engine]]
+name = "past-1023"
+host = "h"
+zmq_port = 65535
+dp_rank_start = 1000
+dp_size = 30
+"#;
+    let found = problems(text);
+    find(
+        &found,
+        &[
+            "indexer.toml:4:",
+            "engine \"empty-host\"",
+            "`host` is empty",
+        ],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:2:",
+            "engine \"empty-host\"",
+            "zmq ports 65535..65538 run past 65535",
+        ],
+    );
+    find(
+        &found,
+        &["indexer.toml:7:", "engine \"no-host\"", "missing `host`"],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:7:",
+            "engine \"no-host\"",
+            "zmq ports 65534..65536 run past 65535",
+        ],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:11:",
+            "engine \"past-1023\"",
+            "global ranks 1000..1029 run past 1023",
+        ],
+    );
+    find(
+        &found,
+        &[
+            "indexer.toml:11:",
+            "engine \"past-1023\"",
+            "zmq ports 66535..66564 run past 65535",
+        ],
+    );
+    assert_eq!(found.len(), 6, "{found:#?}");
+}
+
+#[test]
+fn the_ports_of_an_engine_past_rank_1023_still_collide_with_its_neighbours() {
+    let text = r#"
+[[engine]]
+name = "past-1023"
+host = "h"
+zmq_port = 5000
+dp_rank_start = 1000
+dp_size = 30
+[[engine]]
+name = "neighbour"
+host = "h"
+zmq_port = 6010
+"#;
+    let found = problems(text);
+    find(&found, &["engine \"past-1023\"", "global ranks 1000..1029"]);
+    find(
+        &found,
+        &[
+            "indexer.toml:8:",
+            "engine \"neighbour\"",
+            "zmq ports 6010..6010 overlap zmq ports of engine \"past-1023\" (6000..6029)",
+        ],
+    );
+    assert_eq!(found.len(), 2, "{found:#?}");
+}

@@ -1,0 +1,48 @@
+//! The Dynamo / Mooncake indexer API (docs.md, "Dynamo / Mooncake indexer API"): NVIDIA
+//! Dynamo's standalone indexer routes (`/query`, `/query_by_hash`, `/register`, `/unregister`,
+//! `/workers`, `/health`) on their own address (`dynamo_listen`), so that routers written for
+//! Dynamo or Mooncake Conductor use kv-indexer as a drop-in, beside our own API and without
+//! clashing paths.
+//!
+//! Owns: its routes (`routes`), its body parser (`requests`) and the engines registered at
+//! runtime (`engines`). It is served by a second `HttpServer` (`HttpServer::bind(dynamo_listen)`
+//! then `BoundHttp::serve`: the same connection cap, head and body limits and deadlines as our
+//! API). Never: changes the index or starts a listener itself (registrations go through
+//! `RuntimeEngines` to the registry), or panics on a request.
+
+mod engines;
+mod requests;
+mod routes;
+
+use std::sync::Arc;
+
+use crate::http::Request;
+
+use super::{Reply, Routes};
+use crate::index::Index;
+use crate::metrics::Metrics;
+use crate::registry::DirectoryReader;
+pub use engines::{ApplyFn, EngineChange, RuntimeEngines};
+pub use routes::{runtime_engine_name, ROUTING_GROUP};
+
+/// What the Dynamo routes read and call.
+pub struct DynamoApi {
+    pub index: Arc<Index>,
+    pub metrics: Arc<Metrics>,
+    pub directory: DirectoryReader,
+    pub engines: Arc<RuntimeEngines>,
+}
+
+impl Routes for DynamoApi {
+    fn name(&self) -> &'static str {
+        "Dynamo API"
+    }
+
+    fn route(&self, request: &Request, body: &[u8]) -> Reply {
+        routes::route(self, request, body)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}

@@ -1,0 +1,313 @@
+//! The Dynamo API's routes and their exact JSON shapes (docs.md, "Dynamo / Mooncake indexer API").
+//!
+//! Owns which path answers which method, how `model_name` and `routing_group` select ranks, and
+//! what each answer contains. Never reads a socket (it gets the whole body) and never changes
+//! what runs except through `RuntimeEngines`.
+
+use std::collections::BTreeMap;
+
+use crate::http::Request;
+use serde::Serialize;
+use serde_json::json;
+
+use super::engines::EngineChange;
+use super::requests::{parse_body, required, DynamoBody};
+use super::DynamoApi;
+use crate::config::{validate_listen, MAX_DP_SIZE};
+use crate::http::{check_method, Reply};
+use crate::index::{keys_of_local_hashes, Prompt, Score};
+use crate::plan::{ListenerSpec, WorkerKey};
+use crate::registry::WorkerDirectory;
+
+/// kv-indexer has one routing group: every engine, the file's and the registered, is in it.
+pub const ROUTING_GROUP: &str = "default";
+
+pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
+    let path = request.url().split('?').next().unwrap_or_default();
+    let wants_post = match path {
+        "/query" | "/query_by_hash" | "/register" | "/unregister" => true,
+        "/workers" | "/health" => false,
+        _ => return Reply::error(404, format!("no such path: {path}")),
+    };
+    if let Err(refused) = check_method(request, path, wants_post) {
+        return refused;
+    }
+    if path == "/health" {
+        return Reply::json(200, &json!({ "status": "ok" }));
+    }
+    if path == "/workers" {
+        return workers(api);
+    }
+    let answer = parse_body(body).and_then(|body| match path {
+        "/query" => query(api, &body),
+        "/query_by_hash" => query_by_hash(api, &body),
+        "/register" => register(api, body),
+        _ => unregister(api, &body),
+    });
+    answer.unwrap_or_else(|reason| Reply::error(400, reason))
+}
+
+/// A route's answer, or the reason for a 400.
+type Answer = Result<Reply, String>;
+
+/// `routing_group`, else `tenant_id` (the older name Dynamo still reads), else the default.
+fn routing_group(body: &DynamoBody) -> &str {
+    body.routing_group
+        .as_deref()
+        .or(body.tenant_id.as_deref())
+        .unwrap_or(ROUTING_GROUP)
+}
+
+/// The ranks a query with `model_name` scores: those whose engine serves that model, and those
+/// whose engine names none (they serve whatever they are sent). `None` when no planned rank
+/// qualifies: the model is unknown here (404).
+fn ranks_for<'d>(
+    api: &DynamoApi,
+    directory: &'d WorkerDirectory,
+    model: &'d str,
+    group: &str,
+) -> Option<impl Fn(u32) -> bool + 'd> {
+    let known = group == ROUTING_GROUP && api.engines.serves(model);
+    known.then_some(move |worker: u32| {
+        directory
+            .get(worker)
+            .is_some_and(|info| info.model.as_deref().is_none_or(|served| served == model))
+    })
+}
+
+fn unknown_model(model: &str, group: &str) -> Reply {
+    Reply::error(
+        404,
+        format!("model_name {model:?}: no engine serves it in routing_group {group:?}"),
+    )
+}
+
+fn query(api: &DynamoApi, body: &DynamoBody) -> Answer {
+    let tokens = required(body.token_ids.as_deref(), "token_ids")?;
+    let model = required(body.model_name.as_deref(), "model_name")?;
+    let group = routing_group(body);
+    let directory = api.directory.current();
+    let Some(include) = ranks_for(api, &directory, model, group) else {
+        return Ok(unknown_model(model, group));
+    };
+    let prompt = Prompt {
+        tokens,
+        lora_name: body.lora_name.as_deref(),
+        cache_salt: body.cache_salt.as_deref(),
+        ..Prompt::default()
+    };
+    let scores = api.index.query_prompt(&prompt, &include);
+    Ok(score_reply(api, &directory, &scores))
+}
+
+fn query_by_hash(api: &DynamoApi, body: &DynamoBody) -> Answer {
+    let hashes = required(body.block_hashes.as_deref(), "block_hashes")?;
+    let model = required(body.model_name.as_deref(), "model_name")?;
+    if body.cache_salt.is_some() {
+        return Err(
+            "cache_salt: not accepted by /query_by_hash; hash the salt into \
+                    block_hashes, or send the tokens to /query"
+                .into(),
+        );
+    }
+    let group = routing_group(body);
+    let directory = api.directory.current();
+    let Some(include) = ranks_for(api, &directory, model, group) else {
+        return Ok(unknown_model(model, group));
+    };
+    let scores = api
+        .index
+        .query_keys(&keys_of_local_hashes(hashes), &include);
+    Ok(score_reply(api, &directory, &scores))
+}
+
+/// `{"<instance_id>": {"<dp_rank>": tokens}}`.
+type ByInstance<T> = BTreeMap<String, T>;
+
+#[derive(Serialize)]
+struct ScoreAnswer {
+    /// Matched tokens per rank (GPU tier).
+    scores: ByInstance<BTreeMap<String, u64>>,
+    /// `frequencies[i]`: how many ranks hold the prompt's blocks `0..=i`.
+    frequencies: Vec<usize>,
+    instances: ByInstance<InstanceAnswer>,
+}
+
+#[derive(Serialize)]
+struct InstanceAnswer {
+    /// The most tokens any of its ranks can load from any tier.
+    longest_matched: u64,
+    /// The most tokens any of its ranks holds in GPU memory.
+    gpu: u64,
+    /// Tokens per rank.
+    dp: BTreeMap<String, u64>,
+    /// Cumulative: `gpu` plus what follows it in CPU memory, then on disk.
+    cpu: u64,
+    disk: u64,
+}
+
+fn score_reply(api: &DynamoApi, directory: &WorkerDirectory, found: &[Score]) -> Reply {
+    let block_size = u64::from(api.index.block_size());
+    let mut answer = ScoreAnswer {
+        scores: BTreeMap::new(),
+        frequencies: Vec::new(),
+        instances: BTreeMap::new(),
+    };
+    for score in found {
+        let Some(info) = directory.get(score.worker) else {
+            continue;
+        };
+        let blocks = score.matched_blocks as usize;
+        if answer.frequencies.len() < blocks {
+            answer.frequencies.resize(blocks, 0);
+        }
+        for held in &mut answer.frequencies[..blocks] {
+            *held += 1;
+        }
+        let gpu = u64::from(score.matched_blocks) * block_size;
+        // TIERS: the index knows the GPU tier only, so cpu = disk = gpu. With per-tier scores
+        // (issue #16, storage tiers) cpu and disk become the cumulative tier lengths and
+        // longest_matched their maximum, per rank.
+        let (cpu, disk) = (gpu, gpu);
+        let (instance, rank) = (info.instance_id.to_string(), info.dp_rank.to_string());
+        answer
+            .scores
+            .entry(instance.clone())
+            .or_default()
+            .insert(rank.clone(), gpu);
+        let summary = answer.instances.entry(instance).or_insert(InstanceAnswer {
+            longest_matched: 0,
+            gpu: 0,
+            dp: BTreeMap::new(),
+            cpu: 0,
+            disk: 0,
+        });
+        summary.dp.insert(rank, disk);
+        summary.longest_matched = summary.longest_matched.max(disk);
+        summary.gpu = summary.gpu.max(gpu);
+        summary.cpu = summary.cpu.max(cpu);
+        summary.disk = summary.disk.max(disk);
+    }
+    let mut reply = Reply::json(200, &answer);
+    reply.is_query = reply.status == 200;
+    reply
+}
+
+/// The engine name a runtime registration's ranks run under (`/workers` of our API shows it).
+pub fn runtime_engine_name(instance_id: u64) -> String {
+    format!("dynamo-{instance_id}")
+}
+
+/// A ZMQ endpoint a SUB or DEALER socket can connect to: `tcp://host:port`.
+fn check_endpoint(field: &str, endpoint: &str) -> Result<(), String> {
+    let address = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("{field}: {endpoint:?} is not tcp://host:port"))?;
+    let bare = address.trim_start_matches('[').replace("]:", ":");
+    match validate_listen(address).or_else(|_| validate_listen(&bare)) {
+        Ok(()) if !address.ends_with(":0") => Ok(()),
+        Ok(()) => Err(format!("{field}: {endpoint:?} has port 0")),
+        Err(why) => Err(format!("{field}: {why}")),
+    }
+}
+
+fn register(api: &DynamoApi, body: DynamoBody) -> Answer {
+    let instance_id = required(body.instance_id, "instance_id")?;
+    let endpoint = required(body.endpoint.clone(), "endpoint")?;
+    let model = required(body.model_name.clone(), "model_name")?;
+    let block_size = required(body.block_size, "block_size")?;
+    let dp_rank = body.dp_rank.unwrap_or(0);
+    check_endpoint("endpoint", &endpoint)?;
+    if let Some(replay) = &body.replay_endpoint {
+        check_endpoint("replay_endpoint", replay)?;
+    }
+    if model.is_empty() {
+        return Err("model_name: must not be empty".into());
+    }
+    if block_size != api.index.block_size() {
+        return Err(format!(
+            "block_size: {block_size} differs from this indexer's {}; every engine must use it",
+            api.index.block_size()
+        ));
+    }
+    if dp_rank >= MAX_DP_SIZE {
+        return Err(format!("dp_rank: {dp_rank} is past {}", MAX_DP_SIZE - 1));
+    }
+    let group = routing_group(&body);
+    if group != ROUTING_GROUP {
+        return Err(format!(
+            "routing_group: kv-indexer has only the {ROUTING_GROUP:?} group, not {group:?}"
+        ));
+    }
+    let spec = ListenerSpec {
+        key: WorkerKey {
+            engine: runtime_engine_name(instance_id),
+            dp_rank,
+        },
+        endpoint,
+        replay: body.replay_endpoint,
+        recover: None,
+        topic: String::new(),
+        model: Some(model),
+        instance_id,
+        registered_at_runtime: true,
+    };
+    Ok(match api.engines.register(vec![spec]) {
+        Ok(()) => Reply::json(201, &json!({ "status": "ok" })),
+        Err(refused) => change_refused(refused),
+    })
+}
+
+fn unregister(api: &DynamoApi, body: &DynamoBody) -> Answer {
+    let instance_id = required(body.instance_id, "instance_id")?;
+    let model = required(body.model_name.as_deref(), "model_name")?;
+    Ok(
+        match api.engines.unregister(instance_id, model, body.dp_rank) {
+            Ok(_) => Reply::json(200, &json!({ "status": "ok" })),
+            Err(refused) => change_refused(refused),
+        },
+    )
+}
+
+fn change_refused(refused: EngineChange) -> Reply {
+    match refused {
+        EngineChange::Conflict(why) => Reply::error(409, why),
+        EngineChange::Unknown(why) => Reply::error(404, why),
+        EngineChange::NotStarted(why) => Reply::error(502, why),
+    }
+}
+
+#[derive(Serialize)]
+struct WorkerAnswer {
+    instance_id: u64,
+    model_name: Option<String>,
+    routing_group: &'static str,
+    /// `"config"` (the file) or `"runtime"` (`POST /register`).
+    source: &'static str,
+    endpoints: BTreeMap<String, String>,
+}
+
+/// Every planned instance, by instance id, with its ranks' endpoints.
+fn workers(api: &DynamoApi) -> Reply {
+    let mut by_instance: BTreeMap<(u64, bool), WorkerAnswer> = BTreeMap::new();
+    for spec in api.engines.planned() {
+        let worker = by_instance
+            .entry((spec.instance_id, spec.registered_at_runtime))
+            .or_insert_with(|| WorkerAnswer {
+                instance_id: spec.instance_id,
+                model_name: spec.model.clone(),
+                routing_group: ROUTING_GROUP,
+                source: if spec.registered_at_runtime {
+                    "runtime"
+                } else {
+                    "config"
+                },
+                endpoints: BTreeMap::new(),
+            });
+        worker
+            .endpoints
+            .insert(spec.key.dp_rank.to_string(), spec.endpoint);
+    }
+    let workers: Vec<WorkerAnswer> = by_instance.into_values().collect();
+    Reply::json(200, &workers)
+}
