@@ -7,13 +7,11 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kv_indexer::config::Config;
-use kv_indexer::service::Service;
 use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
 use kv_indexer::sim::process::IndexerProcess;
 use kv_indexer::sim::procfs::Proc;
 use support::http_client::{get, wait_for};
-use support::{indexer_binary, one_at_a_time};
+use support::{indexer_binary, one_at_a_time, start_service};
 
 /// Engines in a reload, one rank each. Starting them takes seconds on a shared 2-core machine
 /// (about 1 ms each in a debug build), and a listener whose engine is down holds about 6
@@ -48,15 +46,10 @@ fn ranks_listed(workers: &serde_json::Value) -> usize {
 #[test]
 fn workers_and_ready_answer_while_a_reload_starts_many_engines() {
     let _serial = one_at_a_time();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("indexer.toml");
-    std::fs::write(&path, config(1)).expect("write config");
-    let loaded = Config::load(&path).unwrap_or_else(|err| panic!("config: {err}"));
-    let service = Service::start(&path, loaded, Some("127.0.0.1:0".into()))
-        .unwrap_or_else(|err| panic!("service: {err:#}"));
-    let addr = service.http_addr();
+    let running = start_service(&config(1));
+    let (service, addr) = (running.service(), running.http_addr());
     assert_eq!(ranks_listed(&get(addr, "/workers").json()), 1);
-    std::fs::write(&path, config(ENGINES)).expect("write the large config");
+    std::fs::write(running.config_path(), config(ENGINES)).expect("write the large config");
 
     let before = threads(Proc::Myself);
     std::thread::scope(|scope| {
@@ -88,7 +81,6 @@ fn workers_and_ready_answer_while_a_reload_starts_many_engines() {
     });
     let after = get(addr, "/workers");
     assert_eq!(ranks_listed(&after.json()), ENGINES);
-    service.shutdown();
 }
 
 /// Waits until `indexer` has 1,000 more threads than `before` (listeners being started), sends

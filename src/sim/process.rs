@@ -314,10 +314,10 @@ fn wait_healthy(child: &mut Child, address: SocketAddr, deadline: Duration) -> R
 }
 
 /// A new directory under the system's temp dir for this process alone, removed on drop.
-struct PrivateDir(PathBuf);
+pub(crate) struct PrivateDir(PathBuf);
 
 impl PrivateDir {
-    fn create() -> Result<PrivateDir> {
+    pub(crate) fn create() -> Result<PrivateDir> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "kv-indexer-sim-{}-{}",
@@ -326,6 +326,10 @@ impl PrivateDir {
         ));
         std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
         Ok(PrivateDir(dir))
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
     }
 }
 

@@ -1,7 +1,6 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
-//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), our API beside the
-//! Dynamo API in one service (`two_apis`), and, over the fleet
+//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the fleet
 //! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the
 //! shipped trace head, an in-process indexer view, one test at a time, and failing the test
 //! where the harness returns an error.
@@ -16,7 +15,6 @@ pub mod batches;
 pub mod fake_engine;
 pub mod http_client;
 pub mod listeners;
-pub mod two_apis;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -31,6 +29,7 @@ use kv_indexer::registry::Registry;
 use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::ports;
 use kv_indexer::sim::process::IndexerProcess;
+use kv_indexer::sim::running::RunningService;
 use kv_indexer::sim::server::RankPorts;
 use kv_indexer::sim::watch::{self, Accuracy, IndexerView, RankView};
 use kv_indexer::sim::workload::load_trace;
@@ -74,6 +73,11 @@ pub fn start_indexer(toml: &str) -> IndexerProcess {
         .log_filter("info")
         .start(Duration::from_secs(10))
         .unwrap_or_else(|error| panic!("{error:#}"))
+}
+
+/// `RunningService::start` on `toml`, or the test fails.
+pub fn start_service(toml: &str) -> RunningService {
+    RunningService::start(toml).unwrap_or_else(|error| panic!("{error:#}"))
 }
 
 /// `watch::settle`, failing the test when the fleet does not settle in time.
