@@ -1,8 +1,9 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
-//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the fleet
-//! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the
-//! shipped trace head, an in-process indexer view, one test at a time, and failing the test
+//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the
+//! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`, `running`), what only tests need:
+//! the shipped trace head, the binary and the in-process service started or the test fails, a
+//! registry-only indexer view (`InProcess`, no HTTP), one test at a time, and failing the test
 //! where the harness returns an error.
 //!
 //! It never decides what a test expects beyond the fleet's exactness; each test asserts its
