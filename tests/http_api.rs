@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 
 use kv_indexer::http::{MAX_UPLOADS, POOL_THREADS};
 use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer::sim::procfs::Proc;
 use kv_indexer::sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
@@ -366,13 +367,10 @@ fn oversized_bodies_get_413_declared_or_chunked() {
 
 /// This process's resident memory, in bytes.
 fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no VmRSS in {status}"));
-    kib * 1024
+    let holdings = Proc::Myself
+        .holdings()
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    holdings.resident_kib * 1024
 }
 
 #[test]
