@@ -12,14 +12,12 @@ mod fake_engine;
 #[allow(dead_code)]
 #[path = "../tests/support/http_client.rs"]
 mod http_client;
-#[path = "../tests/support/two_apis.rs"]
-mod two_apis;
 
 use std::time::{Duration, Instant};
 
 use fake_engine::{FakeRank, BLOCK_SIZE};
 use http_client::{post, wait_for, Connection};
-use two_apis::Servers;
+use kv_indexer::sim::running::RunningService;
 
 const ENGINES: usize = 8;
 const PROMPT_BLOCKS: u32 = 512;
@@ -29,14 +27,14 @@ const QUERIES: usize = 4_000;
 fn main() {
     let zmq = zmq::Context::new();
     let mut ranks: Vec<FakeRank> = (0..ENGINES).map(|_| FakeRank::bind(&zmq, 0)).collect();
-    let mut toml = String::from("block_size = 16\nshards = 64\n");
+    let mut toml = String::from("dynamo_listen = \"127.0.0.1:0\"\nblock_size = 16\nshards = 64\n");
     for (i, rank) in ranks.iter().enumerate() {
         toml += &format!(
             "[[engine]]\nname = \"engine-{i}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",
             rank.port
         );
     }
-    let servers = Servers::start(&toml);
+    let servers = RunningService::start(&toml).unwrap_or_else(|error| panic!("{error:#}"));
 
     let prompt: Vec<u32> = (0..PROMPT_BLOCKS * BLOCK_SIZE).collect();
     let mut next_hash = 1u64;
@@ -56,7 +54,7 @@ fn main() {
     let total: u64 = (1..=ENGINES as u64).map(|i| 64 * i).sum();
     wait_for(60, "every engine's blocks to be indexed", || {
         let body = serde_json::json!({ "token_ids": prompt }).to_string();
-        let answer = post(servers.ours(), "/query", body.as_bytes()).json();
+        let answer = post(servers.http_addr(), "/query", body.as_bytes()).json();
         let matched: u64 = answer["scores"]
             .as_array()?
             .iter()
@@ -67,8 +65,8 @@ fn main() {
 
     let our_body = serde_json::json!({ "token_ids": prompt }).to_string();
     let dynamo_body = serde_json::json!({ "token_ids": prompt, "model_name": "any" }).to_string();
-    let mut our_client = Connection::open(servers.ours());
-    let mut dynamo_client = Connection::open(servers.dynamo());
+    let mut our_client = Connection::open(servers.http_addr());
+    let mut dynamo_client = Connection::open(servers.dynamo_addr().expect("dynamo_listen is set"));
     let our_answer = our_client
         .send("POST", "/query", Some(our_body.as_bytes()))
         .json();

@@ -51,7 +51,7 @@ fn main() -> Result<()> {
         seed: 0xBE9C + i as u64,
         ..SimConfig::default()
     })?;
-    let start = |toml: &str| IndexerProcess::start(&binary, toml, "warn", DEADLINE);
+    let start = |toml: &str| IndexerProcess::launch(&binary, toml).start(DEADLINE);
     let serving = start(&format!(
         "{}{}",
         replica_keys(&[], true, None),

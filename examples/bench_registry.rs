@@ -15,6 +15,7 @@ use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan;
 use kv_indexer::registry::{open_files_needed, raise_open_files_limit, Registry};
+use kv_indexer::sim::procfs::{Holdings, Proc};
 
 const RANKS: u32 = 8;
 
@@ -82,7 +83,7 @@ fn main() {
     let specs = plan::expand(&config);
     let expanded = started.elapsed();
 
-    let idle = Process::now();
+    let idle = holdings();
     let mut registry = Registry::new(
         zmq::Context::new(),
         Index::new(config.block_size, config.shards),
@@ -95,7 +96,7 @@ fn main() {
     let register_cpu = cpu_time() - cpu_before;
     assert!(diff.failed.is_empty(), "failed: {:?}", &diff.failed[..1]);
     assert_eq!(diff.added.len(), listeners);
-    let running = Process::now();
+    let running = holdings();
 
     // Move one engine to other ports: its 8 listeners are replaced, nothing else is touched.
     config.engines[changed].ranks = Ranks::Fixed(FixedRanks {
@@ -127,7 +128,7 @@ fn main() {
     // Dropping the registry ends its ZMQ contexts, which waits for their reapers to close the
     // stopped listeners' sockets: then nothing of the listeners may be left.
     drop(registry);
-    let after_stop = Process::now();
+    let after_stop = holdings();
 
     println!(
         "{engines} engines x {RANKS} ranks = {} listeners",
@@ -146,11 +147,11 @@ fn main() {
     );
     println!(
         "listeners added:        {} fds ({:.2} per listener), {} threads, {} MiB RSS ({:.1} KiB per listener)",
-        running.fds - idle.fds,
-        (running.fds - idle.fds) as f64 / listeners as f64,
+        running.descriptors - idle.descriptors,
+        (running.descriptors - idle.descriptors) as f64 / listeners as f64,
         running.threads - idle.threads,
-        (running.rss_kib - idle.rss_kib) / 1024,
-        (running.rss_kib - idle.rss_kib) as f64 / listeners as f64
+        (running.resident_kib - idle.resident_kib) / 1024,
+        (running.resident_kib - idle.resident_kib) as f64 / listeners as f64
     );
     println!(
         "reload changing 1 engine: {reloaded:?} (replaced {}, unchanged {}, added 0, removed 0)",
@@ -160,36 +161,14 @@ fn main() {
     println!("reload changing nothing: {noop:?}");
     println!(
         "stop all:               {stopped:?} (registry dropped: {} fds and {} threads left over)",
-        after_stop.fds as i64 - idle.fds as i64,
+        after_stop.descriptors as i64 - idle.descriptors as i64,
         after_stop.threads as i64 - idle.threads as i64
     );
 }
 
-/// What this process holds, from /proc/self.
-struct Process {
-    fds: u64,
-    rss_kib: u64,
-    threads: u64,
-}
-
-impl Process {
-    fn now() -> Process {
-        let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count() as u64);
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix(name))
-                .and_then(|value| value.split_whitespace().next())
-                .and_then(|value| value.parse().ok())
-                .unwrap_or(0)
-        };
-        Process {
-            fds,
-            rss_kib: field("VmRSS:"),
-            threads: field("Threads:"),
-        }
-    }
+/// What this process holds now; zeros where /proc cannot be read (the figures are printed only).
+fn holdings() -> Holdings {
+    Proc::Myself.holdings().unwrap_or_default()
 }
 
 /// User + system CPU time of the whole process so far.

@@ -5,11 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use kv_indexer::config::Config;
 use kv_indexer::http::parse_query;
 use kv_indexer::index::{prompt_keys, ApplyOutcome, Index, MmFeature, Prompt, WorkerBlocks};
-use kv_indexer::service::Service;
 use kv_indexer::sim::cache::Request;
+use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer::sim::running::RunningService;
 use kv_indexer::sim::server::{SimConfig, SimEngine};
 use kv_indexer::wire::decode_batch;
 use serde_json::Value;
@@ -177,16 +177,13 @@ fn salted_and_multimodal_prompts_end_to_end() {
         ..SimConfig::default()
     })
     .expect("simulated engine");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("indexer.toml");
-    let toml = format!(
-        "listen = \"127.0.0.1:0\"\nblock_size = 4\nshards = 4\n\n[[engine]]\nname = \"sim\"\n\
-         host = \"127.0.0.1\"\nzmq_port = {}\n",
-        engine.ports()[0].publish
-    );
-    std::fs::write(&path, toml).expect("write config");
-    let config = Config::load(&path).unwrap_or_else(|err| panic!("config: {err}"));
-    let service = Service::start(&path, config, None).expect("service");
+    let service = RunningService::start(&indexer_toml(
+        None,
+        4,
+        4,
+        &[EngineToml::new("sim", engine.ports()[0].publish)],
+    ))
+    .unwrap_or_else(|error| panic!("{error:#}"));
     let url = format!("http://{}/query", service.http_addr());
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(5)))
@@ -264,7 +261,6 @@ fn salted_and_multimodal_prompts_end_to_end() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    service.shutdown();
     engine.stop();
 }
 

@@ -336,10 +336,7 @@ fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
 
 #[test]
 fn check_discover_fails_naming_the_engine_that_cannot_be_asked() {
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.local_addr().expect("address").port()
-    };
+    let closed = kv_indexer::sim::ports::free_port().unwrap_or_else(|error| panic!("{error:#}"));
     let (_dir, path) = temp_config(&format!(
         "[[engine]]\nname = \"down\"\ndiscover = \"http://127.0.0.1:{closed}\"\n"
     ));

@@ -3,7 +3,7 @@
 //! the two APIs give consistent numbers, registrations run beside the file's engines and
 //! survive a reload, and every bad request gets its status and a message naming the field.
 //!
-//! The servers are one in-process `Service` with `dynamo_listen` set (`support/two_apis.rs`),
+//! The servers are one in-process `Service` with `dynamo_listen` set (`sim::running`),
 //! `POST /reload` re-reading its file as SIGHUP does; `tests/reload.rs` sends the real SIGHUP.
 
 mod support;
@@ -13,11 +13,12 @@ use std::time::Duration;
 
 use kv_indexer::config::derived_instance_id;
 use kv_indexer::http::MAX_BODY_BYTES;
+use kv_indexer::sim::running::RunningService;
 use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
 use support::http_client::{get, post, wait_for, Connection};
-use support::two_apis::Servers;
+use support::start_service;
 
 fn engine(name: &str, port: u16, model: Option<&str>, instance_id: Option<u64>) -> String {
     let model = model.map_or(String::new(), |m| format!("model = \"{m}\"\n"));
@@ -30,6 +31,11 @@ fn config(engines: &[String]) -> String {
         "block_size = {BLOCK_SIZE}\nshards = 8\n\n{}",
         engines.join("\n")
     )
+}
+
+/// Both APIs of one in-process service on `toml`, the Dynamo API on a port the OS picks.
+fn start_servers(toml: &str) -> RunningService {
+    start_service(&format!("dynamo_listen = \"127.0.0.1:0\"\n{toml}"))
 }
 
 /// POSTs `body` and returns the status and the JSON answer.
@@ -68,7 +74,7 @@ fn store(rank: &mut FakeRank, tokens: &[u32], blocks: usize) {
 /// Four engines: `a` (model m1, instance 7) holds 4 blocks of the prompt, `b` (m1) 2, `c` (no
 /// model) 3, `d` (m2) 4.
 struct Fleet {
-    servers: Servers,
+    servers: RunningService,
     _ranks: Vec<FakeRank>,
     tokens: Vec<u32>,
 }
@@ -76,7 +82,7 @@ struct Fleet {
 fn fleet() -> Fleet {
     let zmq = zmq::Context::new();
     let mut ranks: Vec<FakeRank> = (0..4).map(|_| FakeRank::bind(&zmq, 0)).collect();
-    let servers = Servers::start(&config(&[
+    let servers = start_servers(&config(&[
         engine("a", ranks[0].port, Some("m1"), Some(7)),
         engine("b", ranks[1].port, Some("m1"), None),
         engine("c", ranks[2].port, None, None),
@@ -87,7 +93,7 @@ fn fleet() -> Fleet {
         rank.wait_subscribed();
         store(rank, &tokens, blocks);
     }
-    let addr = servers.ours();
+    let addr = servers.http_addr();
     wait_for(10, "every engine's blocks to be indexed", || {
         let reply = post(
             addr,
@@ -106,7 +112,10 @@ fn fleet() -> Fleet {
 #[test]
 fn both_apis_answer_the_same_fleet_with_consistent_numbers() {
     let fleet = fleet();
-    let (ours, dynamo) = (fleet.servers.ours(), fleet.servers.dynamo());
+    let (ours, dynamo) = (
+        fleet.servers.http_addr(),
+        fleet.servers.dynamo_addr().expect("dynamo_listen is set"),
+    );
     let (b, c) = (derived_instance_id("b"), derived_instance_id("c"));
     let mut tokens = fleet.tokens.clone();
     tokens.extend([9, 9, 9]);
@@ -190,8 +199,11 @@ fn both_apis_answer_the_same_fleet_with_consistent_numbers() {
 fn a_salted_store_is_a_hit_only_for_a_query_with_the_same_salt() {
     let zmq = zmq::Context::new();
     let mut rank = FakeRank::bind(&zmq, 0);
-    let servers = Servers::start(&config(&[engine("a", rank.port, Some("m1"), Some(5))]));
-    let (ours, dynamo) = (servers.ours(), servers.dynamo());
+    let servers = start_servers(&config(&[engine("a", rank.port, Some("m1"), Some(5))]));
+    let (ours, dynamo) = (
+        servers.http_addr(),
+        servers.dynamo_addr().expect("dynamo_listen is set"),
+    );
     let tokens = prompt(300, 2);
     rank.wait_subscribed();
     let mut stored = BlockStored::new(vec![1, 2], None, tokens.clone(), BLOCK_SIZE);
@@ -234,8 +246,8 @@ fn a_salted_store_is_a_hit_only_for_a_query_with_the_same_salt() {
 fn a_model_is_unknown_only_when_every_engine_names_another() {
     let zmq = zmq::Context::new();
     let rank = FakeRank::bind(&zmq, 0);
-    let servers = Servers::start(&config(&[engine("a", rank.port, Some("m1"), None)]));
-    let dynamo = servers.dynamo();
+    let servers = start_servers(&config(&[engine("a", rank.port, Some("m1"), None)]));
+    let dynamo = servers.dynamo_addr().expect("dynamo_listen is set");
     let unknown = refused(
         dynamo,
         "/query",
@@ -258,9 +270,9 @@ fn a_model_is_unknown_only_when_every_engine_names_another() {
     drop(servers);
 
     // An engine without a model serves every model_name.
-    let servers = Servers::start(&config(&[engine("any", rank.port, None, None)]));
+    let servers = start_servers(&config(&[engine("any", rank.port, None, None)]));
     let (status, _) = call(
-        servers.dynamo(),
+        servers.dynamo_addr().expect("dynamo_listen is set"),
         "/query",
         &json!({"token_ids": [1], "model_name": "m9"}),
     );
@@ -271,8 +283,8 @@ fn a_model_is_unknown_only_when_every_engine_names_another() {
 fn bad_requests_get_a_status_and_a_message_naming_the_field() {
     let zmq = zmq::Context::new();
     let rank = FakeRank::bind(&zmq, 0);
-    let servers = Servers::start(&config(&[engine("a", rank.port, Some("m1"), None)]));
-    let dynamo = servers.dynamo();
+    let servers = start_servers(&config(&[engine("a", rank.port, Some("m1"), None)]));
+    let dynamo = servers.dynamo_addr().expect("dynamo_listen is set");
     let cases: &[(&str, Value, &str)] = &[
         ("/query", json!({"token_ids": [1, 2, 3, -1], "model_name": "m1"}),
          "token_ids[3]: expected an integer in 0..=4294967295, got -1"),
@@ -333,7 +345,10 @@ fn bad_requests_get_a_status_and_a_message_naming_the_field() {
 #[test]
 fn a_registered_engine_runs_beside_the_files_survives_a_reload_and_unregisters() {
     let fleet = fleet();
-    let (ours, dynamo) = (fleet.servers.ours(), fleet.servers.dynamo());
+    let (ours, dynamo) = (
+        fleet.servers.http_addr(),
+        fleet.servers.dynamo_addr().expect("dynamo_listen is set"),
+    );
     let zmq = zmq::Context::new();
     let mut joining = FakeRank::bind(&zmq, 3);
     let endpoint = format!("tcp://127.0.0.1:{}", joining.port);
@@ -502,8 +517,8 @@ fn with_a_token_registration_needs_it_and_queries_do_not() {
         token_file.display(),
         config(&[engine("a", rank.port, Some("m1"), Some(7))])
     );
-    let servers = Servers::start(&toml);
-    let dynamo = servers.dynamo();
+    let servers = start_servers(&toml);
+    let dynamo = servers.dynamo_addr().expect("dynamo_listen is set");
     let joining = FakeRank::bind(&zmq, 3);
     let registration = json!({
         "instance_id": 42, "endpoint": format!("tcp://127.0.0.1:{}", joining.port),
@@ -537,7 +552,7 @@ fn with_a_token_registration_needs_it_and_queries_do_not() {
     let right = Some("Bearer s3cret");
     assert_eq!(send("/register", &registration, right), 201);
     assert_eq!(send("/unregister", &unregistration, right), 200);
-    let metrics = get(servers.ours(), "/metrics").text();
+    let metrics = get(servers.http_addr(), "/metrics").text();
     assert!(
         metrics.contains("kv_indexer_http_errors_total{status=\"401\"} 6"),
         "{metrics}"

@@ -6,47 +6,14 @@ mod support;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
-use kv_indexer::config::Config;
 use kv_indexer::http::{MAX_UPLOADS, POOL_THREADS};
-use kv_indexer::service::Service;
 use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer::sim::procfs::Proc;
+use kv_indexer::sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
-use support::free_port;
 use support::http_client::{get, post, wait_for, Connection, Reply};
-
-/// A service running `toml` (with `listen` overridden to a free port) and its config file.
-struct Running {
-    service: Option<Service>,
-    _dir: tempfile::TempDir,
-}
-
-impl Running {
-    fn start(toml: &str) -> Running {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("indexer.toml");
-        std::fs::write(&path, toml).expect("write config");
-        let config = Config::load(&path).unwrap_or_else(|err| panic!("config: {err}"));
-        let service = Service::start(&path, config, Some("127.0.0.1:0".into()))
-            .unwrap_or_else(|err| panic!("service: {err:#}"));
-        Running {
-            service: Some(service),
-            _dir: dir,
-        }
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.service.as_ref().expect("running").http_addr()
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(service) = self.service.take() {
-            service.shutdown();
-        }
-    }
-}
+use support::{free_port, start_service};
 
 fn engine(name: &str, port: u16, model: Option<&str>) -> EngineToml {
     EngineToml {
@@ -77,7 +44,7 @@ fn keys(value: &Value) -> BTreeSet<&str> {
 /// Three engines: `a` (model m1) holds 4 blocks of the prompt, `b` (model m2) and `c` (no
 /// model) hold its first 2.
 struct ThreeEngines {
-    running: Running,
+    running: RunningService,
     _ranks: Vec<FakeRank>,
     prompt: Vec<u32>,
 }
@@ -85,7 +52,7 @@ struct ThreeEngines {
 fn three_engines() -> ThreeEngines {
     let zmq = zmq::Context::new();
     let mut ranks: Vec<FakeRank> = (0..3).map(|_| FakeRank::bind(&zmq, 0)).collect();
-    let running = Running::start(&config(&[
+    let running = start_service(&config(&[
         engine("a", ranks[0].port, Some("m1")),
         engine("b", ranks[1].port, Some("m2")),
         engine("c", ranks[2].port, None),
@@ -96,7 +63,7 @@ fn three_engines() -> ThreeEngines {
         let hashes: Vec<u64> = (1..=blocks as u64).collect();
         rank.store(&hashes, None, &tokens[..blocks * 16]);
     }
-    let addr = running.addr();
+    let addr = running.http_addr();
     wait_for(10, "every engine's blocks to be indexed", || {
         let answer = query(addr, json!({ "token_ids": tokens }));
         (answer["scores"].as_array().map(Vec::len) == Some(3)).then_some(())
@@ -111,7 +78,7 @@ fn three_engines() -> ThreeEngines {
 #[test]
 fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
     let setup = three_engines();
-    let addr = setup.running.addr();
+    let addr = setup.running.http_addr();
     let mut with_tail = setup.prompt.clone();
     with_tail.extend([7, 7, 7, 7, 7]);
 
@@ -168,7 +135,7 @@ fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
 #[test]
 fn many_clients_at_once_and_keep_alive_connections_get_the_same_answer() {
     let setup = three_engines();
-    let addr = setup.running.addr();
+    let addr = setup.running.http_addr();
     let body = json!({ "token_ids": setup.prompt }).to_string();
     let expected = query(addr, json!({ "token_ids": setup.prompt }));
 
@@ -196,7 +163,7 @@ fn many_clients_at_once_and_keep_alive_connections_get_the_same_answer() {
 fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() {
     let (zmq_port, replay_port, recover_port, other_port) =
         (free_port(), free_port(), free_port(), free_port());
-    let running = Running::start(&config(&[
+    let running = start_service(&config(&[
         EngineToml {
             replay_port: Some(replay_port),
             recover_port: Some(recover_port),
@@ -204,7 +171,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         },
         engine("plain", other_port, None),
     ]));
-    let reply = get(running.addr(), "/workers");
+    let reply = get(running.http_addr(), "/workers");
     assert_eq!(reply.status, 200);
     assert_eq!(reply.header("Content-Type"), Some("application/json"));
     let workers = reply.json();
@@ -266,7 +233,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
     assert_eq!(rank["batches"], 0);
     assert_eq!(rank["tier_blocks"], json!({"gpu": 0, "cpu": 0, "disk": 0}));
 
-    let ready = get(running.addr(), "/ready");
+    let ready = get(running.http_addr(), "/ready");
     assert_eq!(ready.status, 503);
     assert_eq!(
         ready.json(),
@@ -281,8 +248,8 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
 fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     let zmq = zmq::Context::new();
     let rank = FakeRank::bind(&zmq, 0);
-    let running = Running::start(&config(&[engine("e", rank.port, None)]));
-    let addr = running.addr();
+    let running = start_service(&config(&[engine("e", rank.port, None)]));
+    let addr = running.http_addr();
     rank.wait_subscribed();
     let ready = wait_for(10, "/ready to turn 200", || {
         let reply = get(addr, "/ready");
@@ -331,8 +298,8 @@ fn assert_error(reply: &Reply, status: u16, reason_starts: &str) {
 
 #[test]
 fn bad_requests_get_a_reason_naming_the_problem() {
-    let running = Running::start(&config(&[]));
-    let addr = running.addr();
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
     let cases: [(&str, &str); 7] = [
         ("{\"token_ids\": [1, 2", "body is not valid JSON: "),
         (
@@ -370,8 +337,8 @@ fn bad_requests_get_a_reason_naming_the_problem() {
 
 #[test]
 fn oversized_bodies_get_413_declared_or_chunked() {
-    let running = Running::start(&config(&[]));
-    let addr = running.addr();
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
 
     // Declared too large: answered from the head alone, nothing of the body sent.
     let mut connection = Connection::open(addr);
@@ -403,19 +370,16 @@ fn oversized_bodies_get_413_declared_or_chunked() {
 
 /// This process's resident memory, in bytes.
 fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no VmRSS in {status}"));
-    kib * 1024
+    let holdings = Proc::Myself
+        .holdings()
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    holdings.resident_kib * 1024
 }
 
 #[test]
 fn a_hostile_content_length_is_refused_without_reading_or_allocating_it() {
-    let running = Running::start(&config(&[]));
-    let addr = running.addr();
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
     let before = resident_bytes();
     let huge: u64 = 100_000_000_000_000;
     let heads = [
@@ -458,8 +422,8 @@ fn a_hostile_content_length_is_refused_without_reading_or_allocating_it() {
 
 #[test]
 fn expect_100_continue_gets_continue_then_the_answer() {
-    let running = Running::start(&config(&[]));
-    let addr = running.addr();
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
     let body = json!({ "token_ids": (0..40).collect::<Vec<u32>>() }).to_string();
     let mut connection = Connection::open(addr);
     connection.set_read_timeout(std::time::Duration::from_secs(60));
@@ -520,8 +484,8 @@ fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
 
 #[test]
 fn slow_uploads_hold_no_pool_thread_and_are_answered_when_complete() {
-    let running = Running::start(&config(&[]));
-    let addr = running.addr();
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
     // Half the upload places held by stalled clients (more than the old pool of 8 threads),
     // whatever order the server takes them in, next to one upload at a time of others.
     let body = upload_body();
@@ -545,8 +509,8 @@ fn slow_uploads_hold_no_pool_thread_and_are_answered_when_complete() {
 
 #[test]
 fn a_flood_of_slow_uploads_is_bounded_and_the_excess_refused_503() {
-    let running = Running::start(&config(&[]));
-    let addr = running.addr();
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
     let body = upload_body();
     // More stalled uploads than the pool has threads: the places are taken in whatever order
     // the server sees them, and none is given back before the bodies are completed below.

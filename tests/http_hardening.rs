@@ -7,99 +7,52 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use kv_indexer::http::{HEAD_DEADLINE, MAX_BODY_BYTES, MAX_CONNECTIONS};
-use support::free_port;
+use kv_indexer::sim::indexer_toml::indexer_toml;
+use kv_indexer::sim::process::IndexerProcess;
+use kv_indexer::sim::procfs::Holdings;
 use support::http_client::{get, wait_for, Connection};
+use support::{indexer_binary, one_at_a_time};
 
-/// One test at a time: each loads the machine and reads its child's figures.
-fn serial() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The indexer as a child process with no engines and at most `open_files` descriptors;
-/// killed when dropped.
+/// The indexer as a child process with no engines and at most `open_files` descriptors, one
+/// test at a time (each loads the machine and reads its child's figures).
 struct Indexer {
-    child: Child,
+    process: IndexerProcess,
     addr: SocketAddr,
     /// Descriptors and threads once started.
-    baseline: (usize, u64),
-    _dir: tempfile::TempDir,
-    _serial: MutexGuard<'static, ()>,
+    baseline: Holdings,
+    _serial: parking_lot::MutexGuard<'static, ()>,
 }
 
 impl Indexer {
-    fn start(open_files: u32) -> Indexer {
-        let serial = serial();
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = dir.path().join("indexer.toml");
-        std::fs::write(
-            &config,
-            "listen = \"127.0.0.1:1\"\nblock_size = 16\nshards = 8\n",
-        )
-        .expect("write config");
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-        // `ulimit -n` sets the soft and the hard limit: the indexer cannot raise it.
-        let child = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "ulimit -n {open_files} && exec \"$0\" --config \"$1\" --listen \"$2\""
-            ))
-            .arg(env!("CARGO_BIN_EXE_kv-indexer"))
-            .arg(&config)
-            .arg(addr.to_string())
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kv-indexer");
-        let mut indexer = Indexer {
-            child,
-            addr,
-            baseline: (0, 0),
-            _dir: dir,
+    fn start(open_files: u64) -> Indexer {
+        let serial = one_at_a_time();
+        let process = IndexerProcess::launch(indexer_binary(), &indexer_toml(None, 16, 8, &[]))
+            .open_files(open_files)
+            .start(Duration::from_secs(30))
+            .unwrap_or_else(|error| panic!("{error:#}"));
+        let baseline = holdings(&process);
+        Indexer {
+            addr: process.address,
+            process,
+            baseline,
             _serial: serial,
-        };
-        wait_for(30, "the HTTP API to answer", || {
-            TcpStream::connect(addr).ok().map(|_| ())
-        });
-        indexer.baseline = (indexer.descriptors(), indexer.threads());
-        indexer
+        }
     }
 
-    fn descriptors(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).map_or(0, |dir| dir.count())
-    }
-
-    /// A field of /proc/PID/status, as its leading number.
-    fn status(&self, field: &str) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .expect("read /proc/PID/status");
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(field))
-            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no {field} in {status}"))
-    }
-
-    fn threads(&self) -> u64 {
-        self.status("Threads:")
-    }
-
-    fn resident_mib(&self) -> u64 {
-        self.status("VmRSS:") / 1024
+    fn holdings(&self) -> Holdings {
+        holdings(&self.process)
     }
 
     fn figures(&self) -> String {
+        let now = self.holdings();
         format!(
             "{} descriptors, {} threads, {} MiB resident",
-            self.descriptors(),
-            self.threads(),
-            self.resident_mib()
+            now.descriptors,
+            now.threads,
+            now.resident_kib / 1024
         )
     }
 
@@ -112,18 +65,18 @@ impl Indexer {
             20,
             "connections to release their descriptors and threads",
             || {
-                (self.descriptors() <= baseline.0 + 4 && self.threads() <= baseline.1 + 4)
+                let now = self.holdings();
+                (now.descriptors <= baseline.descriptors + 4 && now.threads <= baseline.threads + 4)
                     .then_some(())
             },
         );
     }
 }
 
-impl Drop for Indexer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn holdings(process: &IndexerProcess) -> Holdings {
+    process
+        .holdings()
+        .unwrap_or_else(|error| panic!("{error:#}"))
 }
 
 /// Sends `head` on a new connection and reads the whole answer (the server closes after an
@@ -188,7 +141,7 @@ fn twelve_thousand_refused_uploads_leave_nothing_behind_and_health_still_answers
 fn oversized_heads_get_431_or_414_and_memory_stays_bounded() {
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
-    let resident_before = indexer.resident_mib();
+    let resident_before = indexer.holdings().resident_kib / 1024;
     eprintln!("before: {}", indexer.figures());
     // 20 unterminated 1 MiB headers at once (the old server buffered each whole, and more).
     let mut header = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: ".to_vec();
@@ -204,7 +157,7 @@ fn oversized_heads_get_431_or_414_and_memory_stays_bounded() {
     });
     eprintln!("after 20 heads of 1 MiB: {}", indexer.figures());
     assert!(statuses.iter().all(|s| *s == Some(431)), "{statuses:?}");
-    let grown = indexer.resident_mib().saturating_sub(resident_before);
+    let grown = (indexer.holdings().resident_kib / 1024).saturating_sub(resident_before);
     assert!(grown < 64, "resident memory grew by {grown} MiB");
 
     let mut long_url = b"GET /".to_vec();
@@ -318,7 +271,7 @@ fn out_of_descriptors_the_api_keeps_accepting_and_recovers() {
     // Some of the held connections are answered from the reserve or left in the backlog; the
     // process runs out either way.
     wait_for(20, "the indexer to run out of descriptors", || {
-        (indexer.descriptors() >= 120).then_some(())
+        (indexer.holdings().descriptors >= 120).then_some(())
     });
     eprintln!("{} connections held: {}", held.len(), indexer.figures());
     drop(held);

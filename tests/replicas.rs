@@ -163,14 +163,11 @@ fn two_replicas_naming_each_other_agree_with_each_other_and_the_engines() {
     let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
     let (a_addr, b_addr) = (free_addr(), free_addr());
     let start = |own: SocketAddr, peer: SocketAddr| {
-        IndexerProcess::start_at(
-            binary,
-            &config(&fleet, &[peer], false, None),
-            own,
-            "info",
-            DEADLINE,
-        )
-        .unwrap_or_else(|error| panic!("{error:#}"))
+        IndexerProcess::launch(binary, &config(&fleet, &[peer], false, None))
+            .address(own)
+            .log_filter("info")
+            .start(DEADLINE)
+            .unwrap_or_else(|error| panic!("{error:#}"))
     };
     let a = start(a_addr, b_addr);
     let b = start(b_addr, a_addr);
@@ -397,7 +394,10 @@ fn an_open_listen_without_a_token_is_a_loud_warning() {
     std::fs::write(&token_file, "t0ken").expect("token file");
     let open = SocketAddr::from(([0, 0, 0, 0], free_port()));
     let warned = |toml: &str, address: SocketAddr| {
-        let indexer = IndexerProcess::start_at(binary, toml, address, "info", DEADLINE)
+        let indexer = IndexerProcess::launch(binary, toml)
+            .address(address)
+            .log_filter("info")
+            .start(DEADLINE)
             .unwrap_or_else(|error| panic!("{error:#}"));
         // Logged after the warning: once it is in, so is the warning, if any.
         let started = Instant::now();

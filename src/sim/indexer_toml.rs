@@ -6,11 +6,13 @@
 
 use std::fmt;
 
-/// One `[[engine]]` table on 127.0.0.1 (or asked of `discover`); unset keys are left out (the
-/// file's defaults apply).
+/// One `[[engine]]` table on 127.0.0.1 (or `host`, or asked of `discover`); unset keys are left
+/// out (the file's defaults apply).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EngineToml {
     pub name: String,
+    /// None: 127.0.0.1.
+    pub host: Option<String>,
     /// 0: not written (an engine with `discover` needs none).
     pub zmq_port: u16,
     pub dp_size: Option<u32>,
@@ -46,7 +48,11 @@ impl fmt::Display for EngineToml {
         writeln!(f, "[[engine]]\nname = \"{}\"", self.name)?;
         match &self.discover {
             Some(url) => writeln!(f, "discover = \"{url}\"")?,
-            None => writeln!(f, "host = \"127.0.0.1\"")?,
+            None => writeln!(
+                f,
+                "host = \"{}\"",
+                self.host.as_deref().unwrap_or("127.0.0.1")
+            )?,
         }
         if let Some(interval) = self.discover_interval_s {
             writeln!(f, "discover_interval_s = {interval}")?;

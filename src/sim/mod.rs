@@ -6,7 +6,8 @@
 //! `api` the engine's API server with `/kv_event_sources`), `replay` answers replay requests
 //! from a history, `encode` writes the wire format. For driving an indexer: `fleet` runs many
 //! engines, `watch` checks an indexer against them, `process` runs the `kv-indexer` binary as a
-//! child, `indexer_toml` writes its config and `ports` finds free ports.
+//! child, `running` runs the indexer's service in-process, `procfs` reads what a process holds, `indexer_toml` writes its config and `ports` finds
+//! free ports.
 
 pub mod api;
 pub mod cache;
@@ -15,9 +16,11 @@ pub mod fleet;
 pub mod indexer_toml;
 pub mod ports;
 pub mod process;
+pub mod procfs;
 mod rank_http;
 pub mod replay;
 pub mod rng;
+pub mod running;
 pub mod server;
 pub mod watch;
 pub mod workload;

@@ -8,6 +8,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +19,7 @@ use anyhow::{bail, ensure, Context, Result};
 use parking_lot::Mutex;
 
 use crate::sim::ports::free_port;
+use crate::sim::procfs::{Holdings, Proc};
 
 /// How often a wait looks at the child again.
 const POLL: Duration = Duration::from_millis(20);
@@ -33,87 +35,141 @@ pub struct IndexerProcess {
     _dir: PrivateDir,
 }
 
-impl IndexerProcess {
-    /// Writes `toml` to a fresh `indexer.toml`, starts `binary` on it with `--listen` on a port
-    /// probed free, and waits until `GET /health` answers 200. A child that exits before
-    /// serving (another process took the port meanwhile) is started again on another port, a
-    /// few times. `log_filter` is the child's `RUST_LOG`.
-    pub fn start(
-        binary: &Path,
-        toml: &str,
-        log_filter: &str,
-        deadline: Duration,
-    ) -> Result<IndexerProcess> {
-        IndexerProcess::start_with_env(binary, toml, log_filter, &[], deadline)
+/// How to start a `kv-indexer`: `IndexerProcess::launch(binary, toml)`, then the options, then
+/// `start` (wait until it serves) or `spawn` (do not wait).
+pub struct Launch<'a> {
+    binary: &'a Path,
+    toml: &'a str,
+    log_filter: &'a str,
+    env: &'a [(String, String)],
+    open_files: Option<u64>,
+    address: Option<SocketAddr>,
+}
+
+impl<'a> Launch<'a> {
+    /// The child's `RUST_LOG` (default `warn`).
+    pub fn log_filter(self, log_filter: &'a str) -> Self {
+        Launch { log_filter, ..self }
     }
 
-    /// `start` with extra environment variables for the child (a benchmark comparing, say,
-    /// glibc's `MALLOC_*` tunables against what the binary sets itself).
-    pub fn start_with_env(
-        binary: &Path,
-        toml: &str,
-        log_filter: &str,
-        env: &[(String, String)],
-        deadline: Duration,
-    ) -> Result<IndexerProcess> {
-        const ATTEMPTS: usize = 3;
+    /// Extra environment variables for the child (a benchmark comparing, say, glibc's
+    /// `MALLOC_*` tunables against what the binary sets itself).
+    pub fn env(self, env: &'a [(String, String)]) -> Self {
+        Launch { env, ..self }
+    }
+
+    /// At most `limit` open descriptors, soft and hard limit alike, so that the child cannot
+    /// raise it (as `ulimit -n` does): a process out of descriptors, on purpose.
+    pub fn open_files(self, limit: u64) -> Self {
+        Launch {
+            open_files: Some(limit),
+            ..self
+        }
+    }
+
+    /// Serves on `address` instead of a port probed free: for replicas that must know each
+    /// other's address before either runs (their `peers`). `start` then tries once, and fails
+    /// when the child exits before serving (the port was taken meanwhile): the caller picks
+    /// other ports.
+    pub fn address(self, address: SocketAddr) -> Self {
+        Launch {
+            address: Some(address),
+            ..self
+        }
+    }
+
+    /// Writes the config to a fresh `indexer.toml`, starts the binary on it with `--listen` on
+    /// a port probed free, and waits until `GET /health` answers 200. A child that exits
+    /// before serving (another process took the port meanwhile) is started again on another
+    /// port, a few times.
+    pub fn start(self, deadline: Duration) -> Result<IndexerProcess> {
+        let attempts = if self.address.is_some() { 1 } else { 3 };
         let mut exits = Vec::new();
-        for _ in 0..ATTEMPTS {
-            let address = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-            match IndexerProcess::spawn_at(binary, toml, address, log_filter, env, deadline) {
-                Ok(process) => return Ok(process),
-                Err(exit) => exits.push(format!("{exit:#}")),
+        for _ in 0..attempts {
+            let mut process = self.spawn_in(PrivateDir::create()?)?;
+            let child = process
+                .child
+                .as_mut()
+                .context("kv-indexer already exited")?;
+            match wait_healthy(child, process.address, deadline) {
+                Ok(()) => return Ok(process),
+                Err(exit) => exits.push(format!("{exit:#}\n{}", process.log())),
             }
         }
         bail!("kv-indexer did not start: {exits:#?}")
     }
 
-    /// `start` on `address`, once: for replicas that must know each other's address before
-    /// either runs (their `peers`). Fails when the child exits before serving (the port was
-    /// taken meanwhile): the caller picks other ports.
-    pub fn start_at(
-        binary: &Path,
-        toml: &str,
-        address: SocketAddr,
-        log_filter: &str,
-        deadline: Duration,
-    ) -> Result<IndexerProcess> {
-        IndexerProcess::spawn_at(binary, toml, address, log_filter, &[], deadline)
+    /// Writes the config and starts the binary as `start` does, without waiting for it to
+    /// serve (a test that signals it during its start-up).
+    pub fn spawn(self) -> Result<IndexerProcess> {
+        self.spawn_in(PrivateDir::create()?)
     }
 
-    fn spawn_at(
-        binary: &Path,
-        toml: &str,
-        address: SocketAddr,
-        log_filter: &str,
-        env: &[(String, String)],
-        deadline: Duration,
-    ) -> Result<IndexerProcess> {
-        let dir = PrivateDir::create()?;
+    fn spawn_in(&self, dir: PrivateDir) -> Result<IndexerProcess> {
         let config = dir.0.join("indexer.toml");
-        std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
-        let mut child = Command::new(binary)
+        std::fs::write(&config, self.toml)
+            .with_context(|| format!("writing {}", config.display()))?;
+        let address = match self.address {
+            Some(address) => address,
+            None => SocketAddr::from(([127, 0, 0, 1], free_port()?)),
+        };
+        let mut command = Command::new(self.binary);
+        command
             .arg("--config")
             .arg(&config)
             .arg("--listen")
             .arg(address.to_string())
-            .env("RUST_LOG", log_filter)
-            .envs(env.iter().map(|(name, value)| (name, value)))
+            .env("RUST_LOG", self.log_filter)
+            .envs(self.env.iter().map(|(name, value)| (name, value)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(limit) = self.open_files {
+            limit_open_files(&mut command, limit);
+        }
+        let mut child = command
             .spawn()
-            .with_context(|| format!("starting {}", binary.display()))?;
+            .with_context(|| format!("starting {}", self.binary.display()))?;
         let log = capture_stderr(&mut child)?;
-        match wait_healthy(&mut child, address, deadline) {
-            Ok(()) => Ok(IndexerProcess {
-                child: Some(child),
-                address,
-                config,
-                log,
-                _dir: dir,
-            }),
-            Err(exit) => bail!("{exit:#}\n{}", log.lock()),
+        Ok(IndexerProcess {
+            child: Some(child),
+            address,
+            config,
+            log,
+            _dir: dir,
+        })
+    }
+}
+
+/// Makes `command`'s child start with RLIMIT_NOFILE at `limit`, soft and hard.
+fn limit_open_files(command: &mut Command, limit: u64) {
+    let limit = libc::rlimit {
+        rlim_cur: limit as libc::rlim_t,
+        rlim_max: limit as libc::rlim_t,
+    };
+    // SAFETY: the closure runs in the forked child before exec, where only async-signal-safe
+    // calls are allowed: setrlimit(2) is a plain system call on a value copied in, and
+    // `last_os_error` reads errno without allocating.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+impl IndexerProcess {
+    /// The options of a start of `binary` on the config `toml`.
+    pub fn launch<'a>(binary: &'a Path, toml: &'a str) -> Launch<'a> {
+        Launch {
+            binary,
+            toml,
+            log_filter: "warn",
+            env: &[],
+            open_files: None,
+            address: None,
         }
     }
 
@@ -122,48 +178,20 @@ impl IndexerProcess {
         Ok(self.running()?.id())
     }
 
-    /// The child's memory as the kernel counts it: (resident now, peak resident), in KiB, from
-    /// `VmRSS` and `VmHWM` of `/proc/PID/status` (Linux only).
-    pub fn resident_kib(&self) -> Result<(u64, u64)> {
-        let pid = self.pid()?;
-        let path = format!("/proc/{pid}/status");
-        let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-        let field = |name: &str| -> Result<u64> {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix(name))
-                .and_then(|value| value.split_whitespace().next())
-                .and_then(|kib| kib.parse().ok())
-                .with_context(|| format!("{path}: no {name} in kB"))
-        };
-        Ok((field("VmRSS:")?, field("VmHWM:")?))
+    /// The child's descriptors, threads and memory now (Linux only).
+    pub fn holdings(&self) -> Result<Holdings> {
+        Proc::Pid(self.pid()?).holdings()
     }
 
-    /// CPU time the child has used so far, user and system, from `/proc/PID/stat` (Linux only):
-    /// the cost of a run however loaded the machine is.
+    /// The child's memory as the kernel counts it: (resident now, peak resident), in KiB.
+    pub fn resident_kib(&self) -> Result<(u64, u64)> {
+        let holdings = self.holdings()?;
+        Ok((holdings.resident_kib, holdings.peak_resident_kib))
+    }
+
+    /// CPU time the child has used so far, user and system (Linux only).
     pub fn cpu_time(&self) -> Result<(Duration, Duration)> {
-        let pid = self.pid()?;
-        let path = format!("/proc/{pid}/stat");
-        let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-        // Fields after the command (which may hold spaces), from field 3 on: utime is field 14.
-        let after_command = stat
-            .rsplit_once(')')
-            .map(|(_, rest)| rest)
-            .with_context(|| format!("{path}: no command field"))?;
-        let ticks: Vec<u64> = after_command
-            .split_whitespace()
-            .skip(11)
-            .take(2)
-            .map(|field| field.parse().unwrap_or(0))
-            .collect();
-        // SAFETY: sysconf takes no pointers.
-        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-        ensure!(
-            ticks.len() == 2 && per_second > 0,
-            "{path}: no utime and stime"
-        );
-        let seconds = |ticks: u64| Duration::from_secs_f64(ticks as f64 / per_second as f64);
-        Ok((seconds(ticks[0]), seconds(ticks[1])))
+        Proc::Pid(self.pid()?).cpu_time()
     }
 
     /// The config file the child was started on.
@@ -302,10 +330,10 @@ fn wait_healthy(child: &mut Child, address: SocketAddr, deadline: Duration) -> R
 }
 
 /// A new directory under the system's temp dir for this process alone, removed on drop.
-struct PrivateDir(PathBuf);
+pub(crate) struct PrivateDir(PathBuf);
 
 impl PrivateDir {
-    fn create() -> Result<PrivateDir> {
+    pub(crate) fn create() -> Result<PrivateDir> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "kv-indexer-sim-{}-{}",
@@ -314,6 +342,10 @@ impl PrivateDir {
         ));
         std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
         Ok(PrivateDir(dir))
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
     }
 }
 

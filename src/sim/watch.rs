@@ -307,13 +307,11 @@ impl WatchedFleet {
             ..SimConfig::default()
         })?;
         let log_filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
-        let process = IndexerProcess::start_with_env(
-            binary,
-            &fleet.indexer_config(),
-            &log_filter,
-            env,
-            Duration::from_secs(10),
-        )?;
+        let toml = fleet.indexer_config();
+        let process = IndexerProcess::launch(binary, &toml)
+            .log_filter(&log_filter)
+            .env(env)
+            .start(Duration::from_secs(10))?;
         let mut indexer = OverHttp::new(process.address);
         let warm = warm_up(&fleet, &mut indexer, deadline)?;
         Ok(WatchedFleet {

@@ -1,8 +1,10 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
-//! tests (`batches`), our API beside the Dynamo API in one service (`two_apis`), and, over the fleet harness of
-//! `kv_indexer::sim` (`fleet`, `watch`, `process`), what only tests need: the shipped trace
-//! head, an in-process indexer view, and failing the test where the harness returns an error.
+//! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the
+//! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`, `running`), what only tests need:
+//! the shipped trace head, the binary and the in-process service started or the test fails, a
+//! registry-only indexer view (`InProcess`, no HTTP), one test at a time, and failing the test
+//! where the harness returns an error.
 //!
 //! It never decides what a test expects beyond the fleet's exactness; each test asserts its
 //! own counters (gaps, restarts) on the `RankView`s it gets back.
@@ -13,7 +15,7 @@
 pub mod batches;
 pub mod fake_engine;
 pub mod http_client;
-pub mod two_apis;
+pub mod listeners;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -23,11 +25,12 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
-use kv_indexer::plan::{ListenerSpec, WorkerKey};
+use kv_indexer::plan::ListenerSpec;
 use kv_indexer::registry::Registry;
 use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::ports;
 use kv_indexer::sim::process::IndexerProcess;
+use kv_indexer::sim::running::RunningService;
 use kv_indexer::sim::server::RankPorts;
 use kv_indexer::sim::watch::{self, Accuracy, IndexerView, RankView};
 use kv_indexer::sim::workload::load_trace;
@@ -52,12 +55,30 @@ pub fn free_port() -> u16 {
     ports::free_port().unwrap_or_else(|error| panic!("{error:#}"))
 }
 
+/// Holds the tests of one test binary to one at a time while it lives: for tests that load the
+/// machine (thousands of listeners or connections) or read their process's figures.
+pub fn one_at_a_time() -> parking_lot::MutexGuard<'static, ()> {
+    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    SERIAL.lock()
+}
+
+/// The `kv-indexer` binary of this build, to start with `IndexerProcess::launch`.
+pub fn indexer_binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_kv-indexer"))
+}
+
 /// The `kv-indexer` binary of this build on `toml`, healthy, or the test fails. It logs at
 /// `info`: tests read its reload lines.
 pub fn start_indexer(toml: &str) -> IndexerProcess {
-    let binary = Path::new(env!("CARGO_BIN_EXE_kv-indexer"));
-    IndexerProcess::start(binary, toml, "info", Duration::from_secs(10))
+    IndexerProcess::launch(indexer_binary(), toml)
+        .log_filter("info")
+        .start(Duration::from_secs(10))
         .unwrap_or_else(|error| panic!("{error:#}"))
+}
+
+/// `RunningService::start` on `toml`, or the test fails.
+pub fn start_service(toml: &str) -> RunningService {
+    RunningService::start(toml).unwrap_or_else(|error| panic!("{error:#}"))
 }
 
 /// `watch::settle`, failing the test when the fleet does not settle in time.
@@ -95,16 +116,15 @@ impl InProcess {
 /// The listener spec of a rank bound on OS-picked (so not consecutive) ports.
 fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
     ListenerSpec {
-        key: WorkerKey { engine, dp_rank },
-        endpoint: format!("tcp://127.0.0.1:{}", ports.publish),
         replay: ports.replay.map(|port| format!("tcp://127.0.0.1:{port}")),
         recover: ports
             .recover
             .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),
-        topic: String::new(),
-        model: None,
-        instance_id: 0,
-        registered_at_runtime: false,
+        ..listeners::spec(
+            &engine,
+            dp_rank,
+            format!("tcp://127.0.0.1:{}", ports.publish),
+        )
     }
 }
 

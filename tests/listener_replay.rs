@@ -1,0 +1,275 @@
+//! Recovery by replay, on listeners in-process against scripted ranks over real sockets on
+//! 127.0.0.1, with a ROUTER serving the rank's history (`sim::replay`, both layouts): a gap,
+//! a restart seen mid-stream, a mid-stream join, a replay that never ends, a later replay after
+//! a loss it could not repair, and a stop that does not wait for a replay.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_indexer::listener::{Listener, State};
+use kv_indexer::sim::encode::replay_frames;
+use kv_indexer::sim::replay::{History, Layout, ReplayServer};
+use support::fake_engine::{payload, FakeRank};
+use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
+
+fn gap_is_repaired_by_replay(layout: Layout) {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), layout)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    rank.publish(vec![store(1, 0, 1)]);
+    rank.lose(vec![store(2, 0, 2)]);
+    rank.lose(vec![store(2, 2, 1)]);
+    // Extends the lost blocks: placed only if the replay was applied first.
+    rank.publish(vec![store(2, 3, 1)]);
+    applied_through(&listener, 3);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!(
+        (status.gaps, status.lost_batches, status.parent_missing),
+        (1, 0, 0)
+    );
+    assert_eq!(status.batches, 4);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(2, 4)), 4);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 1);
+
+    // Live messages after the recovery apply as usual.
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 4);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(3, 1)), 1);
+}
+
+#[test]
+fn gap_is_repaired_by_replay_new_layout() {
+    gap_is_repaired_by_replay(Layout::New);
+}
+
+#[test]
+fn gap_is_repaired_by_replay_old_layout() {
+    gap_is_repaired_by_replay(Layout::Old);
+}
+
+#[test]
+fn restart_seen_mid_stream_drops_old_blocks_and_replays_the_new_process() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    for prompt in 1..4 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 2);
+
+    rank.restart();
+    rank.lose(vec![store(7, 0, 1)]);
+    rank.publish(vec![store(8, 0, 1)]);
+    applied_through(&listener, 1);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!((status.gaps, status.lost_batches, status.blocks), (1, 0, 2));
+    assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 0);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(7, 1)), 1);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(8, 1)), 1);
+}
+
+#[test]
+fn mid_stream_join_is_recovered_by_replay() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    // Published before the listener existed.
+    rank.lose(vec![store(1, 0, 1)]);
+    for block in 0..4 {
+        rank.lose(vec![store(2, block, 1)]);
+    }
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    assert_eq!(rank.publish(vec![store(2, 4, 1)]), 5);
+    applied_through(&listener, 5);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!(
+        (status.gaps, status.lost_batches, status.batches),
+        (1, 0, 6)
+    );
+    assert_eq!(fixture.matched(listener.worker(), &tokens(2, 5)), 5);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 1);
+}
+
+/// A replay ROUTER that answers every request with the rank's history from the asked seq and
+/// then keeps streaming ever-higher seqs of fabricated batches (storing `FABRICATED`) until
+/// dropped: a replay that never ends.
+struct EndlessReplay {
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+const FABRICATED: u32 = 999;
+
+impl EndlessReplay {
+    fn start(context: &zmq::Context, history: History) -> EndlessReplay {
+        let router = context.socket(zmq::ROUTER).expect("ROUTER");
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
+        let endpoint = router.get_last_endpoint().unwrap().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let fabricated = payload(0, vec![store(FABRICATED, 0, 1)]);
+            while !thread_stop.load(Ordering::Relaxed) {
+                if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
+                    continue;
+                }
+                let request = router.recv_multipart(0).unwrap();
+                let identity = request[0].clone();
+                let mut seq = u64::from_be_bytes(request[2].as_slice().try_into().unwrap());
+                let history = history.lock().clone();
+                while !thread_stop.load(Ordering::Relaxed) {
+                    let body = history
+                        .iter()
+                        .find(|(s, _)| *s == seq)
+                        .map_or(&fabricated[..], |(_, payload)| &payload[..]);
+                    let mut frames = vec![identity.clone()];
+                    frames.extend(replay_frames(Some(b""), seq, body));
+                    // ROUTER drops what a gone peer cannot take: this never blocks.
+                    router.send_multipart(frames, 0).unwrap();
+                    seq += 1;
+                    if seq % 256 == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        });
+        EndlessReplay {
+            endpoint,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for EndlessReplay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = EndlessReplay::start(&fixture.context, Arc::clone(&rank.history));
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    for prompt in 0..24 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    for prompt in 24..34 {
+        rank.lose(vec![store(prompt, 0, 1)]);
+    }
+    for prompt in 34..44 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 43);
+
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!(
+        (
+            status.batches,
+            status.gaps,
+            status.lost_batches,
+            status.blocks
+        ),
+        (44, 1, 0, 44)
+    );
+    for prompt in 0..44 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+    assert_eq!(
+        fixture.matched(listener.worker(), &tokens(FABRICATED, 1)),
+        0
+    );
+}
+
+/// A rank degraded by a loss its replay socket could not serve (its buffer was empty, say),
+/// then a later gap when the replay keeps the rank's history from seq `kept_from` on.
+fn degraded_then_a_later_gap(kept_from: usize) -> (Fixture, Listener) {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let served = History::default();
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&served), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+
+    rank.publish(vec![store(1, 0, 1)]);
+    rank.lose(vec![store(2, 0, 1)]);
+    rank.publish(vec![store(3, 0, 1)]);
+    applied_through(&listener, 2);
+    let status = listener.status();
+    assert_eq!(status.state, State::Degraded);
+    assert_eq!((status.gaps, status.lost_batches), (1, 1));
+
+    rank.lose(vec![store(4, 0, 1)]);
+    *served.lock() = rank.history.lock()[kept_from..].to_vec();
+    rank.publish(vec![store(5, 0, 1)]);
+    applied_through(&listener, 4);
+    let status = listener.status();
+    assert_eq!((status.gaps, status.lost_batches), (2, 1));
+    assert_eq!(fixture.matched(listener.worker(), &tokens(4, 1)), 1);
+    (fixture, listener)
+}
+
+#[test]
+fn degraded_clears_when_a_later_replay_covers_everything_since_the_loss() {
+    let (fixture, listener) = degraded_then_a_later_gap(0);
+    let status = listener.status();
+    assert_eq!(status.state, State::Active, "{status:?}");
+    for prompt in 1..=5 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+}
+
+#[test]
+fn a_later_replay_of_the_next_gap_only_leaves_the_rank_degraded() {
+    // The replay buffer kept only seq 3 onward: the first loss stays lost.
+    let (fixture, listener) = degraded_then_a_later_gap(3);
+    assert_eq!(listener.status().state, State::Degraded);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(2, 1)), 0);
+}
+
+#[test]
+fn stop_during_a_recovery_does_not_wait_for_it() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    // A replay endpoint that accepts the request and never answers.
+    let silent = fixture.context.socket(zmq::ROUTER).unwrap();
+    silent.bind("tcp://127.0.0.1:*").unwrap();
+    let silent_endpoint = silent.get_last_endpoint().unwrap().unwrap();
+    let listener = fixture.listen(&rank, Some(&silent_endpoint), None);
+
+    rank.lose(vec![store(1, 0, 1)]);
+    rank.publish(vec![store(2, 0, 1)]);
+    wait_for(&listener, "recovering", |status| {
+        status.state == State::Recovering
+    });
+    let started = Instant::now();
+    listener.stop();
+    println!("stop during recovery took {:?}", started.elapsed());
+}
