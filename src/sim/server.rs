@@ -4,28 +4,29 @@
 //! kv-events enabled (plus the snapshot patch); and optionally the engine's API server
 //! (`api`: `GET /kv_event_sources`, elastic scaling), as vLLM's OpenAI server.
 //!
-//! It owns sequencing, the replay history, the rank set (ranks added and removed while running,
-//! as elastic data parallelism does) and fault injection (dropped batches, restarts, a broken
-//! API answer). It never decodes what it publishes, and it never connects: every socket is
-//! bound.
+//! It owns the configuration, the rank set (ranks added and removed while running, as elastic
+//! data parallelism does), the `GET /kv_event_sources` answer and fault injection (dropped
+//! batches, restarts, a broken API answer); one rank's sequencing and replay history are in
+//! `rank`, socket binding in `bind`. It never decodes what it publishes, and it never connects:
+//! every socket is bound.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+mod bind;
+mod rank;
+
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use anyhow::{anyhow, ensure, Context, Result};
-use log::warn;
+use anyhow::{anyhow, ensure, Result};
 use parking_lot::Mutex;
 
 use crate::sim::api::{self, ApiReply, ApiServer};
-use crate::sim::cache::{RankCache, Request};
-use crate::sim::encode::{encode_batch, encode_snapshot, message_frames, Form};
-use crate::sim::rank_http;
-use crate::sim::replay::{self, Layout};
-use crate::sim::rng::{mix, SplitMix64};
-use crate::wire::{BlockStored, Event, EventBatch};
+use crate::sim::cache::Request;
+use crate::sim::encode::Form;
+use crate::wire::{BlockStored, Event};
+pub(super) use bind::bind_http;
+use bind::offset_port;
+pub(super) use rank::Rank;
+use rank::{RankRuntime, Settings};
 
 /// How often the socket and HTTP threads look at the stop flag.
 pub(super) const STOP_POLL: Duration = Duration::from_millis(100);
@@ -92,44 +93,6 @@ pub struct RankPorts {
     pub recover: Option<u16>,
 }
 
-/// What every rank shares and never changes.
-struct Settings {
-    block_size: u32,
-    form: Form,
-    topic: Vec<u8>,
-    keep_history: bool,
-    replay_buffer: usize,
-    replay_layout: Layout,
-    drop_fraction: f64,
-}
-
-/// A rank's mutable state, behind one lock so that a snapshot's seq always matches its blocks.
-pub(super) struct RankState {
-    pub(super) cache: RankCache,
-    publisher: zmq::Socket,
-    next_seq: u64,
-    history: VecDeque<replay::Batch>,
-    drops: SplitMix64,
-    dropped: u64,
-    /// The prompt served last, for `GET /last_prompt`.
-    pub(super) last_prompt: Vec<u32>,
-}
-
-pub(super) struct Rank {
-    pub(super) index: u32,
-    settings: Arc<Settings>,
-    pub(super) state: Mutex<RankState>,
-}
-
-/// One running rank: its state, the ports it bound and its threads (replay, HTTP), stopped and
-/// its sockets closed when it is dropped.
-struct RankRuntime {
-    rank: Arc<Rank>,
-    ports: RankPorts,
-    stopping: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
-}
-
 /// What the engine's threads (the API server's included) share.
 pub(super) struct Shared {
     config: SimConfig,
@@ -152,19 +115,7 @@ impl SimEngine {
     /// threads; nothing keeps running on error.
     pub fn start(config: SimConfig) -> Result<SimEngine> {
         validate(&config)?;
-        let settings = Arc::new(Settings {
-            block_size: config.block_size,
-            form: config.form,
-            topic: config.topic.clone().into_bytes(),
-            keep_history: config.replay_port.is_some(),
-            replay_buffer: config.replay_buffer,
-            replay_layout: if config.old_replay_layout {
-                Layout::Old
-            } else {
-                Layout::New
-            },
-            drop_fraction: config.drop_fraction,
-        });
+        let settings = Arc::new(Settings::new(&config));
         let engine = SimEngine {
             shared: Arc::new(Shared {
                 config,
@@ -270,10 +221,7 @@ impl SimEngine {
     /// replay history. Its sockets stay bound, so subscribers see only the seq going back.
     pub fn restart_rank(&self, rank: u32) -> Result<()> {
         let rank = self.rank(rank)?;
-        let mut state = rank.state.lock();
-        state.cache.reset();
-        state.next_seq = 0;
-        state.history.clear();
+        rank.state.lock().restart();
         Ok(())
     }
 
@@ -287,7 +235,7 @@ impl SimEngine {
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.
     pub fn last_seq(&self, rank: u32) -> Result<Option<u64>> {
-        Ok(self.rank(rank)?.state.lock().next_seq.checked_sub(1))
+        Ok(self.rank(rank)?.state.lock().last_seq())
     }
 
     /// Blocks `rank` holds.
@@ -302,7 +250,7 @@ impl SimEngine {
 
     /// Batches `rank` did not send on PUB because of `drop_fraction`.
     pub fn dropped_batches(&self, rank: u32) -> Result<u64> {
-        Ok(self.rank(rank)?.state.lock().dropped)
+        Ok(self.rank(rank)?.state.lock().dropped())
     }
 
     /// The snapshot events `GET /kv_recover` would serve for `rank` now.
@@ -347,50 +295,14 @@ impl Shared {
         ranks.truncate(dp_size as usize);
         while (ranks.len() as u32) < dp_size {
             let index = ranks.len() as u32;
-            ranks.push(self.start_rank(index)?);
+            ranks.push(RankRuntime::start(
+                &self.context,
+                &self.config,
+                &self.settings,
+                index,
+            )?);
         }
         Ok(())
-    }
-
-    fn start_rank(&self, index: u32) -> Result<RankRuntime> {
-        let config = &self.config;
-        let (publisher, publish) =
-            bind_zmq(&self.context, zmq::PUB, &config.bind, config.port, index)
-                .with_context(|| format!("rank {index}: binding the PUB socket"))?;
-        let rank_seed = mix(config.seed, u64::from(index));
-        let mut runtime = RankRuntime {
-            rank: Arc::new(Rank {
-                index,
-                settings: Arc::clone(&self.settings),
-                state: Mutex::new(RankState {
-                    cache: match config.cpu_capacity_blocks {
-                        0 => RankCache::new(config.block_size, config.capacity_blocks, rank_seed),
-                        cpu => RankCache::new(config.block_size, config.capacity_blocks, rank_seed)
-                            .with_cpu_tier(cpu),
-                    },
-                    publisher,
-                    next_seq: 0,
-                    history: VecDeque::new(),
-                    drops: SplitMix64::new(mix(rank_seed, 0xD809)),
-                    dropped: 0,
-                    last_prompt: Vec::new(),
-                }),
-            }),
-            ports: RankPorts {
-                publish,
-                replay: None,
-                recover: None,
-            },
-            stopping: Arc::new(AtomicBool::new(false)),
-            threads: Vec::new(),
-        };
-        if let Some(base) = config.replay_port {
-            runtime.ports.replay = Some(runtime.start_replay(&self.context, &config.bind, base)?);
-        }
-        if let Some(base) = config.recover_port {
-            runtime.ports.recover = Some(runtime.start_http(&config.bind, base)?);
-        }
-        Ok(runtime)
     }
 
     /// vLLM's answer: one entry per running rank keyed by rank, endpoints already offset. A
@@ -434,118 +346,6 @@ impl Shared {
     }
 }
 
-impl RankRuntime {
-    fn start_replay(&mut self, context: &zmq::Context, bind: &str, base: u16) -> Result<u16> {
-        let index = self.rank.index;
-        let (socket, port) = bind_zmq(context, zmq::ROUTER, bind, base, index)
-            .with_context(|| format!("rank {index}: binding the replay ROUTER"))?;
-        // A whole history must fit in one reply (0 = no high-water mark).
-        socket
-            .set_sndhwm(0)
-            .with_context(|| format!("rank {index}: replay send high-water mark"))?;
-        let rank = Arc::clone(&self.rank);
-        let stopping = Arc::clone(&self.stopping);
-        self.spawn(format!("sim-replay-{index}"), move || {
-            let topic = rank.settings.replay_layout.topic(&rank.settings.topic);
-            replay::serve(&socket, &stopping, index, topic, |start| {
-                replay::kept_from(rank.state.lock().history.iter(), start)
-            })
-        })?;
-        Ok(port)
-    }
-
-    fn start_http(&mut self, bind: &str, base: u16) -> Result<u16> {
-        let index = self.rank.index;
-        let port = if base == 0 {
-            0
-        } else {
-            offset_port(base, index)?
-        };
-        let (server, port) = bind_http(bind, port).with_context(|| format!("rank {index}"))?;
-        let rank = Arc::clone(&self.rank);
-        let stopping = Arc::clone(&self.stopping);
-        self.spawn(format!("sim-http-{index}"), move || {
-            rank_http::serve(&rank, &server, &stopping)
-        })?;
-        Ok(port)
-    }
-
-    fn spawn(&mut self, name: String, work: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(work)
-            .with_context(|| format!("spawning thread {name}"))?;
-        self.threads.push(handle);
-        Ok(())
-    }
-}
-
-impl Drop for RankRuntime {
-    fn drop(&mut self) {
-        self.stopping.store(true, Ordering::Relaxed);
-        for thread in self.threads.drain(..) {
-            if thread.join().is_err() {
-                warn!(
-                    "rank {}: a simulated engine thread panicked",
-                    self.rank.index
-                );
-            }
-        }
-    }
-}
-
-impl Rank {
-    /// The `GET /last_prompt` body, `{"token_ids": [...]}`: ready to send to the indexer's
-    /// `POST /query`.
-    pub(super) fn last_prompt_body(&self) -> Vec<u8> {
-        serde_json::json!({ "token_ids": self.state.lock().last_prompt })
-            .to_string()
-            .into_bytes()
-    }
-
-    /// The `GET /kv_recover` body: the cache and the seq of the last batch, taken together.
-    pub(super) fn snapshot_body(&self) -> Vec<u8> {
-        let state = self.state.lock();
-        let events = state.cache.snapshot_events();
-        encode_snapshot(
-            state.next_seq.checked_sub(1),
-            self.index,
-            self.settings.block_size,
-            &events,
-        )
-    }
-}
-
-impl RankState {
-    /// Gives the batch the next seq, keeps it for replay and sends it unless the fault injector
-    /// drops it.
-    fn publish(&mut self, rank: &Rank, events: Vec<Event>) -> Result<()> {
-        let settings = &rank.settings;
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let batch = EventBatch {
-            ts: unix_seconds(),
-            dp_rank: Some(rank.index),
-            events,
-            skipped: 0,
-        };
-        let payload: Arc<[u8]> = encode_batch(&batch, settings.form).into();
-        if settings.keep_history && settings.replay_buffer > 0 {
-            if self.history.len() == settings.replay_buffer {
-                self.history.pop_front();
-            }
-            self.history.push_back((seq, Arc::clone(&payload)));
-        }
-        if settings.drop_fraction > 0.0 && self.drops.next_f64() < settings.drop_fraction {
-            self.dropped += 1;
-            return Ok(());
-        }
-        self.publisher
-            .send_multipart(message_frames(&settings.topic, seq, &payload), 0)
-            .with_context(|| format!("rank {}: publishing seq {seq}", rank.index))
-    }
-}
-
 fn validate(config: &SimConfig) -> Result<()> {
     ensure!(config.dp_size >= 1, "dp_size must be at least 1");
     ensure!(config.block_size >= 1, "block_size must be at least 1");
@@ -563,82 +363,4 @@ fn validate(config: &SimConfig) -> Result<()> {
         offset_port(base, config.dp_size - 1)?;
     }
     Ok(())
-}
-
-fn offset_port(base: u16, rank: u32) -> Result<u16> {
-    u16::try_from(u32::from(base) + rank)
-        .map_err(|_| anyhow!("port {base} + rank {rank} is above 65535"))
-}
-
-/// Binds a socket on `base + rank` (any free port when `base` is 0) and returns the bound port.
-fn bind_zmq(
-    context: &zmq::Context,
-    kind: zmq::SocketType,
-    bind: &str,
-    base: u16,
-    rank: u32,
-) -> Result<(zmq::Socket, u16)> {
-    let socket = context.socket(kind).context("creating the socket")?;
-    socket.set_linger(0).context("setting linger")?;
-    if kind == zmq::PUB {
-        // As vLLM's publisher (`hwm` 100,000 per subscriber), not ZeroMQ's default 1,000, so
-        // that a paused subscriber loses no sooner here. Before `bind`: a bound socket's
-        // connections take the options it had when it was bound.
-        socket
-            .set_sndhwm(100_000)
-            .context("setting the send high-water mark")?;
-    }
-    let ipv6 = bind.contains(':');
-    socket.set_ipv6(ipv6).context("enabling IPv6")?;
-    let host = if ipv6 {
-        format!("[{bind}]")
-    } else {
-        bind.to_string()
-    };
-    let port = if base == 0 {
-        "*".to_string()
-    } else {
-        offset_port(base, rank)?.to_string()
-    };
-    let endpoint = format!("tcp://{host}:{port}");
-    socket
-        .bind(&endpoint)
-        .with_context(|| format!("binding {endpoint}"))?;
-    let bound = socket
-        .get_last_endpoint()
-        .context("reading the bound endpoint")?
-        .map_err(|raw| anyhow!("bound endpoint is not UTF-8: {raw:?}"))?;
-    let port = bound
-        .rsplit(':')
-        .next()
-        .and_then(|port| port.parse().ok())
-        .with_context(|| format!("no port in bound endpoint {bound}"))?;
-    Ok((socket, port))
-}
-
-/// A tiny_http server on `bind:port` (0: picked by the OS) and the port it bound.
-pub(super) fn bind_http(bind: &str, port: u16) -> Result<(tiny_http::Server, u16)> {
-    let host = if bind == "*" {
-        "0.0.0.0".to_string()
-    } else if bind.contains(':') {
-        format!("[{bind}]")
-    } else {
-        bind.to_string()
-    };
-    let address = format!("{host}:{port}");
-    let server = tiny_http::Server::http(address.as_str())
-        .map_err(|e| anyhow!("binding HTTP on {address}: {e}"))?;
-    let port = server
-        .server_addr()
-        .to_ip()
-        .map(|address| address.port())
-        .with_context(|| format!("HTTP server on {address} has no IP port"))?;
-    Ok((server, port))
-}
-
-fn unix_seconds() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_secs_f64())
-        .unwrap_or(0.0)
 }

@@ -1,11 +1,10 @@
 //! The running process: index, metrics, registry, HTTP server (and the Dynamo API's, when
 //! `dynamo_listen` is set), signals, and the threads that ask discovered engines for their
-//! ranks (`discovery`) and probe fixed engines' neighbour ports (`neighbours`).
+//! ranks (`discovery`) and probe fixed engines' neighbour ports (`neighbours`); `reload` applies
+//! the file and the discovered answers, `retry` restarts engines that failed to start.
 //!
-//! Owns: start-up order, the configuration and the discovered ranks in effect, reload (SIGHUP
-//! and `POST /reload`, one at a time), applying an engine's new answer (the same road as a
-//! reload: `plan` then `Registry::apply`), the background retry of engines that failed to start,
-//! and clean shutdown.
+//! Owns: start-up order, the signals (SIGHUP asks `reload`, one at a time; SIGTERM and SIGINT
+//! stop), and clean shutdown.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
 //! listeners do), or exits without stopping the HTTP servers and every listener. Every plan goes
 //! to the registry through `RuntimeEngines`, so the file's ranks and those registered at
@@ -13,16 +12,17 @@
 
 mod discovery;
 mod neighbours;
+mod reload;
+mod retry;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::path::Path;
+use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use anyhow::Context;
-use log::{error, info, warn};
+use log::{info, warn};
 use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
@@ -33,14 +33,12 @@ use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
 use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
-use crate::plan::{self, Discoveries, ListenerSpec};
+use crate::plan;
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
 use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
-
-/// First wait before retrying an engine that failed to start; doubles up to `RETRY_MAX`.
-const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(30);
+use reload::{board_engines, Reloader};
+use retry::Retry;
 
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
@@ -210,19 +208,15 @@ impl Service {
         board.retain(&board_engines(&config));
         let neighbours = NeighbourWatch::spawn(board.clone(), metrics.clone())?;
         neighbours.sync(&config, &plan::expand(&config));
-        let reloader = Arc::new(Reloader {
-            config_path: config_path.to_owned(),
-            applied: Mutex::new(Applied {
-                config: config.clone(),
-                discovered: Discoveries::new(),
-            }),
-            engines: engines.clone(),
-            metrics: metrics.clone(),
-            board: board.clone(),
-            askers: Mutex::new(None),
-            neighbours: Mutex::new(Some(neighbours)),
-            replication: replication.clone(),
-        });
+        let reloader = Arc::new(Reloader::new(
+            config_path,
+            config.clone(),
+            engines.clone(),
+            metrics.clone(),
+            board.clone(),
+            neighbours,
+            replication.clone(),
+        ));
         // Weak: the askers live in the reloader, and their answers go back to it.
         let answers = Arc::downgrade(&reloader);
         let apply: Arc<ApplyFn> = Arc::new(move |api: &EngineApi, discovery: Discovery| {
@@ -237,14 +231,12 @@ impl Service {
             apply,
         );
         askers.sync(&config)?;
-        *reloader.askers.lock() = Some(askers);
+        reloader.set_askers(askers);
         let reload_for_http = reloader.clone();
         let suspects = Arc::downgrade(&reloader);
         let rank_watch = RankWatch::spawn(ranks.clone(), move |engine| {
-            if let Some(askers) = suspects.upgrade().as_ref().map(|r| r.askers.lock()) {
-                if let Some(askers) = askers.as_ref() {
-                    askers.suspect(engine);
-                }
+            if let Some(reloader) = suspects.upgrade() {
+                reloader.suspect(engine);
             }
         })?;
         let dynamo_api = DynamoApi {
@@ -307,14 +299,7 @@ impl Service {
         self.rank_watch.stop();
         // Their threads end after the question under way; an answer that arrives later meets
         // the raised shutdown signal, and the registry starts nothing for it.
-        let askers = self.reloader.askers.lock().take();
-        if let Some(askers) = askers {
-            askers.stop();
-        }
-        let neighbours = self.reloader.neighbours.lock().take();
-        if let Some(neighbours) = neighbours {
-            neighbours.stop();
-        }
+        self.reloader.stop_watchers();
         let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
@@ -337,19 +322,6 @@ fn bind_dynamo(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
     };
     let bound = HttpServer::bind(listen).context("dynamo_listen: the Dynamo API")?;
     Ok(Some(bound))
-}
-
-/// `dynamo_listen` is bound once, at start-up: like `listen`, a change waits for a restart.
-fn keep_dynamo_listen(config: &mut Config, applied: &Config, path: &Path) {
-    let shown = |listen: &Option<String>| listen.clone().unwrap_or_else(|| "(none)".into());
-    let mut new = shown(&config.dynamo_listen);
-    keep_for_restart(
-        "dynamo_listen",
-        &mut new,
-        &shown(&applied.dynamo_listen),
-        path,
-    );
-    config.dynamo_listen = applied.dynamo_listen.clone();
 }
 
 /// The peers, the secret (read from `auth_token_file` now) and whether ranks keep their
@@ -404,238 +376,5 @@ fn allow_open_files(listeners: usize) {
         Err(error) => warn!(
             "cannot raise the open files limit ({error}); {listeners} ranks need about {needed}"
         ),
-    }
-}
-
-/// What the registry runs, as `plan` inputs.
-struct Applied {
-    /// The file's configuration as last applied, with the values in effect for the keys that
-    /// only a restart changes (`listen`, `dynamo_listen`, `block_size`, `shards`).
-    config: Config,
-    /// Each discovered engine's last good answer.
-    discovered: Discoveries,
-}
-
-/// Applies the configuration file and the discovered engines' answers to the registry; its
-/// lock serializes reloads and answers.
-struct Reloader {
-    config_path: PathBuf,
-    applied: Mutex<Applied>,
-    /// The one road to the registry: every plan, the file's and a discovered engine's new
-    /// answer, is applied together with the runtime registrations.
-    engines: Arc<RuntimeEngines>,
-    metrics: Arc<Metrics>,
-    board: Arc<Board>,
-    /// `None` only while starting and after shutdown.
-    askers: Mutex<Option<Askers>>,
-    neighbours: Mutex<Option<NeighbourWatch>>,
-    /// Its `peers` follow the file; listeners are not touched.
-    replication: Arc<Replication>,
-}
-
-/// Every engine of `config`, with its `discover` URL if it has one: what the board lists.
-fn board_engines(config: &Config) -> Vec<(String, Option<String>)> {
-    config
-        .engines
-        .iter()
-        .map(|engine| {
-            let url = engine.discover().map(|d| d.api.url.base.clone());
-            (engine.name.clone(), url)
-        })
-        .collect()
-}
-
-impl Reloader {
-    fn reload(&self) -> Result<ReloadDiff, ConfigError> {
-        let mut guard = self.applied.lock();
-        let applied = &mut *guard;
-        let path = self.config_path.display();
-        let mut config = match Config::load(&self.config_path) {
-            Ok(config) => config,
-            Err(rejected) => {
-                for problem in &rejected.problems {
-                    error!("reload rejected: {problem}");
-                }
-                error!("reload of {path} rejected; the running configuration is unchanged");
-                self.metrics.reload(false);
-                return Err(rejected);
-            }
-        };
-        keep_for_restart(
-            "listen",
-            &mut config.listen,
-            &applied.config.listen,
-            &self.config_path,
-        );
-        keep_for_restart(
-            "block_size",
-            &mut config.block_size,
-            &applied.config.block_size,
-            &self.config_path,
-        );
-        keep_for_restart(
-            "shards",
-            &mut config.shards,
-            &applied.config.shards,
-            &self.config_path,
-        );
-        keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
-        if (
-            &config.replicas.auth_token_file,
-            config.replicas.retains_contents(),
-        ) != (
-            &applied.config.replicas.auth_token_file,
-            applied.config.replicas.retains_contents(),
-        ) {
-            warn!(
-                "{path}: auth_token_file or serve_snapshots changed, or peers were added or all \
-                 removed: restart kv-indexer to apply that (the new peers list is applied)"
-            );
-        }
-        self.replication.set_peers(config.replicas.peers.clone());
-        // An engine asked at the same API keeps its last good answer: a reload does not drop
-        // its ranks until it has answered again.
-        let old = &applied.config;
-        applied.discovered.retain(|name, _| {
-            let api = |config: &Config| {
-                let engine = config.engines.iter().find(|engine| &engine.name == name)?;
-                engine.discover().map(|discover| discover.api.clone())
-            };
-            api(old).is_some() && api(old) == api(&config)
-        });
-        for gone in old
-            .engines
-            .iter()
-            .filter(|engine| !config.engines.iter().any(|e| e.name == engine.name))
-        {
-            self.metrics.forget_engine(&gone.name);
-        }
-        let plan = plan::expand_with(&config, &applied.discovered);
-        let diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
-        applied.config = config;
-        self.board.retain(&board_engines(&applied.config));
-        if let Some(askers) = self.askers.lock().as_mut() {
-            if let Err(error) = askers.sync(&applied.config) {
-                error!("{error:#}: its ranks are not asked for");
-            }
-        }
-        if let Some(neighbours) = self.neighbours.lock().as_ref() {
-            neighbours.sync(&applied.config, &plan);
-        }
-        self.metrics.reload(true);
-        Ok(diff)
-    }
-
-    /// Applies a discovered engine's answer, asked at `api`, unless a reload has changed the
-    /// engine's `discover` since it was asked, or it is the answer in effect.
-    fn apply_discovery(&self, api: &EngineApi, discovery: Discovery) {
-        let mut guard = self.applied.lock();
-        let applied = &mut *guard;
-        let current = applied
-            .config
-            .engines
-            .iter()
-            .find(|engine| engine.name == api.engine)
-            .and_then(|engine| engine.discover());
-        if current.map(|discover| &discover.api) != Some(api)
-            || applied.discovered.get(&api.engine) == Some(&discovery)
-        {
-            return;
-        }
-        applied.discovered.insert(api.engine.clone(), discovery);
-        let plan = plan::expand_with(&applied.config, &applied.discovered);
-        let what = format!("engine {}: its new answer", api.engine);
-        self.apply_plan(plan.clone(), &what);
-        if let Some(neighbours) = self.neighbours.lock().as_ref() {
-            neighbours.sync(&applied.config, &plan);
-        }
-    }
-
-    /// `RuntimeEngines::apply_file_plan` (the plan with the runtime registrations, then
-    /// `Registry::apply`), logged as `what`: the one road from a plan to the listeners.
-    fn apply_plan(&self, plan: Vec<ListenerSpec>, what: &str) -> ReloadDiff {
-        let diff = self.engines.apply_file_plan(plan);
-        let names = |keys: &[plan::WorkerKey]| -> String {
-            keys.iter()
-                .map(|k| format!("{}/{}", k.engine, k.dp_rank))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        info!(
-            "{what} applied: added [{}], removed [{}], replaced [{}], {} unchanged",
-            names(&diff.added),
-            names(&diff.removed),
-            names(&diff.replaced),
-            diff.unchanged
-        );
-        for failure in &diff.failed {
-            warn!("{failure}; retrying in the background");
-        }
-        if diff.interrupted > 0 {
-            info!(
-                "{what} interrupted by shutdown: {} engines not started",
-                diff.interrupted
-            );
-        }
-        diff
-    }
-}
-
-/// A key that cannot change while running: warn and keep the value in effect.
-fn keep_for_restart<T: PartialEq + std::fmt::Display + Clone>(
-    key: &str,
-    new: &mut T,
-    in_effect: &T,
-    path: &Path,
-) {
-    if new != in_effect {
-        warn!(
-            "{}: {key} changed from {in_effect} to {new}; restart kv-indexer to apply it (keeping {in_effect})",
-            path.display()
-        );
-        *new = in_effect.clone();
-    }
-}
-
-/// The background thread that retries engines that failed to start, with backoff. It holds the
-/// registry lock only while starting, so reloads and queries never wait for a backoff.
-struct Retry {
-    stop: Sender<()>,
-    thread: JoinHandle<()>,
-}
-
-impl Retry {
-    fn spawn(registry: Arc<Mutex<Registry>>) -> anyhow::Result<Retry> {
-        let (stop, stopped) = mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("engine-retry".into())
-            .spawn(move || {
-                let mut backoff = RETRY_MIN;
-                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(backoff) {
-                    let mut registry = registry.lock();
-                    if !registry.has_pending() {
-                        backoff = RETRY_MIN;
-                        continue;
-                    }
-                    let failing = registry.retry_pending();
-                    drop(registry);
-                    backoff = if failing.is_empty() {
-                        RETRY_MIN
-                    } else {
-                        (backoff * 2).min(RETRY_MAX)
-                    };
-                    for failure in failing {
-                        warn!("{failure}; next retry in {}s", backoff.as_secs());
-                    }
-                }
-            })
-            .context("spawning the engine retry thread")?;
-        Ok(Retry { stop, thread })
-    }
-
-    fn stop(self) {
-        // Dropping the sender also wakes the thread; send makes the intent explicit.
-        let _ = self.stop.send(());
-        let _ = self.thread.join();
     }
 }

@@ -1,0 +1,279 @@
+//! Reload: applying the configuration file (SIGHUP, `POST /reload`) and the discovered
+//! engines' answers to the registry, one at a time.
+//!
+//! Owns: the configuration and the discovered answers in effect (`Applied`), the keys that only
+//! a restart changes (kept, with a warning), and the discovery askers and neighbour probes that
+//! follow the file. Never: applies a plan other than through `RuntimeEngines` (so the runtime
+//! registrations are applied with it, the file's winning a clash), or leaves the running
+//! configuration half-changed when a file is rejected.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use log::{error, info, warn};
+use parking_lot::Mutex;
+
+use super::discovery::Askers;
+use super::neighbours::NeighbourWatch;
+use crate::config::{Config, ConfigError};
+use crate::discover::{Board, Discovery, EngineApi};
+use crate::http::dynamo::RuntimeEngines;
+use crate::listener::Replication;
+use crate::metrics::Metrics;
+use crate::plan::{self, Discoveries, ListenerSpec};
+use crate::registry::ReloadDiff;
+
+/// What the registry runs, as `plan` inputs.
+struct Applied {
+    /// The file's configuration as last applied, with the values in effect for the keys that
+    /// only a restart changes (`listen`, `dynamo_listen`, `block_size`, `shards`).
+    config: Config,
+    /// Each discovered engine's last good answer.
+    discovered: Discoveries,
+}
+
+/// Applies the configuration file and the discovered engines' answers to the registry; its
+/// lock serializes reloads and answers.
+pub(super) struct Reloader {
+    config_path: PathBuf,
+    applied: Mutex<Applied>,
+    /// The one road to the registry: every plan, the file's and a discovered engine's new
+    /// answer, is applied together with the runtime registrations.
+    engines: Arc<RuntimeEngines>,
+    metrics: Arc<Metrics>,
+    board: Arc<Board>,
+    /// `None` only while starting and after shutdown.
+    askers: Mutex<Option<Askers>>,
+    neighbours: Mutex<Option<NeighbourWatch>>,
+    /// Its `peers` follow the file; listeners are not touched.
+    replication: Arc<Replication>,
+}
+
+impl Reloader {
+    /// The reloader of `config` as just applied at start-up; its askers come with `set_askers`
+    /// (they hold a weak reference back to it).
+    pub(super) fn new(
+        config_path: &Path,
+        config: Config,
+        engines: Arc<RuntimeEngines>,
+        metrics: Arc<Metrics>,
+        board: Arc<Board>,
+        neighbours: NeighbourWatch,
+        replication: Arc<Replication>,
+    ) -> Reloader {
+        Reloader {
+            config_path: config_path.to_owned(),
+            applied: Mutex::new(Applied {
+                config,
+                discovered: Discoveries::new(),
+            }),
+            engines,
+            metrics,
+            board,
+            askers: Mutex::new(None),
+            neighbours: Mutex::new(Some(neighbours)),
+            replication,
+        }
+    }
+
+    pub(super) fn set_askers(&self, askers: Askers) {
+        *self.askers.lock() = Some(askers);
+    }
+
+    /// Asks `engine` soon (`Askers::suspect`): one of its ranks looks restarted or stays
+    /// disconnected.
+    pub(super) fn suspect(&self, engine: &str) {
+        if let Some(askers) = self.askers.lock().as_ref() {
+            askers.suspect(engine);
+        }
+    }
+
+    /// Stops asking engines and probing neighbours; their threads end after the question
+    /// under way.
+    pub(super) fn stop_watchers(&self) {
+        let askers = self.askers.lock().take();
+        if let Some(askers) = askers {
+            askers.stop();
+        }
+        let neighbours = self.neighbours.lock().take();
+        if let Some(neighbours) = neighbours {
+            neighbours.stop();
+        }
+    }
+
+    /// Re-reads the configuration file and applies it; a rejected file changes nothing.
+    pub(super) fn reload(&self) -> Result<ReloadDiff, ConfigError> {
+        let mut guard = self.applied.lock();
+        let applied = &mut *guard;
+        let path = self.config_path.display();
+        let mut config = match Config::load(&self.config_path) {
+            Ok(config) => config,
+            Err(rejected) => {
+                for problem in &rejected.problems {
+                    error!("reload rejected: {problem}");
+                }
+                error!("reload of {path} rejected; the running configuration is unchanged");
+                self.metrics.reload(false);
+                return Err(rejected);
+            }
+        };
+        keep_for_restart(
+            "listen",
+            &mut config.listen,
+            &applied.config.listen,
+            &self.config_path,
+        );
+        keep_for_restart(
+            "block_size",
+            &mut config.block_size,
+            &applied.config.block_size,
+            &self.config_path,
+        );
+        keep_for_restart(
+            "shards",
+            &mut config.shards,
+            &applied.config.shards,
+            &self.config_path,
+        );
+        keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
+        if (
+            &config.replicas.auth_token_file,
+            config.replicas.retains_contents(),
+        ) != (
+            &applied.config.replicas.auth_token_file,
+            applied.config.replicas.retains_contents(),
+        ) {
+            warn!(
+                "{path}: auth_token_file or serve_snapshots changed, or peers were added or all \
+                 removed: restart kv-indexer to apply that (the new peers list is applied)"
+            );
+        }
+        self.replication.set_peers(config.replicas.peers.clone());
+        // An engine asked at the same API keeps its last good answer: a reload does not drop
+        // its ranks until it has answered again.
+        let old = &applied.config;
+        applied.discovered.retain(|name, _| {
+            let api = |config: &Config| {
+                let engine = config.engines.iter().find(|engine| &engine.name == name)?;
+                engine.discover().map(|discover| discover.api.clone())
+            };
+            api(old).is_some() && api(old) == api(&config)
+        });
+        for gone in old
+            .engines
+            .iter()
+            .filter(|engine| !config.engines.iter().any(|e| e.name == engine.name))
+        {
+            self.metrics.forget_engine(&gone.name);
+        }
+        let plan = plan::expand_with(&config, &applied.discovered);
+        let diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
+        applied.config = config;
+        self.board.retain(&board_engines(&applied.config));
+        if let Some(askers) = self.askers.lock().as_mut() {
+            if let Err(error) = askers.sync(&applied.config) {
+                error!("{error:#}: its ranks are not asked for");
+            }
+        }
+        if let Some(neighbours) = self.neighbours.lock().as_ref() {
+            neighbours.sync(&applied.config, &plan);
+        }
+        self.metrics.reload(true);
+        Ok(diff)
+    }
+
+    /// Applies a discovered engine's answer, asked at `api`, unless a reload has changed the
+    /// engine's `discover` since it was asked, or it is the answer in effect.
+    pub(super) fn apply_discovery(&self, api: &EngineApi, discovery: Discovery) {
+        let mut guard = self.applied.lock();
+        let applied = &mut *guard;
+        let current = applied
+            .config
+            .engines
+            .iter()
+            .find(|engine| engine.name == api.engine)
+            .and_then(|engine| engine.discover());
+        if current.map(|discover| &discover.api) != Some(api)
+            || applied.discovered.get(&api.engine) == Some(&discovery)
+        {
+            return;
+        }
+        applied.discovered.insert(api.engine.clone(), discovery);
+        let plan = plan::expand_with(&applied.config, &applied.discovered);
+        let what = format!("engine {}: its new answer", api.engine);
+        self.apply_plan(plan.clone(), &what);
+        if let Some(neighbours) = self.neighbours.lock().as_ref() {
+            neighbours.sync(&applied.config, &plan);
+        }
+    }
+
+    /// `RuntimeEngines::apply_file_plan` (the plan with the runtime registrations, then
+    /// `Registry::apply`), logged as `what`: the one road from a plan to the listeners.
+    fn apply_plan(&self, plan: Vec<ListenerSpec>, what: &str) -> ReloadDiff {
+        let diff = self.engines.apply_file_plan(plan);
+        let names = |keys: &[plan::WorkerKey]| -> String {
+            keys.iter()
+                .map(|k| format!("{}/{}", k.engine, k.dp_rank))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        info!(
+            "{what} applied: added [{}], removed [{}], replaced [{}], {} unchanged",
+            names(&diff.added),
+            names(&diff.removed),
+            names(&diff.replaced),
+            diff.unchanged
+        );
+        for failure in &diff.failed {
+            warn!("{failure}; retrying in the background");
+        }
+        if diff.interrupted > 0 {
+            info!(
+                "{what} interrupted by shutdown: {} engines not started",
+                diff.interrupted
+            );
+        }
+        diff
+    }
+}
+
+/// Every engine of `config`, with its `discover` URL if it has one: what the board lists.
+pub(super) fn board_engines(config: &Config) -> Vec<(String, Option<String>)> {
+    config
+        .engines
+        .iter()
+        .map(|engine| {
+            let url = engine.discover().map(|d| d.api.url.base.clone());
+            (engine.name.clone(), url)
+        })
+        .collect()
+}
+
+/// `dynamo_listen` is bound once, at start-up: like `listen`, a change waits for a restart.
+fn keep_dynamo_listen(config: &mut Config, applied: &Config, path: &Path) {
+    let shown = |listen: &Option<String>| listen.clone().unwrap_or_else(|| "(none)".into());
+    let mut new = shown(&config.dynamo_listen);
+    keep_for_restart(
+        "dynamo_listen",
+        &mut new,
+        &shown(&applied.dynamo_listen),
+        path,
+    );
+    config.dynamo_listen = applied.dynamo_listen.clone();
+}
+
+/// A key that cannot change while running: warn and keep the value in effect.
+fn keep_for_restart<T: PartialEq + std::fmt::Display + Clone>(
+    key: &str,
+    new: &mut T,
+    in_effect: &T,
+    path: &Path,
+) {
+    if new != in_effect {
+        warn!(
+            "{}: {key} changed from {in_effect} to {new}; restart kv-indexer to apply it (keeping {in_effect})",
+            path.display()
+        );
+        *new = in_effect.clone();
+    }
+}
