@@ -5,78 +5,77 @@
 //!
 //! `cargo run --release --example bench_dynamo`
 
-// Parts of the test kit, not the whole (`tests/support/mod.rs` names the test binary).
-#[allow(dead_code)]
-#[path = "../tests/support/fake_engine.rs"]
-mod fake_engine;
-#[allow(dead_code)]
-#[path = "../tests/support/http_client.rs"]
-mod http_client;
+use std::time::Duration;
 
-use std::time::{Duration, Instant};
-
-use fake_engine::{FakeRank, BLOCK_SIZE};
-use http_client::{post, wait_for, Connection};
+use anyhow::{ensure, Context, Result};
+use kv_indexer::sim::encode::{encode_batch, message_frames, Form};
 use kv_indexer::sim::running::RunningService;
+use kv_indexer::sim::watch::OverHttp;
+use kv_indexer::wire::{BlockStored, Event, EventBatch};
 
 const ENGINES: usize = 8;
+const BLOCK_SIZE: u32 = 16;
 const PROMPT_BLOCKS: u32 = 512;
 const CHAIN: u32 = 32;
 const QUERIES: usize = 4_000;
 
-fn main() {
+fn main() -> Result<()> {
     let zmq = zmq::Context::new();
-    let mut ranks: Vec<FakeRank> = (0..ENGINES).map(|_| FakeRank::bind(&zmq, 0)).collect();
+    let publishers = (0..ENGINES)
+        .map(|_| Publisher::bind(&zmq))
+        .collect::<Result<Vec<_>>>()?;
     let mut toml = String::from("dynamo_listen = \"127.0.0.1:0\"\nblock_size = 16\nshards = 64\n");
-    for (i, rank) in ranks.iter().enumerate() {
+    for (i, publisher) in publishers.iter().enumerate() {
         toml += &format!(
             "[[engine]]\nname = \"engine-{i}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",
-            rank.port
+            publisher.port
         );
     }
-    let servers = RunningService::start(&toml).unwrap_or_else(|error| panic!("{error:#}"));
+    let servers = RunningService::start(&toml)?;
 
     let prompt: Vec<u32> = (0..PROMPT_BLOCKS * BLOCK_SIZE).collect();
     let mut next_hash = 1u64;
-    for (i, rank) in ranks.iter_mut().enumerate() {
-        rank.wait_subscribed();
+    for (i, publisher) in publishers.iter().enumerate() {
+        publisher.wait_subscribed()?;
         let held = 64 * (i as u32 + 1);
         let mut parent = None;
-        for start in (0..held).step_by(CHAIN as usize) {
+        for (seq, start) in (0..held).step_by(CHAIN as usize).enumerate() {
             let blocks = CHAIN.min(held - start);
             let hashes: Vec<u64> = (next_hash..next_hash + u64::from(blocks)).collect();
             next_hash += u64::from(blocks);
             let span = (start * BLOCK_SIZE) as usize..((start + blocks) * BLOCK_SIZE) as usize;
-            rank.store(&hashes, parent, &prompt[span]);
+            let store = BlockStored::new(hashes.clone(), parent, prompt[span].to_vec(), BLOCK_SIZE);
+            publisher.publish(seq as u64, Event::Stored(store))?;
             parent = hashes.last().copied();
         }
     }
-    let total: u64 = (1..=ENGINES as u64).map(|i| 64 * i).sum();
-    wait_for(60, "every engine's blocks to be indexed", || {
-        let body = serde_json::json!({ "token_ids": prompt }).to_string();
-        let answer = post(servers.http_addr(), "/query", body.as_bytes()).json();
-        let matched: u64 = answer["scores"]
-            .as_array()?
-            .iter()
-            .filter_map(|score| score["matched_blocks"].as_u64())
-            .sum();
-        (matched == total).then_some(())
-    });
-
+    let ours = OverHttp::new(servers.http_addr());
+    let dynamo = OverHttp::new(servers.dynamo_addr().context("dynamo_listen is set")?);
     let our_body = serde_json::json!({ "token_ids": prompt }).to_string();
     let dynamo_body = serde_json::json!({ "token_ids": prompt, "model_name": "any" }).to_string();
-    let mut our_client = Connection::open(servers.http_addr());
-    let mut dynamo_client = Connection::open(servers.dynamo_addr().expect("dynamo_listen is set"));
-    let our_answer = our_client
-        .send("POST", "/query", Some(our_body.as_bytes()))
-        .json();
-    assert_eq!(our_answer["scores"].as_array().map(Vec::len), Some(ENGINES));
-    let dynamo_answer = dynamo_client
-        .send("POST", "/query", Some(dynamo_body.as_bytes()))
-        .json();
-    assert_eq!(
-        dynamo_answer["frequencies"].as_array().map(Vec::len),
-        Some(512)
+    let total: u64 = (1..=ENGINES as u64).map(|i| 64 * i).sum();
+    let indexed = |answer: &serde_json::Value| -> u64 {
+        let scores = answer["scores"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        scores
+            .iter()
+            .filter_map(|s| s["matched_blocks"].as_u64())
+            .sum()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while indexed(&ours.json("/query", Some(&our_body))?) != total {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "every engine's blocks were not indexed within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let answer = dynamo.json("/query", Some(&dynamo_body))?;
+    ensure!(
+        answer["frequencies"].as_array().map(Vec::len) == Some(PROMPT_BLOCKS as usize),
+        "the Dynamo API sees another fleet: {answer}"
     );
     println!(
         "prompt {} tokens; bodies: ours {} bytes, Dynamo {} bytes",
@@ -85,24 +84,64 @@ fn main() {
         dynamo_body.len()
     );
 
-    let timed = |client: &mut Connection, body: &str| {
-        let started = Instant::now();
-        let reply = client.send("POST", "/query", Some(body.as_bytes()));
-        let took = started.elapsed();
-        assert_eq!(reply.status, 200);
-        took
-    };
     for _ in 0..200 {
-        timed(&mut our_client, &our_body);
-        timed(&mut dynamo_client, &dynamo_body);
+        ours.time_query(our_body.as_bytes())?;
+        dynamo.time_query(dynamo_body.as_bytes())?;
     }
     let (mut our_latencies, mut dynamo_latencies) = (Vec::new(), Vec::new());
     for _ in 0..QUERIES {
-        our_latencies.push(timed(&mut our_client, &our_body));
-        dynamo_latencies.push(timed(&mut dynamo_client, &dynamo_body));
+        our_latencies.push(ours.time_query(our_body.as_bytes())?);
+        dynamo_latencies.push(dynamo.time_query(dynamo_body.as_bytes())?);
     }
     report("ours   POST /query", &mut our_latencies);
     report("Dynamo POST /query", &mut dynamo_latencies);
+    Ok(())
+}
+
+/// One engine rank's KV-event PUB socket, as vLLM binds it (an XPUB, to see the indexer
+/// subscribe before anything is published).
+struct Publisher {
+    socket: zmq::Socket,
+    port: u16,
+}
+
+impl Publisher {
+    fn bind(zmq: &zmq::Context) -> Result<Publisher> {
+        let socket = zmq.socket(zmq::XPUB)?;
+        socket.set_linger(0)?;
+        socket.bind("tcp://127.0.0.1:*")?;
+        let endpoint = socket
+            .get_last_endpoint()?
+            .map_err(|raw| anyhow::anyhow!("endpoint not UTF-8: {raw:?}"))?;
+        let port = endpoint
+            .rsplit(':')
+            .next()
+            .and_then(|port| port.parse().ok())
+            .with_context(|| format!("no port in {endpoint}"))?;
+        Ok(Publisher { socket, port })
+    }
+
+    /// Waits (10 s at most) for the indexer's subscription.
+    fn wait_subscribed(&self) -> Result<()> {
+        self.socket.set_rcvtimeo(10_000)?;
+        self.socket
+            .recv_bytes(0)
+            .context("the indexer did not subscribe within 10 s")?;
+        Ok(())
+    }
+
+    fn publish(&self, seq: u64, event: Event) -> Result<()> {
+        let batch = EventBatch {
+            ts: 0.0,
+            dp_rank: Some(0),
+            events: vec![event],
+            skipped: 0,
+        };
+        let payload = encode_batch(&batch, Form::Map);
+        self.socket
+            .send_multipart(message_frames(b"", seq, &payload), 0)?;
+        Ok(())
+    }
 }
 
 fn report(what: &str, latencies: &mut [Duration]) {

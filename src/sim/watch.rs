@@ -62,7 +62,7 @@ impl OverHttp {
     }
 
     /// The JSON reply of a request that must succeed.
-    fn json(&self, path: &str, body: Option<&str>) -> Result<serde_json::Value> {
+    pub fn json(&self, path: &str, body: Option<&str>) -> Result<serde_json::Value> {
         let url = format!("{}{path}", self.base);
         let reply = match body {
             Some(body) => self
