@@ -232,19 +232,7 @@ fn main() -> anyhow::Result<()> {
     let context = zmq::Context::new();
     let index = Index::new(BLOCK_SIZE, 64);
     let metrics = Arc::new(Metrics::new());
-    let spec = ListenerSpec {
-        key: WorkerKey {
-            engine: "bench".into(),
-            dp_rank: 0,
-        },
-        endpoint,
-        replay: None,
-        recover: None,
-        topic: String::new(),
-        model: None,
-        instance_id: 0,
-        registered_at_runtime: false,
-    };
+    let spec = ListenerSpec::subscribing("bench", 0, endpoint);
     let listener = Listener::start(spec.clone(), &context, &index, &metrics)?;
     await_subscriber(&publisher)?;
     let worker = listener.worker();

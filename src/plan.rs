@@ -52,6 +52,25 @@ impl fmt::Display for WorkerKey {
 }
 
 impl ListenerSpec {
+    /// The rank `engine/dp_rank` subscribed at `endpoint` and nothing more: no replay, no
+    /// snapshot, every topic, no model, instance id 0 (what tests and benchmarks start from:
+    /// `ListenerSpec { replay: .., ..ListenerSpec::subscribing(..) }` for the rest).
+    pub fn subscribing(engine: &str, dp_rank: u32, endpoint: String) -> ListenerSpec {
+        ListenerSpec {
+            key: WorkerKey {
+                engine: engine.to_owned(),
+                dp_rank,
+            },
+            endpoint,
+            replay: None,
+            recover: None,
+            topic: String::new(),
+            model: None,
+            instance_id: 0,
+            registered_at_runtime: false,
+        }
+    }
+
     /// `engine E rank R (ENDPOINT)`: how errors and logs name the listener of one rank.
     pub fn describe(&self) -> String {
         format!(

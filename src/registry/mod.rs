@@ -452,19 +452,7 @@ mod tests {
     use super::*;
 
     fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
-        ListenerSpec {
-            key: WorkerKey {
-                engine: engine.to_owned(),
-                dp_rank,
-            },
-            endpoint: endpoint.to_owned(),
-            replay: None,
-            recover: None,
-            topic: String::new(),
-            model: None,
-            instance_id: 0,
-            registered_at_runtime: false,
-        }
+        ListenerSpec::subscribing(engine, dp_rank, endpoint.to_owned())
     }
 
     /// An endpoint nobody publishes on: ZMQ connects asynchronously, so it starts fine.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kv_indexer::index::{Index, WorkerId};
 use kv_indexer::listener::{Listener, ListenerStatus, State};
 use kv_indexer::metrics::Metrics;
-use kv_indexer::plan::{ListenerSpec, WorkerKey};
+use kv_indexer::plan::ListenerSpec;
 use kv_indexer::sim::encode::encode_snapshot;
 use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
 use parking_lot::Mutex;
@@ -155,19 +155,7 @@ impl Fixture {
 /// The spec of rank `dp_rank` of `engine` publishing on `endpoint`, with no replay, no snapshot,
 /// no topic and no model.
 pub fn spec(engine: &str, dp_rank: u32, endpoint: String) -> ListenerSpec {
-    ListenerSpec {
-        key: WorkerKey {
-            engine: engine.into(),
-            dp_rank,
-        },
-        endpoint,
-        replay: None,
-        recover: None,
-        topic: String::new(),
-        model: None,
-        instance_id: 0,
-        registered_at_runtime: false,
-    }
+    ListenerSpec::subscribing(engine, dp_rank, endpoint)
 }
 
 /// Polls the listener's status until `done` holds, failing the test after a deadline.
