@@ -476,7 +476,7 @@ mod tests {
         registry
             .snapshot()
             .iter()
-            .map(|v| format!("{}/{}", v.spec.key.engine, v.spec.key.dp_rank))
+            .map(|v| v.spec.key.to_string())
             .collect()
     }
 
@@ -522,7 +522,7 @@ mod tests {
             registry
                 .snapshot()
                 .iter()
-                .find(|v| format!("{}/{}", v.spec.key.engine, v.spec.key.dp_rank) == key)
+                .find(|v| v.spec.key.to_string() == key)
                 .and_then(|v| v.worker)
         };
         let a0_worker = worker_of(&registry, "a/0");

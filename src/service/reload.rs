@@ -213,7 +213,7 @@ impl Reloader {
         let diff = self.engines.apply_file_plan(plan);
         let names = |keys: &[plan::WorkerKey]| -> String {
             keys.iter()
-                .map(|k| format!("{}/{}", k.engine, k.dp_rank))
+                .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join(" ")
         };
