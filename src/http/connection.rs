@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use log::debug;
 
 use super::accept::LiveEntry;
-use super::body::take_body;
+use super::body::{keep_bounded, take_body};
 use super::head::{read_head, HeadError};
 use super::{answer, Reply, Shared};
 
@@ -112,6 +112,8 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
         debug!("HTTP connection from {peer}: {err}");
         return;
     }
+    // Reused from request to request (`keep_bounded`).
+    let (mut body, mut tokens) = (Vec::new(), Vec::new());
     loop {
         let request = match read_head(&mut conn) {
             Ok(request) => request,
@@ -123,15 +125,14 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
             }
         };
         let started = Instant::now();
-        let body = match take_body(&mut conn, &request, &shared.uploads) {
-            Ok(body) => body,
-            Err(reply) => {
-                shared.routes.metrics().http_error(reply.status);
-                conn.write_reply(&reply, request.minor_version(), false, true);
-                return conn.linger();
-            }
-        };
-        let reply = answer(shared, &request, &body);
+        if let Err(reply) = take_body(&mut conn, &request, &shared.uploads, &mut body) {
+            shared.routes.metrics().http_error(reply.status);
+            conn.write_reply(&reply, request.minor_version(), false, true);
+            return conn.linger();
+        }
+        let reply = answer(shared, &request, &body, &mut tokens);
+        keep_bounded(&mut body);
+        keep_bounded(&mut tokens);
         let is_query = reply.is_query;
         let keep_alive = request.keep_alive();
         let head_only = *request.method() == tiny_http::Method::Head;

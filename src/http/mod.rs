@@ -102,7 +102,10 @@ pub struct Api {
 pub trait Routes: Send + Sync + 'static {
     /// What the logs and thread names call this API.
     fn name(&self) -> &'static str;
-    fn route(&self, request: &Request, body: &[u8]) -> Reply;
+    /// Answers `request`; a route that reads token ids reads them into `tokens`, the
+    /// connection's vector kept from its last request (`body::keep_bounded`), and leaves them
+    /// there for the next.
+    fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply;
     fn metrics(&self) -> &Metrics;
 }
 
@@ -111,8 +114,8 @@ impl Routes for Api {
         "HTTP API"
     }
 
-    fn route(&self, request: &Request, body: &[u8]) -> Reply {
-        route(self, request, body)
+    fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+        route(self, request, body, tokens)
     }
 
     fn metrics(&self) -> &Metrics {
@@ -152,8 +155,10 @@ impl Answering {
 }
 
 /// Routes `request` and counts its error, if any.
-fn answer(shared: &Shared, request: &Request, body: &[u8]) -> Reply {
-    let reply = shared.answering.run(|| shared.routes.route(request, body));
+fn answer(shared: &Shared, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+    let reply = shared
+        .answering
+        .run(|| shared.routes.route(request, body, tokens));
     if reply.status >= 400 {
         shared.routes.metrics().http_error(reply.status);
     }

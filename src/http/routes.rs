@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::auth::{is_authorized, unauthorized};
-use super::query_body::parse_query;
+use super::query_body::{parse_query_request, QueryRequest};
 use super::snapshot_route::snapshot_route;
 use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
@@ -17,7 +17,7 @@ use crate::index::PerTier;
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 
-pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
+pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
     if let Some(rank) = path.strip_prefix("/snapshot/") {
         return snapshot_route(api, request, rank);
@@ -31,7 +31,7 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8]) -> Reply {
         return refused;
     }
     match path {
-        "/query" => query(api, body),
+        "/query" => query(api, request, body, tokens),
         "/reload" if !is_authorized(request, api.secret.as_ref()) => unauthorized(),
         "/reload" => reload(api),
         "/workers" => workers(api),
@@ -85,11 +85,22 @@ impl<T: Copy> From<PerTier<T>> for TiersJson<T> {
     }
 }
 
-fn query(api: &Api, body: &[u8]) -> Reply {
-    let query = match parse_query(body) {
-        Ok(query) => query,
-        Err(reason) => return Reply::error(400, reason),
-    };
+/// `POST /query` in either form of the body (`query_body`), its tokens read into the
+/// connection's `tokens` and left there for its next query.
+fn query(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+    let query_string = request.url().split_once('?').map(|(_, query)| query);
+    let content_type = request.header("Content-Type");
+    match parse_query_request(content_type, query_string, body, std::mem::take(tokens)) {
+        Ok(query) => {
+            let reply = score(api, &query);
+            *tokens = query.token_ids;
+            reply
+        }
+        Err(reason) => Reply::error(400, reason),
+    }
+}
+
+fn score(api: &Api, query: &QueryRequest) -> Reply {
     let directory = api.directory.current();
     let model = query.model.as_deref();
     let include = |worker| {

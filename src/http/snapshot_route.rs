@@ -72,12 +72,14 @@ pub(super) fn snapshot_route(api: &Api, request: &super::Request, rank: &str) ->
 }
 
 /// `%XX` escapes decoded; `None` for a broken escape or bytes that are not UTF-8.
-fn percent_decode(text: &str) -> Option<String> {
+pub(super) fn percent_decode(text: &str) -> Option<String> {
     let mut bytes = Vec::with_capacity(text.len());
     let mut rest = text.as_bytes();
     while let Some((&byte, tail)) = rest.split_first() {
         if byte == b'%' {
             let hex = std::str::from_utf8(tail.get(..2)?).ok()?;
+            // from_str_radix alone would take a sign: "%+f" is not an escape.
+            hex.bytes().all(|b| b.is_ascii_hexdigit()).then_some(())?;
             bytes.push(u8::from_str_radix(hex, 16).ok()?);
             rest = &tail[2..];
         } else {

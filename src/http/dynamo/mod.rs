@@ -42,7 +42,7 @@ impl Routes for DynamoApi {
         "Dynamo API"
     }
 
-    fn route(&self, request: &Request, body: &[u8]) -> Reply {
+    fn route(&self, request: &Request, body: &[u8], _tokens: &mut Vec<u32>) -> Reply {
         routes::route(self, request, body)
     }
 

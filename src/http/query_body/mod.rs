@@ -7,14 +7,17 @@
 //!
 //! Never builds a JSON tree of the body and never panics on what a client sends.
 //!
-//! `scan` is the fast path, `fields` the serde visitors.
+//! `scan` is the fast path, `fields` the serde visitors; `binary` reads the other form of the
+//! body, little-endian u32 tokens with the options in the query string.
 
+mod binary;
 mod fields;
 mod scan;
 #[cfg(test)]
 mod tests;
 
 use crate::index::{MmFeature, Prompt};
+use binary::{is_binary, parse_binary};
 use scan::scan_common_shape;
 
 /// A `/query` body.
@@ -44,7 +47,29 @@ impl QueryRequest {
 /// Parses a `/query` body in one pass, without building a JSON tree (a 16 MiB body of small
 /// numbers would make one of ~256 MiB); a rejection names the offending field or element.
 pub fn parse_query(body: &[u8]) -> Result<QueryRequest, String> {
-    match scan_common_shape(body) {
+    parse_json(body, Vec::new())
+}
+
+/// Parses a `/query` request in the form its `Content-Type` names: the binary body for
+/// `application/octet-stream` (options from `query_string`, the URL after `?`), else JSON, as
+/// before the binary form existed (a missing or other type included; the query string is then
+/// ignored). The tokens are read into `tokens`, a connection's vector reused from its last
+/// query; the error is the 400's message.
+pub(super) fn parse_query_request(
+    content_type: Option<&str>,
+    query_string: Option<&str>,
+    body: &[u8],
+    tokens: Vec<u32>,
+) -> Result<QueryRequest, String> {
+    if is_binary(content_type) {
+        parse_binary(query_string, body, tokens)
+    } else {
+        parse_json(body, tokens)
+    }
+}
+
+fn parse_json(body: &[u8], tokens: Vec<u32>) -> Result<QueryRequest, String> {
+    match scan_common_shape(body, tokens) {
         Some(query) => Ok(query),
         None => parse_any_shape(body),
     }

@@ -11,8 +11,9 @@ use crate::index::MmFeature;
 /// `cache_salt` (a string without escapes, or null) and `mm_features` (null, or an array of
 /// objects with exactly `identifier`, a string without escapes, and `offset` and `length`, plain
 /// integers, in any order), each key at most once, in any order, with any JSON whitespace.
-/// `None` for anything else, including every error: the caller then asks serde.
-pub(super) fn scan_common_shape(body: &[u8]) -> Option<QueryRequest> {
+/// `None` for anything else, including every error: the caller then asks serde. The tokens are
+/// read into `tokens`, cleared first (a connection's vector, reused).
+pub(super) fn scan_common_shape(body: &[u8], mut tokens: Vec<u32>) -> Option<QueryRequest> {
     let mut scan = Scanner { body, at: 0 };
     let (mut token_ids, mut model, mut lora_name, mut cache_salt) = (None, None, None, None);
     let mut mm_features = None;
@@ -22,7 +23,9 @@ pub(super) fn scan_common_shape(body: &[u8]) -> Option<QueryRequest> {
         scan.require(b':')?;
         // A repeated key means "the last one wins" to serde; rare enough to leave to it.
         match key {
-            b"token_ids" if token_ids.is_none() => token_ids = Some(scan.token_ids()?),
+            b"token_ids" if token_ids.is_none() => {
+                token_ids = Some(scan.token_ids(std::mem::take(&mut tokens))?)
+            }
             b"model" if model.is_none() => model = Some(scan.string_or_null()?),
             b"lora_name" if lora_name.is_none() => lora_name = Some(scan.string_or_null()?),
             b"cache_salt" if cache_salt.is_none() => cache_salt = Some(scan.string_or_null()?),
@@ -118,8 +121,8 @@ impl<'a> Scanner<'a> {
         Some(Some(text.to_owned()))
     }
 
-    fn token_ids(&mut self) -> Option<Vec<u32>> {
-        let mut tokens = Vec::new();
+    fn token_ids(&mut self, mut tokens: Vec<u32>) -> Option<Vec<u32>> {
+        tokens.clear();
         if self.open_array()? {
             return Some(tokens);
         }

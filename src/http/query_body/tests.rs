@@ -52,7 +52,7 @@ fn salt_and_multimodal_items_parse_in_either_path() {
     assert_eq!(parse_query(body), Ok(expected));
     let salted = br#"{"cache_salt":"bob","token_ids":[1,2]}"#;
     assert_eq!(
-        scan_common_shape(salted).map(|q| q.cache_salt),
+        scan_common_shape(salted, Vec::new()).map(|q| q.cache_salt),
         Some(Some("bob".into()))
     );
     assert_eq!(
@@ -186,7 +186,7 @@ fn the_scanner_reads_the_common_shape_in_any_order_and_spacing() {
     ];
     for (body, expected) in readings {
         assert_eq!(
-            scan_common_shape(body.as_bytes()).as_ref(),
+            scan_common_shape(body.as_bytes(), Vec::new()).as_ref(),
             Some(&expected),
             "{body}"
         );
@@ -250,7 +250,7 @@ fn the_scanner_leaves_every_irregular_body_to_serde() {
     ];
     for body in irregular {
         assert_eq!(
-            scan_common_shape(body),
+            scan_common_shape(body, Vec::new()),
             None,
             "{}",
             String::from_utf8_lossy(body)
@@ -346,13 +346,13 @@ fn the_scanner_agrees_with_serde_on_generated_and_mutated_bodies() {
     let (mut mutants_read, mut mutants_left) = (0, 0);
     for _ in 0..20_000 {
         let body = common_body(&mut rng);
-        let read = scan_common_shape(body.as_bytes());
+        let read = scan_common_shape(body.as_bytes(), Vec::new());
         assert!(read.is_some(), "the common shape was left to serde: {body}");
         assert_eq!(parse_any_shape(body.as_bytes()).ok(), read, "{body}");
         for _ in 0..4 {
             let mutant = mutate(&mut rng, body.as_bytes());
             let shown = String::from_utf8_lossy(&mutant);
-            match scan_common_shape(&mutant) {
+            match scan_common_shape(&mutant, Vec::new()) {
                 Some(read) => {
                     mutants_read += 1;
                     assert_eq!(parse_any_shape(&mutant), Ok(read), "{shown}");
@@ -374,4 +374,13 @@ fn long_values_are_cut_in_messages() {
     let reason = rejection(&long);
     assert!(reason.ends_with("..."), "{reason}");
     assert!(reason.chars().count() < 100, "{reason}");
+}
+
+#[test]
+fn a_reused_token_vector_holds_only_the_new_body_tokens() {
+    let reused = vec![9; 100];
+    let query = scan_common_shape(br#"{"token_ids": [1, 2]}"#, reused).map(|q| q.token_ids);
+    assert_eq!(query, Some(vec![1, 2]));
+    let empty = scan_common_shape(br#"{"token_ids": []}"#, vec![9; 3]).map(|q| q.token_ids);
+    assert_eq!(empty, Some(vec![]));
 }
