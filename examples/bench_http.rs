@@ -1,6 +1,7 @@
 //! `/query` latency over HTTP on loopback: an 8,192-token prompt (512 blocks) against an index
 //! of 1 M (worker, block) pairs fed through real listeners by 8 simulated engines, with 1 and 4
-//! keep-alive clients. Target: p99 <= 300 µs with one client.
+//! keep-alive clients, with the JSON body and with the binary one (little-endian u32 tokens).
+//! Target: p99 <= 300 µs with one client.
 //!
 //! `cargo run --release --example bench_http`
 
@@ -11,7 +12,7 @@ use kv_indexer::config::Config;
 use kv_indexer::service::Service;
 use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
 use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{settle, total, warm_up, OverHttp};
+use kv_indexer::sim::watch::{settle, total, warm_up, OverHttp, QueryForm};
 
 const ENGINES: usize = 8;
 const PAIRS: u64 = 1_000_000;
@@ -71,31 +72,46 @@ fn main() {
         feeding.elapsed()
     );
 
-    let body = serde_json::json!({ "token_ids": prompt }).to_string();
+    let body = QueryForm::Json.body(&prompt);
     let agent = keep_alive_client();
-    let answer = query(&agent, addr, &body);
-    let answer: serde_json::Value = serde_json::from_slice(&answer).expect("a JSON answer");
-    assert_eq!(answer["scores"].as_array().map(Vec::len), Some(ENGINES));
-    assert_eq!(answer["scores"][0]["matched_blocks"], PROMPT_BLOCKS);
-    println!("body {} bytes, {} tokens", body.len(), prompt.len());
+    let answer = query(&agent, addr, QueryForm::Json, &body);
+    let parsed: serde_json::Value = serde_json::from_slice(&answer).expect("a JSON answer");
+    assert_eq!(parsed["scores"].as_array().map(Vec::len), Some(ENGINES));
+    assert_eq!(parsed["scores"][0]["matched_blocks"], PROMPT_BLOCKS);
+    let binary = QueryForm::Binary.body(&prompt);
+    assert_eq!(
+        query(&agent, addr, QueryForm::Binary, &binary),
+        answer,
+        "the binary body answers otherwise than JSON"
+    );
+    println!(
+        "body {} bytes of JSON or {} binary, {} tokens",
+        body.len(),
+        binary.len(),
+        prompt.len()
+    );
     print_parse_cost(&body);
 
-    for clients in [1, 4] {
+    for (form, body, clients) in [
+        (QueryForm::Json, &body, 1),
+        (QueryForm::Json, &body, 4),
+        (QueryForm::Binary, &binary, 1),
+        (QueryForm::Binary, &binary, 4),
+    ] {
         let per_client = 4_000 / clients;
         let started = Instant::now();
         let mut latencies: Vec<Duration> = std::thread::scope(|scope| {
             let workers: Vec<_> = (0..clients)
                 .map(|_| {
-                    let body = body.as_str();
                     scope.spawn(move || {
                         let agent = keep_alive_client();
                         for _ in 0..200 {
-                            query(&agent, addr, body);
+                            query(&agent, addr, form, body);
                         }
                         (0..per_client)
                             .map(|_| {
                                 let t = Instant::now();
-                                query(&agent, addr, body);
+                                query(&agent, addr, form, body);
                                 t.elapsed()
                             })
                             .collect::<Vec<_>>()
@@ -111,7 +127,7 @@ fn main() {
         latencies.sort();
         let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
         println!(
-            "{clients} client(s): {} queries, p50 {:?}, p99 {:?}, p99.9 {:?}, max {:?}, {:.0} queries/s",
+            "{form:?}, {clients} client(s): {} queries, p50 {:?}, p99 {:?}, p99.9 {:?}, max {:?}, {:.0} queries/s",
             latencies.len(),
             at(0.50),
             at(0.99),
@@ -125,7 +141,7 @@ fn main() {
 
 /// What a typed serde_json parse of the body costs: the server's fallback path, taken only by
 /// bodies its one-pass scanner declines (unknown keys, escapes, errors).
-fn print_parse_cost(body: &str) {
+fn print_parse_cost(body: &[u8]) {
     #[derive(serde::Deserialize)]
     struct Query {
         token_ids: Vec<u32>,
@@ -133,7 +149,7 @@ fn print_parse_cost(body: &str) {
     let mut took: Vec<Duration> = (0..2_000)
         .map(|_| {
             let t = Instant::now();
-            let query: Query = serde_json::from_str(body).expect("the bench body parses");
+            let query: Query = serde_json::from_slice(body).expect("the bench body parses");
             std::hint::black_box(query.token_ids.len());
             t.elapsed()
         })
@@ -155,11 +171,12 @@ fn keep_alive_client() -> ureq::Agent {
         .into()
 }
 
-/// `POST /query` with `body`; the answer's bytes, read whole (status 200 or the bench fails).
-fn query(agent: &ureq::Agent, addr: SocketAddr, body: &str) -> Vec<u8> {
+/// `POST /query` with `body` in `form`; the answer's bytes, read whole (status 200 or the bench
+/// fails).
+fn query(agent: &ureq::Agent, addr: SocketAddr, form: QueryForm, body: &[u8]) -> Vec<u8> {
     let mut reply = agent
         .post(&format!("http://{addr}/query"))
-        .header("Content-Type", "application/json")
+        .header("Content-Type", form.content_type())
         .send(body)
         .expect("POST /query");
     let answer = reply.body_mut().read_to_vec().expect("the /query body");

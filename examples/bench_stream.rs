@@ -18,6 +18,7 @@
 //! ```text
 //! cargo run --release --example bench_stream
 //! cargo run --release --example bench_stream -- --env MALLOC_ARENA_MAX=2   # compare a tunable
+//! cargo run --release --example bench_stream -- --binary   # queries as little-endian u32
 //! ```
 
 use std::path::PathBuf;
@@ -31,7 +32,8 @@ use clap::Parser;
 use kv_indexer::sim::fleet::{load_benchmark_trace, Fleet, Pace, RankRef, BLOCK_SIZE};
 use kv_indexer::sim::process::benchmark_binary;
 use kv_indexer::sim::watch::{
-    compare, micros, percentile, query_body, settle, spawn_querier, total, FleetShape, WatchedFleet,
+    compare, micros, percentile, settle, spawn_querier_as, total, FleetShape, QueryForm,
+    WatchedFleet,
 };
 use kv_indexer::sim::workload::Route;
 
@@ -73,6 +75,10 @@ struct Args {
     /// No queries while the stream is ingested: the indexer's CPU time is then ingestion's alone.
     #[arg(long)]
     quiet_ingest: bool,
+    /// Query with the binary body (`application/octet-stream`, little-endian u32 tokens)
+    /// instead of JSON.
+    #[arg(long)]
+    binary: bool,
     /// An extra `NAME=VALUE` in the indexer's environment (repeatable), to compare tunables.
     #[arg(long = "env", value_name = "NAME=VALUE")]
     env: Vec<String>,
@@ -200,7 +206,8 @@ fn run(
     let placed: Vec<RankRef> = prompts.iter().map(|p| router.pick(p)).collect();
     let recent = prompts.len().saturating_sub(args.queries);
     let (queried, queried_at) = (&prompts[recent..], &placed[recent..]);
-    let bodies: Arc<[Vec<u8>]> = queried.iter().map(|p| query_body(p)).collect();
+    let form = query_form(args);
+    let bodies: Arc<[Vec<u8>]> = queried.iter().map(|p| form.body(p)).collect();
 
     let pace = Pace {
         generators: args.generators,
@@ -214,10 +221,20 @@ fn run(
         // Resumed even when serving failed, so that the child can be killed cleanly.
         process.signal(libc::SIGCONT)?;
         let streaming = Instant::now();
-        let querier = spawn_querier(process.address, Arc::clone(&bodies), Arc::clone(&querying))?;
+        let querier = spawn_querier_as(
+            process.address,
+            form,
+            Arc::clone(&bodies),
+            Arc::clone(&querying),
+        )?;
         (served, streaming, querier)
     } else {
-        let querier = spawn_querier(process.address, Arc::clone(&bodies), Arc::clone(&querying))?;
+        let querier = spawn_querier_as(
+            process.address,
+            form,
+            Arc::clone(&bodies),
+            Arc::clone(&querying),
+        )?;
         let streaming = Instant::now();
         (
             fleet.serve_in_parallel(prompts, &placed, pace),
@@ -239,13 +256,13 @@ fn run(
 
     let idle: Vec<Duration> = bodies
         .iter()
-        .map(|body| indexer.time_query(body))
+        .map(|body| indexer.time_query_as(form, body))
         .collect::<Result<_>>()?;
     // The target's own shape: each recent prompt that long, cut to exactly that many tokens.
     let mut exactly_long: Vec<Duration> = queried
         .iter()
         .filter(|prompt| prompt.len() >= LONG_PROMPT_TOKENS)
-        .map(|prompt| indexer.time_query(&query_body(&prompt[..LONG_PROMPT_TOKENS])))
+        .map(|prompt| indexer.time_query_as(form, &form.body(&prompt[..LONG_PROMPT_TOKENS])))
         .collect::<Result<_>>()?;
     exactly_long.sort_unstable();
     let accuracy = compare(&fleet, &mut indexer, &views, queried, queried_at)?;
@@ -270,6 +287,14 @@ fn run(
         gaps: total(&views, |v| v.gaps) - total(&warm, |v| v.gaps),
         lost_batches: total(&views, |v| v.lost_batches),
     })
+}
+
+fn query_form(args: &Args) -> QueryForm {
+    if args.binary {
+        QueryForm::Binary
+    } else {
+        QueryForm::Json
+    }
 }
 
 /// Batches every rank has published so far.
@@ -372,6 +397,8 @@ fn print_figures(
         per_pair(figures.rss_rested),
         verdict(growth(figures.rss_rested)),
     );
+    let form = query_form(args);
+    println!("/query bodies: {form:?} ({})", form.content_type());
     println!("/query while ingesting: {}", figures.busy.describe());
     println!(
         "/query idle ({} prompts, {:.0} blocks on average): {}",

@@ -11,7 +11,7 @@ use std::time::Duration;
 use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
 use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
 use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::OverHttp;
+use kv_indexer::sim::watch::{OverHttp, QueryForm};
 use kv_indexer::sim::workload::Route;
 use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use serde_json::{json, Value};
@@ -25,10 +25,7 @@ const MODEL_A: &str = "org/m+1 x";
 const MODEL_A_ENCODED: &str = "org%2Fm%2B1+x";
 
 fn le_bytes(tokens: &[u32]) -> Vec<u8> {
-    tokens
-        .iter()
-        .flat_map(|token| token.to_le_bytes())
-        .collect()
+    QueryForm::Binary.body(tokens)
 }
 
 /// `POST path` with this Content-Type (none when `None`) on a kept-alive connection.
@@ -259,42 +256,65 @@ fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
         .map_or(0, |n| n.trim().parse().expect("a counter value"))
 }
 
+/// The rows of docs.md's table of what the binary body refuses: (query string, body bytes, the
+/// error's beginning).
+fn documented_rejections() -> Vec<(String, usize, String)> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs.md");
+    let docs = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let section = docs
+        .lines()
+        .skip_while(|line| !line.starts_with("**The binary body of `/query`.**"))
+        .take_while(|line| !line.starts_with("**`GET /workers`**"));
+    let unquote = |cell: &str| cell.trim().trim_matches('`').to_owned();
+    let rows: Vec<(String, usize, String)> = section
+        .filter(|line| line.starts_with("| ") && line.contains(" bytes | "))
+        .map(|line| {
+            let cells: Vec<&str> = line.trim_matches('|').split(" | ").collect();
+            let [query_string, body, reason] = cells[..] else {
+                panic!("docs.md: malformed rejection row: {line}");
+            };
+            let query_string = Some(unquote(query_string)).filter(|q| q != "none");
+            let bytes = body.trim().trim_end_matches(" bytes").parse();
+            let bytes = bytes.unwrap_or_else(|_| panic!("docs.md: body of {line}"));
+            (query_string.unwrap_or_default(), bytes, unquote(reason))
+        })
+        .collect();
+    assert!(
+        rows.len() >= 5,
+        "docs.md: the rejection table has {} rows",
+        rows.len()
+    );
+    rows
+}
+
+/// docs.md's table, and a few more: each is answered 400 with its reason, and counted.
 #[test]
 fn every_rejection_names_its_reason_and_is_counted() {
     let setup = engines();
     let addr = setup.running.http_addr();
-    let cases = [
-        ("", 6, "body is 6 bytes, not a multiple of 4"),
-        ("?modle=m2", 8, "query parameter \"modle\" is not known"),
-        (
-            "?model=m2&mm_features=x",
-            8,
-            "query parameter mm_features: multimodal items are only accepted in a JSON body",
-        ),
-        (
-            "?model=m%2",
-            8,
-            "query parameter \"model=m%2\" is not percent-encoded UTF-8",
-        ),
+    let mut cases = documented_rejections();
+    for (query_string, reason) in [
         (
             "?model=%C3",
-            8,
             "query parameter \"model=%C3\" is not percent-encoded UTF-8",
         ),
         (
-            "?model=a&model=b",
-            8,
-            "query parameter model is given more than once",
+            "?model=m2&mm_features=x",
+            "query parameter mm_features: multimodal",
         ),
-    ];
+        ("?token_ids=1", "query parameter \"token_ids\" is not known"),
+    ] {
+        cases.push((query_string.to_owned(), 8, reason.to_owned()));
+    }
     let before = errors_with_status(addr, 400);
-    for (query_string, length, reason) in cases {
+    for (query_string, length, reason) in &cases {
         let path = format!("/query{query_string}");
         let reply = post_as(
             &mut Connection::open(addr),
             &path,
             Some(OCTET_STREAM),
-            &vec![1; length],
+            &vec![1; *length],
         );
         assert_eq!(reply.status, 400, "{path}: {}", reply.text());
         let error = reply.json()["error"].as_str().map(str::to_owned);

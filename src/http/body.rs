@@ -256,3 +256,18 @@ fn read_line(conn: &mut Conn, deadline: Instant) -> Result<Vec<u8>, BodyError> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{keep_bounded, KEPT_BUFFER_BYTES};
+
+    #[test]
+    fn a_buffer_is_kept_up_to_the_bound_and_let_go_past_it() {
+        let mut body: Vec<u8> = Vec::with_capacity(KEPT_BUFFER_BYTES);
+        keep_bounded(&mut body);
+        assert!(body.capacity() >= KEPT_BUFFER_BYTES, "kept");
+        let mut tokens: Vec<u32> = Vec::with_capacity(KEPT_BUFFER_BYTES / 4 + 1);
+        keep_bounded(&mut tokens);
+        assert_eq!(tokens.capacity(), 0, "counted in bytes, not elements");
+    }
+}

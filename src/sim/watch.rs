@@ -86,15 +86,20 @@ impl OverHttp {
 }
 
 impl OverHttp {
-    /// Sends a ready `POST /query` body and returns how long the answer took, from the first
-    /// byte sent to the last byte received; a status other than 200 is an error.
+    /// Sends a ready `POST /query` JSON body and returns how long the answer took, from the
+    /// first byte sent to the last byte received; a status other than 200 is an error.
     pub fn time_query(&self, body: &[u8]) -> Result<Duration> {
+        self.time_query_as(QueryForm::Json, body)
+    }
+
+    /// `time_query` for a body of either form (`QueryForm::body`).
+    pub fn time_query_as(&self, form: QueryForm, body: &[u8]) -> Result<Duration> {
         let url = format!("{}/query", self.base);
         let sent = Instant::now();
         let mut reply = self
             .agent
             .post(&url)
-            .header("Content-Type", "application/json")
+            .header("Content-Type", form.content_type())
             .send(body)
             .with_context(|| format!("POST {url}"))?;
         let answer = reply.body_mut().read_to_vec();
@@ -110,11 +115,21 @@ impl OverHttp {
     }
 }
 
-/// Sends `bodies` to `POST /query` one after another (concurrency 1, one kept-alive
+/// Sends JSON `bodies` to `POST /query` one after another (concurrency 1, one kept-alive
 /// connection, as a router holds it), from the first again after the last, while `running`;
 /// the thread returns each query's latency.
 pub fn spawn_querier(
     address: SocketAddr,
+    bodies: Arc<[Vec<u8>]>,
+    running: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Vec<Duration>>>> {
+    spawn_querier_as(address, QueryForm::Json, bodies, running)
+}
+
+/// `spawn_querier` for bodies of either form (`QueryForm::body`).
+pub fn spawn_querier_as(
+    address: SocketAddr,
+    form: QueryForm,
     bodies: Arc<[Vec<u8>]>,
     running: Arc<AtomicBool>,
 ) -> Result<JoinHandle<Result<Vec<Duration>>>> {
@@ -127,7 +142,7 @@ pub fn spawn_querier(
                 if !running.load(Ordering::Relaxed) {
                     break;
                 }
-                latencies.push(indexer.time_query(body)?);
+                latencies.push(indexer.time_query_as(form, body)?);
             }
             Ok(latencies)
         })
@@ -164,9 +179,38 @@ impl IndexerView for OverHttp {
 /// The `POST /query` JSON body of a prompt, built before a benchmark times it (the figures
 /// are then the indexer's, not serde_json's).
 pub fn query_body(prompt: &[u32]) -> Vec<u8> {
-    serde_json::json!({ "token_ids": prompt })
-        .to_string()
-        .into_bytes()
+    QueryForm::Json.body(prompt)
+}
+
+/// The two forms of a `POST /query` body (docs.md "HTTP API").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueryForm {
+    /// `{"token_ids": [...]}`.
+    Json,
+    /// The token ids as little-endian u32, `application/octet-stream`.
+    Binary,
+}
+
+impl QueryForm {
+    /// The body of a prompt without options in this form.
+    pub fn body(self, prompt: &[u32]) -> Vec<u8> {
+        match self {
+            QueryForm::Json => serde_json::json!({ "token_ids": prompt })
+                .to_string()
+                .into_bytes(),
+            QueryForm::Binary => prompt
+                .iter()
+                .flat_map(|token| token.to_le_bytes())
+                .collect(),
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            QueryForm::Json => "application/json",
+            QueryForm::Binary => "application/octet-stream",
+        }
+    }
 }
 
 /// `GET /workers` as rank views.
