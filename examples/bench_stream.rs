@@ -108,6 +108,9 @@ struct Figures {
     idle: Latencies,
     /// Idle, sorted: the recent prompts of at least `LONG_PROMPT_TOKENS`, cut to that length.
     exactly_long: Vec<Duration>,
+    /// The indexer's CPU time (user + system) over those queries: repeatable on a loaded
+    /// machine, where the latencies are not.
+    exactly_long_cpu: Duration,
     exact: u64,
     pairs: u64,
     gaps: u64,
@@ -259,11 +262,15 @@ fn run(
         .map(|body| indexer.time_query_as(form, body))
         .collect::<Result<_>>()?;
     // The target's own shape: each recent prompt that long, cut to exactly that many tokens.
+    let cpu_before_long = process.cpu_time()?;
     let mut exactly_long: Vec<Duration> = queried
         .iter()
         .filter(|prompt| prompt.len() >= LONG_PROMPT_TOKENS)
         .map(|prompt| indexer.time_query_as(form, &form.body(&prompt[..LONG_PROMPT_TOKENS])))
         .collect::<Result<_>>()?;
+    let cpu_after_long = process.cpu_time()?;
+    let exactly_long_cpu =
+        (cpu_after_long.0 + cpu_after_long.1) - (cpu_before_long.0 + cpu_before_long.1);
     exactly_long.sort_unstable();
     let accuracy = compare(&fleet, &mut indexer, &views, queried, queried_at)?;
     if !accuracy.mismatches.is_empty() {
@@ -282,6 +289,7 @@ fn run(
         busy: split_long(&busy, queried),
         idle: split_long(&idle, queried),
         exactly_long,
+        exactly_long_cpu,
         exact: accuracy.exact,
         pairs: accuracy.pairs,
         gaps: total(&views, |v| v.gaps) - total(&warm, |v| v.gaps),
@@ -413,6 +421,10 @@ fn print_figures(
         micros(percentile(&figures.exactly_long, 0.99)),
         micros(figures.exactly_long.last().copied()),
         figures.exactly_long.len()
+    );
+    println!(
+        "indexer CPU per {LONG_PROMPT_TOKENS}-token query (idle, user + system): {:.0} µs",
+        figures.exactly_long_cpu.as_secs_f64() * 1e6 / figures.exactly_long.len().max(1) as f64
     );
     println!(
         "exact: {} / {} (prompt, rank) pairs ({:.2} %)",

