@@ -218,26 +218,24 @@ fn run(
         capacity_blocks: args.capacity_blocks,
     };
     let querying = Arc::new(AtomicBool::new(!args.quiet_ingest));
+    let start_querier = || {
+        spawn_querier_as(
+            process.address,
+            form,
+            Arc::clone(&bodies),
+            Arc::clone(&querying),
+        )
+    };
     let (served, streaming, querier) = if args.burst {
         process.signal(libc::SIGSTOP)?;
         let served = fleet.serve_in_parallel(prompts, &placed, pace);
         // Resumed even when serving failed, so that the child can be killed cleanly.
         process.signal(libc::SIGCONT)?;
         let streaming = Instant::now();
-        let querier = spawn_querier_as(
-            process.address,
-            form,
-            Arc::clone(&bodies),
-            Arc::clone(&querying),
-        )?;
+        let querier = start_querier()?;
         (served, streaming, querier)
     } else {
-        let querier = spawn_querier_as(
-            process.address,
-            form,
-            Arc::clone(&bodies),
-            Arc::clone(&querying),
-        )?;
+        let querier = start_querier()?;
         let streaming = Instant::now();
         (
             fleet.serve_in_parallel(prompts, &placed, pace),

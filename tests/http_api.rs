@@ -12,7 +12,7 @@ use kv_indexer::sim::procfs::Proc;
 use kv_indexer::sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
-use support::http_client::{get, post, wait_for, Connection, Reply};
+use support::http_client::{errors_with_status, get, post, wait_for, Connection, Reply};
 use support::{free_port, start_service};
 
 fn engine(name: &str, port: u16, model: Option<&str>) -> EngineToml {
@@ -471,15 +471,6 @@ fn stalled_uploads(addr: SocketAddr, body: &str, count: usize) -> Vec<Connection
 fn upload_body() -> String {
     let tokens: Vec<u32> = (0..400).collect();
     json!({ "token_ids": tokens }).to_string()
-}
-
-fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
-    let wanted = format!("kv_indexer_http_errors_total{{status=\"{status}\"}} ");
-    get(addr, "/metrics")
-        .text()
-        .lines()
-        .find_map(|line| line.strip_prefix(&wanted))
-        .map_or(0, |n| n.trim().parse().expect("a counter value"))
 }
 
 #[test]

@@ -16,7 +16,7 @@ use kv_indexer::sim::workload::Route;
 use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
-use support::http_client::{get, wait_for, Connection, Reply};
+use support::http_client::{errors_with_status, wait_for, Connection, Reply};
 use support::{settle, start_service, trace_prompts, warm_up};
 
 const OCTET_STREAM: &str = "application/octet-stream";
@@ -245,15 +245,6 @@ fn keep_alive_queries_of_either_form_and_length_reuse_nothing_stale() {
         long_answer.contains("\"matched_blocks\":4"),
         "{long_answer}"
     );
-}
-
-fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
-    let wanted = format!("kv_indexer_http_errors_total{{status=\"{status}\"}} ");
-    get(addr, "/metrics")
-        .text()
-        .lines()
-        .find_map(|line| line.strip_prefix(&wanted))
-        .map_or(0, |n| n.trim().parse().expect("a counter value"))
 }
 
 /// The rows of docs.md's table of what the binary body refuses: (query string, body bytes, the

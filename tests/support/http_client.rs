@@ -131,6 +131,16 @@ pub fn post(addr: SocketAddr, path: &str, body: &[u8]) -> Reply {
     Connection::open(addr).send("POST", path, Some(body))
 }
 
+/// The server's `kv_indexer_http_errors_total{status}` counter (0 before the first such error).
+pub fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
+    let wanted = format!("kv_indexer_http_errors_total{{status=\"{status}\"}} ");
+    get(addr, "/metrics")
+        .text()
+        .lines()
+        .find_map(|line| line.strip_prefix(&wanted))
+        .map_or(0, |n| n.trim().parse().expect("a counter value"))
+}
+
 /// Polls `probe` until it returns `Some`, failing after `seconds`.
 pub fn wait_for<T>(seconds: u64, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = std::time::Instant::now() + Duration::from_secs(seconds);
