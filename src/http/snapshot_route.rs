@@ -78,8 +78,6 @@ pub(super) fn percent_decode(text: &str) -> Option<String> {
     while let Some((&byte, tail)) = rest.split_first() {
         if byte == b'%' {
             let hex = std::str::from_utf8(tail.get(..2)?).ok()?;
-            // from_str_radix alone would take a sign: "%+f" is not an escape.
-            hex.bytes().all(|b| b.is_ascii_hexdigit()).then_some(())?;
             bytes.push(u8::from_str_radix(hex, 16).ok()?);
             rest = &tail[2..];
         } else {

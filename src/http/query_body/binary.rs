@@ -185,6 +185,7 @@ mod tests {
                 0,
                 "query parameter \"model=%zz\" is not percent-encoded",
             ),
+            // `+` is a space before escapes are read: "% f" is no escape.
             (
                 Some("model=%+f"),
                 0,
