@@ -203,6 +203,7 @@ fn distance(from: usize, to: usize, capacity: usize) -> usize {
 }
 
 /// A vacant place, as found by `Table::lookup`.
+#[derive(Clone, Copy)]
 pub(super) struct Vacant(usize);
 
 fn zeroed<T: Item>() -> T {
