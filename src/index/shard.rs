@@ -11,12 +11,11 @@
 //! worker id above 16 bits, keeps exact slots in a side map (`crowded`); the rare count above
 //! `u8::MAX` keeps its excess in another (`excess`).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
 
-use super::table::{prefetch, Item, Table, Vacant};
+use super::table::{prefetch, Item, Table, UniformMap, Vacant};
 use super::WorkerId;
 
 /// Slots kept in the entry itself.
@@ -131,10 +130,10 @@ pub(super) struct Change {
 pub(super) struct Shard {
     table: Table<Entry>,
     /// Slots of keys with more than `INLINE` of them or a worker id above `u16::MAX - 1`.
-    crowded: HashMap<u64, Vec<WideSlot>>,
+    crowded: UniformMap<u64, Vec<WideSlot>>,
     /// Counts above what an inline slot stores, by key and worker; the slot then holds
     /// `u8::MAX`.
-    excess: HashMap<(u64, WorkerId), Counts>,
+    excess: UniformMap<(u64, WorkerId), Counts>,
     held_keys: u64,
 }
 
@@ -359,7 +358,10 @@ impl Shard {
         worker: WorkerId,
         update: impl Fn(Counts) -> Counts + Copy,
     ) -> Change {
-        if let Some(change) = self.change_inline(place, worker, update) {
+        if let Some(change) = self
+            .change_inline(place, worker, update)
+            .or_else(|| self.change_crowded(place, worker, update))
+        {
             return change;
         }
         let parent = self.table.get(place).parent();
@@ -447,6 +449,49 @@ impl Shard {
                 };
                 entry.slots[i] = slot;
             }
+        }
+        Some(self.changed(before, after, others_hold, parent))
+    }
+
+    /// `change` on a crowded entry that stays crowded, in place (the general path copies the
+    /// slots out and back, and a popular prefix's keys, held by most workers, are all crowded).
+    /// `None`, changing nothing, when the entry is not crowded or its slots would fit inline.
+    fn change_crowded(
+        &mut self,
+        place: usize,
+        worker: WorkerId,
+        update: impl Fn(Counts) -> Counts,
+    ) -> Option<Change> {
+        let entry = self.table.get(place);
+        if !entry.is_crowded() {
+            return None;
+        }
+        let parent = entry.parent();
+        let slots = self.crowded.get_mut(&entry.key)?;
+        let mine = slots.iter().position(|s| s.worker == worker);
+        let others_hold = slots
+            .iter()
+            .any(|s| s.worker != worker && s.counts.holdings > 0);
+        let before = mine.map_or(Counts::default(), |i| slots[i].counts);
+        let after = update(before);
+        let remaining = match (mine, after.is_zero()) {
+            (Some(_), true) => slots.len() - 1,
+            (None, false) => slots.len() + 1,
+            _ => slots.len(),
+        };
+        if remaining <= INLINE {
+            return None;
+        }
+        match (mine, after.is_zero()) {
+            (Some(i), true) => {
+                slots.swap_remove(i);
+            }
+            (Some(i), false) => slots[i].counts = after,
+            (None, true) => {}
+            (None, false) => slots.push(WideSlot {
+                worker,
+                counts: after,
+            }),
         }
         Some(self.changed(before, after, others_hold, parent))
     }
