@@ -85,6 +85,7 @@ impl EngineMap {
     }
 
     /// Removes one copy of `engine_hash`.
+    #[inline]
     pub(super) fn remove_copy(&mut self, engine_hash: u64) -> Removal {
         // Checked for emptiness first: hashing every removal's engine hash for a map that is
         // almost always empty would cost each removal a SipHash.

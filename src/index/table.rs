@@ -156,6 +156,7 @@ impl<T: Item> Table<T> {
 
     /// `insert` at the place a `lookup` for the item's key found vacant, the table unchanged
     /// since.
+    #[inline]
     pub(super) fn insert_at(&mut self, vacant: Vacant, item: T) -> usize {
         if self.is_full() {
             return self.insert(item);
@@ -195,6 +196,7 @@ impl<T: Item> Table<T> {
 
     /// Empties `hole` and shifts later items of the run back, so that every probe still reaches
     /// its item before a vacant place.
+    #[inline]
     pub(super) fn remove_at(&mut self, mut hole: usize) {
         let places = self.places.as_mut_slice();
         let capacity = places.len();
