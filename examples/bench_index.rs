@@ -4,7 +4,8 @@
 //! `cargo run --release --example bench_index` prints a table. The workload: 8 system prompts of
 //! 32 blocks, each held by every worker that served one of its conversations; conversations of up
 //! to 15 further turns of 32 blocks (16 tokens each), each served by 1–3 workers that chain every
-//! turn from their own previous one.
+//! turn from their own previous one. Beside it, the apply figure on its own: pre-built
+//! stores of 32 fresh blocks spread over 64 workers, then their removals, over 1 and 2 threads.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -149,18 +150,16 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
-/// CPU seconds this thread has run: the machine is shared, so rates are also given per CPU
-/// second.
+/// CPU seconds this thread has run (to the nanosecond: runs last tens of milliseconds): the
+/// machine is shared, so rates are also given per CPU second.
 fn thread_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
-    let after_name = stat.rsplit(')').next().unwrap_or("");
-    let ticks: u64 = after_name
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|s| s.parse::<u64>().ok())
-        .sum();
-    ticks as f64 / 100.0
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec for the call to write.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -256,11 +255,151 @@ fn drop_time() {
     drop(others);
 }
 
+/// The apply figure: each worker's stores of 32 fresh blocks (16 tokens each), each
+/// chaining from the worker's previous one, events of the 64 workers interleaved; then the same
+/// blocks removed, every chain from its end (as an engine evicts a chain, last block first).
+struct Chains {
+    /// Per worker: its stores, oldest first.
+    stores: Vec<Vec<Event>>,
+    /// Per worker: removals of its stores, newest first, each last block first.
+    removals: Vec<Vec<Event>>,
+}
+
+impl Chains {
+    fn new(stores_per_worker: usize) -> Chains {
+        let mut rng = SmallRng::seed_from_u64(5);
+        let mut stores: Vec<Vec<Event>> = (0..WORKERS).map(|_| Vec::new()).collect();
+        let mut removals: Vec<Vec<Event>> = (0..WORKERS).map(|_| Vec::new()).collect();
+        let mut last: Vec<Option<u64>> = vec![None; WORKERS];
+        for _ in 0..stores_per_worker {
+            for worker in 0..WORKERS {
+                let hashes: Vec<u64> = (0..TURN).map(|_| rng.random()).collect();
+                let tokens: Vec<u32> = (0..TURN * BLOCK).map(|_| rng.random()).collect();
+                removals[worker].push(Event::Removed(BlockRemoved {
+                    block_hashes: hashes.iter().rev().copied().collect(),
+                    medium: None,
+                    group_idx: None,
+                }));
+                let parent = last[worker].replace(hashes[TURN - 1]);
+                stores[worker].push(store(hashes, parent, tokens));
+            }
+        }
+        for worker_removals in &mut removals {
+            worker_removals.reverse();
+        }
+        Chains { stores, removals }
+    }
+}
+
+/// Applies every event of `events` (per worker) on `threads` threads, each owning a disjoint
+/// set of workers (as listener threads do), events of a thread's workers interleaved; returns
+/// the blocks applied per wall second and per CPU second.
+fn apply_interleaved(
+    writers: &mut [WorkerBlocks],
+    events: &[Vec<Event>],
+    threads: usize,
+) -> (f64, f64) {
+    let per_thread = writers.len().div_ceil(threads);
+    let start = Instant::now();
+    let applied: Vec<(u64, f64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = writers
+            .chunks_mut(per_thread)
+            .zip(events.chunks(per_thread))
+            .map(|(writers, events)| {
+                scope.spawn(move || {
+                    let cpu = thread_cpu_seconds();
+                    let mut outcome = ApplyOutcome::default();
+                    let rounds = events.iter().map(Vec::len).max().unwrap_or(0);
+                    for round in 0..rounds {
+                        for (writer, events) in writers.iter_mut().zip(events) {
+                            if let Some(event) = events.get(round) {
+                                writer.apply(event, &mut outcome);
+                            }
+                        }
+                    }
+                    assert_eq!(outcome.parent_missing + outcome.unknown_block, 0);
+                    (
+                        outcome.stored_blocks + outcome.removed_blocks,
+                        thread_cpu_seconds() - cpu,
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("an apply thread panicked"))
+            .collect()
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let blocks: u64 = applied.iter().map(|(blocks, _)| blocks).sum();
+    let cpu: f64 = applied.iter().map(|(_, cpu)| cpu).sum();
+    (blocks as f64 / seconds, blocks as f64 / cpu)
+}
+
+/// (5) The figure, 1 and 2 threads: after one untimed round (tables sized), rounds of
+/// storing every chain then removing it; prints the range over the timed rounds.
+fn stores_and_removals(stores_per_worker: usize) {
+    const ROUNDS: usize = 3;
+    let chains = Chains::new(stores_per_worker);
+    let index = Index::new(BLOCK as u32, 64);
+    let mut writers: Vec<WorkerBlocks> = (0..WORKERS).map(|_| index.add_worker()).collect();
+    apply_interleaved(&mut writers, &chains.stores, 1);
+    apply_interleaved(&mut writers, &chains.removals, 1);
+    let blocks = WORKERS * stores_per_worker * TURN;
+    for threads in [1, 2] {
+        let mut stores = Vec::new();
+        let mut removals = Vec::new();
+        for _ in 0..ROUNDS {
+            stores.push(apply_interleaved(&mut writers, &chains.stores, threads));
+            removals.push(apply_interleaved(&mut writers, &chains.removals, threads));
+        }
+        let parts = [
+            (
+                "stores of 32 blocks over 64 workers, hashing included",
+                stores,
+            ),
+            ("removals of 32 blocks over 64 workers", removals),
+        ];
+        for (what, rates) in parts {
+            let range = |pick: fn(&(f64, f64)) -> f64| {
+                let low = rates.iter().map(pick).fold(f64::INFINITY, f64::min);
+                let high = rates.iter().map(pick).fold(0.0, f64::max);
+                format!("{:.1}–{:.1}", low / 1e6, high / 1e6)
+            };
+            println!(
+                "| {what}, {threads} thread(s) ({blocks} blocks, {ROUNDS} rounds) | {} M blocks/s wall, {} M per CPU second | >= 10 M |",
+                range(|r| r.0),
+                range(|r| r.1),
+            );
+        }
+    }
+    assert_eq!(index.key_count(), 0);
+}
+
+fn load_average() -> String {
+    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    loadavg
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn main() {
-    // `query`, `apply` or `drop` runs one part alone (for profiling); no argument runs all.
+    // `query`, `apply`, `drop` or `stores` runs one part alone (for profiling); no argument runs
+    // all. `stores N` builds N stores per worker instead of 500 (smaller runs for callgrind).
     let part = std::env::args().nth(1).unwrap_or_default();
+    let stores_per_worker = std::env::args()
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(500);
+    println!("load average before: {}", load_average());
+    println!();
     println!("| measure | value | target |");
     println!("| --- | --- | --- |");
+    if part.is_empty() || part == "stores" {
+        stores_and_removals(stores_per_worker);
+    }
     if part.is_empty() || part == "query" {
         memory_and_query();
     }
@@ -275,6 +414,8 @@ fn main() {
         cpu_rate / 1e6
     );
     }
+    println!();
+    println!("load average after: {}", load_average());
 }
 
 /// (2, 3) Memory per pair and query latency at 10 M pairs. Runs before the apply benchmark so

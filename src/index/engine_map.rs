@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use super::table::{Item, Table};
+use super::table::{Item, Table, Vacant};
 
 /// Engine hash 0 marks a vacant place, so the block with that hash (engines may use small
 /// integers) is kept beside the table.
@@ -47,6 +47,15 @@ pub(super) struct EngineMap {
     extra_total: u64,
 }
 
+/// An engine hash as `EngineMap::lookup` found it: the key it carries, if held, and its place.
+#[derive(Clone, Copy)]
+pub(super) struct Lookup {
+    engine_hash: u64,
+    pub key: Option<u64>,
+    /// `None` for engine hash 0 (kept beside the table).
+    place: Option<Result<usize, Vacant>>,
+}
+
 /// What removing one copy of an engine hash did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Removal {
@@ -76,6 +85,7 @@ impl EngineMap {
     }
 
     /// Removes one copy of `engine_hash`.
+    #[inline]
     pub(super) fn remove_copy(&mut self, engine_hash: u64) -> Removal {
         // Checked for emptiness first: hashing every removal's engine hash for a map that is
         // almost always empty would cost each removal a SipHash.
@@ -99,33 +109,46 @@ impl EngineMap {
     }
 
     pub(super) fn get(&self, engine_hash: u64) -> Option<u64> {
-        if engine_hash == 0 {
-            return self.zero;
-        }
-        let place = self
-            .table
-            .find(spread(engine_hash), |b| b.engine_hash == engine_hash)?;
-        Some(self.table.get(place).key)
+        self.lookup(engine_hash).key
     }
 
-    /// Maps `engine_hash` to `key` as a single copy; returns the key it had.
-    pub(super) fn insert(&mut self, engine_hash: u64, key: u64) -> Option<u64> {
+    /// Where `engine_hash` is in the map, or would go: one probe for a store's "is it held?"
+    /// and its insert (a new block's probe runs to a vacant place, the longest walk there is).
+    pub(super) fn lookup(&self, engine_hash: u64) -> Lookup {
+        let place = if engine_hash == 0 {
+            None
+        } else {
+            Some(
+                self.table
+                    .lookup(spread(engine_hash), |b| b.engine_hash == engine_hash),
+            )
+        };
+        let key = match place {
+            None => self.zero,
+            Some(Ok(place)) => Some(self.table.get(place).key),
+            Some(Err(_)) => None,
+        };
+        Lookup {
+            engine_hash,
+            key,
+            place,
+        }
+    }
+
+    /// Maps the looked-up engine hash to `key` as a single copy. The map must not have changed
+    /// since `lookup` (copies may have: they are beside the table).
+    pub(super) fn insert(&mut self, found: Lookup, key: u64) {
+        let engine_hash = found.engine_hash;
         if !self.extra_copies.is_empty() {
             if let Some(extra) = self.extra_copies.remove(&engine_hash) {
                 self.extra_total -= u64::from(extra);
             }
         }
-        if engine_hash == 0 {
-            return self.zero.replace(key);
-        }
-        match self
-            .table
-            .lookup(spread(engine_hash), |b| b.engine_hash == engine_hash)
-        {
-            Ok(place) => Some(std::mem::replace(&mut self.table.get_mut(place).key, key)),
-            Err(vacant) => {
+        match found.place {
+            None => self.zero = Some(key),
+            Some(Ok(place)) => self.table.get_mut(place).key = key,
+            Some(Err(vacant)) => {
                 self.table.insert_at(vacant, Block { engine_hash, key });
-                None
             }
         }
     }

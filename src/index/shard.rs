@@ -11,12 +11,11 @@
 //! worker id above 16 bits, keeps exact slots in a side map (`crowded`); the rare count above
 //! `u8::MAX` keeps its excess in another (`excess`).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{RwLock, RwLockReadGuard};
 
-use super::table::{prefetch, Item, Table, Vacant};
+use super::table::{prefetch, Item, Table, UniformMap, Vacant};
 use super::WorkerId;
 
 /// Slots kept in the entry itself.
@@ -131,10 +130,10 @@ pub(super) struct Change {
 pub(super) struct Shard {
     table: Table<Entry>,
     /// Slots of keys with more than `INLINE` of them or a worker id above `u16::MAX - 1`.
-    crowded: HashMap<u64, Vec<WideSlot>>,
+    crowded: UniformMap<u64, Vec<WideSlot>>,
     /// Counts above what an inline slot stores, by key and worker; the slot then holds
     /// `u8::MAX`.
-    excess: HashMap<(u64, WorkerId), Counts>,
+    excess: UniformMap<(u64, WorkerId), Counts>,
     held_keys: u64,
 }
 
@@ -212,11 +211,9 @@ impl Shard {
     }
 
     /// Sets `worker`'s counts on the entry at `place` (creating, replacing or dropping its slot;
-    /// dropping the entry with its last slot).
+    /// dropping the entry with its last slot) through the exact slots: the rare cases
+    /// `change_inline` declines.
     fn set_counts(&mut self, place: usize, worker: WorkerId, counts: Counts) {
-        if self.set_inline(place, worker, counts) {
-            return;
-        }
         let key = self.table.get(place).key;
         let mut slots = self.wide_slots(place);
         for slot in &slots {
@@ -232,48 +229,6 @@ impl Shard {
             (None, false) => slots.push(WideSlot { worker, counts }),
         }
         self.store_slots(place, slots);
-    }
-
-    /// `set_counts` in the common case (an inline entry, no count saturated before or after, room
-    /// for a new slot); false, changing nothing, in any other.
-    fn set_inline(&mut self, place: usize, worker: WorkerId, counts: Counts) -> bool {
-        let entry = self.table.get_mut(place);
-        if entry.is_crowded() {
-            return false;
-        }
-        let live = entry.live().len();
-        let new = compact(worker, counts);
-        let found = entry.slots[..live]
-            .iter()
-            .position(|s| WorkerId::from(s.worker) == worker);
-        let Some(index) = found else {
-            return match (new, entry.slots.get_mut(live)) {
-                _ if counts.is_zero() => true,
-                (Some(new), Some(free)) => {
-                    *free = new;
-                    true
-                }
-                _ => false,
-            };
-        };
-        if entry.slots[index].is_saturated() {
-            return false;
-        }
-        if counts.is_zero() {
-            entry.slots[index] = entry.slots[live - 1];
-            entry.slots[live - 1] = Slot::default();
-            if live == 1 {
-                self.table.remove_at(place);
-            }
-            return true;
-        }
-        match new {
-            Some(new) => {
-                entry.slots[index] = new;
-                true
-            }
-            None => false,
-        }
     }
 
     /// Writes the slots of the entry at `place`, inline when they fit, else crowded; removes
@@ -401,14 +356,31 @@ impl Shard {
         &mut self,
         place: usize,
         worker: WorkerId,
-        update: impl FnOnce(Counts) -> Counts,
+        update: impl Fn(Counts) -> Counts + Copy,
     ) -> Change {
+        if let Some(change) = self
+            .change_inline(place, worker, update)
+            .or_else(|| self.change_crowded(place, worker, update))
+        {
+            return change;
+        }
         let parent = self.table.get(place).parent();
         let (before, others_hold) = self.counts_of(place, worker);
         let after = update(before);
         if after != before {
             self.set_counts(place, worker, after);
         }
+        self.changed(before, after, others_hold, parent)
+    }
+
+    /// Counts a key that gained its first holder or lost its last; what the change did.
+    fn changed(
+        &mut self,
+        before: Counts,
+        after: Counts,
+        others_hold: bool,
+        parent: Option<u64>,
+    ) -> Change {
         match (before.holdings > 0, after.holdings > 0) {
             (false, true) if !others_hold => self.held_keys += 1,
             (true, false) if !others_hold => self.held_keys -= 1,
@@ -418,6 +390,110 @@ impl Shard {
             orphans: after.orphan_weight() - before.orphan_weight(),
             parent,
         }
+    }
+
+    /// `change` in the common case, in one pass over the entry's slots: an inline entry, the
+    /// worker's slot inline and unsaturated before and after, room for a new slot. `None`,
+    /// changing nothing, in any other case (half the instructions of a store's or a removal's
+    /// shard visit went to `counts_of` and `set_counts` walking the slots twice).
+    #[inline]
+    fn change_inline(
+        &mut self,
+        place: usize,
+        worker: WorkerId,
+        update: impl Fn(Counts) -> Counts,
+    ) -> Option<Change> {
+        let entry = self.table.get_mut(place);
+        if entry.is_crowded() {
+            return None;
+        }
+        let parent = entry.parent();
+        let mut live = 0;
+        let mut mine = None;
+        let mut others_hold = false;
+        for (i, slot) in entry.slots.iter().enumerate() {
+            if !slot.is_live() {
+                break;
+            }
+            live = i + 1;
+            if WorkerId::from(slot.worker) == worker {
+                mine = Some(i);
+            } else {
+                others_hold |= slot.holdings > 0;
+            }
+        }
+        let before = match mine {
+            Some(i) if entry.slots[i].is_saturated() => return None,
+            Some(i) => Counts {
+                holdings: u32::from(entry.slots[i].holdings),
+                children: u32::from(entry.slots[i].children),
+            },
+            None => Counts::default(),
+        };
+        let after = update(before);
+        match (mine, after.is_zero()) {
+            (Some(i), true) => {
+                entry.slots[i] = entry.slots[live - 1];
+                entry.slots[live - 1] = Slot::default();
+                if live == 1 {
+                    self.table.remove_at(place);
+                }
+            }
+            (None, true) => {}
+            (mine, false) => {
+                let slot = compact(worker, after)?;
+                let i = match mine {
+                    Some(i) => i,
+                    None if live < INLINE => live,
+                    None => return None,
+                };
+                entry.slots[i] = slot;
+            }
+        }
+        Some(self.changed(before, after, others_hold, parent))
+    }
+
+    /// `change` on a crowded entry that stays crowded, in place (the general path copies the
+    /// slots out and back, and a popular prefix's keys, held by most workers, are all crowded).
+    /// `None`, changing nothing, when the entry is not crowded or its slots would fit inline.
+    fn change_crowded(
+        &mut self,
+        place: usize,
+        worker: WorkerId,
+        update: impl Fn(Counts) -> Counts,
+    ) -> Option<Change> {
+        let entry = self.table.get(place);
+        if !entry.is_crowded() {
+            return None;
+        }
+        let parent = entry.parent();
+        let slots = self.crowded.get_mut(&entry.key)?;
+        let mine = slots.iter().position(|s| s.worker == worker);
+        let others_hold = slots
+            .iter()
+            .any(|s| s.worker != worker && s.counts.holdings > 0);
+        let before = mine.map_or(Counts::default(), |i| slots[i].counts);
+        let after = update(before);
+        let remaining = match (mine, after.is_zero()) {
+            (Some(_), true) => slots.len() - 1,
+            (None, false) => slots.len() + 1,
+            _ => slots.len(),
+        };
+        if remaining <= INLINE {
+            return None;
+        }
+        match (mine, after.is_zero()) {
+            (Some(i), true) => {
+                slots.swap_remove(i);
+            }
+            (Some(i), false) => slots[i].counts = after,
+            (None, true) => {}
+            (None, false) => slots.push(WideSlot {
+                worker,
+                counts: after,
+            }),
+        }
+        Some(self.changed(before, after, others_hold, parent))
     }
 
     /// Appends the workers holding `key` to `out`.

@@ -179,10 +179,11 @@ impl TierBlocks {
 
         // Each new holding is counted as a child of its parent key: the event's parent here, the
         // previous block below (in the same shard visit as that block's own holding). Which
-        // blocks are new is looked up one block ahead, once per block.
-        let mut held_as = hashes.first().and_then(|&hash| self.key_of(hash));
+        // blocks are new is looked up one block ahead, once per block, and that probe's place is
+        // where the block's hash then goes (nothing but copies changes the map in between).
+        let mut next = hashes.first().map(|&hash| self.blocks.lookup(hash));
         if let (Some(parent_key), Some(&key)) = (parent_key, keys.first()) {
-            if held_as != Some(key) {
+            if next.and_then(|found| found.key) != Some(key) {
                 self.add(parent_key, None, 0, 1);
             }
         }
@@ -191,7 +192,8 @@ impl TierBlocks {
             if let (Some(&hash), Some(&key)) = (hashes.get(i + AHEAD), keys.get(i + AHEAD)) {
                 self.prefetch_block(hash, key);
             }
-            let holding = match held_as {
+            let found = next.unwrap_or_else(|| self.blocks.lookup(hash));
+            let holding = match found.key {
                 Some(held) if held == key => {
                     self.blocks.add_copy(hash);
                     added += 1;
@@ -199,20 +201,18 @@ impl TierBlocks {
                 }
                 Some(replaced) => {
                     self.drop_holding(replaced);
-                    self.blocks.insert(hash, key);
+                    self.blocks.insert(found, key);
                     1
                 }
                 None => {
-                    self.blocks.insert(hash, key);
+                    self.blocks.insert(found, key);
                     1
                 }
             };
             added += u64::from(holding);
-            let child = match (hashes.get(i + 1), keys.get(i + 1)) {
-                (Some(&next_hash), Some(&next_key)) => {
-                    held_as = self.key_of(next_hash);
-                    u32::from(held_as != Some(next_key))
-                }
+            next = hashes.get(i + 1).map(|&hash| self.blocks.lookup(hash));
+            let child = match (next, keys.get(i + 1)) {
+                (Some(found), Some(&next_key)) => u32::from(found.key != Some(next_key)),
                 _ => 0,
             };
             if holding + child > 0 {
@@ -247,7 +247,8 @@ impl TierBlocks {
                 continue;
             };
             added += 1;
-            match self.key_of(hash) {
+            let found = self.blocks.lookup(hash);
+            match found.key {
                 Some(held) if held == key => {
                     self.blocks.add_copy(hash);
                     continue;
@@ -255,7 +256,7 @@ impl TierBlocks {
                 Some(replaced) => self.drop_holding(replaced),
                 None => {}
             }
-            self.blocks.insert(hash, key);
+            self.blocks.insert(found, key);
             if let Some(parent) = self.add(key, None, 1, 0) {
                 self.add(parent, None, 0, 1);
             }
