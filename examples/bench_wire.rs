@@ -1,4 +1,5 @@
-//! Decode throughput of `wire::decode_batch` on one core, on the payloads a live stream carries:
+//! Decode throughput of `wire::decode_batch` and of a `wire::BatchDecoder` reusing the buffers of
+//! the batch before (as each listener does) on one core, on the payloads a live stream carries:
 //! a 96-block chunked-prefill step (1,536 tokens) and a whole 750-block prompt (12,000 tokens),
 //! each stored under a full cache (one single-hash BlockRemoved per stored block, as vLLM
 //! evicts), in vLLM 0.33's map form and vLLM 0.22's array form; plus the SGLang and TensorRT-LLM
@@ -9,15 +10,20 @@
 //! machine shared with other work still measures the decoder; the CPU share of wall-clock time
 //! is printed too.
 //!
-//! Run: `cargo run --release --example bench_wire`
+//! `--batches N` decodes each payload exactly N times instead (`--reused`: with a `BatchDecoder`),
+//! untimed, for instruction counts
+//! (`valgrind --tool=callgrind --toggle-collect='*decode_times*'`: Ir / N / payloads).
+//!
+//! Run: `cargo run --release --example bench_wire [-- --only "map, 96" --batches 1000]`
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use clap::Parser;
 use kv_indexer::sim::encode::{encode_batch, Form};
 use kv_indexer::sim::rng::SplitMix64;
-use kv_indexer::wire::{decode_batch, BlockRemoved, BlockStored, Event, EventBatch};
+use kv_indexer::wire::{decode_batch, BatchDecoder, BlockRemoved, BlockStored, Event, EventBatch};
 
 const BLOCK_SIZE: u32 = 16;
 /// A chunked-prefill step of 1,536 tokens (`bench_stream`'s `--step-tokens`), in blocks.
@@ -27,6 +33,20 @@ const PROMPT_BLOCKS: usize = 750;
 const VOCABULARY: u64 = 150_000;
 const WARM_UP: Duration = Duration::from_millis(300);
 const MEASURE: Duration = Duration::from_secs(2);
+
+#[derive(Parser)]
+#[command(about = "Decode throughput of wire::decode_batch on realistic payloads")]
+struct Args {
+    /// Only the payloads whose name contains this.
+    #[arg(long, default_value = "")]
+    only: String,
+    /// Decode each payload this many times, untimed (for callgrind), instead of measuring.
+    #[arg(long)]
+    batches: Option<u64>,
+    /// With `--batches`: decode with a `BatchDecoder` rather than `decode_batch`.
+    #[arg(long)]
+    reused: bool,
+}
 
 /// One store of `blocks` blocks after a parent, and the evictions that made room for it.
 fn step_under_full_cache(blocks: usize, rng: &mut SplitMix64) -> EventBatch {
@@ -121,28 +141,41 @@ fn time(mut decode: impl FnMut()) -> (f64, f64, u64) {
     (cpu, wall, batches)
 }
 
+/// Decodes `payload` `batches` times, each batch dropped before the next.
+#[inline(never)]
+fn decode_times(payload: &[u8], batches: u64, reused: Option<&BatchDecoder>) {
+    for _ in 0..batches {
+        match reused {
+            Some(decoder) => drop(black_box(decoder.decode(black_box(payload)))),
+            None => drop(black_box(decode_batch(black_box(payload)))),
+        }
+    }
+}
+
 fn measure(name: &str, payload: &[u8]) -> Result<()> {
     let batch = decode_batch(payload).map_err(|error| anyhow::anyhow!("{name}: {error}"))?;
     let (blocks, tokens) = counts(&batch);
-    let (cpu, wall, batches) = time(|| {
-        let _ = black_box(decode_batch(black_box(payload)));
-    });
-    let per_batch_ns = cpu * 1e9 / batches as f64;
-    println!(
-        "{name:<34} {:>6} B {:>4} blocks  {:>6.0} MB/s  {:>6.1} M blocks/s  {:>5.2} ns/token  \
-         {:>7.2} µs/batch  (CPU share {:.0}%)",
-        payload.len(),
-        blocks,
-        batches as f64 * payload.len() as f64 / 1e6 / cpu,
-        (batches as usize * blocks) as f64 / 1e6 / cpu,
-        per_batch_ns / tokens.max(1) as f64,
-        per_batch_ns / 1e3,
-        100.0 * cpu / wall,
-    );
+    let decoder = BatchDecoder::default();
+    for (how, reused) in [("decode_batch", None), ("BatchDecoder", Some(&decoder))] {
+        let (cpu, wall, batches) = time(|| decode_times(payload, 1, reused));
+        let per_batch_ns = cpu * 1e9 / batches as f64;
+        println!(
+            "{name:<34} {how:<12} {:>6} B {:>4} blocks  {:>5.0} MB/s  {:>5.1} M blocks/s  \
+             {:>5.2} ns/token  {:>7.2} µs/batch  (CPU share {:.0}%)",
+            payload.len(),
+            blocks,
+            batches as f64 * payload.len() as f64 / 1e6 / cpu,
+            (batches as usize * blocks) as f64 / 1e6 / cpu,
+            per_batch_ns / tokens.max(1) as f64,
+            per_batch_ns / 1e3,
+            100.0 * cpu / wall,
+        );
+    }
     Ok(())
 }
 
 fn main() -> Result<()> {
+    let args = Args::parse();
     let mut rng = SplitMix64::new(18);
     let step = step_under_full_cache(STEP_BLOCKS, &mut rng);
     let prompt = step_under_full_cache(PROMPT_BLOCKS, &mut rng);
@@ -164,8 +197,16 @@ fn main() -> Result<()> {
         vector("SGLang >= 0.5.20")?,
     ));
     payloads.push(("TensorRT-LLM map (vector)".into(), vector("TensorRT-LLM")?));
-    for (name, payload) in &payloads {
-        measure(name, payload)?;
+    let decoder = BatchDecoder::default();
+    let reused = args.reused.then_some(&decoder);
+    for (name, payload) in payloads
+        .iter()
+        .filter(|(name, _)| name.contains(&args.only))
+    {
+        match args.batches {
+            Some(batches) => decode_times(payload, batches, reused),
+            None => measure(name, payload)?,
+        }
     }
     Ok(())
 }
