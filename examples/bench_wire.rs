@@ -6,13 +6,13 @@
 //! map-form vectors of `tests/data/vectors.json`. Tokens are uniform over a 150k vocabulary (as
 //! `sim::workload`), hashes spread over 64 bits (as vLLM's digests).
 //!
-//! Figures are per second of CPU time of the decoding thread (Linux `schedstat`), so that a
-//! machine shared with other work still measures the decoder; the CPU share of wall-clock time
-//! is printed too.
+//! ns/token is a batch's time over its stored tokens (its removes included). Figures are per
+//! second of CPU time of the decoding thread (Linux `schedstat`), so that a machine shared with
+//! other work still measures the decoder; the CPU share of wall-clock time is printed too.
 //!
-//! `--batches N` decodes each payload exactly N times instead (`--reused`: with a `BatchDecoder`),
-//! untimed, for instruction counts
-//! (`valgrind --tool=callgrind --toggle-collect='*decode_times*'`: Ir / N / payloads).
+//! `--batches N` decodes each payload exactly N times instead (`--reused`: with a
+//! `BatchDecoder`), untimed, for instruction counts: under
+//! `valgrind --tool=callgrind --toggle-collect='*decode_times*'`, Ir / N per payload.
 //!
 //! Run: `cargo run --release --example bench_wire [-- --only "map, 96" --batches 1000]`
 

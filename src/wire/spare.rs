@@ -14,8 +14,9 @@ use super::batch::decode_with;
 use super::{DecodeError, Event, EventBatch};
 
 /// The most a decoder keeps between batches. A 96-block step under a full cache (a store and 96
-/// single-hash removes) keeps ~37 KiB, a 750-block prompt ~210 KiB; 16 ranks then hold at most
-/// 4 MiB, and a rank's one huge batch is not held for the rest of its life.
+/// single-hash removes, 193 events of 152 bytes) keeps ~42 KiB, a 750-block prompt ~210 KiB;
+/// 16 ranks then hold at most 4 MiB, and a rank's one huge batch is not held for the rest of
+/// its life.
 const SPARE_BYTES: usize = 256 * 1024;
 
 /// Emptied buffers of decoded batches, for the next batch to fill.
