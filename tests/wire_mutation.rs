@@ -1,12 +1,17 @@
 //! Hostile input for the wire decoders: thousands of seeded mutations of real and encoded
 //! payloads (bit flips, truncations at every length, insertions, deletions, hostile lengths,
-//! random buffers). Nothing may panic, and whatever still decodes must survive a re-encoding
-//! unchanged — the decoder only ever returns values the encoder can express.
+//! random buffers). Nothing may panic, whatever still decodes must survive a re-encoding
+//! unchanged — the decoder only ever returns values the encoder can express — and a
+//! `BatchDecoder` reusing the buffers of every payload before must decode (or reject) each one
+//! exactly as `decode_batch` does.
 
 mod support;
 
 use kv_indexer::sim::encode::{encode_batch, encode_snapshot, Form};
-use kv_indexer::wire::{decode_batch, decode_snapshot, parse_message, parse_replay_reply};
+use kv_indexer::wire::{
+    decode_batch, decode_snapshot, parse_message, parse_replay_reply, BatchDecoder, Event,
+    EventBatch,
+};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
@@ -48,11 +53,37 @@ fn vector_payloads() -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Whatever decodes must be exactly what its own re-encoding decodes to.
+thread_local! {
+    /// One decoder for all the payloads a test checks, each decoded into the buffers of the
+    /// payloads (of every size and shape) before it.
+    static REUSED: BatchDecoder = BatchDecoder::default();
+}
+
+/// A batch as comparable values (a mutated timestamp may be NaN).
+fn parts(batch: &EventBatch) -> (&[Event], Option<u32>, u32, u64) {
+    (
+        &batch.events,
+        batch.dp_rank,
+        batch.skipped,
+        batch.ts.to_bits(),
+    )
+}
+
+/// Whatever decodes must be exactly what its own re-encoding decodes to, and what a reused
+/// decoder decodes it to.
 fn check_payload(payload: &[u8]) {
     let _ = parse_message(&[Vec::new(), payload.to_vec(), payload.to_vec()]);
     let _ = parse_replay_reply(&[Vec::new(), payload.to_vec(), Vec::new()]);
-    let Ok(batch) = decode_batch(payload) else {
+    let owned = decode_batch(payload);
+    REUSED.with(|reused| {
+        let again = reused.decode(payload);
+        assert_eq!(
+            again.as_deref().map(parts),
+            owned.as_ref().map(parts),
+            "reused decoder on {payload:02x?}"
+        );
+    });
+    let Ok(batch) = owned else {
         return;
     };
     for form in [Form::Map, Form::Array] {

@@ -8,8 +8,9 @@ use kv_indexer::sim::encode::{
     encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
 };
 use kv_indexer::wire::{
-    decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockExtras, BlockRemoved,
-    BlockStored, Event, EventBatch, FrameError, Message, MmPlacement, ReplayItem, Snapshot,
+    decode_batch, decode_snapshot, parse_message, parse_replay_reply, BatchDecoder, BlockExtras,
+    BlockRemoved, BlockStored, Event, EventBatch, FrameError, Message, MmPlacement, ReplayItem,
+    Snapshot,
 };
 use serde_json::Value;
 use support::batches::{realistic_batch, stored_events};
@@ -178,6 +179,96 @@ fn encode_then_decode_is_identity_in_both_forms() {
         decode_batch(&encode_batch(&rankless, Form::Map)),
         Ok(rankless)
     );
+}
+
+/// `realistic_batch` five times over: more events, hashes and tokens than any vector.
+fn larger_batch() -> EventBatch {
+    let mut values = fixed_values();
+    let mut batch = realistic_batch(&mut values);
+    for _ in 0..4 {
+        batch.events.extend(realistic_batch(&mut values).events);
+    }
+    batch
+}
+
+#[test]
+fn a_reused_decoder_decodes_every_vector_as_decode_batch_does() {
+    let decoder = BatchDecoder::default();
+    let larger = larger_batch();
+    let rows = rows();
+    for form in [Form::Map, Form::Array] {
+        let larger_payload = encode_batch(&larger, form);
+        for row in &rows {
+            // Right after a larger batch, and after the vector before it.
+            for _ in 0..2 {
+                let decoded = decoder.decode(&row.payload);
+                assert_eq!(
+                    decoded.as_deref(),
+                    decode_batch(&row.payload).as_ref(),
+                    "row {:?} after a batch in {form:?} form",
+                    row.name
+                );
+            }
+            let decoded = decoder.decode(&larger_payload);
+            assert_eq!(decoded.as_deref(), Ok(&larger), "{form:?} form");
+        }
+    }
+}
+
+#[test]
+fn a_batch_held_from_a_reused_decoder_is_not_touched_by_the_next_ones() {
+    let decoder = BatchDecoder::default();
+    let larger = larger_batch();
+    let small = realistic_batch(|| 7);
+    let held = decoder
+        .decode(&encode_batch(&larger, Form::Map))
+        .expect("decodes");
+    for _ in 0..3 {
+        let next = decoder.decode(&encode_batch(&small, Form::Map));
+        assert_eq!(next.as_deref(), Ok(&small));
+    }
+    assert_eq!(*held, larger);
+    let owned = held.into_batch();
+    let next = decoder.decode(&encode_batch(&small, Form::Array));
+    assert_eq!(next.as_deref(), Ok(&small));
+    assert_eq!(owned, larger);
+}
+
+/// The token list of a batch's only store.
+fn store_tokens(batch: &EventBatch) -> &Vec<u32> {
+    match &batch.events[..] {
+        [Event::Stored(stored)] => &stored.token_ids,
+        events => panic!("one store expected: {events:?}"),
+    }
+}
+
+#[test]
+fn a_reused_decoder_refills_kept_buffers_but_keeps_no_huge_one() {
+    let store_of = |tokens: u32| {
+        let blocks = (0..tokens / 16).map(u64::from).collect();
+        let event = BlockStored::new(blocks, None, (0..tokens).collect(), 16);
+        encode_batch(
+            &EventBatch {
+                events: vec![Event::Stored(event)],
+                ..EventBatch::default()
+            },
+            Form::Map,
+        )
+    };
+    let decoder = BatchDecoder::default();
+    drop(decoder.decode(&store_of(1_536)));
+    let step = decoder.decode(&store_of(16)).expect("decodes");
+    assert_eq!(store_tokens(&step), &Vec::from_iter(0..16));
+    assert!(
+        store_tokens(&step).capacity() >= 1_536,
+        "the 1,536-token list of the batch before is refilled"
+    );
+    drop(step);
+    // 4 MB of tokens: more than a decoder keeps between batches.
+    drop(decoder.decode(&store_of(1 << 20)));
+    let step = decoder.decode(&store_of(16)).expect("decodes");
+    assert_eq!(store_tokens(&step), &Vec::from_iter(0..16));
+    assert!(store_tokens(&step).capacity() < 1 << 20, "not kept");
 }
 
 #[test]

@@ -13,7 +13,7 @@ use super::status::StatusCell;
 use crate::index::{ApplyOutcome, Index, WorkerBlocks};
 use crate::metrics::MalformedReason;
 use crate::plan::ListenerSpec;
-use crate::wire::{self, Event, EventBatch, Snapshot};
+use crate::wire::{self, BatchDecoder, DecodedBatch, Event, EventBatch, Snapshot};
 
 /// Applies batches and snapshots to the rank's worker, counting what happened.
 pub(super) struct Applier {
@@ -25,6 +25,8 @@ pub(super) struct Applier {
     pub(super) warned_block_size: bool,
     /// The rank's block contents for peers' snapshots, when retained: changed with the index.
     pub(super) contents: Option<Arc<Mutex<Contents>>>,
+    /// Keeps the buffers of applied batches for the next ones.
+    pub(super) decoder: BatchDecoder,
 }
 
 impl Applier {
@@ -32,9 +34,10 @@ impl Applier {
         self.spec.describe()
     }
 
-    /// Decodes a payload; an undecodable one is counted, and is a lost batch for the caller.
-    pub(super) fn decode(&self, payload: &[u8]) -> Option<EventBatch> {
-        match wire::decode_batch(payload) {
+    /// Decodes a payload into the buffers of batches already dropped; an undecodable one is
+    /// counted, and is a lost batch for the caller.
+    pub(super) fn decode(&self, payload: &[u8]) -> Option<DecodedBatch> {
+        match self.decoder.decode(payload) {
             Ok(batch) => Some(batch),
             Err(error) => {
                 log::warn!("{}: undecodable batch: {error}", self.who());

@@ -236,6 +236,7 @@ impl Listener {
             warned_dp_rank: false,
             warned_block_size: false,
             contents: contents.clone(),
+            decoder: Default::default(),
         };
         let rank_loop = RankLoop::new(zmq.clone(), sockets, applier, Arc::clone(replication));
         let thread_what = what.clone();

@@ -254,7 +254,10 @@ impl RankLoop {
             }
             Some(batch) => self.recover(
                 missing.start..=missing.end - 1,
-                Some(Pending { seq, batch }),
+                Some(Pending {
+                    seq,
+                    batch: batch.into_batch(),
+                }),
             ),
             None => self.recover(missing.start..=seq, None),
         }

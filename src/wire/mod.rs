@@ -3,16 +3,19 @@
 //! Owns every encoding quirk of every released vLLM, SGLang and TensorRT-LLM version
 //! (`docs/protocol.md`). It never touches the index or a socket, and never panics on any input.
 //!
-//! `msgpack` is a zero-copy cursor, `batch` decodes KVEventBatch payloads with it, `snapshot`
-//! decodes `GET /kv_recover` bodies; the frame layouts live here.
+//! `msgpack` is a zero-copy cursor, `batch` decodes KVEventBatch payloads with it (`spare` into
+//! the buffers of batches already applied), `snapshot` decodes `GET /kv_recover` bodies; the
+//! frame layouts live here.
 
 mod batch;
 mod extras;
 mod msgpack;
 mod snapshot;
+mod spare;
 
 pub use batch::decode_batch;
 pub use snapshot::{decode_snapshot, encode_snapshot};
+pub use spare::{BatchDecoder, DecodedBatch};
 
 /// One engine event, as far as the index cares.
 #[derive(Clone, Debug, PartialEq)]
@@ -111,7 +114,7 @@ pub struct BlockRemoved {
 }
 
 /// One KVEventBatch payload.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EventBatch {
     pub ts: f64,
     /// `None` when the payload carries no rank (vLLM 0.9.0) or nil.
