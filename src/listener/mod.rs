@@ -40,6 +40,8 @@ mod applier;
 mod contents;
 mod frames;
 mod peers;
+mod poller;
+mod recoveries;
 mod recovery;
 mod run;
 mod sequence;
@@ -51,8 +53,7 @@ mod stop;
 pub use crate::metrics::ListenerState as State;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::{mpsc, Arc};
 
 use anyhow::Context as _;
 use parking_lot::Mutex;
@@ -63,7 +64,9 @@ use crate::plan::ListenerSpec;
 use applier::Applier;
 use contents::Contents;
 pub use peers::{Replication, Secret};
-use run::{RankLoop, Sockets};
+use poller::Mailbox;
+pub use poller::Pollers;
+use run::{Rank, Sockets};
 use status::StatusCell;
 use stop::{Stop, StopHandle};
 
@@ -190,7 +193,12 @@ pub struct Listener {
     block_size: u32,
     metrics: Arc<Metrics>,
     stop: StopHandle,
-    thread: Option<JoinHandle<()>>,
+    /// The rank's poller, and the rank's token there.
+    poller: Arc<Mailbox>,
+    token: u64,
+    /// Disconnected once the rank's state (sockets, `WorkerBlocks`) is dropped, wherever it is
+    /// (in a mutex only to make `Listener` shareable: only `drop` reads it).
+    gone: Mutex<mpsc::Receiver<()>>,
 }
 
 impl Listener {
@@ -202,23 +210,25 @@ impl Listener {
         index: &Arc<Index>,
         metrics: &Arc<Metrics>,
     ) -> anyhow::Result<Listener> {
-        Listener::start_with(spec, zmq, index, metrics, &Replication::none())
+        let pollers = Pollers::shared().context("starting the process's pollers")?;
+        Listener::start_with(spec, zmq, index, metrics, &Replication::none(), &pollers)
     }
 
-    /// `start`, for an indexer with replicas: holes may be filled from `replication`'s peers,
-    /// and the rank keeps its contents for theirs when it says so.
+    /// `start`, for an indexer with replicas and its own `pollers`: holes may be filled from
+    /// `replication`'s peers, and the rank keeps its contents for theirs when it says so.
     pub fn start_with(
         spec: ListenerSpec,
         zmq: &zmq::Context,
         index: &Arc<Index>,
         metrics: &Arc<Metrics>,
         replication: &Arc<Replication>,
+        pollers: &Pollers,
     ) -> anyhow::Result<Listener> {
         let what = format!(
             "engine {} rank {} endpoint {}",
             spec.key.engine, spec.key.dp_rank, spec.endpoint
         );
-        let (sockets, stop) =
+        let (sockets, token) =
             open_sockets(&spec, zmq).with_context(|| format!("starting the listener of {what}"))?;
         let blocks = index.add_worker();
         let worker = blocks.id();
@@ -237,22 +247,22 @@ impl Listener {
             warned_block_size: false,
             contents: contents.clone(),
         };
-        let rank_loop = RankLoop::new(zmq.clone(), sockets, applier, Arc::clone(replication));
-        let thread_what = what.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("kvi-rank-{}", spec.key.dp_rank))
-            .spawn(move || {
-                if let Err(error) = rank_loop.run() {
-                    log::error!("listener of {thread_what} ended: {error:#}");
-                }
-            });
-        let thread = match spawned {
-            Ok(thread) => thread,
-            Err(error) => {
-                metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
-                return Err(error).with_context(|| format!("spawning the listener of {what}"));
-            }
-        };
+        let (stop, stop_handle) = Stop::new();
+        let (gone_sender, gone) = mpsc::sync_channel(0);
+        let rank = Rank::new(
+            token,
+            zmq.clone(),
+            sockets,
+            applier,
+            Arc::clone(replication),
+            stop,
+            gone_sender,
+        );
+        let poller = Arc::clone(pollers.least_loaded());
+        if let Err(error) = poller.add(Box::new(rank)) {
+            metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
+            return Err(error).with_context(|| format!("starting the listener of {what}"));
+        }
         Ok(Listener {
             spec,
             worker,
@@ -260,8 +270,10 @@ impl Listener {
             contents,
             block_size: index.block_size(),
             metrics: Arc::clone(metrics),
-            stop,
-            thread: Some(thread),
+            stop: stop_handle,
+            poller,
+            token,
+            gone: Mutex::new(gone),
         })
     }
 
@@ -295,25 +307,19 @@ impl Listener {
 impl Drop for Listener {
     fn drop(&mut self) {
         self.stop.raise();
-        if let Some(thread) = self.thread.take() {
-            // The thread owns the WorkerBlocks: once joined, the rank's blocks are removed.
-            if thread.join().is_err() {
-                log::error!(
-                    "listener of engine {} rank {} panicked",
-                    self.spec.key.engine,
-                    self.spec.key.dp_rank
-                );
-            }
-        }
+        self.poller.remove(self.token);
+        // Whoever holds the rank (its poller, a recovery worker, a recovery queue) drops it on
+        // seeing the flag: then its sockets are closed and its blocks are gone from the index.
+        let _ = self.gone.get_mut().recv();
         self.status.stopped();
         self.metrics
             .forget_rank(&self.spec.key.engine, self.spec.key.dp_rank);
     }
 }
 
-/// The listener thread's sockets and stop signal, and the handle that raises it. The monitor
-/// is attached before `connect`, or the first CONNECTED event could be missed.
-fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, StopHandle)> {
+/// The rank's sockets and its token (which also names its monitor endpoint). The monitor is
+/// attached before `connect`, or the first CONNECTED event could be missed.
+fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, u64)> {
     static NEXT_ID: AtomicU64 = AtomicU64::new(0);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let monitor_endpoint = format!("inproc://kv-indexer-listener-{id}-monitor");
@@ -341,6 +347,5 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sock
         .context("connecting the monitor socket")?;
     sub.connect(&spec.endpoint)
         .with_context(|| format!("connecting to {}", spec.endpoint))?;
-    let (stop, stop_handle) = Stop::new().context("creating the stop eventfd")?;
-    Ok((Sockets { sub, monitor, stop }, stop_handle))
+    Ok((Sockets { sub, monitor }, id))
 }

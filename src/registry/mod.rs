@@ -41,7 +41,7 @@ use anyhow::Context;
 use log::{info, warn};
 
 use crate::index::Index;
-use crate::listener::{Listener, Replication};
+use crate::listener::{Listener, Pollers, Replication};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
 use contexts::ContextPool;
@@ -101,6 +101,8 @@ pub struct Registry {
     shutting_down: Arc<AtomicBool>,
     /// The peers every listener may recover from (docs/design.md "Recovery from a peer").
     replication: Arc<Replication>,
+    /// The I/O threads the listeners run on, started with the first listener.
+    pollers: parking_lot::Mutex<Option<Pollers>>,
 }
 
 /// Ends any start in progress and refuses every later one: raised once, at shutdown, from
@@ -127,6 +129,7 @@ impl Registry {
             ranks: RanksReader::default(),
             shutting_down: Arc::default(),
             replication: Replication::none(),
+            pollers: parking_lot::Mutex::new(None),
         }
     }
 
@@ -331,6 +334,7 @@ impl Registry {
         specs: Vec<ListenerSpec>,
         planned: usize,
     ) -> anyhow::Result<Vec<Running>> {
+        let pollers = self.pollers()?;
         let mut started: Vec<Running> = Vec::with_capacity(specs.len());
         for spec in specs {
             let what = spec.describe();
@@ -345,6 +349,7 @@ impl Registry {
                 &self.index,
                 &self.metrics,
                 &self.replication,
+                &pollers,
             )
             .with_context(|| format!("starting {what}"))
             {
@@ -366,6 +371,16 @@ impl Registry {
             }
         }
         Ok(started)
+    }
+
+    /// The registry's pollers, started on first use.
+    fn pollers(&self) -> anyhow::Result<Pollers> {
+        let mut pollers = self.pollers.lock();
+        if let Some(pollers) = pollers.as_ref() {
+            return Ok(pollers.clone());
+        }
+        let started = Pollers::new(Pollers::default_count()).context("starting the pollers")?;
+        Ok(pollers.insert(started).clone())
     }
 
     fn insert_running(&mut self, started: Vec<Running>) {
