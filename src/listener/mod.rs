@@ -3,37 +3,42 @@
 //! Every rank of every engine gets its own `Listener`, and what the rank caches goes into the
 //! index under its own worker, so `/query` sees all of them.
 //!
-//! **A thread per listener.** A ZMQ socket must be used by one thread only, and a recovery
-//! (a replay of up to 10 s, a snapshot download) must never hold up another rank or a query.
-//! So each listener is one OS thread that owns its SUB socket, the socket monitor, a stop
-//! signal (an eventfd) and the rank's `WorkerBlocks` — the only writer of that worker. It
-//! sleeps in `zmq::poll` on those three (no timer while healthy), so stop is immediate and an
-//! idle rank costs nothing.
+//! **A few threads for every rank.** A ZMQ socket must be used by one thread at a time, and a
+//! recovery (a replay of up to 10 s, a snapshot download) must never hold up another rank or a
+//! query. A listener is a `Rank` (its SUB socket, the socket monitor, the sequence rules and
+//! the rank's `WorkerBlocks`, the only writer of that worker) owned by one of a few pollers
+//! (`poller`, `kvi-poller-N`: one per core, at most 4), which wait in epoll on their ranks'
+//! `ZMQ_FD`s, no timer while healthy. A hole moves the whole rank to a recovery worker
+//! (`recoveries`, `kvi-recovery-N`, up to 16, started on demand) and back, so a slow replay
+//! holds up nothing else. A thread per rank cost 288 µs to start and 2,016 threads at 2,000
+//! ranks (`bench_registry 250`); 16 of them competing with the HTTP threads on 2 cores made
+//! `/query` p99 17 ms while ingesting.
 //!
 //! **What a rank costs.** Two ZMQ sockets of ours plus the monitor's own PAIR, each two file
-//! descriptors in this libzmq (its mailboxes are socketpairs), the stop eventfd, and one TCP
-//! socket while connected or connecting: `FDS_PER_LISTENER`. A rank that is down is retried
-//! after 100 ms, backing off to every 5 s, so a thousand dead ranks cost no CPU.
+//! descriptors in this libzmq (its mailboxes are socketpairs), and one TCP socket while
+//! connected or connecting: `FDS_PER_LISTENER`. No thread and no eventfd of its own (stop is a
+//! flag, `stop`). A rank that is down is retried after 100 ms, backing off to every 5 s, so a
+//! thousand dead ranks cost no CPU.
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
-//! then hands them to the thread (`run`), which for each live message: `frames` (received in
+//! then hands the rank to the least loaded poller, which for each live message (`run`): `frames` (received in
 //! place) → `wire::parse_message` → the sequence rules (`sequence`) → `applier`
 //! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
 //! through `Listener::status`; the one route to the rank's metrics). A hole in the history
-//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on the same
-//! thread: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
+//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on a recovery
+//! worker: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
 //! `degraded` with the lost batches counted. When this indexer serves snapshots, the applier
 //! keeps the rank's block contents (`contents`) in step with the index, and `StatusHandle`
 //! builds the rank's snapshot from them for `GET /snapshot/...`. Meanwhile live
 //! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
-//! ZMQ and shows up as the next gap. `stop` is the eventfd every wait watches.
+//! ZMQ and shows up as the next gap. `stop` is the flag every wait looks at.
 //!
 //! **What it never does.** It never writes another worker's blocks, never panics on what the
 //! network sends (bad frames and payloads are counted and dropped, the socket stays), never
 //! blocks on a peer without also watching its stop signal, and never leaves blocks behind: when
-//! `stop` returns, the thread has ended and dropping its `WorkerBlocks` removed every block of
-//! the rank from the index. A `parent_missing` store is counted but does not start a recovery:
+//! `stop` returns, whoever held the rank (its poller, a recovery worker or queue) has dropped it,
+//! and dropping its `WorkerBlocks` removed every block of the rank from the index. A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
 mod applier;
@@ -80,9 +85,10 @@ const RECEIVE_HIGH_WATER_MARK: i32 = 100;
 const RECONNECT_FIRST_MS: i32 = 100;
 const RECONNECT_MAX_MS: i32 = 5_000;
 
-/// File descriptors a running listener holds: 3 ZMQ sockets × 2, the stop eventfd, the TCP
-/// connection. A replay in progress adds 3 more (its DEALER and connection) for a while.
-pub const FDS_PER_LISTENER: u64 = 8;
+/// File descriptors a running listener holds: 3 ZMQ sockets × 2 and the TCP connection
+/// (`bench_registry` measures 6.03 per rank while engines are down: no connection held between
+/// retries). A replay in progress adds 3 more (its DEALER and connection) for a while.
+pub const FDS_PER_LISTENER: u64 = 7;
 
 /// A listener's counters and state, as `/workers` shows them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -298,7 +304,8 @@ impl Listener {
         }
     }
 
-    /// Stops within 100 ms; when it returns, the rank's blocks are gone from the index.
+    /// Stops within 100 ms (an idle rank: one command to its poller; a recovery: within its
+    /// 20 ms wait step); when it returns, the rank's blocks are gone from the index.
     pub fn stop(self) {
         drop(self);
     }

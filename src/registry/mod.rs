@@ -22,6 +22,9 @@
 //!   before its listener stops and joins it after its listener started, so a query never names
 //!   a worker whose blocks are being torn down.
 //!
+//! The registry owns the pollers (`listener::Pollers`, started with the first listener) its
+//! listeners run on, and hands each listener to the least loaded one.
+//!
 //! Beside it: `directory` (the worker names `/query` reads), `contexts` (the ZMQ context
 //! pool), `open_files` (descriptor limits against the plan), `parallel` (bounded fan-out),
 //! `ranks` (the rank board `/workers` reads) and `published` (how both are handed to readers).
@@ -67,7 +70,7 @@ pub struct ReloadDiff {
 }
 
 /// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
-/// (sockets, a thread) partly serialized by kernel locks, so a few starters suffice.
+/// (sockets, socketpairs, epoll) partly serialized by kernel locks, so a few starters suffice.
 const STARTERS: usize = 4;
 /// Listeners stopped at once: each stop mostly waits for its thread to notice.
 const STOPPERS: usize = 64;
@@ -418,8 +421,8 @@ impl Registry {
         self.stop(leaving);
     }
 
-    /// Each stop waits for its listener thread (up to 100 ms): many at once, so removing an
-    /// engine of 8 ranks, or shutting down 8,000, stays well under a second.
+    /// Each stop waits for its rank to be dropped by its poller (or its recovery): many at once,
+    /// so removing an engine of 8 ranks, or shutting down 8,000, stays well under a second.
     fn stop(&self, listeners: Vec<Running>) {
         in_parallel(listeners, STOPPERS, |running| {
             running.listener.stop();
