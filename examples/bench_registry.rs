@@ -5,13 +5,16 @@
 //! `cargo run --release --example bench_registry [engines]` (default 1,000). Each listener holds
 //! about `FDS_PER_LISTENER` file descriptors: the bench raises its soft RLIMIT_NOFILE to the
 //! hard limit, like the service, and refuses to start when the hard limit is too low.
-//! Also prints the descriptors, RSS and threads the listeners added.
+//! Also prints the descriptors, RSS and threads the listeners added, per listener: ranks run on
+//! the registry's pollers (`listener::Pollers::default_count()`), so the threads are those
+//! pollers and two per ZMQ context (250 listeners each), not one per rank.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_indexer::config::{Config, EngineConfig, FixedRanks, Ranks};
 use kv_indexer::index::Index;
+use kv_indexer::listener::Pollers;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan;
 use kv_indexer::registry::{open_files_needed, raise_open_files_limit, Registry};
@@ -146,10 +149,13 @@ fn main() {
         register_cpu.as_secs_f64() * 1e6 / listeners as f64
     );
     println!(
-        "listeners added:        {} fds ({:.2} per listener), {} threads, {} MiB RSS ({:.1} KiB per listener)",
+        "listeners added:        {} fds ({:.2} per listener), {} threads ({:.4} per listener; \
+         {} pollers, 2 per ZMQ context), {} MiB RSS ({:.1} KiB per listener)",
         running.descriptors - idle.descriptors,
         (running.descriptors - idle.descriptors) as f64 / listeners as f64,
         running.threads - idle.threads,
+        (running.threads - idle.threads) as f64 / listeners as f64,
+        Pollers::default_count(),
         (running.resident_kib - idle.resident_kib) / 1024,
         (running.resident_kib - idle.resident_kib) as f64 / listeners as f64
     );
@@ -160,7 +166,9 @@ fn main() {
     );
     println!("reload changing nothing: {noop:?}");
     println!(
-        "stop all:               {stopped:?} (registry dropped: {} fds and {} threads left over)",
+        "stop all:               {stopped:?} ({:.0} us per listener; registry dropped: {} fds and \
+         {} threads left over)",
+        stopped.as_secs_f64() * 1e6 / listeners as f64,
         after_stop.descriptors as i64 - idle.descriptors as i64,
         after_stop.threads as i64 - idle.threads as i64
     );

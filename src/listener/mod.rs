@@ -3,43 +3,50 @@
 //! Every rank of every engine gets its own `Listener`, and what the rank caches goes into the
 //! index under its own worker, so `/query` sees all of them.
 //!
-//! **A thread per listener.** A ZMQ socket must be used by one thread only, and a recovery
-//! (a replay of up to 10 s, a snapshot download) must never hold up another rank or a query.
-//! So each listener is one OS thread that owns its SUB socket, the socket monitor, a stop
-//! signal (an eventfd) and the rank's `WorkerBlocks` — the only writer of that worker. It
-//! sleeps in `zmq::poll` on those three (no timer while healthy), so stop is immediate and an
-//! idle rank costs nothing.
+//! **A few threads for every rank.** A ZMQ socket must be used by one thread at a time, and a
+//! recovery (a replay of up to 10 s, a snapshot download) must never hold up another rank or a
+//! query. A listener is a `Rank` (its SUB socket, the socket monitor, the sequence rules and
+//! the rank's `WorkerBlocks`, the only writer of that worker) owned by one of a few pollers
+//! (`poller`, `kvi-poller-N`: one per core, at most 4), which wait in epoll on their ranks'
+//! `ZMQ_FD`s, no timer while healthy. A hole moves the whole rank to a recovery worker
+//! (`recoveries`, `kvi-recovery-N`, up to 16, started on demand) and back, so a slow replay
+//! holds up nothing else. A thread per rank cost 288 µs to start and 2,016 threads at 2,000
+//! ranks (`bench_registry 250`); 16 of them competing with the HTTP threads on 2 cores made
+//! `/query` p99 17 ms while ingesting.
 //!
 //! **What a rank costs.** Two ZMQ sockets of ours plus the monitor's own PAIR, each two file
-//! descriptors in this libzmq (its mailboxes are socketpairs), the stop eventfd, and one TCP
-//! socket while connected or connecting: `FDS_PER_LISTENER`. A rank that is down is retried
-//! after 100 ms, backing off to every 5 s, so a thousand dead ranks cost no CPU.
+//! descriptors in this libzmq (its mailboxes are socketpairs), and one TCP socket while
+//! connected or connecting: `FDS_PER_LISTENER`. No thread and no eventfd of its own (stop is a
+//! flag, `stop`). A rank that is down is retried after 100 ms, backing off to every 5 s, so a
+//! thousand dead ranks cost no CPU.
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
-//! then hands them to the thread (`run`), which for each live message: `frames` (received in
+//! then hands the rank to the least loaded poller, which for each live message (`run`): `frames` (received in
 //! place) → `wire::parse_message` → the sequence rules (`sequence`) → `applier`
 //! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
 //! through `Listener::status`; the one route to the rank's metrics). A hole in the history
-//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on the same
-//! thread: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
+//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on a recovery
+//! worker: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
 //! `degraded` with the lost batches counted. When this indexer serves snapshots, the applier
 //! keeps the rank's block contents (`contents`) in step with the index, and `StatusHandle`
 //! builds the rank's snapshot from them for `GET /snapshot/...`. Meanwhile live
 //! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
-//! ZMQ and shows up as the next gap. `stop` is the eventfd every wait watches.
+//! ZMQ and shows up as the next gap. `stop` is the flag every wait looks at.
 //!
 //! **What it never does.** It never writes another worker's blocks, never panics on what the
 //! network sends (bad frames and payloads are counted and dropped, the socket stays), never
 //! blocks on a peer without also watching its stop signal, and never leaves blocks behind: when
-//! `stop` returns, the thread has ended and dropping its `WorkerBlocks` removed every block of
-//! the rank from the index. A `parent_missing` store is counted but does not start a recovery:
+//! `stop` returns, whoever held the rank (its poller, a recovery worker or queue) has dropped it,
+//! and dropping its `WorkerBlocks` removed every block of the rank from the index. A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
 mod applier;
 mod contents;
 mod frames;
 mod peers;
+mod poller;
+mod recoveries;
 mod recovery;
 mod run;
 mod sequence;
@@ -51,8 +58,7 @@ mod stop;
 pub use crate::metrics::ListenerState as State;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::{mpsc, Arc};
 
 use anyhow::Context as _;
 use parking_lot::Mutex;
@@ -63,7 +69,9 @@ use crate::plan::ListenerSpec;
 use applier::Applier;
 use contents::Contents;
 pub use peers::{Replication, Secret};
-use run::{RankLoop, Sockets};
+use poller::Mailbox;
+pub use poller::Pollers;
+use run::{Rank, Sockets};
 use status::StatusCell;
 use stop::{Stop, StopHandle};
 
@@ -77,9 +85,10 @@ const RECEIVE_HIGH_WATER_MARK: i32 = 100;
 const RECONNECT_FIRST_MS: i32 = 100;
 const RECONNECT_MAX_MS: i32 = 5_000;
 
-/// File descriptors a running listener holds: 3 ZMQ sockets × 2, the stop eventfd, the TCP
-/// connection. A replay in progress adds 3 more (its DEALER and connection) for a while.
-pub const FDS_PER_LISTENER: u64 = 8;
+/// File descriptors a running listener holds: 3 ZMQ sockets × 2 and the TCP connection
+/// (`bench_registry` measures 6.03 per rank while engines are down: no connection held between
+/// retries). A replay in progress adds 3 more (its DEALER and connection) for a while.
+pub const FDS_PER_LISTENER: u64 = 7;
 
 /// A listener's counters and state, as `/workers` shows them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -190,7 +199,12 @@ pub struct Listener {
     block_size: u32,
     metrics: Arc<Metrics>,
     stop: StopHandle,
-    thread: Option<JoinHandle<()>>,
+    /// The rank's poller, and the rank's token there.
+    poller: Arc<Mailbox>,
+    token: u64,
+    /// Disconnected once the rank's state (sockets, `WorkerBlocks`) is dropped, wherever it is
+    /// (in a mutex only to make `Listener` shareable: only `drop` reads it).
+    gone: Mutex<mpsc::Receiver<()>>,
 }
 
 impl Listener {
@@ -202,23 +216,25 @@ impl Listener {
         index: &Arc<Index>,
         metrics: &Arc<Metrics>,
     ) -> anyhow::Result<Listener> {
-        Listener::start_with(spec, zmq, index, metrics, &Replication::none())
+        let pollers = Pollers::shared().context("starting the process's pollers")?;
+        Listener::start_with(spec, zmq, index, metrics, &Replication::none(), &pollers)
     }
 
-    /// `start`, for an indexer with replicas: holes may be filled from `replication`'s peers,
-    /// and the rank keeps its contents for theirs when it says so.
+    /// `start`, for an indexer with replicas and its own `pollers`: holes may be filled from
+    /// `replication`'s peers, and the rank keeps its contents for theirs when it says so.
     pub fn start_with(
         spec: ListenerSpec,
         zmq: &zmq::Context,
         index: &Arc<Index>,
         metrics: &Arc<Metrics>,
         replication: &Arc<Replication>,
+        pollers: &Pollers,
     ) -> anyhow::Result<Listener> {
         let what = format!(
             "engine {} rank {} endpoint {}",
             spec.key.engine, spec.key.dp_rank, spec.endpoint
         );
-        let (sockets, stop) =
+        let (sockets, token) =
             open_sockets(&spec, zmq).with_context(|| format!("starting the listener of {what}"))?;
         let blocks = index.add_worker();
         let worker = blocks.id();
@@ -238,22 +254,22 @@ impl Listener {
             contents: contents.clone(),
             decoder: Default::default(),
         };
-        let rank_loop = RankLoop::new(zmq.clone(), sockets, applier, Arc::clone(replication));
-        let thread_what = what.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("kvi-rank-{}", spec.key.dp_rank))
-            .spawn(move || {
-                if let Err(error) = rank_loop.run() {
-                    log::error!("listener of {thread_what} ended: {error:#}");
-                }
-            });
-        let thread = match spawned {
-            Ok(thread) => thread,
-            Err(error) => {
-                metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
-                return Err(error).with_context(|| format!("spawning the listener of {what}"));
-            }
-        };
+        let (stop, stop_handle) = Stop::new();
+        let (gone_sender, gone) = mpsc::sync_channel(0);
+        let rank = Rank::new(
+            token,
+            zmq.clone(),
+            sockets,
+            applier,
+            Arc::clone(replication),
+            stop,
+            gone_sender,
+        );
+        let poller = Arc::clone(pollers.least_loaded());
+        if let Err(error) = poller.add(Box::new(rank)) {
+            metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
+            return Err(error).with_context(|| format!("starting the listener of {what}"));
+        }
         Ok(Listener {
             spec,
             worker,
@@ -261,8 +277,10 @@ impl Listener {
             contents,
             block_size: index.block_size(),
             metrics: Arc::clone(metrics),
-            stop,
-            thread: Some(thread),
+            stop: stop_handle,
+            poller,
+            token,
+            gone: Mutex::new(gone),
         })
     }
 
@@ -287,7 +305,8 @@ impl Listener {
         }
     }
 
-    /// Stops within 100 ms; when it returns, the rank's blocks are gone from the index.
+    /// Stops within 100 ms (an idle rank: one command to its poller; a recovery: within its
+    /// 20 ms wait step); when it returns, the rank's blocks are gone from the index.
     pub fn stop(self) {
         drop(self);
     }
@@ -296,25 +315,19 @@ impl Listener {
 impl Drop for Listener {
     fn drop(&mut self) {
         self.stop.raise();
-        if let Some(thread) = self.thread.take() {
-            // The thread owns the WorkerBlocks: once joined, the rank's blocks are removed.
-            if thread.join().is_err() {
-                log::error!(
-                    "listener of engine {} rank {} panicked",
-                    self.spec.key.engine,
-                    self.spec.key.dp_rank
-                );
-            }
-        }
+        self.poller.remove(self.token);
+        // Whoever holds the rank (its poller, a recovery worker, a recovery queue) drops it on
+        // seeing the flag: then its sockets are closed and its blocks are gone from the index.
+        let _ = self.gone.get_mut().recv();
         self.status.stopped();
         self.metrics
             .forget_rank(&self.spec.key.engine, self.spec.key.dp_rank);
     }
 }
 
-/// The listener thread's sockets and stop signal, and the handle that raises it. The monitor
-/// is attached before `connect`, or the first CONNECTED event could be missed.
-fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, StopHandle)> {
+/// The rank's sockets and its token (which also names its monitor endpoint). The monitor is
+/// attached before `connect`, or the first CONNECTED event could be missed.
+fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, u64)> {
     static NEXT_ID: AtomicU64 = AtomicU64::new(0);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let monitor_endpoint = format!("inproc://kv-indexer-listener-{id}-monitor");
@@ -342,6 +355,5 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sock
         .context("connecting the monitor socket")?;
     sub.connect(&spec.endpoint)
         .with_context(|| format!("connecting to {}", spec.endpoint))?;
-    let (stop, stop_handle) = Stop::new().context("creating the stop eventfd")?;
-    Ok((Sockets { sub, monitor, stop }, stop_handle))
+    Ok((Sockets { sub, monitor }, id))
 }

@@ -1,8 +1,10 @@
 //! Getting a rank's lost history back: the replay client (DEALER to the engine's ROUTER,
 //! docs/protocol.md "Replay") and the snapshot fetch (`GET /kv_recover`, docs/design.md "Snapshot
 //! endpoint"). It never touches the index: replayed batches go to the caller's `apply`, the
-//! snapshot body is returned as bytes. Every wait also watches the listener's stop signal, so a
-//! recovery in progress never delays `Listener::stop`. It never buffers an answer above its cap.
+//! snapshot body is returned as bytes. Every wait also looks at the rank's stop signal at least
+//! every `TICK`, so a recovery in progress never delays `Listener::stop` by more than 20 ms. It
+//! runs on a recovery worker (`recoveries`), never on a poller, and never buffers an answer above
+//! its cap.
 
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,7 +117,7 @@ pub(super) fn replay(
         if now >= deadline {
             break;
         }
-        if stop.requested(Duration::ZERO) {
+        if stop.requested() {
             return Ok(Replayed::Stopped);
         }
         let wait = i64::try_from((deadline - now).min(TICK).as_millis()).unwrap_or(0);
@@ -158,8 +160,8 @@ pub(super) enum Fetched {
     Stopped,
 }
 
-/// `GET url` on a helper thread, so the listener thread keeps watching its stop signal: on
-/// stop the listener returns at once and tells the helper to give up; the helper owns nothing
+/// `GET url` on a helper thread, so the recovery worker keeps watching the rank's stop signal:
+/// on stop the worker returns at once and tells the helper to give up; the helper owns nothing
 /// of the listener and ends at its next chunk or its next timeout (`http_get`).
 /// `bearer` is sent as `Authorization: Bearer` (peers that require `auth_token_file`).
 pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) -> Fetched {
@@ -186,7 +188,7 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
                 return Fetched::Body(Err(anyhow!("GET {url}: the fetch thread died")))
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if stop.requested(Duration::ZERO) {
+                if stop.requested() {
                     abandoned.store(true, Ordering::Relaxed);
                     return Fetched::Stopped;
                 }

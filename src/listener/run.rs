@@ -1,12 +1,13 @@
-//! The listener thread: owns the rank's sockets and its `WorkerBlocks`, turns each live message
-//! into index changes under the sequence rules, and runs recoveries. Everything here happens on
-//! that one thread; the outside world sees only `StatusCell` and the index.
+//! One rank's state and rules: owns the rank's sockets and its `WorkerBlocks`, turns each live
+//! message into index changes under the sequence rules, and runs recoveries. A rank is moved,
+//! whole, between its poller (`poller`: live messages, the monitor, timers) and a recovery worker
+//! (`recoveries`): at any moment exactly one thread holds it, so its sockets and its worker
+//! have one user. The outside world sees only `StatusCell` and the index. It never waits on
+//! the network while live messages are being drained: a hole ends the drain with a `Job`.
 
 use std::ops::RangeInclusive;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-
-use anyhow::Context as _;
 
 use super::applier::Applier;
 use super::frames::Frames;
@@ -18,7 +19,8 @@ use super::RecoveredBy;
 use crate::metrics::{MalformedReason, RecoveryMethod};
 use crate::wire::{self, EventBatch};
 
-/// Live messages taken in one go before stop and the monitor are looked at again.
+/// Live messages taken from one rank before its poller serves the others: one busy rank
+/// cannot starve the rest of its poller.
 const DRAIN_BATCH: usize = 256;
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
@@ -27,20 +29,22 @@ const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
 /// keeps retrying quietly meanwhile), short enough to be seen by whoever just started us.
 const NEVER_CONNECTED_HINT: Duration = Duration::from_secs(10);
 
-/// The sockets a listener thread owns, created by `Listener::start` so that setup errors
-/// surface there.
+/// The sockets of a rank, created by `Listener::start` so that setup errors surface there.
 pub(super) struct Sockets {
     pub(super) sub: zmq::Socket,
     pub(super) monitor: zmq::Socket,
-    pub(super) stop: Stop,
 }
 
-/// The state of one listener thread.
-pub(super) struct RankLoop {
+/// Everything of one rank: whoever holds it is the only user of its sockets and its worker.
+/// Dropping it closes the sockets and removes the rank's blocks from the index, then tells the
+/// `Listener` (the `gone` sender is declared last: fields drop in order).
+pub(super) struct Rank {
+    pub(super) token: u64,
     context: zmq::Context,
-    sockets: Sockets,
+    pub(super) sockets: Sockets,
     applier: Applier,
     replication: Arc<Replication>,
+    pub(super) stop: Stop,
     sequence: Sequence,
     /// Reused for every live message.
     live_frames: Frames,
@@ -52,84 +56,114 @@ pub(super) struct RankLoop {
     lost_since: Option<u64>,
     /// Until the first connection: when to log what to check (once).
     never_connected_hint: Option<Instant>,
+    /// The poller's bookkeeping: the wake-up it has queued for this rank, and whether the rank
+    /// is on its ready list.
+    pub(super) armed: Option<Instant>,
+    pub(super) ready: bool,
+    _gone: mpsc::SyncSender<()>,
 }
 
 /// The message that revealed a hole, applied after the recovery unless it went past it.
-struct Pending {
+pub(super) struct Pending {
     seq: u64,
     batch: EventBatch,
 }
 
-/// How handling a message ended.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Recovery {
-    /// Handled; any hole it revealed is accounted for (recovered or given up).
+/// A recovery the rank needs, run off its poller.
+pub(super) enum Job {
+    /// Recover `hole`, then apply `pending` unless the recovery went past it.
+    Hole {
+        hole: RangeInclusive<u64>,
+        pending: Option<Pending>,
+    },
+    /// Lost history may be repaired by a snapshot now.
+    SnapshotRetry,
+}
+
+/// How a recovery ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Recovery {
+    /// Any hole it was about is accounted for (recovered or given up).
     Done,
-    /// Stop was requested during a recovery.
+    /// Stop was requested during it.
     Stopped,
 }
 
-impl RankLoop {
+/// Where a drain of live messages stopped.
+pub(super) enum Drained {
+    /// The socket has no message waiting.
+    Empty,
+    /// `DRAIN_BATCH` messages were taken and more may wait.
+    Budget,
+    /// A message revealed a hole: the rank must recover before anything else of it is read.
+    Recover(Job),
+}
+
+impl Rank {
     pub(super) fn new(
+        token: u64,
         context: zmq::Context,
         sockets: Sockets,
         applier: Applier,
         replication: Arc<Replication>,
-    ) -> RankLoop {
-        RankLoop {
+        stop: Stop,
+        gone: mpsc::SyncSender<()>,
+    ) -> Rank {
+        Rank {
+            token,
             context,
             sockets,
             applier,
             replication,
+            stop,
             sequence: Sequence::new(),
             live_frames: Frames::default(),
             snapshot_retry: None,
             lost_since: None,
             never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
+            armed: None,
+            ready: false,
+            _gone: gone,
         }
     }
 
-    /// Runs until stop is requested (or the ZMQ context is terminated).
-    pub(super) fn run(mut self) -> anyhow::Result<()> {
-        loop {
-            let wake = match (self.snapshot_retry, self.never_connected_hint) {
-                (Some((retry, _)), Some(hint)) => Some(retry.min(hint)),
-                (retry, hint) => retry.map(|(at, _)| at).or(hint),
-            };
-            let timeout = wake.map_or(-1, |at| {
-                i64::try_from(at.saturating_duration_since(Instant::now()).as_millis())
-                    .unwrap_or(i64::MAX)
-            });
-            let mut items = [
-                self.sockets.sub.as_poll_item(zmq::POLLIN),
-                self.sockets.monitor.as_poll_item(zmq::POLLIN),
-                self.sockets.stop.as_poll_item(),
-            ];
-            zmq::poll(&mut items, timeout).context("polling the listener sockets")?;
-            let [live, monitor, stop] = items.map(|item| item.is_readable());
-            if stop {
-                return Ok(());
-            }
-            if monitor {
-                self.drain_monitor()?;
-            }
-            if live && self.drain_live()? == Recovery::Stopped {
-                return Ok(());
-            }
-            if self
-                .never_connected_hint
-                .is_some_and(|at| Instant::now() >= at)
-            {
-                self.never_connected_hint = None;
-                self.log_never_connected();
-            }
-            if self
-                .snapshot_retry
-                .is_some_and(|(at, _)| Instant::now() >= at)
-                && self.retry_snapshot() == Recovery::Stopped
-            {
-                return Ok(());
-            }
+    pub(super) fn who(&self) -> String {
+        self.applier.who()
+    }
+
+    /// The next time the rank needs its poller without a message: the never-connected hint or
+    /// a snapshot retry.
+    pub(super) fn next_wake(&self) -> Option<Instant> {
+        let retry = self.snapshot_retry.map(|(at, _)| at);
+        match (retry, self.never_connected_hint) {
+            (Some(retry), Some(hint)) => Some(retry.min(hint)),
+            (retry, hint) => retry.or(hint),
+        }
+    }
+
+    /// What is due at `now`: the hint is logged here, a due snapshot retry is returned.
+    pub(super) fn on_timer(&mut self, now: Instant) -> Option<Job> {
+        if self.never_connected_hint.is_some_and(|at| now >= at) {
+            self.never_connected_hint = None;
+            self.log_never_connected();
+        }
+        self.snapshot_retry
+            .is_some_and(|(at, _)| now >= at)
+            .then_some(Job::SnapshotRetry)
+    }
+
+    /// Whether a recovery may wait on the network (a replay socket, a snapshot URL, a peer):
+    /// else it only counts the loss, and its poller runs it at once.
+    pub(super) fn recovery_may_wait(&self) -> bool {
+        let spec = &self.applier.spec;
+        spec.replay.is_some() || spec.recover.is_some() || !self.replication.peers().is_empty()
+    }
+
+    /// Runs a recovery: on a recovery worker, or on the poller when it cannot wait.
+    pub(super) fn run(&mut self, job: Job) -> Recovery {
+        match job {
+            Job::Hole { hole, pending } => self.recover(hole, pending),
+            Job::SnapshotRetry => self.retry_snapshot(),
         }
     }
 
@@ -148,7 +182,8 @@ impl RankLoop {
         );
     }
 
-    fn drain_monitor(&mut self) -> anyhow::Result<()> {
+    /// Takes every monitor event waiting (a few per connection change: no budget needed).
+    pub(super) fn drain_monitor(&mut self) -> anyhow::Result<()> {
         let mut frames = Frames::default();
         while frames.receive(&self.sockets.monitor)? {
             // Frame 0: u16 event id (native order), u32 value; frame 1: the endpoint.
@@ -171,24 +206,34 @@ impl RankLoop {
         Ok(())
     }
 
-    fn drain_live(&mut self) -> anyhow::Result<Recovery> {
+    /// Takes up to `DRAIN_BATCH` live messages, stopping early at a hole.
+    pub(super) fn drain_live(&mut self) -> anyhow::Result<Drained> {
         // Taken out of `self` for the drain, so that `on_live` may borrow both.
         let mut frames = std::mem::take(&mut self.live_frames);
-        let mut outcome = Recovery::Done;
+        let mut drained = Drained::Budget;
         for _ in 0..DRAIN_BATCH {
-            if !frames.receive(&self.sockets.sub)? {
-                break;
+            match frames.receive(&self.sockets.sub) {
+                Ok(true) => {}
+                Ok(false) => {
+                    drained = Drained::Empty;
+                    break;
+                }
+                Err(error) => {
+                    self.live_frames = frames;
+                    return Err(error);
+                }
             }
-            outcome = self.on_live(frames.as_slice());
-            if outcome == Recovery::Stopped {
+            if let Some(job) = self.on_live(frames.as_slice()) {
+                drained = Drained::Recover(job);
                 break;
             }
         }
         self.live_frames = frames;
-        Ok(outcome)
+        Ok(drained)
     }
 
-    fn on_live(&mut self, frames: &[zmq::Message]) -> Recovery {
+    /// Applies a live message, or returns the recovery its hole needs first.
+    fn on_live(&mut self, frames: &[zmq::Message]) -> Option<Job> {
         let status = Arc::clone(&self.applier.status);
         let message = match wire::parse_message(frames) {
             Ok(message) => message,
@@ -203,21 +248,24 @@ impl RankLoop {
                     self.applier.who()
                 );
                 status.malformed(reason);
-                return Recovery::Done;
+                return None;
             }
         };
         let seq = message.seq;
         let (restart, join, missing) = match self.sequence.observe(seq) {
-            Step::Duplicate => return Recovery::Done,
+            Step::Duplicate => return None,
             Step::Apply => {
                 return match self.applier.decode(message.payload) {
                     Some(batch) => {
                         self.applier.apply_batch(seq, &batch);
-                        Recovery::Done
+                        None
                     }
                     None => {
                         status.gap(false);
-                        self.recover(seq..=seq, None)
+                        Some(Job::Hole {
+                            hole: seq..=seq,
+                            pending: None,
+                        })
                     }
                 }
             }
@@ -250,22 +298,26 @@ impl RankLoop {
         match self.applier.decode(message.payload) {
             Some(batch) if missing.is_empty() => {
                 self.applier.apply_batch(seq, &batch);
-                Recovery::Done
+                None
             }
-            Some(batch) => self.recover(
-                missing.start..=missing.end - 1,
-                Some(Pending {
+            Some(batch) => Some(Job::Hole {
+                hole: missing.start..=missing.end - 1,
+                pending: Some(Pending {
                     seq,
                     batch: batch.into_batch(),
                 }),
-            ),
-            None => self.recover(missing.start..=seq, None),
+            }),
+            None => Some(Job::Hole {
+                hole: missing.start..=seq,
+                pending: None,
+            }),
         }
     }
 
     /// Recovers `hole` (docs/design.md "Recovery": replay, snapshot, else degraded), then applies
     /// `pending` unless the recovery went past it. Live messages arriving meanwhile stay queued
-    /// in the SUB socket (bounded by its RCVHWM; what overflows shows up as a gap afterwards).
+    /// in the SUB socket, the rank being out of its poller's epoll set meanwhile (bounded by its
+    /// RCVHWM; what overflows shows up as a gap afterwards).
     fn recover(&mut self, hole: RangeInclusive<u64>, pending: Option<Pending>) -> Recovery {
         let (from, through) = (*hole.start(), *hole.end());
         let status = Arc::clone(&self.applier.status);
@@ -367,7 +419,7 @@ impl RankLoop {
             endpoint,
             from,
             through,
-            &self.sockets.stop,
+            &self.stop,
             &mut |seq, payload| match applier.decode(payload) {
                 Some(batch) => {
                     applier.apply_batch(seq, &batch);
@@ -416,7 +468,7 @@ impl RankLoop {
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
             let secret = self.replication.secret();
-            let checked = match recovery::fetch_snapshot(&url, secret, &self.sockets.stop) {
+            let checked = match recovery::fetch_snapshot(&url, secret, &self.stop) {
                 Fetched::Stopped => return Snapshot::Stopped,
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),
@@ -453,7 +505,7 @@ impl RankLoop {
         let Some(url) = self.applier.spec.recover.clone() else {
             return Snapshot::Unusable;
         };
-        let outcome = match recovery::fetch_snapshot(&url, None, &self.sockets.stop) {
+        let outcome = match recovery::fetch_snapshot(&url, None, &self.stop) {
             Fetched::Stopped => return Snapshot::Stopped,
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),

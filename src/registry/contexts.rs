@@ -9,7 +9,8 @@ use parking_lot::Mutex;
 /// Listeners per ZMQ context: a context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS: the zmq
 /// crate neither sets it nor exposes the raw context to `zmq_ctx_set`) and a listener uses up
 /// to 4 (SUB, the monitor's PAIR pair, a replay DEALER while recovering). Each context adds
-/// two threads and eight descriptors, against 8 descriptors and a thread per listener.
+/// two threads and eight descriptors, against 7 descriptors per listener (listeners have no
+/// threads of their own: they run on the registry's pollers).
 const LISTENERS_PER_CONTEXT: usize = 250;
 
 /// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8

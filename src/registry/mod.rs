@@ -22,6 +22,9 @@
 //!   before its listener stops and joins it after its listener started, so a query never names
 //!   a worker whose blocks are being torn down.
 //!
+//! The registry owns the pollers (`listener::Pollers`, started with the first listener) its
+//! listeners run on, and hands each listener to the least loaded one.
+//!
 //! Beside it: `directory` (the worker names `/query` reads), `contexts` (the ZMQ context
 //! pool), `open_files` (descriptor limits against the plan), `parallel` (bounded fan-out),
 //! `ranks` (the rank board `/workers` reads) and `published` (how both are handed to readers).
@@ -41,7 +44,7 @@ use anyhow::Context;
 use log::{info, warn};
 
 use crate::index::Index;
-use crate::listener::{Listener, Replication};
+use crate::listener::{Listener, Pollers, Replication};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
 use contexts::ContextPool;
@@ -67,7 +70,7 @@ pub struct ReloadDiff {
 }
 
 /// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
-/// (sockets, a thread) partly serialized by kernel locks, so a few starters suffice.
+/// (sockets, socketpairs, epoll) partly serialized by kernel locks, so a few starters suffice.
 const STARTERS: usize = 4;
 /// Listeners stopped at once: each stop mostly waits for its thread to notice.
 const STOPPERS: usize = 64;
@@ -101,6 +104,8 @@ pub struct Registry {
     shutting_down: Arc<AtomicBool>,
     /// The peers every listener may recover from (docs/design.md "Recovery from a peer").
     replication: Arc<Replication>,
+    /// The I/O threads the listeners run on, started with the first listener.
+    pollers: parking_lot::Mutex<Option<Pollers>>,
 }
 
 /// Ends any start in progress and refuses every later one: raised once, at shutdown, from
@@ -127,6 +132,7 @@ impl Registry {
             ranks: RanksReader::default(),
             shutting_down: Arc::default(),
             replication: Replication::none(),
+            pollers: parking_lot::Mutex::new(None),
         }
     }
 
@@ -331,6 +337,7 @@ impl Registry {
         specs: Vec<ListenerSpec>,
         planned: usize,
     ) -> anyhow::Result<Vec<Running>> {
+        let pollers = self.pollers()?;
         let mut started: Vec<Running> = Vec::with_capacity(specs.len());
         for spec in specs {
             let what = spec.describe();
@@ -345,6 +352,7 @@ impl Registry {
                 &self.index,
                 &self.metrics,
                 &self.replication,
+                &pollers,
             )
             .with_context(|| format!("starting {what}"))
             {
@@ -366,6 +374,16 @@ impl Registry {
             }
         }
         Ok(started)
+    }
+
+    /// The registry's pollers, started on first use.
+    fn pollers(&self) -> anyhow::Result<Pollers> {
+        let mut pollers = self.pollers.lock();
+        if let Some(pollers) = pollers.as_ref() {
+            return Ok(pollers.clone());
+        }
+        let started = Pollers::new(Pollers::default_count()).context("starting the pollers")?;
+        Ok(pollers.insert(started).clone())
     }
 
     fn insert_running(&mut self, started: Vec<Running>) {
@@ -403,8 +421,8 @@ impl Registry {
         self.stop(leaving);
     }
 
-    /// Each stop waits for its listener thread (up to 100 ms): many at once, so removing an
-    /// engine of 8 ranks, or shutting down 8,000, stays well under a second.
+    /// Each stop waits for its rank to be dropped by its poller (or its recovery): many at once,
+    /// so removing an engine of 8 ranks, or shutting down 8,000, stays well under a second.
     fn stop(&self, listeners: Vec<Running>) {
         in_parallel(listeners, STOPPERS, |running| {
             running.listener.stop();
