@@ -87,9 +87,10 @@ struct Args {
 const DEADLINE: Duration = Duration::from_secs(300);
 /// Prompts at least this long are the "long prompt" latency target.
 const LONG_PROMPT_TOKENS: usize = 12_000;
-/// Memory target: growth per live (rank, block) pair, plus a fixed allowance.
+/// Memory target: growth per live (rank, block) pair, plus a fixed allowance of 32 MB — the
+/// issue's decimal megabytes ("≤ 49 MB there" for 262,160 pairs), i.e. 46.5 MiB here, not 48.
 const TARGET_BYTES_PER_PAIR: u64 = 64;
-const TARGET_FIXED_BYTES: u64 = 32 << 20;
+const TARGET_FIXED_BYTES: u64 = 32_000_000;
 
 /// What the run measured.
 struct Figures {

@@ -329,7 +329,15 @@ fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
             format!("{method} {path} HTTP/1.1\r\nHost: x\r\n{header}Content-Length: 0\r\n\r\n")
                 .as_bytes(),
         );
-        connection.read_reply().status
+        let reply = connection.read_reply();
+        if reply.status == 401 {
+            assert_eq!(
+                reply.header("WWW-Authenticate"),
+                Some("Bearer realm=\"kv-indexer\""),
+                "a 401 carries its challenge (RFC 7235)"
+            );
+        }
+        reply.status
     };
     for authorization in [
         None,

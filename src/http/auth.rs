@@ -22,12 +22,15 @@ pub fn is_authorized(request: &Request, secret: Option<&Secret>) -> bool {
     presented.is_some_and(|token| constant_time_eq(token.as_bytes(), secret.expose().as_bytes()))
 }
 
-/// The 401 a guarded route answers without the secret (counted in `http_errors_total`).
+/// The 401 a guarded route answers without the secret (counted in `http_errors_total`), with
+/// the challenge RFC 7235 requires of every 401.
 pub(crate) fn unauthorized() -> Reply {
-    Reply::error(
+    let mut reply = Reply::error(
         401,
         "this route requires Authorization: Bearer <token> (the indexer's auth_token_file)",
-    )
+    );
+    reply.header = Some(("WWW-Authenticate", "Bearer realm=\"kv-indexer\""));
+    reply
 }
 
 /// Equality whose time depends only on the lengths: every byte is looked at, differences are

@@ -184,7 +184,7 @@ fn check_method(request: &Request, path: &str, wants_post: bool) -> Result<(), R
             request.method()
         ),
     );
-    reply.allow = Some(allow);
+    reply.header = Some(("Allow", allow));
     Err(reply)
 }
 
@@ -276,7 +276,8 @@ pub struct Reply {
     status: u16,
     body: Vec<u8>,
     content_type: &'static str,
-    allow: Option<&'static str>,
+    /// One more header: `Allow` on a 405, `WWW-Authenticate` on a 401.
+    header: Option<(&'static str, &'static str)>,
     /// A `/query` answered (not an error): its latency is observed.
     is_query: bool,
 }
@@ -288,7 +289,7 @@ impl Reply {
                 status,
                 body,
                 content_type: "application/json",
-                allow: None,
+                header: None,
                 is_query: false,
             },
             Err(err) => Reply::error(500, format!("encoding the response: {err}")),
@@ -301,7 +302,7 @@ impl Reply {
             status,
             body: body.to_string().into_bytes(),
             content_type: "application/json",
-            allow: None,
+            header: None,
             is_query: false,
         }
     }
@@ -318,8 +319,8 @@ impl Reply {
             self.content_type,
             self.body.len()
         );
-        if let Some(allow) = self.allow {
-            head.push_str(&format!("Allow: {allow}\r\n"));
+        if let Some((name, value)) = self.header {
+            head.push_str(&format!("{name}: {value}\r\n"));
         }
         match (close, minor_version) {
             (true, _) => head.push_str("Connection: close\r\n"),

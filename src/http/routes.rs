@@ -43,7 +43,7 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<
                 status: 200,
                 body: api.metrics.render().into_bytes(),
                 content_type: crate::metrics::CONTENT_TYPE,
-                allow: None,
+                header: None,
                 is_query: false,
             }
         }

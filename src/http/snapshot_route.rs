@@ -21,7 +21,7 @@ pub(super) fn snapshot_route(api: &Api, request: &super::Request, rank: &str) ->
                 request.method()
             ),
         );
-        reply.allow = Some("GET, HEAD");
+        reply.header = Some(("Allow", "GET, HEAD"));
         return reply;
     }
     if !is_authorized(request, api.secret.as_ref()) {
@@ -52,7 +52,7 @@ pub(super) fn snapshot_route(api: &Api, request: &super::Request, rank: &str) ->
                 status: 200,
                 body: served.body,
                 content_type: "application/json",
-                allow: None,
+                header: None,
                 is_query: false,
             }
         }
