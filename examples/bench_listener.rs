@@ -236,7 +236,7 @@ fn main() -> anyhow::Result<()> {
     let listener = Listener::start(spec.clone(), &context, &index, &metrics)?;
     await_subscriber(&publisher)?;
     let worker = listener.worker();
-    let rank_thread = Task::named("kvi-rank-0")?;
+    let rank_thread = Task::named("kvi-poller-0")?;
     // The listener context's I/O threads: the indexer's share of the transport.
     let listener_io: Vec<PathBuf> = tasks()
         .into_iter()

@@ -305,6 +305,14 @@ impl Listener {
         }
     }
 
+    /// Asks the rank to stop without waiting for it; `stop` or dropping then waits. Stopping
+    /// thousands, the registry asks them all first, so that their pollers drop them together.
+    pub fn request_stop(&self) {
+        if self.stop.raise() {
+            self.poller.remove(self.token);
+        }
+    }
+
     /// Stops within 100 ms (an idle rank: one command to its poller; a recovery: within its
     /// 20 ms wait step); when it returns, the rank's blocks are gone from the index.
     pub fn stop(self) {
@@ -314,8 +322,7 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.stop.raise();
-        self.poller.remove(self.token);
+        self.request_stop();
         // Whoever holds the rank (its poller, a recovery worker, a recovery queue) drops it on
         // seeing the flag: then its sockets are closed and its blocks are gone from the index.
         let _ = self.gone.get_mut().recv();

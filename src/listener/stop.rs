@@ -30,8 +30,8 @@ impl Stop {
 }
 
 impl StopHandle {
-    /// Requests stop; idempotent.
-    pub(super) fn raise(&self) {
-        self.0.store(true, Ordering::SeqCst);
+    /// Requests stop; idempotent. `true` the first time.
+    pub(super) fn raise(&self) -> bool {
+        !self.0.swap(true, Ordering::SeqCst)
     }
 }

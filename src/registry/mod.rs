@@ -424,6 +424,9 @@ impl Registry {
     /// Each stop waits for its rank to be dropped by its poller (or its recovery): many at once,
     /// so removing an engine of 8 ranks, or shutting down 8,000, stays well under a second.
     fn stop(&self, listeners: Vec<Running>) {
+        for running in &listeners {
+            running.listener.request_stop();
+        }
         in_parallel(listeners, STOPPERS, |running| {
             running.listener.stop();
             self.contexts.give_back(running.context_slot);
