@@ -78,9 +78,10 @@ use stop::{Stop, StopHandle};
 /// Live messages a rank's SUB socket queues in our memory. Past it ZeroMQ stops reading the TCP
 /// connection: the backlog waits in the kernel's socket buffers and the engine's send queue
 /// (vLLM's holds 100,000), and only what overflows *that* is lost (the seq rules notice it).
-/// At ~9 KiB a message, 100 bound a rank's burst to ~1 MiB; 100,000 let 16 ranks hold a whole
-/// 27,000-batch stream, +200 MiB that glibc then kept (docs/performance.md, bench_stream).
-const RECEIVE_HIGH_WATER_MARK: i32 = 100;
+/// At ~9 KiB a message, 32 bound a rank's burst to ~300 KiB; 100,000 let 16 ranks hold a whole
+/// 27,000-batch stream, +200 MiB that glibc then kept. Since ranks share a few pollers, 100 let
+/// the burst's peak grow 53–56 MiB, 32 43–46 MiB, at the same ingest time (docs/performance.md).
+const RECEIVE_HIGH_WATER_MARK: i32 = 32;
 /// Reconnecting to a rank that is down: first after this many ms, doubling up to the max.
 const RECONNECT_FIRST_MS: i32 = 100;
 const RECONNECT_MAX_MS: i32 = 5_000;
