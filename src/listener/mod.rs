@@ -22,9 +22,10 @@
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
-//! then hands the rank to the least loaded poller, which for each live message (`run`): `frames` (received in
-//! place) → `wire::parse_message` → the sequence rules (`sequence`) → `applier`
-//! (`wire::decode_batch`, `WorkerBlocks::apply` per event) → `status` (read by HTTP threads
+//! then hands the rank to the least loaded poller, which for each live message (`run`):
+//! `frames` (received in place) → `wire::parse_message` → the sequence rules (`sequence`) →
+//! `applier` (`wire::BatchDecoder`, reusing the buffers of applied batches; `WorkerBlocks::apply`
+//! per event) → `status` (read by HTTP threads
 //! through `Listener::status`; the one route to the rank's metrics). A hole in the history
 //! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on a recovery
 //! worker: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
