@@ -421,24 +421,24 @@ impl Poller {
     /// Takes the rank out and runs `job`: here when it cannot wait on the network, else on a
     /// recovery worker, from which the rank comes back through the mailbox.
     fn recover(&mut self, token: u64, job: Job) {
-        let Some(mut rank) = self.ranks.remove(&token) else {
+        let Some(rank) = self.ranks.remove(&token) else {
             return;
         };
         self.epoll.unwatch(&rank);
         let handoff = match self.mailbox.upgrade() {
             Some(back) if rank.recovery_may_wait() => Handoff { rank, job, back },
-            _ => {
-                if rank.run(job) == Recovery::Done {
-                    self.rewatch(rank);
-                }
-                return;
-            }
+            _ => return self.recover_here(rank, job),
         };
-        if let Err(Handoff { mut rank, job, .. }) = self.recoveries.submit(handoff) {
+        if let Err(Handoff { rank, job, .. }) = self.recoveries.submit(handoff) {
             // No worker could be started: the recovery runs here rather than never.
-            if rank.run(job) == Recovery::Done {
-                self.rewatch(rank);
-            }
+            self.recover_here(rank, job);
+        }
+    }
+
+    /// Runs `job` on this poller and takes the rank back, unless it was stopped meanwhile.
+    fn recover_here(&mut self, mut rank: Box<Rank>, job: Job) {
+        if rank.run(job) == Recovery::Done {
+            self.rewatch(rank);
         }
     }
 
