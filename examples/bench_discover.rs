@@ -20,8 +20,8 @@ use anyhow::{bail, Context, Result};
 use kv_indexer::config::Config;
 use kv_indexer::discover::{Client, EngineApi, Limits};
 use kv_indexer::service::Service;
-use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
-use kv_indexer::sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::server::{SimConfig, SimEngine};
 
 /// Between two polls of `/workers`, and between two prompts on the new rank.
 const POLL: Duration = Duration::from_millis(5);

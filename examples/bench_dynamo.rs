@@ -8,10 +8,10 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use kv_indexer::sim::encode::{encode_batch, message_frames, Form};
-use kv_indexer::sim::running::RunningService;
-use kv_indexer::sim::watch::OverHttp;
 use kv_indexer::wire::{BlockStored, Event, EventBatch};
+use kv_indexer_sim::encode::{encode_batch, message_frames, Form};
+use kv_indexer_sim::running::RunningService;
+use kv_indexer_sim::watch::OverHttp;
 
 const ENGINES: usize = 8;
 const BLOCK_SIZE: u32 = 16;

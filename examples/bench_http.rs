@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use kv_indexer::config::Config;
 use kv_indexer::service::Service;
-use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
-use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{settle, total, warm_up, OverHttp, QueryForm};
+use kv_indexer_sim::fleet::{Fleet, BLOCK_SIZE};
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{settle, total, warm_up, OverHttp, QueryForm};
 
 const ENGINES: usize = 8;
 const PAIRS: u64 = 1_000_000;

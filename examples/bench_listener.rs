@@ -26,8 +26,8 @@ use kv_indexer::index::{ApplyOutcome, Index};
 use kv_indexer::listener::Listener;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::{ListenerSpec, WorkerKey};
-use kv_indexer::sim::encode::{encode_batch, Form};
 use kv_indexer::wire::{self, BlockStored, Event, EventBatch};
+use kv_indexer_sim::encode::{encode_batch, Form};
 
 const BLOCK_SIZE: u32 = 16;
 const INGEST_BLOCKS_PER_BATCH: u32 = 32;

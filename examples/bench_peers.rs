@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 
-use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
-use kv_indexer::sim::indexer_toml::replica_keys;
-use kv_indexer::sim::process::IndexerProcess;
-use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{compare, settle, warm_up, IndexerView, OverHttp};
-use kv_indexer::sim::workload::Route;
+use kv_indexer_sim::fleet::{Fleet, BLOCK_SIZE};
+use kv_indexer_sim::indexer_toml::replica_keys;
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{compare, settle, warm_up, IndexerView, OverHttp};
+use kv_indexer_sim::workload::Route;
 
 const ENGINES: usize = 2;
 const DP_SIZE: u32 = 8;

@@ -18,7 +18,7 @@ use kv_indexer::listener::Pollers;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan;
 use kv_indexer::registry::{open_files_needed, raise_open_files_limit, Registry};
-use kv_indexer::sim::procfs::{Holdings, Proc};
+use kv_indexer_sim::procfs::{Holdings, Proc};
 
 const RANKS: u32 = 8;
 

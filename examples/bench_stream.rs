@@ -29,13 +29,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 
-use kv_indexer::sim::fleet::{load_benchmark_trace, Fleet, Pace, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::process::benchmark_binary;
-use kv_indexer::sim::watch::{
+use kv_indexer_sim::fleet::{load_benchmark_trace, Fleet, Pace, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::process::benchmark_binary;
+use kv_indexer_sim::watch::{
     compare, micros, percentile, settle, spawn_querier_as, total, FleetShape, QueryForm,
     WatchedFleet,
 };
-use kv_indexer::sim::workload::Route;
+use kv_indexer_sim::workload::Route;
 
 #[derive(Parser)]
 #[command(about = "Memory and /query latency of the kv-indexer binary on a replayed stream")]

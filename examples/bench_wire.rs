@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use kv_indexer::sim::encode::{encode_batch, Form};
-use kv_indexer::sim::rng::SplitMix64;
 use kv_indexer::wire::{decode_batch, BatchDecoder, BlockRemoved, BlockStored, Event, EventBatch};
+use kv_indexer_sim::encode::{encode_batch, Form};
+use kv_indexer_sim::rng::SplitMix64;
 
 const BLOCK_SIZE: u32 = 16;
 /// A chunked-prefill step of 1,536 tokens (`bench_stream`'s `--step-tokens`), in blocks.

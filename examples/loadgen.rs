@@ -31,13 +31,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use clap::Parser;
 
-use kv_indexer::sim::fleet::{load_benchmark_trace, Pace, RankRef};
-use kv_indexer::sim::process::benchmark_binary;
-use kv_indexer::sim::watch::{
+use kv_indexer_sim::fleet::{load_benchmark_trace, Pace, RankRef};
+use kv_indexer_sim::process::benchmark_binary;
+use kv_indexer_sim::watch::{
     compare, micros, percentile, query_body, settle, spawn_querier, total, Accuracy, FleetShape,
     WatchedFleet,
 };
-use kv_indexer::sim::workload::Route;
+use kv_indexer_sim::workload::Route;
 
 #[derive(Parser)]
 #[command(about = "Replays the trace through a simulated fleet against the kv-indexer binary")]

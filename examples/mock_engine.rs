@@ -19,9 +19,9 @@ use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use log::info;
 
-use kv_indexer::sim::encode::Form;
-use kv_indexer::sim::server::{SimConfig, SimEngine};
-use kv_indexer::sim::workload::{load_trace, take_cycled, Conversations, Route, Router};
+use kv_indexer_sim::encode::Form;
+use kv_indexer_sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::workload::{load_trace, take_cycled, Conversations, Route, Router};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Workload {

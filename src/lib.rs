@@ -16,9 +16,9 @@
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
 //! ```
 //!
-//! `service` is on top: it wires these together, handles signals and reloads. `sim` is a
-//! simulated engine speaking the real protocol, used by tests, examples and benchmarks; the
-//! indexer itself never uses it.
+//! `service` is on top: it wires these together, handles signals and reloads. The simulated
+//! engine that tests, examples and benchmarks use as a peer is not here: it is the workspace's
+//! `sim` crate (`kv-indexer-sim`), a dev-dependency, so the product never compiles it.
 
 pub mod config;
 pub mod discover;
@@ -29,5 +29,4 @@ pub mod metrics;
 pub mod plan;
 pub mod registry;
 pub mod service;
-pub mod sim;
 pub mod wire;

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use kv_indexer::http::parse_query;
 use kv_indexer::index::{prompt_keys, ApplyOutcome, Index, MmFeature, Prompt, WorkerBlocks};
-use kv_indexer::sim::cache::Request;
-use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
-use kv_indexer::sim::running::RunningService;
-use kv_indexer::sim::server::{SimConfig, SimEngine};
 use kv_indexer::wire::decode_batch;
+use kv_indexer_sim::cache::Request;
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::running::RunningService;
+use kv_indexer_sim::server::{SimConfig, SimEngine};
 use serde_json::Value;
 
 fn vectors() -> Value {

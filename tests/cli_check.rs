@@ -254,8 +254,8 @@ fn an_engine_with_an_unknown_key_or_no_host_still_has_its_port_ranges_checked() 
 }
 
 /// A simulated vLLM with `dp_size` ranks on OS-picked ports and its API server.
-fn discoverable_engine(dp_size: u32) -> kv_indexer::sim::server::SimEngine {
-    kv_indexer::sim::server::SimEngine::start(kv_indexer::sim::server::SimConfig {
+fn discoverable_engine(dp_size: u32) -> kv_indexer_sim::server::SimEngine {
+    kv_indexer_sim::server::SimEngine::start(kv_indexer_sim::server::SimConfig {
         dp_size,
         recover_port: None,
         api_port: Some(0),
@@ -336,7 +336,7 @@ fn check_stays_offline_and_check_discover_asks_the_engine_and_marks_its_rows() {
 
 #[test]
 fn check_discover_fails_naming_the_engine_that_cannot_be_asked() {
-    let closed = kv_indexer::sim::ports::free_port().unwrap_or_else(|error| panic!("{error:#}"));
+    let closed = kv_indexer_sim::ports::free_port().unwrap_or_else(|error| panic!("{error:#}"));
     let (_dir, path) = temp_config(&format!(
         "[[engine]]\nname = \"down\"\ndiscover = \"http://127.0.0.1:{closed}\"\n"
     ));

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use kv_indexer::config::derived_instance_id;
 use kv_indexer::http::MAX_BODY_BYTES;
-use kv_indexer::sim::running::RunningService;
 use kv_indexer::wire::{BlockExtras, BlockStored, Event};
+use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
 use support::http_client::{get, post, wait_for, Connection};

@@ -8,10 +8,10 @@ mod support;
 
 use std::time::Duration;
 
-use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{total, OverHttp, RankView};
-use kv_indexer::sim::workload::Route;
+use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{total, OverHttp, RankView};
+use kv_indexer_sim::workload::Route;
 use support::{assert_exact, settle, start_indexer, trace_prompts, warm_up, InProcess};
 
 const ENGINES: usize = 2;

@@ -7,9 +7,9 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 use kv_indexer::http::{MAX_UPLOADS, POOL_THREADS};
-use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
-use kv_indexer::sim::procfs::Proc;
-use kv_indexer::sim::running::RunningService;
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::procfs::Proc;
+use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
 use support::http_client::{errors_with_status, get, post, wait_for, Connection, Reply};

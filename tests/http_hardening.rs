@@ -10,9 +10,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use kv_indexer::http::{HEAD_DEADLINE, MAX_BODY_BYTES, MAX_CONNECTIONS};
-use kv_indexer::sim::indexer_toml::indexer_toml;
-use kv_indexer::sim::process::IndexerProcess;
-use kv_indexer::sim::procfs::Holdings;
+use kv_indexer_sim::indexer_toml::indexer_toml;
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::procfs::Holdings;
 use support::http_client::{get, wait_for, Connection};
 use support::{indexer_binary, one_at_a_time};
 

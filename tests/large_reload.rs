@@ -7,9 +7,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
-use kv_indexer::sim::process::IndexerProcess;
-use kv_indexer::sim::procfs::Proc;
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::procfs::Proc;
 use support::http_client::{get, wait_for};
 use support::{indexer_binary, one_at_a_time, start_service};
 

@@ -5,7 +5,7 @@
 mod support;
 
 use kv_indexer::listener::{Listener, State};
-use kv_indexer::sim::encode::message_frames;
+use kv_indexer_sim::encode::message_frames;
 use support::fake_engine::{payload, FakeRank};
 use support::listeners::{applied_through, spec, store, tokens, Fixture};
 

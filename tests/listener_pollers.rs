@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use kv_indexer::listener::{Listener, Pollers, Replication, State};
 use kv_indexer::registry::raise_open_files_limit;
-use kv_indexer::sim::encode::{message_frames, replay_frames};
-use kv_indexer::sim::procfs::Proc;
+use kv_indexer_sim::encode::{message_frames, replay_frames};
+use kv_indexer_sim::procfs::Proc;
 use support::fake_engine::{payload, FakeRank};
 use support::listeners::{applied_through, spec, store, tokens, wait_for, Fixture};
 

@@ -11,8 +11,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_indexer::listener::{Listener, State};
-use kv_indexer::sim::encode::replay_frames;
-use kv_indexer::sim::replay::{History, Layout, ReplayServer};
+use kv_indexer_sim::encode::replay_frames;
+use kv_indexer_sim::replay::{History, Layout, ReplayServer};
 use support::fake_engine::{payload, FakeRank};
 use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
 

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_indexer::listener::{Listener, State};
-use kv_indexer::sim::replay::{History, Layout, ReplayServer};
+use kv_indexer_sim::replay::{History, Layout, ReplayServer};
 use parking_lot::Mutex;
 use support::fake_engine::FakeRank;
 use support::listeners::{

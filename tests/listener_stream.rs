@@ -6,7 +6,7 @@
 mod support;
 
 use kv_indexer::listener::{Listener, State};
-use kv_indexer::sim::encode::message_frames;
+use kv_indexer_sim::encode::message_frames;
 use std::time::{Duration, Instant};
 use support::fake_engine::{payload, FakeRank};
 use support::free_port;

@@ -8,12 +8,12 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
-use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
-use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{OverHttp, QueryForm};
-use kv_indexer::sim::workload::Route;
 use kv_indexer::wire::{BlockExtras, BlockStored, Event};
+use kv_indexer_sim::fleet::{Fleet, BLOCK_SIZE};
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{OverHttp, QueryForm};
+use kv_indexer_sim::workload::Route;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
 use support::http_client::{errors_with_status, wait_for, Connection, Reply};
@@ -98,7 +98,7 @@ fn assert_same_answer(addr: SocketAddr, tokens: &[u32], options: &[(&str, &str, 
 /// blocks of the prompt, `b` (model m2) 2 plain ones and 3 under LoRA `adapter`, `c` (no model)
 /// 2 under cache salt `alice`.
 struct Engines {
-    running: kv_indexer::sim::running::RunningService,
+    running: kv_indexer_sim::running::RunningService,
     _ranks: Vec<FakeRank>,
     prompt: Vec<u32>,
 }

@@ -6,7 +6,7 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kv_indexer::sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
 use support::http_client::{get, post, wait_for};

@@ -8,12 +8,12 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::indexer_toml::replica_keys;
-use kv_indexer::sim::process::IndexerProcess;
-use kv_indexer::sim::server::SimConfig;
-use kv_indexer::sim::watch::{self, IndexerView, OverHttp, RankView};
-use kv_indexer::sim::workload::Route;
+use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::indexer_toml::replica_keys;
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{self, IndexerView, OverHttp, RankView};
+use kv_indexer_sim::workload::Route;
 use support::http_client::{get, post, Connection};
 use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
 

@@ -8,9 +8,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_indexer::discover::{publisher_answers, Client, Discovery, EngineApi, Failure, Limits};
-use kv_indexer::sim::api::ApiReply;
-use kv_indexer::sim::ports::free_port_range;
-use kv_indexer::sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::api::ApiReply;
+use kv_indexer_sim::ports::free_port_range;
+use kv_indexer_sim::server::{SimConfig, SimEngine};
 use support::http_client::{get, post};
 
 fn api_engine(dp_size: u32, port: u16) -> SimEngine {

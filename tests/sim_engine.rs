@@ -7,12 +7,12 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kv_indexer::sim::encode::Form;
-use kv_indexer::sim::server::{SimConfig, SimEngine};
 use kv_indexer::wire::{
     decode_batch, decode_snapshot, parse_message, parse_replay_reply, BlockStored, Event,
     EventBatch, ReplayItem,
 };
+use kv_indexer_sim::encode::Form;
+use kv_indexer_sim::server::{SimConfig, SimEngine};
 use support::http_client::Connection;
 use xxhash_rust::xxh3::xxh3_64;
 

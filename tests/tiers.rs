@@ -3,8 +3,8 @@
 //! unknown ones counted), clears per medium, and the wire form of a clear with a medium.
 
 use kv_indexer::index::{ApplyOutcome, Index, PerTier, Score, WorkerBlocks, WorkerId};
-use kv_indexer::sim::encode::{encode_batch, Form};
 use kv_indexer::wire::{decode_batch, BlockRemoved, BlockStored, Event, EventBatch};
+use kv_indexer_sim::encode::{encode_batch, Form};
 
 const BLOCK: u32 = 4;
 
@@ -320,10 +320,10 @@ mod end_to_end {
     use std::collections::HashMap;
     use std::time::Duration;
 
-    use kv_indexer::sim::fleet::{Fleet, BLOCK_SIZE};
-    use kv_indexer::sim::server::SimConfig;
-    use kv_indexer::sim::watch::OverHttp;
-    use kv_indexer::sim::workload::Route;
+    use kv_indexer_sim::fleet::{Fleet, BLOCK_SIZE};
+    use kv_indexer_sim::server::SimConfig;
+    use kv_indexer_sim::watch::OverHttp;
+    use kv_indexer_sim::workload::Route;
     use serde_json::Value;
 
     use super::support::{free_port, settle, start_indexer, trace_prompts, warm_up};

@@ -7,11 +7,11 @@
 
 mod support;
 
-use kv_indexer::sim::encode::{encode_batch, encode_snapshot, Form};
 use kv_indexer::wire::{
     decode_batch, decode_snapshot, parse_message, parse_replay_reply, BatchDecoder, Event,
     EventBatch,
 };
+use kv_indexer_sim::encode::{encode_batch, encode_snapshot, Form};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;

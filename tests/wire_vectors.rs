@@ -4,13 +4,13 @@
 
 mod support;
 
-use kv_indexer::sim::encode::{
-    encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
-};
 use kv_indexer::wire::{
     decode_batch, decode_snapshot, parse_message, parse_replay_reply, BatchDecoder, BlockExtras,
     BlockRemoved, BlockStored, Event, EventBatch, FrameError, Message, MmPlacement, ReplayItem,
     Snapshot,
+};
+use kv_indexer_sim::encode::{
+    encode_batch, encode_snapshot, message_frames, replay_end_frames, replay_frames, Form,
 };
 use serde_json::Value;
 use support::batches::{realistic_batch, stored_events};

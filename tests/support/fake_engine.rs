@@ -8,10 +8,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_indexer::sim::encode::{encode_batch, message_frames, Form};
-use kv_indexer::sim::ports::free_port_range;
-use kv_indexer::sim::replay::History;
 use kv_indexer::wire::{BlockStored, Event, EventBatch};
+use kv_indexer_sim::encode::{encode_batch, message_frames, Form};
+use kv_indexer_sim::ports::free_port_range;
+use kv_indexer_sim::replay::History;
 
 /// Tokens per block of the batches `store` publishes.
 pub const BLOCK_SIZE: u32 = 16;

@@ -15,8 +15,8 @@ use kv_indexer::index::{Index, WorkerId};
 use kv_indexer::listener::{Listener, ListenerStatus, State};
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::ListenerSpec;
-use kv_indexer::sim::encode::encode_snapshot;
 use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
+use kv_indexer_sim::encode::encode_snapshot;
 use parking_lot::Mutex;
 
 use super::fake_engine::FakeRank;

@@ -1,7 +1,7 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), the scripted engine rank (`fake_engine`), sample batches for the wire
 //! tests (`batches`), listeners in-process on scripted ranks (`listeners`), and, over the
-//! harness of `kv_indexer::sim` (`fleet`, `watch`, `process`, `running`), what only tests need:
+//! harness of `kv_indexer_sim` (`fleet`, `watch`, `process`, `running`), what only tests need:
 //! the shipped trace head, the binary and the in-process service started or the test fails, a
 //! registry-only indexer view (`InProcess`, no HTTP), one test at a time, and failing the test
 //! where the harness returns an error.
@@ -27,13 +27,13 @@ use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::ListenerSpec;
 use kv_indexer::registry::Registry;
-use kv_indexer::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
-use kv_indexer::sim::ports;
-use kv_indexer::sim::process::IndexerProcess;
-use kv_indexer::sim::running::RunningService;
-use kv_indexer::sim::server::RankPorts;
-use kv_indexer::sim::watch::{self, Accuracy, IndexerView, RankView};
-use kv_indexer::sim::workload::load_trace;
+use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::ports;
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::running::RunningService;
+use kv_indexer_sim::server::RankPorts;
+use kv_indexer_sim::watch::{self, Accuracy, IndexerView, RankView};
+use kv_indexer_sim::workload::load_trace;
 
 /// The first `count` requests of the trace shipped in `tests/data/mooncake_head.jsonl`, as
 /// token prompts.

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
 
-use crate::config::Config;
-use crate::service::Service;
-use crate::sim::process::PrivateDir;
+use crate::process::PrivateDir;
+use kv_indexer::config::Config;
+use kv_indexer::service::Service;
 
 /// A running `Service`, shut down on drop.
 pub struct RunningService {

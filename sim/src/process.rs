@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use parking_lot::Mutex;
 
-use crate::sim::ports::free_port;
-use crate::sim::procfs::{Holdings, Proc};
+use crate::ports::free_port;
+use crate::procfs::{Holdings, Proc};
 
 /// How often a wait looks at the child again.
 const POLL: Duration = Duration::from_millis(20);
@@ -270,7 +270,7 @@ pub fn benchmark_binary(given: Option<&Path>) -> Result<PathBuf> {
 /// Builds the release `kv-indexer` with the cargo that built the running benchmark (an example
 /// under `target/release/examples/`) and returns the binary's path, next to that directory.
 pub fn build_release_indexer() -> Result<PathBuf> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let manifest = Path::new(crate::WORKSPACE_DIR).join("Cargo.toml");
     let status = Command::new(env!("CARGO"))
         .args([
             "build",

@@ -15,8 +15,8 @@ use anyhow::{Context, Result};
 use log::warn;
 use serde::Deserialize;
 
-use crate::sim::rank_http::{error_reply, path_of, respond};
-use crate::sim::server::{bind_http, Shared, STOP_POLL};
+use crate::rank_http::{error_reply, path_of, respond};
+use crate::server::{bind_http, Shared, STOP_POLL};
 
 /// Largest `POST /scale_elastic_ep` body read: the request is one small object.
 const MAX_SCALE_BODY_BYTES: u64 = 4 << 10;

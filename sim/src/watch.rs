@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 
-use crate::sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
-use crate::sim::process::IndexerProcess;
-use crate::sim::server::SimConfig;
+use crate::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use crate::process::IndexerProcess;
+use crate::server::SimConfig;
 
 /// What an indexer says about one of its listeners.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -18,12 +18,12 @@ use parking_lot::Mutex;
 
 use super::bind::{bind_http, bind_zmq, offset_port};
 use super::{RankPorts, SimConfig};
-use crate::sim::cache::RankCache;
-use crate::sim::encode::{encode_batch, encode_snapshot, message_frames, Form};
-use crate::sim::rank_http;
-use crate::sim::replay::{self, Layout};
-use crate::sim::rng::{mix, SplitMix64};
-use crate::wire::{Event, EventBatch};
+use crate::cache::RankCache;
+use crate::encode::{encode_batch, encode_snapshot, message_frames, Form};
+use crate::rank_http;
+use crate::replay::{self, Layout};
+use crate::rng::{mix, SplitMix64};
+use kv_indexer::wire::{Event, EventBatch};
 
 /// What every rank shares and never changes.
 pub(super) struct Settings {
@@ -55,22 +55,22 @@ impl Settings {
 }
 
 /// A rank's mutable state, behind one lock so that a snapshot's seq always matches its blocks.
-pub(in crate::sim) struct RankState {
-    pub(in crate::sim) cache: RankCache,
+pub(crate) struct RankState {
+    pub(crate) cache: RankCache,
     publisher: zmq::Socket,
     next_seq: u64,
     history: VecDeque<replay::Batch>,
     drops: SplitMix64,
     dropped: u64,
     /// The prompt served last, for `GET /last_prompt`.
-    pub(in crate::sim) last_prompt: Vec<u32>,
+    pub(crate) last_prompt: Vec<u32>,
 }
 
 /// One rank: its index, what it shares with the others and its state.
-pub(in crate::sim) struct Rank {
-    pub(in crate::sim) index: u32,
+pub(crate) struct Rank {
+    pub(crate) index: u32,
     settings: Arc<Settings>,
-    pub(in crate::sim) state: Mutex<RankState>,
+    pub(crate) state: Mutex<RankState>,
 }
 
 /// One running rank: its state, the ports it bound and its threads (replay, HTTP), stopped and
@@ -190,14 +190,14 @@ impl Drop for RankRuntime {
 impl Rank {
     /// The `GET /last_prompt` body, `{"token_ids": [...]}`: ready to send to the indexer's
     /// `POST /query`.
-    pub(in crate::sim) fn last_prompt_body(&self) -> Vec<u8> {
+    pub(crate) fn last_prompt_body(&self) -> Vec<u8> {
         serde_json::json!({ "token_ids": self.state.lock().last_prompt })
             .to_string()
             .into_bytes()
     }
 
     /// The `GET /kv_recover` body: the cache and the seq of the last batch, taken together.
-    pub(in crate::sim) fn snapshot_body(&self) -> Vec<u8> {
+    pub(crate) fn snapshot_body(&self) -> Vec<u8> {
         let state = self.state.lock();
         let events = state.cache.snapshot_events();
         encode_snapshot(

@@ -38,25 +38,3 @@ impl SplitMix64 {
         self.next_u64() % n
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn same_seed_same_stream_and_f64_in_unit_interval() {
-        let mut a = SplitMix64::new(7);
-        let mut b = SplitMix64::new(7);
-        let mut c = SplitMix64::new(8);
-        let first: Vec<u64> = (0..4).map(|_| a.next_u64()).collect();
-        let again: Vec<u64> = (0..4).map(|_| b.next_u64()).collect();
-        let other: Vec<u64> = (0..4).map(|_| c.next_u64()).collect();
-        assert_eq!(first, again);
-        assert_ne!(first, other);
-        for _ in 0..1000 {
-            let x = a.next_f64();
-            assert!((0.0..1.0).contains(&x));
-            assert!(a.below(3) < 3);
-        }
-    }
-}

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use log::{debug, warn};
 use serde::Deserialize;
 
-use crate::sim::server::{Rank, STOP_POLL};
+use crate::server::{Rank, STOP_POLL};
 
 /// Largest `POST /prefix_hit` body read (the indexer's own limit).
 const MAX_BODY_BYTES: u64 = 16 << 20;

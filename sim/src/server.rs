@@ -19,12 +19,12 @@ use std::time::Duration;
 use anyhow::{anyhow, ensure, Result};
 use parking_lot::Mutex;
 
-use crate::sim::api::{self, ApiReply, ApiServer};
-use crate::sim::cache::Request;
-use crate::sim::encode::Form;
-use crate::wire::{BlockStored, Event};
+use crate::api::{self, ApiReply, ApiServer};
+use crate::cache::Request;
+use crate::encode::Form;
 pub(super) use bind::bind_http;
 use bind::offset_port;
+use kv_indexer::wire::{BlockStored, Event};
 pub(super) use rank::Rank;
 use rank::{RankRuntime, Settings};
 
@@ -286,9 +286,9 @@ impl Shared {
     /// the ranks started before it running.
     pub(super) fn scale_to(&self, dp_size: u32) -> Result<()> {
         ensure!(
-            dp_size <= crate::config::MAX_DP_SIZE,
+            dp_size <= kv_indexer::config::MAX_DP_SIZE,
             "dp_size {dp_size} is past {}",
-            crate::config::MAX_DP_SIZE
+            kv_indexer::config::MAX_DP_SIZE
         );
         let mut ranks = self.ranks.lock();
         // Dropping a runtime stops its threads and closes its sockets.

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::wire::{BlockRemoved, BlockStored, Event};
+use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
 
 /// The medium vLLM's CPU offloading announces.
 const CPU: &str = "CPU";

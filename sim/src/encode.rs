@@ -6,7 +6,7 @@
 
 use rmp::encode::{self as mp, ByteBuf};
 
-use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, EventBatch};
+use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, EventBatch};
 
 /// The two event encodings of `docs/protocol.md`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,4 +255,4 @@ pub fn replay_end_frames(topic: Option<&[u8]>) -> Vec<Vec<u8>> {
 
 /// The `GET /kv_recover` JSON body, written by the indexer's own encoder (an indexer serves
 /// its peers the same format).
-pub use crate::wire::encode_snapshot;
+pub use kv_indexer::wire::encode_snapshot;

@@ -15,7 +15,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use log::{debug, warn};
 use parking_lot::Mutex;
 
-use crate::sim::encode::{replay_end_frames, replay_frames};
+use crate::encode::{replay_end_frames, replay_frames};
 
 /// How often the loop looks at the stop flag.
 const STOP_POLL: Duration = Duration::from_millis(100);

@@ -59,7 +59,7 @@ pub(super) fn bind_zmq(
 }
 
 /// A tiny_http server on `bind:port` (0: picked by the OS) and the port it bound.
-pub(in crate::sim) fn bind_http(bind: &str, port: u16) -> Result<(tiny_http::Server, u16)> {
+pub(crate) fn bind_http(bind: &str, port: u16) -> Result<(tiny_http::Server, u16)> {
     let host = if bind == "*" {
         "0.0.0.0".to_string()
     } else if bind.contains(':') {

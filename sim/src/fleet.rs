@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{anyhow, Context, Result};
 
-use crate::sim::indexer_toml::{indexer_toml, EngineToml};
-use crate::sim::ports::free_port_range;
-use crate::sim::server::{SimConfig, SimEngine};
-use crate::sim::workload::{Route, Router};
+use crate::indexer_toml::{indexer_toml, EngineToml};
+use crate::ports::free_port_range;
+use crate::server::{SimConfig, SimEngine};
+use crate::workload::{Route, Router};
 
 /// Tokens per block, for engines and indexer alike.
 pub const BLOCK_SIZE: u32 = 16;
@@ -36,8 +36,8 @@ pub fn trace_path(manifest_dir: &str) -> PathBuf {
 
 /// The trace's prompts for a benchmark: from `given`, else from `trace_path` of this crate.
 pub fn load_benchmark_trace(given: Option<&Path>) -> Result<Vec<Vec<u32>>> {
-    let path = given.map_or_else(|| trace_path(env!("CARGO_MANIFEST_DIR")), Path::to_path_buf);
-    crate::sim::workload::load_trace(&path, BLOCK_SIZE)
+    let path = given.map_or_else(|| trace_path(crate::WORKSPACE_DIR), Path::to_path_buf);
+    crate::workload::load_trace(&path, BLOCK_SIZE)
 }
 
 /// One rank of one engine of the fleet.

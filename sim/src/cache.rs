@@ -14,9 +14,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::index::MmFeature;
-use crate::sim::rng::mix;
-use crate::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
+use crate::rng::mix;
+use kv_indexer::index::MmFeature;
+use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
 use offload::CpuTier;
 
 mod offload;
@@ -439,6 +439,3 @@ fn plain_unless_extras(mut event: BlockStored) -> BlockStored {
     }
     event
 }
-
-#[cfg(test)]
-mod tests;

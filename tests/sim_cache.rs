@@ -1,6 +1,12 @@
 //! The simulated rank's cache: hits, eviction order, hashes, snapshots and block identity.
+//! The simulator is a crate of its own (`sim/`); its tests live here so that the root package's
+//! `cargo test` runs them.
 
-use super::*;
+use std::collections::HashMap;
+
+use kv_indexer::index::MmFeature;
+use kv_indexer::wire::{BlockStored, Event};
+use kv_indexer_sim::cache::*;
 
 /// A prompt of `blocks` full blocks of 4 tokens, distinct per `tag`, plus `extra` tokens.
 fn prompt(tag: u32, blocks: u32, extra: u32) -> Vec<u32> {
@@ -237,7 +243,7 @@ fn snapshot_lists_every_block_once_parents_first() {
 
 #[test]
 fn random_workload_keeps_capacity_and_no_orphans() {
-    let mut rng = crate::sim::rng::SplitMix64::new(9);
+    let mut rng = kv_indexer_sim::rng::SplitMix64::new(9);
     let mut cache = RankCache::new(4, 40, 5);
     let mut live: HashMap<u64, Option<u64>> = HashMap::new();
     for _ in 0..500 {
