@@ -16,7 +16,6 @@ use crate::rng::{mix, SplitMix64};
 pub const TRACE_ID_TOKENS: u32 = 512;
 
 /// Token ids are drawn below this (the size of a typical LLM vocabulary).
-/// Token ids are below this, like a real tokenizer's vocabulary.
 pub const VOCABULARY: u64 = 150_000;
 
 #[derive(Deserialize)]
