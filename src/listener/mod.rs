@@ -44,6 +44,7 @@
 
 mod applier;
 mod contents;
+mod failure;
 mod frames;
 mod peers;
 mod poller;
@@ -113,7 +114,18 @@ pub struct ListenerStatus {
     pub parent_missing: u64,
     /// How the last hole was recovered, if one was.
     pub recovered_by: Option<RecoveredBy>,
+    /// Set when the rank was dropped without being asked to stop (state `failed`).
+    pub failed: Option<Failed>,
     pub last_event_ms_ago: Option<u64>,
+}
+
+/// Why and when a rank failed: its blocks left the index, and the registry's retry loop starts
+/// it again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failed {
+    /// The error, as `/workers` shows it (`reason`).
+    pub reason: String,
+    pub at: std::time::Instant,
 }
 
 /// How a rank's last hole was filled, as `/workers` shows it.
@@ -267,11 +279,25 @@ impl Listener {
             stop,
             gone_sender,
         );
-        let poller = Arc::clone(pollers.least_loaded());
-        if let Err(error) = poller.add(Box::new(rank)) {
-            metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
-            return Err(error).with_context(|| format!("starting the listener of {what}"));
-        }
+        let placed = pollers
+            .least_loaded()
+            .map(Arc::clone)
+            .and_then(|poller| match poller.add(Box::new(rank)) {
+                Ok(()) => Ok(poller),
+                Err((rank, error)) => {
+                    // Not started: not a failure of the rank.
+                    stop_handle.raise();
+                    drop(rank);
+                    Err(error)
+                }
+            });
+        let poller = match placed {
+            Ok(poller) => poller,
+            Err(error) => {
+                metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
+                return Err(error).with_context(|| format!("starting the listener of {what}"));
+            }
+        };
         Ok(Listener {
             spec,
             worker,

@@ -1,44 +1,54 @@
 //! The I/O threads every rank's live traffic runs on: a few pollers (`kvi-poller-N`), each
 //! owning many ranks (docs/design.md "Listeners").
 //!
-//! Each poller sleeps in one epoll set holding its ranks' `ZMQ_FD`s (the SUB socket's and the
-//! monitor's) and its command eventfd, and keeps a ready list and a timer heap. The `ZMQ_FD`
-//! rules: the descriptor only says the socket's mailbox has commands, so a readable rank is
-//! drained with DONTWAIT until EAGAIN and then asked `ZMQ_EVENTS` again (every recv may consume
-//! a signal); a rank that used its budget (`DRAIN_BATCH`) stays on the ready list, and the
-//! poller does not sleep while that list is not empty. Commands (add a rank, remove one, a rank
-//! back from recovery) come through a channel and the eventfd.
+//! Each poller sleeps in one `mio::Poll` (epoll) holding its ranks' `ZMQ_FD`s (the SUB
+//! socket's and the monitor's) and a `mio::Waker` for its commands, and keeps a ready list and
+//! a timer heap. The `ZMQ_FD` rules: the descriptor only says, edge-triggered, that the socket's
+//! mailbox has commands, so a readable rank is drained with DONTWAIT until EAGAIN and then
+//! asked `ZMQ_EVENTS` again (every recv may consume a signal); a rank that used its budget
+//! (`DRAIN_BATCH`) stays on the ready list, and the poller does not sleep while that list is not
+//! empty. Commands (add a rank, remove one, a rank back from recovery) come through a channel
+//! and the waker.
 //!
-//! Owns: the epoll sets, the ranks between recoveries, their timers. Never: waits on the network
-//! for a rank (a hole hands the whole rank to `recoveries`, out of the epoll set meanwhile),
-//! keeps a removed rank (its `Listener` waits until the rank's state is dropped), or busy-loops
-//! (a descriptor is in the set only while its rank is here).
+//! A rank dropped without being asked to stop (an error of its sockets, a set that refuses it
+//! back after a recovery, a wait of its poller that failed, a poller thread that panicked) is
+//! failed (`fail`): its blocks leave the index, its status says `failed` with the reason, and
+//! the registry's retry loop starts it again. A poller whose wait fails fails all its ranks and
+//! takes no more.
+//!
+//! Owns: the poll sets, the ranks between recoveries, their timers. Never: waits on the network
+//! for a rank (a hole hands the whole rank to `recoveries`, out of the set meanwhile), keeps a
+//! removed rank (its `Listener` waits until the rank's state is dropped), drops a rank silently,
+//! or busy-loops (a descriptor is in the set only while its rank is here).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context as _};
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::recoveries::{Handoff, Recoveries};
 use super::run::{Drained, Job, Rank, Recovery};
+use crate::metrics::FailureReason;
 
 /// Pollers at most, one per core below it. A poller is busy only while decoding and applying
 /// (`bench_stream`: 16 ranks' 27,206 batches, 2.35 M blocks, in 2.8 s on 2 pollers, the
 /// indexer's whole CPU 3.7 s): more pollers than cores only add context switches against the
 /// HTTP threads, and 4 already spread 1,000 × 8 ranks 2,000 to a thread.
 const MAX_POLLERS: usize = 4;
-/// epoll events taken per wait.
+/// Readiness events taken per wait.
 const EVENTS_PER_WAIT: usize = 256;
-/// The epoll token of the command eventfd; ranks' tokens are counted up from 0.
-const COMMANDS_TOKEN: u64 = u64::MAX;
+/// The token of the commands' waker; ranks' tokens are their ids, counted up from 0.
+const COMMANDS: Token = Token(usize::MAX);
 
 /// What a poller is told.
 pub(super) enum Command {
-    /// A new rank, its descriptors already in the epoll set.
+    /// A new rank, its descriptors already in the poller's set.
     Add(Box<Rank>),
     /// A rank back from a recovery.
     Back(Box<Rank>),
@@ -48,84 +58,10 @@ pub(super) enum Command {
     Exit,
 }
 
-/// An eventfd: the pollers' doorbell.
-struct EventFd(OwnedFd);
-
-impl EventFd {
-    fn new() -> std::io::Result<EventFd> {
-        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor that
-        // nothing else owns.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just created and is owned by nothing else.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    fn ring(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live local buffer to a descriptor we own. It cannot
-        // block (EFD_NONBLOCK) and fails only when the counter would overflow: still readable.
-        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-    }
-
-    fn clear(&self) {
-        let mut count = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local buffer; EAGAIN when already clear.
-        unsafe { libc::read(self.0.as_raw_fd(), count.as_mut_ptr().cast(), count.len()) };
-    }
-}
-
-/// A poller's epoll set.
-struct Epoll(OwnedFd);
-
-impl Epoll {
-    fn new() -> std::io::Result<Epoll> {
-        // SAFETY: takes no pointers; a non-negative result is a new descriptor nothing owns.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just created and is owned by nothing else.
-        Ok(Epoll(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    fn control(&self, op: libc::c_int, fd: RawFd, token: u64) -> std::io::Result<()> {
-        let mut event = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: token,
-        };
-        // SAFETY: `event` is a live epoll_event the kernel only reads.
-        if unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd, &mut event) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    /// Adds a rank's two descriptors (level-triggered: a mailbox signal not consumed yet
-    /// wakes the poller again).
-    fn watch(&self, rank: &Rank) -> anyhow::Result<()> {
-        let (sub, monitor) = rank_fds(rank)?;
-        self.control(libc::EPOLL_CTL_ADD, sub, rank.token)
-            .context("adding the SUB socket to the poller's epoll set")?;
-        if let Err(error) = self.control(libc::EPOLL_CTL_ADD, monitor, rank.token) {
-            self.unwatch(rank);
-            return Err(error).context("adding the monitor socket to the poller's epoll set");
-        }
-        Ok(())
-    }
-
-    /// Takes a rank's descriptors out. They must leave before the rank does: a descriptor of a
-    /// rank not here would keep the level-triggered set readable forever.
-    fn unwatch(&self, rank: &Rank) {
-        if let Ok((sub, monitor)) = rank_fds(rank) {
-            for fd in [sub, monitor] {
-                // ENOENT (never added) is the one failure possible here, and harmless.
-                let _ = self.control(libc::EPOLL_CTL_DEL, fd, rank.token);
-            }
-        }
-    }
+/// A rank's poll token: its id (a `u64` counted up from 0, the width of `usize` on every
+/// 64-bit target).
+fn token_of(rank: u64) -> Token {
+    Token(rank as usize)
 }
 
 fn rank_fds(rank: &Rank) -> anyhow::Result<(RawFd, RawFd)> {
@@ -146,29 +82,34 @@ fn rank_fds(rank: &Rank) -> anyhow::Result<(RawFd, RawFd)> {
 /// registry's `Pollers` and every `Listener` on it hold one; the thread itself only a `Weak`).
 pub(super) struct Mailbox {
     commands: mpsc::Sender<Command>,
-    doorbell: Arc<EventFd>,
-    epoll: Arc<Epoll>,
+    waker: Waker,
+    /// The poller's set, shared with its thread.
+    set: mio::Registry,
     /// Ranks on this poller: `Pollers::least_loaded` picks by it.
     load: AtomicUsize,
+    /// Cleared when the thread ended on its own (its wait failed, or it panicked): no rank is
+    /// placed here any more.
+    alive: AtomicBool,
     recoveries: Arc<Recoveries>,
 }
 
 impl Mailbox {
-    /// Puts `rank` in the poller's epoll set and sends it there; errors (on the caller's
-    /// thread) when the set refuses it or the poller is gone.
-    pub(super) fn add(&self, rank: Box<Rank>) -> anyhow::Result<()> {
-        self.epoll.watch(&rank)?;
-        let token = rank.token;
+    /// Puts `rank` in the poller's set and sends it there; errors (on the caller's thread),
+    /// giving the rank back, when the set refuses it or the poller is gone.
+    pub(super) fn add(&self, rank: Box<Rank>) -> Result<(), (Box<Rank>, anyhow::Error)> {
+        if let Err(error) = watch(&self.set, &rank) {
+            return Err((rank, error));
+        }
         if let Err(mpsc::SendError(command)) = self.commands.send(Command::Add(rank)) {
-            if let Command::Add(rank) = command {
-                self.epoll.unwatch(&rank);
-            }
-            return Err(anyhow!(
-                "the poller thread is gone (rank {token} not started)"
-            ));
+            let Command::Add(rank) = command else {
+                unreachable!("the command sent was an Add")
+            };
+            unwatch(&self.set, &rank);
+            let error = anyhow!("the poller thread is gone (rank {} not started)", rank.token);
+            return Err((rank, error));
         }
         self.load.fetch_add(1, Ordering::Relaxed);
-        self.doorbell.ring();
+        self.ring();
         Ok(())
     }
 
@@ -178,21 +119,74 @@ impl Mailbox {
         self.recoveries.drop_stopped();
         // A poller that is gone dropped its ranks already.
         let _ = self.commands.send(Command::Remove(token));
-        self.doorbell.ring();
+        self.ring();
     }
 
-    /// A rank back from a recovery; dropped (with its blocks) if the poller is gone.
+    /// A rank back from a recovery; failed (its blocks dropped) if the poller is gone.
     pub(super) fn give_back(&self, rank: Box<Rank>) {
-        let _ = self.commands.send(Command::Back(rank));
-        self.doorbell.ring();
+        if let Err(mpsc::SendError(Command::Back(rank))) = self.commands.send(Command::Back(rank))
+        {
+            fail(
+                rank,
+                FailureReason::Poller,
+                &anyhow!("back from a recovery, but its poller thread has ended"),
+            );
+            return;
+        }
+        self.ring();
+    }
+
+    fn ring(&self) {
+        if let Err(error) = self.waker.wake() {
+            log::warn!("poller: waking it for a command failed: {error}");
+        }
     }
 }
 
 impl Drop for Mailbox {
     fn drop(&mut self) {
         let _ = self.commands.send(Command::Exit);
-        self.doorbell.ring();
+        self.ring();
     }
+}
+
+/// Adds a rank's two `ZMQ_FD`s to a poller's set (mio: epoll, edge-triggered). Edge-triggered
+/// is what a `ZMQ_FD` is anyway: it signals once that the socket's mailbox received commands,
+/// and whoever is woken drains the socket to EAGAIN and asks `ZMQ_EVENTS` again
+/// (`serve_rank`); a rank (re)added is served at once (`Poller::insert`), for a signal consumed
+/// before it came.
+fn watch(set: &mio::Registry, rank: &Rank) -> anyhow::Result<()> {
+    let (sub, monitor) = rank_fds(rank)?;
+    let token = token_of(rank.token);
+    set.register(&mut SourceFd(&sub), token, Interest::READABLE)
+        .context("adding the SUB socket to the poller's set")?;
+    if let Err(error) = set.register(&mut SourceFd(&monitor), token, Interest::READABLE) {
+        unwatch(set, rank);
+        return Err(error).context("adding the monitor socket to the poller's set");
+    }
+    Ok(())
+}
+
+/// Takes a rank's descriptors out of the set: they leave before the rank does, so that no
+/// event names a rank that is elsewhere.
+fn unwatch(set: &mio::Registry, rank: &Rank) {
+    if let Ok((sub, monitor)) = rank_fds(rank) {
+        for fd in [sub, monitor] {
+            // ENOENT (never added) is the one failure possible here, and harmless.
+            let _ = set.deregister(&mut SourceFd(&fd));
+        }
+    }
+}
+
+/// Drops a rank that was not asked to stop: its blocks leave the index, and its status says
+/// `failed` with the reason, which the registry's retry loop sees and starts the rank again.
+fn fail(mut rank: Box<Rank>, reason: FailureReason, error: &anyhow::Error) {
+    log::error!(
+        "{}: listener failed ({}): {error:#}; its blocks leave the index",
+        rank.who(),
+        reason.as_str()
+    );
+    rank.failure.set(reason, format!("{error:#}"));
 }
 
 /// The pollers of a registry (or of the process, for listeners started alone): ranks go to the
@@ -227,31 +221,34 @@ impl Pollers {
         Ok(SHARED.get_or_init(|| pollers).clone())
     }
 
-    pub(super) fn least_loaded(&self) -> &Arc<Mailbox> {
+    /// The least loaded poller whose thread still runs.
+    pub(super) fn least_loaded(&self) -> anyhow::Result<&Arc<Mailbox>> {
         self.0
             .iter()
+            .filter(|mailbox| mailbox.alive.load(Ordering::SeqCst))
             .min_by_key(|mailbox| mailbox.load.load(Ordering::Relaxed))
-            .unwrap_or_else(|| unreachable!("Pollers::new makes at least one"))
+            .ok_or_else(|| anyhow!("every poller thread has ended (see the log)"))
     }
 }
 
 fn spawn_poller(n: usize, recoveries: &Arc<Recoveries>) -> anyhow::Result<Arc<Mailbox>> {
-    let epoll = Arc::new(Epoll::new().context("creating a poller's epoll set")?);
-    let doorbell = Arc::new(EventFd::new().context("creating a poller's eventfd")?);
-    epoll
-        .control(libc::EPOLL_CTL_ADD, doorbell.0.as_raw_fd(), COMMANDS_TOKEN)
-        .context("adding the eventfd to the poller's epoll set")?;
+    let poll = Poll::new().context("creating a poller's epoll set")?;
+    let waker = Waker::new(poll.registry(), COMMANDS).context("creating a poller's waker")?;
+    let set = poll
+        .registry()
+        .try_clone()
+        .context("sharing a poller's epoll set")?;
     let (sender, commands) = mpsc::channel();
     let mailbox = Arc::new(Mailbox {
         commands: sender,
-        doorbell: Arc::clone(&doorbell),
-        epoll: Arc::clone(&epoll),
+        waker,
+        set,
         load: AtomicUsize::new(0),
+        alive: AtomicBool::new(true),
         recoveries: Arc::clone(recoveries),
     });
     let poller = Poller {
-        epoll,
-        doorbell,
+        poll,
         commands,
         mailbox: Arc::downgrade(&mailbox),
         recoveries: Arc::clone(recoveries),
@@ -268,8 +265,7 @@ fn spawn_poller(n: usize, recoveries: &Arc<Recoveries>) -> anyhow::Result<Arc<Ma
 
 /// One poller thread's state.
 struct Poller {
-    epoll: Arc<Epoll>,
-    doorbell: Arc<EventFd>,
+    poll: Poll,
     commands: mpsc::Receiver<Command>,
     /// Handed to recoveries so that a rank finds its way back.
     mailbox: Weak<Mailbox>,
@@ -284,64 +280,84 @@ struct Poller {
 impl Poller {
     fn run(mut self) {
         lower_own_priority();
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS_PER_WAIT];
+        let mut events = Events::with_capacity(EVENTS_PER_WAIT);
         loop {
             let timeout = self.wait_timeout();
-            // SAFETY: `events` is a live buffer of EVENTS_PER_WAIT entries the kernel fills.
-            let count = unsafe {
-                libc::epoll_wait(
-                    self.epoll.0.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    EVENTS_PER_WAIT as libc::c_int,
-                    timeout,
-                )
-            };
-            if count < 0 {
-                let error = std::io::Error::last_os_error();
+            if let Err(error) = self.poll.poll(&mut events, timeout) {
                 if error.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                // EBADF, EFAULT, EINVAL: nothing a retry mends. Dropping the ranks ends them.
-                log::error!("poller: epoll_wait failed, dropping its ranks: {error}");
-                return;
+                // EBADF, EFAULT, EINVAL: nothing a retry mends.
+                return self.fail_all(
+                    &anyhow::Error::new(error).context("its poller's wait for the sockets failed"),
+                );
             }
             let mut commands = false;
-            for event in events.iter().take(usize::try_from(count).unwrap_or(0)) {
-                match event.u64 {
-                    COMMANDS_TOKEN => commands = true,
-                    token => self.mark_ready(token),
+            for event in events.iter() {
+                match event.token() {
+                    COMMANDS => commands = true,
+                    // The inverse of `token_of`.
+                    Token(token) => self.mark_ready(token as u64),
                 }
             }
-            if commands {
-                self.doorbell.clear();
-                if !self.take_commands() {
-                    return;
-                }
+            if commands && !self.take_commands() {
+                return;
             }
             self.serve_ready();
             self.fire_timers();
         }
     }
 
-    /// 0 while a rank is ready, else until the next timer, else forever.
-    fn wait_timeout(&self) -> libc::c_int {
-        if !self.ready.is_empty() {
-            return 0;
+    /// The thread cannot go on: every rank fails (and is started again by the registry, on
+    /// another poller), and no rank is placed here again.
+    fn fail_all(&mut self, error: &anyhow::Error) {
+        log::error!(
+            "poller: {error:#}: the thread ends, and its {} ranks fail",
+            self.ranks.len()
+        );
+        if let Some(mailbox) = self.mailbox.upgrade() {
+            mailbox.alive.store(false, Ordering::SeqCst);
         }
-        self.timers.peek().map_or(-1, |Reverse((at, _))| {
-            let wait = at.saturating_duration_since(Instant::now());
-            // Rounded up: woken early, the timer would not be due yet.
-            libc::c_int::try_from(wait.as_micros().div_ceil(1_000)).unwrap_or(libc::c_int::MAX)
-        })
+        for (_, rank) in self.ranks.drain() {
+            unwatch(self.poll.registry(), &rank);
+            fail(rank, FailureReason::Poller, error);
+        }
     }
 
+    /// 0 while a rank is ready, else until the next timer, else forever.
+    fn wait_timeout(&self) -> Option<Duration> {
+        if !self.ready.is_empty() {
+            return Some(Duration::ZERO);
+        }
+        // mio rounds up to the millisecond: woken early, the timer would not be due yet.
+        self.timers
+            .peek()
+            .map(|Reverse((at, _))| at.saturating_duration_since(Instant::now()))
+    }
+
+}
+
+impl Drop for Poller {
+    /// A thread that ends on its own never vanishes silently: no rank is placed on it again,
+    /// and a panic fails its ranks (each says so on `/workers`) before they are dropped.
+    fn drop(&mut self) {
+        if let Some(mailbox) = self.mailbox.upgrade() {
+            mailbox.alive.store(false, Ordering::SeqCst);
+        }
+        if std::thread::panicking() {
+            self.fail_all(&anyhow!("its poller thread panicked"));
+        }
+    }
+}
+
+impl Poller {
     /// Handles every command queued; `false` when the poller must end.
     fn take_commands(&mut self) -> bool {
         loop {
             match self.commands.try_recv() {
                 Ok(Command::Add(rank)) => {
                     if rank.stop.requested() {
-                        self.epoll.unwatch(&rank);
+                        unwatch(self.poll.registry(), &rank);
                     } else {
                         self.insert(rank);
                     }
@@ -350,16 +366,10 @@ impl Poller {
                     if rank.stop.requested() {
                         continue;
                     }
-                    match self.epoll.watch(&rank) {
-                        Ok(()) => self.insert(rank),
-                        Err(error) => log::error!(
-                            "{}: back from recovery, but {error:#}: the rank stops",
-                            rank.who()
-                        ),
-                    }
+                    self.rewatch(rank);
                 }
                 Ok(Command::Remove(token)) => match self.ranks.remove(&token) {
-                    Some(rank) => self.epoll.unwatch(&rank),
+                    Some(rank) => unwatch(self.poll.registry(), &rank),
                     // Queued for a recovery by this thread after its Listener looked there.
                     None => self.recoveries.drop_stopped(),
                 },
@@ -407,10 +417,10 @@ impl Poller {
             Ok(Drained::Budget) => self.mark_ready(token),
             Ok(Drained::Recover(job)) => return self.recover(token, job),
             Err(error) => {
-                log::error!("{}: listener ended: {error:#}", rank.who());
-                // Its blocks leave the index; the Listener's stop finds it gone.
+                // The Listener's stop finds it gone.
                 if let Some(rank) = self.ranks.remove(&token) {
-                    self.epoll.unwatch(&rank);
+                    unwatch(self.poll.registry(), &rank);
+                    fail(rank, FailureReason::Socket, &error);
                 }
                 return;
             }
@@ -424,7 +434,7 @@ impl Poller {
         let Some(rank) = self.ranks.remove(&token) else {
             return;
         };
-        self.epoll.unwatch(&rank);
+        unwatch(self.poll.registry(), &rank);
         let handoff = match self.mailbox.upgrade() {
             Some(back) if rank.recovery_may_wait() => Handoff { rank, job, back },
             _ => return self.recover_here(rank, job),
@@ -442,10 +452,15 @@ impl Poller {
         }
     }
 
+    /// Puts a rank back from a recovery in the set, or fails it.
     fn rewatch(&mut self, rank: Box<Rank>) {
-        match self.epoll.watch(&rank) {
+        match watch(self.poll.registry(), &rank) {
             Ok(()) => self.insert(rank),
-            Err(error) => log::error!("{}: {error:#}: the rank stops", rank.who()),
+            Err(error) => fail(
+                rank,
+                FailureReason::Watch,
+                &error.context("back from a recovery"),
+            ),
         }
     }
 
@@ -508,25 +523,14 @@ fn serve_rank(rank: &mut Rank) -> anyhow::Result<Drained> {
 /// `bench_stream --burst` (2 cores, load 1.6–3.7), `/query` while 16 ranks ingest: p50/p99
 /// 865/6,911 and 1,056/6,275 µs at 0; 844/5,177 and 842/5,407 µs at 10, ingest unchanged
 /// (2.82 and 2.82 s at 0; 2.76 and 3.30 s at 10).
-const POLLER_NICENESS: libc::c_int = 10;
+const POLLER_NICENESS: i32 = 10;
 
 /// Lowers this thread's priority by `POLLER_NICENESS` (a thread may lower its own priority
-/// without privileges); logged and left alone when refused.
+/// without privileges; on Linux `setpriority` of a thread id sets that thread alone); logged
+/// and left alone when refused.
 fn lower_own_priority() {
-    // SAFETY: gettid takes nothing and returns this thread's id.
-    let tid = unsafe { libc::gettid() };
-    // SAFETY: plain integer arguments; on Linux PRIO_PROCESS with a thread id sets that thread.
-    let set = unsafe {
-        libc::setpriority(
-            libc::PRIO_PROCESS,
-            libc::id_t::try_from(tid).unwrap_or(0),
-            POLLER_NICENESS,
-        )
-    };
-    if set != 0 {
-        log::debug!(
-            "poller: setpriority refused: {}",
-            std::io::Error::last_os_error()
-        );
+    let this_thread = rustix::thread::gettid();
+    if let Err(error) = rustix::process::setpriority_process(Some(this_thread), POLLER_NICENESS) {
+        log::debug!("poller: setpriority refused: {error}");
     }
 }

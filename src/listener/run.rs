@@ -10,6 +10,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::applier::Applier;
+use super::failure::FailOnDrop;
 use super::frames::Frames;
 use super::peers::{snapshot_url, Replication};
 use super::recovery::{self, Fetched, Replayed};
@@ -60,6 +61,9 @@ pub(super) struct Rank {
     /// is on its ready list.
     pub(super) armed: Option<Instant>,
     pub(super) ready: bool,
+    /// Says `failed` unless stop was requested: after `applier` (its blocks have left the
+    /// index by then), before `_gone`.
+    pub(super) failure: FailOnDrop,
     _gone: mpsc::SyncSender<()>,
 }
 
@@ -109,6 +113,7 @@ impl Rank {
         stop: Stop,
         gone: mpsc::SyncSender<()>,
     ) -> Rank {
+        let failure = FailOnDrop::new(applier.who(), Arc::clone(&applier.status), stop.clone());
         Rank {
             token,
             context,
@@ -123,6 +128,7 @@ impl Rank {
             never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
             armed: None,
             ready: false,
+            failure,
             _gone: gone,
         }
     }

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::{ListenerStatus, RecoveredBy, State};
+use super::{Failed, ListenerStatus, RecoveredBy, State};
 use crate::index::{ApplyOutcome, PerTier};
-use crate::metrics::{EventSeries, MalformedReason, RankMetrics, RecoveryMethod};
+use crate::metrics::{EventSeries, FailureReason, MalformedReason, RankMetrics, RecoveryMethod};
 
 /// An `events_total` series and the `ApplyOutcome` field it counts.
 type EventCount = (EventSeries, fn(&ApplyOutcome) -> u64);
@@ -46,6 +46,8 @@ struct Facts {
     connected: bool,
     recovering: bool,
     stopped: bool,
+    /// Dropped without being asked to stop (`failure`): why, and since when.
+    failed: Option<Failed>,
     /// A hole in the rank's history was given up on and not repaired since.
     history_lost: bool,
     /// A store with a block size other than the index's was seen.
@@ -64,6 +66,8 @@ impl Facts {
     fn state(&self) -> State {
         if self.stopped {
             State::Stopped
+        } else if self.failed.is_some() {
+            State::Failed
         } else if self.recovering {
             State::Recovering
         } else if !self.connected {
@@ -99,6 +103,7 @@ impl StatusCell {
             lost_batches: facts.lost_batches,
             parent_missing: facts.parent_missing,
             recovered_by: facts.recovered_by.clone(),
+            failed: facts.failed.clone(),
             last_event_ms_ago: facts
                 .last_event
                 .map(|at| u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX)),
@@ -212,6 +217,21 @@ impl StatusCell {
 
     pub(super) fn block_size_mismatch(&self) {
         self.update(|facts| facts.block_size_mismatch = true);
+    }
+
+    /// The rank was dropped, its blocks gone from the index, without being asked to stop.
+    pub(super) fn failed(&self, reason: FailureReason, detail: String) {
+        self.metrics.failure(reason);
+        self.metrics.set_blocks([0; 3]);
+        self.update(|facts| {
+            facts.failed = Some(Failed {
+                reason: detail,
+                at: Instant::now(),
+            });
+            facts.connected = false;
+            facts.recovering = false;
+            facts.blocks = PerTier::default();
+        });
     }
 
     pub(super) fn stopped(&self) {

@@ -14,15 +14,18 @@ pub enum ListenerState {
     Active,
     Recovering,
     Degraded,
+    /// Dropped without being asked to stop ([`FailureReason`]): restarted by the registry.
+    Failed,
     Stopped,
 }
 
 impl ListenerState {
-    pub const ALL: [ListenerState; 5] = [
+    pub const ALL: [ListenerState; 6] = [
         ListenerState::Connecting,
         ListenerState::Active,
         ListenerState::Recovering,
         ListenerState::Degraded,
+        ListenerState::Failed,
         ListenerState::Stopped,
     ];
 
@@ -32,6 +35,7 @@ impl ListenerState {
             ListenerState::Active => "active",
             ListenerState::Recovering => "recovering",
             ListenerState::Degraded => "degraded",
+            ListenerState::Failed => "failed",
             ListenerState::Stopped => "stopped",
         }
     }
@@ -60,6 +64,38 @@ impl MalformedReason {
             MalformedReason::Frames => "frames",
             MalformedReason::Seq => "seq",
             MalformedReason::Payload => "payload",
+        }
+    }
+}
+
+/// Why a rank was dropped without being asked to stop: the `reason` of
+/// `listener_failures_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FailureReason {
+    /// An error of the rank's SUB or monitor socket.
+    Socket,
+    /// Its sockets could not be put back in its poller's set after a recovery.
+    Watch,
+    /// Its poller's wait failed, its poller thread panicked or had ended.
+    Poller,
+    /// Dropped by anything else (a panic on a recovery worker).
+    Dropped,
+}
+
+impl FailureReason {
+    pub const ALL: [FailureReason; 4] = [
+        FailureReason::Socket,
+        FailureReason::Watch,
+        FailureReason::Poller,
+        FailureReason::Dropped,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Socket => "socket",
+            FailureReason::Watch => "watch",
+            FailureReason::Poller => "poller",
+            FailureReason::Dropped => "dropped",
         }
     }
 }
@@ -372,6 +408,13 @@ pub(super) fn recovery_labels(rank: &RankLabels, series: usize) -> RecoveryLabel
         } else {
             RecoveryOutcome::failed
         },
+    }
+}
+
+pub(super) fn failure_labels(rank: &RankLabels, reason: usize) -> ReasonLabels {
+    ReasonLabels {
+        rank: rank.clone(),
+        reason: FailureReason::ALL[reason].as_str(),
     }
 }
 

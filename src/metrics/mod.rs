@@ -19,6 +19,7 @@
 //! | `malformed_messages_total` | counter | `reason` ([`MalformedReason`]) |
 //! | `gaps_total`, `lost_batches_total`, `publisher_restarts_total`, `dp_rank_mismatch_total` | counter | |
 //! | `recoveries_total` | counter | `method` ([`RecoveryMethod`]), `outcome` (`ok`, `failed`) |
+//! | `listener_failures_total` | counter | `reason` ([`FailureReason`]); kept across the rank's restarts |
 //! | `listener_up` | gauge | |
 //! | `listener_state` | gauge | `state` (every [`ListenerState`]) |
 //! | `worker_blocks` | gauge | |
@@ -51,12 +52,13 @@ mod labels;
 use engines::EngineFamilies;
 pub use engines::EngineMetrics;
 use labels::{
-    event_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
+    event_labels, failure_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
     ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels, StatusLabels,
     TierLabels, TIERS,
 };
 pub use labels::{
-    DiscoveryOutcome, EventSeries, LayoutKey, ListenerState, MalformedReason, RecoveryMethod,
+    DiscoveryOutcome, EventSeries, FailureReason, LayoutKey, ListenerState, MalformedReason,
+    RecoveryMethod,
 };
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
@@ -80,6 +82,7 @@ pub struct Metrics {
     restarts: Family<RankLabels, Counter>,
     recoveries: Family<RecoveryLabels, Counter>,
     dp_rank_mismatch: Family<RankLabels, Counter>,
+    listener_failures: Family<ReasonLabels, Counter>,
     listener_up: Family<RankLabels, Gauge>,
     listener_state: Family<StateLabels, Gauge>,
     worker_blocks: Family<RankLabels, U64Gauge>,
@@ -108,6 +111,7 @@ impl Metrics {
             restarts: Family::default(),
             recoveries: Family::default(),
             dp_rank_mismatch: Family::default(),
+            listener_failures: Family::default(),
             listener_up: Family::default(),
             listener_state: Family::default(),
             worker_blocks: Family::default(),
@@ -181,6 +185,11 @@ impl Metrics {
             "dp_rank_mismatch",
             "Batches whose payload dp_rank differs from the listener's rank",
             self.dp_rank_mismatch.clone(),
+        );
+        r.register(
+            "listener_failures",
+            "Times the rank's listener was dropped without being asked to stop, by reason (restarted by the registry)",
+            self.listener_failures.clone(),
         );
         r.register(
             "listener_up",
@@ -263,6 +272,10 @@ impl Metrics {
                     .get_or_create_owned(&recovery_labels(&rank, i))
             }),
             dp_rank_mismatch: self.dp_rank_mismatch.get_or_create_owned(&rank),
+            failures: std::array::from_fn(|i| {
+                self.listener_failures
+                    .get_or_create_owned(&failure_labels(&rank, i))
+            }),
             listener_up: self.listener_up.get_or_create_owned(&rank),
             listener_state: std::array::from_fn(|i| {
                 self.listener_state
@@ -278,7 +291,20 @@ impl Metrics {
         }
     }
 
-    /// Drops a removed listener's labelled series so /metrics stops showing it. Call it after
+    /// Drops the rank's `listener_failures_total`, which [`Self::forget_rank`] keeps so that a
+    /// failed rank's count survives its restart: for a rank that leaves the plan.
+    pub fn forget_rank_failures(&self, instance: &str, dp_rank: u32) {
+        let rank = RankLabels {
+            instance: instance.to_owned(),
+            dp_rank,
+        };
+        for i in 0..FailureReason::ALL.len() {
+            self.listener_failures.remove(&failure_labels(&rank, i));
+        }
+    }
+
+    /// Drops a removed listener's labelled series (but its failures) so /metrics stops showing
+    /// it. Call it after
     /// the listener has stopped and before a replacement for the same rank calls [`Self::rank`]:
     /// the replacement's handles would otherwise be the removed series, updated but never shown.
     pub fn forget_rank(&self, instance: &str, dp_rank: u32) {
@@ -379,6 +405,8 @@ pub struct RankMetrics {
     /// In [`recovery_labels`] order.
     recoveries: [Counter; RecoveryMethod::ALL.len() * 2],
     dp_rank_mismatch: Counter,
+    /// In [`FailureReason::ALL`] order.
+    failures: [Counter; FailureReason::ALL.len()],
     listener_up: Gauge,
     /// In [`ListenerState::ALL`] order.
     listener_state: [Gauge; ListenerState::ALL.len()],
@@ -431,6 +459,11 @@ impl RankMetrics {
     /// A batch whose payload dp_rank disagrees with the listener's rank.
     pub fn dp_rank_mismatch(&self) {
         self.dp_rank_mismatch.inc();
+    }
+
+    /// The listener was dropped without being asked to stop.
+    pub fn failure(&self, reason: FailureReason) {
+        self.failures[reason as usize].inc();
     }
 
     /// `listener_state` becomes 1 for `state` and 0 for the others; `listener_up` follows

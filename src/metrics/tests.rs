@@ -100,6 +100,7 @@ fn a_fresh_registry_renders_valid_exposition_with_every_rank_series_at_zero() {
         + EventSeries::ALL.len()
         + MalformedReason::ALL.len()
         + RecoveryMethod::ALL.len() * 2
+        + FailureReason::ALL.len()
         + 1 // listener_up
         + ListenerState::ALL.len()
         + 1 // worker_blocks
@@ -320,7 +321,28 @@ fn forget_rank_removes_every_series_of_that_rank_only() {
     let before = parse(&metrics.render());
     let kept_series = rank_series(&before, "e", "1");
     assert!(rank_series(&before, "e", "0") > 0);
+    gone.failure(FailureReason::Socket);
     metrics.forget_rank("e", 0);
+    let after = parse(&metrics.render());
+    assert_eq!(
+        rank_series(&after, "e", "0"),
+        FailureReason::ALL.len(),
+        "only the failures stay, for the rank's restart"
+    );
+    metrics.rank("e", 0);
+    let restarted = parse(&metrics.render());
+    assert_eq!(
+        rank_sample(
+            &restarted,
+            "kv_indexer_listener_failures_total",
+            ("e", "0"),
+            &[("reason", "socket")]
+        ),
+        1.0,
+        "counted across the restart"
+    );
+    metrics.forget_rank("e", 0);
+    metrics.forget_rank_failures("e", 0);
     let after = parse(&metrics.render());
     assert_eq!(rank_series(&after, "e", "0"), 0);
     assert_eq!(rank_series(&after, "e", "1"), kept_series);

@@ -39,6 +39,7 @@ mod ranks;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use log::{info, warn};
@@ -159,7 +160,11 @@ impl Registry {
     /// Stops every listener of `engine` (their blocks leave the index) and forgets any pending
     /// start of it. Returns the keys that were running.
     pub fn deregister(&mut self, engine: &str) -> Vec<WorkerKey> {
-        self.pending.remove(engine);
+        let mut left: Vec<WorkerKey> = self
+            .pending
+            .remove(engine)
+            .map(|(specs, _)| specs.into_iter().map(|s| s.key).collect())
+            .unwrap_or_default();
         let keys: Vec<WorkerKey> = self
             .running
             .keys()
@@ -168,6 +173,8 @@ impl Registry {
             .collect();
         self.remove_running(&keys);
         self.publish();
+        left.extend(keys.iter().cloned());
+        self.forget_failures(&left);
         keys
     }
 
@@ -195,6 +202,15 @@ impl Registry {
         }
         self.remove_running(&leaving);
         let leaving: BTreeSet<WorkerKey> = leaving.into_iter().collect();
+        // Pending ranks the plan no longer has leave for good too.
+        let unplanned: Vec<WorkerKey> = self
+            .pending
+            .values()
+            .flat_map(|(specs, _)| specs.iter().map(|s| s.key.clone()))
+            .filter(|key| !wanted.contains_key(key))
+            .collect();
+        self.forget_failures(&diff.removed);
+        self.forget_failures(&unplanned);
 
         // What is left of `wanted` must be started; group it by engine in plan order.
         let planned = diff.unchanged + wanted.len();
@@ -266,6 +282,39 @@ impl Registry {
         }
         self.publish();
         still_failing
+    }
+
+    /// Moves every listener that has been `failed` for at least `after` (docs.md "`failed`")
+    /// to the pending engines, for `retry_pending` to start again like an engine that failed
+    /// to start. Returns what it moved and why, for the log.
+    pub fn take_failed(&mut self, after: Duration) -> Vec<String> {
+        let failed: Vec<(ListenerSpec, String)> = self
+            .running
+            .values()
+            .filter_map(|running| {
+                let failed = running.listener.status().failed?;
+                (failed.at.elapsed() >= after)
+                    .then(|| (running.listener.spec().clone(), failed.reason))
+            })
+            .collect();
+        if failed.is_empty() {
+            return Vec::new();
+        }
+        let keys: Vec<WorkerKey> = failed.iter().map(|(spec, _)| spec.key.clone()).collect();
+        self.remove_running(&keys);
+        let mut taken = Vec::with_capacity(failed.len());
+        for (spec, reason) in failed {
+            let error = format!("{} failed: {reason}", spec.describe());
+            let pending = self
+                .pending
+                .entry(spec.key.engine.clone())
+                .or_insert_with(|| (Vec::new(), String::new()));
+            pending.0.push(spec);
+            pending.1.clone_from(&error);
+            taken.push(error);
+        }
+        self.publish();
+        taken
     }
 
     pub fn has_pending(&self) -> bool {
@@ -402,6 +451,13 @@ impl Registry {
         for running in started {
             self.running
                 .insert(running.listener.spec().key.clone(), running);
+        }
+    }
+
+    /// Drops the failure counts of ranks that leave the plan (a restart keeps them).
+    fn forget_failures(&self, keys: &[WorkerKey]) {
+        for key in keys {
+            self.metrics.forget_rank_failures(&key.engine, key.dp_rank);
         }
     }
 

@@ -1,5 +1,6 @@
 //! The background retry of engines that failed to start (a port not yet bound, a host not
-//! yet up), with exponential backoff.
+//! yet up), and of listeners that failed while running (`failed` on `/workers`), with
+//! exponential backoff.
 //!
 //! Owns: the retry thread and its backoff. Never: holds the registry lock while waiting (only
 //! while starting), so reloads and queries never wait for a backoff.
@@ -35,13 +36,19 @@ impl Retry {
                 let mut backoff = RETRY_MIN;
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(backoff) {
                     let mut registry = registry.lock();
-                    if !registry.has_pending() {
+                    // Failed for a first backoff step: shown `failed` meanwhile, and a rank
+                    // that fails again at once backs off like one that cannot start.
+                    let restarting = registry.take_failed(RETRY_MIN);
+                    for failed in &restarting {
+                        warn!("{failed}; starting it again");
+                    }
+                    if restarting.is_empty() && !registry.has_pending() {
                         backoff = RETRY_MIN;
                         continue;
                     }
                     let failing = registry.retry_pending();
                     drop(registry);
-                    backoff = if failing.is_empty() {
+                    backoff = if failing.is_empty() && restarting.is_empty() {
                         RETRY_MIN
                     } else {
                         (backoff * 2).min(RETRY_MAX)
