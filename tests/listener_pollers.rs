@@ -145,7 +145,14 @@ fn a_rank_in_a_slow_replay_holds_up_no_other_rank_of_its_poller_and_stops_prompt
     assert_eq!(fixture.matched(slow_worker, &tokens(1, 2)), 2);
     let started = std::time::Instant::now();
     slow_listener.stop();
-    println!("stop during a replay took {:?}", started.elapsed());
+    let took = started.elapsed();
+    println!("stop during a replay took {took:?}");
+    // A recovery looks at its stop flag every 20 ms; the replay, answered once and stalled,
+    // would hold the rank for its whole 10 s limit.
+    assert!(
+        took < std::time::Duration::from_secs(1),
+        "stop during a replay took {took:?}"
+    );
     assert_eq!(
         fixture.matched(slow_worker, &tokens(1, 2)),
         0,

@@ -279,10 +279,8 @@ impl Listener {
             stop,
             gone_sender,
         );
-        let placed = pollers
-            .least_loaded()
-            .map(Arc::clone)
-            .and_then(|poller| match poller.add(Box::new(rank)) {
+        let placed = pollers.least_loaded().map(Arc::clone).and_then(|poller| {
+            match poller.add(Box::new(rank)) {
                 Ok(()) => Ok(poller),
                 Err((rank, error)) => {
                     // Not started: not a failure of the rank.
@@ -290,7 +288,8 @@ impl Listener {
                     drop(rank);
                     Err(error)
                 }
-            });
+            }
+        });
         let poller = match placed {
             Ok(poller) => poller,
             Err(error) => {

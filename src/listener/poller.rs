@@ -105,7 +105,10 @@ impl Mailbox {
                 unreachable!("the command sent was an Add")
             };
             unwatch(&self.set, &rank);
-            let error = anyhow!("the poller thread is gone (rank {} not started)", rank.token);
+            let error = anyhow!(
+                "the poller thread is gone (rank {} not started)",
+                rank.token
+            );
             return Err((rank, error));
         }
         self.load.fetch_add(1, Ordering::Relaxed);
@@ -124,8 +127,7 @@ impl Mailbox {
 
     /// A rank back from a recovery; failed (its blocks dropped) if the poller is gone.
     pub(super) fn give_back(&self, rank: Box<Rank>) {
-        if let Err(mpsc::SendError(Command::Back(rank))) = self.commands.send(Command::Back(rank))
-        {
+        if let Err(mpsc::SendError(Command::Back(rank))) = self.commands.send(Command::Back(rank)) {
             fail(
                 rank,
                 FailureReason::Poller,
@@ -334,7 +336,6 @@ impl Poller {
             .peek()
             .map(|Reverse((at, _))| at.saturating_duration_since(Instant::now()))
     }
-
 }
 
 impl Drop for Poller {

@@ -52,9 +52,9 @@ mod labels;
 use engines::EngineFamilies;
 pub use engines::EngineMetrics;
 use labels::{
-    event_labels, failure_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
-    ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels, StatusLabels,
-    TierLabels, TIERS,
+    event_labels, failure_labels, reason_labels, recovery_labels, state_labels, EventLabels,
+    RankLabels, ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels,
+    StatusLabels, TierLabels, TIERS,
 };
 pub use labels::{
     DiscoveryOutcome, EventSeries, FailureReason, LayoutKey, ListenerState, MalformedReason,
