@@ -45,6 +45,13 @@ impl ContextPool {
         (slot, context.clone())
     }
 
+    /// Puts `fresh` in slot 0 and returns the context it held: for a test to terminate the
+    /// old one under its listeners while restarts get a working one.
+    #[cfg(test)]
+    pub(super) fn replace_first(&self, fresh: zmq::Context) -> zmq::Context {
+        std::mem::replace(&mut self.contexts.lock()[0].0, fresh)
+    }
+
     pub(super) fn give_back(&self, slot: usize) {
         if let Some((_, used)) = self.contexts.lock().get_mut(slot) {
             *used = used.saturating_sub(1);

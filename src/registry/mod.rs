@@ -525,7 +525,7 @@ impl Drop for Registry {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
@@ -621,6 +621,95 @@ mod tests {
         assert_eq!(diff.removed, [key("a", 0), key("a", 1)]);
         assert_eq!(diff.unchanged, 1);
         assert_eq!(keys(&registry), ["b/0"]);
+    }
+
+    /// Puts a fresh context in the registry's pool and terminates the one its listeners run on
+    /// (on another thread: `zmq_ctx_term` returns once their sockets are closed). One handle is
+    /// leaked so that the context is never terminated twice.
+    pub(crate) fn terminate_listeners_context(registry: &Registry) -> std::thread::JoinHandle<()> {
+        let mut old = registry.contexts.replace_first(zmq::Context::new());
+        std::thread::spawn(move || {
+            old.destroy().expect("zmq_ctx_term");
+            std::mem::forget(old);
+        })
+    }
+
+    fn wait_for_state(registry: &Registry, state: crate::listener::State) -> ListenerView {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let view = registry.snapshot().remove(0);
+            if view.status.as_ref().is_some_and(|s| {
+                s.state == state && (s.connected || state != crate::listener::State::Active)
+            }) {
+                return view;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {state:?}: {view:?}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_failed_listener_is_taken_for_a_restart_after_its_wait_and_starts_again() {
+        use crate::listener::State;
+        let publishers = zmq::Context::new();
+        let publisher = publishers.socket(zmq::PUB).expect("PUB");
+        publisher.bind("tcp://127.0.0.1:*").expect("bind");
+        let endpoint = publisher
+            .get_last_endpoint()
+            .expect("endpoint")
+            .expect("UTF-8");
+        let metrics = Arc::new(Metrics::new());
+        let mut registry = Registry::new(zmq::Context::new(), Index::new(16, 8), metrics.clone());
+        registry
+            .register(vec![spec("a", 0, &endpoint)])
+            .expect("register a");
+        wait_for_state(&registry, State::Active);
+
+        terminate_listeners_context(&registry)
+            .join()
+            .expect("terminated");
+        let failed = wait_for_state(&registry, State::Failed);
+        let reason = failed.status.and_then(|s| s.failed).map(|f| f.reason);
+        assert!(
+            reason
+                .as_deref()
+                .is_some_and(|r| r.contains("Context was terminated")),
+            "{reason:?}"
+        );
+        assert!(!registry.has_pending(), "running, failed");
+        assert!(
+            registry.take_failed(Duration::from_secs(60)).is_empty(),
+            "not failed long enough"
+        );
+
+        let taken = registry.take_failed(Duration::ZERO);
+        assert_eq!(taken.len(), 1, "{taken:?}");
+        assert!(
+            taken[0].contains("engine a rank 0") && taken[0].contains("terminated"),
+            "{taken:?}"
+        );
+        assert!(registry.has_pending());
+        assert!(
+            registry.snapshot()[0].status.is_none(),
+            "pending, not running"
+        );
+        assert!(registry.retry_pending().is_empty());
+        wait_for_state(&registry, State::Active);
+        let text = metrics.render();
+        let counted =
+            "kv_indexer_listener_failures_total{instance=\"a\",dp_rank=\"0\",reason=\"socket\"} 1";
+        assert!(text.lines().any(|l| l == counted), "{text}");
+
+        registry.deregister("a");
+        assert!(
+            !metrics
+                .render()
+                .contains("listener_failures_total{instance=\"a\""),
+            "forgotten with the engine"
+        );
     }
 
     #[test]

@@ -14,6 +14,8 @@ mod discovery;
 mod neighbours;
 mod reload;
 mod retry;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::path::Path;
