@@ -2,7 +2,7 @@
 //! wait of a recovery look at (recovery waits in steps of at most 20 ms, so a raised flag is
 //! seen within one). It never blocks the side that raises it, and never resets once raised.
 //!
-//! A flag, not a descriptor: the poller is woken by its own command eventfd when a rank is
+//! A flag, not a descriptor: the poller is woken by its own command waker when a rank is
 //! removed, so a rank needs no eventfd of its own (one descriptor fewer per rank: 8,000 at
 //! 1,000 engines × 8 ranks).
 
