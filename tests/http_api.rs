@@ -226,7 +226,13 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
     assert_eq!(plain["instance"], "plain");
     assert_eq!(plain["model"], Value::Null);
     let rank = &plain["listeners"][0];
-    for null in ["replay", "recover", "last_seq", "reason", "last_event_ms_ago"] {
+    for null in [
+        "replay",
+        "recover",
+        "last_seq",
+        "reason",
+        "last_event_ms_ago",
+    ] {
         assert_eq!(rank[null], Value::Null, "{null}");
     }
     assert_eq!(rank["state"], "connecting");

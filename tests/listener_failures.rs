@@ -6,9 +6,9 @@
 
 mod support;
 
-use kv_indexer::listener::{Listener, Pollers, Replication, State};
+use kv_indexer::listener::{Pollers, State};
 use support::fake_engine::FakeRank;
-use support::listeners::{applied_through, spec, store, tokens, wait_for, Fixture};
+use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
 
 /// `zmq_ctx_term` on another thread, as a library shutting ZeroMQ down would: from then on
 /// every socket of `context` fails with ETERM, and the call returns once they are all closed.
@@ -22,27 +22,6 @@ fn terminate(context: zmq::Context) -> std::thread::JoinHandle<()> {
     })
 }
 
-fn listen_on(
-    fixture: &Fixture,
-    pollers: &Pollers,
-    context: &zmq::Context,
-    rank: &FakeRank,
-    engine: &str,
-) -> Listener {
-    let listener = Listener::start_with(
-        spec(engine, rank.dp_rank, rank.endpoint.clone()),
-        context,
-        &fixture.index,
-        &fixture.metrics,
-        &Replication::none(),
-        pollers,
-    )
-    .expect("start");
-    rank.wait_subscribed();
-    wait_for(&listener, "connected", |status| status.connected);
-    listener
-}
-
 #[test]
 fn a_rank_whose_sockets_fail_is_failed_with_the_reason_counted_and_its_blocks_gone() {
     let fixture = Fixture::new();
@@ -50,8 +29,8 @@ fn a_rank_whose_sockets_fail_is_failed_with_the_reason_counted_and_its_blocks_go
     let mut doomed = FakeRank::bind(&fixture.context, 0);
     let mut other = FakeRank::bind(&fixture.context, 0);
     let doomed_context = zmq::Context::new();
-    let doomed_listener = listen_on(&fixture, &pollers, &doomed_context, &doomed, "doomed");
-    let other_listener = listen_on(&fixture, &pollers, &fixture.context, &other, "other");
+    let doomed_listener = fixture.listen_on(&pollers, &doomed_context, &doomed, "doomed", None);
+    let other_listener = fixture.listen_on(&pollers, &fixture.context, &other, "other", None);
     doomed.publish(vec![store(1, 0, 2)]);
     applied_through(&doomed_listener, 0);
     assert_eq!(fixture.matched(doomed_listener.worker(), &tokens(1, 2)), 2);

@@ -8,39 +8,12 @@ mod support;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kv_indexer::listener::{Listener, Pollers, Replication, State};
+use kv_indexer::listener::{Listener, Pollers, State};
 use kv_indexer::registry::raise_open_files_limit;
 use kv_indexer_sim::encode::{message_frames, replay_frames};
 use kv_indexer_sim::procfs::Proc;
 use support::fake_engine::{payload, FakeRank};
-use support::listeners::{applied_through, spec, store, tokens, wait_for, Fixture};
-
-/// A listener of `rank` on `pollers`, subscribed and connected.
-fn listen_on(
-    fixture: &Fixture,
-    pollers: &Pollers,
-    context: &zmq::Context,
-    rank: &FakeRank,
-    engine: &str,
-    replay: Option<&str>,
-) -> Listener {
-    let spec = kv_indexer::plan::ListenerSpec {
-        replay: replay.map(str::to_owned),
-        ..spec(engine, rank.dp_rank, rank.endpoint.clone())
-    };
-    let listener = Listener::start_with(
-        spec,
-        context,
-        &fixture.index,
-        &fixture.metrics,
-        &Replication::none(),
-        pollers,
-    )
-    .expect("start");
-    rank.wait_subscribed();
-    wait_for(&listener, "connected", |status| status.connected);
-    listener
-}
+use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
 
 fn threads() -> u64 {
     Proc::Myself.holdings().expect("/proc/self").threads
@@ -63,7 +36,7 @@ fn five_hundred_ranks_cost_a_few_threads_not_one_each() {
         .enumerate()
         .map(|(i, rank)| {
             let context = &contexts[i % 2];
-            listen_on(&fixture, &pollers, context, rank, &format!("e{i}"), None)
+            fixture.listen_on(&pollers, context, rank, &format!("e{i}"), None)
         })
         .collect();
     for (i, rank) in ranks.iter_mut().enumerate() {
@@ -101,15 +74,8 @@ fn a_rank_in_a_slow_replay_holds_up_no_other_rank_of_its_poller_and_stops_prompt
     let mut slow = FakeRank::bind(&fixture.context, 0);
     let mut other = FakeRank::bind(&fixture.context, 0);
     let (router, replay) = stalling_replay(&fixture.context);
-    let slow_listener = listen_on(
-        &fixture,
-        &pollers,
-        &fixture.context,
-        &slow,
-        "slow",
-        Some(&replay),
-    );
-    let other_listener = listen_on(&fixture, &pollers, &fixture.context, &other, "other", None);
+    let slow_listener = fixture.listen_on(&pollers, &fixture.context, &slow, "slow", Some(&replay));
+    let other_listener = fixture.listen_on(&pollers, &fixture.context, &other, "other", None);
 
     slow.publish(vec![store(1, 0, 1)]);
     applied_through(&slow_listener, 0);
@@ -169,8 +135,8 @@ fn a_rank_publishing_nonstop_does_not_starve_another_rank_of_its_poller() {
     let pollers = Pollers::new(1).expect("one poller");
     let busy = FakeRank::bind(&fixture.context, 0);
     let mut quiet = FakeRank::bind(&fixture.context, 0);
-    let busy_listener = listen_on(&fixture, &pollers, &fixture.context, &busy, "busy", None);
-    let quiet_listener = listen_on(&fixture, &pollers, &fixture.context, &quiet, "quiet", None);
+    let busy_listener = fixture.listen_on(&pollers, &fixture.context, &busy, "busy", None);
+    let quiet_listener = fixture.listen_on(&pollers, &fixture.context, &quiet, "quiet", None);
 
     let publishing = Arc::new(AtomicBool::new(true));
     let flood = {

@@ -1,6 +1,6 @@
 //! Listeners in-process against scripted ranks (`fake_engine::FakeRank`) over real sockets on
 //! 127.0.0.1, for the listener tests (`listener_stream`, `listener_replay`,
-//! `listener_snapshot`, `listener_malformed`): the index and metrics a listener feeds, prompts
+//! `listener_snapshot`, `listener_malformed`, `listener_pollers`, `listener_failures`): the index and metrics a listener feeds, prompts
 //! of distinct blocks and the events that store them, a snapshot server answering
 //! `/kv_recover` with what a test sets, waits on a listener's status, and a logger that keeps
 //! the warnings listeners log.
@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_indexer::index::{Index, WorkerId};
-use kv_indexer::listener::{Listener, ListenerStatus, State};
+use kv_indexer::listener::{Listener, ListenerStatus, Pollers, Replication, State};
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::ListenerSpec;
 use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
@@ -133,6 +133,33 @@ impl Fixture {
         };
         let listener =
             Listener::start(spec, &self.context, &self.index, &self.metrics).expect("start");
+        rank.wait_subscribed();
+        wait_for(&listener, "connected", |status| status.connected);
+        listener
+    }
+
+    /// A listener of `rank` as `engine`, on `context` and `pollers`, subscribed and connected.
+    pub fn listen_on(
+        &self,
+        pollers: &Pollers,
+        context: &zmq::Context,
+        rank: &FakeRank,
+        engine: &str,
+        replay: Option<&str>,
+    ) -> Listener {
+        let spec = ListenerSpec {
+            replay: replay.map(str::to_owned),
+            ..spec(engine, rank.dp_rank, rank.endpoint.clone())
+        };
+        let listener = Listener::start_with(
+            spec,
+            context,
+            &self.index,
+            &self.metrics,
+            &Replication::none(),
+            pollers,
+        )
+        .expect("start");
         rank.wait_subscribed();
         wait_for(&listener, "connected", |status| status.connected);
         listener
