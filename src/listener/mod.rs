@@ -39,7 +39,10 @@
 //! network sends (bad frames and payloads are counted and dropped, the socket stays), never
 //! blocks on a peer without also watching its stop signal, and never leaves blocks behind: when
 //! `stop` returns, whoever held the rank (its poller, a recovery worker or queue) has dropped it,
-//! and dropping its `WorkerBlocks` removed every block of the rank from the index. A `parent_missing` store is counted but does not start a recovery:
+//! and dropping its `WorkerBlocks` removed every block of the rank from the index. Nor does a
+//! rank end silently: one dropped without a stop request (a socket error, its poller failing)
+//! is `failed` with the reason (`failure`), for the registry to start again.
+//! A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
 mod applier;
