@@ -1,13 +1,15 @@
 //! Getting a rank's lost history back: the replay client (DEALER to the engine's ROUTER,
 //! docs/protocol.md "Replay") and the snapshot fetch (`GET /kv_recover`, docs/design.md "Snapshot
 //! endpoint"). It never touches the index: replayed batches go to the caller's `apply`, the
-//! snapshot body is returned as bytes. Every wait also looks at the rank's stop signal at least
-//! every `TICK`, so a recovery in progress never delays `Listener::stop` by more than 20 ms. It
-//! runs on a recovery worker (`recoveries`), never on a poller, and never buffers an answer above
-//! its cap.
+//! snapshot body is returned as bytes. Every wait also looks at the rank's stop signal and its
+//! `Turn` at least every `TICK`, so a recovery in progress never delays `Listener::stop` by more
+//! than 20 ms, never holds its worker past the turn's overall deadline (`ATTEMPT_DEADLINE`: a
+//! peer that drips a byte at a time defeats any per-read timeout, not this one), and gives its
+//! worker up once its fair share is used and another rank waits. It runs on a recovery worker
+//! (`recoveries`), never on a poller, and never buffers an answer above its cap.
 
 use std::io::Read;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -22,10 +24,13 @@ const FIRST_REPLY: Duration = Duration::from_secs(1);
 /// A whole replay's limit.
 const WHOLE_REPLAY: Duration = Duration::from_secs(10);
 
+/// The most one turn of a recovery (replay, peers and engine snapshot together) may hold its
+/// worker, even with no other rank waiting: a 256 MiB snapshot at 10 MB/s fits in it.
+pub(super) const ATTEMPT_DEADLINE: Duration = Duration::from_secs(30);
+
 const SNAPSHOT_CONNECT: Duration = Duration::from_secs(2);
 /// A snapshot server silent this long (no header or body byte) is given up on.
 const SNAPSHOT_SILENCE: Duration = Duration::from_secs(5);
-const SNAPSHOT_WHOLE: Duration = Duration::from_secs(30);
 /// The largest snapshot a rank can have: bodies above it are refused, unread when their
 /// Content-Length says so, else cut at it. A rank holds at most ~16 M tokens (one B200's
 /// 192 GB of HBM at the 12 KiB per token of a 0.5B model: 24 layers × 2 KV heads × 64 dims ×
@@ -38,14 +43,61 @@ const ERROR_BODY_MAX_BYTES: u64 = 1024;
 /// Granularity of every wait, so stop requests are seen promptly.
 const TICK: Duration = Duration::from_millis(20);
 
+/// Why a recovery wait ended before its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Interrupt {
+    /// Stop was requested.
+    Stopped,
+    /// The turn's fair share is used and another rank waits for a worker.
+    Yield,
+}
+
+/// One turn of a rank's recovery on a worker: what every wait looks at besides the stop flag.
+pub(super) struct Turn {
+    /// Nothing of the turn runs past it.
+    deadline: Instant,
+    /// From then on the turn yields as soon as another rank waits.
+    share_ends: Instant,
+    /// Ranks waiting for a worker (`None`: no queue to yield to, as on a poller).
+    waiting: Option<Arc<AtomicUsize>>,
+}
+
+impl Turn {
+    /// A turn starting now that yields after `share` to any of `waiting`.
+    pub(super) fn new(share: Duration, waiting: Option<Arc<AtomicUsize>>) -> Turn {
+        let now = Instant::now();
+        Turn {
+            deadline: now + ATTEMPT_DEADLINE,
+            share_ends: now + share,
+            waiting,
+        }
+    }
+
+    /// What the wait at hand must end for, if anything.
+    pub(super) fn interrupt(&self, stop: &Stop) -> Option<Interrupt> {
+        if stop.requested() {
+            return Some(Interrupt::Stopped);
+        }
+        let others = self
+            .waiting
+            .as_ref()
+            .is_some_and(|waiting| waiting.load(Ordering::Relaxed) > 0);
+        (others && Instant::now() >= self.share_ends).then_some(Interrupt::Yield)
+    }
+
+    fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+}
+
 /// Where a replay got to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Replayed {
     /// The highest seq applied contiguously from the start (`None`: nothing usable); never
     /// past the seq asked for.
     Covered { through: Option<u64> },
-    /// Stop was requested mid-replay.
-    Stopped,
+    /// Cut short, having applied up to `through`.
+    Interrupted { by: Interrupt, through: Option<u64> },
 }
 
 /// The pure bookkeeping of one replay reply: contiguity from `start`.
@@ -84,15 +136,15 @@ impl ReplayProgress {
 /// Asks the replay socket at `endpoint` for every batch from `start`, handing each contiguous
 /// one up to `through` to `apply` (which answers false for a payload it cannot decode, ending
 /// the replay there). Returns once `through` was applied, or the reply ended, broke, or ran out
-/// of time. Nothing past `through` is applied: it is the seq before the first live message the
-/// listener holds, so anything later is not the history asked for (and a reply that never
-/// ends would otherwise run for the whole time limit, shadowing the live batches).
+/// of time (its own limits or the turn's deadline). Nothing past `through` is applied: it is the
+/// seq before the first live message the listener holds, so anything later is not the history
+/// asked for (and a reply that never ends would otherwise run for the whole time limit,
+/// shadowing the live batches).
 pub(super) fn replay(
     context: &zmq::Context,
     endpoint: &str,
-    start: u64,
-    through: u64,
-    stop: &Stop,
+    (start, through): (u64, u64),
+    (stop, turn): (&Stop, &Turn),
     apply: &mut dyn FnMut(u64, &[u8]) -> bool,
 ) -> anyhow::Result<Replayed> {
     let dealer = context
@@ -112,13 +164,17 @@ pub(super) fn replay(
     let mut progress = ReplayProgress::new(start);
     let mut answered = false;
     loop {
-        let deadline = begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY };
+        let deadline =
+            (begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY }).min(turn.deadline);
         let now = Instant::now();
         if now >= deadline {
             break;
         }
-        if stop.requested() {
-            return Ok(Replayed::Stopped);
+        if let Some(by) = turn.interrupt(stop) {
+            return Ok(Replayed::Interrupted {
+                by,
+                through: progress.through(),
+            });
         }
         let wait = i64::try_from((deadline - now).min(TICK).as_millis()).unwrap_or(0);
         if dealer
@@ -157,14 +213,26 @@ pub(super) fn replay(
 /// Where a snapshot fetch got to.
 pub(super) enum Fetched {
     Body(anyhow::Result<Vec<u8>>),
-    Stopped,
+    Interrupted(Interrupt),
 }
 
-/// `GET url` on a helper thread, so the recovery worker keeps watching the rank's stop signal:
-/// on stop the worker returns at once and tells the helper to give up; the helper owns nothing
-/// of the listener and ends at its next chunk or its next timeout (`http_get`).
-/// `bearer` is sent as `Authorization: Bearer` (peers that require `auth_token_file`).
-pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) -> Fetched {
+/// `GET url` on a helper thread, so the recovery worker keeps watching the rank's stop signal
+/// and its turn: on either it returns at once and tells the helper to give up; the helper owns
+/// nothing of the listener and ends at its next chunk or its next timeout (`http_get`), never
+/// later than the turn's deadline. `bearer` is sent as `Authorization: Bearer` (peers that
+/// require `auth_token_file`).
+pub(super) fn fetch_snapshot(
+    url: &str,
+    bearer: Option<&Secret>,
+    (stop, turn): (&Stop, &Turn),
+) -> Fetched {
+    let within = turn.remaining();
+    if within.is_zero() {
+        return Fetched::Body(Err(anyhow!(
+            "GET {url}: not asked, the recovery's {}s were used",
+            ATTEMPT_DEADLINE.as_secs()
+        )));
+    }
     let (sender, receiver) = mpsc::channel();
     let abandoned = Arc::new(AtomicBool::new(false));
     let helper_abandoned = Arc::clone(&abandoned);
@@ -174,7 +242,7 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
         .name("kvi-snapshot".into())
         .spawn(move || {
             // The listener may have gone: nobody to tell then.
-            let _ = sender.send(http_get(&helper_url, header, &helper_abandoned));
+            let _ = sender.send(http_get(&helper_url, header, within, &helper_abandoned));
         });
     if let Err(error) = spawned {
         return Fetched::Body(Err(
@@ -188,9 +256,9 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
                 return Fetched::Body(Err(anyhow!("GET {url}: the fetch thread died")))
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if stop.requested() {
+                if let Some(by) = turn.interrupt(stop) {
                     abandoned.store(true, Ordering::Relaxed);
-                    return Fetched::Stopped;
+                    return Fetched::Interrupted(by);
                 }
             }
         }
@@ -200,16 +268,18 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
 /// `GET url` with ureq, read in chunks so that an abandoned fetch ends at its next chunk. ureq
 /// cannot be interrupted inside a read, so a server that goes silent holds this helper thread
 /// until `SNAPSHOT_SILENCE` passes (the listener itself does not wait for it), and the whole
-/// fetch never outlives `SNAPSHOT_WHOLE`: an abandoned helper is gone within 5 s of silence.
+/// fetch never outlives `within` (ureq's global timeout, which a server dripping a byte at a
+/// time cannot stretch): an abandoned helper is gone within 5 s of silence.
 fn http_get(
     url: &str,
     authorization: Option<String>,
+    within: Duration,
     abandoned: &AtomicBool,
 ) -> anyhow::Result<Vec<u8>> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_connect(Some(SNAPSHOT_CONNECT))
         .timeout_per_read(Some(SNAPSHOT_SILENCE))
-        .timeout_global(Some(SNAPSHOT_WHOLE))
+        .timeout_global(Some(within))
         .max_redirects(0)
         .http_status_as_error(false)
         .build()
