@@ -73,6 +73,15 @@ impl Turn {
         }
     }
 
+    /// The same turn, ending by `at` instead if that is sooner, but not before its share.
+    pub(super) fn ending_by(&self, at: Instant) -> Turn {
+        Turn {
+            deadline: self.deadline.min(at.max(self.share_ends)),
+            share_ends: self.share_ends,
+            waiting: self.waiting.clone(),
+        }
+    }
+
     /// What the wait at hand must end for, if anything.
     pub(super) fn interrupt(&self, stop: &Stop) -> Option<Interrupt> {
         if stop.requested() {
@@ -348,6 +357,70 @@ mod tests {
         assert!(!progress.covers(5));
         assert!(!progress.continues_with(6));
         assert!(!progress.continues_with(4));
+    }
+
+    #[test]
+    fn a_turn_yields_only_after_its_share_and_while_another_rank_waits() {
+        let (stop, raise) = Stop::new();
+        let waiting = Arc::new(AtomicUsize::new(1));
+        let turn = Turn::new(Duration::from_millis(50), Some(Arc::clone(&waiting)));
+        assert_eq!(turn.interrupt(&stop), None, "within its share");
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(turn.interrupt(&stop), Some(Interrupt::Yield));
+        waiting.store(0, Ordering::Relaxed);
+        assert_eq!(turn.interrupt(&stop), None, "nobody waits");
+        assert_eq!(
+            Turn::new(Duration::ZERO, None).interrupt(&stop),
+            None,
+            "no queue to yield to"
+        );
+        raise.raise();
+        assert_eq!(turn.interrupt(&stop), Some(Interrupt::Stopped));
+    }
+
+    #[test]
+    fn a_turn_ending_by_a_past_instant_still_has_its_share() {
+        let turn = Turn::new(Duration::from_millis(500), None);
+        let past = Instant::now() - Duration::from_secs(1);
+        assert_eq!(turn.ending_by(past).deadline, turn.share_ends);
+        let later = Instant::now() + Duration::from_secs(5);
+        assert_eq!(turn.ending_by(later).deadline, later);
+        let never = Instant::now() + 2 * ATTEMPT_DEADLINE;
+        assert_eq!(turn.ending_by(never).deadline, turn.deadline);
+    }
+
+    /// A server that declares a body and drips it a byte every 100 ms: no per-read timeout
+    /// fires, only the turn's deadline ends the fetch.
+    #[test]
+    fn a_dripping_snapshot_is_given_up_at_the_turns_deadline() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}/kv_recover", listener.local_addr().expect("addr"));
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("accept");
+            let _ = stream.read(&mut [0u8; 4096]);
+            let head = "HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n";
+            let mut sent = stream.write_all(head.as_bytes());
+            while sent.is_ok() {
+                std::thread::sleep(Duration::from_millis(100));
+                sent = stream.write_all(b" ");
+            }
+        });
+        let (stop, _raise) = Stop::new();
+        let within = Duration::from_millis(400);
+        let turn = Turn::new(Duration::ZERO, None).ending_by(Instant::now() + within);
+        let started = Instant::now();
+        let fetched = fetch_snapshot(&url, None, (&stop, &turn));
+        let took = started.elapsed();
+        assert!(
+            matches!(fetched, Fetched::Body(Err(_))),
+            "a dripped body taken for a snapshot"
+        );
+        assert!(
+            took >= within && took < within + Duration::from_secs(2),
+            "gave up after {took:?}"
+        );
+        server.join().expect("the server thread");
     }
 
     #[test]

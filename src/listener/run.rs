@@ -24,9 +24,10 @@ use crate::wire::{self, EventBatch};
 const DRAIN_BATCH: usize = 256;
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
-/// A hole whose turn was cut short (its worker went to a rank waiting) waits for another turn
-/// until this long after it was found; then it is given up. It bounds how long a rank shows
-/// `recovering` with its live batches waiting: the staleness one rank's recovery can cause.
+/// A hole is worked on, over as many turns as it takes, until this long after it was found
+/// (or, when it waited longer for its first turn, for that turn's share); then it is given up.
+/// It bounds how long a rank shows `recovering` with its live batches waiting: the staleness
+/// one rank's recovery can cause.
 const HOLE_BUDGET: Duration = Duration::from_secs(30);
 /// A rank not connected this long after its listener started gets one log line saying what to
 /// check: long enough for an engine that is still loading its model to be left alone (ZMQ
@@ -380,6 +381,7 @@ impl Rank {
             found,
             rank,
         } = hole;
+        let turn = &turn.ending_by(found + HOLE_BUDGET);
         // What is still open is `from..=through`: `from` moves on as batches are applied.
         let (mut from, through) = (*range.start(), *range.end());
         let status = Arc::clone(&self.applier.status);
