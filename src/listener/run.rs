@@ -82,8 +82,11 @@ pub(super) struct Pending {
 /// A recovery the rank needs, run off its poller.
 pub(super) enum Job {
     Hole(Hole),
-    /// Lost history may be repaired by a snapshot now.
-    SnapshotRetry,
+    /// Lost history may be repaired by a snapshot now. `rank`: as a hole's, the rank's
+    /// failures in a row (at least the one that made it degraded).
+    SnapshotRetry {
+        rank: u32,
+    },
 }
 
 /// Batches to recover, then `pending` to apply unless the recovery went past it.
@@ -98,12 +101,11 @@ pub(super) struct Hole {
 
 impl Job {
     /// Lower goes first: a fresh hole of a rank that has not been failing before a hole that
-    /// already had turns, or of a rank that keeps failing; a snapshot retry (its rank is
-    /// `degraded` already, and applying) after every hole.
+    /// already had turns, or of a rank that keeps failing (a snapshot retry's rank failed at
+    /// least once, and applies live meanwhile).
     pub(super) fn priority(&self) -> u32 {
         match self {
-            Job::Hole(hole) => hole.rank,
-            Job::SnapshotRetry => u32::MAX,
+            Job::Hole(Hole { rank, .. }) | Job::SnapshotRetry { rank } => *rank,
         }
     }
 }
@@ -185,7 +187,9 @@ impl Rank {
         }
         self.snapshot_retry
             .is_some_and(|(at, _)| now >= at)
-            .then_some(Job::SnapshotRetry)
+            .then_some(Job::SnapshotRetry {
+                rank: self.failures,
+            })
     }
 
     /// Whether a recovery may wait on the network (a replay socket, a snapshot URL, a peer):
@@ -211,7 +215,7 @@ impl Rank {
     pub(super) fn take_turn(&mut self, job: Job, turn: &Turn) -> TurnEnd {
         match job {
             Job::Hole(hole) => self.recover(hole, turn),
-            Job::SnapshotRetry => TurnEnd::Finished(self.retry_snapshot(turn)),
+            Job::SnapshotRetry { .. } => TurnEnd::Finished(self.retry_snapshot(turn)),
         }
     }
 
