@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kv_indexer::listener::{Listener, State};
 use kv_indexer_sim::replay::{Layout, ReplayServer};
 use support::fake_engine::FakeRank;
-use support::hostile::{drip, RawHttpServer, StallingReplay};
+use support::hostile::{drip, RawHttpServer, ScriptedReplay};
 use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
 
 /// More hostile ranks than the 16 recovery workers.
@@ -25,7 +25,7 @@ const REPAIR_BOUND: Duration = Duration::from_secs(3);
 #[test]
 fn a_healthy_rank_is_repaired_promptly_while_20_ranks_stall_their_recoveries() {
     let fixture = Fixture::new();
-    let stalling = StallingReplay::start(&fixture.context);
+    let stalling = ScriptedReplay::stalling(&fixture.context);
     let dripping = RawHttpServer::start(drip);
     let mut hostile: Vec<(FakeRank, Listener)> = (0..HOSTILE)
         .map(|_| {

@@ -1,19 +1,19 @@
 //! Recovery by replay, on listeners in-process against scripted ranks over real sockets on
 //! 127.0.0.1, with a ROUTER serving the rank's history (`sim::replay`, both layouts): a gap,
 //! a restart seen mid-stream, a mid-stream join, a replay that never ends, a later replay after
-//! a loss it could not repair, and a stop that does not wait for a replay.
+//! a loss it could not repair (exact again only from the whole history, never applying a batch
+//! twice), and a stop that does not wait for a replay.
 
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_indexer::listener::{Listener, State};
-use kv_indexer_sim::encode::replay_frames;
 use kv_indexer_sim::replay::{History, Layout, ReplayServer};
 use support::fake_engine::{payload, FakeRank};
+use support::hostile::{send, ScriptedReplay};
 use support::listeners::{applied_through, remove, store, tokens, wait_for, Fixture};
 
 fn gap_is_repaired_by_replay(layout: Layout) {
@@ -111,70 +111,33 @@ fn mid_stream_join_is_recovered_by_replay() {
 /// A replay ROUTER that answers every request with the rank's history from the asked seq and
 /// then keeps streaming ever-higher seqs of fabricated batches (storing `FABRICATED`) until
 /// dropped: a replay that never ends.
-struct EndlessReplay {
-    endpoint: String,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+fn endless_replay(context: &zmq::Context, history: History) -> ScriptedReplay {
+    let fabricated = payload(0, vec![store(FABRICATED, 0, 1)]);
+    let script = move |router: &zmq::Socket, identity: &[u8], start: u64, stop: &AtomicBool| {
+        let history = history.lock().clone();
+        let mut seq = start;
+        while !stop.load(Ordering::Relaxed) {
+            let body = history
+                .iter()
+                .find(|(s, _)| *s == seq)
+                .map_or(&fabricated[..], |(_, payload)| &payload[..]);
+            send(router, identity, seq, body);
+            seq += 1;
+            if seq % 256 == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    };
+    ScriptedReplay::start(context, Box::new(script))
 }
 
 const FABRICATED: u32 = 999;
-
-impl EndlessReplay {
-    fn start(context: &zmq::Context, history: History) -> EndlessReplay {
-        let router = context.socket(zmq::ROUTER).expect("ROUTER");
-        router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
-        let endpoint = router.get_last_endpoint().unwrap().unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            let fabricated = payload(0, vec![store(FABRICATED, 0, 1)]);
-            while !thread_stop.load(Ordering::Relaxed) {
-                if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
-                    continue;
-                }
-                let request = router.recv_multipart(0).unwrap();
-                let identity = request[0].clone();
-                let mut seq = u64::from_be_bytes(request[2].as_slice().try_into().unwrap());
-                let history = history.lock().clone();
-                while !thread_stop.load(Ordering::Relaxed) {
-                    let body = history
-                        .iter()
-                        .find(|(s, _)| *s == seq)
-                        .map_or(&fabricated[..], |(_, payload)| &payload[..]);
-                    let mut frames = vec![identity.clone()];
-                    frames.extend(replay_frames(Some(b""), seq, body));
-                    // ROUTER drops what a gone peer cannot take: this never blocks.
-                    router.send_multipart(frames, 0).unwrap();
-                    seq += 1;
-                    if seq % 256 == 0 {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                }
-            }
-        });
-        EndlessReplay {
-            endpoint,
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for EndlessReplay {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            thread.join().unwrap();
-        }
-    }
-}
 
 #[test]
 fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
     let fixture = Fixture::new();
     let mut rank = FakeRank::bind(&fixture.context, 0);
-    let replay = EndlessReplay::start(&fixture.context, Arc::clone(&rank.history));
+    let replay = endless_replay(&fixture.context, Arc::clone(&rank.history));
     let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
 
     for prompt in 0..24 {

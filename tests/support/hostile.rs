@@ -1,7 +1,8 @@
 //! Peers that misbehave on purpose, over real sockets on 127.0.0.1, for the recovery tests
-//! (`listener_snapshot`, `listener_fairness`): a hand-rolled HTTP/1.1 server answering what a
+//! (`listener_snapshot`, `listener_replay`, `listener_fairness`): a hand-rolled HTTP/1.1 server answering what a
 //! test scripts (bodies tiny_http would not give: a declared 10 GB, an endless stream, silence,
-//! a byte every 2 s), and a replay ROUTER that answers one batch and then stalls.
+//! a byte every 2 s), and a replay ROUTER answering what a test scripts (one batch and then a
+//! stall, or batches forever).
 //!
 //! It never asserts what a test expects; every thread it starts ends when its value is dropped.
 
@@ -124,19 +125,23 @@ pub fn drip(stream: &mut std::net::TcpStream, stop: &AtomicBool) -> u64 {
     written
 }
 
-/// The prompt of the batches a `StallingReplay` makes up.
+/// The prompt of the batches `ScriptedReplay::stalling` makes up.
 pub const STALLED_PROMPT: u32 = 777;
 
-/// A replay ROUTER, for any number of ranks, that answers each request with one batch at the
-/// seq asked for (storing `STALLED_PROMPT`) and then nothing: no more batches, no end marker.
-pub struct StallingReplay {
+/// A replay ROUTER on an OS-picked port of 127.0.0.1, for any number of ranks, whose thread
+/// hands each well-formed request `[identity, "", start_seq]` to a script until dropped.
+pub struct ScriptedReplay {
     pub endpoint: String,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl StallingReplay {
-    pub fn start(context: &zmq::Context) -> StallingReplay {
+/// What a `ScriptedReplay` does with a request: given its socket, the requester's identity,
+/// the seq asked from and the stop flag (a script that keeps sending must look at it).
+pub type Script = Box<dyn Fn(&zmq::Socket, &[u8], u64, &AtomicBool) + Send>;
+
+impl ScriptedReplay {
+    pub fn start(context: &zmq::Context, script: Script) -> ScriptedReplay {
         let router = context.socket(zmq::ROUTER).expect("ROUTER");
         router.set_linger(0).unwrap();
         router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
@@ -144,7 +149,6 @@ impl StallingReplay {
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {
-            let made_up = payload(0, vec![store(STALLED_PROMPT, 0, 1)]);
             while !thread_stop.load(Ordering::Relaxed) {
                 if router
                     .poll(zmq::POLLIN, STOP_POLL.as_millis() as i64)
@@ -157,28 +161,38 @@ impl StallingReplay {
                 let (Some(identity), Some(start)) = (request.first(), request.get(2)) else {
                     continue;
                 };
-                let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) else {
-                    continue;
-                };
-                let mut frames = vec![identity.clone()];
-                frames.extend(replay_frames(
-                    Some(b""),
-                    u64::from_be_bytes(start),
-                    &made_up,
-                ));
-                // ROUTER drops what a gone peer cannot take: this never blocks.
-                router.send_multipart(frames, 0).unwrap();
+                if let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) {
+                    script(&router, identity, u64::from_be_bytes(start), &thread_stop);
+                }
             }
         });
-        StallingReplay {
+        ScriptedReplay {
             endpoint,
             stop,
             thread: Some(thread),
         }
     }
+
+    /// Answers each request with one batch at the seq asked for (storing `STALLED_PROMPT`),
+    /// then nothing: no more batches, no end marker.
+    pub fn stalling(context: &zmq::Context) -> ScriptedReplay {
+        let made_up = payload(0, vec![store(STALLED_PROMPT, 0, 1)]);
+        ScriptedReplay::start(
+            context,
+            Box::new(move |router, identity, start, _| send(router, identity, start, &made_up)),
+        )
+    }
 }
 
-impl Drop for StallingReplay {
+/// Sends one replayed batch to `identity` (new layout, empty topic). ROUTER drops what a gone
+/// peer cannot take: this never blocks.
+pub fn send(router: &zmq::Socket, identity: &[u8], seq: u64, payload: &[u8]) {
+    let mut frames = vec![identity.to_vec()];
+    frames.extend(replay_frames(Some(b""), seq, payload));
+    router.send_multipart(frames, 0).unwrap();
+}
+
+impl Drop for ScriptedReplay {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
