@@ -82,10 +82,10 @@ pub(super) struct Pending {
 /// A recovery the rank needs, run off its poller.
 pub(super) enum Job {
     Hole(Hole),
-    /// Lost history may be repaired by a snapshot now. `rank`: as a hole's, the rank's
+    /// Lost history may be repaired by a snapshot now. `place`: as a hole's, the rank's
     /// failures in a row (at least the one that made it degraded).
     SnapshotRetry {
-        rank: u32,
+        place: u32,
     },
 }
 
@@ -96,7 +96,7 @@ pub(super) struct Hole {
     /// When it was found: `HOLE_BUDGET` counts from here.
     found: Instant,
     /// Its place among the waiting: the rank's failures in a row, plus the turns it had.
-    rank: u32,
+    place: u32,
 }
 
 impl Job {
@@ -105,7 +105,7 @@ impl Job {
     /// least once, and applies live meanwhile).
     pub(super) fn priority(&self) -> u32 {
         match self {
-            Job::Hole(Hole { rank, .. }) | Job::SnapshotRetry { rank } => *rank,
+            Job::Hole(Hole { place, .. }) | Job::SnapshotRetry { place } => *place,
         }
     }
 }
@@ -188,7 +188,7 @@ impl Rank {
         self.snapshot_retry
             .is_some_and(|(at, _)| now >= at)
             .then_some(Job::SnapshotRetry {
-                rank: self.failures,
+                place: self.failures,
             })
     }
 
@@ -227,7 +227,7 @@ impl Rank {
             range,
             pending,
             found: Instant::now(),
-            rank: self.failures,
+            place: self.failures,
         })
     }
 
@@ -383,7 +383,7 @@ impl Rank {
             range,
             pending,
             found,
-            rank,
+            place,
         } = hole;
         let turn = &turn.ending_by(found + HOLE_BUDGET);
         // What is still open is `from..=through`: `from` moves on as batches are applied.
@@ -443,7 +443,7 @@ impl Rank {
                     range: from..=through,
                     pending,
                     found,
-                    rank: rank.saturating_add(1),
+                    place: place.saturating_add(1),
                 }));
             }
             _ => {}
