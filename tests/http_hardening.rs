@@ -506,3 +506,65 @@ fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
     );
     indexer.answers_and_settles();
 }
+
+#[test]
+fn other_malformed_heads_and_framings_get_400_or_505_with_the_reason() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let length = format!("Content-Length: {}\r\n", QUERY.len());
+    let chunked_too = format!("Transfer-Encoding: chunked\r\n{length}");
+    let twice = format!("Content-Length: 3\r\n{length}");
+    let cases: [(Vec<u8>, u16, &str); 9] = [
+        (
+            b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(),
+            505,
+            "HTTP/2.0 is not supported",
+        ),
+        (
+            b"GET  /health HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
+            400,
+            "malformed request line",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost : t\r\n\r\n".to_vec(),
+            400,
+            "malformed header line",
+        ),
+        // Obsolete line folding.
+        (
+            b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n".to_vec(),
+            400,
+            "malformed header line",
+        ),
+        (
+            "GET /health HTTP/1.1\r\nX-Name: é\r\n\r\n"
+                .as_bytes()
+                .to_vec(),
+            400,
+            "not ASCII",
+        ),
+        (
+            post_query(&chunked_too, QUERY),
+            400,
+            "both Transfer-Encoding and Content-Length",
+        ),
+        (post_query(&twice, QUERY), 400, "conflicting Content-Length"),
+        (
+            post_query(&format!("Content-Length: +{}\r\n", QUERY.len()), QUERY),
+            400,
+            "is not a number",
+        ),
+        (
+            post_query(&format!("Content-Length: {}, 3\r\n", QUERY.len()), QUERY),
+            400,
+            "is not a number",
+        ),
+    ];
+    for (request, status, reason) in cases {
+        let (got, error) = refusal(addr, &request);
+        let request = String::from_utf8_lossy(&request);
+        assert_eq!(got, status, "{request:?}: {error}");
+        assert!(error.contains(reason), "{request:?}: {error}");
+    }
+    indexer.answers_and_settles();
+}
