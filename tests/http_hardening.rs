@@ -113,6 +113,17 @@ fn refusal(addr: SocketAddr, request: &[u8]) -> (u16, String) {
     (status, error)
 }
 
+/// Sends `request` alone on a new connection; it must be answered 200.
+fn assert_answered(addr: SocketAddr, request: &[u8]) {
+    let answer = exchange(addr, request).expect("answered");
+    assert_eq!(
+        status_of(&answer),
+        Some(200),
+        "{:?}: {answer}",
+        String::from_utf8_lossy(request)
+    );
+}
+
 /// A `POST /query` head with `headers` and then `body` as sent (already framed).
 fn post_query(headers: &str, body: &str) -> Vec<u8> {
     format!("POST /query HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{headers}\r\n{body}")
@@ -362,8 +373,7 @@ fn control_characters_in_header_values_get_400_naming_the_header() {
     }
     // A tab is allowed in a value; the request is answered.
     let request = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Tab: a\tb\r\nConnection: close\r\n\r\n";
-    let answer = exchange(addr, request).expect("answered");
-    assert_eq!(status_of(&answer), Some(200), "{answer}");
+    assert_answered(addr, request);
     indexer.answers_and_settles();
 }
 
@@ -433,8 +443,7 @@ fn transfer_encoding_is_one_list_however_many_headers_carry_it() {
         "Transfer-Encoding: chunked\r\n",
         "transfer-encoding: , Chunked\r\n",
     ] {
-        let answer = exchange(addr, &post_query(headers, &body)).expect("answered");
-        assert_eq!(status_of(&answer), Some(200), "{headers:?}: {answer}");
+        assert_answered(addr, &post_query(headers, &body));
     }
     indexer.answers_and_settles();
 }
@@ -490,20 +499,15 @@ fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
         ("18", "", "X-Checksum: 1\r\nX-Other: two words\r\n"),
     ] {
         let body = one_chunk(size, extension, trailers);
-        let answer = exchange(addr, &post_query(chunked, &body)).expect("answered");
-        assert_eq!(status_of(&answer), Some(200), "{body:?}: {answer}");
+        assert_answered(addr, &post_query(chunked, &body));
     }
     let body = format!(
         "c\r\n{}\r\nC\r\n{}\r\n0\r\n\r\n",
         &QUERY[..12],
         &QUERY[12..]
     );
-    let answer = exchange(addr, &post_query(chunked, &body)).expect("answered");
-    assert_eq!(
-        status_of(&answer),
-        Some(200),
-        "two chunks, hex in both cases: {answer}"
-    );
+    // Two chunks, their sizes' hex in either case.
+    assert_answered(addr, &post_query(chunked, &body));
     indexer.answers_and_settles();
 }
 
