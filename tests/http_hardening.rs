@@ -1,7 +1,7 @@
 //! The HTTP API of the real binary under hostile clients, on 127.0.0.1: refused uploads by the
 //! thousand, oversized and slow heads, more connections than the cap, a process out of
-//! descriptors, and heads and chunked bodies that RFC 9112 says to refuse. Each test reads the child's descriptors, threads and resident memory from
-//! /proc and prints them.
+//! descriptors, and heads and chunked bodies that RFC 9112 says to refuse. Each test reads the
+//! child's descriptors, threads and resident memory from /proc and prints them.
 
 mod support;
 

@@ -2,9 +2,9 @@
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
 //! against limits and deadlines, `routes` answers each path with its exact JSON,
 //! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
-//! reveal cache contents or change state, `answering` bounds the requests answered at once, and `query_body` parses `POST /query`; `dynamo` is
-//! the Dynamo / Mooncake indexer API, served by the same server code on its own address
-//! (`Routes` says which API a server answers).
+//! reveal cache contents or change state, `answering` bounds the requests answered at once,
+//! and `query_body` parses `POST /query`; `dynamo` is the Dynamo / Mooncake indexer API, served
+//! by the same server code on its own address (`Routes` says which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
