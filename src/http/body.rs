@@ -106,22 +106,29 @@ fn framing(request: &Request) -> Result<Framing, Reply> {
         .filter(|coding| !coding.is_empty())
         .collect();
     let chunked = |coding: &&str| coding.eq_ignore_ascii_case("chunked");
-    let list = codings.join(", ");
+    let list = || codings.join(", ");
     match codings.split_last() {
         Some((last, [])) if chunked(last) => Ok(Framing::Chunked),
         Some((last, before)) if chunked(last) && !before.iter().any(chunked) => Err(Reply::error(
             501,
-            format!("Transfer-Encoding {list:?} is not supported; send chunked alone"),
+            format!(
+                "Transfer-Encoding {:?} is not supported; send chunked alone",
+                list()
+            ),
         )),
         Some((last, _)) if chunked(last) => Err(Reply::error(
             400,
-            format!("Transfer-Encoding {list:?} applies chunked more than once"),
+            format!(
+                "Transfer-Encoding {:?} applies chunked more than once",
+                list()
+            ),
         )),
         _ => Err(Reply::error(
             400,
             format!(
-                "Transfer-Encoding {list:?} does not end in chunked, so the body's end is \
-                 unknown; send chunked alone"
+                "Transfer-Encoding {:?} does not end in chunked, so the body's end is \
+                 unknown; send chunked alone",
+                list()
             ),
         )),
     }
