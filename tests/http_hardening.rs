@@ -1,7 +1,7 @@
 //! The HTTP API of the real binary under hostile clients, on 127.0.0.1: refused uploads by the
-//! thousand, oversized and slow heads, more connections than the cap, and a process out of
-//! descriptors. Each test reads the child's descriptors, threads and resident memory from
-//! /proc and prints them.
+//! thousand, oversized and slow heads, more connections than the cap, a process out of
+//! descriptors, and heads and chunked bodies that RFC 9112 says to refuse. Each test reads the
+//! child's descriptors, threads and resident memory from /proc and prints them.
 
 mod support;
 
@@ -92,6 +92,49 @@ fn exchange(addr: SocketAddr, head: &[u8]) -> std::io::Result<String> {
 
 fn status_of(answer: &str) -> Option<u16> {
     answer.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The status and the JSON `error` of the answer to `request`, sent alone on a new connection.
+fn refusal(addr: SocketAddr, request: &[u8]) -> (u16, String) {
+    let started = Instant::now();
+    let answer = exchange(addr, request).unwrap_or_else(|err| {
+        panic!(
+            "{:?}: no answer after {:?}: {err}",
+            String::from_utf8_lossy(request),
+            started.elapsed()
+        )
+    });
+    let status = status_of(&answer).unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"));
+    let (_, body) = answer.split_once("\r\n\r\n").unwrap_or_default();
+    let error = serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|body| body["error"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| panic!("no JSON error in {answer:?}"));
+    (status, error)
+}
+
+/// Sends `request` alone on a new connection; it must be answered 200.
+fn assert_answered(addr: SocketAddr, request: &[u8]) {
+    let answer = exchange(addr, request).expect("answered");
+    assert_eq!(
+        status_of(&answer),
+        Some(200),
+        "{:?}: {answer}",
+        String::from_utf8_lossy(request)
+    );
+}
+
+/// A `POST /query` head with `headers` and then `body` as sent (already framed).
+fn post_query(headers: &str, body: &str) -> Vec<u8> {
+    format!("POST /query HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{headers}\r\n{body}")
+        .into_bytes()
+}
+
+const QUERY: &str = r#"{"token_ids": [1, 2, 3]}"#;
+
+/// `QUERY` as one chunk of size `size` (as written) with `extension`, then `trailers`.
+fn one_chunk(size: &str, extension: &str, trailers: &str) -> String {
+    format!("{size}{extension}\r\n{QUERY}\r\n0\r\n{trailers}\r\n")
 }
 
 #[test]
@@ -290,4 +333,242 @@ fn out_of_descriptors_the_api_keeps_accepting_and_recovers() {
     });
     indexer.answers_and_settles();
     eprintln!("recovered: {}", indexer.figures());
+}
+
+#[test]
+fn a_head_with_bare_lf_line_ends_gets_400_at_once() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    for request in [
+        &b"GET /health HTTP/1.1\nHost: t\n\n"[..],
+        b"GET /health HTTP/1.1\r\nHost: t\n\r\n",
+        // Never ended: refused as soon as the bare LF arrives, not at the head deadline.
+        b"GET /health HTTP/1.1\r\nHost: t\n",
+    ] {
+        let started = Instant::now();
+        let (status, error) = refusal(addr, request);
+        assert_eq!(status, 400, "{request:?}: {error}");
+        assert!(error.contains("bare LF"), "{error}");
+        assert!(
+            started.elapsed() < HEAD_DEADLINE / 2,
+            "answered after {:?}",
+            started.elapsed()
+        );
+    }
+    indexer.answers_and_settles();
+}
+
+#[test]
+fn control_characters_in_header_values_get_400_naming_the_header() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    for value in ["a\0b", "\0", "a\x01b", "a\rb", "a\x7fb"] {
+        let request = format!("GET /health HTTP/1.1\r\nHost: t\r\nX-Evil: {value}\r\n\r\n");
+        let (status, error) = refusal(addr, request.as_bytes());
+        assert_eq!(status, 400, "{value:?}: {error}");
+        assert!(
+            error.contains("\"X-Evil\"") && error.contains("control character"),
+            "{value:?}: {error}"
+        );
+    }
+    // A tab is allowed in a value; the request is answered.
+    let request = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Tab: a\tb\r\nConnection: close\r\n\r\n";
+    assert_answered(addr, request);
+    indexer.answers_and_settles();
+}
+
+#[test]
+fn transfer_encoding_is_one_list_however_many_headers_carry_it() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let body = one_chunk("18", "", "");
+    // chunked then identity: chunked is not the last coding, so the body's end is unknown.
+    let two_headers = refusal(
+        addr,
+        &post_query(
+            "Transfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n",
+            &body,
+        ),
+    );
+    let one_list = refusal(
+        addr,
+        &post_query("Transfer-Encoding: chunked, identity\r\n", &body),
+    );
+    assert_eq!(two_headers, one_list, "the same list, answered otherwise");
+    assert_eq!(two_headers.0, 400, "{}", two_headers.1);
+    assert!(
+        two_headers.1.contains("does not end in chunked"),
+        "{}",
+        two_headers.1
+    );
+    for (headers, status, reason) in [
+        (
+            "Transfer-Encoding: identity\r\n",
+            400,
+            "does not end in chunked",
+        ),
+        (
+            "Transfer-Encoding: chunked, chunked\r\n",
+            400,
+            "more than once",
+        ),
+        (
+            "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+            400,
+            "more than once",
+        ),
+        (
+            "Transfer-Encoding: gzip, chunked\r\n",
+            501,
+            "send chunked alone",
+        ),
+        (
+            "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+            501,
+            "send chunked alone",
+        ),
+        ("Transfer-Encoding: \r\n", 400, "does not end in chunked"),
+    ] {
+        let (got, error) = refusal(addr, &post_query(headers, &body));
+        assert_eq!(got, status, "{headers:?}: {error}");
+        assert!(error.contains(reason), "{headers:?}: {error}");
+    }
+    let http_1_0 =
+        format!("POST /query HTTP/1.0\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n{body}");
+    let (status, error) = refusal(addr, http_1_0.as_bytes());
+    assert_eq!(status, 400, "{error}");
+    assert!(error.contains("HTTP/1.0"), "{error}");
+    // The one list we decode, in any case and with empty elements, is answered.
+    for headers in [
+        "Transfer-Encoding: chunked\r\n",
+        "transfer-encoding: , Chunked\r\n",
+    ] {
+        assert_answered(addr, &post_query(headers, &body));
+    }
+    indexer.answers_and_settles();
+}
+
+#[test]
+fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let chunked = "Transfer-Encoding: chunked\r\n";
+    // QUERY is 0x18 bytes; `+10` was read as 16.
+    assert_eq!(QUERY.len(), 0x18);
+    for (size, extension, trailers, reason) in [
+        ("+18", "", "", "must begin with a hex digit"),
+        ("+10", "", "", "must begin with a hex digit"),
+        ("-18", "", "", "must begin with a hex digit"),
+        (" 18", "", "", "must begin with a hex digit"),
+        ("\t18", "", "", "must begin with a hex digit"),
+        ("", "", "", "must begin with a hex digit"),
+        ("0x18", "", "", "not 1 to 16 hex digits"),
+        ("1_8", "", "", "not 1 to 16 hex digits"),
+        ("1 8", "", "", "not 1 to 16 hex digits"),
+        // 17 digits: past what a u64 holds, whatever their value.
+        ("00000000000000018", "", "", "not 1 to 16 hex digits"),
+        ("ffffffffffffffffff", "", "", "not 1 to 16 hex digits"),
+        ("18", ";a=\0", "", "control character"),
+        ("18", ";a\rb", "", "control character"),
+        ("18", "", "Bad Trailer\r\n", "trailer line"),
+        ("18", "", "X-T: a\0b\r\n", "trailer line"),
+    ] {
+        let body = one_chunk(size, extension, trailers);
+        let (status, error) = refusal(addr, &post_query(chunked, &body));
+        assert_eq!(status, 400, "{body:?}: {error}");
+        assert!(
+            error.starts_with("malformed chunked body: ") && error.contains(reason),
+            "{body:?}: {error}"
+        );
+    }
+    // A chunk line ended by a bare LF, and data longer than its size.
+    for body in [
+        format!("18\n{QUERY}\r\n0\r\n\r\n"),
+        format!("10\r\n{QUERY}\r\n0\r\n\r\n"),
+    ] {
+        let (status, error) = refusal(addr, &post_query(chunked, &body));
+        assert_eq!(status, 400, "{body:?}: {error}");
+    }
+    // What RFC 9112 allows is answered: leading zeros, either case, extensions (with spaces
+    // before the `;`), trailers.
+    for (size, extension, trailers) in [
+        ("18", "", ""),
+        ("0000000000000018", "", ""),
+        ("18", ";name=value;flag", ""),
+        ("18", " ; name=\"quoted value\"", ""),
+        ("18", "", "X-Checksum: 1\r\nX-Other: two words\r\n"),
+    ] {
+        let body = one_chunk(size, extension, trailers);
+        assert_answered(addr, &post_query(chunked, &body));
+    }
+    let body = format!(
+        "c\r\n{}\r\nC\r\n{}\r\n0\r\n\r\n",
+        &QUERY[..12],
+        &QUERY[12..]
+    );
+    // Two chunks, their sizes' hex in either case.
+    assert_answered(addr, &post_query(chunked, &body));
+    indexer.answers_and_settles();
+}
+
+#[test]
+fn other_malformed_heads_and_framings_get_400_or_505_with_the_reason() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let length = format!("Content-Length: {}\r\n", QUERY.len());
+    let chunked_too = format!("Transfer-Encoding: chunked\r\n{length}");
+    let twice = format!("Content-Length: 3\r\n{length}");
+    let cases: [(Vec<u8>, u16, &str); 9] = [
+        (
+            b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(),
+            505,
+            "HTTP/2.0 is not supported",
+        ),
+        (
+            b"GET  /health HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
+            400,
+            "malformed request line",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost : t\r\n\r\n".to_vec(),
+            400,
+            "malformed header line",
+        ),
+        // Obsolete line folding.
+        (
+            b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n".to_vec(),
+            400,
+            "malformed header line",
+        ),
+        (
+            "GET /health HTTP/1.1\r\nX-Name: é\r\n\r\n"
+                .as_bytes()
+                .to_vec(),
+            400,
+            "not ASCII",
+        ),
+        (
+            post_query(&chunked_too, QUERY),
+            400,
+            "both Transfer-Encoding and Content-Length",
+        ),
+        (post_query(&twice, QUERY), 400, "conflicting Content-Length"),
+        (
+            post_query(&format!("Content-Length: +{}\r\n", QUERY.len()), QUERY),
+            400,
+            "is not a number",
+        ),
+        (
+            post_query(&format!("Content-Length: {}, 3\r\n", QUERY.len()), QUERY),
+            400,
+            "is not a number",
+        ),
+    ];
+    for (request, status, reason) in cases {
+        let (got, error) = refusal(addr, &request);
+        let request = String::from_utf8_lossy(&request);
+        assert_eq!(got, status, "{request:?}: {error}");
+        assert!(error.contains(reason), "{request:?}: {error}");
+    }
+    indexer.answers_and_settles();
 }

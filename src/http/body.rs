@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::connection::{read_some, Conn};
-use super::head::Request;
+use super::head::{Request, MAX_HEADERS};
 use super::{Reply, MAX_BODY_BYTES, MAX_UPLOADS};
 
 /// A body must have arrived whole within this time.
@@ -63,30 +63,74 @@ enum Framing {
     Chunked,
 }
 
+/// The body's framing, as RFC 9112 section 6 has it: a `Transfer-Encoding` is one list however
+/// many headers carry it (`chunked` then `identity` is `chunked, identity`), and must end in
+/// `chunked` (anything else leaves the body's end unknown: 400); `chunked` alone is the one we
+/// decode (501 for another coding before it).
 fn framing(request: &Request) -> Result<Framing, Reply> {
-    let encoding = request.header("Transfer-Encoding");
     let mut lengths = request.header_values("Content-Length");
     let length = lengths.next();
     if lengths.any(|other| Some(other) != length) {
         return Err(Reply::error(400, "conflicting Content-Length headers"));
     }
-    match (encoding, length) {
-        (Some(_), Some(_)) => Err(Reply::error(
-            400,
-            "both Transfer-Encoding and Content-Length; send one",
-        )),
-        (Some(encoding), None) if encoding.eq_ignore_ascii_case("chunked") => Ok(Framing::Chunked),
-        (Some(encoding), None) => Err(Reply::error(
-            501,
-            format!("Transfer-Encoding {encoding:?} is not supported; use chunked"),
-        )),
-        (None, Some(length)) => length
+    let mut encodings = request.header_values("Transfer-Encoding").peekable();
+    if encodings.peek().is_none() {
+        let Some(length) = length else {
+            return Ok(Framing::Length(0));
+        };
+        return length
             .parse::<u64>()
             .ok()
             .filter(|_| length.bytes().all(|b| b.is_ascii_digit()))
             .map(|length| Framing::Length(usize::try_from(length).unwrap_or(usize::MAX)))
-            .ok_or_else(|| Reply::error(400, format!("Content-Length {length:?} is not a number"))),
-        (None, None) => Ok(Framing::Length(0)),
+            .ok_or_else(|| {
+                Reply::error(400, format!("Content-Length {length:?} is not a number"))
+            });
+    }
+    if length.is_some() {
+        return Err(Reply::error(
+            400,
+            "both Transfer-Encoding and Content-Length; send one",
+        ));
+    }
+    if request.minor_version() == 0 {
+        return Err(Reply::error(
+            400,
+            "Transfer-Encoding in an HTTP/1.0 request; use HTTP/1.1 or Content-Length",
+        ));
+    }
+    // Empty list elements are allowed and mean nothing (RFC 9110 section 5.6.1).
+    let codings: Vec<&str> = encodings
+        .flat_map(|value| value.split(','))
+        .map(|coding| coding.trim_matches([' ', '\t']))
+        .filter(|coding| !coding.is_empty())
+        .collect();
+    let chunked = |coding: &&str| coding.eq_ignore_ascii_case("chunked");
+    let list = || codings.join(", ");
+    match codings.split_last() {
+        Some((last, [])) if chunked(last) => Ok(Framing::Chunked),
+        Some((last, before)) if chunked(last) && !before.iter().any(chunked) => Err(Reply::error(
+            501,
+            format!(
+                "Transfer-Encoding {:?} is not supported; send chunked alone",
+                list()
+            ),
+        )),
+        Some((last, _)) if chunked(last) => Err(Reply::error(
+            400,
+            format!(
+                "Transfer-Encoding {:?} applies chunked more than once",
+                list()
+            ),
+        )),
+        _ => Err(Reply::error(
+            400,
+            format!(
+                "Transfer-Encoding {:?} does not end in chunked, so the body's end is \
+                 unknown; send chunked alone",
+                list()
+            ),
+        )),
     }
 }
 
@@ -201,16 +245,9 @@ fn read_length(
 /// Decodes `size[;extensions] CRLF data CRLF` chunks up to the `0` chunk and its trailers.
 fn read_chunked(conn: &mut Conn, deadline: Instant, body: &mut Vec<u8>) -> Result<(), BodyError> {
     loop {
-        let line = read_line(conn, deadline)?;
-        let size = line.split(|&b| b == b';').next().unwrap_or_default();
-        let size = std::str::from_utf8(size)
-            .ok()
-            .and_then(|size| usize::from_str_radix(size.trim(), 16).ok())
-            .ok_or(BodyError::Malformed("a chunk size is not hexadecimal"))?;
+        let size = chunk_size(read_line(conn, deadline)?)?;
         if size == 0 {
-            // Trailers, up to the blank line that ends the body.
-            while !read_line(conn, deadline)?.is_empty() {}
-            return Ok(());
+            return read_trailers(conn, deadline);
         }
         if size > MAX_BODY_BYTES - body.len() {
             return Err(BodyError::TooLarge);
@@ -226,6 +263,56 @@ fn read_chunked(conn: &mut Conn, deadline: Instant, body: &mut Vec<u8>) -> Resul
             return Err(BodyError::Malformed("a chunk is longer than its size"));
         }
     }
+}
+
+/// The size of a chunk line (without its CRLF): `1*HEXDIG`, then optional extensions, which
+/// are ignored. httparse reads the digits (at most 16: no overflow) but reads an empty size as
+/// 0 and lets any byte through in an extension, so those two are checked here (RFC 9112
+/// section 7.1: no sign, no space before the digits, no control character).
+fn chunk_size(mut line: Vec<u8>) -> Result<usize, BodyError> {
+    if !line.first().is_some_and(u8::is_ascii_hexdigit) {
+        return Err(BodyError::Malformed(
+            "a chunk size must begin with a hex digit (no sign, no space)",
+        ));
+    }
+    if line.iter().any(|&b| b.is_ascii_control() && b != b'\t') {
+        return Err(BodyError::Malformed(
+            "a chunk line holds a control character",
+        ));
+    }
+    line.extend_from_slice(b"\r\n");
+    match httparse::parse_chunk_size(&line) {
+        Ok(httparse::Status::Complete((_, size))) => {
+            Ok(usize::try_from(size).unwrap_or(usize::MAX))
+        }
+        _ => Err(BodyError::Malformed(
+            "a chunk size is not 1 to 16 hex digits, then optional ;extensions",
+        )),
+    }
+}
+
+/// The trailer section after the last chunk, up to the blank line that ends the body: field
+/// lines as in a head (checked by httparse), dropped.
+fn read_trailers(conn: &mut Conn, deadline: Instant) -> Result<(), BodyError> {
+    let mut trailers = Vec::new();
+    for _ in 0..=MAX_HEADERS {
+        let line = read_line(conn, deadline)?;
+        trailers.extend_from_slice(&line);
+        trailers.extend_from_slice(b"\r\n");
+        if !line.is_empty() {
+            continue;
+        }
+        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        return match httparse::parse_headers(&trailers, &mut fields) {
+            Ok(httparse::Status::Complete(_)) => Ok(()),
+            _ => Err(BodyError::Malformed(
+                "a trailer line is not Name: value without control characters",
+            )),
+        };
+    }
+    Err(BodyError::Malformed(
+        "more trailer lines than a head may have headers",
+    ))
 }
 
 /// One CRLF-terminated line, without its CRLF.

@@ -135,7 +135,7 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
         keep_bounded(&mut tokens);
         let is_query = reply.is_query;
         let keep_alive = request.keep_alive();
-        let head_only = *request.method() == tiny_http::Method::Head;
+        let head_only = *request.method() == http::Method::HEAD;
         conn.write_reply(&reply, request.minor_version(), head_only, !keep_alive);
         if is_query {
             shared

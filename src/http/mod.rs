@@ -2,9 +2,9 @@
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
 //! against limits and deadlines, `routes` answers each path with its exact JSON,
 //! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
-//! reveal cache contents or change state, and `query_body` parses `POST /query`; `dynamo` is
-//! the Dynamo / Mooncake indexer API, served by the same server code on its own address
-//! (`Routes` says which API a server answers).
+//! reveal cache contents or change state, `answering` bounds the requests answered at once,
+//! and `query_body` parses `POST /query`; `dynamo` is the Dynamo / Mooncake indexer API, served
+//! by the same server code on its own address (`Routes` says which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
@@ -16,16 +16,17 @@
 //! 32 MiB heads took 900 MB), gives no access to the accepted sockets (so no socket timeouts),
 //! cannot be handed a connection it did not accept itself, and its accept thread quits for
 //! good on the first accept error (EMFILE left the API dead while the process lived on). So we
-//! accept on our own `TcpListener` and read, parse and answer requests ourselves (HTTP/1.1 with
-//! keep-alive, Content-Length and chunked bodies, `Expect: 100-continue`; answers always carry
-//! a Content-Length), keeping tiny_http's `Method` and status reasons; the simulated engine
-//! (`sim`) still serves with tiny_http.
+//! accept on our own `TcpListener`, read against our own limits and deadlines, and answer
+//! ourselves (HTTP/1.1 with keep-alive, Content-Length and chunked bodies,
+//! `Expect: 100-continue`; answers always carry a Content-Length); the parsing is httparse's
+//! (heads, chunk sizes, trailers), and methods and reason phrases are the `http` crate's.
 //!
 //! Bounds: at most `MAX_CONNECTIONS` open connections (one thread and one descriptor each),
 //! `MAX_HEAD_BYTES` of head, `MAX_BODY_BYTES` of body, `MAX_UPLOADS` bodies read at once, and
 //! `POOL_THREADS` requests answered at once.
 
 mod accept;
+mod answering;
 mod auth;
 pub use auth::{constant_time_eq, is_authorized};
 mod body;
@@ -38,6 +39,7 @@ mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod routes;
 mod snapshot_route;
+pub use snapshot_route::percent_decode;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,11 +48,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::Context;
+use http::{Method, StatusCode};
 use log::info;
-use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use serde_json::json;
-use tiny_http::Method;
 
 use crate::config::ConfigError;
 use crate::discover::Board;
@@ -59,6 +60,7 @@ use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use accept::{accept_loop, Live, Reserve};
+use answering::Answering;
 use body::Uploads;
 pub use head::{Request, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
 pub use routes::diff_json;
@@ -131,29 +133,6 @@ struct Shared {
     live: Arc<Live>,
 }
 
-/// Counts the requests being answered, up to `POOL_THREADS`.
-#[derive(Default)]
-struct Answering {
-    count: Mutex<usize>,
-    freed: Condvar,
-}
-
-impl Answering {
-    fn run<R>(&self, answer: impl FnOnce() -> R) -> R {
-        {
-            let mut count = self.count.lock();
-            while *count >= POOL_THREADS {
-                self.freed.wait(&mut count);
-            }
-            *count += 1;
-        }
-        let result = answer();
-        *self.count.lock() -= 1;
-        self.freed.notify_one();
-        result
-    }
-}
-
 /// Routes `request` and counts its error, if any.
 fn answer(shared: &Shared, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
     let reply = shared
@@ -169,8 +148,8 @@ fn answer(shared: &Shared, request: &Request, body: &[u8], tokens: &mut Vec<u32>
 /// `request` uses one of them.
 fn check_method(request: &Request, path: &str, wants_post: bool) -> Result<(), Reply> {
     let allowed = match request.method() {
-        Method::Post => wants_post,
-        Method::Get | Method::Head => !wants_post,
+        &Method::POST => wants_post,
+        &Method::GET | &Method::HEAD => !wants_post,
         _ => false,
     };
     if allowed {
@@ -312,7 +291,10 @@ impl Reply {
     /// `close` when the connection closes after it, `keep-alive` for an HTTP/1.0 client that
     /// asked to keep it.
     fn encode(&self, minor_version: u8, head_only: bool, close: bool) -> Vec<u8> {
-        let reason = tiny_http::StatusCode(self.status).default_reason_phrase();
+        let reason = StatusCode::from_u16(self.status)
+            .ok()
+            .and_then(|status| status.canonical_reason())
+            .unwrap_or_default();
         let mut head = format!(
             "HTTP/1.{minor_version} {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\n",
             self.status,
