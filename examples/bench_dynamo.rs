@@ -3,6 +3,10 @@
 //! i holding the prompt's first 64 × (i + 1) blocks. One keep-alive client per API, queries
 //! alternating between the two so both see the same machine load.
 //!
+//! Then registers 2,000 ranks through the Dynamo API's `POST /register` (each to a loopback port
+//! nobody listens on: ZMQ connects asynchronously) and prints the mean cost of registrations
+//! 1..100 against 1,901..2,000: the work per registration must not grow with their count.
+//!
 //! `cargo run --release --example bench_dynamo`
 
 use std::time::Duration;
@@ -18,6 +22,11 @@ const BLOCK_SIZE: u32 = 16;
 const PROMPT_BLOCKS: u32 = 512;
 const CHAIN: u32 = 32;
 const QUERIES: usize = 4_000;
+/// Runtime registrations timed, and how many at each end are compared.
+const REGISTRATIONS: usize = 2_000;
+const COMPARED: usize = 100;
+/// The first loopback port registered; nobody listens from it on.
+const FIRST_PORT: usize = 40_000;
 
 fn main() -> Result<()> {
     let zmq = zmq::Context::new();
@@ -95,7 +104,52 @@ fn main() -> Result<()> {
     }
     report("ours   POST /query", &mut our_latencies);
     report("Dynamo POST /query", &mut dynamo_latencies);
+    let dynamo_addr = servers.dynamo_addr().context("dynamo_listen is set")?;
+    report_registrations(&time_registrations(dynamo_addr)?);
     Ok(())
+}
+
+/// The time of each of `REGISTRATIONS` `POST /register`s, in order, over one keep-alive
+/// connection.
+fn time_registrations(dynamo: std::net::SocketAddr) -> Result<Vec<Duration>> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let url = format!("http://{dynamo}/register");
+    (0..REGISTRATIONS)
+        .map(|i| {
+            let body = serde_json::json!({
+                "instance_id": 1_000_000 + i,
+                "endpoint": format!("tcp://127.0.0.1:{}", FIRST_PORT + i),
+                "model_name": "bench-model",
+                "block_size": BLOCK_SIZE,
+            })
+            .to_string();
+            let sent = std::time::Instant::now();
+            let mut reply = agent.post(&url).send(&body).context("POST /register")?;
+            let answer = reply.body_mut().read_to_string();
+            let took = sent.elapsed();
+            ensure!(
+                reply.status() == 201,
+                "registration {}: {}: {answer:?}",
+                i + 1,
+                reply.status()
+            );
+            Ok(took)
+        })
+        .collect()
+}
+
+fn report_registrations(took: &[Duration]) {
+    let mean = |range: &[Duration]| range.iter().sum::<Duration>() / range.len() as u32;
+    println!(
+        "POST /register: mean of registrations 1..{COMPARED} {:?}, of {}..{} {:?}",
+        mean(&took[..COMPARED]),
+        took.len() - COMPARED + 1,
+        took.len(),
+        mean(&took[took.len() - COMPARED..])
+    );
 }
 
 /// One engine rank's KV-event PUB socket, as vLLM binds it (an XPUB, to see the indexer
