@@ -33,7 +33,9 @@ fn main() -> Result<()> {
     let publishers = (0..ENGINES)
         .map(|_| Publisher::bind(&zmq))
         .collect::<Result<Vec<_>>>()?;
-    let mut toml = String::from("dynamo_listen = \"127.0.0.1:0\"\nblock_size = 16\nshards = 64\n");
+    let mut toml = format!(
+        "dynamo_listen = \"127.0.0.1:0\"\nmax_runtime_ranks = {REGISTRATIONS}\nblock_size = 16\nshards = 64\n"
+    );
     for (i, publisher) in publishers.iter().enumerate() {
         toml += &format!(
             "[[engine]]\nname = \"engine-{i}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",

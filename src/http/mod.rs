@@ -2,7 +2,8 @@
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
 //! against limits and deadlines, `routes` answers each path with its exact JSON,
 //! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
-//! reveal cache contents or change state, and `query_body` parses `POST /query`; `dynamo` is
+//! reveal cache contents or change state, `query_body` parses `POST /query` and `json_fields`
+//! reads the JSON bodies of both APIs; `dynamo` is
 //! the Dynamo / Mooncake indexer API, served by the same server code on its own address
 //! (`Routes` says which API a server answers).
 //!
@@ -32,6 +33,7 @@ mod body;
 mod connection;
 pub mod dynamo;
 mod head;
+mod json_fields;
 #[cfg(test)]
 mod json_mutation;
 mod query_body;

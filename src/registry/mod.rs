@@ -43,7 +43,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use log::{info, warn};
 
-use crate::index::Index;
+use crate::index::{Index, WorkerId};
 use crate::listener::{Listener, Pollers, Replication};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -152,23 +152,30 @@ impl Registry {
         let planned = self.planned_count() + specs.len();
         let started = self.start_engine(specs, planned)?;
         self.insert_running(started);
-        self.publish();
         Ok(())
     }
 
     /// Stops every listener of `engine` (their blocks leave the index) and forgets any pending
     /// start of it. Returns the keys that were running.
     pub fn deregister(&mut self, engine: &str) -> Vec<WorkerKey> {
-        self.pending.remove(engine);
-        let keys: Vec<WorkerKey> = self
-            .running
-            .keys()
-            .filter(|k| k.engine == engine)
-            .cloned()
-            .collect();
-        self.remove_running(&keys);
-        self.publish();
+        let rank = |dp_rank| WorkerKey {
+            engine: engine.to_owned(),
+            dp_rank,
+        };
+        let ranks = rank(0)..=rank(u32::MAX);
+        let keys: Vec<WorkerKey> = self.running.range(ranks).map(|(k, _)| k.clone()).collect();
+        self.remove(&keys);
+        if let Some((specs, _)) = self.pending.remove(engine) {
+            let keys: Vec<WorkerKey> = specs.into_iter().map(|spec| spec.key).collect();
+            self.publish_left(&[], &keys);
+        }
         keys
+    }
+
+    /// Stops the listeners of `keys` (their blocks leave the index); a key that does not run is
+    /// skipped. Costs what the keys cost, whatever else runs.
+    pub fn remove(&mut self, keys: &[WorkerKey]) {
+        self.remove_running(keys);
     }
 
     /// Makes the running set equal to `plan`, touching only listeners whose spec changed
@@ -386,6 +393,7 @@ impl Registry {
         Ok(pollers.insert(started).clone())
     }
 
+    /// Adds `started` to what runs, and to the directory and the rank board.
     fn insert_running(&mut self, started: Vec<Running>) {
         if let Some(first) = started.first() {
             let endpoints: Vec<&str> = started
@@ -399,24 +407,27 @@ impl Registry {
                 endpoints.join(" ")
             );
         }
+        self.publish_joined(&started);
         for running in started {
             self.running
                 .insert(running.listener.spec().key.clone(), running);
         }
     }
 
-    /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
-    /// index and `Listener`'s drop forgets their metric series).
+    /// Takes `keys` out of the directory and the rank board, then stops their listeners (their
+    /// blocks leave the index and `Listener`'s drop forgets their metric series).
     fn remove_running(&mut self, keys: &[WorkerKey]) {
         let leaving: Vec<Running> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
         if leaving.is_empty() {
             return;
         }
-        self.publish();
-        let names: Vec<String> = leaving
+        let workers: Vec<WorkerId> = leaving.iter().map(|r| r.listener.worker()).collect();
+        let names: Vec<WorkerKey> = leaving
             .iter()
-            .map(|r| r.listener.spec().key.to_string())
+            .map(|r| r.listener.spec().key.clone())
             .collect();
+        self.publish_left(&workers, &names);
+        let names: Vec<String> = names.iter().map(ToString::to_string).collect();
         info!("stopping {} listeners: {}", names.len(), names.join(" "));
         self.stop(leaving);
     }
@@ -433,32 +444,68 @@ impl Registry {
         });
     }
 
-    /// Publishes the directory and the rank board of what runs and is pending now.
+    /// Publishes the directory and the rank board of what runs and is pending now, rebuilt
+    /// whole (after a reload or a retry, which touch any number of ranks).
     fn publish(&self) {
         let workers = self.running.values().map(|running| {
             let listener = &running.listener;
-            let spec = listener.spec();
-            let info = WorkerInfo {
-                instance: spec.key.engine.clone(),
-                dp_rank: spec.key.dp_rank,
-                model: spec.model.clone(),
-                instance_id: spec.instance_id,
-            };
-            (listener.worker(), info)
+            (listener.worker(), worker_info(listener.spec()))
         });
         self.directory.publish(WorkerDirectory::new(workers));
-        let running = self.running.values().map(|running| Rank {
-            spec: running.listener.spec().clone(),
-            running: Some((running.listener.worker(), running.listener.status_handle())),
-        });
+        let running = self.running.values().map(running_rank);
         let pending = self.pending.values().flat_map(|(specs, _)| {
             specs.iter().map(|spec| Rank {
                 spec: spec.clone(),
                 running: None,
             })
         });
-        self.ranks
-            .publish(RankBoard::new(running.chain(pending).collect()));
+        self.ranks.publish(RankBoard::new(running.chain(pending)));
+    }
+
+    /// Publishes the directory and the rank board with `started` joined: the work of what
+    /// joined, whatever else runs (both are persistent maps, each published version sharing
+    /// all but the changed paths with the last).
+    fn publish_joined(&self, started: &[Running]) {
+        let mut directory = WorkerDirectory::clone(&self.directory.current());
+        let mut board = RankBoard::clone(&self.ranks.current());
+        for running in started {
+            let listener = &running.listener;
+            directory.insert(listener.worker(), worker_info(listener.spec()));
+            board.insert(running_rank(running));
+        }
+        self.directory.publish(directory);
+        self.ranks.publish(board);
+    }
+
+    /// Publishes the directory without `workers` and the rank board without `keys`.
+    fn publish_left(&self, workers: &[WorkerId], keys: &[WorkerKey]) {
+        let mut directory = WorkerDirectory::clone(&self.directory.current());
+        for &worker in workers {
+            directory.remove(worker);
+        }
+        let mut board = RankBoard::clone(&self.ranks.current());
+        for key in keys {
+            board.remove(key);
+        }
+        self.directory.publish(directory);
+        self.ranks.publish(board);
+    }
+}
+
+fn worker_info(spec: &ListenerSpec) -> WorkerInfo {
+    WorkerInfo {
+        instance: spec.key.engine.clone(),
+        dp_rank: spec.key.dp_rank,
+        model: spec.model.clone(),
+        instance_id: spec.instance_id,
+    }
+}
+
+fn running_rank(running: &Running) -> Rank {
+    let listener = &running.listener;
+    Rank {
+        spec: listener.spec().clone(),
+        running: Some((listener.worker(), listener.status_handle())),
     }
 }
 
