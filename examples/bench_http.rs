@@ -140,18 +140,25 @@ fn main() {
 }
 
 /// What parsing the body costs, apart from HTTP: the server's one-pass scanner (every body of
-/// the common shape), its fallback (`serde_path_to_error` over derived structs, taken by bodies
-/// the scanner declines: unknown keys, escapes, errors; here the body with one unknown key), and
-/// a plain typed serde_json parse for scale.
+/// the common shape), its fallback (derived structs, taken by bodies the scanner declines:
+/// unknown keys, escapes, errors; here the body with one unknown key), a refused body (its last
+/// token -1: read by the fallback, then again with `serde_path_to_error` tracking the path to
+/// name `token_ids[8191]`), and a plain typed serde_json parse for scale.
 fn print_parse_cost(body: &[u8]) {
     #[derive(serde::Deserialize)]
     struct Query {
         token_ids: Vec<u32>,
     }
     let fallback_body = [br#"{"unknown": 1, "#.as_slice(), &body[1..]].concat();
+    let last_token = body.iter().rposition(|&b| b == b',').expect("a token list") + 1;
+    let close = body.iter().rposition(|&b| b == b']').expect("a token list");
+    let refused_body = [&body[..last_token], b"-1", &body[close..]].concat();
     let scanner = time_parse(|| kv_indexer::http::parse_query(body).map(|q| q.token_ids.len()));
-    let fallback = time_parse(|| {
-        kv_indexer::http::parse_query(&fallback_body).map(|q| q.token_ids.len())
+    let fallback =
+        time_parse(|| kv_indexer::http::parse_query(&fallback_body).map(|q| q.token_ids.len()));
+    let refused = time_parse(|| match kv_indexer::http::parse_query(&refused_body) {
+        Err(reason) if reason.starts_with("token_ids[") => Ok(reason.len()),
+        other => Err(format!("not refused by its last token: {other:?}")),
     });
     let serde = time_parse(|| {
         serde_json::from_slice::<Query>(body)
@@ -161,6 +168,7 @@ fn print_parse_cost(body: &[u8]) {
     for (what, (p50, p99)) in [
         ("the scanner", scanner),
         ("our fallback path", fallback),
+        ("our fallback path, refusing it", refused),
         ("a plain serde_json struct", serde),
     ] {
         println!("parse of the body by {what}: p50 {p50:?}, p99 {p99:?}");

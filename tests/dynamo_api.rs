@@ -470,7 +470,9 @@ fn a_registration_is_bounded_in_each_field_and_in_number() {
     let third = registration(3, "m1", &quiet(3), 0);
     let full = refused(dynamo, "/register", &third, 429);
     assert!(
-        full.starts_with("runtime registrations are full: 2 ranks registered, max_runtime_ranks is 2"),
+        full.starts_with(
+            "runtime registrations are full: 2 ranks registered, max_runtime_ranks is 2"
+        ),
         "{full}"
     );
     let leave = json!({"instance_id": 2, "model_name": "m1"});

@@ -75,30 +75,44 @@ pub(crate) fn parse_object<T: Object>(body: &[u8]) -> Result<T, String> {
             err.valid_up_to()
         )
     })?;
+    // Tracking the path more than doubles the cost of a long body (`bench_http` prints a
+    // refusal, which pays both readings, beside a valid body): a valid body is read without
+    // it, and a refused one read again with it, to say where.
+    match serde_json::from_str::<Whole<T>>(body) {
+        Ok(whole) => Ok(whole.0),
+        Err(untracked) => Err(match tracked::<T>(body) {
+            Err((place, err)) => message(&place, &err),
+            // The same reading of the same text cannot succeed; kept exact all the same.
+            Ok(()) => message("body", &untracked),
+        }),
+    }
+}
+
+/// `body` read again with its path tracked: where it is refused, and why.
+fn tracked<T: Object>(body: &str) -> Result<(), (String, serde_json::Error)> {
     let mut deserializer = serde_json::Deserializer::from_str(body);
-    let parsed = serde_path_to_error::deserialize::<_, Whole<T>>(&mut deserializer)
-        .map_err(|err| {
-            let place = match err.path().iter().next() {
-                None => "body".to_owned(),
-                Some(_) => err.path().to_string(),
-            };
-            (place, err.into_inner())
-        })
-        .and_then(|whole| {
-            let end = deserializer.end();
-            end.map(|()| whole.0).map_err(|err| ("body".to_owned(), err))
-        });
-    parsed.map_err(|(place, err)| {
-        let text = err.to_string();
-        // serde_json appends the position to every message; ours already say where.
-        let position = format!(" at line {} column {}", err.line(), err.column());
-        match err.classify() {
-            serde_json::error::Category::Data => {
-                format!("{place}: {}", text.strip_suffix(&position).unwrap_or(&text))
-            }
-            _ => format!("body is not valid JSON: {text}"),
+    let whole = serde_path_to_error::deserialize::<_, Whole<T>>(&mut deserializer);
+    whole.map_err(|err| {
+        let place = match err.path().iter().next() {
+            None => "body".to_owned(),
+            Some(_) => err.path().to_string(),
+        };
+        (place, err.into_inner())
+    })?;
+    deserializer.end().map_err(|err| ("body".to_owned(), err))
+}
+
+/// The 400's message for `err` at `place`.
+fn message(place: &str, err: &serde_json::Error) -> String {
+    let text = err.to_string();
+    // serde_json appends the position to every message; ours already say where.
+    let position = format!(" at line {} column {}", err.line(), err.column());
+    match err.classify() {
+        serde_json::error::Category::Data => {
+            format!("{place}: {}", text.strip_suffix(&position).unwrap_or(&text))
         }
-    })
+        _ => format!("body is not valid JSON: {text}"),
+    }
 }
 
 /// The whole body: a JSON object, else "body: expected a JSON object, got …".
@@ -263,7 +277,9 @@ impl<'de, R: Read<'de>> Visitor<'de> for Visit<R> {
 
     fn visit_i64<E: de::Error>(self, value: i64) -> Result<R::Value, E> {
         let expected = self.0.expected();
-        self.0.signed(value).ok_or_else(|| rejection(expected, value))
+        self.0
+            .signed(value)
+            .ok_or_else(|| rejection(expected, value))
     }
 
     fn visit_f64<E: de::Error>(self, value: f64) -> Result<R::Value, E> {

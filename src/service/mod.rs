@@ -309,7 +309,10 @@ impl Service {
 
 /// The registry's plans, the file's and the runtime registrations together, at most
 /// `max_runtime_ranks` of the latter.
-fn runtime_engines(registry: &Arc<Mutex<Registry>>, max_runtime_ranks: usize) -> Arc<RuntimeEngines> {
+fn runtime_engines(
+    registry: &Arc<Mutex<Registry>>,
+    max_runtime_ranks: usize,
+) -> Arc<RuntimeEngines> {
     Arc::new(RuntimeEngines::new(
         Box::new(RegistryRunner(registry.clone())),
         max_runtime_ranks,

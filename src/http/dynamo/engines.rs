@@ -148,7 +148,8 @@ impl State {
     }
 
     fn insert_runtime(&mut self, spec: ListenerSpec) {
-        self.runtime_keys.insert(spec.key.clone(), dynamo_rank(&spec));
+        self.runtime_keys
+            .insert(spec.key.clone(), dynamo_rank(&spec));
         self.runtime.insert(dynamo_rank(&spec), spec);
     }
 
@@ -346,7 +347,12 @@ mod tests {
     }
 
     fn running(recorder: &Recorder) -> Vec<String> {
-        recorder.running.lock().iter().map(ToString::to_string).collect()
+        recorder
+            .running
+            .lock()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
     }
 
     #[test]
@@ -380,7 +386,10 @@ mod tests {
         engines.apply_file_plan(vec![spec("dynamo-9", 1, Some("m"), false)]);
         for (clash, why) in [
             (spec("dynamo-9", 5, Some("m"), true), "the file's key"),
-            (spec("dynamo-1", 1, Some("m"), true), "the file's instance and rank"),
+            (
+                spec("dynamo-1", 1, Some("m"), true),
+                "the file's instance and rank",
+            ),
         ] {
             let refused = engines.register(vec![clash]);
             assert!(
@@ -404,7 +413,10 @@ mod tests {
         engines
             .register(vec![spec("dynamo-4", 4, Some("m"), true)])
             .expect("room again");
-        assert_eq!(running(&recorder), ["dynamo-9/0", "dynamo-3/0", "dynamo-4/0"]);
+        assert_eq!(
+            running(&recorder),
+            ["dynamo-9/0", "dynamo-3/0", "dynamo-4/0"]
+        );
     }
 
     #[test]

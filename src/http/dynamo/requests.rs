@@ -80,13 +80,17 @@ impl Leaf for InstanceId {
     }
 }
 
-fn hashes_or_null<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Vec<u64>>, D::Error> {
+fn hashes_or_null<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<u64>>, D::Error> {
     let hashes = leaves_or_null::<D, HashBits>(deserializer)?;
     // HashBits is u64: the collect reuses the vector.
     Ok(hashes.map(|hashes| hashes.into_iter().map(|hash| hash.0).collect()))
 }
 
-fn instance_id_or_null<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+fn instance_id_or_null<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
     Ok(or_null::<D, InstanceId>(deserializer)?.map(|id| id.0))
 }
 
