@@ -581,6 +581,32 @@ mod tests {
     }
 
     #[test]
+    fn remove_and_deregister_take_ranks_out_of_both_views() {
+        let mut registry = registry();
+        let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
+        let pair = vec![spec("a", 0, &a0), spec("a", 1, &a1)];
+        registry.register(pair).expect("a");
+        registry.register(vec![spec("b", 0, &b0)]).expect("b");
+        let a1_worker = registry.snapshot()[1].worker.expect("a/1 runs");
+        let a1_key = WorkerKey {
+            engine: "a".into(),
+            dp_rank: 1,
+        };
+        registry.remove(&[a1_key]);
+        assert_eq!(keys(&registry), ["a/0", "b/0"]);
+        assert!(registry.directory().current().get(a1_worker).is_none());
+
+        // A pending engine is on the board until it is deregistered.
+        let plan = vec![spec("a", 0, &a0), spec("b", 0, &b0), spec("bad", 0, BROKEN)];
+        assert_eq!(registry.apply(plan).unchanged, 2);
+        assert_eq!(keys(&registry), ["a/0", "b/0", "bad/0"]);
+        assert!(registry.deregister("bad").is_empty(), "bad/0 never ran");
+        assert!(!registry.has_pending());
+        assert_eq!(registry.deregister("a").len(), 1);
+        assert_eq!(keys(&registry), ["b/0"]);
+    }
+
+    #[test]
     fn apply_touches_only_what_changed() {
         let mut registry = registry();
         let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
