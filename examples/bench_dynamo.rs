@@ -3,6 +3,13 @@
 //! i holding the prompt's first 64 × (i + 1) blocks. One keep-alive client per API, queries
 //! alternating between the two so both see the same machine load.
 //!
+//! Then registers 2,000 ranks through the Dynamo API's `POST /register` and prints the cost of
+//! registrations 1..100 against 1,901..2,000: the work per registration must not grow with
+//! their count. Each rank's endpoint is a loopback port the bench listens on and never
+//! accepts from: the kernel completes the connection and ZMQ then waits for a greeting, so no
+//! socket retries a refused connection (2,000 of those, every 100 ms at first, would load the
+//! machine more the more ranks are registered).
+//!
 //! `cargo run --release --example bench_dynamo`
 
 use std::time::Duration;
@@ -18,13 +25,18 @@ const BLOCK_SIZE: u32 = 16;
 const PROMPT_BLOCKS: u32 = 512;
 const CHAIN: u32 = 32;
 const QUERIES: usize = 4_000;
+/// Runtime registrations timed, and how many at each end are compared.
+const REGISTRATIONS: usize = 2_000;
+const COMPARED: usize = 100;
 
 fn main() -> Result<()> {
     let zmq = zmq::Context::new();
     let publishers = (0..ENGINES)
         .map(|_| Publisher::bind(&zmq))
         .collect::<Result<Vec<_>>>()?;
-    let mut toml = String::from("dynamo_listen = \"127.0.0.1:0\"\nblock_size = 16\nshards = 64\n");
+    let mut toml = format!(
+        "dynamo_listen = \"127.0.0.1:0\"\nmax_runtime_ranks = {REGISTRATIONS}\nblock_size = 16\nshards = 64\n"
+    );
     for (i, publisher) in publishers.iter().enumerate() {
         toml += &format!(
             "[[engine]]\nname = \"engine-{i}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n",
@@ -95,7 +107,63 @@ fn main() -> Result<()> {
     }
     report("ours   POST /query", &mut our_latencies);
     report("Dynamo POST /query", &mut dynamo_latencies);
+    let dynamo_addr = servers.dynamo_addr().context("dynamo_listen is set")?;
+    report_registrations(&time_registrations(dynamo_addr)?);
     Ok(())
+}
+
+/// The time of each of `REGISTRATIONS` `POST /register`s, in order, over one keep-alive
+/// connection.
+fn time_registrations(dynamo: std::net::SocketAddr) -> Result<Vec<Duration>> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let url = format!("http://{dynamo}/register");
+    let ports = (0..REGISTRATIONS)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").context("a loopback port"))
+        .collect::<Result<Vec<_>>>()?;
+    ports
+        .iter()
+        .enumerate()
+        .map(|(i, port)| {
+            let body = serde_json::json!({
+                "instance_id": 1_000_000 + i,
+                "endpoint": format!("tcp://{}", port.local_addr()?),
+                "model_name": "bench-model",
+                "block_size": BLOCK_SIZE,
+            })
+            .to_string();
+            let sent = std::time::Instant::now();
+            let mut reply = agent.post(&url).send(&body).context("POST /register")?;
+            let answer = reply.body_mut().read_to_string();
+            let took = sent.elapsed();
+            ensure!(
+                reply.status() == 201,
+                "registration {}: {}: {answer:?}",
+                i + 1,
+                reply.status()
+            );
+            Ok(took)
+        })
+        .collect()
+}
+
+/// The mean and median of the first and the last `COMPARED` registrations.
+fn report_registrations(took: &[Duration]) {
+    let summary = |range: &[Duration]| {
+        let mut sorted = range.to_vec();
+        sorted.sort();
+        let mean = range.iter().sum::<Duration>() / range.len() as u32;
+        format!("mean {mean:?}, median {:?}", sorted[sorted.len() / 2])
+    };
+    println!(
+        "POST /register: registrations 1..{COMPARED} {}; {}..{} {}",
+        summary(&took[..COMPARED]),
+        took.len() - COMPARED + 1,
+        took.len(),
+        summary(&took[took.len() - COMPARED..])
+    );
 }
 
 /// One engine rank's KV-event PUB socket, as vLLM binds it (an XPUB, to see the indexer

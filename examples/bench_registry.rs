@@ -44,6 +44,7 @@ fn config(engines: u32) -> Config {
     Config {
         listen: "127.0.0.1:0".into(),
         dynamo_listen: None,
+        max_runtime_ranks: kv_indexer::config::DEFAULT_MAX_RUNTIME_RANKS,
         block_size: 16,
         shards: 64,
         engines,

@@ -262,6 +262,7 @@ mod tests {
         Config {
             listen: "127.0.0.1:8090".into(),
             dynamo_listen: None,
+            max_runtime_ranks: crate::config::DEFAULT_MAX_RUNTIME_RANKS,
             block_size: 16,
             shards: 64,
             engines,

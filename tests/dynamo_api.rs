@@ -308,7 +308,7 @@ fn bad_requests_get_a_status_and_a_message_naming_the_field() {
         ("/register", json!({"instance_id": 1, "endpoint": "tcp://127.0.0.1:1", "model_name": "m1", "block_size": 16, "routing_group": "g"}),
          "routing_group: kv-indexer has only the \"default\" group, not \"g\""),
         ("/unregister", json!({"instance_id": -1, "model_name": "m1"}),
-         "instance_id: expected an integer in 0..=18446744073709551615 or null, got -1"),
+         "instance_id: expected an integer in 0..=9223372036854775807 or null, got -1"),
     ];
     for (path, body, message) in cases {
         assert_eq!(refused(dynamo, path, body, 400), *message, "{path} {body}");
@@ -413,6 +413,80 @@ fn a_registered_engine_runs_beside_the_files_survives_a_reload_and_unregisters()
     let (_, answer) = call(dynamo, "/query", &query);
     assert_eq!(answer["scores"].get("42"), None, "{answer}");
     assert_eq!(runtime_on_workers(ours), json!([]));
+}
+
+/// Every field a registration keeps is bounded (a 400 naming it), `instance_id` is in the
+/// file's range, and registrations stop at `max_runtime_ranks` (429 naming it) until one leaves.
+#[test]
+fn a_registration_is_bounded_in_each_field_and_in_number() {
+    let zmq = zmq::Context::new();
+    let rank = FakeRank::bind(&zmq, 0);
+    let file = config(&[engine("a", rank.port, Some("m1"), None)]);
+    let servers = start_servers(&format!("max_runtime_ranks = 2\n{file}"));
+    let dynamo = servers.dynamo_addr().expect("dynamo_listen is set");
+    let registration = |instance_id: u64, model: &str, endpoint: &str, dp_rank: u32| {
+        json!({"instance_id": instance_id, "endpoint": endpoint, "model_name": model,
+               "block_size": BLOCK_SIZE, "dp_rank": dp_rank})
+    };
+    // Nobody listens there: ZMQ connects asynchronously, so the rank starts.
+    let quiet = |port: u16| format!("tcp://127.0.0.1:{port}");
+    let long_host = format!("tcp://{}.example:1", "h".repeat(250));
+    let mut too_long = registration(1, "m1", &quiet(1), 0);
+    too_long["replay_endpoint"] = json!(long_host);
+    let cases = [
+        (
+            registration(1, &"m".repeat(257), &quiet(1), 0),
+            "model_name: 257 bytes, more than the 256 a registration takes",
+        ),
+        (
+            registration(1, "m1", &long_host, 0),
+            "endpoint: 266 bytes, more than the 256 a registration takes",
+        ),
+        (
+            too_long,
+            "replay_endpoint: 266 bytes, more than the 256 a registration takes",
+        ),
+        (
+            registration(1, "m1", &quiet(1), 1024),
+            "dp_rank: 1024 is past 1023",
+        ),
+        (
+            json!({"instance_id": 9_223_372_036_854_775_808u64, "endpoint": quiet(1),
+                   "model_name": "m1", "block_size": BLOCK_SIZE}),
+            "instance_id: expected an integer in 0..=9223372036854775807 or null, \
+             got 9223372036854775808",
+        ),
+    ];
+    for (body, message) in &cases {
+        assert_eq!(refused(dynamo, "/register", body, 400), *message);
+    }
+    // The largest of each bound is taken.
+    let widest = registration(i64::MAX as u64, &"m".repeat(256), &quiet(1), 1023);
+    assert_eq!(call(dynamo, "/register", &widest).0, 201);
+    assert_eq!(
+        call(dynamo, "/register", &registration(2, "m1", &quiet(2), 0)).0,
+        201
+    );
+    let third = registration(3, "m1", &quiet(3), 0);
+    let full = refused(dynamo, "/register", &third, 429);
+    assert!(
+        full.starts_with(
+            "runtime registrations are full: 2 ranks registered, max_runtime_ranks is 2"
+        ),
+        "{full}"
+    );
+    let leave = json!({"instance_id": 2, "model_name": "m1"});
+    assert_eq!(call(dynamo, "/unregister", &leave).0, 200);
+    assert_eq!(call(dynamo, "/register", &third).0, 201);
+    let workers = get(dynamo, "/workers").json();
+    let runtime: Vec<&Value> = workers
+        .as_array()
+        .expect("an array")
+        .iter()
+        .filter(|worker| worker["source"] == "runtime")
+        .map(|worker| &worker["instance_id"])
+        .collect();
+    assert_eq!(runtime, [&json!(3), &json!(i64::MAX)]);
 }
 
 /// The binary with `dynamo_listen` set: a rank registered through the Dynamo API runs beside

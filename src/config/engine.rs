@@ -20,7 +20,7 @@ use super::keys::{as_table, read_table, Checked, Int, SectionChecker};
 use super::ports::{check_port_ranges, Placed, PortRange, RankRange, SocketKind};
 use super::{
     EngineConfig, FixedRanks, Ranks, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT,
-    MAX_DISCOVER_INTERVAL_S, MAX_DP_SIZE,
+    MAX_DISCOVER_INTERVAL_S, MAX_DP_SIZE, MAX_INSTANCE_ID,
 };
 
 /// One `[[engine]]` or `[defaults]` table as written.
@@ -119,7 +119,7 @@ impl EngineFields {
             instance_id: checker.int(
                 "instance_id",
                 raw.instance_id,
-                "an integer 0..=9223372036854775807",
+                &format!("an integer 0..={MAX_INSTANCE_ID}"),
                 |n| u64::try_from(n).ok(),
             ),
         }

@@ -49,6 +49,8 @@ pub struct Config {
     /// Where the Dynamo / Mooncake indexer API is served (docs.md, "Dynamo / Mooncake indexer
     /// API"); not served when absent.
     pub dynamo_listen: Option<String>,
+    /// Ranks `POST /register` of the Dynamo API may add, at most (read at start).
+    pub max_runtime_ranks: usize,
     /// Tokens per KV block.
     pub block_size: u32,
     /// Lock shards of the index (a power of two).
@@ -150,6 +152,16 @@ pub const DEFAULT_DISCOVER_INTERVAL_S: u32 = 30;
 pub const MAX_DISCOVER_INTERVAL_S: u32 = 86_400;
 /// More shards than this buys no concurrency on any real machine and costs memory.
 pub const MAX_SHARDS: usize = 1 << 16;
+/// The largest `instance_id` a file can write (TOML integers are i64), and so the largest the
+/// Dynamo API's `POST /register` takes: every registered id is one a file could take over.
+pub const MAX_INSTANCE_ID: u64 = i64::MAX as u64;
+/// Ranks `POST /register` may add when the file does not say (`max_runtime_ranks`): each holds
+/// `listener::FDS_PER_LISTENER` descriptors, so 1,024 of them hold ~7,000, far from the
+/// descriptor limit the service raises itself to, and more than a few hundred Dynamo workers'
+/// data-parallel ranks.
+pub const DEFAULT_MAX_RUNTIME_RANKS: usize = 1_024;
+/// The most `max_runtime_ranks` may be: as many ranks as 1,000 engines of 64 ranks.
+pub const MAX_RUNTIME_RANKS: usize = 64_000;
 
 impl Config {
     /// Reads and validates `path`.
@@ -185,6 +197,7 @@ impl Config {
             Some(top) if problems.is_empty() => Ok(Config {
                 listen: top.listen,
                 dynamo_listen: top.dynamo_listen,
+                max_runtime_ranks: top.max_runtime_ranks,
                 block_size: top.block_size,
                 shards: top.shards,
                 engines: engines.valid,
@@ -237,6 +250,7 @@ impl std::error::Error for ConfigError {}
 struct RawTop {
     listen: Option<Spanned<String>>,
     dynamo_listen: Option<Spanned<String>>,
+    max_runtime_ranks: Option<Spanned<Int>>,
     block_size: Option<Spanned<Int>>,
     shards: Option<Spanned<Int>>,
     peers: Option<Spanned<Vec<Spanned<String>>>>,
@@ -251,6 +265,7 @@ struct RawTop {
 struct Top {
     listen: String,
     dynamo_listen: Option<String>,
+    max_runtime_ranks: usize,
     block_size: u32,
     shards: usize,
     replicas: Replicas,
@@ -281,6 +296,12 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
             Ok(()) => None,
         }
     });
+    let max_runtime_ranks = checker.int(
+        "max_runtime_ranks",
+        raw.max_runtime_ranks,
+        &format!("0..={MAX_RUNTIME_RANKS}"),
+        |n| usize::try_from(n).ok().filter(|&n| n <= MAX_RUNTIME_RANKS),
+    );
     let block_size = checker.int("block_size", raw.block_size, "1..=4294967295", |n| {
         u32::try_from(n).ok().filter(|&size| size > 0)
     });
@@ -304,6 +325,7 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
     Some(Top {
         listen: listen.or_default_to(DEFAULT_LISTEN.to_string())?,
         dynamo_listen: dynamo_listen.optional()?,
+        max_runtime_ranks: max_runtime_ranks.or_default_to(DEFAULT_MAX_RUNTIME_RANKS)?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
         replicas: replicas?,
@@ -353,6 +375,7 @@ mod tests {
             Config {
                 listen: "127.0.0.1:8090".into(),
                 dynamo_listen: None,
+                max_runtime_ranks: DEFAULT_MAX_RUNTIME_RANKS,
                 block_size: 16,
                 shards: 64,
                 engines: vec![EngineConfig {

@@ -3,8 +3,9 @@
 //! against limits and deadlines, `routes` answers each path with its exact JSON,
 //! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
 //! reveal cache contents or change state, `answering` bounds the requests answered at once,
-//! and `query_body` parses `POST /query`; `dynamo` is the Dynamo / Mooncake indexer API, served
-//! by the same server code on its own address (`Routes` says which API a server answers).
+//! `query_body` parses `POST /query` and `json_fields` reads the JSON bodies of both APIs;
+//! `dynamo` is the Dynamo / Mooncake indexer API, served by the same server code on its own
+//! address (`Routes` says which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
@@ -33,6 +34,7 @@ mod body;
 mod connection;
 pub mod dynamo;
 mod head;
+mod json_fields;
 #[cfg(test)]
 mod json_mutation;
 mod query_body;

@@ -4,6 +4,8 @@
 //! Owns: the immutable `WorkerDirectory` the registry publishes after every change. Never:
 //! decides what is running (the registry does), or changes once published.
 
+use rpds::RedBlackTreeMapSync;
+
 use crate::index::WorkerId;
 
 use super::published::Published;
@@ -19,28 +21,33 @@ pub struct WorkerInfo {
 }
 
 /// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after
-/// every change of the registry.
-#[derive(Debug, Default)]
+/// every change of the registry. A persistent map: the next version, with a worker more or
+/// less, shares all but one path with this one, so a change costs `O(log n)`, not a copy.
+#[derive(Clone, Debug, Default)]
 pub struct WorkerDirectory {
-    by_id: Vec<Option<WorkerInfo>>,
+    by_id: RedBlackTreeMapSync<WorkerId, WorkerInfo>,
 }
 
 impl WorkerDirectory {
     /// A directory of `workers`, each at its id.
     pub(super) fn new(workers: impl IntoIterator<Item = (WorkerId, WorkerInfo)>) -> Self {
-        let mut by_id: Vec<Option<WorkerInfo>> = Vec::new();
+        let mut directory = WorkerDirectory::default();
         for (worker, info) in workers {
-            let slot = worker as usize;
-            if by_id.len() <= slot {
-                by_id.resize(slot + 1, None);
-            }
-            by_id[slot] = Some(info);
+            directory.insert(worker, info);
         }
-        WorkerDirectory { by_id }
+        directory
+    }
+
+    pub(super) fn insert(&mut self, worker: WorkerId, info: WorkerInfo) {
+        self.by_id.insert_mut(worker, info);
+    }
+
+    pub(super) fn remove(&mut self, worker: WorkerId) {
+        self.by_id.remove_mut(&worker);
     }
 
     pub fn get(&self, worker: WorkerId) -> Option<&WorkerInfo> {
-        self.by_id.get(worker as usize).and_then(Option::as_ref)
+        self.by_id.get(&worker)
     }
 }
 

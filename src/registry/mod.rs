@@ -44,7 +44,7 @@ use std::time::Duration;
 use anyhow::Context;
 use log::{info, warn};
 
-use crate::index::Index;
+use crate::index::{Index, WorkerId};
 use crate::listener::{Listener, Pollers, Replication};
 use crate::metrics::Metrics;
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -153,29 +153,32 @@ impl Registry {
         let planned = self.planned_count() + specs.len();
         let started = self.start_engine(specs, planned)?;
         self.insert_running(started);
-        self.publish();
         Ok(())
     }
 
     /// Stops every listener of `engine` (their blocks leave the index) and forgets any pending
     /// start of it. Returns the keys that were running.
     pub fn deregister(&mut self, engine: &str) -> Vec<WorkerKey> {
-        let mut left: Vec<WorkerKey> = self
-            .pending
-            .remove(engine)
-            .map(|(specs, _)| specs.into_iter().map(|s| s.key).collect())
-            .unwrap_or_default();
-        let keys: Vec<WorkerKey> = self
-            .running
-            .keys()
-            .filter(|k| k.engine == engine)
-            .cloned()
-            .collect();
-        self.remove_running(&keys);
-        self.publish();
-        left.extend(keys.iter().cloned());
-        self.forget_failures(&left);
+        let rank = |dp_rank| WorkerKey {
+            engine: engine.to_owned(),
+            dp_rank,
+        };
+        let ranks = rank(0)..=rank(u32::MAX);
+        let keys: Vec<WorkerKey> = self.running.range(ranks).map(|(k, _)| k.clone()).collect();
+        self.remove(&keys);
+        if let Some((specs, _)) = self.pending.remove(engine) {
+            let keys: Vec<WorkerKey> = specs.into_iter().map(|spec| spec.key).collect();
+            self.publish_left(&[], &keys);
+            self.forget_failures(&keys);
+        }
         keys
+    }
+
+    /// Stops the listeners of `keys` (their blocks leave the index); a key that does not run is
+    /// skipped. Costs what the keys cost, whatever else runs.
+    pub fn remove(&mut self, keys: &[WorkerKey]) {
+        self.remove_running(keys);
+        self.forget_failures(keys);
     }
 
     /// Makes the running set equal to `plan`, touching only listeners whose spec changed
@@ -435,6 +438,7 @@ impl Registry {
         Ok(pollers.insert(started).clone())
     }
 
+    /// Adds `started` to what runs, and to the directory and the rank board.
     fn insert_running(&mut self, started: Vec<Running>) {
         if let Some(first) = started.first() {
             let endpoints: Vec<&str> = started
@@ -448,6 +452,7 @@ impl Registry {
                 endpoints.join(" ")
             );
         }
+        self.publish_joined(&started);
         for running in started {
             self.running
                 .insert(running.listener.spec().key.clone(), running);
@@ -461,18 +466,20 @@ impl Registry {
         }
     }
 
-    /// Takes `keys` out of the directory, then stops their listeners (their blocks leave the
-    /// index and `Listener`'s drop forgets their metric series).
+    /// Takes `keys` out of the directory and the rank board, then stops their listeners (their
+    /// blocks leave the index and `Listener`'s drop forgets their metric series).
     fn remove_running(&mut self, keys: &[WorkerKey]) {
         let leaving: Vec<Running> = keys.iter().filter_map(|k| self.running.remove(k)).collect();
         if leaving.is_empty() {
             return;
         }
-        self.publish();
-        let names: Vec<String> = leaving
+        let workers: Vec<WorkerId> = leaving.iter().map(|r| r.listener.worker()).collect();
+        let names: Vec<WorkerKey> = leaving
             .iter()
-            .map(|r| r.listener.spec().key.to_string())
+            .map(|r| r.listener.spec().key.clone())
             .collect();
+        self.publish_left(&workers, &names);
+        let names: Vec<String> = names.iter().map(ToString::to_string).collect();
         info!("stopping {} listeners: {}", names.len(), names.join(" "));
         self.stop(leaving);
     }
@@ -489,32 +496,68 @@ impl Registry {
         });
     }
 
-    /// Publishes the directory and the rank board of what runs and is pending now.
+    /// Publishes the directory and the rank board of what runs and is pending now, rebuilt
+    /// whole (after a reload or a retry, which touch any number of ranks).
     fn publish(&self) {
         let workers = self.running.values().map(|running| {
             let listener = &running.listener;
-            let spec = listener.spec();
-            let info = WorkerInfo {
-                instance: spec.key.engine.clone(),
-                dp_rank: spec.key.dp_rank,
-                model: spec.model.clone(),
-                instance_id: spec.instance_id,
-            };
-            (listener.worker(), info)
+            (listener.worker(), worker_info(listener.spec()))
         });
         self.directory.publish(WorkerDirectory::new(workers));
-        let running = self.running.values().map(|running| Rank {
-            spec: running.listener.spec().clone(),
-            running: Some((running.listener.worker(), running.listener.status_handle())),
-        });
+        let running = self.running.values().map(running_rank);
         let pending = self.pending.values().flat_map(|(specs, _)| {
             specs.iter().map(|spec| Rank {
                 spec: spec.clone(),
                 running: None,
             })
         });
-        self.ranks
-            .publish(RankBoard::new(running.chain(pending).collect()));
+        self.ranks.publish(RankBoard::new(running.chain(pending)));
+    }
+
+    /// Publishes the directory and the rank board with `started` joined: the work of what
+    /// joined, whatever else runs (both are persistent maps, each published version sharing
+    /// all but the changed paths with the last).
+    fn publish_joined(&self, started: &[Running]) {
+        let mut directory = WorkerDirectory::clone(&self.directory.current());
+        let mut board = RankBoard::clone(&self.ranks.current());
+        for running in started {
+            let listener = &running.listener;
+            directory.insert(listener.worker(), worker_info(listener.spec()));
+            board.insert(running_rank(running));
+        }
+        self.directory.publish(directory);
+        self.ranks.publish(board);
+    }
+
+    /// Publishes the directory without `workers` and the rank board without `keys`.
+    fn publish_left(&self, workers: &[WorkerId], keys: &[WorkerKey]) {
+        let mut directory = WorkerDirectory::clone(&self.directory.current());
+        for &worker in workers {
+            directory.remove(worker);
+        }
+        let mut board = RankBoard::clone(&self.ranks.current());
+        for key in keys {
+            board.remove(key);
+        }
+        self.directory.publish(directory);
+        self.ranks.publish(board);
+    }
+}
+
+fn worker_info(spec: &ListenerSpec) -> WorkerInfo {
+    WorkerInfo {
+        instance: spec.key.engine.clone(),
+        dp_rank: spec.key.dp_rank,
+        model: spec.model.clone(),
+        instance_id: spec.instance_id,
+    }
+}
+
+fn running_rank(running: &Running) -> Rank {
+    let listener = &running.listener;
+    Rank {
+        spec: listener.spec().clone(),
+        running: Some((listener.worker(), listener.status_handle())),
     }
 }
 
@@ -587,6 +630,32 @@ pub(crate) mod tests {
         assert_eq!(registry.deregister("a").len(), 1);
         assert!(registry.directory().current().get(worker).is_none());
         assert!(keys(&registry).is_empty());
+    }
+
+    #[test]
+    fn remove_and_deregister_take_ranks_out_of_both_views() {
+        let mut registry = registry();
+        let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
+        let pair = vec![spec("a", 0, &a0), spec("a", 1, &a1)];
+        registry.register(pair).expect("a");
+        registry.register(vec![spec("b", 0, &b0)]).expect("b");
+        let a1_worker = registry.snapshot()[1].worker.expect("a/1 runs");
+        let a1_key = WorkerKey {
+            engine: "a".into(),
+            dp_rank: 1,
+        };
+        registry.remove(&[a1_key]);
+        assert_eq!(keys(&registry), ["a/0", "b/0"]);
+        assert!(registry.directory().current().get(a1_worker).is_none());
+
+        // A pending engine is on the board until it is deregistered.
+        let plan = vec![spec("a", 0, &a0), spec("b", 0, &b0), spec("bad", 0, BROKEN)];
+        assert_eq!(registry.apply(plan).unchanged, 2);
+        assert_eq!(keys(&registry), ["a/0", "b/0", "bad/0"]);
+        assert!(registry.deregister("bad").is_empty(), "bad/0 never ran");
+        assert!(!registry.has_pending());
+        assert_eq!(registry.deregister("a").len(), 1);
+        assert_eq!(keys(&registry), ["b/0"]);
     }
 
     #[test]

@@ -6,7 +6,9 @@
 
 use crate::index::WorkerId;
 use crate::listener::{ListenerStatus, StatusHandle};
-use crate::plan::ListenerSpec;
+use rpds::RedBlackTreeMapSync;
+
+use crate::plan::{ListenerSpec, WorkerKey};
 
 use super::published::Published;
 
@@ -20,27 +22,40 @@ pub struct ListenerView {
 }
 
 /// A configured rank: its spec, and its worker and status when it runs.
+#[derive(Clone)]
 pub(super) struct Rank {
     pub(super) spec: ListenerSpec,
     pub(super) running: Option<(WorkerId, StatusHandle)>,
 }
 
-/// The ranks of the plan in effect, sorted by (engine, dp_rank).
-#[derive(Default)]
+/// The ranks of the plan in effect, by (engine, dp_rank). A persistent map, like the
+/// directory: a version with one rank more or less costs `O(log n)`.
+#[derive(Clone, Default)]
 pub struct RankBoard {
-    ranks: Vec<Rank>,
+    ranks: RedBlackTreeMapSync<WorkerKey, Rank>,
 }
 
 impl RankBoard {
-    pub(super) fn new(mut ranks: Vec<Rank>) -> RankBoard {
-        ranks.sort_by(|a, b| a.spec.key.cmp(&b.spec.key));
-        RankBoard { ranks }
+    pub(super) fn new(ranks: impl IntoIterator<Item = Rank>) -> RankBoard {
+        let mut board = RankBoard::default();
+        for rank in ranks {
+            board.insert(rank);
+        }
+        board
     }
 
-    /// Every rank with its status as of now.
+    pub(super) fn insert(&mut self, rank: Rank) {
+        self.ranks.insert_mut(rank.spec.key.clone(), rank);
+    }
+
+    pub(super) fn remove(&mut self, key: &WorkerKey) {
+        self.ranks.remove_mut(key);
+    }
+
+    /// Every rank with its status as of now, sorted by (engine, dp_rank).
     pub fn views(&self) -> Vec<ListenerView> {
         self.ranks
-            .iter()
+            .values()
             .map(|rank| ListenerView {
                 spec: rank.spec.clone(),
                 worker: rank.running.as_ref().map(|(worker, _)| *worker),
@@ -51,16 +66,12 @@ impl RankBoard {
 
     /// The status handle of the running rank `engine`/`dp_rank`, for its snapshot route.
     pub fn handle(&self, engine: &str, dp_rank: u32) -> Option<StatusHandle> {
-        let at = self
-            .ranks
-            .binary_search_by(|rank| {
-                (rank.spec.key.engine.as_str(), rank.spec.key.dp_rank).cmp(&(engine, dp_rank))
-            })
-            .ok()?;
-        self.ranks[at]
-            .running
-            .as_ref()
-            .map(|(_, handle)| handle.clone())
+        let key = WorkerKey {
+            engine: engine.to_owned(),
+            dp_rank,
+        };
+        let (_, handle) = self.ranks.get(&key)?.running.as_ref()?;
+        Some(handle.clone())
     }
 }
 

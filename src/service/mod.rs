@@ -30,7 +30,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EngineApi, Limits};
-use crate::http::dynamo::{DynamoApi, RuntimeEngines};
+use crate::http::dynamo::{DynamoApi, Runner, RuntimeEngines};
 use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
 use crate::listener::{Replication, Secret};
@@ -181,7 +181,7 @@ impl Service {
         let directory = registry.directory();
         let ranks = registry.ranks();
         let registry = Arc::new(Mutex::new(registry));
-        let engines = runtime_engines(&registry);
+        let engines = runtime_engines(&registry, config.max_runtime_ranks);
 
         let plan = plan::expand(&config);
         info!(
@@ -309,12 +309,33 @@ impl Service {
     }
 }
 
-/// The registry's plans, the file's and the runtime registrations together.
-fn runtime_engines(registry: &Arc<Mutex<Registry>>) -> Arc<RuntimeEngines> {
-    let registry = registry.clone();
-    Arc::new(RuntimeEngines::new(Box::new(move |plan| {
-        registry.lock().apply(plan)
-    })))
+/// The registry's plans, the file's and the runtime registrations together, at most
+/// `max_runtime_ranks` of the latter.
+fn runtime_engines(
+    registry: &Arc<Mutex<Registry>>,
+    max_runtime_ranks: usize,
+) -> Arc<RuntimeEngines> {
+    Arc::new(RuntimeEngines::new(
+        Box::new(RegistryRunner(registry.clone())),
+        max_runtime_ranks,
+    ))
+}
+
+/// The registry as `RuntimeEngines` changes it.
+struct RegistryRunner(Arc<Mutex<Registry>>);
+
+impl Runner for RegistryRunner {
+    fn apply(&self, plan: Vec<plan::ListenerSpec>) -> ReloadDiff {
+        self.0.lock().apply(plan)
+    }
+
+    fn start(&self, specs: Vec<plan::ListenerSpec>) -> anyhow::Result<()> {
+        self.0.lock().register(specs)
+    }
+
+    fn stop(&self, keys: &[plan::WorkerKey]) {
+        self.0.lock().remove(keys);
+    }
 }
 
 /// Binds `dynamo_listen`, if set, before the engines start (as `listen` is).

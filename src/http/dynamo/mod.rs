@@ -23,7 +23,7 @@ use crate::index::Index;
 use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
-pub use engines::{ApplyFn, EngineChange, RuntimeEngines};
+pub use engines::{EngineChange, Runner, RuntimeEngines};
 pub use routes::{runtime_engine_name, ROUTING_GROUP};
 
 /// What the Dynamo routes read and call.

@@ -22,6 +22,12 @@ use crate::registry::WorkerDirectory;
 
 /// kv-indexer has one routing group: every engine, the file's and the registered, is in it.
 pub const ROUTING_GROUP: &str = "default";
+/// The longest `model_name` a registration takes, in bytes: far above any model id (Hugging
+/// Face caps a repository id at 96 characters), and a registration is kept in several places.
+pub const MAX_MODEL_NAME_BYTES: usize = 256;
+/// The longest `endpoint` or `replay_endpoint` a registration takes, in bytes: a
+/// `tcp://host:port` with a DNS name of the longest (253 bytes) would need more, none in use does.
+pub const MAX_ENDPOINT_BYTES: usize = 256;
 
 pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
@@ -222,12 +228,28 @@ fn check_endpoint(field: &str, endpoint: &str) -> Result<(), String> {
     }
 }
 
+/// `text` unless it is longer than `limit` bytes.
+fn at_most(field: &str, text: &str, limit: usize) -> Result<(), String> {
+    match text.len() > limit {
+        true => Err(format!(
+            "{field}: {} bytes, more than the {limit} a registration takes",
+            text.len()
+        )),
+        false => Ok(()),
+    }
+}
+
 fn register(api: &DynamoApi, body: DynamoBody) -> Answer {
     let instance_id = required(body.instance_id, "instance_id")?;
     let endpoint = required(body.endpoint.clone(), "endpoint")?;
     let model = required(body.model_name.clone(), "model_name")?;
     let block_size = required(body.block_size, "block_size")?;
     let dp_rank = body.dp_rank.unwrap_or(0);
+    at_most("model_name", &model, MAX_MODEL_NAME_BYTES)?;
+    at_most("endpoint", &endpoint, MAX_ENDPOINT_BYTES)?;
+    if let Some(replay) = &body.replay_endpoint {
+        at_most("replay_endpoint", replay, MAX_ENDPOINT_BYTES)?;
+    }
     check_endpoint("endpoint", &endpoint)?;
     if let Some(replay) = &body.replay_endpoint {
         check_endpoint("replay_endpoint", replay)?;
@@ -284,6 +306,7 @@ fn change_refused(refused: EngineChange) -> Reply {
     match refused {
         EngineChange::Conflict(why) => Reply::error(409, why),
         EngineChange::Unknown(why) => Reply::error(404, why),
+        EngineChange::Full(why) => Reply::error(429, why),
         EngineChange::NotStarted(why) => Reply::error(502, why),
     }
 }

@@ -1,14 +1,14 @@
 //! The `POST /query` body: parsed in one pass, every rejection naming the offending field.
 //!
 //! The common shape (plain integers, strings without escapes, known keys once each) is read by
-//! a hand-written scanner; anything else, valid or not, goes to the serde_json visitors, which
-//! alone decide every other result and word every rejection. The scanner must never accept
-//! what serde would reject or read differently.
+//! a hand-written scanner; anything else, valid or not, goes to serde (a derived struct read
+//! through `http::json_fields`), which alone decides every other result and words every
+//! rejection. The scanner must never accept what serde would reject or read differently.
 //!
 //! Never builds a JSON tree of the body and never panics on what a client sends.
 //!
-//! `scan` is the fast path, `fields` the serde visitors; `binary` reads the other form of the
-//! body, little-endian u32 tokens with the options in the query string.
+//! `scan` is the fast path, `fields` the body's fields as serde reads them; `binary` reads the
+//! other form of the body, little-endian u32 tokens with the options in the query string.
 
 mod binary;
 mod fields;
@@ -77,14 +77,5 @@ fn parse_json(body: &[u8], tokens: Vec<u32>) -> Result<QueryRequest, String> {
 
 /// The serde path: every shape serde_json reads, every rejection worded for the client.
 fn parse_any_shape(body: &[u8]) -> Result<QueryRequest, String> {
-    serde_json::from_slice(body).map_err(|err| {
-        let text = err.to_string();
-        // serde_json appends the position to every message; ours already say where.
-        let position = format!(" at line {} column {}", err.line(), err.column());
-        let reason = text.strip_suffix(&position).unwrap_or(&text);
-        match err.classify() {
-            serde_json::error::Category::Data => reason.to_owned(),
-            _ => format!("body is not valid JSON: {text}"),
-        }
-    })
+    fields::parse_fields(body)
 }

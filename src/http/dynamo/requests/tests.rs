@@ -3,6 +3,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 use super::*;
+use crate::config::MAX_INSTANCE_ID;
 use crate::http::json_mutation::mutate;
 
 fn rejection(body: &str) -> String {
@@ -16,7 +17,7 @@ fn rejection(body: &str) -> String {
 fn every_field_reads_and_unknown_ones_are_ignored() {
     let body = br#"{"token_ids": [0, 4294967295], "block_hashes": [-1, 18446744073709551615, 5],
         "model_name": "m", "lora_name": null, "cache_salt": "s", "routing_group": "g",
-        "tenant_id": "t", "instance_id": 18446744073709551615, "endpoint": "tcp://h:1",
+        "tenant_id": "t", "instance_id": 9223372036854775807, "endpoint": "tcp://h:1",
         "replay_endpoint": "tcp://h:2", "block_size": 16, "dp_rank": 3, "extra": {"a": [1]}}"#;
     assert_eq!(
         parse_body(body),
@@ -28,7 +29,7 @@ fn every_field_reads_and_unknown_ones_are_ignored() {
             cache_salt: Some("s".into()),
             routing_group: Some("g".into()),
             tenant_id: Some("t".into()),
-            instance_id: Some(u64::MAX),
+            instance_id: Some(i64::MAX as u64),
             endpoint: Some("tcp://h:1".into()),
             replay_endpoint: Some("tcp://h:2".into()),
             block_size: Some(16),
@@ -68,7 +69,16 @@ fn a_bad_value_is_named_by_its_field_or_index() {
         ),
         (
             r#"{"instance_id": -7}"#,
-            "instance_id: expected an integer in 0..=18446744073709551615 or null, got -7",
+            "instance_id: expected an integer in 0..=9223372036854775807 or null, got -7",
+        ),
+        (
+            r#"{"instance_id": 9223372036854775808}"#,
+            "instance_id: expected an integer in 0..=9223372036854775807 or null, \
+             got 9223372036854775808",
+        ),
+        (
+            r#"{"model_name": "a", "model_name": "b"}"#,
+            "body: duplicate field `model_name`",
         ),
         (
             r#"{"dp_rank": "0"}"#,
@@ -99,7 +109,7 @@ fn a_bad_value_is_named_by_its_field_or_index() {
     assert!(cut.ends_with("...") && cut.chars().count() < 130, "{cut}");
 }
 
-/// The same body read through a JSON tree: what the streaming reader must agree with.
+/// The same body read through a JSON tree: what the derived struct must agree with.
 fn reference(body: &[u8]) -> Option<DynamoBody> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let mut parsed = DynamoBody::default();
@@ -139,7 +149,7 @@ fn reference(body: &[u8]) -> Option<DynamoBody> {
             "tenant_id" => parsed.tenant_id = text(value)?,
             "endpoint" => parsed.endpoint = text(value)?,
             "replay_endpoint" => parsed.replay_endpoint = text(value)?,
-            "instance_id" => parsed.instance_id = number(value, u64::MAX)?,
+            "instance_id" => parsed.instance_id = number(value, MAX_INSTANCE_ID)?,
             "block_size" => parsed.block_size = number(value, u32::MAX.into())?.map(|n| n as u32),
             "dp_rank" => parsed.dp_rank = number(value, u32::MAX.into())?.map(|n| n as u32),
             _ => {}
@@ -202,7 +212,7 @@ fn generated_body(rng: &mut SmallRng) -> String {
 }
 
 #[test]
-fn the_streaming_reader_agrees_with_a_json_tree_on_generated_and_mutated_bodies() {
+fn the_derived_struct_agrees_with_a_json_tree_on_generated_and_mutated_bodies() {
     let mut rng = SmallRng::seed_from_u64(0xd1a0);
     let (mut accepted, mut refused) = (0, 0);
     for _ in 0..10_000 {
