@@ -206,12 +206,12 @@ fn http_get(
     authorization: Option<String>,
     abandoned: &AtomicBool,
 ) -> anyhow::Result<Vec<u8>> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
+    // No proxy, whatever the environment says (`outbound`): the request may carry the bearer
+    // token, and the answer carries users' token ids.
+    let agent: ureq::Agent = crate::outbound::agent_config()
         .timeout_connect(Some(SNAPSHOT_CONNECT))
         .timeout_per_read(Some(SNAPSHOT_SILENCE))
         .timeout_global(Some(SNAPSHOT_WHOLE))
-        .max_redirects(0)
-        .http_status_as_error(false)
         .build()
         .into();
     let mut request = agent.get(url).header("Accept", "application/json");
