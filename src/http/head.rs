@@ -32,9 +32,24 @@ pub struct Request {
     /// 0 for HTTP/1.0, 1 for HTTP/1.1.
     minor_version: u8,
     headers: Vec<(String, String)>,
+    /// The address the request came from (set by the connection, not read from the head).
+    peer: Option<std::net::SocketAddr>,
 }
 
 impl Request {
+    /// The request as received from `peer`.
+    pub(super) fn from_peer(self, peer: std::net::SocketAddr) -> Request {
+        Request {
+            peer: Some(peer),
+            ..self
+        }
+    }
+
+    /// The address of the client that sent it.
+    pub fn peer(&self) -> Option<std::net::SocketAddr> {
+        self.peer
+    }
+
     pub fn method(&self) -> &Method {
         &self.method
     }
@@ -206,5 +221,6 @@ fn parse(head: &[u8]) -> Result<Request, Reply> {
         url: url.to_owned(),
         minor_version,
         headers,
+        peer: None,
     })
 }

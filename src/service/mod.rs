@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
-use crate::discover::{Board, Client, Discovery, EngineApi, Limits};
+use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
 use crate::http::dynamo::{DynamoApi, RuntimeEngines};
 use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
@@ -194,6 +194,9 @@ impl Service {
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
         let dynamo = bind_dynamo(&config)?;
+        // Known only once bound (`--listen 127.0.0.1:0`): what no endpoint may aim at.
+        let own = std::iter::once(http.addr()).chain(dynamo.as_ref().map(BoundHttp::addr));
+        let endpoints = Arc::new(EndpointPolicy::new(own.collect()));
         let diff = engines.apply_file_plan(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
@@ -226,6 +229,7 @@ impl Service {
         });
         let mut askers = Askers::new(
             Client::new(Limits::default()),
+            endpoints.clone(),
             board.clone(),
             metrics.clone(),
             apply,
@@ -244,6 +248,7 @@ impl Service {
             metrics: metrics.clone(),
             directory: directory.clone(),
             engines,
+            endpoints,
             secret: replication.secret().cloned(),
         };
         let api = Arc::new(Api {

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use crate::http::Request;
 
 use super::{Reply, Routes};
+use crate::discover::EndpointPolicy;
 use crate::index::Index;
 use crate::listener::Secret;
 use crate::metrics::Metrics;
@@ -32,6 +33,8 @@ pub struct DynamoApi {
     pub metrics: Arc<Metrics>,
     pub directory: DirectoryReader,
     pub engines: Arc<RuntimeEngines>,
+    /// Which endpoints a registration may name (shared with discovery).
+    pub endpoints: Arc<EndpointPolicy>,
     /// The secret `/register` and `/unregister` require (they change state), when
     /// `auth_token_file` is set; the query routes stay open, as on our own API.
     pub secret: Option<Secret>,
