@@ -32,7 +32,7 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<
     }
     match path {
         "/query" => query(api, request, body, tokens),
-        "/reload" if !is_authorized(request, api.secret.as_ref()) => unauthorized(),
+        "/reload" if !is_authorized(request, api.secret.get().as_ref()) => unauthorized(),
         "/reload" => reload(api),
         "/workers" => workers(api),
         "/health" => Reply::json(200, &json!({ "status": "ok" })),

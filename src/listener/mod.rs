@@ -69,7 +69,7 @@ use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
 use applier::Applier;
 use contents::Contents;
-pub use peers::{Replication, Secret};
+pub use peers::{CurrentSecret, Replication, Secret};
 use poller::Mailbox;
 pub use poller::Pollers;
 use run::{Rank, Sockets};

@@ -467,8 +467,8 @@ impl Rank {
         let mut best: Option<(crate::wire::Snapshot, &str)> = None;
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
-            let secret = self.replication.secret();
-            let checked = match recovery::fetch_snapshot(&url, secret, &self.stop) {
+            let secret = self.replication.secret().get();
+            let checked = match recovery::fetch_snapshot(&url, secret.as_ref(), &self.stop) {
                 Fetched::Stopped => return Snapshot::Stopped,
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),

@@ -249,7 +249,7 @@ impl Service {
             directory: directory.clone(),
             engines,
             endpoints,
-            secret: replication.secret().cloned(),
+            secret: replication.secret().clone(),
         };
         let api = Arc::new(Api {
             index,
@@ -258,7 +258,7 @@ impl Service {
             directory,
             board,
             reload: Box::new(move || reload_for_http.reload()),
-            secret: replication.secret().cloned(),
+            secret: replication.secret().clone(),
         });
         let http = http.serve(api)?;
         let dynamo = dynamo

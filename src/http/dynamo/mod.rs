@@ -21,7 +21,7 @@ use crate::http::Request;
 use super::{Reply, Routes};
 use crate::discover::EndpointPolicy;
 use crate::index::Index;
-use crate::listener::Secret;
+use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
 pub use engines::{ApplyFn, EngineChange, RuntimeEngines};
@@ -37,7 +37,7 @@ pub struct DynamoApi {
     pub endpoints: Arc<EndpointPolicy>,
     /// The secret `/register` and `/unregister` require (they change state), when
     /// `auth_token_file` is set; the query routes stay open, as on our own API.
-    pub secret: Option<Secret>,
+    pub secret: Arc<CurrentSecret>,
 }
 
 impl Routes for DynamoApi {

@@ -41,7 +41,7 @@ pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
         return workers(api);
     }
     let changes_state = matches!(path, "/register" | "/unregister");
-    if changes_state && !is_authorized(request, api.secret.as_ref()) {
+    if changes_state && !is_authorized(request, api.secret.get().as_ref()) {
         return unauthorized();
     }
     let answer = parse_body(body).and_then(|body| match path {
