@@ -46,6 +46,7 @@ fn config(engines: u32) -> Config {
         dynamo_listen: None,
         block_size: 16,
         shards: 64,
+        max_blocks_per_rank: kv_indexer::config::DEFAULT_MAX_BLOCKS_PER_RANK,
         engines,
         replicas: Default::default(),
     }

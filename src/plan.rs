@@ -264,6 +264,7 @@ mod tests {
             dynamo_listen: None,
             block_size: 16,
             shards: 64,
+            max_blocks_per_rank: crate::config::DEFAULT_MAX_BLOCKS_PER_RANK,
             engines,
             replicas: Default::default(),
         }

@@ -181,6 +181,8 @@ struct ListenerJson<'a> {
     parent_missing: u64,
     /// `replay`, `peer <url>` or `engine snapshot`: how the last hole was filled.
     recovered_by: Option<String>,
+    /// Why a `degraded` rank is, when it is for a reason with a name (the rank cap).
+    reason: Option<&'a str>,
     last_event_ms_ago: Option<u64>,
 }
 
@@ -206,6 +208,7 @@ impl<'a> ListenerJson<'a> {
             lost_batches: status.map_or(0, |s| s.lost_batches),
             parent_missing: status.map_or(0, |s| s.parent_missing),
             recovered_by: status.and_then(|s| s.recovered_by.as_ref().map(|by| by.to_string())),
+            reason: status.and_then(|s| s.degraded_reason.as_deref()),
             last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
         }
     }

@@ -96,6 +96,8 @@ pub struct Index {
     lookahead_workers: AtomicUsize,
     /// Live CPU and disk tier workers: while none, a query scores the GPU tier alone.
     tier_workers: AtomicUsize,
+    /// Blocks (every tier) one rank's writer may hold; enforced by the listener's applier.
+    max_blocks_per_rank: AtomicU64,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -169,7 +171,17 @@ impl Index {
             workers: RwLock::new(WorkerSlots::default()),
             lookahead_workers: AtomicUsize::new(0),
             tier_workers: AtomicUsize::new(0),
+            max_blocks_per_rank: AtomicU64::new(u64::MAX),
         })
+    }
+
+    /// Caps what one rank may hold (`max_blocks_per_rank`; unbounded until set).
+    pub fn set_max_blocks_per_rank(&self, blocks: u64) {
+        self.max_blocks_per_rank.store(blocks, Ordering::Relaxed);
+    }
+
+    pub fn max_blocks_per_rank(&self) -> u64 {
+        self.max_blocks_per_rank.load(Ordering::Relaxed)
     }
 
     pub fn block_size(&self) -> u32 {

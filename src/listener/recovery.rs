@@ -102,6 +102,9 @@ pub(super) fn replay(
         .set_linger(0)
         .context("setting LINGER on the replay socket")?;
     dealer
+        .set_maxmsgsize(wire::MAX_MESSAGE_BYTES)
+        .context("setting MAXMSGSIZE on the replay socket")?;
+    dealer
         .connect(endpoint)
         .with_context(|| format!("connecting to replay endpoint {endpoint}"))?;
     dealer

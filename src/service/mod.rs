@@ -170,6 +170,7 @@ impl Service {
         shutdown_signal: ShutdownSignal,
     ) -> anyhow::Result<Service> {
         let index = Index::new(config.block_size, config.shards);
+        index.set_max_blocks_per_rank(config.max_blocks_per_rank);
         let metrics = Arc::new(Metrics::new());
         let listen = listen.unwrap_or_else(|| config.listen.clone());
         let replication = start_replication(&config, &listen)?;

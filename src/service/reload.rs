@@ -137,6 +137,12 @@ impl Reloader {
             &applied.config.shards,
             &self.config_path,
         );
+        keep_for_restart(
+            "max_blocks_per_rank",
+            &mut config.max_blocks_per_rank,
+            &applied.config.max_blocks_per_rank,
+            &self.config_path,
+        );
         keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
         if config.replicas.retains_contents() != applied.config.replicas.retains_contents() {
             warn!(
