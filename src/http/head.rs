@@ -38,7 +38,7 @@ pub struct Request {
 
 impl Request {
     /// The request as received from `peer`.
-    pub(super) fn from_peer(self, peer: std::net::SocketAddr) -> Request {
+    pub(super) fn received_from(self, peer: std::net::SocketAddr) -> Request {
         Request {
             peer: Some(peer),
             ..self
