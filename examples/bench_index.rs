@@ -406,6 +406,9 @@ fn main() {
     if part.is_empty() || part == "drop" {
         drop_time();
     }
+    if part.is_empty() || part == "cap" {
+        bytes_per_block_of_one_rank();
+    }
     if part.is_empty() || part == "apply" {
         let (rate, cpu_rate, applied) = apply_rate();
         println!(
@@ -416,6 +419,41 @@ fn main() {
     }
     println!();
     println!("load average after: {}", load_average());
+}
+
+/// Blocks one rank stores alone, nothing shared: the worst case of `max_blocks_per_rank`.
+const RANK_ALONE_BLOCKS: u64 = 4 << 20;
+
+/// What a block costs when one rank stores it and no other rank shares its key (its map
+/// entry, its shard entry, their tables' slack): what `max_blocks_per_rank` is as memory.
+fn bytes_per_block_of_one_rank() {
+    let index: Arc<Index> = Index::new(BLOCK as u32, 64);
+    let mut writer = index.add_worker();
+    let mut outcome = ApplyOutcome::default();
+    let before = rss_bytes();
+    let mut parent = None;
+    let mut store_index = 0u64;
+    while outcome.stored_blocks < RANK_ALONE_BLOCKS {
+        let tokens: Vec<u32> = (0..TURN * BLOCK)
+            .map(|t| (store_index * (TURN * BLOCK) as u64 + t as u64) as u32)
+            .collect();
+        let hashes: Vec<u64> = (0..TURN as u64)
+            .map(|b| (store_index * TURN as u64 + b + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let last = hashes.last().copied();
+        writer.apply(&store(hashes, parent, tokens), &mut outcome);
+        // Chains of 16 stores (512 blocks), as conversations are.
+        parent = if store_index % 16 == 15 { None } else { last };
+        store_index += 1;
+    }
+    let per_block = rss_bytes().saturating_sub(before) as f64 / outcome.stored_blocks as f64;
+    let cap = kv_indexer::config::DEFAULT_MAX_BLOCKS_PER_RANK;
+    println!(
+        "| memory per block of one rank, nothing shared ({} blocks), RSS growth | {per_block:.1} B: the default max_blocks_per_rank ({cap}) is {:.2} GiB | |",
+        outcome.stored_blocks,
+        per_block * cap as f64 / f64::from(1u32 << 30)
+    );
+    drop(writer);
 }
 
 /// (2, 3) Memory per pair and query latency at 10 M pairs. Runs before the apply benchmark so

@@ -47,6 +47,7 @@ fn config(engines: u32) -> Config {
         max_runtime_ranks: kv_indexer::config::DEFAULT_MAX_RUNTIME_RANKS,
         block_size: 16,
         shards: 64,
+        max_blocks_per_rank: kv_indexer::config::DEFAULT_MAX_BLOCKS_PER_RANK,
         engines,
         replicas: Default::default(),
     }

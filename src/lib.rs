@@ -26,6 +26,7 @@ pub mod http;
 pub mod index;
 pub mod listener;
 pub mod metrics;
+pub mod outbound;
 pub mod plan;
 pub mod registry;
 pub mod service;

@@ -265,6 +265,7 @@ mod tests {
             max_runtime_ranks: crate::config::DEFAULT_MAX_RUNTIME_RANKS,
             block_size: 16,
             shards: 64,
+            max_blocks_per_rank: crate::config::DEFAULT_MAX_BLOCKS_PER_RANK,
             engines,
             replicas: Default::default(),
         }

@@ -524,3 +524,83 @@ fn a_rank_registered_at_runtime_survives_a_discovered_engine_scaling() {
     let log = indexer.log();
     assert!(!log.contains("removed [dynamo-42/0]"), "{log}");
 }
+
+/// 300 spellings of 127.0.0.1 (inet_aton reads leading zeros as octal: `0`, `00`, … are 0 and
+/// `01`, `001`, … are 1), plus `localhost` and `127.1`.
+fn spellings_of_loopback() -> Vec<String> {
+    let zeros = |n: usize| "0".repeat(n);
+    let mut hosts = vec!["localhost".to_string(), "127.1".to_string()];
+    'all: for second in 1..=8 {
+        for third in 1..=8 {
+            for fourth in 0..8 {
+                hosts.push(format!(
+                    "127.{}.{}.{}1",
+                    zeros(second),
+                    zeros(third),
+                    zeros(fourth)
+                ));
+                if hosts.len() == 300 {
+                    break 'all;
+                }
+            }
+        }
+    }
+    hosts
+}
+
+/// A discovery answer of 300 ranks whose endpoints are spellings of the indexer's own HTTP
+/// address is refused whole (each endpoint counted by reason, the last good ranks kept), so
+/// no socket aims at our API and it keeps answering; an answer naming one address twice in
+/// two spellings is refused as a duplicate.
+#[test]
+fn an_answer_aiming_every_rank_at_our_own_api_is_refused_and_our_api_keeps_answering() {
+    let asked = Asked::start(sim(2), 1, None);
+    let (engine, addr) = (asked.engine(), asked.addr);
+    wait_for(WAIT_S, "two connected ranks", || connected_ranks(addr, 2));
+    let endpoints = bound(engine);
+    let entry = |endpoint: String| {
+        json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": endpoint,
+               "replay_endpoint": null, "topic": ""})
+    };
+    let hostile: serde_json::Map<String, Value> = spellings_of_loopback()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, host)| {
+            let endpoint = format!("tcp://{host}:{}", addr.port());
+            (rank.to_string(), entry(endpoint))
+        })
+        .collect();
+    engine.set_api_reply(ApiReply::Canned {
+        status: 200,
+        body: Value::Object(hostile).to_string(),
+    });
+    let own = r#"kv_indexer_endpoints_refused_total{source="discovery",reason="own_address"}"#;
+    wait_for(WAIT_S, "the hostile answer refused", || {
+        metric(addr, own).filter(|&n| n >= 300.0)
+    });
+    let discovery = instance(addr)["discovery"].clone();
+    let error = discovery["last_error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("own listen address") && error.contains("and 297 more"),
+        "{error}"
+    );
+    assert_eq!(connected_ranks(addr, 2), Some(endpoints.clone()));
+    for _ in 0..50 {
+        assert_eq!(get(addr, "/health").status, 200);
+    }
+
+    let publish = engine.ports()[0].publish;
+    let twice = json!({
+        "0": entry(format!("tcp://127.0.0.1:{publish}")),
+        "1": entry(format!("tcp://127.0.0.01:{publish}")),
+    });
+    engine.set_api_reply(ApiReply::Canned {
+        status: 200,
+        body: twice.to_string(),
+    });
+    let duplicate = r#"kv_indexer_endpoints_refused_total{source="discovery",reason="duplicate"}"#;
+    wait_for(WAIT_S, "the duplicate refused", || {
+        metric(addr, duplicate).filter(|&n| n >= 1.0)
+    });
+    assert_eq!(connected_ranks(addr, 2), Some(endpoints));
+}

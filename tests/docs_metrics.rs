@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use kv_indexer::metrics::Metrics;
+use kv_indexer::metrics::{EndpointRefusal, EndpointSource, Metrics};
 use prometheus_parse::{LineInfo, SampleType};
 
 /// The first-column names of the table under docs.md's `## Metrics` heading.
@@ -40,6 +40,7 @@ fn rendered_families() -> BTreeSet<String> {
     let rank = metrics.rank("engine", 0);
     rank.gap();
     metrics.http_error(404);
+    metrics.endpoint_refused(EndpointSource::discovery, EndpointRefusal::Duplicate);
     metrics.engine("engine");
     let text = metrics.render();
     text.lines()

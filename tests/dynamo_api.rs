@@ -342,6 +342,72 @@ fn bad_requests_get_a_status_and_a_message_naming_the_field() {
     assert_eq!(status, 200);
 }
 
+/// `/register` endpoints are parsed, not compared as text: every spelling of one of the
+/// indexer's own addresses, and one address named twice, is refused with a 400 naming the
+/// endpoint and why, and counted by reason; nothing starts.
+#[test]
+fn a_registration_aiming_at_our_own_apis_or_naming_an_address_twice_is_refused_and_counted() {
+    let zmq = zmq::Context::new();
+    let rank = FakeRank::bind(&zmq, 0);
+    let servers = start_servers(&config(&[engine("a", rank.port, Some("m1"), None)]));
+    let dynamo = servers.dynamo_addr().expect("dynamo_listen is set");
+    let http = servers.http_addr();
+    let registration = |endpoint: String, replay: Option<String>| {
+        json!({"instance_id": 9, "endpoint": endpoint, "replay_endpoint": replay,
+               "model_name": "m1", "block_size": BLOCK_SIZE})
+    };
+    let mut own = 0;
+    for port in [http.port(), dynamo.port()] {
+        for host in [
+            "127.0.0.1",
+            "127.0.0.01",
+            "127.1",
+            "0x7f.0.0.1",
+            "localhost",
+            "[::ffff:127.0.0.1]",
+        ] {
+            let endpoint = format!("tcp://{host}:{port}");
+            let error = refused(
+                dynamo,
+                "/register",
+                &registration(endpoint.clone(), None),
+                400,
+            );
+            assert!(
+                error.contains(&endpoint) && error.contains("own listen address"),
+                "{error}"
+            );
+            own += 1;
+        }
+    }
+    let twice = registration(
+        format!("tcp://127.0.0.1:{}", rank.port),
+        Some(format!("tcp://localhost:{}", rank.port)),
+    );
+    let error = refused(dynamo, "/register", &twice, 400);
+    assert!(error.contains("named twice"), "{error}");
+    let metrics = get(http, "/metrics").text();
+    let count = |reason: &str| {
+        let series = format!(
+            "kv_indexer_endpoints_refused_total{{source=\"register\",reason=\"{reason}\"}} "
+        );
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(&series)?.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+    };
+    assert_eq!(count("own_address"), f64::from(own));
+    assert_eq!(count("duplicate"), 1.0);
+    let workers = get(dynamo, "/workers").json();
+    assert!(
+        workers
+            .as_array()
+            .is_some_and(|all| all.iter().all(|w| w["instance_id"] != 9)),
+        "nothing was registered: {workers}"
+    );
+    assert_eq!(get(http, "/health").status, 200);
+}
+
 #[test]
 fn a_registered_engine_runs_beside_the_files_survives_a_reload_and_unregisters() {
     let fleet = fleet();

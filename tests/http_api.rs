@@ -536,3 +536,52 @@ fn a_flood_of_slow_uploads_is_bounded_and_the_excess_refused_503() {
     }
     assert_eq!(statuses, [(200, MAX_UPLOADS), (503, refused)].into());
 }
+
+/// `max_blocks_per_rank`: a store that would take a rank past it is counted
+/// (`blocks_over_cap_total`), not indexed, and the rank is `degraded` with the reason on
+/// `/workers`; what fits is still indexed.
+#[test]
+fn stores_past_max_blocks_per_rank_are_counted_not_indexed_and_the_rank_says_why() {
+    let zmq = zmq::Context::new();
+    let mut rank = FakeRank::bind(&zmq, 0);
+    let running = start_service(&format!(
+        "max_blocks_per_rank = 4\n{}",
+        config(&[engine("a", rank.port, None)])
+    ));
+    let addr = running.http_addr();
+    rank.wait_subscribed();
+    let (first, second, third) = (prompt(100, 3), prompt(200, 2), prompt(300, 1));
+    rank.store(&[1, 2, 3], None, &first);
+    rank.store(&[11, 12], None, &second);
+    rank.store(&[21], None, &third);
+    let listener = |workers: &Value| workers[0]["listeners"][0].clone();
+    let rank_view = wait_for(10, "three batches applied", || {
+        let view = listener(&get(addr, "/workers").json());
+        (view["last_seq"] == 2).then_some(view)
+    });
+    assert_eq!(rank_view["state"], "degraded", "{rank_view}");
+    assert_eq!(rank_view["blocks"], 4, "{rank_view}");
+    let reason = rank_view["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("max_blocks_per_rank (4)") && reason.contains("2 stored blocks"),
+        "{rank_view}"
+    );
+    let matched = |tokens: &[u32]| {
+        query(addr, json!({ "token_ids": tokens }))["scores"]
+            .as_array()
+            .and_then(|scores| scores.first())
+            .map_or(0, |score| score["matched_blocks"].as_u64().unwrap_or(0))
+    };
+    assert_eq!(
+        (matched(&first), matched(&second), matched(&third)),
+        (3, 0, 1)
+    );
+    let metrics = get(addr, "/metrics").text();
+    assert!(
+        metrics
+            .lines()
+            .any(|line| line.starts_with("kv_indexer_blocks_over_cap_total{")
+                && line.ends_with(" 2")),
+        "{metrics}"
+    );
+}

@@ -7,7 +7,7 @@ mod support;
 use kv_indexer::listener::{Listener, State};
 use kv_indexer_sim::encode::message_frames;
 use support::fake_engine::{payload, FakeRank};
-use support::listeners::{applied_through, spec, store, tokens, Fixture};
+use support::listeners::{applied_through, spec, store, tokens, wait_for, Fixture};
 
 #[test]
 fn malformed_messages_are_counted_dropped_and_the_listener_goes_on() {
@@ -80,4 +80,59 @@ fn start_fails_cleanly_on_a_malformed_endpoint() {
         assert!(message.contains(part), "{part:?} missing from {message:?}");
     }
     assert_eq!(fixture.index.key_count(), 0);
+}
+
+/// A message over `ZMQ_MAXMSGSIZE` (`wire::MAX_MESSAGE_BYTES`) is refused by ZMQ before it is
+/// held: the publisher's connection is dropped, which is counted
+/// (`publisher_disconnects_total`), ZMQ reconnects, and the rank goes on with the next batch.
+#[test]
+fn a_message_over_the_size_cap_drops_the_connection_counted_and_the_rank_goes_on() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let listener = fixture.listen(&rank, None, None);
+    rank.publish(vec![store(1, 0, 1)]);
+    applied_through(&listener, 0);
+
+    let too_big = vec![0u8; kv_indexer::wire::MAX_MESSAGE_BYTES as usize + 1];
+    rank.send(message_frames(b"", 1, &too_big));
+    let disconnects = || {
+        fixture
+            .metrics_text()
+            .lines()
+            .find(|line| line.starts_with("kv_indexer_publisher_disconnects_total{"))
+            .and_then(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while disconnects() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            fixture.metrics_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    wait_for(&listener, "reconnected", |status| status.connected);
+    // Sent until the new subscription has reached the publisher; a repeat of an applied seq
+    // changes nothing.
+    let next = message_frames(b"", 1, &payload(0, vec![store(2, 0, 1)]));
+    while listener.status().last_seq != Some(1) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            listener.status()
+        );
+        rank.send(next.clone());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let status = listener.status();
+    assert_eq!(
+        (status.state, status.batches, status.gaps),
+        (State::Active, 2, 0)
+    );
+    assert_eq!(fixture.matched(listener.worker(), &tokens(2, 1)), 1);
+    assert!(
+        !fixture.metrics_text().contains("reason=\"payload\"} 1"),
+        "never decoded"
+    );
 }

@@ -219,3 +219,86 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
     let (status, _) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
     assert!(status.success(), "{status:?}\n{}", indexer.log());
 }
+
+/// The status of `POST /reload` (a guarded route) with `Authorization: Bearer token`.
+fn reload_with_token(addr: SocketAddr, token: &str) -> u16 {
+    let mut connection = support::http_client::Connection::open(addr);
+    connection.write_raw(
+        format!(
+            "POST /reload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+             Content-Length: 0\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    connection.read_reply().status
+}
+
+/// A rotated `auth_token_file` (rewritten in place, then another file) is re-read by SIGHUP:
+/// the new token alone is valid afterwards, the log says it changed and never shows a token;
+/// a token file that cannot be read rejects the reload and the token in effect stays.
+#[test]
+fn sighup_rereads_a_rotated_auth_token_file_and_the_old_token_stops_working() {
+    let zmq = zmq::Context::new();
+    let a0 = FakeRank::bind(&zmq, 0);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (first, second) = (dir.path().join("token"), dir.path().join("token-2"));
+    let with_token = |path: &std::path::Path| {
+        format!(
+            "auth_token_file = {:?}\n{}",
+            path.display().to_string(),
+            config(&[engine("a", a0.port, 1)])
+        )
+    };
+    std::fs::write(&first, "old-secret-token\n").expect("token");
+    let mut indexer = start_indexer(&with_token(&first));
+    let addr = indexer.address;
+    assert_eq!(
+        reload_with_token(addr, "old-secret-token"),
+        200,
+        "{}",
+        indexer.log()
+    );
+    assert_eq!(reload_with_token(addr, "new-secret-token"), 401);
+
+    let changed = |indexer: &kv_indexer_sim::process::IndexerProcess, times: usize| {
+        wait_for(10, "the token change in the log", || {
+            (indexer
+                .log()
+                .matches("the token of auth_token_file")
+                .count()
+                >= times)
+                .then_some(())
+        });
+    };
+    std::fs::write(&first, "new-secret-token\n").expect("token");
+    indexer.signal(libc::SIGHUP).expect("signal");
+    changed(&indexer, 1);
+    assert_eq!(reload_with_token(addr, "old-secret-token"), 401);
+    assert_eq!(reload_with_token(addr, "new-secret-token"), 200);
+
+    std::fs::write(&second, "third-secret-token").expect("token");
+    indexer.write_config(&with_token(&second)).expect("config");
+    indexer.signal(libc::SIGHUP).expect("signal");
+    changed(&indexer, 2);
+    assert_eq!(reload_with_token(addr, "new-secret-token"), 401);
+    assert_eq!(reload_with_token(addr, "third-secret-token"), 200);
+
+    let rejected = "kv_indexer_config_reloads_total{outcome=\"rejected\"}";
+    indexer
+        .write_config(&with_token(&dir.path().join("missing")))
+        .expect("config");
+    indexer.signal(libc::SIGHUP).expect("signal");
+    wait_for(10, "the rejected reload", || {
+        (metric(addr, rejected) == Some(1.0)).then_some(())
+    });
+    // Authorized (not 401), and the file on disk is still rejected (400).
+    assert_eq!(reload_with_token(addr, "third-secret-token"), 400);
+    assert_eq!(reload_with_token(addr, "new-secret-token"), 401);
+    let log = indexer.log();
+    assert!(log.contains("reading auth_token_file"), "{log}");
+    assert!(!log.contains("secret-token"), "a token in the log: {log}");
+
+    indexer.signal(libc::SIGTERM).expect("signal");
+    let (status, _) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
+    assert!(status.success(), "{status:?}\n{}", indexer.log());
+}

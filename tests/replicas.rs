@@ -420,3 +420,80 @@ fn an_open_listen_without_a_token_is_a_loud_warning() {
     assert!(!warned(&config(&fleet, &[], true, Some(&token_file)), open));
     assert!(!warned(&config(&fleet, &[], true, None), free_addr()));
 }
+
+/// A TCP listener that counts the connections it is offered (and closes each at once).
+struct Recorder {
+    address: SocketAddr,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Recorder {
+    fn start() -> Recorder {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = connections.clone();
+        // Ends with the test process; it owns nothing but the listener.
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(stream);
+            }
+        });
+        Recorder {
+            address,
+            connections,
+        }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A proxy in the environment (`HTTP_PROXY`, `ALL_PROXY`, lower case too) is never used for a
+/// peer's snapshot: the request carries the bearer token and the answer users' token ids. The
+/// peer is asked directly, and the "proxy" sees no connection.
+#[test]
+fn peer_fetches_never_go_through_a_proxy_from_the_environment() {
+    let fleet = fleet(false, 0.0, ROOMY);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 20);
+    serve(&fleet, &prompts);
+    let peer = Recorder::start();
+    let proxy = Recorder::start();
+    let proxy_url = format!("http://{}", proxy.address);
+    let env: Vec<(String, String)> = [
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .map(|name| (name.to_string(), proxy_url.clone()))
+    .chain(["NO_PROXY", "no_proxy"].map(|name| (name.to_string(), String::new())))
+    .collect();
+    let toml = config(&fleet, &[peer.address], false, None);
+    let indexer = IndexerProcess::launch(support::indexer_binary(), &toml)
+        .log_filter("info")
+        .env(&env)
+        .start(DEADLINE)
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    // Joining mid-stream with engines that cannot replay, each rank asks its peer.
+    let started = Instant::now();
+    while peer.connections() == 0 {
+        for at in fleet.ranks() {
+            fleet.nudge(at).expect("nudge");
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the peer was never asked (proxy saw {}): {}",
+            proxy.connections(),
+            indexer.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    caught_up(&fleet, &indexer);
+    assert_eq!(proxy.connections(), 0, "{}", indexer.log());
+}

@@ -55,6 +55,9 @@ pub struct Config {
     pub block_size: u32,
     /// Lock shards of the index (a power of two).
     pub shards: usize,
+    /// Blocks (engine hashes, every tier) one rank may hold in the index; its stores past it
+    /// are counted, not indexed, and the rank is `degraded`.
+    pub max_blocks_per_rank: u64,
     /// `[[engine]]` tables with `[defaults]` applied.
     pub engines: Vec<EngineConfig>,
     /// Other indexers to recover from, and what this one serves them.
@@ -141,6 +144,11 @@ pub struct ConfigError {
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8090";
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub const DEFAULT_SHARDS: usize = 64;
+/// 16 Mi blocks (2^24), far above any real rank: a B200's 192 GB of HBM holds ~16 M tokens at
+/// the 12 KiB a token of a 0.5B model (the bound of a snapshot's size too), ~1 M blocks at 16
+/// tokens a block; with 2 TB of host RAM for CPU offload, ~11 M blocks in all. At the
+/// 64.6 bytes a block of one rank costs the index (`bench_index cap`), one rank holds ~1 GiB.
+pub const DEFAULT_MAX_BLOCKS_PER_RANK: u64 = 1 << 24;
 pub const DEFAULT_ZMQ_PORT: u16 = 5557;
 pub const DEFAULT_DP_SIZE: u32 = 1;
 pub const DEFAULT_DP_RANK_START: u32 = 0;
@@ -200,6 +208,7 @@ impl Config {
                 max_runtime_ranks: top.max_runtime_ranks,
                 block_size: top.block_size,
                 shards: top.shards,
+                max_blocks_per_rank: top.max_blocks_per_rank,
                 engines: engines.valid,
                 replicas: top.replicas,
             }),
@@ -253,6 +262,7 @@ struct RawTop {
     max_runtime_ranks: Option<Spanned<Int>>,
     block_size: Option<Spanned<Int>>,
     shards: Option<Spanned<Int>>,
+    max_blocks_per_rank: Option<Spanned<Int>>,
     peers: Option<Spanned<Vec<Spanned<String>>>>,
     serve_snapshots: Option<Spanned<bool>>,
     auth_token_file: Option<Spanned<String>>,
@@ -268,6 +278,7 @@ struct Top {
     max_runtime_ranks: usize,
     block_size: u32,
     shards: usize,
+    max_blocks_per_rank: u64,
     replicas: Replicas,
 }
 
@@ -315,6 +326,12 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
                 .filter(|&n| n.is_power_of_two() && n <= MAX_SHARDS)
         },
     );
+    let max_blocks_per_rank = checker.int(
+        "max_blocks_per_rank",
+        raw.max_blocks_per_rank,
+        "1..=9223372036854775807",
+        |n| u64::try_from(n).ok().filter(|&n| n > 0),
+    );
     let replicas = check_replicas(
         raw.peers,
         raw.serve_snapshots,
@@ -328,6 +345,7 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
         max_runtime_ranks: max_runtime_ranks.or_default_to(DEFAULT_MAX_RUNTIME_RANKS)?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
+        max_blocks_per_rank: max_blocks_per_rank.or_default_to(DEFAULT_MAX_BLOCKS_PER_RANK)?,
         replicas: replicas?,
     })
 }
@@ -378,6 +396,7 @@ mod tests {
                 max_runtime_ranks: DEFAULT_MAX_RUNTIME_RANKS,
                 block_size: 16,
                 shards: 64,
+                max_blocks_per_rank: DEFAULT_MAX_BLOCKS_PER_RANK,
                 engines: vec![EngineConfig {
                     name: "local".into(),
                     host: "127.0.0.1".into(),

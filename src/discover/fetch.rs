@@ -1,7 +1,8 @@
 //! The one HTTP GET discovery makes: bounded in time and size, no redirect followed, every
 //! failure a `DiscoverError` naming the engine and the URL.
 //!
-//! Owns: the `ureq` agent and its limits. Never: interprets a body beyond "is it JSON".
+//! Owns: the `ureq` agent's limits (its shared settings, no proxy and no redirect among them,
+//! are `outbound`'s). Never: interprets a body beyond "is it JSON".
 
 use std::io::Read;
 use std::time::Duration;
@@ -48,18 +49,9 @@ const QUOTED_BODY_CHARS: usize = 160;
 
 impl Client {
     pub fn new(limits: Limits) -> Client {
-        let config = ureq::Agent::config_builder()
-            // Statuses are errors of ours, with the URL and a hint, not ureq's.
-            .http_status_as_error(false)
-            // A redirect is answered with an error at its first hop, so a loop ends at once;
-            // an engine's API server has no reason to redirect these routes.
-            .max_redirects(0)
-            // Engines are on the cluster network: an HTTP_PROXY meant for the internet would
-            // only get in the way.
-            .proxy(None)
+        let config = crate::outbound::agent_config()
             .timeout_connect(Some(limits.connect))
             .timeout_global(Some(limits.whole))
-            .user_agent(concat!("kv-indexer/", env!("CARGO_PKG_VERSION")))
             .build();
         Client {
             agent: config.into(),

@@ -6,7 +6,9 @@
 //! the bounded HTTP fetch (`fetch.rs`), the `discover` URL and endpoint rules (`url.rs`), and
 //! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), the
 //! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`), and
-//! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`).
+//! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`),
+//! and the endpoint policy discovery and `/register` share (`endpoint.rs`: which endpoints a
+//! socket may be aimed at).
 //!
 //! Never: imports `config` (which imports this module), touches the registry, a listener or the
 //! index. A `Discovery` is an input of `plan`, which turns its ranks into listener specs as it
@@ -17,6 +19,7 @@
 
 mod agreement;
 mod board;
+mod endpoint;
 mod fetch;
 mod probe;
 mod sglang;
@@ -31,6 +34,7 @@ pub use agreement::{Disagreement, FileLayout};
 pub use board::{
     Board, DisagreementReport, DiscoveryReport, DiscoveryState, EngineReport, NeighbourReport,
 };
+pub use endpoint::{EndpointPolicy, Refusal};
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
 pub use url::{BaseUrl, TcpEndpoint};

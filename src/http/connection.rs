@@ -116,7 +116,7 @@ pub(super) fn serve_connection(mut conn: Conn, peer: SocketAddr, shared: &Shared
     let (mut body, mut tokens) = (Vec::new(), Vec::new());
     loop {
         let request = match read_head(&mut conn) {
-            Ok(request) => request,
+            Ok(request) => request.received_from(peer),
             Err(HeadError::Gone) => return,
             Err(HeadError::Refused(reply)) => {
                 shared.routes.metrics().http_error(reply.status);

@@ -37,9 +37,24 @@ pub struct Request {
     minor_version: u8,
     /// Each header's name and value (trimmed of spaces and tabs).
     headers: Vec<(Range<usize>, Range<usize>)>,
+    /// The address the request came from (set by the connection, not read from the head).
+    peer: Option<std::net::SocketAddr>,
 }
 
 impl Request {
+    /// The request as received from `peer`.
+    pub(super) fn received_from(self, peer: std::net::SocketAddr) -> Request {
+        Request {
+            peer: Some(peer),
+            ..self
+        }
+    }
+
+    /// The address of the client that sent it.
+    pub fn peer(&self) -> Option<std::net::SocketAddr> {
+        self.peer
+    }
+
     pub fn method(&self) -> &Method {
         &self.method
     }
@@ -212,6 +227,7 @@ fn parse(head: Vec<u8>) -> Result<Request, Reply> {
         url,
         minor_version,
         headers,
+        peer: None,
     })
 }
 

@@ -58,7 +58,7 @@ use serde_json::json;
 use crate::config::ConfigError;
 use crate::discover::Board;
 use crate::index::Index;
-use crate::listener::Secret;
+use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use accept::{accept_loop, Live, Reserve};
@@ -97,7 +97,7 @@ pub struct Api {
     pub board: Arc<Board>,
     pub reload: Box<ReloadFn>,
     /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
-    pub secret: Option<Secret>,
+    pub secret: Arc<CurrentSecret>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one

@@ -32,7 +32,7 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<
     }
     match path {
         "/query" => query(api, request, body, tokens),
-        "/reload" if !is_authorized(request, api.secret.as_ref()) => unauthorized(),
+        "/reload" if !is_authorized(request, api.secret.get().as_ref()) => unauthorized(),
         "/reload" => reload(api),
         "/workers" => workers(api),
         "/health" => Reply::json(200, &json!({ "status": "ok" })),
@@ -181,7 +181,8 @@ struct ListenerJson<'a> {
     parent_missing: u64,
     /// `replay`, `peer <url>` or `engine snapshot`: how the last hole was filled.
     recovered_by: Option<String>,
-    /// Why a `failed` rank was dropped; `null` otherwise.
+    /// Why a `failed` rank was dropped, or why a `degraded` rank is when it is for a reason
+    /// with a name (the rank cap); `null` otherwise.
     reason: Option<&'a str>,
     last_event_ms_ago: Option<u64>,
 }
@@ -208,7 +209,12 @@ impl<'a> ListenerJson<'a> {
             lost_batches: status.map_or(0, |s| s.lost_batches),
             parent_missing: status.map_or(0, |s| s.parent_missing),
             recovered_by: status.and_then(|s| s.recovered_by.as_ref().map(|by| by.to_string())),
-            reason: status.and_then(|s| s.failed.as_ref().map(|f| f.reason.as_str())),
+            reason: status.and_then(|s| {
+                s.failed
+                    .as_ref()
+                    .map(|f| f.reason.as_str())
+                    .or(s.degraded_reason.as_deref())
+            }),
             last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
         }
     }

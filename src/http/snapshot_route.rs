@@ -24,7 +24,7 @@ pub(super) fn snapshot_route(api: &Api, request: &super::Request, rank: &str) ->
         reply.header = Some(("Allow", "GET, HEAD"));
         return reply;
     }
-    if !is_authorized(request, api.secret.as_ref()) {
+    if !is_authorized(request, api.secret.get().as_ref()) {
         return unauthorized();
     }
     let parsed = rank.rsplit_once('/').and_then(|(engine, dp_rank)| {

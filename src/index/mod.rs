@@ -85,6 +85,10 @@ pub type WorkerId = u32;
 pub struct Index {
     block_size: u32,
     shard_mask: u64,
+    /// Which shard a key goes to is `table::scatter` of it under this secret seed, not the
+    /// key's own bits: keys are xxh3 with a public seed, so prompts could be mined to share a
+    /// shard.
+    placement_seed: u64,
     shards: Box<[Padded<LockedShard>]>,
     workers: RwLock<WorkerSlots>,
     /// Live workers whose engines hash lookahead tokens: while none, a query computes one
@@ -92,6 +96,8 @@ pub struct Index {
     lookahead_workers: AtomicUsize,
     /// Live CPU and disk tier workers: while none, a query scores the GPU tier alone.
     tier_workers: AtomicUsize,
+    /// Blocks (every tier) one rank's writer may hold; enforced by the listener's applier.
+    max_blocks_per_rank: AtomicU64,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -158,13 +164,24 @@ impl Index {
         Arc::new(Index {
             block_size,
             shard_mask: shards as u64 - 1,
+            placement_seed: table::random_seed(),
             shards: (0..shards)
                 .map(|_| Padded(LockedShard::default()))
                 .collect(),
             workers: RwLock::new(WorkerSlots::default()),
             lookahead_workers: AtomicUsize::new(0),
             tier_workers: AtomicUsize::new(0),
+            max_blocks_per_rank: AtomicU64::new(u64::MAX),
         })
+    }
+
+    /// Caps what one rank may hold (`max_blocks_per_rank`; unbounded until set).
+    pub fn set_max_blocks_per_rank(&self, blocks: u64) {
+        self.max_blocks_per_rank.store(blocks, Ordering::Relaxed);
+    }
+
+    pub fn max_blocks_per_rank(&self) -> u64 {
+        self.max_blocks_per_rank.load(Ordering::Relaxed)
     }
 
     pub fn block_size(&self) -> u32 {
@@ -219,8 +236,12 @@ impl Index {
     }
 
     fn shard(&self, key: u64) -> &LockedShard {
-        // The mask keeps the index below the shard count.
-        &self.shards[(key & self.shard_mask) as usize].0
+        &self.shards[self.shard_index(key)].0
+    }
+
+    /// The mask keeps it below the shard count.
+    fn shard_index(&self, key: u64) -> usize {
+        (table::scatter(key, self.placement_seed) & self.shard_mask) as usize
     }
 
     /// Replaces `out` with the workers holding `key`.
@@ -245,4 +266,37 @@ pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> V
         return Vec::new();
     }
     KeyChain::for_prompt(tokens, block_size as usize, lora_name).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys that share their low bits (what placed them in one shard before the seed) are
+    /// spread over the shards, and two indexes place the same keys differently: which keys
+    /// meet in a shard is not a property of the keys.
+    #[test]
+    fn placement_is_a_secret_of_each_index_not_the_keys_bits() {
+        let (one, two) = (Index::new(16, 64), Index::new(16, 64));
+        let keys: Vec<u64> = (1..=1_000u64).map(|i| i << 6).collect();
+        let shards_of = |index: &Index| -> Vec<usize> {
+            keys.iter().map(|&key| index.shard_index(key)).collect()
+        };
+        let (placed_one, placed_two) = (shards_of(&one), shards_of(&two));
+        let used: std::collections::BTreeSet<_> = placed_one.iter().collect();
+        assert!(
+            used.len() > 48,
+            "1,000 keys of one low-bit class use {} shards",
+            used.len()
+        );
+        let moved = placed_one
+            .iter()
+            .zip(&placed_two)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            moved > 900,
+            "only {moved} of 1,000 keys changed shard between two indexes"
+        );
+    }
 }

@@ -519,13 +519,26 @@ impl Shard {
 
 /// A shard behind its lock, plus where its table is, published for prefetching: a writer with
 /// many blocks to apply starts every block's cache miss before it takes the first lock.
-#[derive(Default)]
 pub(super) struct LockedShard {
     shard: RwLock<Shard>,
     /// Address and capacity of the table, updated under the write lock. A stale pair only makes
     /// a prefetch useless (a prefetch never faults and is never a read).
     table: AtomicUsize,
     capacity: AtomicUsize,
+    /// The table's placement seed, fixed for its life.
+    seed: u64,
+}
+
+impl Default for LockedShard {
+    fn default() -> LockedShard {
+        let shard = Shard::default();
+        LockedShard {
+            seed: shard.table.seed(),
+            shard: RwLock::new(shard),
+            table: AtomicUsize::new(0),
+            capacity: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl LockedShard {
@@ -549,6 +562,7 @@ impl LockedShard {
         prefetch::<Entry>(
             table.load(Ordering::Relaxed),
             capacity.load(Ordering::Relaxed),
+            self.seed,
             key,
         );
     }

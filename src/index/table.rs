@@ -25,8 +25,9 @@ pub(super) unsafe trait Item: Copy {
 
 /// A `Hasher` for the side maps of keys that are already uniform hashes (block keys, xxh3
 /// outputs): one multiply per field instead of SipHash, which took 8 % of the instructions of
-/// `bench_index`'s mixed apply on keys with many holders. Crafted keys collide here no more
-/// than in the tables themselves, which place them by the same bits.
+/// `bench_index`'s mixed apply on keys with many holders. Unseeded: its maps hold only the rare
+/// keys with more than four holders or a count above 255, which one hostile engine cannot make
+/// in bulk (the tables, which hold every key, are seeded: `scatter`).
 #[derive(Default, Clone, Copy)]
 pub(super) struct UniformHasher(u64);
 
@@ -55,9 +56,31 @@ impl std::hash::Hasher for UniformHasher {
 pub(super) type UniformMap<K, V> =
     std::collections::HashMap<K, V, std::hash::BuildHasherDefault<UniformHasher>>;
 
-/// Where a probe for `hash` starts in a table of `capacity` places.
-pub(super) fn home(hash: u64, capacity: usize) -> usize {
-    ((u128::from(hash) * capacity as u128) >> 64) as usize
+/// Where a probe for `hash` starts in a table of `capacity` places placed with `seed`.
+pub(super) fn home(hash: u64, seed: u64, capacity: usize) -> usize {
+    ((u128::from(scatter(hash, seed)) * capacity as u128) >> 64) as usize
+}
+
+/// `hash` under a secret `seed`, for placement only (shards and table places; never a key):
+/// block keys are xxh3 with a public seed, so without it prompts could be mined whose keys
+/// share their placement bits and pile into one shard's probe run, under its write lock. With
+/// it, which keys meet is a secret of the process (each table and each index draws its own
+/// seed, `random_seed`). The mix is murmur3's 64-bit finalizer: a bijection in which every
+/// output bit depends on every input bit; two multiplies per probe next to its cache miss.
+pub(super) fn scatter(hash: u64, seed: u64) -> u64 {
+    let mut x = hash ^ seed;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xC4CE_B9FE_1A85_EC53);
+    x ^ (x >> 33)
+}
+
+/// A seed from the OS's randomness (std's `RandomState`: random keys per process, a new pair
+/// for each call), different for every table and index.
+pub(super) fn random_seed() -> u64 {
+    use std::hash::BuildHasher;
+    std::hash::RandomState::new().hash_one(0u64)
 }
 
 /// The fullest a table may get, `LOAD_NUMERATOR / LOAD_DENOMINATOR`: every probe must end at a
@@ -77,6 +100,8 @@ fn huge_pages() -> bool {
 pub(super) struct Table<T: Item> {
     places: Places<T>,
     len: usize,
+    /// The table's placement seed (`scatter`), fixed for its life.
+    seed: u64,
 }
 
 impl<T: Item> Default for Table<T> {
@@ -84,6 +109,7 @@ impl<T: Item> Default for Table<T> {
         Table {
             places: Places::zeroed(0),
             len: 0,
+            seed: random_seed(),
         }
     }
 }
@@ -102,9 +128,14 @@ impl<T: Item> Table<T> {
         self.places.ptr.as_ptr() as usize
     }
 
+    /// The placement seed, for `prefetch`.
+    pub(super) fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Starts loading the cache line where `hash`'s probe starts.
     pub(super) fn prefetch(&self, hash: u64) {
-        prefetch::<T>(self.address(), self.capacity(), hash);
+        prefetch::<T>(self.address(), self.capacity(), self.seed, hash);
     }
 
     pub(super) fn get(&self, place: usize) -> &T {
@@ -130,7 +161,7 @@ impl<T: Item> Table<T> {
         if capacity == 0 {
             return Err(Vacant(0));
         }
-        let mut place = home(hash, capacity);
+        let mut place = home(hash, self.seed, capacity);
         loop {
             let item = &places[place];
             if item.is_vacant() {
@@ -151,7 +182,7 @@ impl<T: Item> Table<T> {
             self.grow();
         }
         self.len += 1;
-        Self::place(self.places.as_mut_slice(), item)
+        Self::place(self.places.as_mut_slice(), self.seed, item)
     }
 
     /// `insert` at the place a `lookup` for the item's key found vacant, the table unchanged
@@ -171,9 +202,9 @@ impl<T: Item> Table<T> {
         (self.len + 1) * LOAD_DENOMINATOR > self.capacity() * LOAD_NUMERATOR
     }
 
-    fn place(places: &mut [T], item: T) -> usize {
+    fn place(places: &mut [T], seed: u64, item: T) -> usize {
         let capacity = places.len();
-        let mut place = home(item.hash(), capacity);
+        let mut place = home(item.hash(), seed, capacity);
         while !places[place].is_vacant() {
             place = if place + 1 == capacity { 0 } else { place + 1 };
         }
@@ -188,7 +219,7 @@ impl<T: Item> Table<T> {
         let mut places = Places::zeroed(capacity);
         for item in self.places.as_slice() {
             if !item.is_vacant() {
-                Self::place(places.as_mut_slice(), *item);
+                Self::place(places.as_mut_slice(), self.seed, *item);
             }
         }
         self.places = places;
@@ -208,7 +239,7 @@ impl<T: Item> Table<T> {
             if places[next].is_vacant() {
                 return;
             }
-            let start = home(places[next].hash(), capacity);
+            let start = home(places[next].hash(), self.seed, capacity);
             // The item may move back to the hole unless its probe starts after the hole.
             let from_start = distance(start, next, capacity);
             let from_hole = distance(hole, next, capacity);
@@ -253,15 +284,15 @@ const HUGE_PAGE: usize = 2 << 20;
 const CACHE_LINE: usize = 64;
 
 /// Starts loading the cache line of the item at `place` of the table at `address` (as published
-/// by `Table::address`) with `capacity` places, for the item of `hash`. A stale address only
+/// by `Table::address`) with `capacity` places and seed `seed`, for the item of `hash`. A stale address only
 /// makes the hint useless: a prefetch never faults and is never a read.
 #[inline(always)]
-pub(super) fn prefetch<T: Item>(address: usize, capacity: usize, hash: u64) {
+pub(super) fn prefetch<T: Item>(address: usize, capacity: usize, seed: u64, hash: u64) {
     const { assert!(CACHE_LINE % std::mem::size_of::<T>() == 0) };
     if capacity == 0 {
         return;
     }
-    let line = address.wrapping_add(home(hash, capacity) * std::mem::size_of::<T>());
+    let line = address.wrapping_add(home(hash, seed, capacity) * std::mem::size_of::<T>());
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -474,5 +505,27 @@ mod tests {
             let key = i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
             assert!(big.find(key, |k| k.0 == key).is_some());
         }
+    }
+
+    /// Keys that share their high bits (one home in an unseeded table) get many homes, and two
+    /// tables give the same keys different homes.
+    #[test]
+    fn homes_depend_on_each_tables_secret_seed() {
+        let (one, two) = (Table::<Key>::default(), Table::<Key>::default());
+        let capacity = 1 << 16;
+        let homes = |table: &Table<Key>| -> Vec<usize> {
+            (1..=1_000u64)
+                .map(|low| home((0xABCD << 48) | low, table.seed(), capacity))
+                .collect()
+        };
+        let (first, second) = (homes(&one), homes(&two));
+        let distinct: HashSet<_> = first.iter().collect();
+        assert!(
+            distinct.len() > 950,
+            "{} homes for 1,000 keys",
+            distinct.len()
+        );
+        let moved = first.iter().zip(&second).filter(|(a, b)| a != b).count();
+        assert!(moved > 950, "{moved}");
     }
 }

@@ -98,7 +98,7 @@ impl TierBlocks {
     fn forget(&mut self, keys: impl Iterator<Item = u64>, mut parent: impl FnMut(u64)) {
         let mut groups: Vec<Vec<u64>> = vec![Vec::new(); self.index.shards.len()];
         for key in keys {
-            groups[(key & self.index.shard_mask) as usize].push(key);
+            groups[self.index.shard_index(key)].push(key);
         }
         for (shard, mut keys) in groups.into_iter().enumerate() {
             keys.sort_unstable();

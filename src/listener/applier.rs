@@ -64,12 +64,16 @@ impl Applier {
         if let Some(contents) = &self.contents {
             let mut contents = contents.lock();
             for event in &batch.events {
-                contents.apply(&mut self.blocks, event, &mut outcome);
+                if self.within_cap(event) {
+                    contents.apply(&mut self.blocks, event, &mut outcome);
+                }
             }
             contents.applied_through(seq);
         } else {
             for event in &batch.events {
-                self.blocks.apply(event, &mut outcome);
+                if self.within_cap(event) {
+                    self.blocks.apply(event, &mut outcome);
+                }
             }
         }
         self.note_block_size(&outcome);
@@ -128,6 +132,9 @@ impl Applier {
         let mut contents = self.contents.as_ref().map(|contents| contents.lock());
         for stored in snapshot.events {
             let event = Event::Stored(stored);
+            if !self.within_cap(&event) {
+                continue;
+            }
             match contents.as_mut() {
                 Some(contents) => contents.apply(&mut self.blocks, &event, &mut outcome),
                 None => self.blocks.apply(&event, &mut outcome),
@@ -149,6 +156,35 @@ impl Applier {
         }
         self.blocks.clear();
         self.status.set_blocks(self.blocks.tier_blocks());
+        self.status.under_cap();
+    }
+
+    /// Whether `event` may be applied: a store that would take the rank past
+    /// `max_blocks_per_rank` (every tier counted) is not, and is counted instead, so that no
+    /// engine, or anything answering on its port, grows the index without bound. A dropped
+    /// store is a miss, never a false hit; the rank is `degraded` until its state is whole
+    /// again (a publisher restart, a snapshot).
+    fn within_cap(&self, event: &Event) -> bool {
+        let Event::Stored(stored) = event else {
+            return true;
+        };
+        let cap = self.index.max_blocks_per_rank();
+        let held = self.blocks.tier_blocks();
+        let adding = stored.block_hashes.len() as u64;
+        if (held.gpu + held.cpu + held.disk).saturating_add(adding) <= cap {
+            return true;
+        }
+        if self.status.over_cap(adding, cap) {
+            log::warn!(
+                "{}: holds {} blocks, and a store of {adding} more would pass \
+                 max_blocks_per_rank ({cap}): stores past it are counted \
+                 (blocks_over_cap_total), not indexed; the rank is degraded until it restarts \
+                 or is recovered from a snapshot",
+                self.who(),
+                held.gpu + held.cpu + held.disk
+            );
+        }
+        false
     }
 
     fn note_block_size(&mut self, outcome: &ApplyOutcome) {

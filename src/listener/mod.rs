@@ -74,7 +74,7 @@ use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
 use applier::Applier;
 use contents::Contents;
-pub use peers::{Replication, Secret};
+pub use peers::{CurrentSecret, Replication, Secret};
 use poller::Mailbox;
 pub use poller::Pollers;
 use run::{Rank, Sockets};
@@ -120,6 +120,8 @@ pub struct ListenerStatus {
     pub recovered_by: Option<RecoveredBy>,
     /// Set when the rank was dropped without being asked to stop (state `failed`).
     pub failed: Option<Failed>,
+    /// Why the rank is `degraded`, when it is for a reason `/workers` names (the rank cap).
+    pub degraded_reason: Option<String>,
     pub last_event_ms_ago: Option<u64>,
 }
 
@@ -374,6 +376,9 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sock
     sub.set_linger(0).context("setting LINGER")?;
     sub.set_rcvhwm(RECEIVE_HIGH_WATER_MARK)
         .context("setting RCVHWM")?;
+    // A bigger message drops the publisher's connection (counted as a disconnect).
+    sub.set_maxmsgsize(crate::wire::MAX_MESSAGE_BYTES)
+        .context("setting MAXMSGSIZE")?;
     sub.set_reconnect_ivl(RECONNECT_FIRST_MS)
         .context("setting RECONNECT_IVL")?;
     sub.set_reconnect_ivl_max(RECONNECT_MAX_MS)

@@ -1,7 +1,8 @@
 //! The other indexers a rank may recover from (docs/design.md "Recovery from a peer"): the
 //! reloadable `peers` list, the shared secret sent to them, and whether ranks keep the block
-//! contents a snapshot needs. Shared by every listener (and read by the HTTP API for the
-//! secret); a reload swaps the list without touching any listener.
+//! contents a snapshot needs. Shared by every listener (and read by the HTTP APIs for the
+//! secret, `CurrentSecret`); a reload swaps the list and the secret without touching any
+//! listener.
 //!
 //! Owns: the list, the secret (never printed: its `Debug` is redacted) and the snapshot URL of
 //! a rank at a peer. Never: fetches anything (`recovery` does) or decides whether an answer is
@@ -38,10 +39,29 @@ impl fmt::Debug for Secret {
     }
 }
 
+/// The secret in effect: read by every guarded route and peer fetch, replaced by a reload
+/// that re-read `auth_token_file`.
+#[derive(Default)]
+pub struct CurrentSecret(RwLock<Option<Secret>>);
+
+impl CurrentSecret {
+    pub fn get(&self) -> Option<Secret> {
+        self.0.read().clone()
+    }
+
+    /// Puts `secret` in effect; whether it differs from the one it replaces.
+    pub fn set(&self, secret: Option<Secret>) -> bool {
+        let mut current = self.0.write();
+        let changed = *current != secret;
+        *current = secret;
+        changed
+    }
+}
+
 /// What every listener of the process shares about its replicas.
 pub struct Replication {
     peers: RwLock<Arc<[String]>>,
-    secret: Option<Secret>,
+    secret: Arc<CurrentSecret>,
     retain: bool,
 }
 
@@ -51,7 +71,7 @@ impl Replication {
     pub fn new(peers: Vec<String>, secret: Option<Secret>, retain: bool) -> Arc<Replication> {
         Arc::new(Replication {
             peers: RwLock::new(peers.into()),
-            secret,
+            secret: Arc::new(CurrentSecret(RwLock::new(secret))),
             retain,
         })
     }
@@ -70,8 +90,9 @@ impl Replication {
         Arc::clone(&self.peers.read())
     }
 
-    pub fn secret(&self) -> Option<&Secret> {
-        self.secret.as_ref()
+    /// The secret in effect, shared with the HTTP APIs (a reload replaces it there too).
+    pub fn secret(&self) -> &Arc<CurrentSecret> {
+        &self.secret
     }
 
     pub fn retains_contents(&self) -> bool {

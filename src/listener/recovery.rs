@@ -163,6 +163,9 @@ pub(super) fn replay(
         .set_linger(0)
         .context("setting LINGER on the replay socket")?;
     dealer
+        .set_maxmsgsize(wire::MAX_MESSAGE_BYTES)
+        .context("setting MAXMSGSIZE on the replay socket")?;
+    dealer
         .connect(endpoint)
         .with_context(|| format!("connecting to replay endpoint {endpoint}"))?;
     dealer
@@ -285,12 +288,12 @@ fn http_get(
     within: Duration,
     abandoned: &AtomicBool,
 ) -> anyhow::Result<Vec<u8>> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
+    // No proxy, whatever the environment says (`outbound`): the request may carry the bearer
+    // token, and the answer carries users' token ids.
+    let agent: ureq::Agent = crate::outbound::agent_config()
         .timeout_connect(Some(SNAPSHOT_CONNECT))
         .timeout_per_read(Some(SNAPSHOT_SILENCE))
         .timeout_global(Some(within))
-        .max_redirects(0)
-        .http_status_as_error(false)
         .build()
         .into();
     let mut request = agent.get(url).header("Accept", "application/json");

@@ -41,6 +41,10 @@ pub(super) struct Sockets {
     pub(super) monitor: zmq::Socket,
 }
 
+/// How long after a disconnect ZMQ has to reconnect by itself before the rank connects anew
+/// (`Rank::revive`): ten times its first reconnect interval and a handshake.
+const REVIVE_AFTER: Duration = Duration::from_secs(1);
+
 /// Everything of one rank: whoever holds it is the only user of its sockets and its worker.
 /// Dropping it closes the sockets and removes the rank's blocks from the index, then tells the
 /// `Listener` (the `gone` sender is declared last: fields drop in order).
@@ -67,6 +71,8 @@ pub(super) struct Rank {
     failures: u32,
     /// Until the first connection: when to log what to check (once).
     never_connected_hint: Option<Instant>,
+    /// After a disconnect, when to connect anew if ZMQ has not reconnected by itself.
+    revive_at: Option<Instant>,
     /// The poller's bookkeeping: the wake-up it has queued for this rank, and whether the rank
     /// is on its ready list.
     pub(super) armed: Option<Instant>,
@@ -164,6 +170,7 @@ impl Rank {
             lost_since: None,
             failures: 0,
             never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
+            revive_at: None,
             armed: None,
             ready: false,
             failure,
@@ -175,21 +182,26 @@ impl Rank {
         self.applier.who()
     }
 
-    /// The next time the rank needs its poller without a message: the never-connected hint or
-    /// a snapshot retry.
+    /// The next time the rank needs its poller without a message: the never-connected hint, a
+    /// snapshot retry or a revival after a disconnect.
     pub(super) fn next_wake(&self) -> Option<Instant> {
         let retry = self.snapshot_retry.map(|(at, _)| at);
-        match (retry, self.never_connected_hint) {
-            (Some(retry), Some(hint)) => Some(retry.min(hint)),
-            (retry, hint) => retry.or(hint),
-        }
+        [retry, self.never_connected_hint, self.revive_at]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
-    /// What is due at `now`: the hint is logged here, a due snapshot retry is returned.
+    /// What is due at `now`: the hint is logged and a revival made here, a due snapshot retry
+    /// is returned.
     pub(super) fn on_timer(&mut self, now: Instant) -> Option<Job> {
         if self.never_connected_hint.is_some_and(|at| now >= at) {
             self.never_connected_hint = None;
             self.log_never_connected();
+        }
+        if self.revive_at.is_some_and(|at| now >= at) {
+            self.revive_at = None;
+            self.revive();
         }
         self.snapshot_retry
             .is_some_and(|(at, _)| now >= at)
@@ -252,6 +264,33 @@ impl Rank {
         );
     }
 
+    /// Connects anew when still disconnected `REVIVE_AFTER` a disconnect. ZMQ reconnects by
+    /// itself after a lost connection (within its 100 ms reconnect interval), but not after a
+    /// protocol error: a message over `ZMQ_MAXMSGSIZE` (`wire::MAX_MESSAGE_BYTES`) ends the
+    /// connection for good (libzmq 4.3's `session_base_t::engine_error`), which would leave
+    /// the rank `connecting` forever. A rank that is merely down gets a new connection
+    /// attempt and ZMQ's backoff again: harmless.
+    fn revive(&mut self) {
+        if self.applier.status.snapshot().connected {
+            return;
+        }
+        let endpoint = &self.applier.spec.endpoint;
+        log::info!(
+            "{}: still disconnected {REVIVE_AFTER:?} after losing {endpoint}: connecting anew \
+             (ZMQ does not reconnect after a message over ZMQ_MAXMSGSIZE, {} bytes)",
+            self.applier.who(),
+            crate::wire::MAX_MESSAGE_BYTES
+        );
+        // Gone already when ZMQ ended the connection itself: nothing to undo then.
+        let _ = self.sockets.sub.disconnect(endpoint);
+        if let Err(error) = self.sockets.sub.connect(endpoint) {
+            log::warn!(
+                "{}: connecting to {endpoint} again: {error}",
+                self.applier.who()
+            );
+        }
+    }
+
     /// Takes every monitor event waiting (a few per connection change: no budget needed).
     pub(super) fn drain_monitor(&mut self) -> anyhow::Result<()> {
         let mut frames = Frames::default();
@@ -271,6 +310,7 @@ impl Rank {
                 self.never_connected_hint = None;
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.applier.status.set_connected(false);
+                self.revive_at = Some(Instant::now() + REVIVE_AFTER);
             }
         }
         Ok(())
@@ -577,8 +617,8 @@ impl Rank {
         let mut best: Option<(crate::wire::Snapshot, &str)> = None;
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
-            let secret = self.replication.secret();
-            let checked = match recovery::fetch_snapshot(&url, secret, (&self.stop, turn)) {
+            let secret = self.replication.secret().get();
+            let checked = match recovery::fetch_snapshot(&url, secret.as_ref(), (&self.stop, turn)) {
                 Fetched::Interrupted(by) => return Snapshot::Interrupted(by),
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),

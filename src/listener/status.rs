@@ -52,6 +52,9 @@ struct Facts {
     history_lost: bool,
     /// A store with a block size other than the index's was seen.
     block_size_mismatch: bool,
+    /// Stores past `max_blocks_per_rank` were dropped since the rank's state was last whole:
+    /// the cap and the blocks dropped.
+    over_cap: Option<(u64, u64)>,
     last_seq: Option<u64>,
     batches: u64,
     blocks: PerTier<u64>,
@@ -72,7 +75,7 @@ impl Facts {
             State::Recovering
         } else if !self.connected {
             State::Connecting
-        } else if self.history_lost || self.block_size_mismatch {
+        } else if self.history_lost || self.block_size_mismatch || self.over_cap.is_some() {
             State::Degraded
         } else {
             State::Active
@@ -104,6 +107,12 @@ impl StatusCell {
             parent_missing: facts.parent_missing,
             recovered_by: facts.recovered_by.clone(),
             failed: facts.failed.clone(),
+            degraded_reason: facts.over_cap.map(|(cap, dropped)| {
+                format!(
+                    "over max_blocks_per_rank ({cap}): {dropped} stored blocks counted, not \
+                     indexed"
+                )
+            }),
             last_event_ms_ago: facts
                 .last_event
                 .map(|at| u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX)),
@@ -147,6 +156,11 @@ impl StatusCell {
     }
 
     pub(super) fn set_connected(&self, connected: bool) {
+        if !connected {
+            // The monitor's DISCONNECTED: ZMQ also drops a publisher's connection for a message
+            // over ZMQ_MAXMSGSIZE, and this is where that shows.
+            self.metrics.disconnect();
+        }
         self.update(|facts| facts.connected = connected);
     }
 
@@ -213,6 +227,24 @@ impl StatusCell {
     /// A batch or snapshot said it came from another dp_rank than the listener's.
     pub(super) fn dp_rank_mismatch(&self) {
         self.metrics.dp_rank_mismatch();
+    }
+
+    /// A store of `blocks` was not applied: the rank holds `cap` blocks or would pass it.
+    /// True the first time since the rank's state was last whole.
+    pub(super) fn over_cap(&self, blocks: u64, cap: u64) -> bool {
+        self.metrics.over_cap(blocks);
+        let mut first = false;
+        self.update(|facts| {
+            let dropped = facts.over_cap.map_or(0, |(_, dropped)| dropped);
+            first = facts.over_cap.is_none();
+            facts.over_cap = Some((cap, dropped.saturating_add(blocks)));
+        });
+        first
+    }
+
+    /// The rank's state was replaced whole (a restart, a snapshot): nothing is over the cap.
+    pub(super) fn under_cap(&self) {
+        self.update(|facts| facts.over_cap = None);
     }
 
     pub(super) fn block_size_mismatch(&self) {

@@ -169,6 +169,51 @@ impl DiscoveryOutcome {
     }
 }
 
+/// Where a refused endpoint came from: the `source` of `endpoints_refused_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum EndpointSource {
+    discovery,
+    register,
+}
+
+/// Why an endpoint from discovery or `/register` was refused: the `reason` of
+/// `endpoints_refused_total` (docs.md "Endpoints from outside the file").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EndpointRefusal {
+    /// Not `tcp://host:port`.
+    Unparsable,
+    /// A host name the system resolver does not answer.
+    Unresolvable,
+    /// The same address and port as another endpoint of the answer or registration.
+    Duplicate,
+    /// One of the indexer's own listen addresses.
+    OwnAddress,
+    /// A loopback address from an origin that is not loopback.
+    Loopback,
+}
+
+impl EndpointRefusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointRefusal::Unparsable => "unparsable",
+            EndpointRefusal::Unresolvable => "unresolvable",
+            EndpointRefusal::Duplicate => "duplicate",
+            EndpointRefusal::OwnAddress => "own_address",
+            EndpointRefusal::Loopback => "loopback",
+        }
+    }
+}
+
+impl EncodeLabelValue for EndpointRefusal {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
+
 /// A key of `indexer.toml` a discovered engine can contradict: the `key` of
 /// `discovery_disagreement`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -367,6 +412,12 @@ pub(super) struct DisagreementLabels {
     #[prometheus(flatten)]
     pub(super) engine: EngineLabels,
     pub(super) key: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct RefusalLabels {
+    pub(super) source: EndpointSource,
+    pub(super) reason: EndpointRefusal,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -18,6 +18,7 @@
 //! | `blocks_stored_total`, `blocks_removed_total` | counter | |
 //! | `malformed_messages_total` | counter | `reason` ([`MalformedReason`]) |
 //! | `gaps_total`, `lost_batches_total`, `publisher_restarts_total`, `dp_rank_mismatch_total` | counter | |
+//! | `publisher_disconnects_total`, `blocks_over_cap_total` | counter | |
 //! | `recoveries_total` | counter | `method` ([`RecoveryMethod`]), `outcome` (`ok`, `failed`) |
 //! | `listener_failures_total` | counter | `reason` ([`FailureReason`]); kept across the rank's restarts |
 //! | `listener_up` | gauge | |
@@ -31,6 +32,7 @@
 //! | `discovered_ranks` | gauge | `instance` |
 //! | `discovery_disagreement` | gauge | `instance`, `key` ([`LayoutKey`]) |
 //! | `neighbour_publishers_total` | counter | `instance` |
+//! | `endpoints_refused_total` | counter | `source` ([`EndpointSource`]), `reason` ([`EndpointRefusal`]) only |
 //!
 //! The engine-level series (`engines`) are resolved once per engine through [`EngineMetrics`].
 
@@ -53,12 +55,12 @@ use engines::EngineFamilies;
 pub use engines::EngineMetrics;
 use labels::{
     event_labels, failure_labels, reason_labels, recovery_labels, state_labels, EventLabels,
-    RankLabels, ReasonLabels, RecoveryLabels, ReloadLabels, ReloadOutcome, StateLabels,
-    StatusLabels, TierLabels, TIERS,
+    RankLabels, ReasonLabels, RecoveryLabels, RefusalLabels, ReloadLabels, ReloadOutcome,
+    StateLabels, StatusLabels, TierLabels, TIERS,
 };
 pub use labels::{
-    DiscoveryOutcome, EventSeries, FailureReason, LayoutKey, ListenerState, MalformedReason,
-    RecoveryMethod,
+    DiscoveryOutcome, EndpointRefusal, EndpointSource, EventSeries, FailureReason, LayoutKey,
+    ListenerState, MalformedReason, RecoveryMethod,
 };
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
@@ -80,6 +82,8 @@ pub struct Metrics {
     gaps: Family<RankLabels, Counter>,
     lost_batches: Family<RankLabels, Counter>,
     restarts: Family<RankLabels, Counter>,
+    disconnects: Family<RankLabels, Counter>,
+    over_cap: Family<RankLabels, Counter>,
     recoveries: Family<RecoveryLabels, Counter>,
     dp_rank_mismatch: Family<RankLabels, Counter>,
     listener_failures: Family<ReasonLabels, Counter>,
@@ -93,6 +97,7 @@ pub struct Metrics {
     http_errors: Family<StatusLabels, Counter>,
     reloads_applied: Counter,
     reloads_rejected: Counter,
+    endpoints_refused: Family<RefusalLabels, Counter>,
     engines: EngineFamilies,
 }
 
@@ -109,6 +114,8 @@ impl Metrics {
             gaps: Family::default(),
             lost_batches: Family::default(),
             restarts: Family::default(),
+            disconnects: Family::default(),
+            over_cap: Family::default(),
             recoveries: Family::default(),
             dp_rank_mismatch: Family::default(),
             listener_failures: Family::default(),
@@ -126,6 +133,7 @@ impl Metrics {
             reloads_rejected: reloads.get_or_create_owned(&ReloadLabels {
                 outcome: ReloadOutcome::rejected,
             }),
+            endpoints_refused: Family::default(),
             engines: EngineFamilies::default(),
         };
         metrics.register(reloads);
@@ -175,6 +183,21 @@ impl Metrics {
             "publisher_restarts",
             "Publisher restarts seen (seq went backwards)",
             self.restarts.clone(),
+        );
+        r.register(
+            "publisher_disconnects",
+            "Connections to the rank's publisher lost, those ZMQ drops for a message over ZMQ_MAXMSGSIZE included",
+            self.disconnects.clone(),
+        );
+        r.register(
+            "blocks_over_cap",
+            "Blocks the rank stored past max_blocks_per_rank, not indexed",
+            self.over_cap.clone(),
+        );
+        r.register(
+            "endpoints_refused",
+            "Endpoints from discovery or /register refused, by source and reason",
+            self.endpoints_refused.clone(),
         );
         r.register(
             "recoveries",
@@ -267,6 +290,8 @@ impl Metrics {
             gaps: self.gaps.get_or_create_owned(&rank),
             lost_batches: self.lost_batches.get_or_create_owned(&rank),
             restarts: self.restarts.get_or_create_owned(&rank),
+            disconnects: self.disconnects.get_or_create_owned(&rank),
+            over_cap: self.over_cap.get_or_create_owned(&rank),
             recoveries: std::array::from_fn(|i| {
                 self.recoveries
                     .get_or_create_owned(&recovery_labels(&rank, i))
@@ -319,6 +344,8 @@ impl Metrics {
             &self.gaps,
             &self.lost_batches,
             &self.restarts,
+            &self.disconnects,
+            &self.over_cap,
             &self.dp_rank_mismatch,
         ] {
             family.remove(&rank);
@@ -343,6 +370,13 @@ impl Metrics {
         for i in 0..ListenerState::ALL.len() {
             self.listener_state.remove(&state_labels(&rank, i));
         }
+    }
+
+    /// An endpoint from discovery or `/register` refused (`discover::EndpointPolicy`).
+    pub fn endpoint_refused(&self, source: EndpointSource, reason: EndpointRefusal) {
+        self.endpoints_refused
+            .get_or_create(&RefusalLabels { source, reason })
+            .inc();
     }
 
     /// One `/query` served, with its latency.
@@ -402,6 +436,8 @@ pub struct RankMetrics {
     gaps: Counter,
     lost_batches: Counter,
     restarts: Counter,
+    disconnects: Counter,
+    over_cap: Counter,
     /// In [`recovery_labels`] order.
     recoveries: [Counter; RecoveryMethod::ALL.len() * 2],
     dp_rank_mismatch: Counter,
@@ -449,6 +485,16 @@ impl RankMetrics {
     /// A publisher restart (seq went backwards).
     pub fn restart(&self) {
         self.restarts.inc();
+    }
+
+    /// The connection to the publisher was lost (the monitor's DISCONNECTED).
+    pub fn disconnect(&self) {
+        self.disconnects.inc();
+    }
+
+    /// `blocks` stored past `max_blocks_per_rank`, not indexed.
+    pub fn over_cap(&self, blocks: u64) {
+        self.over_cap.inc_by(blocks);
     }
 
     /// A recovery attempt; `ok` whether it covered the hole.

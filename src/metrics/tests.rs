@@ -96,7 +96,7 @@ fn a_fresh_registry_renders_valid_exposition_with_every_rank_series_at_zero() {
     metrics.rank("vllm-a", 1);
     let scrape = parse(&metrics.render());
     let per_rank = rank_series(&scrape, "vllm-a", "1");
-    let expected = 7 // batches, blocks ×2, gaps, lost, restarts, mismatch
+    let expected = 9 // batches, blocks ×2, gaps, lost, restarts, disconnects, over cap, mismatch
         + EventSeries::ALL.len()
         + MalformedReason::ALL.len()
         + RecoveryMethod::ALL.len() * 2

@@ -21,9 +21,10 @@ use log::{info, warn};
 
 use crate::config::{Config, DiscoverConfig};
 use crate::discover::{
-    Board, Client, Disagreement, DiscoverError, Discovery, EngineApi, EngineKind, Failure,
+    Board, Client, Disagreement, DiscoverError, Discovery, EndpointPolicy, EngineApi, EngineKind,
+    Failure,
 };
-use crate::metrics::{DiscoveryOutcome, EngineMetrics, LayoutKey, Metrics};
+use crate::metrics::{DiscoveryOutcome, EndpointSource, EngineMetrics, LayoutKey, Metrics};
 use crate::plan::WorkerKey;
 use crate::registry::{ListenerView, RanksReader};
 
@@ -59,6 +60,7 @@ struct Asker {
 /// Every discovered engine's asking thread.
 pub struct Askers {
     client: Arc<Client>,
+    policy: Arc<EndpointPolicy>,
     board: Arc<Board>,
     metrics: Arc<Metrics>,
     apply: Arc<ApplyFn>,
@@ -68,12 +70,14 @@ pub struct Askers {
 impl Askers {
     pub fn new(
         client: Client,
+        policy: Arc<EndpointPolicy>,
         board: Arc<Board>,
         metrics: Arc<Metrics>,
         apply: Arc<ApplyFn>,
     ) -> Askers {
         Askers {
             client: Arc::new(client),
+            policy,
             board,
             metrics,
             apply,
@@ -136,8 +140,10 @@ impl Askers {
         let mut asking = Asking {
             settings: settings.clone(),
             client: Arc::clone(&self.client),
+            policy: Arc::clone(&self.policy),
             board: Arc::clone(&self.board),
             metrics: self.metrics.engine(&name),
+            refusals: Arc::clone(&self.metrics),
             apply: Arc::clone(&self.apply),
             hint: None,
             last_ranks: None,
@@ -156,8 +162,11 @@ impl Askers {
 struct Asking {
     settings: DiscoverConfig,
     client: Arc<Client>,
+    policy: Arc<EndpointPolicy>,
     board: Arc<Board>,
     metrics: EngineMetrics,
+    /// Where refused endpoints are counted.
+    refusals: Arc<Metrics>,
     apply: Arc<ApplyFn>,
     /// The kind that answered last: its route is asked first.
     hint: Option<EngineKind>,
@@ -210,13 +219,54 @@ impl Asking {
     /// One question; `Ok(true)` when the answer differs from the last one taken.
     fn ask(&mut self) -> Result<bool, ()> {
         let api = &self.settings.api;
-        match self.client.discover(api, self.hint) {
+        let checked = self
+            .client
+            .discover(api, self.hint)
+            .and_then(|discovery| self.check_endpoints(discovery));
+        match checked {
             Ok(discovery) => Ok(self.answered(discovery)),
             Err(error) => {
                 self.failed(&error);
                 Err(())
             }
         }
+    }
+
+    /// The answer, unless one of its endpoints is refused (`EndpointPolicy`): then the whole
+    /// answer is, as for any rank kv-indexer cannot use, and each refusal is counted.
+    fn check_endpoints(&self, discovery: Discovery) -> Result<Discovery, DiscoverError> {
+        let api = &self.settings.api;
+        let endpoints = discovery
+            .ranks
+            .iter()
+            .flat_map(|rank| std::iter::once(rank.endpoint.as_str()).chain(rank.replay.as_deref()));
+        let who = format!("engine {}", api.engine);
+        let Err(refused) = self.policy.check(&who, &api.host, endpoints) else {
+            return Ok(discovery);
+        };
+        for refusal in &refused {
+            self.refusals
+                .endpoint_refused(EndpointSource::discovery, refusal.reason);
+        }
+        /// Enough to see the pattern of a hostile answer without a line per rank.
+        const NAMED: usize = 3;
+        let mut detail: Vec<String> = refused
+            .iter()
+            .take(NAMED)
+            .map(ToString::to_string)
+            .collect();
+        if refused.len() > NAMED {
+            detail.push(format!("and {} more", refused.len() - NAMED));
+        }
+        Err(DiscoverError {
+            engine: api.engine.clone(),
+            url: discovery.url,
+            failure: Failure::Shape,
+            detail: format!(
+                "answered endpoints kv-indexer refuses: {}",
+                detail.join("; ")
+            ),
+        })
     }
 
     fn answered(&mut self, discovery: Discovery) -> bool {

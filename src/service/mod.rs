@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
-use crate::discover::{Board, Client, Discovery, EngineApi, Limits};
+use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
 use crate::http::dynamo::{DynamoApi, Runner, RuntimeEngines};
 use crate::http::{Api, BoundHttp, HttpServer};
 use crate::index::Index;
@@ -172,6 +172,7 @@ impl Service {
         shutdown_signal: ShutdownSignal,
     ) -> anyhow::Result<Service> {
         let index = Index::new(config.block_size, config.shards);
+        index.set_max_blocks_per_rank(config.max_blocks_per_rank);
         let metrics = Arc::new(Metrics::new());
         let listen = listen.unwrap_or_else(|| config.listen.clone());
         let replication = start_replication(&config, &listen)?;
@@ -196,6 +197,9 @@ impl Service {
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
         let dynamo = bind_dynamo(&config)?;
+        // Known only once bound (`--listen 127.0.0.1:0`): what no endpoint may aim at.
+        let own = std::iter::once(http.addr()).chain(dynamo.as_ref().map(BoundHttp::addr));
+        let endpoints = Arc::new(EndpointPolicy::new(own.collect()));
         let diff = engines.apply_file_plan(plan);
         for failure in &diff.failed {
             warn!("{failure}; retrying in the background");
@@ -228,6 +232,7 @@ impl Service {
         });
         let mut askers = Askers::new(
             Client::new(Limits::default()),
+            endpoints.clone(),
             board.clone(),
             metrics.clone(),
             apply,
@@ -246,7 +251,8 @@ impl Service {
             metrics: metrics.clone(),
             directory: directory.clone(),
             engines,
-            secret: replication.secret().cloned(),
+            endpoints,
+            secret: replication.secret().clone(),
         };
         let api = Arc::new(Api {
             index,
@@ -255,7 +261,7 @@ impl Service {
             directory,
             board,
             reload: Box::new(move || reload_for_http.reload()),
-            secret: replication.secret().cloned(),
+            secret: replication.secret().clone(),
         });
         let http = http.serve(api)?;
         let dynamo = dynamo

@@ -2,8 +2,9 @@
 //! engines' answers to the registry, one at a time.
 //!
 //! Owns: the configuration and the discovered answers in effect (`Applied`), the keys that only
-//! a restart changes (kept, with a warning), and the discovery askers and neighbour probes that
-//! follow the file. Never: applies a plan other than through `RuntimeEngines` (so the runtime
+//! a restart changes (kept, with a warning), re-reading `auth_token_file` on every reload (the
+//! token it holds then alone is valid; a file that cannot be read rejects the reload), and the
+//! discovery askers and neighbour probes that follow the file. Never: applies a plan other than through `RuntimeEngines` (so the runtime
 //! registrations are applied with it, the file's winning a clash), or leaves the running
 //! configuration half-changed when a file is rejected.
 
@@ -18,7 +19,7 @@ use super::neighbours::NeighbourWatch;
 use crate::config::{Config, ConfigError};
 use crate::discover::{Board, Discovery, EngineApi};
 use crate::http::dynamo::RuntimeEngines;
-use crate::listener::Replication;
+use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::ReloadDiff;
@@ -106,15 +107,16 @@ impl Reloader {
         let mut guard = self.applied.lock();
         let applied = &mut *guard;
         let path = self.config_path.display();
-        let mut config = match Config::load(&self.config_path) {
-            Ok(config) => config,
-            Err(rejected) => {
-                for problem in &rejected.problems {
-                    error!("reload rejected: {problem}");
-                }
-                error!("reload of {path} rejected; the running configuration is unchanged");
-                self.metrics.reload(false);
-                return Err(rejected);
+        let mut config =
+            Config::load(&self.config_path).map_err(|rejected| self.rejected(rejected))?;
+        // Read before anything is applied: a token file that cannot be read rejects the reload
+        // whole, and the token in effect stays.
+        let secret = match config.replicas.read_auth_token() {
+            Ok(text) => text.as_deref().and_then(Secret::from_file_text),
+            Err(error) => {
+                return Err(self.rejected(ConfigError {
+                    problems: vec![format!("{error:#}")],
+                }))
             }
         };
         keep_for_restart(
@@ -135,20 +137,34 @@ impl Reloader {
             &applied.config.shards,
             &self.config_path,
         );
+        keep_for_restart(
+            "max_blocks_per_rank",
+            &mut config.max_blocks_per_rank,
+            &applied.config.max_blocks_per_rank,
+            &self.config_path,
+        );
         keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
-        if (
-            &config.replicas.auth_token_file,
-            config.replicas.retains_contents(),
-        ) != (
-            &applied.config.replicas.auth_token_file,
-            applied.config.replicas.retains_contents(),
-        ) {
+        if config.replicas.retains_contents() != applied.config.replicas.retains_contents() {
             warn!(
-                "{path}: auth_token_file or serve_snapshots changed, or peers were added or all \
-                 removed: restart kv-indexer to apply that (the new peers list is applied)"
+                "{path}: serve_snapshots changed, or peers were added or all removed: restart \
+                 kv-indexer to apply that (the new peers list is applied)"
             );
         }
         self.replication.set_peers(config.replicas.peers.clone());
+        let guarded = secret.is_some();
+        if self.replication.secret().set(secret) {
+            // Never the token itself.
+            match &config.replicas.auth_token_file {
+                Some(file) if guarded => info!(
+                    "{path}: the token of auth_token_file {file} changed: only the new token is \
+                     accepted from now on, and peers are sent it"
+                ),
+                _ => warn!(
+                    "{path}: auth_token_file is no longer set: /reload, /snapshot/ and the \
+                     Dynamo API's /register and /unregister are open to anyone who can connect"
+                ),
+            }
+        }
         // An engine asked at the same API keeps its last good answer: a reload does not drop
         // its ranks until it has answered again.
         let old = &applied.config;
@@ -180,6 +196,19 @@ impl Reloader {
         }
         self.metrics.reload(true);
         Ok(diff)
+    }
+
+    /// Logs and counts a rejected reload; the running configuration is unchanged.
+    fn rejected(&self, rejected: ConfigError) -> ConfigError {
+        for problem in &rejected.problems {
+            error!("reload rejected: {problem}");
+        }
+        error!(
+            "reload of {} rejected; the running configuration is unchanged",
+            self.config_path.display()
+        );
+        self.metrics.reload(false);
+        rejected
     }
 
     /// Applies a discovered engine's answer, asked at `api`, unless a reload has changed the

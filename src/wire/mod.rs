@@ -14,6 +14,19 @@ mod snapshot;
 mod spare;
 
 pub use batch::decode_batch;
+
+/// The largest frame a SUB or replay DEALER socket takes (`ZMQ_MAXMSGSIZE`): ZMQ drops the
+/// connection of a peer that sends more, before any of it is held, and reconnects.
+///
+/// A batch is one engine step's events. A step stores at most the tokens it schedules (vLLM's
+/// `max_num_batched_tokens`; at most one whole context window, ≤ 1 Mi tokens for today's
+/// longest-context models, when a prompt is prefilled in one step), each token id ≤ 5 bytes of
+/// msgpack and each block hash ≤ 9, and evicts no more blocks than it stores (eviction makes
+/// room for them), ≤ 9 bytes each. At block size 1, the worst, that is 1 Mi × (5 + 9 + 9) =
+/// 23 MiB, plus ≤ 100 bytes of fields per event for at most some thousand sequences a step:
+/// 32 MiB is above every real batch (a 96-block step is some 10 KiB). A 400 MB message took the
+/// RSS to 476 MB before this bound.
+pub const MAX_MESSAGE_BYTES: i64 = 32 << 20;
 pub use snapshot::{decode_snapshot, encode_snapshot};
 pub use spare::{BatchDecoder, DecodedBatch};
 

@@ -19,8 +19,9 @@ use std::sync::Arc;
 use crate::http::Request;
 
 use super::{Reply, Routes};
+use crate::discover::EndpointPolicy;
 use crate::index::Index;
-use crate::listener::Secret;
+use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
 pub use engines::{EngineChange, Runner, RuntimeEngines};
@@ -32,9 +33,11 @@ pub struct DynamoApi {
     pub metrics: Arc<Metrics>,
     pub directory: DirectoryReader,
     pub engines: Arc<RuntimeEngines>,
+    /// Which endpoints a registration may name (shared with discovery).
+    pub endpoints: Arc<EndpointPolicy>,
     /// The secret `/register` and `/unregister` require (they change state), when
     /// `auth_token_file` is set; the query routes stay open, as on our own API.
-    pub secret: Option<Secret>,
+    pub secret: Arc<CurrentSecret>,
 }
 
 impl Routes for DynamoApi {

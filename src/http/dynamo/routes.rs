@@ -17,6 +17,7 @@ use crate::config::{validate_listen, MAX_DP_SIZE};
 use crate::http::auth::{is_authorized, unauthorized};
 use crate::http::{check_method, Reply};
 use crate::index::{keys_of_local_hashes, Prompt, Score};
+use crate::metrics::EndpointSource;
 use crate::plan::{ListenerSpec, WorkerKey};
 use crate::registry::WorkerDirectory;
 
@@ -46,13 +47,13 @@ pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
         return workers(api);
     }
     let changes_state = matches!(path, "/register" | "/unregister");
-    if changes_state && !is_authorized(request, api.secret.as_ref()) {
+    if changes_state && !is_authorized(request, api.secret.get().as_ref()) {
         return unauthorized();
     }
     let answer = parse_body(body).and_then(|body| match path {
         "/query" => query(api, &body),
         "/query_by_hash" => query_by_hash(api, &body),
-        "/register" => register(api, body),
+        "/register" => register(api, request, body),
         _ => unregister(api, &body),
     });
     answer.unwrap_or_else(|reason| Reply::error(400, reason))
@@ -239,7 +240,38 @@ fn at_most(field: &str, text: &str, limit: usize) -> Result<(), String> {
     }
 }
 
-fn register(api: &DynamoApi, body: DynamoBody) -> Answer {
+/// The endpoint policy on a registration's endpoints, its origin the client that sent it:
+/// a loopback endpoint only from a loopback client. 400 naming each endpoint refused.
+fn check_endpoint_policy(
+    api: &DynamoApi,
+    request: &Request,
+    body: &DynamoBody,
+) -> Result<(), String> {
+    let origin = request
+        .peer()
+        .map_or_else(String::new, |peer| peer.ip().to_string());
+    let endpoints = body
+        .endpoint
+        .as_deref()
+        .into_iter()
+        .chain(body.replay_endpoint.as_deref());
+    let who = format!(
+        "/register of instance {}",
+        body.instance_id.unwrap_or_default()
+    );
+    api.endpoints
+        .check(&who, &origin, endpoints)
+        .map_err(|refused| {
+            for refusal in &refused {
+                api.metrics
+                    .endpoint_refused(EndpointSource::register, refusal.reason);
+            }
+            let named: Vec<String> = refused.iter().map(ToString::to_string).collect();
+            format!("refused: {}", named.join("; "))
+        })
+}
+
+fn register(api: &DynamoApi, request: &Request, body: DynamoBody) -> Answer {
     let instance_id = required(body.instance_id, "instance_id")?;
     let endpoint = required(body.endpoint.clone(), "endpoint")?;
     let model = required(body.model_name.clone(), "model_name")?;
@@ -254,6 +286,7 @@ fn register(api: &DynamoApi, body: DynamoBody) -> Answer {
     if let Some(replay) = &body.replay_endpoint {
         check_endpoint("replay_endpoint", replay)?;
     }
+    check_endpoint_policy(api, request, &body)?;
     if model.is_empty() {
         return Err("model_name: must not be empty".into());
     }
