@@ -71,7 +71,10 @@ fn replay(vectors: &Value) -> Replay {
             let name = step["rank"].as_str().expect("step rank");
             let seq = step["seq"].as_u64().expect("seq");
             let expected = next_seq.entry(name.to_owned()).or_default();
-            assert_eq!(seq, *expected, "rank {name}: batches in order, none missing");
+            assert_eq!(
+                seq, *expected,
+                "rank {name}: batches in order, none missing"
+            );
             *expected += 1;
             let batch = decode_batch(&hex(payload)).expect("a real payload decodes");
             assert_eq!(batch.skipped, 0, "rank {name} seq {seq}");
@@ -94,7 +97,9 @@ fn replay(vectors: &Value) -> Replay {
                 .first()
                 .map_or(0, |score| score.matched_blocks);
             if truth != answer {
-                result.wrong.push((result.probes, name.clone(), truth, answer));
+                result
+                    .wrong
+                    .push((result.probes, name.clone(), truth, answer));
             }
             if truth != group_0 {
                 result.window_decided += 1;

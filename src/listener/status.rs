@@ -270,6 +270,7 @@ mod tests {
             placeholder_unknown: 37,
             ignored_medium: 23,
             ignored_group: 29,
+            layout_changes: 0,
         };
         cell.applied(0, &outcome, 31, PerTier::default());
         cell.snapshot_applied(1, &outcome, PerTier::default());
