@@ -352,3 +352,6 @@ impl RankGroups {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -8,7 +8,7 @@
 //! another rank's workers.
 
 use super::engine_map::EngineMap;
-use super::groups::{GroupView, Learned, RankGroups, MAX_GROUPS};
+use super::groups::{GroupView, Inexact, Learned, RankGroups, RankLayout, MAX_GROUPS};
 use super::tier_blocks::TierBlocks;
 use super::{PerTier, Tier, WorkerId};
 use crate::wire::{BlockStored, Event};
@@ -208,6 +208,12 @@ impl WorkerBlocks {
             tier.clear();
         }
         self.groups.clear();
+    }
+
+    /// Why queries answer the rank 0 (its groups' hit cannot be computed from the events), if
+    /// they do.
+    pub fn inexact(&self) -> Option<Inexact> {
+        RankLayout::of(self.gpu.stats()).and_then(|layout| layout.inexact())
     }
 
     /// The KV-cache groups the rank's stores named, with what each holds (empty for a rank

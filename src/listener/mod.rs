@@ -114,6 +114,10 @@ pub struct ListenerStatus {
     /// How the last hole was recovered, if one was.
     pub recovered_by: Option<RecoveredBy>,
     pub last_event_ms_ago: Option<u64>,
+    /// The KV-cache groups the rank's stores named (none for a plain rank's), and why the rank
+    /// is answered 0, if it is.
+    pub groups: Vec<crate::index::GroupView>,
+    pub inexact: Option<crate::index::Inexact>,
 }
 
 /// How a rank's last hole was filled, as `/workers` shows it.
@@ -253,6 +257,7 @@ impl Listener {
             status: Arc::clone(&status),
             warned_dp_rank: false,
             warned_block_size: false,
+            shows_groups: false,
             contents: contents.clone(),
             decoder: Default::default(),
         };

@@ -10,7 +10,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::{ListenerStatus, RecoveredBy, State};
-use crate::index::{ApplyOutcome, PerTier};
+use crate::index::{ApplyOutcome, GroupView, Inexact, PerTier};
 use crate::metrics::{EventSeries, MalformedReason, RankMetrics, RecoveryMethod};
 
 /// An `events_total` series and the `ApplyOutcome` field it counts.
@@ -58,6 +58,8 @@ struct Facts {
     parent_missing: u64,
     last_event: Option<Instant>,
     recovered_by: Option<RecoveredBy>,
+    groups: Vec<GroupView>,
+    inexact: Option<Inexact>,
 }
 
 impl Facts {
@@ -102,6 +104,8 @@ impl StatusCell {
             last_event_ms_ago: facts
                 .last_event
                 .map(|at| u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX)),
+            groups: facts.groups.clone(),
+            inexact: facts.inexact,
         }
     }
 
@@ -216,6 +220,19 @@ impl StatusCell {
 
     pub(super) fn stopped(&self) {
         self.update(|facts| facts.stopped = true);
+        self.set_groups(Vec::new(), None);
+    }
+
+    /// The rank's KV-cache groups, and why it is answered 0 (counted in `inexact_ranks` while
+    /// it is).
+    pub(super) fn set_groups(&self, groups: Vec<GroupView>, inexact: Option<Inexact>) {
+        let mut facts = self.lock();
+        facts.groups = groups;
+        let before = std::mem::replace(&mut facts.inexact, inexact);
+        if before != inexact {
+            self.metrics
+                .inexact_changed(before.map(Inexact::name), inexact.map(Inexact::name));
+        }
     }
 
     fn count_batch(&self, outcome: &ApplyOutcome, skipped: u32) {

@@ -333,6 +333,12 @@ pub(super) struct DisagreementLabels {
     pub(super) key: &'static str,
 }
 
+/// Why ranks are answered 0: a closed set of names the index gives (`index::Inexact::name`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct InexactLabels {
+    pub(super) reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(super) struct StatusLabels {
     pub(super) status: u16,
