@@ -18,7 +18,7 @@ type EventCount = (EventSeries, fn(&ApplyOutcome) -> u64);
 
 /// Which `ApplyOutcome` field each `events_total` series counts (the decoder's skipped events
 /// go to `EventSeries::Skipped`).
-const EVENT_COUNTS: [EventCount; 10] = [
+const EVENT_COUNTS: [EventCount; 11] = [
     (EventSeries::StoredApplied, |o| o.stored),
     (EventSeries::StoredParentMissing, |o| o.parent_missing),
     (EventSeries::StoredBlockSizeMismatch, |o| {
@@ -33,6 +33,7 @@ const EVENT_COUNTS: [EventCount; 10] = [
     (EventSeries::ClearedApplied, |o| o.cleared),
     (EventSeries::IgnoredMedium, |o| o.ignored_medium),
     (EventSeries::IgnoredGroup, |o| o.ignored_group),
+    (EventSeries::StoredLayoutChange, |o| o.layout_changes),
 ];
 
 /// The shared status cell of one listener. One short, uncontended lock per batch.
@@ -287,7 +288,7 @@ mod tests {
             placeholder_unknown: 37,
             ignored_medium: 23,
             ignored_group: 29,
-            layout_changes: 0,
+            layout_changes: 41,
         };
         cell.applied(0, &outcome, 31, PerTier::default());
         cell.snapshot_applied(1, &outcome, PerTier::default());
@@ -337,6 +338,10 @@ mod tests {
             twice(outcome.ignored_medium)
         );
         assert_eq!(events("any", "ignored_group"), twice(outcome.ignored_group));
+        assert_eq!(
+            events("stored", "layout_change"),
+            twice(outcome.layout_changes)
+        );
         assert_eq!(events("unknown", "skipped"), 31.0);
         assert_eq!(value("kv_indexer_batches_total", &[]), 2.0);
         assert_eq!(

@@ -184,12 +184,14 @@ pub enum EventSeries {
     IgnoredMedium,
     /// Stores and removals together, about a KV-cache group other than 0.
     IgnoredGroup,
+    /// Stores whose KV-cache group changed its kind or window: a new publisher layout.
+    StoredLayoutChange,
     /// Events the decoder skipped: unknown type, or an event it could not decode or index.
     Skipped,
 }
 
 impl EventSeries {
-    pub const ALL: [EventSeries; 11] = [
+    pub const ALL: [EventSeries; 12] = [
         EventSeries::StoredApplied,
         EventSeries::StoredParentMissing,
         EventSeries::StoredBlockSizeMismatch,
@@ -200,6 +202,7 @@ impl EventSeries {
         EventSeries::ClearedApplied,
         EventSeries::IgnoredMedium,
         EventSeries::IgnoredGroup,
+        EventSeries::StoredLayoutChange,
         EventSeries::Skipped,
     ];
 
@@ -219,6 +222,7 @@ impl EventSeries {
             EventSeries::ClearedApplied => (EventType::cleared, EventOutcome::applied),
             EventSeries::IgnoredMedium => (EventType::any, EventOutcome::ignored_medium),
             EventSeries::IgnoredGroup => (EventType::any, EventOutcome::ignored_group),
+            EventSeries::StoredLayoutChange => (EventType::stored, EventOutcome::layout_change),
             EventSeries::Skipped => (EventType::unknown, EventOutcome::skipped),
         }
     }
@@ -249,6 +253,7 @@ pub(super) enum EventOutcome {
     placeholder_unknown,
     ignored_medium,
     ignored_group,
+    layout_change,
     skipped,
 }
 
