@@ -6,13 +6,16 @@
 //! to 15 further turns of 32 blocks (16 tokens each), each served by 1–3 workers that chain every
 //! turn from their own previous one. Beside it, the apply figure on its own: pre-built
 //! stores of 32 fresh blocks spread over 64 workers, then their removals, over 1 and 2 threads.
+//! `bench_index hybrid` fills the same workload as hybrid ranks (group 1 a sliding window that
+//! keeps the last blocks of each store, as vLLM frees the rest out of window) and prints what a
+//! group-1 block costs and what the window rule adds to a query.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 use kv_indexer::index::{block_keys, ApplyOutcome, Index, WorkerBlocks};
-use kv_indexer::wire::{BlockRemoved, BlockStored, Event};
+use kv_indexer::wire::{BlockRemoved, BlockStored, Event, SpecKind};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -403,6 +406,9 @@ fn main() {
     if part.is_empty() || part == "query" {
         memory_and_query();
     }
+    if part == "hybrid" {
+        hybrid_cost();
+    }
     if part.is_empty() || part == "drop" {
         drop_time();
     }
@@ -456,6 +462,111 @@ fn bytes_per_block_of_one_rank() {
     drop(writer);
 }
 
+/// Which system prompt each of the first 8,000 conversations used, read back from the index.
+fn systems_of(index: &Index, conversations: usize) -> Vec<usize> {
+    (0..conversations.min(8000))
+        .map(|c| {
+            let turn0 = turn_tokens(c, 0);
+            (0..SYSTEMS)
+                .find(|&s| {
+                    let mut tokens = system_tokens(s);
+                    tokens.extend(&turn0[..BLOCK]);
+                    index
+                        .query(&tokens, None, &|_| true)
+                        .iter()
+                        .any(|score| score.matched_blocks as usize == TURN + 1)
+                })
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
+/// Query latency over `prompts` (µs, sorted) and the candidates per prompt.
+fn query_latencies(index: &Index, prompts: &[Vec<u32>]) -> (Vec<f64>, f64) {
+    let mut samples = Vec::with_capacity(prompts.len());
+    let mut candidates = 0;
+    for prompt in prompts {
+        let start = Instant::now();
+        candidates += index.query(prompt, None, &|_| true).len();
+        samples.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    samples.sort_by(f64::total_cmp);
+    (samples, candidates as f64 / prompts.len().max(1) as f64)
+}
+
+/// Hybrid ranks on the conversation workload: 5 M group-0 pairs, then the same stores into a
+/// sliding-window group 1 (32 tokens: 2 blocks), each followed by the removal of all but its
+/// last `KEEP` blocks (vLLM frees the rest out of window during prefill, and evicts them first).
+/// The workload is generated twice from one seed, so the second pass meets the first's chains.
+fn hybrid_cost() {
+    const KEEP: usize = 2;
+    const WINDOW: u32 = 32;
+    let index: Arc<Index> = Index::new(BLOCK as u32, 64);
+    let mut writers: Vec<WorkerBlocks> = (0..WORKERS).map(|_| index.add_worker()).collect();
+    let mut outcome = ApplyOutcome::default();
+    let mut workload = Workload::new(3);
+    workload.evictable = false;
+    let start = rss_bytes();
+    let mut conversations = 0;
+    while outcome.stored_blocks < 5_000_000 {
+        workload.conversation(|worker, event| writers[worker].apply(&event, &mut outcome));
+        conversations += 1;
+    }
+    let group_0 = outcome.stored_blocks;
+    let plain = rss_bytes();
+    let system_of = systems_of(&index, conversations);
+    let prompts: Vec<Vec<u32>> = (0..system_of.len())
+        .map(|c| workload.prompt(c, &system_of))
+        .collect();
+    let (plain_latency, candidates) = query_latencies(&index, &prompts);
+
+    let mut again = Workload::new(3);
+    again.evictable = false;
+    let mut window = ApplyOutcome::default();
+    let before_window = rss_bytes();
+    for _ in 0..conversations {
+        again.conversation(|worker, event| {
+            let Event::Stored(stored) = event else {
+                return;
+            };
+            let freed: Vec<u64> = stored.block_hashes[..stored.block_hashes.len() - KEEP].to_vec();
+            let stored = BlockStored {
+                group_idx: Some(1),
+                kind: Some(SpecKind::SlidingWindow),
+                sliding_window: Some(WINDOW),
+                ..stored
+            };
+            writers[worker].apply(&Event::Stored(stored), &mut window);
+            let removed = BlockRemoved {
+                block_hashes: freed.into_iter().rev().collect(),
+                medium: None,
+                group_idx: Some(1),
+            };
+            writers[worker].apply(&Event::Removed(removed), &mut window);
+        });
+    }
+    let hybrid = rss_bytes();
+    let group_1 = window.stored_blocks - window.removed_blocks;
+    assert_eq!(window.parent_missing, 0, "group 1 chains from group 0");
+    let (hybrid_latency, _) = query_latencies(&index, &prompts);
+    println!(
+        "| plain: {group_0} group-0 pairs, RSS growth per pair | {:.1} B | |",
+        plain.saturating_sub(start) as f64 / group_0 as f64
+    );
+    println!(
+        "| hybrid: {group_1} group-1 blocks held (window {WINDOW} tokens, last {KEEP} of each store), RSS growth per group-1 block | {:.1} B | |",
+        hybrid.saturating_sub(before_window) as f64 / group_1.max(1) as f64
+    );
+    for (what, latency) in [("plain", &plain_latency), ("hybrid", &hybrid_latency)] {
+        println!(
+            "| query 512 blocks, {what} ranks ({candidates:.1} candidates per prompt) | p50 {:.2} µs, p99 {:.2} µs | |",
+            percentile(latency, 0.5),
+            percentile(latency, 0.99)
+        );
+    }
+    drop(writers);
+}
+
 /// (2, 3) Memory per pair and query latency at 10 M pairs. Runs before the apply benchmark so
 /// that RSS growth is not hidden by memory the apply run freed.
 fn memory_and_query() {
@@ -464,7 +575,6 @@ fn memory_and_query() {
     let mut writers: Vec<WorkerBlocks> = (0..WORKERS).map(|_| index.add_worker()).collect();
     let mut workload = Workload::new(2);
     workload.evictable = false;
-    let mut system_of = Vec::new();
     let before = rss_bytes();
     let mut outcome = ApplyOutcome::default();
     let mut pairs = 0u64;
@@ -476,25 +586,9 @@ fn memory_and_query() {
     let fill_seconds = fill_start.elapsed().as_secs_f64();
     let after = rss_bytes();
     let keys = index.key_count();
-    // Which system prompt each conversation used: rebuild it from the generator's seed stream is
-    // not possible, so read it back from the tokens of its first block via a query per system.
-    for c in 0..workload.conversations {
-        let turn0 = turn_tokens(c, 0);
-        let system = (0..SYSTEMS)
-            .find(|&s| {
-                let mut tokens = system_tokens(s);
-                tokens.extend(&turn0[..BLOCK]);
-                index
-                    .query(&tokens, None, &|_| true)
-                    .iter()
-                    .any(|score| score.matched_blocks as usize == TURN + 1)
-            })
-            .unwrap_or(0);
-        system_of.push(system);
-        if system_of.len() >= 8000 {
-            break;
-        }
-    }
+    // Which system prompt each conversation used: rebuilding it from the generator's seed
+    // stream is not possible, so it is read back from the index.
+    let system_of = systems_of(&index, workload.conversations);
     println!(
         "| fill to {pairs} pairs ({keys} keys, {:.1} pairs per key), hashing included | {:.1} M blocks/s | |",
         pairs as f64 / keys as f64,

@@ -68,6 +68,10 @@ struct Args {
     /// Cache capacity per rank, in blocks.
     #[arg(long, default_value_t = 20_000)]
     capacity_blocks: usize,
+    /// Serve as hybrid ranks (vLLM's full attention + a sliding window of this many tokens):
+    /// group 1's blocks are freed out of window during prefill and evicted first.
+    #[arg(long)]
+    sliding_window: Option<u32>,
     #[arg(long, value_enum, default_value_t = Workload::Trace)]
     workload: Workload,
     #[arg(long, default_value = "../shared/data/synthetic_trace.jsonl")]
@@ -115,6 +119,7 @@ fn main() -> Result<()> {
         topic: args.topic.clone(),
         block_size: args.block_size,
         capacity_blocks: args.capacity_blocks,
+        sliding_window: args.sliding_window,
         form: match args.form {
             FormArg::Map => Form::Map,
             FormArg::Array => Form::Array,

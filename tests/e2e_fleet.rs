@@ -2,7 +2,8 @@
 //! first trace requests are served on ranks that evict, and afterwards, for every prompt and
 //! every rank, the prefix hit the indexer predicts must equal what the rank holds — clean, with
 //! dropped batches repaired by replay or by snapshot, across a rank restart, and through the
-//! real binary over HTTP.
+//! real binary over HTTP; and a hybrid fleet (full attention + sliding windows of two sizes)
+//! through the binary, against what vLLM's coordinator would serve.
 
 mod support;
 
@@ -215,4 +216,61 @@ fn the_binary_over_http_is_exact() {
     let accuracy = assert_exact(&fleet, &mut indexer, &views, &prompts, &placed);
     assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");
     assert_eq!(gaps_since(&warm, &views), 0, "{views:#?}");
+}
+
+/// Hybrid engines (`sliding_window`: group 1 a window of 32 tokens on one engine, 64 on the
+/// other, freed out of window during prefill and evicted first) through the binary over ZMQ
+/// and HTTP: every (prompt, rank) answer is the coordinator's hit, also where group 0 alone
+/// holds more, and `/workers` shows each rank's groups as exact.
+#[test]
+fn a_hybrid_fleet_with_two_windows_over_http_is_exact() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
+    let windows = [32, 64];
+    let fleet = Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
+        sliding_window: Some(windows[i % windows.len()]),
+        ..engine_config(i, CLEAN)
+    })
+    .expect("fleet");
+    let process = start_indexer(&fleet.indexer_config());
+    let mut indexer = OverHttp::new(process.address);
+    let warm = warm_up(&fleet, &mut indexer, DEADLINE);
+    let mut router = fleet.router(Route::Sticky);
+    let placed = fleet.serve_all(&mut router, &prompts).expect("serve");
+    let views = settle(&fleet, &mut indexer, DEADLINE);
+    let accuracy = assert_exact(&fleet, &mut indexer, &views, &prompts, &placed);
+    assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");
+    assert_eq!(gaps_since(&warm, &views), 0, "{views:#?}");
+    let window_decided = prompts
+        .iter()
+        .flat_map(|prompt| fleet.ranks().into_iter().map(move |at| (prompt, at)))
+        .filter(|&(prompt, at)| {
+            let engine = fleet.engine(at);
+            engine.true_prefix_hit(at.rank, prompt).expect("rank")
+                < engine.full_attention_run(at.rank, prompt).expect("rank")
+        })
+        .count();
+    assert!(
+        window_decided > 0,
+        "the windows never cut a hit: nothing hybrid was checked"
+    );
+
+    let workers = support::http_client::get(process.address, "/workers").json();
+    for instance in workers.as_array().expect("instances") {
+        for rank in instance["listeners"].as_array().expect("listeners") {
+            assert_eq!(rank["exact"], true, "{rank}");
+            let groups = rank["groups"].as_array().expect("groups");
+            assert_eq!(groups.len(), 2, "{rank}");
+            assert_eq!(groups[0]["kind"], "full_attention");
+            assert_eq!(groups[1]["kind"], "sliding_window");
+            assert!(
+                windows.contains(&(groups[1]["sliding_window"].as_u64().expect("window") as u32))
+            );
+            // The window group frees and evicts first: it never holds more than group 0.
+            assert!(
+                groups[1]["blocks"].as_u64() <= groups[0]["blocks"].as_u64(),
+                "{rank}"
+            );
+        }
+    }
 }

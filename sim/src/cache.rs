@@ -6,7 +6,9 @@
 //! multimodal prompt is a different block from the same tokens without. It never touches a socket
 //! and never encodes anything: it produces `wire` events and answers questions about its own
 //! content. With a CPU tier (`offload`), blocks GPU evicts are copied there first, as vLLM's
-//! offloading connector does, and a prompt's blocks found there are loaded back into GPU.
+//! offloading connector does, and a prompt's blocks found there are loaded back into GPU. With a
+//! sliding window (`window`), it is a hybrid rank: a full-attention group 0 and a sliding-window
+//! group 1 in one block pool, scored as vLLM's hybrid coordinator scores them.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -16,10 +18,12 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::rng::mix;
 use kv_indexer::index::MmFeature;
-use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement};
+use kv_indexer::wire::{BlockExtras, BlockRemoved, BlockStored, Event, MmPlacement, SpecKind};
 use offload::CpuTier;
+use window::Window;
 
 mod offload;
+mod window;
 
 /// The medium every simulated block lives in.
 const GPU: &str = "GPU";
@@ -134,6 +138,8 @@ pub struct RankCache {
     lru: BTreeSet<LruKey>,
     tick: u64,
     cpu: Option<CpuTier>,
+    /// A hybrid rank's sliding-window group; its blocks count against `capacity` too.
+    window: Option<Window>,
 }
 
 impl RankCache {
@@ -148,7 +154,20 @@ impl RankCache {
             lru: BTreeSet::new(),
             tick: 0,
             cpu: None,
+            window: None,
         }
+    }
+
+    /// The same cache as a hybrid rank: group 1 a sliding window of `tokens` (not with a CPU
+    /// tier). A prompt caches at most half the capacity: each block takes one in each group.
+    pub fn with_sliding_window(mut self, tokens: u32) -> Self {
+        self.window = Some(Window::new(tokens, self.block_size));
+        self
+    }
+
+    /// Blocks of the sliding-window group (0 without one).
+    pub fn window_len(&self) -> usize {
+        self.window.as_ref().map_or(0, Window::len)
     }
 
     /// The same cache with a CPU tier of `capacity` blocks that GPU offloads to.
@@ -179,8 +198,11 @@ impl RankCache {
     /// full blocks are cached, evicting least recently used blocks not used by this prompt. A
     /// prompt longer than the whole cache caches only its first `capacity` blocks.
     pub fn serve<'r>(&mut self, request: impl Into<Request<'r>>) -> Served {
-        self.tick += 1;
         let request = request.into();
+        if self.window.is_some() {
+            return self.serve_hybrid(&request);
+        }
+        self.tick += 1;
         let cacheable: Vec<Block> = self.full_blocks(&request).take(self.capacity).collect();
         let mut parent = None;
         let mut hit_blocks = 0;
@@ -216,10 +238,92 @@ impl RankCache {
         }
     }
 
-    /// Ground truth: how many leading full blocks of `request` are cached now. Does not count as
-    /// a use.
+    /// A hybrid rank's `serve`: group 0's run is reused and its other blocks computed as on a
+    /// plain rank; the hit is the coordinator's; group 1 keeps the window its hit used and
+    /// caches every later block it lacks, then frees the blocks the prefill left out of window.
+    fn serve_hybrid(&mut self, request: &Request) -> Served {
+        self.tick += 1;
+        let tick = self.tick;
+        let blocks: Vec<Block> = self.full_blocks(request).take(self.capacity / 2).collect();
+        let hashes = self.chain(&blocks);
+        let full_run = hashes
+            .iter()
+            .take_while(|hash| self.blocks.contains_key(hash))
+            .count();
+        for &hash in &hashes[..full_run] {
+            self.touch(hash);
+        }
+        let Some(window) = self.window.as_mut() else {
+            unreachable!("serve_hybrid runs with a window");
+        };
+        let hit = window.hit(&hashes, full_run);
+        for i in window.used_by_hit(hit).chain(hit..hashes.len()) {
+            window.touch(hashes[i], tick);
+        }
+        let window_new: Vec<usize> = (hit..hashes.len())
+            .filter(|&i| !window.holds(hashes[i]))
+            .collect();
+        let mut events = self.evict(hashes.len() - full_run + window_new.len());
+        if full_run < blocks.len() {
+            let parent = full_run.checked_sub(1).map(|i| hashes[i]);
+            events.push(Event::Stored(self.store(
+                parent,
+                full_run,
+                &blocks[full_run..],
+            )));
+        }
+        // Group 1's new blocks, one store per run, each chained from the block before it.
+        let Some(window) = self.window.as_mut() else {
+            unreachable!("serve_hybrid runs with a window");
+        };
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for &i in &window_new {
+            window.insert(hashes[i], i as u32, tick);
+            match runs.last_mut() {
+                Some(run) if run.end == i => run.end += 1,
+                _ => runs.push(i..i + 1),
+            }
+        }
+        window.free_out_of_window(&hashes, request.tokens.len(), self.block_size);
+        for run in runs {
+            let parent = run.start.checked_sub(1).map(|i| hashes[i]);
+            let mut event = self.window_event(parent);
+            for i in run {
+                event.block_hashes.push(hashes[i]);
+                event.token_ids.extend_from_slice(blocks[i].tokens);
+                event.extras.push(blocks[i].extras.clone());
+            }
+            events.push(Event::Stored(plain_unless_extras(event)));
+        }
+        Served {
+            hit_blocks: hit as u32,
+            events,
+        }
+    }
+
+    /// The engine hashes of a prompt's `blocks`, chained.
+    fn chain(&self, blocks: &[Block]) -> Vec<u64> {
+        let mut parent = None;
+        blocks
+            .iter()
+            .map(|block| {
+                let hash = self.block_hash(parent, block);
+                parent = Some(hash);
+                hash
+            })
+            .collect()
+    }
+
+    /// Ground truth: how many leading full blocks of `request` the engine would serve from its
+    /// cache now (on a hybrid rank, what vLLM's coordinator computes). Does not count as a use.
     pub fn true_prefix_hit<'r>(&self, request: impl Into<Request<'r>>) -> u32 {
         let request = request.into();
+        if let Some(window) = &self.window {
+            let blocks: Vec<Block> = self.full_blocks(&request).collect();
+            let hashes = self.chain(&blocks);
+            let full_run = self.full_attention_run(request) as usize;
+            return window.hit(&hashes, full_run) as u32;
+        }
         let mut parent = None;
         let mut hits = 0;
         for block in self.full_blocks(&request) {
@@ -233,11 +337,27 @@ impl RankCache {
         hits
     }
 
+    /// What group 0 (full attention) alone would serve: the leading full blocks it holds, which
+    /// on a plain rank is the hit.
+    pub fn full_attention_run<'r>(&self, request: impl Into<Request<'r>>) -> u32 {
+        let request = request.into();
+        let blocks: Vec<Block> = self.full_blocks(&request).collect();
+        let hashes = self.chain(&blocks);
+        hashes
+            .iter()
+            .take_while(|hash| self.blocks.contains_key(hash))
+            .count() as u32
+    }
+
     /// Ground truth per tier, cumulative as an engine loads a prefix: `[gpu, cpu, disk]` with
     /// `gpu` the leading blocks in GPU, `cpu` that plus the CPU tier's run from there on (there
     /// is no disk tier: `disk` equals `cpu`).
     pub fn true_tiers<'r>(&self, request: impl Into<Request<'r>>) -> [u32; 3] {
         let request = request.into();
+        if self.window.is_some() {
+            let hit = self.true_prefix_hit(request);
+            return [hit; 3];
+        }
         let mut parent = None;
         let hashes: Vec<u64> = self
             .full_blocks(&request)
@@ -260,6 +380,9 @@ impl RankCache {
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.lru.clear();
+        if let Some(window) = &mut self.window {
+            window.clear();
+        }
     }
 
     /// A process restart: the cache (every tier) is empty and engine hashes come from a new
@@ -300,6 +423,23 @@ impl RankCache {
                     }
                 }
             }
+            events.push(plain_unless_extras(event));
+        }
+        // Group 1's blocks one by one, shallowest first: each one's parent is in group 0 (the
+        // group evicts a block no later than group 0 does).
+        for hash in self
+            .window
+            .as_ref()
+            .map(Window::by_depth)
+            .unwrap_or_default()
+        {
+            let Some(block) = self.blocks.get(&hash) else {
+                continue;
+            };
+            let mut event = self.window_event(block.parent);
+            event.block_hashes.push(hash);
+            event.token_ids.extend_from_slice(&block.tokens);
+            event.extras.push(block.extras.clone());
             events.push(plain_unless_extras(event));
         }
         events
@@ -348,11 +488,34 @@ impl RankCache {
         }
     }
 
-    /// Frees room for `incoming` blocks, never evicting a block the current prompt uses.
+    /// Frees room for `incoming` blocks, never evicting a block the current prompt uses. On a
+    /// hybrid rank the pool is shared: group 1's next block goes first when it is freed out of
+    /// window or no younger than group 0's (so group 1 never holds a block group 0 lacks).
     fn evict(&mut self, incoming: usize) -> Vec<Event> {
         let mut removed = Vec::new();
-        while self.blocks.len() + incoming > self.capacity {
-            let Some(&oldest) = self.lru.first() else {
+        while self.blocks.len() + self.window_len() + incoming > self.capacity {
+            let oldest = self.lru.first().copied();
+            if let Some(window) = &mut self.window {
+                if let Some(key) = window.first() {
+                    let (in_window, last_used, depth, hash) = key;
+                    let before_group_0 = oldest.is_none_or(|(tick, deepest, _)| {
+                        (in_window, last_used, depth) <= (true, tick, deepest)
+                    });
+                    if before_group_0 {
+                        if in_window && last_used == self.tick {
+                            break;
+                        }
+                        window.evict(key);
+                        removed.push(Event::Removed(BlockRemoved {
+                            block_hashes: vec![hash],
+                            medium: Some(GPU.to_string()),
+                            group_idx: Some(1),
+                        }));
+                        continue;
+                    }
+                }
+            }
+            let Some(oldest) = oldest else {
                 break;
             };
             let (last_used, _, hash) = oldest;
@@ -415,12 +578,24 @@ impl RankCache {
         plain_unless_extras(event)
     }
 
-    /// An empty vLLM 0.33-style store event after `parent`.
+    /// An empty vLLM 0.33-style store event after `parent` (into group 0, which a hybrid rank's
+    /// events name full attention).
     fn stored_event(&self, parent: Option<u64>) -> BlockStored {
         BlockStored {
             medium: Some(GPU.to_string()),
             group_idx: Some(0),
+            kind: self.window.as_ref().map(|_| SpecKind::FullAttention),
             ..BlockStored::new(Vec::new(), parent, Vec::new(), self.block_size)
+        }
+    }
+
+    /// The same into a hybrid rank's sliding-window group 1.
+    fn window_event(&self, parent: Option<u64>) -> BlockStored {
+        BlockStored {
+            group_idx: Some(1),
+            kind: Some(SpecKind::SlidingWindow),
+            sliding_window: self.window.as_ref().map(Window::tokens),
+            ..self.stored_event(parent)
         }
     }
 }

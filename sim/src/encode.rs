@@ -56,14 +56,19 @@ pub fn encode_batch(batch: &EventBatch, form: Form) -> Vec<u8> {
 }
 
 /// vLLM 0.24+: `{type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-/// lora_name, extra_keys, group_idx, lookahead_token_ids}`, `group_idx` left out when unset and
+/// lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
+/// lookahead_token_ids}`, `group_idx` left out when unset, the spec when its kind is, and
 /// `lookahead_token_ids` when no block has any (as vLLM 0.33 without speculative decoding).
 fn stored_map(out: &mut Writer, stored: &BlockStored) {
     let lookahead = stored
         .extras
         .iter()
         .any(|extras| !extras.lookahead.is_empty());
-    out.map(9 + usize::from(stored.group_idx.is_some()) + usize::from(lookahead));
+    out.map(
+        9 + usize::from(stored.group_idx.is_some())
+            + 2 * usize::from(stored.kind.is_some())
+            + usize::from(lookahead),
+    );
     out.str("type");
     out.str("BlockStored");
     out.str("block_hashes");
@@ -85,6 +90,12 @@ fn stored_map(out: &mut Writer, stored: &BlockStored) {
     if let Some(group_idx) = stored.group_idx {
         out.str("group_idx");
         out.uint(u64::from(group_idx));
+    }
+    if let Some(kind) = stored.kind {
+        out.str("kv_cache_spec_kind");
+        out.str(kind.name());
+        out.str("kv_cache_spec_sliding_window");
+        out.optional_uint(stored.sliding_window.map(u64::from));
     }
     if lookahead {
         out.str("lookahead_token_ids");
@@ -110,8 +121,8 @@ fn stored_array(out: &mut Writer, stored: &BlockStored) {
     out.optional_str(stored.lora_name.as_deref());
     extra_keys(out, stored);
     out.optional_uint(stored.group_idx.map(u64::from));
-    out.nil();
-    out.nil();
+    out.optional_str(stored.kind.map(|kind| kind.name()));
+    out.optional_uint(stored.sliding_window.map(u64::from));
 }
 
 /// One entry per block, as vLLM sends: nil, or `[lora_name?, [identifier, offset]..., salt?,

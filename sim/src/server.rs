@@ -51,6 +51,9 @@ pub struct SimConfig {
     pub capacity_blocks: usize,
     /// Blocks of the CPU tier each rank offloads to, as vLLM's offloading connector (0: none).
     pub cpu_capacity_blocks: usize,
+    /// Tokens of a sliding window: each rank is then a hybrid rank (group 0 full attention,
+    /// group 1 that window, `cache::RankCache::with_sliding_window`); not with a CPU tier.
+    pub sliding_window: Option<u32>,
     pub form: Form,
     /// Batches the replay socket keeps (vLLM's `buffer_steps`).
     pub replay_buffer: usize,
@@ -76,6 +79,7 @@ impl Default for SimConfig {
             block_size: 16,
             capacity_blocks: 20_000,
             cpu_capacity_blocks: 0,
+            sliding_window: None,
             form: Form::Map,
             replay_buffer: 10_000,
             old_replay_layout: false,
@@ -209,6 +213,17 @@ impl SimEngine {
     /// Ground truth: leading full blocks of `prompt` that `rank` holds now.
     pub fn true_prefix_hit<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
         Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
+    }
+
+    /// What rank `rank`'s full-attention group alone holds of `prompt` from the start: on a
+    /// hybrid rank, more than the hit where the window group lacks blocks.
+    pub fn full_attention_run<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
+        Ok(self
+            .rank(rank)?
+            .state
+            .lock()
+            .cache
+            .full_attention_run(prompt))
     }
 
     /// Ground truth per tier: `[gpu, cpu, disk]` leading blocks of `prompt` as `rank` would load
@@ -352,6 +367,14 @@ fn validate(config: &SimConfig) -> Result<()> {
     ensure!(
         config.capacity_blocks >= 1,
         "capacity_blocks must be at least 1"
+    );
+    ensure!(
+        config.sliding_window.is_none() || config.cpu_capacity_blocks == 0,
+        "a sliding-window (hybrid) rank has no CPU tier"
+    );
+    ensure!(
+        config.sliding_window != Some(0),
+        "sliding_window must be at least 1 token"
     );
     ensure!(
         (0.0..=1.0).contains(&config.drop_fraction),

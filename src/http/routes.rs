@@ -13,9 +13,10 @@ use super::query_body::{parse_query_request, QueryRequest};
 use super::snapshot_route::snapshot_route;
 use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
-use crate::index::PerTier;
+use crate::index::{GroupView, Inexact, PerTier};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
+use crate::wire::SpecKind;
 
 pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
     let path = request.url().split('?').next().unwrap_or_default();
@@ -185,6 +186,39 @@ struct ListenerJson<'a> {
     /// with a name (the rank cap); `null` otherwise.
     reason: Option<&'a str>,
     last_event_ms_ago: Option<u64>,
+    /// The KV-cache groups the rank's stores named (none for a plain rank's).
+    groups: Vec<GroupJson>,
+    /// `true` when `/query` computes vLLM's hit from the rank's groups; `false` when it answers
+    /// the rank 0 (a miss), for the reason in `inexact`.
+    exact: bool,
+    inexact: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct GroupJson {
+    group: u32,
+    /// vLLM's `kv_cache_spec_kind`, null when the engine does not say (group 0: full attention).
+    kind: Option<&'static str>,
+    sliding_window: Option<u32>,
+    block_size: u32,
+    blocks: u64,
+    /// Whether the index can compute this group's hit; `inexact` says why not.
+    exact: bool,
+    inexact: Option<&'static str>,
+}
+
+impl From<&GroupView> for GroupJson {
+    fn from(view: &GroupView) -> Self {
+        GroupJson {
+            group: view.group,
+            kind: view.spec.kind.map(SpecKind::name),
+            sliding_window: view.spec.sliding_window,
+            block_size: view.spec.block_size,
+            blocks: view.blocks,
+            exact: view.inexact.is_none(),
+            inexact: view.inexact.map(Inexact::name),
+        }
+    }
 }
 
 impl<'a> ListenerJson<'a> {
@@ -216,6 +250,10 @@ impl<'a> ListenerJson<'a> {
                     .or(s.degraded_reason.as_deref())
             }),
             last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
+            groups: status
+                .map_or_else(Vec::new, |s| s.groups.iter().map(GroupJson::from).collect()),
+            exact: status.is_none_or(|s| s.inexact.is_none()),
+            inexact: status.and_then(|s| s.inexact.map(Inexact::name)),
         }
     }
 }

@@ -51,6 +51,8 @@
 //! | memory | 16 B per (worker, engine hash) in the worker's map + 32 B per key in a shard (4 holders inline; a block held in two tiers of a rank takes two); second copies in a side map; a GPU-only rank pays 16 B of stats and two empty tier slots for tiers | |
 
 mod engine_map;
+mod groups;
+mod hybrid;
 mod keys;
 mod local_hashes;
 mod query;
@@ -66,10 +68,12 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use groups::Layout;
 use keys::KeyChain;
 use shard::LockedShard;
 use tier_blocks::TierBlocks;
 
+pub use groups::{GroupSpec, GroupView, Inexact, MAX_GROUPS};
 pub use keys::{MmFeature, Prompt};
 pub use local_hashes::keys_of_local_hashes;
 pub use query::Score;
@@ -98,6 +102,9 @@ pub struct Index {
     tier_workers: AtomicUsize,
     /// Blocks (every tier) one rank's writer may hold; enforced by the listener's applier.
     max_blocks_per_rank: AtomicU64,
+    /// Live ranks with a published `Layout` (hybrid ones): while none, a query scores every
+    /// rank by its GPU worker's prefix alone.
+    hybrid_ranks: AtomicUsize,
 }
 
 /// Keeps each shard's lock on its own cache lines, so writers of neighbouring shards do not
@@ -117,6 +124,11 @@ struct WorkerStats {
     /// The tier this worker indexes, and the GPU worker of its rank (itself for a GPU worker).
     tier: Tier,
     rank: WorkerId,
+    /// The KV-cache group a GPU-tier worker indexes: 0 for the rank's own worker, the group's
+    /// index for a group worker (`groups`).
+    group: u32,
+    /// A GPU worker's groups, when they are not plain (`groups::Layout`).
+    layout: RwLock<Option<Arc<Layout>>>,
     /// A GPU worker's CPU and disk tier workers (`NO_WORKER` while the rank has none).
     lower: [AtomicU32; 2],
     /// Physical copies of blocks the worker holds.
@@ -132,10 +144,12 @@ struct WorkerStats {
 const NO_WORKER: WorkerId = WorkerId::MAX;
 
 impl WorkerStats {
-    fn new(tier: Tier, rank: WorkerId) -> WorkerStats {
+    fn new(tier: Tier, rank: WorkerId, group: u32) -> WorkerStats {
         WorkerStats {
             tier,
             rank,
+            group,
+            layout: RwLock::new(None),
             lower: [AtomicU32::new(NO_WORKER), AtomicU32::new(NO_WORKER)],
             blocks: AtomicU64::new(0),
             orphans: AtomicI64::new(0),
@@ -172,6 +186,7 @@ impl Index {
             lookahead_workers: AtomicUsize::new(0),
             tier_workers: AtomicUsize::new(0),
             max_blocks_per_rank: AtomicU64::new(u64::MAX),
+            hybrid_ranks: AtomicUsize::new(0),
         })
     }
 
@@ -197,12 +212,27 @@ impl Index {
     /// Adds the worker of one tier of a rank: of the rank whose GPU worker is `rank`, or a new
     /// rank's GPU worker when `None`.
     fn add_tier_worker(self: &Arc<Self>, tier: Tier, rank: Option<WorkerId>) -> TierBlocks {
+        self.add_worker_of(tier, rank, 0)
+    }
+
+    /// Adds the worker of KV-cache group `group` (1 and up) of the rank whose GPU worker is
+    /// `rank`.
+    fn add_group_worker(self: &Arc<Self>, rank: WorkerId, group: u32) -> TierBlocks {
+        self.add_worker_of(Tier::Gpu, Some(rank), group)
+    }
+
+    fn add_worker_of(
+        self: &Arc<Self>,
+        tier: Tier,
+        rank: Option<WorkerId>,
+        group: u32,
+    ) -> TierBlocks {
         let mut registry = self.workers.write();
         let id = registry.free.pop().unwrap_or_else(|| {
             registry.live.push(None);
             WorkerId::try_from(registry.live.len() - 1).unwrap_or(NO_WORKER)
         });
-        let stats = Arc::new(WorkerStats::new(tier, rank.unwrap_or(id)));
+        let stats = Arc::new(WorkerStats::new(tier, rank.unwrap_or(id), group));
         registry.live[id as usize] = Some(stats.clone());
         if let (Some(rank), Tier::Cpu | Tier::Disk) = (rank, tier) {
             if let Some(Some(gpu)) = registry.live.get(rank as usize) {
@@ -222,6 +252,9 @@ impl Index {
             return;
         };
         registry.free.push(id);
+        if stats.layout.write().take().is_some() {
+            self.hybrid_ranks.fetch_sub(1, Ordering::Relaxed);
+        }
         if stats.tier != Tier::Gpu {
             if let Some(Some(gpu)) = registry.live.get(stats.rank as usize) {
                 gpu.lower[stats.tier as usize - 1].store(NO_WORKER, Ordering::Relaxed);

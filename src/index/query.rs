@@ -7,6 +7,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::groups::RankLayout;
 use super::keys::{KeyChain, LazyKeys, Prompt};
 use super::search::Search;
 use super::{Index, PerTier, Tier, WorkerId};
@@ -101,6 +102,9 @@ impl Index {
         let mut holders = Vec::new();
         self.holders(keys.get(0), &mut holders);
         let tiered = self.tier_workers.load(Ordering::Relaxed) > 0;
+        let hybrid = self.hybrid_ranks.load(Ordering::Relaxed) > 0;
+        // By score, for the ranks with a published layout: scored by their groups.
+        let mut layouts: Vec<(usize, RankLayout)> = Vec::new();
         let mut scores = Vec::with_capacity(holders.len());
         let mut closed = Vec::new();
         let mut with_orphans = Vec::new();
@@ -113,7 +117,8 @@ impl Index {
                 let Some(Some(stats)) = registry.live.get(worker as usize) else {
                     continue;
                 };
-                if stats.tier != Tier::Gpu {
+                // A lower tier's or a group's worker: its rank is scored below.
+                if stats.tier != Tier::Gpu || stats.group != 0 {
                     lower_only.push(stats.rank);
                     continue;
                 }
@@ -134,8 +139,12 @@ impl Index {
                 if tiered {
                     lower.push([stats.tier_worker(Tier::Cpu), stats.tier_worker(Tier::Disk)]);
                 }
+                if hybrid {
+                    layouts.extend(RankLayout::of(stats).map(|layout| (scores.len() - 1, layout)));
+                }
             }
-            // Ranks holding the first block in a lower tier only: matched 0 blocks in GPU.
+            // Ranks holding the first block in a lower tier or a group beyond 0 only: matched
+            // 0 blocks in GPU (group 0), their groups settle the rest.
             lower_only.sort_unstable();
             lower_only.dedup();
             for rank in lower_only {
@@ -155,13 +164,23 @@ impl Index {
                     tiers: PerTier::all(0),
                 });
                 lower.push([stats.tier_worker(Tier::Cpu), stats.tier_worker(Tier::Disk)]);
+                if hybrid {
+                    layouts.extend(RankLayout::of(stats).map(|layout| (scores.len() - 1, layout)));
+                }
             }
         }
         let mut search = Search::new(self, keys, holders, scores);
         search.run(closed, with_orphans);
+        search.settle_groups(&layouts);
         if tiered {
             search.score_lower_tiers(&lower);
         }
-        search.into_scores(tiered)
+        let mut scores = search.into_scores(tiered);
+        // A hybrid rank's lower tiers would need every group offloaded alike, which their
+        // events do not show: its prefix is its GPU hit.
+        for &(c, _) in &layouts {
+            scores[c].tiers = PerTier::all(scores[c].matched_blocks);
+        }
+        scores
     }
 }

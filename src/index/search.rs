@@ -9,6 +9,8 @@
 //! orphans: a CPU block's parent is usually still in GPU). It never writes the index and takes
 //! one shard read lock per probe, never two at once.
 
+use super::groups::RankLayout;
+use super::hybrid;
 use super::keys::LazyKeys;
 use super::query::Score;
 use super::{Index, PerTier, Tier, WorkerId};
@@ -101,6 +103,27 @@ impl<'a, 't> Search<'a, 't> {
                 tiers.set(tier, end);
                 tiers.disk = end;
             }
+        }
+    }
+
+    /// Settles the GPU match of the ranks with a layout (`ranks`: their indices in the scores)
+    /// by vLLM's coordinator over their groups (`hybrid`), after `run` found each one's group-0
+    /// prefix; a rank whose groups cannot be scored exactly matches 0.
+    pub(super) fn settle_groups(&mut self, ranks: &[(usize, RankLayout)]) {
+        let bound = self.keys.len();
+        for (c, rank) in ranks {
+            let score = &self.scores[*c];
+            let known = (score.worker, score.matched_blocks as usize);
+            let hit = if rank.inexact().is_some() {
+                0
+            } else {
+                let (index, keys, holders) = (self.index, &mut self.keys, &mut self.holders);
+                hybrid::coordinate(&rank.layout.groups, bound, known, &mut |worker, i| {
+                    index.holders(keys.get(i), holders);
+                    holders.contains(&worker)
+                })
+            };
+            self.scores[*c].matched_blocks = u32::try_from(hit).unwrap_or(u32::MAX);
         }
     }
 

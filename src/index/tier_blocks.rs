@@ -55,6 +55,10 @@ impl TierBlocks {
         &self.index
     }
 
+    pub(super) fn stats(&self) -> &WorkerStats {
+        &self.stats
+    }
+
     pub(super) fn map(&self) -> &EngineMap {
         &self.blocks
     }

@@ -1,12 +1,14 @@
 //! The writer of one rank's blocks, in every storage tier: the only way events reach the index.
 //!
 //! Owns the event rules that pick what is indexed and where: which media name which tier
-//! (`tiers`), which KV-cache groups count, what a placeholder store is, what a clear clears. Each
-//! tier is its own index worker (`tier_blocks` applies the events), created at the tier's first
-//! store, so a rank that never offloads costs what it did before tiers existed. It never decodes
-//! bytes and never touches another rank's workers.
+//! (`tiers`), which KV-cache group an event is about (`groups` keeps groups 1 and up, in GPU),
+//! what a placeholder store is, what a clear clears. Each tier is its own index worker
+//! (`tier_blocks` applies the events), created at the tier's first store, so a rank that never
+//! offloads costs what it did before tiers existed. It never decodes bytes and never touches
+//! another rank's workers.
 
 use super::engine_map::EngineMap;
+use super::groups::{GroupView, Inexact, Learned, RankGroups, RankLayout, MAX_GROUPS};
 use super::tier_blocks::TierBlocks;
 use super::{PerTier, Tier, WorkerId};
 use crate::wire::{BlockStored, Event};
@@ -36,8 +38,12 @@ pub struct ApplyOutcome {
     pub placeholder_unknown: u64,
     /// Events (stores, removals and clears) about a medium that names no tier.
     pub ignored_medium: u64,
-    /// Events (stores and removals) about a KV-cache group other than 0.
+    /// Events (stores and removals) about a KV-cache group the index does not keep: in a
+    /// lower tier, a group other than 0; in GPU, a `group_idx` of `MAX_GROUPS` or more.
     pub ignored_group: u64,
+    /// Stores whose group said another kind or window than before: a new publisher layout,
+    /// after which every group's blocks were dropped and learned again.
+    pub layout_changes: u64,
 }
 
 /// One rank's writer: its GPU tier's worker (whose id is the rank's), and its CPU and disk
@@ -47,24 +53,28 @@ pub struct WorkerBlocks {
     gpu: TierBlocks,
     /// CPU then disk.
     lower: [Option<TierBlocks>; 2],
+    /// The rank's KV-cache groups; group 0 is `gpu`.
+    groups: RankGroups,
 }
 
-/// The tier an event is about, when the index keeps it: full-attention groups (`group_idx` nil
-/// or 0) of a medium that names a tier; anything else is counted as ignored.
+/// The tier and KV-cache group (`group_idx` nil is 0) an event is about, when the index keeps
+/// it: a medium that names a tier; in a lower tier group 0 only, in GPU any group below
+/// `MAX_GROUPS`. Anything else is counted as ignored.
 fn indexed_tier(
     medium: &Option<String>,
     group_idx: Option<u32>,
     outcome: &mut ApplyOutcome,
-) -> Option<Tier> {
+) -> Option<(Tier, u32)> {
     let Some(tier) = Tier::of_medium(medium.as_deref()) else {
         outcome.ignored_medium += 1;
         return None;
     };
-    if !matches!(group_idx, None | Some(0)) {
+    let group = group_idx.unwrap_or(0);
+    if group >= MAX_GROUPS || (tier != Tier::Gpu && group != 0) {
         outcome.ignored_group += 1;
         return None;
     }
-    Some(tier)
+    Some((tier, group))
 }
 
 /// vLLM's offloading connector announces a block it copied to a lower tier by engine hash alone
@@ -78,6 +88,7 @@ impl WorkerBlocks {
         WorkerBlocks {
             gpu,
             lower: [None, None],
+            groups: RankGroups::default(),
         }
     }
 
@@ -90,14 +101,12 @@ impl WorkerBlocks {
     pub fn apply(&mut self, event: &Event, outcome: &mut ApplyOutcome) {
         match event {
             Event::Stored(stored) => {
-                let Some(tier) = indexed_tier(&stored.medium, stored.group_idx, outcome) else {
+                let Some((tier, group)) = indexed_tier(&stored.medium, stored.group_idx, outcome)
+                else {
                     return;
                 };
                 if tier == Tier::Gpu {
-                    if self.gpu.store(stored, &[], outcome) {
-                        self.gpu.learn_lookahead(stored);
-                    }
-                    self.gpu.publish_blocks();
+                    self.store_gpu(group, stored, outcome);
                     return;
                 }
                 let index = self.gpu.index().clone();
@@ -121,9 +130,14 @@ impl WorkerBlocks {
                 this.publish_blocks();
             }
             Event::Removed(removed) => {
-                let Some(tier) = indexed_tier(&removed.medium, removed.group_idx, outcome) else {
+                let Some((tier, group)) = indexed_tier(&removed.medium, removed.group_idx, outcome)
+                else {
                     return;
                 };
+                if group != 0 {
+                    self.groups.remove(group, removed, outcome);
+                    return;
+                }
                 match self.tier_mut(tier) {
                     Some(this) => {
                         this.remove(removed, outcome);
@@ -140,8 +154,35 @@ impl WorkerBlocks {
                 if let Some(this) = self.tier_mut(tier) {
                     this.clear();
                 }
+                if tier == Tier::Gpu {
+                    self.groups.clear();
+                }
                 outcome.cleared += 1;
             }
+        }
+    }
+
+    /// A GPU store into group `group`, after learning what the store says of its group; a
+    /// group that says something new is a new publisher layout, learned from scratch.
+    fn store_gpu(&mut self, group: u32, stored: &BlockStored, outcome: &mut ApplyOutcome) {
+        let learned = self.groups.learn(group, stored);
+        if learned == Learned::Changed {
+            outcome.layout_changes += 1;
+            self.clear_blocks();
+            self.groups.relearn(group, stored);
+        }
+        if group == 0 {
+            if self.gpu.store(stored, &[], outcome) {
+                self.gpu.learn_lookahead(stored);
+            }
+            self.gpu.publish_blocks();
+        } else {
+            self.groups
+                .store(group, stored, self.gpu.id(), &self.gpu, outcome);
+        }
+        if learned != Learned::Known {
+            self.groups
+                .publish(self.gpu.index(), self.gpu.id(), self.gpu.stats());
         }
     }
 
@@ -152,12 +193,34 @@ impl WorkerBlocks {
         }
     }
 
-    /// Removes every block the rank holds, in every tier (publisher restart, snapshot).
+    /// Removes every block the rank holds, in every tier and group, and forgets its groups
+    /// (publisher restart, snapshot: the next stores say them again).
     pub fn clear(&mut self) {
+        self.clear_blocks();
+        self.groups.forget_specs();
+        self.groups
+            .publish(self.gpu.index(), self.gpu.id(), self.gpu.stats());
+    }
+
+    fn clear_blocks(&mut self) {
         self.gpu.clear();
         for tier in self.lower.iter_mut().flatten() {
             tier.clear();
         }
+        self.groups.clear();
+    }
+
+    /// Why queries answer the rank 0 (its groups' hit cannot be computed from the events), if
+    /// they do.
+    pub fn inexact(&self) -> Option<Inexact> {
+        RankLayout::of(self.gpu.stats()).and_then(|layout| layout.inexact())
+    }
+
+    /// The KV-cache groups the rank's stores named, with what each holds (empty for a rank
+    /// whose stores name none: group 0, full attention).
+    pub fn groups(&self) -> Vec<GroupView> {
+        self.groups
+            .views(self.gpu.index().block_size(), self.gpu.blocks())
     }
 
     /// Blocks (physical copies) the rank holds in GPU: what `cached_blocks` reports.
@@ -177,12 +240,13 @@ impl WorkerBlocks {
 }
 
 impl Drop for WorkerBlocks {
-    /// The lower tiers go first: their stats name the GPU worker's id, which is reused once
+    /// The lower tiers and the groups go first: their stats name the GPU worker's id, which is reused once
     /// freed.
     fn drop(&mut self) {
         for tier in &mut self.lower {
             tier.take();
         }
+        self.groups.drop_workers();
     }
 }
 

@@ -23,6 +23,9 @@ pub(super) struct Applier {
     pub(super) status: Arc<StatusCell>,
     pub(super) warned_dp_rank: bool,
     pub(super) warned_block_size: bool,
+    /// Whether the status cell shows KV-cache groups: then it is kept current after every
+    /// batch (a plain rank's stores name none, and it is never told).
+    pub(super) shows_groups: bool,
     /// The rank's block contents for peers' snapshots, when retained: changed with the index.
     pub(super) contents: Option<Arc<Mutex<Contents>>>,
     /// Keeps the buffers of applied batches for the next ones.
@@ -79,6 +82,7 @@ impl Applier {
         self.note_block_size(&outcome);
         self.status
             .applied(seq, &outcome, batch.skipped, self.blocks.tier_blocks());
+        self.note_groups(&outcome);
     }
 
     /// Decodes a snapshot body and, when it is usable and covers `need`, makes it the rank's
@@ -147,6 +151,7 @@ impl Applier {
         self.note_block_size(&outcome);
         self.status
             .snapshot_applied(seq, &outcome, self.blocks.tier_blocks());
+        self.note_groups(&outcome);
         seq
     }
 
@@ -157,6 +162,7 @@ impl Applier {
         self.blocks.clear();
         self.status.set_blocks(self.blocks.tier_blocks());
         self.status.under_cap();
+        self.note_groups(&ApplyOutcome::default());
     }
 
     /// Whether `event` may be applied: a store that would take the rank past
@@ -185,6 +191,24 @@ impl Applier {
             );
         }
         false
+    }
+
+    /// Logs a new publisher layout, and shows the rank's groups once its stores name any.
+    fn note_groups(&mut self, outcome: &ApplyOutcome) {
+        if outcome.layout_changes > 0 {
+            log::warn!(
+                "{}: a KV-cache group changed its kind or window ({} times in the last batch): \
+                 a new publisher layout, every group's blocks dropped and learned again",
+                self.who(),
+                outcome.layout_changes
+            );
+        }
+        let groups = self.blocks.groups();
+        if groups.is_empty() && !self.shows_groups {
+            return;
+        }
+        self.shows_groups = !groups.is_empty();
+        self.status.set_groups(groups, self.blocks.inexact());
     }
 
     fn note_block_size(&mut self, outcome: &ApplyOutcome) {

@@ -44,6 +44,9 @@ pub(super) struct Contents {
     blocks: HashMap<u64, Held>,
     /// The seq of the last batch applied; `None` before any, and after a clear until the next.
     seq: Option<u64>,
+    /// The rank stored into a KV-cache group beyond 0 since the last clear: a snapshot of group
+    /// 0 alone would make a peer score it as a plain rank (false hits), so none is served.
+    hybrid: bool,
 }
 
 /// A rank's snapshot, taken under the lock and encoded (`body`) after it: encoding 20,000
@@ -80,9 +83,17 @@ impl Contents {
         // served as a second GPU copy.
         let gpu = |medium: &Option<String>| Tier::of_medium(medium.as_deref()) == Some(Tier::Gpu);
         let applied = outcome.stored + outcome.removed != counted;
+        let group_0 = |group: Option<u32>| group.unwrap_or(0) == 0;
         match event {
+            Event::Stored(stored)
+                if applied && gpu(&stored.medium) && !group_0(stored.group_idx) =>
+            {
+                self.hybrid = true;
+            }
             Event::Stored(stored) if applied && gpu(&stored.medium) => self.store(stored),
-            Event::Removed(removed) if applied && gpu(&removed.medium) => {
+            Event::Removed(removed)
+                if applied && gpu(&removed.medium) && group_0(removed.group_idx) =>
+            {
                 for hash in &removed.block_hashes {
                     if let Some(held) = self.blocks.get_mut(hash) {
                         held.copies -= 1;
@@ -107,6 +118,7 @@ impl Contents {
     pub(super) fn clear(&mut self) {
         self.blocks.clear();
         self.seq = None;
+        self.hybrid = false;
     }
 
     fn store(&mut self, stored: &BlockStored) {
@@ -144,8 +156,11 @@ impl Contents {
 
     /// The rank's snapshot events (docs/design.md "Snapshot endpoint"): one event per
     /// unbranched run, parents first, each further copy of a block as one more store of it;
-    /// `None` when nothing was applied since the last clear.
+    /// `None` when nothing was applied since the last clear, or the rank is hybrid.
     pub(super) fn build(&self, block_size: u32) -> Option<Built> {
+        if self.hybrid {
+            return None;
+        }
         let seq = self.seq?;
         let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
         let mut pending: Vec<u64> = Vec::new();

@@ -123,6 +123,10 @@ pub struct ListenerStatus {
     /// Why the rank is `degraded`, when it is for a reason `/workers` names (the rank cap).
     pub degraded_reason: Option<String>,
     pub last_event_ms_ago: Option<u64>,
+    /// The KV-cache groups the rank's stores named (none for a plain rank's), and why the rank
+    /// is answered 0, if it is.
+    pub groups: Vec<crate::index::GroupView>,
+    pub inexact: Option<crate::index::Inexact>,
 }
 
 /// Why and when a rank failed: its blocks left the index, and the registry's retry loop starts
@@ -271,6 +275,7 @@ impl Listener {
             status: Arc::clone(&status),
             warned_dp_rank: false,
             warned_block_size: false,
+            shows_groups: false,
             contents: contents.clone(),
             decoder: Default::default(),
         };

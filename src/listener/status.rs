@@ -10,7 +10,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::{Failed, ListenerStatus, RecoveredBy, State};
-use crate::index::{ApplyOutcome, PerTier};
+use crate::index::{ApplyOutcome, GroupView, Inexact, PerTier};
 use crate::metrics::{EventSeries, FailureReason, MalformedReason, RankMetrics, RecoveryMethod};
 
 /// An `events_total` series and the `ApplyOutcome` field it counts.
@@ -18,7 +18,7 @@ type EventCount = (EventSeries, fn(&ApplyOutcome) -> u64);
 
 /// Which `ApplyOutcome` field each `events_total` series counts (the decoder's skipped events
 /// go to `EventSeries::Skipped`).
-const EVENT_COUNTS: [EventCount; 10] = [
+const EVENT_COUNTS: [EventCount; 11] = [
     (EventSeries::StoredApplied, |o| o.stored),
     (EventSeries::StoredParentMissing, |o| o.parent_missing),
     (EventSeries::StoredBlockSizeMismatch, |o| {
@@ -33,6 +33,7 @@ const EVENT_COUNTS: [EventCount; 10] = [
     (EventSeries::ClearedApplied, |o| o.cleared),
     (EventSeries::IgnoredMedium, |o| o.ignored_medium),
     (EventSeries::IgnoredGroup, |o| o.ignored_group),
+    (EventSeries::StoredLayoutChange, |o| o.layout_changes),
 ];
 
 /// The shared status cell of one listener. One short, uncontended lock per batch.
@@ -63,6 +64,8 @@ struct Facts {
     parent_missing: u64,
     last_event: Option<Instant>,
     recovered_by: Option<RecoveredBy>,
+    groups: Vec<GroupView>,
+    inexact: Option<Inexact>,
 }
 
 impl Facts {
@@ -116,6 +119,8 @@ impl StatusCell {
             last_event_ms_ago: facts
                 .last_event
                 .map(|at| u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX)),
+            groups: facts.groups.clone(),
+            inexact: facts.inexact,
         }
     }
 
@@ -268,6 +273,19 @@ impl StatusCell {
 
     pub(super) fn stopped(&self) {
         self.update(|facts| facts.stopped = true);
+        self.set_groups(Vec::new(), None);
+    }
+
+    /// The rank's KV-cache groups, and why it is answered 0 (counted in `inexact_ranks` while
+    /// it is).
+    pub(super) fn set_groups(&self, groups: Vec<GroupView>, inexact: Option<Inexact>) {
+        let mut facts = self.lock();
+        facts.groups = groups;
+        let before = std::mem::replace(&mut facts.inexact, inexact);
+        if before != inexact {
+            self.metrics
+                .inexact_changed(before.map(Inexact::name), inexact.map(Inexact::name));
+        }
     }
 
     fn count_batch(&self, outcome: &ApplyOutcome, skipped: u32) {
@@ -322,6 +340,7 @@ mod tests {
             placeholder_unknown: 37,
             ignored_medium: 23,
             ignored_group: 29,
+            layout_changes: 41,
         };
         cell.applied(0, &outcome, 31, PerTier::default());
         cell.snapshot_applied(1, &outcome, PerTier::default());
@@ -371,6 +390,10 @@ mod tests {
             twice(outcome.ignored_medium)
         );
         assert_eq!(events("any", "ignored_group"), twice(outcome.ignored_group));
+        assert_eq!(
+            events("stored", "layout_change"),
+            twice(outcome.layout_changes)
+        );
         assert_eq!(events("unknown", "skipped"), 31.0);
         assert_eq!(value("kv_indexer_batches_total", &[]), 2.0);
         assert_eq!(

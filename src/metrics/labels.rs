@@ -265,12 +265,14 @@ pub enum EventSeries {
     IgnoredMedium,
     /// Stores and removals together, about a KV-cache group other than 0.
     IgnoredGroup,
+    /// Stores whose KV-cache group changed its kind or window: a new publisher layout.
+    StoredLayoutChange,
     /// Events the decoder skipped: unknown type, or an event it could not decode or index.
     Skipped,
 }
 
 impl EventSeries {
-    pub const ALL: [EventSeries; 11] = [
+    pub const ALL: [EventSeries; 12] = [
         EventSeries::StoredApplied,
         EventSeries::StoredParentMissing,
         EventSeries::StoredBlockSizeMismatch,
@@ -281,6 +283,7 @@ impl EventSeries {
         EventSeries::ClearedApplied,
         EventSeries::IgnoredMedium,
         EventSeries::IgnoredGroup,
+        EventSeries::StoredLayoutChange,
         EventSeries::Skipped,
     ];
 
@@ -300,6 +303,7 @@ impl EventSeries {
             EventSeries::ClearedApplied => (EventType::cleared, EventOutcome::applied),
             EventSeries::IgnoredMedium => (EventType::any, EventOutcome::ignored_medium),
             EventSeries::IgnoredGroup => (EventType::any, EventOutcome::ignored_group),
+            EventSeries::StoredLayoutChange => (EventType::stored, EventOutcome::layout_change),
             EventSeries::Skipped => (EventType::unknown, EventOutcome::skipped),
         }
     }
@@ -330,6 +334,7 @@ pub(super) enum EventOutcome {
     placeholder_unknown,
     ignored_medium,
     ignored_group,
+    layout_change,
     skipped,
 }
 
@@ -412,6 +417,12 @@ pub(super) struct DisagreementLabels {
     #[prometheus(flatten)]
     pub(super) engine: EngineLabels,
     pub(super) key: &'static str,
+}
+
+/// Why ranks are answered 0: a closed set of names the index gives (`index::Inexact::name`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct InexactLabels {
+    pub(super) reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -25,6 +25,7 @@
 //! | `listener_state` | gauge | `state` (every [`ListenerState`]) |
 //! | `worker_blocks` | gauge | |
 //! | `worker_tier_blocks` | gauge | `tier` (`gpu`, `cpu`, `disk`) |
+//! | `inexact_ranks` | gauge | `reason` only (a group kind, `unnamed_kind`, `block_size`, `incomplete`, `speculative`) |
 //! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
 //! | `http_errors_total` | counter | `status` only |
 //! | `config_reloads_total` | counter | `outcome` only (`applied`, `rejected`) |
@@ -55,8 +56,8 @@ use engines::EngineFamilies;
 pub use engines::EngineMetrics;
 use labels::{
     event_labels, failure_labels, reason_labels, recovery_labels, state_labels, EventLabels,
-    RankLabels, ReasonLabels, RecoveryLabels, RefusalLabels, ReloadLabels, ReloadOutcome,
-    StateLabels, StatusLabels, TierLabels, TIERS,
+    InexactLabels, RankLabels, ReasonLabels, RecoveryLabels, RefusalLabels, ReloadLabels,
+    ReloadOutcome, StateLabels, StatusLabels, TierLabels, TIERS,
 };
 pub use labels::{
     DiscoveryOutcome, EndpointRefusal, EndpointSource, EventSeries, FailureReason, LayoutKey,
@@ -91,6 +92,7 @@ pub struct Metrics {
     listener_state: Family<StateLabels, Gauge>,
     worker_blocks: Family<RankLabels, U64Gauge>,
     worker_tier_blocks: Family<TierLabels, U64Gauge>,
+    inexact_ranks: Family<InexactLabels, Gauge>,
     index_keys: U64Gauge,
     queries: Counter,
     query_duration: Histogram,
@@ -123,6 +125,7 @@ impl Metrics {
             listener_state: Family::default(),
             worker_blocks: Family::default(),
             worker_tier_blocks: Family::default(),
+            inexact_ranks: Family::default(),
             index_keys: U64Gauge::default(),
             queries: Counter::default(),
             query_duration: Histogram::new(QUERY_SECONDS_BUCKETS),
@@ -235,6 +238,12 @@ impl Metrics {
             self.worker_tier_blocks.clone(),
         );
         r.register(
+            "inexact_ranks",
+            "Running ranks answered 0 (a miss) because the index cannot compute vLLM's hit from \
+             their KV-cache groups, by reason",
+            self.inexact_ranks.clone(),
+        );
+        r.register(
             "index_keys",
             "Distinct keys in the index",
             self.index_keys.clone(),
@@ -313,6 +322,7 @@ impl Metrics {
                     tier,
                 })
             }),
+            inexact_ranks: self.inexact_ranks.clone(),
         }
     }
 
@@ -449,6 +459,8 @@ pub struct RankMetrics {
     worker_blocks: U64Gauge,
     /// In [`TIERS`] order.
     worker_tier_blocks: [U64Gauge; 3],
+    /// The process-wide family: a rank moves its count from one reason to another.
+    inexact_ranks: Family<InexactLabels, Gauge>,
 }
 
 impl RankMetrics {
@@ -519,6 +531,21 @@ impl RankMetrics {
         self.listener_up.set(i64::from(connected));
         for (s, gauge) in ListenerState::ALL.iter().zip(&self.listener_state) {
             gauge.set(i64::from(*s == state));
+        }
+    }
+
+    /// The rank is answered 0 for `to` (none: scored exactly) instead of `from`: moves its
+    /// count in `inexact_ranks`. The caller keeps which reason it last gave.
+    pub fn inexact_changed(&self, from: Option<&'static str>, to: Option<&'static str>) {
+        if let Some(reason) = from {
+            self.inexact_ranks
+                .get_or_create(&InexactLabels { reason })
+                .dec();
+        }
+        if let Some(reason) = to {
+            self.inexact_ranks
+                .get_or_create(&InexactLabels { reason })
+                .inc();
         }
     }
 

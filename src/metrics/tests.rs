@@ -157,6 +157,7 @@ fn each_event_series_moves_its_own_type_and_outcome() {
         ("cleared", "applied"),
         ("any", "ignored_medium"),
         ("any", "ignored_group"),
+        ("stored", "layout_change"),
         ("unknown", "skipped"),
     ];
     for (i, (t, o)) in expected.into_iter().enumerate() {

@@ -8,7 +8,7 @@
 use super::extras::RawIdentity;
 use super::msgpack::{Header, ReadError, Reader, Unexpected};
 use super::spare::Spare;
-use super::{BlockRemoved, BlockStored, DecodeError, Event, EventBatch};
+use super::{BlockRemoved, BlockStored, DecodeError, Event, EventBatch, SpecKind};
 
 /// Why one event is skipped. Only its fact matters to the caller: the batch counts it.
 pub(super) struct Skip;
@@ -142,6 +142,8 @@ fn decode_array_event(reader: &mut Reader, len: usize, spare: &mut Spare) -> Res
                     7 => (stored.lora_name, identity.cache_salt) = lora_name(reader, spare)?,
                     8 => identity.extra_keys = Some(reader.raw_value()?),
                     9 => stored.group_idx = optional_u32(reader)?,
+                    10 => stored.kind = optional_kind(reader)?,
+                    11 => stored.sliding_window = optional_u32(reader)?,
                     _ => reader.skip_value()?,
                 }
             }
@@ -193,6 +195,8 @@ fn decode_map_event(reader: &mut Reader, len: usize, spare: &mut Spare) -> Resul
     let mut lora_name_seen = None;
     let mut medium = None;
     let mut group_idx = None;
+    let mut kind_of_group = None;
+    let mut sliding_window = None;
     let mut identity = RawIdentity::default();
     for _ in 0..len {
         match reader.str()? {
@@ -208,6 +212,8 @@ fn decode_map_event(reader: &mut Reader, len: usize, spare: &mut Spare) -> Resul
             }
             b"medium" => medium = optional_string(reader, spare)?,
             b"group_idx" => group_idx = optional_u32(reader)?,
+            b"kv_cache_spec_kind" => kind_of_group = optional_kind(reader)?,
+            b"kv_cache_spec_sliding_window" => sliding_window = optional_u32(reader)?,
             b"extra_keys" => identity.extra_keys = Some(reader.raw_value()?),
             b"lookahead_token_ids" => identity.lookahead = Some(reader.raw_value()?),
             b"mm_keys" => identity.mm_keys = Some(reader.raw_value()?),
@@ -241,6 +247,8 @@ fn decode_map_event(reader: &mut Reader, len: usize, spare: &mut Spare) -> Resul
                 lora_name: lora_name_seen,
                 medium,
                 group_idx,
+                kind: kind_of_group,
+                sliding_window,
                 extras,
             }))
         }
@@ -312,6 +320,15 @@ fn optional_u32(reader: &mut Reader) -> Result<Option<u32>, Skip> {
         Header::Nil => Ok(None),
         Header::Uint(value) => u32::try_from(value).map(Some).map_err(|_| Skip),
         Header::Int(value) => u32::try_from(value).map(Some).map_err(|_| Skip),
+        _ => Err(Skip),
+    }
+}
+
+/// A group's `kv_cache_spec_kind`: nil or a name, read without allocating.
+fn optional_kind(reader: &mut Reader) -> Result<Option<SpecKind>, Skip> {
+    match reader.header()? {
+        Header::Nil => Ok(None),
+        Header::Str(len) => Ok(Some(SpecKind::of_name(reader.take(len)?))),
         _ => Err(Skip),
     }
 }

@@ -56,6 +56,10 @@ pub struct BlockStored {
     /// The storage tier it names (`docs.md`, "Storage tiers"): `None` or `"GPU"` is GPU.
     pub medium: Option<String>,
     pub group_idx: Option<u32>,
+    /// The kind of the group's KV cache (`kv_cache_spec_kind`, vLLM 0.22+), and its window in
+    /// tokens for a sliding-window group (`kv_cache_spec_sliding_window`).
+    pub kind: Option<SpecKind>,
+    pub sliding_window: Option<u32>,
     /// What each block's engine hash covers beyond its tokens, its chain and the LoRA adapter,
     /// one entry per block; empty when no block has anything (the common case).
     pub extras: Vec<BlockExtras>,
@@ -77,7 +81,61 @@ impl BlockStored {
             lora_name: None,
             medium: None,
             group_idx: None,
+            kind: None,
+            sliding_window: None,
             extras: Vec::new(),
+        }
+    }
+}
+
+/// A KV-cache group's kind, as vLLM names it in `kv_cache_spec_kind` (its `KVCacheSpecKind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SpecKind {
+    FullAttention,
+    MlaAttention,
+    SinkFullAttention,
+    SlidingWindow,
+    SlidingWindowMla,
+    ChunkedLocalAttention,
+    Mamba,
+    CrossAttention,
+    /// A name this decoder does not know (vLLM's own `unknown` included).
+    Other,
+}
+
+impl SpecKind {
+    /// Every kind, in the order metrics list them.
+    pub const ALL: [SpecKind; 9] = [
+        SpecKind::FullAttention,
+        SpecKind::MlaAttention,
+        SpecKind::SinkFullAttention,
+        SpecKind::SlidingWindow,
+        SpecKind::SlidingWindowMla,
+        SpecKind::ChunkedLocalAttention,
+        SpecKind::Mamba,
+        SpecKind::CrossAttention,
+        SpecKind::Other,
+    ];
+
+    pub fn of_name(name: &[u8]) -> SpecKind {
+        SpecKind::ALL
+            .into_iter()
+            .find(|kind| kind.name().as_bytes() == name)
+            .unwrap_or(SpecKind::Other)
+    }
+
+    /// vLLM's name of the kind (`other` for a name it does not know).
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecKind::FullAttention => "full_attention",
+            SpecKind::MlaAttention => "mla_attention",
+            SpecKind::SinkFullAttention => "sink_full_attention",
+            SpecKind::SlidingWindow => "sliding_window",
+            SpecKind::SlidingWindowMla => "sliding_window_mla",
+            SpecKind::ChunkedLocalAttention => "chunked_local_attention",
+            SpecKind::Mamba => "mamba",
+            SpecKind::CrossAttention => "cross_attention",
+            SpecKind::Other => "other",
         }
     }
 }

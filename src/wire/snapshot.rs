@@ -12,7 +12,7 @@
 use serde_json::{json, Map, Value};
 
 use super::extras::{add_extra_key, finish, ExtraKey};
-use super::{BlockExtras, BlockStored, DecodeError, MmPlacement, Snapshot};
+use super::{BlockExtras, BlockStored, DecodeError, MmPlacement, Snapshot, SpecKind};
 
 /// Decodes a `GET /kv_recover` JSON body.
 pub fn decode_snapshot(body: &[u8]) -> Result<Snapshot, DecodeError> {
@@ -69,6 +69,10 @@ pub fn encode_snapshot(
                 "medium": stored.medium,
                 "group_idx": stored.group_idx,
             });
+            if let Some(kind) = stored.kind {
+                event["kv_cache_spec_kind"] = json!(kind.name());
+                event["kv_cache_spec_sliding_window"] = json!(stored.sliding_window);
+            }
             if !stored.extras.is_empty() {
                 event["extra_keys"] = stored
                     .extras
@@ -199,6 +203,13 @@ fn block_stored(event: &Value, index: usize) -> Result<BlockStored, DecodeError>
         lora_name,
         medium: optional_string(object, "medium", &path("medium"))?,
         group_idx: optional_u32(object, "group_idx", &path("group_idx"))?,
+        kind: optional_string(object, "kv_cache_spec_kind", &path("kv_cache_spec_kind"))?
+            .map(|name| SpecKind::of_name(name.as_bytes())),
+        sliding_window: optional_u32(
+            object,
+            "kv_cache_spec_sliding_window",
+            &path("kv_cache_spec_sliding_window"),
+        )?,
     })
 }
 
@@ -325,6 +336,8 @@ mod tests {
                     lora_name: None,
                     medium: Some("GPU".into()),
                     group_idx: None,
+                    kind: None,
+                    sliding_window: None,
                     extras: Vec::new(),
                 }],
             })

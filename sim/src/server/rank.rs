@@ -98,10 +98,14 @@ impl RankRuntime {
                 index,
                 settings: Arc::clone(settings),
                 state: Mutex::new(RankState {
-                    cache: match config.cpu_capacity_blocks {
-                        0 => RankCache::new(config.block_size, config.capacity_blocks, rank_seed),
-                        cpu => RankCache::new(config.block_size, config.capacity_blocks, rank_seed)
-                            .with_cpu_tier(cpu),
+                    cache: {
+                        let cache =
+                            RankCache::new(config.block_size, config.capacity_blocks, rank_seed);
+                        match (config.cpu_capacity_blocks, config.sliding_window) {
+                            (_, Some(window)) => cache.with_sliding_window(window),
+                            (0, None) => cache,
+                            (cpu, None) => cache.with_cpu_tier(cpu),
+                        }
                     },
                     publisher,
                     next_seq: 0,

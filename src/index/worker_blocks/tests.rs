@@ -13,6 +13,8 @@ pub(in crate::index) fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<
         lora_name: None,
         medium: None,
         group_idx: None,
+        kind: None,
+        sliding_window: None,
         extras: Vec::new(),
     })
 }
@@ -146,6 +148,8 @@ fn every_outcome_is_counted() {
         lora_name: None,
         medium: Some("GPU".into()),
         group_idx: Some(0),
+        kind: None,
+        sliding_window: None,
         extras: Vec::new(),
     };
     let mut outcome = ApplyOutcome::default();
@@ -168,7 +172,7 @@ fn every_outcome_is_counted() {
             ..base.clone()
         },
         BlockStored {
-            group_idx: Some(1),
+            group_idx: Some(crate::index::MAX_GROUPS),
             ..base.clone()
         },
         base.clone(),
@@ -189,7 +193,7 @@ fn every_outcome_is_counted() {
         },
         BlockRemoved {
             block_hashes: vec![1],
-            medium: None,
+            medium: Some("CPU".into()),
             group_idx: Some(2),
         },
     ];
@@ -210,6 +214,7 @@ fn every_outcome_is_counted() {
         placeholder_unknown: 0,
         ignored_medium: 2,
         ignored_group: 2,
+        layout_changes: 0,
     };
     assert_eq!(outcome, expected);
     assert_eq!(index.key_count(), 0);
@@ -309,6 +314,8 @@ fn lora_stores_meet_lora_queries_only() {
         lora_name: Some("adapter".into()),
         medium: None,
         group_idx: None,
+        kind: None,
+        sliding_window: None,
         extras: Vec::new(),
     });
     apply(&mut w, event);
