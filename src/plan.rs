@@ -266,6 +266,7 @@ mod tests {
             shards: 64,
             engines,
             replicas: Default::default(),
+            select: Default::default(),
         }
     }
 
