@@ -2,7 +2,9 @@
 //! listening socket, `connection` serves one connection, `head` and `body` read a request
 //! against limits and deadlines, `routes` answers each path with its exact JSON,
 //! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
-//! reveal cache contents or change state, and `query_body` parses `POST /query`; `dynamo` is
+//! reveal cache contents or change state, and `query_body` parses `POST /query`;
+//! `select_route` answers `POST /select` and the reservation routes (`select_body` parses what
+//! they add to the `/query` body), asking `select`; `dynamo` is
 //! the Dynamo / Mooncake indexer API, served by the same server code on its own address
 //! (`Routes` says which API a server answers).
 //!
@@ -37,6 +39,8 @@ mod json_mutation;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod routes;
+mod select_body;
+mod select_route;
 mod snapshot_route;
 
 use std::net::{SocketAddr, TcpListener};
@@ -58,6 +62,7 @@ use crate::index::Index;
 use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
+use crate::select::Selector;
 use accept::{accept_loop, Live, Reserve};
 use body::Uploads;
 pub use head::{Request, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
@@ -94,6 +99,8 @@ pub struct Api {
     pub reload: Box<ReloadFn>,
     /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
     pub secret: Option<Secret>,
+    /// `/select`'s reservations and predictions.
+    pub selector: Arc<Selector>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one

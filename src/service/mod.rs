@@ -252,8 +252,9 @@ impl Service {
             ranks,
             directory,
             board,
-            reload: Box::new(move || reload_for_http.reload()),
             secret: replication.secret().cloned(),
+            selector: reload_for_http.selector(),
+            reload: Box::new(move || reload_for_http.reload()),
         });
         let http = http.serve(api)?;
         let dynamo = dynamo
