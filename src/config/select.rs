@@ -226,7 +226,10 @@ mod tests {
             "[select]\nprefill_weight = -1\npredicted_ttl_s = 0\ntemperature = \"hot\"\n\
              speed = 3\nreservation_ttl_s = 1e9\nseed = -2\n",
         );
-        let line = find(&found, &["[select]", "prefill_weight", "finite number >= 0", "-1"]);
+        let line = find(
+            &found,
+            &["[select]", "prefill_weight", "finite number >= 0", "-1"],
+        );
         assert!(line.starts_with("indexer.toml:2:"), "{line}");
         find(&found, &["predicted_ttl_s", "> 0", "found 0"]);
         find(&found, &["temperature", "a number"]);

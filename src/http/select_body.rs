@@ -103,9 +103,8 @@ fn query_string_options(query_string: &str) -> Result<(Options, String), String>
         if slot.is_some() {
             return Err(format!("query parameter {name} is given more than once"));
         }
-        let value = decoded(raw_value).ok_or_else(|| {
-            format!("query parameter {pair:?} is not percent-encoded UTF-8")
-        })?;
+        let value = decoded(raw_value)
+            .ok_or_else(|| format!("query parameter {pair:?} is not percent-encoded UTF-8"))?;
         *slot = Some(value);
     }
     if let Some(value) = reserve {
@@ -140,9 +139,7 @@ pub(super) fn parse_prefill_complete(body: &[u8]) -> Result<Option<u64>, String>
         #[serde(default, deserialize_with = "cached_tokens")]
         cached_tokens: Option<u64>,
     }
-    fn cached_tokens<'de, D: Deserializer<'de>>(
-        deserializer: D,
-    ) -> Result<Option<u64>, D::Error> {
+    fn cached_tokens<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
         Option::<u64>::deserialize(deserializer).map_err(|err| {
             D::Error::custom(format!("cached_tokens: {err} (a non-negative integer)"))
         })
@@ -182,13 +179,19 @@ mod tests {
             json(r#"{"token_ids": [1], "reser\u0076e": true}"#).map(|o| o.reserve),
             Ok(true)
         );
-        assert_eq!(json(r#"{"token_ids": [1], "reserve": null}"#), Ok(Options::default()));
+        assert_eq!(
+            json(r#"{"token_ids": [1], "reserve": null}"#),
+            Ok(Options::default())
+        );
     }
 
     #[test]
     fn every_rejection_names_its_field() {
         for (body, field) in [
-            (r#"{"token_ids": [1], "reserve": "yes"}"#, "reserve: invalid type"),
+            (
+                r#"{"token_ids": [1], "reserve": "yes"}"#,
+                "reserve: invalid type",
+            ),
             (
                 r#"{"token_ids": [1], "expected_output_tokens": -3}"#,
                 "expected_output_tokens: invalid value",
@@ -228,10 +231,22 @@ mod tests {
             }
         );
         for (query_string, reason) in [
-            ("reserve=1", "query parameter reserve: expected true or false"),
-            ("expected_output_tokens=x", "query parameter expected_output_tokens"),
-            ("reserve=true&reserve=false", "query parameter reserve is given more"),
-            ("modle=m&reserve=true", "query parameter \"modle\" is not known"),
+            (
+                "reserve=1",
+                "query parameter reserve: expected true or false",
+            ),
+            (
+                "expected_output_tokens=x",
+                "query parameter expected_output_tokens",
+            ),
+            (
+                "reserve=true&reserve=false",
+                "query parameter reserve is given more",
+            ),
+            (
+                "modle=m&reserve=true",
+                "query parameter \"modle\" is not known",
+            ),
         ] {
             match parse_select_request(binary, Some(query_string), &body, Vec::new()) {
                 Err(refused) => assert!(refused.starts_with(reason), "{refused}"),
@@ -244,10 +259,16 @@ mod tests {
     fn a_prefill_complete_body_is_empty_or_cached_tokens() {
         assert_eq!(parse_prefill_complete(b""), Ok(None));
         assert_eq!(parse_prefill_complete(b" \n"), Ok(None));
-        assert_eq!(parse_prefill_complete(br#"{"cached_tokens": 64}"#), Ok(Some(64)));
+        assert_eq!(
+            parse_prefill_complete(br#"{"cached_tokens": 64}"#),
+            Ok(Some(64))
+        );
         assert_eq!(parse_prefill_complete(b"{}"), Ok(None));
         for (body, reason) in [
-            (&br#"{"cached_tokens": -1}"#[..], "body: cached_tokens: invalid value"),
+            (
+                &br#"{"cached_tokens": -1}"#[..],
+                "body: cached_tokens: invalid value",
+            ),
             (br#"{"cached": 1}"#, "body: unknown field `cached`"),
             (b"[1]", "body: expected a JSON object"),
         ] {

@@ -92,7 +92,11 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec
                     instance_id: selection.chosen.instance_id,
                     query_blocks: selection.query_blocks,
                     reservation_id: selection.reservation_id,
-                    candidates: selection.candidates.iter().map(CandidateJson::new).collect(),
+                    candidates: selection
+                        .candidates
+                        .iter()
+                        .map(CandidateJson::new)
+                        .collect(),
                 },
             ),
             None => Reply::error(
@@ -123,7 +127,10 @@ pub(super) fn reservation(api: &Api, request: &Request, rest: &str, body: &[u8])
     } else if request.method() != &Method::Delete {
         let mut reply = Reply::error(
             405,
-            format!("{} {path}: method not allowed; use DELETE", request.method()),
+            format!(
+                "{} {path}: method not allowed; use DELETE",
+                request.method()
+            ),
         );
         reply.header = Some(("Allow", "DELETE"));
         return reply;
@@ -165,9 +172,7 @@ struct LoadJson<'a> {
 
 /// `GET /loads`: every running rank with what its reservations and predictions put on it.
 pub(super) fn loads(api: &Api) -> Reply {
-    let loads = api
-        .selector
-        .loads(&api.ranks.current(), Instant::now());
+    let loads = api.selector.loads(&api.ranks.current(), Instant::now());
     let answer: Vec<LoadJson> = loads
         .iter()
         .map(|rank| LoadJson {

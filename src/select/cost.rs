@@ -75,7 +75,12 @@ pub fn cost(query_blocks: u32, candidate: Candidate, weights: &Select) -> Costed
 pub fn best_first(a: &Costed, b: &Costed) -> Ordering {
     a.cost
         .total_cmp(&b.cost)
-        .then(a.candidate.load.reservations.cmp(&b.candidate.load.reservations))
+        .then(
+            a.candidate
+                .load
+                .reservations
+                .cmp(&b.candidate.load.reservations),
+        )
         .then(b.overlap_blocks.total_cmp(&a.overlap_blocks))
         .then(a.candidate.position.cmp(&b.candidate.position))
 }
@@ -140,7 +145,10 @@ mod tests {
         assert_eq!(a.cost, 1.0 * (2.25 + 3.0) + 1.0 * 12.0);
         // Rank b: nothing cached, nothing running.
         let b = cost(10, candidate(1, 0, 0, 0), &weights);
-        assert_eq!((b.overlap_blocks, b.prefill_blocks, b.cost), (0.0, 10.0, 10.0));
+        assert_eq!(
+            (b.overlap_blocks, b.prefill_blocks, b.cost),
+            (0.0, 10.0, 10.0)
+        );
         // Rank c: 4 blocks predicted by a reservation just made elsewhere, 2 in GPU.
         let mut c = candidate(2, 2, 2, 2);
         c.predicted_blocks = 4;

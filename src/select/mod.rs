@@ -32,8 +32,8 @@ use crate::listener::State;
 use crate::metrics::Metrics;
 use crate::plan::WorkerKey;
 use crate::registry::RankBoard;
-pub use cost::{Costed, Load};
 use cost::{best_first, choose, cost, Candidate};
+pub use cost::{Costed, Load};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
 
@@ -150,7 +150,10 @@ impl Selector {
         }
         // The index is read only for ranks whose index is whole (`active`).
         let mut trusted = Vec::new();
-        for rank in ranks.iter().filter(|rank| rank.status.state == State::Active) {
+        for rank in ranks
+            .iter()
+            .filter(|rank| rank.status.state == State::Active)
+        {
             let at = rank.worker as usize;
             if trusted.len() <= at {
                 trusted.resize(at + 1, false);
@@ -172,8 +175,8 @@ impl Selector {
                 score: scores.remove(&rank.worker),
             })
             .collect();
-        let query_blocks = u32::try_from(prompt.tokens.len() / block_size.max(1) as usize)
-            .unwrap_or(u32::MAX);
+        let query_blocks =
+            u32::try_from(prompt.tokens.len() / block_size.max(1) as usize).unwrap_or(u32::MAX);
         let needs_keys = options.reserve || !self.state.lock().predictions.is_empty();
         let keys = if needs_keys {
             prompt_keys(prompt, block_size, 0)

@@ -66,9 +66,8 @@ impl Reservations {
         if first {
             reservation.prefill_complete = true;
             let load = self.loads.entry(reservation.rank).or_default();
-            load.active_prefill_blocks = (load.active_prefill_blocks
-                - reservation.prefill_blocks)
-                .max(0.0);
+            load.active_prefill_blocks =
+                (load.active_prefill_blocks - reservation.prefill_blocks).max(0.0);
         }
         Some(Completed {
             first,
@@ -141,7 +140,9 @@ mod tests {
         assert_eq!((load.reservations, load.active_decode_blocks), (2, 10));
         assert!((load.active_prefill_blocks - 0.2).abs() < 1e-12);
         assert!(table.prefill_complete(first).is_some_and(|done| done.first));
-        assert!(table.prefill_complete(first).is_some_and(|done| !done.first));
+        assert!(table
+            .prefill_complete(first)
+            .is_some_and(|done| !done.first));
         assert!((table.load(1).active_prefill_blocks - 0.1).abs() < 1e-12);
         assert_eq!(table.expire(now + Duration::from_secs(1)), 1);
         assert!(!table.release(second), "expired");
