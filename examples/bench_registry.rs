@@ -48,6 +48,7 @@ fn config(engines: u32) -> Config {
         shards: 64,
         engines,
         replicas: Default::default(),
+        select: Default::default(),
     }
 }
 
