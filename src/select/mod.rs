@@ -32,8 +32,10 @@ use crate::listener::State;
 use crate::metrics::Metrics;
 use crate::plan::WorkerKey;
 use crate::registry::RankBoard;
-use cost::{best_first, choose, cost, Candidate};
-pub use cost::{Costed, Load};
+use cost::choose;
+/// The formula and the order, public so that a benchmark's oracle weighs ground truth with
+/// the very same cost (`examples/ladder.rs`).
+pub use cost::{best_first, cost, Candidate, Costed, Load};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
 
