@@ -1,6 +1,6 @@
 //! `/select` at scale (issue 26's targets, docs/performance.md "Selection"):
 //!
-//! 1. Latency: 1,000 ranks (8 simulated engines × 125, the real indexer over ZMQ), an
+//! 1. Latency: 1,000 ranks (40 simulated engines × 25, the real indexer over ZMQ), an
 //!    8,192-token prompt (512 blocks) held in part by 8 of them, and 10,000 open reservations
 //!    with their predictions all alive (`predicted_ttl_s` raised so none expires: the worst
 //!    case); `/select` and `/query` on that prompt, one keep-alive client, interleaved.
@@ -22,8 +22,8 @@ use kv_indexer_sim::procfs::Proc;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::watch::{settle, warm_up, OverHttp};
 
-const ENGINES: usize = 8;
-const RANKS_PER_ENGINE: u32 = 125;
+const ENGINES: usize = 40;
+const RANKS_PER_ENGINE: u32 = 25;
 const PROMPT_BLOCKS: u32 = 512;
 const OPEN_RESERVATIONS: usize = 10_000;
 const SAMPLES: usize = 4_000;
