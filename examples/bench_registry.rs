@@ -50,6 +50,7 @@ fn config(engines: u32) -> Config {
         max_blocks_per_rank: kv_indexer::config::DEFAULT_MAX_BLOCKS_PER_RANK,
         engines,
         replicas: Default::default(),
+        select: Default::default(),
     }
 }
 

@@ -12,6 +12,7 @@
 //!   → registry (running listeners; register / deregister / reload diff; published views)
 //!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
 //! http (our HTTP/1.1 server and routes) reads the index and the registry's published views.
+//! select, beside http, weighs them with its own reservations to choose a rank (`/select`).
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
 //! ```
@@ -29,5 +30,6 @@ pub mod metrics;
 pub mod outbound;
 pub mod plan;
 pub mod registry;
+pub mod select;
 pub mod service;
 pub mod wire;

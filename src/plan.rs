@@ -268,6 +268,7 @@ mod tests {
             max_blocks_per_rank: crate::config::DEFAULT_MAX_BLOCKS_PER_RANK,
             engines,
             replicas: Default::default(),
+            select: Default::default(),
         }
     }
 

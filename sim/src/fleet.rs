@@ -14,7 +14,7 @@ use anyhow::{anyhow, Context, Result};
 use crate::indexer_toml::{indexer_toml, EngineToml};
 use crate::ports::free_port_range;
 use crate::server::{SimConfig, SimEngine};
-use crate::workload::{Route, Router};
+use crate::workload::{Route, Router, TraceRequest};
 
 /// Tokens per block, for engines and indexer alike.
 pub const BLOCK_SIZE: u32 = 16;
@@ -36,8 +36,14 @@ pub fn trace_path(manifest_dir: &str) -> PathBuf {
 
 /// The trace's prompts for a benchmark: from `given`, else from `trace_path` of this crate.
 pub fn load_benchmark_trace(given: Option<&Path>) -> Result<Vec<Vec<u32>>> {
+    let requests = load_benchmark_requests(given)?;
+    Ok(requests.into_iter().map(|request| request.prompt).collect())
+}
+
+/// `load_benchmark_trace` with each request's arrival time and output length.
+pub fn load_benchmark_requests(given: Option<&Path>) -> Result<Vec<TraceRequest>> {
     let path = given.map_or_else(|| trace_path(crate::WORKSPACE_DIR), Path::to_path_buf);
-    crate::workload::load_trace(&path, BLOCK_SIZE)
+    crate::workload::load_trace_requests(&path, BLOCK_SIZE)
 }
 
 /// One rank of one engine of the fleet.

@@ -114,3 +114,13 @@ pub fn replica_keys(
     }
     toml
 }
+
+/// A `[select]` table (docs.md "Selection") of `key = value` pairs, values as TOML text; put it
+/// after everything else in a file.
+pub fn select_table(keys: &[(&str, &str)]) -> String {
+    let mut toml = String::from("\n[select]\n");
+    for (key, value) in keys {
+        toml.push_str(&format!("{key} = {value}\n"));
+    }
+    toml
+}

@@ -20,8 +20,21 @@ pub const VOCABULARY: u64 = 150_000;
 
 #[derive(Deserialize)]
 struct TraceLine {
+    #[serde(default)]
+    timestamp: u64,
     input_length: u32,
+    #[serde(default)]
+    output_length: u32,
     hash_ids: Vec<u64>,
+}
+
+/// One request of the trace with its timing, for replays in (virtual) time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceRequest {
+    /// When it arrives, in ms from the trace's start.
+    pub timestamp_ms: u64,
+    pub output_length: u32,
+    pub prompt: Vec<u32>,
 }
 
 /// Loads the Mooncake trace (one JSON object per line) as token prompts: each hash id becomes
@@ -29,6 +42,12 @@ struct TraceLine {
 /// `input_length - 512 * (ids - 1)` tokens. `block_size` must divide 512, so that equal ids give
 /// equal blocks.
 pub fn load_trace(path: &Path, block_size: u32) -> Result<Vec<Vec<u32>>> {
+    let requests = load_trace_requests(path, block_size)?;
+    Ok(requests.into_iter().map(|request| request.prompt).collect())
+}
+
+/// `load_trace` with each request's arrival time and output length.
+pub fn load_trace_requests(path: &Path, block_size: u32) -> Result<Vec<TraceRequest>> {
     ensure!(
         block_size > 0 && TRACE_ID_TOKENS % block_size == 0,
         "block size {block_size} does not divide the trace's {TRACE_ID_TOKENS}-token ids"
@@ -39,13 +58,13 @@ pub fn load_trace(path: &Path, block_size: u32) -> Result<Vec<Vec<u32>>> {
         .enumerate()
         .filter(|(_, line)| !line.trim().is_empty())
         .map(|(index, line)| {
-            trace_prompt(line, block_size)
+            trace_request(line, block_size)
                 .with_context(|| format!("trace {} line {}", path.display(), index + 1))
         })
         .collect()
 }
 
-fn trace_prompt(line: &str, block_size: u32) -> Result<Vec<u32>> {
+fn trace_request(line: &str, block_size: u32) -> Result<TraceRequest> {
     let request: TraceLine = serde_json::from_str(line).context("not a trace request")?;
     let Some(last_index) = request.hash_ids.len().checked_sub(1) else {
         bail!("no hash_ids");
@@ -77,7 +96,11 @@ fn trace_prompt(line: &str, block_size: u32) -> Result<Vec<u32>> {
             (key % VOCABULARY) as u32
         }));
     }
-    Ok(prompt)
+    Ok(TraceRequest {
+        timestamp_ms: request.timestamp,
+        output_length: request.output_length,
+        prompt,
+    })
 }
 
 /// Shape of a synthetic chat workload: a few long system prompts shared by many conversations

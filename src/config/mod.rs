@@ -11,7 +11,8 @@
 //! - `discovered`: the keys of an engine whose ranks come from its own HTTP server;
 //! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide;
-//! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`.
+//! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`;
+//! - `select`: the `[select]` knobs of `POST /select`.
 
 mod diagnostics;
 mod discovered;
@@ -20,6 +21,7 @@ mod instance;
 mod keys;
 mod ports;
 mod replicas;
+mod select;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -40,6 +42,8 @@ use ports::check_port_overlaps;
 pub use ports::rank_port;
 use replicas::check_replicas;
 pub use replicas::{is_loopback_listen, Replicas};
+use select::check_select;
+pub use select::{Select, MAX_TTL_S};
 
 /// A validated configuration.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,6 +66,8 @@ pub struct Config {
     pub engines: Vec<EngineConfig>,
     /// Other indexers to recover from, and what this one serves them.
     pub replicas: Replicas,
+    /// The knobs of `POST /select` (`[select]`); reloadable.
+    pub select: Select,
 }
 
 /// One `[[engine]]` with defaults applied.
@@ -201,8 +207,12 @@ impl Config {
             None => Engines::default(),
         };
         check_port_overlaps(engines.placed, &mut problems);
-        match top {
-            Some(top) if problems.is_empty() => Ok(Config {
+        let select = match root.get_ref().get("select") {
+            Some(value) => check_select(value, &mut problems),
+            None => Some(Select::default()),
+        };
+        match (top, select) {
+            (Some(top), Some(select)) if problems.is_empty() => Ok(Config {
                 listen: top.listen,
                 dynamo_listen: top.dynamo_listen,
                 max_runtime_ranks: top.max_runtime_ranks,
@@ -211,6 +221,7 @@ impl Config {
                 max_blocks_per_rank: top.max_blocks_per_rank,
                 engines: engines.valid,
                 replicas: top.replicas,
+                select,
             }),
             _ => Err(problems.into_error()),
         }
@@ -270,6 +281,8 @@ struct RawTop {
     _defaults: Option<IgnoredAny>,
     #[serde(rename = "engine")]
     _engine: Option<IgnoredAny>,
+    #[serde(rename = "select")]
+    _select: Option<IgnoredAny>,
 }
 
 struct Top {
@@ -412,6 +425,7 @@ mod tests {
                     instance_id: derived_instance_id("local"),
                 }],
                 replicas: Replicas::default(),
+                select: Select::default(),
             }
         );
     }

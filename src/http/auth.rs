@@ -1,6 +1,7 @@
 //! The shared secret of the routes that reveal cache contents or change state (docs.md
-//! "Replicas"): `GET /snapshot/...`, `POST /reload`, and any registration route (the Dynamo
-//! API's `/register` and `/unregister` must call `is_authorized` too).
+//! "Replicas"): `GET /snapshot/...`, `POST /reload`, a reserving `POST /select` and the
+//! reservation routes, and any registration route (the Dynamo API's `/register` and
+//! `/unregister` must call `is_authorized` too).
 //!
 //! Owns: what counts as a valid `Authorization: Bearer <token>` and the constant-time
 //! comparison. Never: logs or echoes a token (presented or configured), or lets the time a

@@ -4,8 +4,10 @@
 //! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
 //! reveal cache contents or change state, `answering` bounds the requests answered at once,
 //! `query_body` parses `POST /query` and `json_fields` reads the JSON bodies of both APIs;
-//! `dynamo` is the Dynamo / Mooncake indexer API, served by the same server code on its own
-//! address (`Routes` says which API a server answers).
+//! `select_route` answers `POST /select` and the reservation routes (`select_body` parses what
+//! they add to the `/query` body), asking `select`; `dynamo` is the Dynamo / Mooncake indexer
+//! API, served by the same server code on its own address (`Routes` says which API a server
+//! answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
@@ -40,6 +42,8 @@ mod json_mutation;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod routes;
+mod select_body;
+mod select_route;
 mod snapshot_route;
 pub use snapshot_route::percent_decode;
 
@@ -61,6 +65,7 @@ use crate::index::Index;
 use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
+use crate::select::Selector;
 use accept::{accept_loop, Live, Reserve};
 use answering::Answering;
 use body::Uploads;
@@ -98,6 +103,8 @@ pub struct Api {
     pub reload: Box<ReloadFn>,
     /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
     pub secret: Arc<CurrentSecret>,
+    /// `/select`'s reservations and predictions.
+    pub selector: Arc<Selector>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one

@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 
 use super::auth::{is_authorized, unauthorized};
 use super::query_body::{parse_query_request, QueryRequest};
+use super::select_route;
 use super::snapshot_route::snapshot_route;
 use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
@@ -23,9 +24,12 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<
     if let Some(rank) = path.strip_prefix("/snapshot/") {
         return snapshot_route(api, request, rank);
     }
+    if let Some(rest) = path.strip_prefix("/reservations/") {
+        return select_route::reservation(api, request, rest, body);
+    }
     let wants_post = match path {
-        "/query" | "/reload" => true,
-        "/workers" | "/health" | "/ready" | "/metrics" => false,
+        "/query" | "/select" | "/reload" => true,
+        "/workers" | "/health" | "/ready" | "/metrics" | "/loads" => false,
         _ => return Reply::error(404, format!("no such path: {path}")),
     };
     if let Err(refused) = check_method(request, path, wants_post) {
@@ -33,6 +37,8 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<
     }
     match path {
         "/query" => query(api, request, body, tokens),
+        "/select" => select_route::select(api, request, body, tokens),
+        "/loads" => select_route::loads(api),
         "/reload" if !is_authorized(request, api.secret.get().as_ref()) => unauthorized(),
         "/reload" => reload(api),
         "/workers" => workers(api),

@@ -34,6 +34,8 @@
 //! | `discovery_disagreement` | gauge | `instance`, `key` ([`LayoutKey`]) |
 //! | `neighbour_publishers_total` | counter | `instance` |
 //! | `endpoints_refused_total` | counter | `source` ([`EndpointSource`]), `reason` ([`EndpointRefusal`]) only |
+//! | `select_overpredicted_tokens_total`, `select_underpredicted_tokens_total` | counter | none |
+//! | `select_prediction_error_tokens` | histogram | none |
 //!
 //! The engine-level series (`engines`) are resolved once per engine through [`EngineMetrics`].
 
@@ -70,6 +72,12 @@ const QUERY_SECONDS_BUCKETS: [f64; 13] = [
     1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
 ];
 
+/// `select_prediction_error_tokens` buckets: predicted minus served cached tokens, in blocks
+/// of 16 up to 4,096 tokens either way.
+const PREDICTION_ERROR_BUCKETS: [f64; 11] = [
+    -4096.0, -1024.0, -256.0, -64.0, -16.0, 0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0,
+];
+
 type U64Gauge = Gauge<u64, AtomicU64>;
 
 /// Every metric of the process, rendered by `GET /metrics`.
@@ -100,6 +108,9 @@ pub struct Metrics {
     reloads_applied: Counter,
     reloads_rejected: Counter,
     endpoints_refused: Family<RefusalLabels, Counter>,
+    overpredicted_tokens: Counter,
+    underpredicted_tokens: Counter,
+    prediction_error: Histogram,
     engines: EngineFamilies,
 }
 
@@ -137,6 +148,9 @@ impl Metrics {
                 outcome: ReloadOutcome::rejected,
             }),
             endpoints_refused: Family::default(),
+            overpredicted_tokens: Counter::default(),
+            underpredicted_tokens: Counter::default(),
+            prediction_error: Histogram::new(PREDICTION_ERROR_BUCKETS),
             engines: EngineFamilies::default(),
         };
         metrics.register(reloads);
@@ -264,6 +278,21 @@ impl Metrics {
             "config_reloads",
             "Configuration reloads by outcome (applied, rejected)",
             reloads,
+        );
+        r.register(
+            "select_overpredicted_tokens",
+            "Cached tokens /select predicted beyond what the engine reported at prefill_complete",
+            self.overpredicted_tokens.clone(),
+        );
+        r.register(
+            "select_underpredicted_tokens",
+            "Cached tokens the engine reported at prefill_complete beyond what /select predicted",
+            self.underpredicted_tokens.clone(),
+        );
+        r.register(
+            "select_prediction_error_tokens",
+            "Predicted minus reported cached tokens of each reservation completed with cached_tokens",
+            self.prediction_error.clone(),
         );
         self.engines.register(r);
     }
@@ -393,6 +422,16 @@ impl Metrics {
     pub fn observe_query(&self, seconds: f64) {
         self.queries.inc();
         self.query_duration.observe(seconds);
+    }
+
+    /// A reservation's predicted cached tokens against the engine's reported ones.
+    pub fn observe_prediction(&self, predicted: u64, served: u64) {
+        self.overpredicted_tokens
+            .inc_by(predicted.saturating_sub(served));
+        self.underpredicted_tokens
+            .inc_by(served.saturating_sub(predicted));
+        self.prediction_error
+            .observe(predicted as f64 - served as f64);
     }
 
     /// A rejected HTTP request, by status code.

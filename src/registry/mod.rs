@@ -55,7 +55,7 @@ pub use open_files::{open_files_needed, raise_open_files_limit};
 use parallel::in_parallel;
 pub use published::Published;
 use ranks::Rank;
-pub use ranks::{ListenerView, RankBoard, RanksReader};
+pub use ranks::{ListenerView, RankBoard, RanksReader, RunningRank};
 
 /// What `apply` did, by listener.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -21,6 +21,13 @@ pub struct ListenerView {
     pub status: Option<ListenerStatus>,
 }
 
+/// A running rank as `RankBoard::running` lends it.
+pub struct RunningRank<'a> {
+    pub spec: &'a ListenerSpec,
+    pub worker: WorkerId,
+    pub status: ListenerStatus,
+}
+
 /// A configured rank: its spec, and its worker and status when it runs.
 #[derive(Clone)]
 pub(super) struct Rank {
@@ -62,6 +69,19 @@ impl RankBoard {
                 status: rank.running.as_ref().map(|(_, status)| status.get()),
             })
             .collect()
+    }
+
+    /// Every running rank with its status as of now, in the board's order, without copying
+    /// specs: what `/select` weighs on every request.
+    pub fn running(&self) -> impl Iterator<Item = RunningRank<'_>> {
+        self.ranks.iter().filter_map(|rank| {
+            let (worker, status) = rank.running.as_ref()?;
+            Some(RunningRank {
+                spec: &rank.spec,
+                worker: *worker,
+                status: status.get(),
+            })
+        })
     }
 
     /// The status handle of the running rank `engine`/`dp_rank`, for its snapshot route.

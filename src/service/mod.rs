@@ -260,8 +260,9 @@ impl Service {
             ranks,
             directory,
             board,
-            reload: Box::new(move || reload_for_http.reload()),
             secret: replication.secret().clone(),
+            selector: reload_for_http.selector(),
+            reload: Box::new(move || reload_for_http.reload()),
         });
         let http = http.serve(api)?;
         let dynamo = dynamo

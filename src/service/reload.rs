@@ -23,6 +23,7 @@ use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::ReloadDiff;
+use crate::select::Selector;
 
 /// What the registry runs, as `plan` inputs.
 struct Applied {
@@ -48,6 +49,8 @@ pub(super) struct Reloader {
     neighbours: Mutex<Option<NeighbourWatch>>,
     /// Its `peers` follow the file; listeners are not touched.
     replication: Arc<Replication>,
+    /// `/select`'s state; its `[select]` knobs follow the file.
+    selector: Arc<Selector>,
 }
 
 impl Reloader {
@@ -62,7 +65,9 @@ impl Reloader {
         neighbours: NeighbourWatch,
         replication: Arc<Replication>,
     ) -> Reloader {
+        let selector = Arc::new(Selector::new(config.select.clone(), metrics.clone()));
         Reloader {
+            selector,
             config_path: config_path.to_owned(),
             applied: Mutex::new(Applied {
                 config,
@@ -75,6 +80,11 @@ impl Reloader {
             neighbours: Mutex::new(Some(neighbours)),
             replication,
         }
+    }
+
+    /// The selection state, its knobs kept in step with the file.
+    pub(super) fn selector(&self) -> Arc<Selector> {
+        self.selector.clone()
     }
 
     pub(super) fn set_askers(&self, askers: Askers) {
@@ -165,6 +175,7 @@ impl Reloader {
                 ),
             }
         }
+        self.selector.set_config(config.select.clone());
         // An engine asked at the same API keeps its last good answer: a reload does not drop
         // its ranks until it has answered again.
         let old = &applied.config;

@@ -69,9 +69,24 @@ impl Connection {
     }
 
     pub fn send(&mut self, method: &str, path: &str, body: Option<&[u8]>) -> Reply {
+        self.send_with(method, path, &[("Content-Type", "application/json")], body)
+    }
+
+    /// `send` with the given headers (and no `Content-Type` unless among them).
+    pub fn send_with(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Reply {
         let body = body.unwrap_or_default();
+        let headers: String = headers
+            .iter()
+            .map(|(name, value)| format!("{name}: {value}\r\n"))
+            .collect();
         let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: test\r\n{headers}Content-Length: {}\r\n\r\n",
             body.len()
         );
         let mut request = head.into_bytes();

@@ -20,7 +20,7 @@ const TOKEN_BYTES: usize = std::mem::size_of::<u32>();
 
 /// Whether a `Content-Type` names the binary body: its media type, case-insensitive, with
 /// any parameters (`; charset=...`) ignored.
-pub(super) fn is_binary(content_type: Option<&str>) -> bool {
+pub(in crate::http) fn is_binary(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|value| {
         let media_type = value.split(';').next().unwrap_or_default();
         media_type.trim().eq_ignore_ascii_case(OCTET_STREAM)

@@ -17,7 +17,8 @@ mod scan;
 mod tests;
 
 use crate::index::{MmFeature, Prompt};
-use binary::{is_binary, parse_binary};
+pub(super) use binary::is_binary;
+use binary::parse_binary;
 use scan::scan_common_shape;
 
 /// A `/query` body.

@@ -1,0 +1,188 @@
+//! The selection routes (docs.md "Selection"): `POST /select`, `POST
+//! /reservations/{id}/prefill_complete`, `DELETE /reservations/{id}` and `GET /loads`, and
+//! their exact JSON.
+//!
+//! Owns: those paths, their guard (reserving and the reservation routes need the bearer token
+//! when `auth_token_file` is set; a `/select` that does not reserve is as open as `/query`) and
+//! every status they answer. Never: decides anything itself (`select` does) or reads a socket.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::json;
+use tiny_http::Method;
+
+use super::auth::{is_authorized, unauthorized};
+use super::select_body::{parse_prefill_complete, parse_select_request};
+use super::{check_method, Api, Reply, Request};
+use crate::select::{Ranked, UnknownReservation};
+
+#[derive(Serialize)]
+struct SelectAnswer<'a> {
+    instance: &'a str,
+    dp_rank: u32,
+    instance_id: u64,
+    query_blocks: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reservation_id: Option<u64>,
+    candidates: Vec<CandidateJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct CandidateJson<'a> {
+    instance: &'a str,
+    dp_rank: u32,
+    matched_blocks: u32,
+    predicted_blocks: u32,
+    overlap_blocks: f64,
+    prefill_blocks: f64,
+    active_prefill_blocks: f64,
+    active_decode_blocks: u64,
+    reservations: u64,
+    cost: f64,
+}
+
+impl<'a> CandidateJson<'a> {
+    fn new(ranked: &'a Ranked) -> CandidateJson<'a> {
+        let costed = &ranked.costed;
+        let load = &costed.candidate.load;
+        CandidateJson {
+            instance: &ranked.key.engine,
+            dp_rank: ranked.key.dp_rank,
+            matched_blocks: costed.candidate.matched_blocks,
+            predicted_blocks: costed.candidate.predicted_blocks,
+            overlap_blocks: costed.overlap_blocks,
+            prefill_blocks: costed.prefill_blocks,
+            active_prefill_blocks: load.active_prefill_blocks,
+            active_decode_blocks: load.active_decode_blocks,
+            reservations: load.reservations,
+            cost: costed.cost,
+        }
+    }
+}
+
+/// `POST /select`, the tokens read into the connection's `tokens` and left there.
+pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+    let query_string = request.url().split_once('?').map(|(_, query)| query);
+    let content_type = request.header("Content-Type");
+    let (query, options) =
+        match parse_select_request(content_type, query_string, body, std::mem::take(tokens)) {
+            Ok(parsed) => parsed,
+            Err(reason) => return Reply::error(400, reason),
+        };
+    let reply = if options.reserve && !is_authorized(request, api.secret.get().as_ref()) {
+        unauthorized()
+    } else {
+        let board = api.ranks.current();
+        let model = query.model.as_deref();
+        let selection = api.selector.select(
+            &api.index,
+            &board,
+            &query.prompt(),
+            model,
+            options,
+            Instant::now(),
+        );
+        match selection {
+            Some(selection) => Reply::json(
+                200,
+                &SelectAnswer {
+                    instance: &selection.chosen.key.engine,
+                    dp_rank: selection.chosen.key.dp_rank,
+                    instance_id: selection.chosen.instance_id,
+                    query_blocks: selection.query_blocks,
+                    reservation_id: selection.reservation_id,
+                    candidates: selection
+                        .candidates
+                        .iter()
+                        .map(CandidateJson::new)
+                        .collect(),
+                },
+            ),
+            None => Reply::error(
+                503,
+                match model {
+                    Some(model) => format!("no connected rank serves model {model:?}"),
+                    None => "no connected rank to select".to_owned(),
+                },
+            ),
+        }
+    };
+    *tokens = query.token_ids;
+    reply
+}
+
+/// `/reservations/{id}` (`DELETE`) and `/reservations/{id}/prefill_complete` (`POST`); `rest`
+/// is the path after `/reservations/`.
+pub(super) fn reservation(api: &Api, request: &Request, rest: &str, body: &[u8]) -> Reply {
+    let (id, completing) = match rest.strip_suffix("/prefill_complete") {
+        Some(id) => (id, true),
+        None => (rest, false),
+    };
+    let path = format!("/reservations/{rest}");
+    if completing {
+        if let Err(refused) = check_method(request, &path, true) {
+            return refused;
+        }
+    } else if request.method() != &Method::Delete {
+        let mut reply = Reply::error(
+            405,
+            format!(
+                "{} {path}: method not allowed; use DELETE",
+                request.method()
+            ),
+        );
+        reply.header = Some(("Allow", "DELETE"));
+        return reply;
+    }
+    if !is_authorized(request, api.secret.get().as_ref()) {
+        return unauthorized();
+    }
+    let Ok(id) = id.parse::<u64>() else {
+        return Reply::error(404, format!("no such reservation: {id:?}"));
+    };
+    let now = Instant::now();
+    let done = if completing {
+        let cached_tokens = match parse_prefill_complete(body) {
+            Ok(cached_tokens) => cached_tokens,
+            Err(reason) => return Reply::error(400, reason),
+        };
+        api.selector.prefill_complete(id, cached_tokens, now)
+    } else {
+        api.selector.release(id, now)
+    };
+    match done {
+        Ok(()) => Reply::json(200, &json!({ "reservation_id": id })),
+        Err(UnknownReservation) => Reply::error(
+            404,
+            format!("no such reservation: {id} (never made, released, or expired)"),
+        ),
+    }
+}
+
+#[derive(Serialize)]
+struct LoadJson<'a> {
+    instance: &'a str,
+    dp_rank: u32,
+    reservations: u64,
+    active_prefill_blocks: f64,
+    active_decode_blocks: u64,
+    predicted_prefixes: u32,
+}
+
+/// `GET /loads`: every running rank with what its reservations and predictions put on it.
+pub(super) fn loads(api: &Api) -> Reply {
+    let loads = api.selector.loads(&api.ranks.current(), Instant::now());
+    let answer: Vec<LoadJson> = loads
+        .iter()
+        .map(|rank| LoadJson {
+            instance: &rank.key.engine,
+            dp_rank: rank.key.dp_rank,
+            reservations: rank.load.reservations,
+            active_prefill_blocks: rank.load.active_prefill_blocks,
+            active_decode_blocks: rank.load.active_decode_blocks,
+            predicted_prefixes: rank.predicted_prefixes,
+        })
+        .collect();
+    Reply::json(200, &answer)
+}

@@ -1,0 +1,347 @@
+//! Selection (docs.md "Selection"): which rank a prompt should go to, from the index and the
+//! load `/select`'s own reservations put on each rank, with the blocks a reservation is about
+//! to store counted as predicted on its rank for a short while.
+//!
+//! Beside `http`, which calls it: it reads the index (`Index::query_prompt`, the public query
+//! API) and the registry's published rank board, and keeps its own state behind one lock held
+//! for bookkeeping only (the index is read before it is taken). `cost` is the formula and the
+//! choice, `reservations` the open reservations and each rank's load, `predictions` the
+//! predicted blocks.
+//!
+//! Owns: the candidates (every connected rank of the prompt's model; one not `active` is
+//! weighed with nothing matched), the reservations, the predictions and the live prediction
+//! metrics. Never: writes the index or shows a prediction as cache, keeps a reservation past
+//! its `reservation_ttl_s`, or blocks a reader of the index.
+
+mod cost;
+mod predictions;
+mod reservations;
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+use crate::config::Select;
+use crate::index::{prompt_keys, Index, PerTier, Prompt, Score, WorkerId};
+use crate::listener::State;
+use crate::metrics::Metrics;
+use crate::plan::WorkerKey;
+use crate::registry::RankBoard;
+use cost::choose;
+/// The formula and the order, public so that a benchmark's oracle weighs ground truth with
+/// the very same cost (`examples/ladder.rs`).
+pub use cost::{best_first, cost, Candidate, Costed, Load};
+use predictions::Predictions;
+use reservations::{Reservation, Reservations};
+
+/// A rank as select's tables know it: interned once, so a prediction or a reservation holds a
+/// number, not a name. Bounded by the ranks ever seen.
+type RankSlot = u32;
+
+/// What a `/select` asks beyond the prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Reserve the chosen rank (and predict the prompt's blocks on it).
+    pub reserve: bool,
+    /// The tokens the request is expected to generate: its decode load while reserved.
+    pub expected_output_tokens: u64,
+}
+
+/// One candidate as the answer shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ranked {
+    pub key: WorkerKey,
+    pub instance_id: u64,
+    pub costed: Costed,
+}
+
+/// A `/select`'s answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Selection {
+    pub query_blocks: u32,
+    pub chosen: Ranked,
+    pub reservation_id: Option<u64>,
+    /// The lowest-cost candidates, best first (`max_candidates` of them, or all).
+    pub candidates: Vec<Ranked>,
+}
+
+/// One rank's load as `GET /loads` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankLoad {
+    pub key: WorkerKey,
+    pub load: Load,
+    pub predicted_prefixes: u32,
+}
+
+/// Why a reservation route found nothing.
+#[derive(Debug, PartialEq, Eq)]
+pub struct UnknownReservation;
+
+/// The selection state: one per indexer, shared by every HTTP thread.
+pub struct Selector {
+    state: Mutex<SelectState>,
+    metrics: Arc<Metrics>,
+}
+
+struct SelectState {
+    config: Select,
+    rng: SmallRng,
+    slots: HashMap<WorkerKey, RankSlot>,
+    reservations: Reservations,
+    predictions: Predictions,
+}
+
+/// A ranks's inputs, gathered before the lock.
+struct Gathered<'a> {
+    key: &'a WorkerKey,
+    instance_id: u64,
+    trusted: bool,
+    score: Option<Score>,
+}
+
+impl Selector {
+    pub fn new(config: Select, metrics: Arc<Metrics>) -> Selector {
+        Selector {
+            state: Mutex::new(SelectState {
+                rng: seeded(config.seed),
+                config,
+                slots: HashMap::new(),
+                reservations: Reservations::default(),
+                predictions: Predictions::default(),
+            }),
+            metrics,
+        }
+    }
+
+    /// Applies reloaded knobs; a new seed restarts the draw.
+    pub fn set_config(&self, config: Select) {
+        let mut state = self.state.lock();
+        if config.seed != state.config.seed {
+            state.rng = seeded(config.seed);
+        }
+        state.config = config;
+    }
+
+    /// Chooses a rank for `prompt` among the connected ranks on `board` serving `model`
+    /// (any, when `None`); `None` when there is none.
+    pub fn select(
+        &self,
+        index: &Index,
+        board: &RankBoard,
+        prompt: &Prompt<'_>,
+        model: Option<&str>,
+        options: Options,
+        now: Instant,
+    ) -> Option<Selection> {
+        let block_size = index.block_size();
+        let ranks: Vec<_> = board
+            .running()
+            .filter(|rank| rank.status.connected)
+            .filter(|rank| {
+                let served = rank.spec.model.as_deref();
+                model.is_none() || served.is_none() || served == model
+            })
+            .collect();
+        if ranks.is_empty() {
+            return None;
+        }
+        // The index is read only for ranks whose index is whole (`active`).
+        let mut trusted = Vec::new();
+        for rank in ranks
+            .iter()
+            .filter(|rank| rank.status.state == State::Active)
+        {
+            let at = rank.worker as usize;
+            if trusted.len() <= at {
+                trusted.resize(at + 1, false);
+            }
+            trusted[at] = true;
+        }
+        let include = |worker: WorkerId| trusted.get(worker as usize).copied().unwrap_or(false);
+        let mut scores: HashMap<WorkerId, Score> = index
+            .query_prompt(prompt, &include)
+            .into_iter()
+            .map(|score| (score.worker, score))
+            .collect();
+        let gathered: Vec<Gathered> = ranks
+            .iter()
+            .map(|rank| Gathered {
+                key: &rank.spec.key,
+                instance_id: rank.spec.instance_id,
+                trusted: rank.status.state == State::Active,
+                score: scores.remove(&rank.worker),
+            })
+            .collect();
+        let query_blocks =
+            u32::try_from(prompt.tokens.len() / block_size.max(1) as usize).unwrap_or(u32::MAX);
+        let needs_keys = options.reserve || !self.state.lock().predictions.is_empty();
+        let keys = if needs_keys {
+            prompt_keys(prompt, block_size, 0)
+        } else {
+            Vec::new()
+        };
+
+        let mut state = self.state.lock();
+        state.expire(now);
+        let state = &mut *state;
+        let predicted: HashMap<RankSlot, u32> =
+            state.predictions.covered(&keys).into_iter().collect();
+        let mut costed: Vec<Costed> = Vec::with_capacity(gathered.len());
+        for (position, rank) in gathered.iter().enumerate() {
+            let slot = state.slots.get(rank.key).copied();
+            let (matched_blocks, tiers) = match (&rank.score, rank.trusted) {
+                (Some(score), true) => (score.matched_blocks, score.tiers),
+                _ => (0, PerTier::default()),
+            };
+            let predicted_blocks = slot.and_then(|slot| predicted.get(&slot).copied());
+            let predicted_blocks = predicted_blocks.unwrap_or(0);
+            if let Some(slot) = slot.filter(|_| predicted_blocks > 0) {
+                if matched_blocks >= predicted_blocks {
+                    state.predictions.drop_stored(slot, &keys, matched_blocks);
+                }
+            }
+            let candidate = Candidate {
+                position,
+                matched_blocks,
+                tiers,
+                predicted_blocks,
+                load: slot.map_or_else(Load::default, |slot| state.reservations.load(slot)),
+            };
+            costed.push(cost(query_blocks, candidate, &state.config));
+        }
+        costed.sort_unstable_by(best_first);
+        let chosen_at = choose(&costed, state.config.temperature, &mut state.rng);
+        let chosen = &costed[chosen_at];
+        let ranked = |costed: &Costed| {
+            let rank = &gathered[costed.candidate.position];
+            Ranked {
+                key: rank.key.clone(),
+                instance_id: rank.instance_id,
+                costed: costed.clone(),
+            }
+        };
+        let reservation_id = options.reserve.then(|| {
+            let candidate = &chosen.candidate;
+            let slot = state.slot(gathered[candidate.position].key);
+            let cached_blocks = candidate
+                .matched_blocks
+                .max(candidate.predicted_blocks)
+                .max(candidate.tiers.disk);
+            let output_blocks = options
+                .expected_output_tokens
+                .div_ceil(u64::from(block_size.max(1)));
+            let config = &state.config;
+            state.predictions.record(
+                slot,
+                keys.clone(),
+                now + Duration::from_secs_f64(config.predicted_ttl_s),
+            );
+            state.reservations.open(Reservation {
+                rank: slot,
+                prefill_blocks: chosen.prefill_blocks,
+                decode_blocks: u64::from(query_blocks) + output_blocks,
+                prefill_complete: false,
+                deadline: now + Duration::from_secs_f64(config.reservation_ttl_s),
+                predicted_tokens: u64::from(cached_blocks) * u64::from(block_size),
+            })
+        });
+        let shown = match state.config.max_candidates {
+            0 => costed.len(),
+            limit => limit.min(costed.len()),
+        };
+        Some(Selection {
+            query_blocks,
+            chosen: ranked(chosen),
+            reservation_id,
+            candidates: costed[..shown].iter().map(ranked).collect(),
+        })
+    }
+
+    /// The engine has prefilled reservation `id`; `cached_tokens`, when it says how much of
+    /// the prompt it found cached, is weighed against what the selection predicted.
+    pub fn prefill_complete(
+        &self,
+        id: u64,
+        cached_tokens: Option<u64>,
+        now: Instant,
+    ) -> Result<(), UnknownReservation> {
+        let mut state = self.state.lock();
+        state.expire(now);
+        let completed = state
+            .reservations
+            .prefill_complete(id)
+            .ok_or(UnknownReservation)?;
+        drop(state);
+        if let (true, Some(served)) = (completed.first, cached_tokens) {
+            self.metrics
+                .observe_prediction(completed.predicted_tokens, served);
+        }
+        Ok(())
+    }
+
+    /// Releases reservation `id`.
+    pub fn release(&self, id: u64, now: Instant) -> Result<(), UnknownReservation> {
+        let mut state = self.state.lock();
+        state.expire(now);
+        if state.reservations.release(id) {
+            Ok(())
+        } else {
+            Err(UnknownReservation)
+        }
+    }
+
+    /// Every running rank on `board` with its load, in the board's order.
+    pub fn loads(&self, board: &RankBoard, now: Instant) -> Vec<RankLoad> {
+        let mut state = self.state.lock();
+        state.expire(now);
+        board
+            .running()
+            .map(|rank| {
+                let slot = state.slots.get(&rank.spec.key).copied();
+                RankLoad {
+                    key: rank.spec.key.clone(),
+                    load: slot.map_or_else(Load::default, |slot| state.reservations.load(slot)),
+                    predicted_prefixes: slot.map_or(0, |slot| state.predictions.held(slot)),
+                }
+            })
+            .collect()
+    }
+
+    /// Open reservations (for benchmarks and tests of memory).
+    pub fn open_reservations(&self) -> usize {
+        self.state.lock().reservations.len()
+    }
+}
+
+impl SelectState {
+    fn expire(&mut self, now: Instant) {
+        self.reservations.expire(now);
+        self.predictions.expire(now);
+    }
+
+    fn slot(&mut self, key: &WorkerKey) -> RankSlot {
+        let next = RankSlot::try_from(self.slots.len()).unwrap_or(RankSlot::MAX);
+        *self.slots.entry(key.clone()).or_insert(next)
+    }
+}
+
+fn seeded(seed: Option<u64>) -> SmallRng {
+    let seed = seed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos() as u64)
+    });
+    SmallRng::seed_from_u64(seed)
+}
+
+/// Gives a table's memory back once it is mostly empty (after a burst of reservations).
+fn shrink_sparse<K: Eq + Hash, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
+        map.shrink_to(map.len() * 2);
+    }
+}
