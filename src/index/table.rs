@@ -24,8 +24,8 @@ pub(super) unsafe trait Item: Copy {
 }
 
 /// A `Hasher` for the side maps of keys that are already uniform hashes (block keys, xxh3
-/// outputs): one multiply per field instead of SipHash, which took 8 % of the instructions of
-/// `bench_index`'s mixed apply on keys with many holders. Crafted keys collide here no more
+/// outputs): one multiply per field instead of SipHash, whose rounds showed in `bench_index`'s
+/// mixed apply on keys with many holders. Crafted keys collide here no more
 /// than in the tables themselves, which place them by the same bits.
 #[derive(Default, Clone, Copy)]
 pub(super) struct UniformHasher(u64);
@@ -62,8 +62,8 @@ pub(super) fn home(hash: u64, capacity: usize) -> usize {
 
 /// The fullest a table may get, `LOAD_NUMERATOR / LOAD_DENOMINATOR`: every probe must end at a
 /// vacant place, and long runs cost readers cache lines. 9/10 rather than 7/8: 46.6 instead of
-/// 48.9 B per pair in `bench_index` at 10 M pairs, for 2.8 % more instructions per applied block
-/// (callgrind, the longer probes near the top of the range).
+/// 48.9 B per pair in `bench_index` at 10 M pairs, for somewhat longer probes near the top of
+/// the range.
 const LOAD_NUMERATOR: usize = 9;
 const LOAD_DENOMINATOR: usize = 10;
 const MIN_CAPACITY: usize = 16;
