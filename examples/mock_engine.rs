@@ -94,6 +94,10 @@ struct Args {
     /// Answer replays in the 2-frame layout of vLLM < 0.26.
     #[arg(long)]
     old_replay_layout: bool,
+    /// Batches each rank keeps for replays (vLLM's `buffer_steps`): with the trace's long
+    /// prompts, most of the engine's memory once full.
+    #[arg(long, default_value_t = SimConfig::default().replay_buffer)]
+    replay_buffer: usize,
     /// Seed of engine hashes, drops and synthetic prompts; default: from the clock.
     #[arg(long)]
     seed: Option<u64>,
@@ -120,6 +124,7 @@ fn main() -> Result<()> {
             FormArg::Array => Form::Array,
         },
         old_replay_layout: args.old_replay_layout,
+        replay_buffer: args.replay_buffer,
         drop_fraction: args.drop_fraction,
         seed,
         ..SimConfig::default()
