@@ -30,6 +30,7 @@
 //! | `discovered_ranks` | gauge | `instance` |
 //! | `discovery_disagreement` | gauge | `instance`, `key` ([`LayoutKey`]) |
 //! | `neighbour_publishers_total` | counter | `instance` |
+//! | `resident_memory_bytes`, `open_fds`, `threads` | gauge | none (the process's, `process`) |
 //!
 //! The engine-level series (`engines`) are resolved once per engine through [`EngineMetrics`].
 
@@ -47,8 +48,10 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 mod engines;
 mod labels;
+mod process;
 
 use engines::EngineFamilies;
+use process::ProcessGauges;
 pub use engines::EngineMetrics;
 use labels::{
     event_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
@@ -91,6 +94,7 @@ pub struct Metrics {
     reloads_applied: Counter,
     reloads_rejected: Counter,
     engines: EngineFamilies,
+    process: ProcessGauges,
 }
 
 impl Metrics {
@@ -123,6 +127,7 @@ impl Metrics {
                 outcome: ReloadOutcome::rejected,
             }),
             engines: EngineFamilies::default(),
+            process: ProcessGauges::default(),
         };
         metrics.register(reloads);
         metrics
@@ -225,6 +230,7 @@ impl Metrics {
             reloads,
         );
         self.engines.register(r);
+        self.process.register(r);
     }
 
     /// The handles of one engine's own series (discovery, the neighbour probe), labelled
@@ -346,8 +352,10 @@ impl Metrics {
         self.index_keys.set(keys);
     }
 
-    /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]).
+    /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]), the process's own
+    /// figures read just before.
     pub fn render(&self) -> String {
+        self.process.refresh();
         let mut text = String::new();
         // Writing to a String cannot fail, and no label of ours fails to encode.
         if let Err(err) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
