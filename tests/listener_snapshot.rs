@@ -1,19 +1,19 @@
 //! Recovery by snapshot (`/kv_recover`), on listeners in-process against scripted ranks over
 //! real sockets on 127.0.0.1: a snapshot becoming the rank's whole state, one too old retried,
 //! the fallback from a replay that lost the history, and snapshots that are too big, endless or
-//! hanging, from a hand-rolled HTTP server.
+//! hanging, from a hand-rolled HTTP server (`support::hostile`).
 
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_indexer::listener::{Listener, State};
 use kv_indexer_sim::replay::{History, Layout, ReplayServer};
 use parking_lot::Mutex;
 use support::fake_engine::FakeRank;
+use support::hostile::{read_request, RawHttpServer};
 use support::listeners::{
     applied_through, block_stored, remove, store, tokens, wait_for, Fixture, SnapshotServer,
     DEADLINE,
@@ -104,74 +104,11 @@ fn replay_that_no_longer_has_the_history_falls_back_to_snapshot() {
     assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 1);
 }
 
-/// A hand-rolled HTTP/1.1 server on loopback, for snapshot answers tiny_http would not give:
-/// `answer` writes the response to each connection and returns the bytes it got through
-/// before the client went away (or its own limit). Every connection's count is recorded.
-struct RawHttpServer {
-    url: String,
-    written: Arc<Mutex<Vec<u64>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl RawHttpServer {
-    fn start(answer: fn(&mut std::net::TcpStream, &AtomicBool) -> u64) -> RawHttpServer {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind HTTP");
-        listener.set_nonblocking(true).unwrap();
-        let url = format!("http://{}/kv_recover", listener.local_addr().unwrap());
-        let written: Arc<Mutex<Vec<u64>>> = Arc::default();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (thread_written, thread_stop) = (Arc::clone(&written), Arc::clone(&stop));
-        let thread = std::thread::spawn(move || {
-            while !thread_stop.load(Ordering::Relaxed) {
-                let Ok((mut stream, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                };
-                stream.set_nonblocking(false).unwrap();
-                stream
-                    .set_write_timeout(Some(Duration::from_millis(100)))
-                    .unwrap();
-                let count = answer(&mut stream, &thread_stop);
-                thread_written.lock().push(count);
-            }
-        });
-        RawHttpServer {
-            url,
-            written,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    /// The bytes written to the first connection, once it is over.
-    fn first_answer(&self) -> u64 {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            if let Some(&count) = self.written.lock().first() {
-                return count;
-            }
-            assert!(Instant::now() < deadline, "no snapshot request answered");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for RawHttpServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            thread.join().unwrap();
-        }
-    }
-}
-
 /// Reads the request head, sends `head`, then zeros until the client goes away, stop, or a
 /// deadline; returns the body bytes written.
 fn stream_zeros(stream: &mut std::net::TcpStream, head: &str, stop: &AtomicBool) -> u64 {
-    use std::io::{Read, Write};
-    let mut request = [0u8; 4096];
-    let _ = stream.read(&mut request);
+    use std::io::Write;
+    read_request(stream);
     if stream.write_all(head.as_bytes()).is_err() {
         return 0;
     }
@@ -250,9 +187,7 @@ fn a_streamed_snapshot_is_cut_at_the_cap() {
 #[test]
 fn stop_during_a_hanging_snapshot_fetch_does_not_wait_for_it() {
     let server = RawHttpServer::start(|stream, stop| {
-        use std::io::Read;
-        let mut request = [0u8; 4096];
-        let _ = stream.read(&mut request);
+        read_request(stream);
         let deadline = Instant::now() + DEADLINE;
         while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -265,8 +200,9 @@ fn stop_during_a_hanging_snapshot_fetch_does_not_wait_for_it() {
     });
     let started = Instant::now();
     listener.stop();
-    println!(
-        "stop during a hanging snapshot fetch took {:?}",
-        started.elapsed()
-    );
+    let took = started.elapsed();
+    println!("stop during a hanging snapshot fetch took {took:?}");
+    // The fetch's waits look at the stop flag every 20 ms; the rest is slack for a loaded
+    // machine.
+    assert!(took < Duration::from_secs(1), "stop took {took:?}");
 }

@@ -10,7 +10,8 @@
 //! (`poller`, `kvi-poller-N`: one per core, at most 4), which wait in epoll on their ranks'
 //! `ZMQ_FD`s, no timer while healthy. A hole moves the whole rank to a recovery worker
 //! (`recoveries`, `kvi-recovery-N`, up to 16, started on demand) and back, so a slow replay
-//! holds up nothing else. A thread per rank cost 288 µs to start and 2,016 threads at 2,000
+//! holds up nothing else; the workers serve ranks in fair turns, so a stalling peer cannot keep
+//! another rank's repair waiting either (docs/design.md "Fair turns"). A thread per rank cost 288 µs to start and 2,016 threads at 2,000
 //! ranks (`bench_registry 250`); 16 of them competing with the HTTP threads on 2 cores made
 //! `/query` p99 17 ms while ingesting.
 //!

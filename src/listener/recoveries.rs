@@ -3,25 +3,36 @@
 //! poller keeps serving the other ranks.
 //!
 //! A pool grown on demand up to `MAX_WORKERS`, queued beyond; an idle worker ends after
-//! `IDLE_EXIT`, so a healthy fleet has none. Owns: the queue and the workers. Never: keeps a
-//! stopped rank (a queued one is dropped by `drop_stopped`, a running one returns within a
-//! recovery wait's 20 ms), or runs anything but the rank's own recovery rules (`run::Rank`).
+//! `IDLE_EXIT`, so a healthy fleet has none. Fair: a rank runs in turns (`recovery::Turn`) that
+//! end at `ATTEMPT_DEADLINE` in any case and after `FAIR_SHARE` once another rank waits; a
+//! rank whose turn was cut goes back in the queue, and the queue serves the lowest
+//! `Job::priority` first (a fresh hole before one that had turns, or of a rank that keeps
+//! failing), so no number of stalling peers keeps a healthy rank's repair waiting for longer
+//! than about a share. Owns: the queue, its order and the workers. Never: keeps a stopped rank
+//! (a queued one is dropped by `drop_stopped` or the next worker to meet it, a running one
+//! returns within a recovery wait's 20 ms), or runs anything but the rank's own recovery rules
+//! (`run::Rank`).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
 use super::poller::Mailbox;
-use super::run::{Job, Rank, Recovery};
+use super::recovery::Turn;
+use super::run::{Job, Rank, Recovery, TurnEnd};
 
 /// Recoveries at once. They wait on engines and peers, not on a core: a thread each would be
 /// cheap, but a network blip opens a hole in every rank at once (8,000 at 1,000 × 8), and a
 /// replay storm of that size would hit the engines all together. 16 at a few ms per replay
 /// still repair 8,000 ranks in seconds; a never-answering replay socket holds a worker for its
-/// 1 s first-reply limit.
+/// 1 s first-reply limit, a stalling one for its turn.
 const MAX_WORKERS: usize = 16;
+/// A turn's share of a worker while other ranks wait: far above a healthy replay (a few ms),
+/// and what a fresh hole waits at most for a worker, whatever the other ranks do.
+const FAIR_SHARE: Duration = Duration::from_millis(500);
 /// A worker idle this long ends.
 const IDLE_EXIT: Duration = Duration::from_secs(10);
 
@@ -42,6 +53,8 @@ pub(super) struct Recoveries {
 struct Shared {
     state: Mutex<State>,
     work: Condvar,
+    /// The queue's length, for running turns to see without the lock.
+    waiting: Arc<AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -59,7 +72,7 @@ impl Recoveries {
     /// handoff back when no worker exists and none could be started.
     pub(super) fn submit(&self, handoff: Handoff) -> Result<(), Handoff> {
         let mut state = self.shared.state.lock();
-        state.queue.push_back(handoff);
+        self.shared.push(&mut state, handoff);
         if state.idle > 0 {
             self.shared.work.notify_one();
             return Ok(());
@@ -80,7 +93,10 @@ impl Recoveries {
                 state.workers -= 1;
                 log::warn!("starting a recovery worker: {error}");
                 match state.workers {
-                    0 => state.queue.pop_back().map_or(Ok(()), Err),
+                    0 => state.queue.pop_back().map_or(Ok(()), |handoff| {
+                        self.shared.counted(&state);
+                        Err(handoff)
+                    }),
                     _ => Ok(()),
                 }
             }
@@ -98,6 +114,7 @@ impl Recoveries {
                 .into_iter()
                 .partition(|handoff| handoff.rank.stop.requested());
             state.queue = kept;
+            self.shared.counted(&state);
             stopped
         };
         drop(stopped);
@@ -111,7 +128,32 @@ impl Drop for Recoveries {
     }
 }
 
-/// A worker: runs queued recoveries until idle for `IDLE_EXIT` or closed.
+impl Shared {
+    fn push(&self, state: &mut State, handoff: Handoff) {
+        state.queue.push_back(handoff);
+        self.counted(state);
+    }
+
+    /// Publishes the queue's length: call after every change to it.
+    fn counted(&self, state: &State) {
+        self.waiting.store(state.queue.len(), Ordering::Relaxed);
+    }
+
+    /// The queued handoff to serve first: the lowest priority, the longest waiting among equals.
+    fn pop_first(&self, state: &mut State) -> Option<Handoff> {
+        let first = state
+            .queue
+            .iter()
+            .enumerate()
+            .min_by_key(|(at, handoff)| (handoff.job.priority(), *at))
+            .map(|(at, _)| at)?;
+        let handoff = state.queue.remove(first);
+        self.counted(state);
+        handoff
+    }
+}
+
+/// A worker: runs queued recoveries, a turn at a time, until idle for `IDLE_EXIT` or closed.
 fn work(shared: &Shared) {
     while let Some(Handoff {
         mut rank,
@@ -120,8 +162,17 @@ fn work(shared: &Shared) {
     }) = next(shared)
     {
         // A stopped rank is dropped here, with its blocks: its Listener waits for exactly that.
-        if !rank.stop.requested() && rank.run(job) == Recovery::Done {
-            back.give_back(rank);
+        if rank.stop.requested() {
+            continue;
+        }
+        let turn = Turn::new(FAIR_SHARE, Some(Arc::clone(&shared.waiting)));
+        match rank.take_turn(job, &turn) {
+            TurnEnd::Finished(Recovery::Done) => back.give_back(rank),
+            TurnEnd::Finished(Recovery::Stopped) => {}
+            // Behind every rank with a lower priority; this worker serves the first next.
+            TurnEnd::Yielded(job) => {
+                shared.push(&mut shared.state.lock(), Handoff { rank, job, back })
+            }
         }
     }
 }
@@ -129,7 +180,7 @@ fn work(shared: &Shared) {
 fn next(shared: &Shared) -> Option<Handoff> {
     let mut state = shared.state.lock();
     loop {
-        if let Some(handoff) = state.queue.pop_front() {
+        if let Some(handoff) = shared.pop_first(&mut state) {
             return Some(handoff);
         }
         if state.closed {

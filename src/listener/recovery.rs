@@ -1,13 +1,15 @@
 //! Getting a rank's lost history back: the replay client (DEALER to the engine's ROUTER,
 //! docs/protocol.md "Replay") and the snapshot fetch (`GET /kv_recover`, docs/design.md "Snapshot
 //! endpoint"). It never touches the index: replayed batches go to the caller's `apply`, the
-//! snapshot body is returned as bytes. Every wait also looks at the rank's stop signal at least
-//! every `TICK`, so a recovery in progress never delays `Listener::stop` by more than 20 ms. It
-//! runs on a recovery worker (`recoveries`), never on a poller, and never buffers an answer above
-//! its cap.
+//! snapshot body is returned as bytes. Every wait also looks at the rank's stop signal and its
+//! `Turn` at least every `TICK`, so a recovery in progress never delays `Listener::stop` by more
+//! than 20 ms, never holds its worker past the turn's overall deadline (`ATTEMPT_DEADLINE`: a
+//! peer that drips a byte at a time defeats any per-read timeout, not this one), and gives its
+//! worker up once its fair share is used and another rank waits. It runs on a recovery worker
+//! (`recoveries`), never on a poller, and never buffers an answer above its cap.
 
 use std::io::Read;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -22,10 +24,13 @@ const FIRST_REPLY: Duration = Duration::from_secs(1);
 /// A whole replay's limit.
 const WHOLE_REPLAY: Duration = Duration::from_secs(10);
 
+/// The most one turn of a recovery (replay, peers and engine snapshot together) may hold its
+/// worker, even with no other rank waiting: a 256 MiB snapshot at 10 MB/s fits in it.
+pub(super) const ATTEMPT_DEADLINE: Duration = Duration::from_secs(30);
+
 const SNAPSHOT_CONNECT: Duration = Duration::from_secs(2);
 /// A snapshot server silent this long (no header or body byte) is given up on.
 const SNAPSHOT_SILENCE: Duration = Duration::from_secs(5);
-const SNAPSHOT_WHOLE: Duration = Duration::from_secs(30);
 /// The largest snapshot a rank can have: bodies above it are refused, unread when their
 /// Content-Length says so, else cut at it. A rank holds at most ~16 M tokens (one B200's
 /// 192 GB of HBM at the 12 KiB per token of a 0.5B model: 24 layers × 2 KV heads × 64 dims ×
@@ -38,14 +43,70 @@ const ERROR_BODY_MAX_BYTES: u64 = 1024;
 /// Granularity of every wait, so stop requests are seen promptly.
 const TICK: Duration = Duration::from_millis(20);
 
+/// Why a recovery wait ended before its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Interrupt {
+    /// Stop was requested.
+    Stopped,
+    /// The turn's fair share is used and another rank waits for a worker.
+    Yield,
+}
+
+/// One turn of a rank's recovery on a worker: what every wait looks at besides the stop flag.
+pub(super) struct Turn {
+    /// Nothing of the turn runs past it.
+    deadline: Instant,
+    /// From then on the turn yields as soon as another rank waits.
+    share_ends: Instant,
+    /// Ranks waiting for a worker (`None`: no queue to yield to, as on a poller).
+    waiting: Option<Arc<AtomicUsize>>,
+}
+
+impl Turn {
+    /// A turn starting now that yields after `share` to any of `waiting`.
+    pub(super) fn new(share: Duration, waiting: Option<Arc<AtomicUsize>>) -> Turn {
+        let now = Instant::now();
+        Turn {
+            deadline: now + ATTEMPT_DEADLINE,
+            share_ends: now + share,
+            waiting,
+        }
+    }
+
+    /// The same turn, ending by `at` instead if that is sooner, but not before its share.
+    pub(super) fn ending_by(&self, at: Instant) -> Turn {
+        Turn {
+            deadline: self.deadline.min(at.max(self.share_ends)),
+            share_ends: self.share_ends,
+            waiting: self.waiting.clone(),
+        }
+    }
+
+    /// What the wait at hand must end for, if anything.
+    pub(super) fn interrupt(&self, stop: &Stop) -> Option<Interrupt> {
+        if stop.requested() {
+            return Some(Interrupt::Stopped);
+        }
+        let others = self
+            .waiting
+            .as_ref()
+            .is_some_and(|waiting| waiting.load(Ordering::Relaxed) > 0);
+        (others && Instant::now() >= self.share_ends).then_some(Interrupt::Yield)
+    }
+
+    fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+}
+
 /// Where a replay got to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Replayed {
     /// The highest seq applied contiguously from the start (`None`: nothing usable); never
     /// past the seq asked for.
     Covered { through: Option<u64> },
-    /// Stop was requested mid-replay.
-    Stopped,
+    /// Cut short, having applied up to `through`.
+    Interrupted { by: Interrupt, through: Option<u64> },
 }
 
 /// The pure bookkeeping of one replay reply: contiguity from `start`.
@@ -84,15 +145,15 @@ impl ReplayProgress {
 /// Asks the replay socket at `endpoint` for every batch from `start`, handing each contiguous
 /// one up to `through` to `apply` (which answers false for a payload it cannot decode, ending
 /// the replay there). Returns once `through` was applied, or the reply ended, broke, or ran out
-/// of time. Nothing past `through` is applied: it is the seq before the first live message the
-/// listener holds, so anything later is not the history asked for (and a reply that never
-/// ends would otherwise run for the whole time limit, shadowing the live batches).
+/// of time (its own limits or the turn's deadline). Nothing past `through` is applied: it is the
+/// seq before the first live message the listener holds, so anything later is not the history
+/// asked for (and a reply that never ends would otherwise run for the whole time limit,
+/// shadowing the live batches).
 pub(super) fn replay(
     context: &zmq::Context,
     endpoint: &str,
-    start: u64,
-    through: u64,
-    stop: &Stop,
+    (start, through): (u64, u64),
+    (stop, turn): (&Stop, &Turn),
     apply: &mut dyn FnMut(u64, &[u8]) -> bool,
 ) -> anyhow::Result<Replayed> {
     let dealer = context
@@ -112,13 +173,17 @@ pub(super) fn replay(
     let mut progress = ReplayProgress::new(start);
     let mut answered = false;
     loop {
-        let deadline = begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY };
+        let deadline =
+            (begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY }).min(turn.deadline);
         let now = Instant::now();
         if now >= deadline {
             break;
         }
-        if stop.requested() {
-            return Ok(Replayed::Stopped);
+        if let Some(by) = turn.interrupt(stop) {
+            return Ok(Replayed::Interrupted {
+                by,
+                through: progress.through(),
+            });
         }
         let wait = i64::try_from((deadline - now).min(TICK).as_millis()).unwrap_or(0);
         if dealer
@@ -157,14 +222,26 @@ pub(super) fn replay(
 /// Where a snapshot fetch got to.
 pub(super) enum Fetched {
     Body(anyhow::Result<Vec<u8>>),
-    Stopped,
+    Interrupted(Interrupt),
 }
 
-/// `GET url` on a helper thread, so the recovery worker keeps watching the rank's stop signal:
-/// on stop the worker returns at once and tells the helper to give up; the helper owns nothing
-/// of the listener and ends at its next chunk or its next timeout (`http_get`).
-/// `bearer` is sent as `Authorization: Bearer` (peers that require `auth_token_file`).
-pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) -> Fetched {
+/// `GET url` on a helper thread, so the recovery worker keeps watching the rank's stop signal
+/// and its turn: on either it returns at once and tells the helper to give up; the helper owns
+/// nothing of the listener and ends at its next chunk or its next timeout (`http_get`), never
+/// later than the turn's deadline. `bearer` is sent as `Authorization: Bearer` (peers that
+/// require `auth_token_file`).
+pub(super) fn fetch_snapshot(
+    url: &str,
+    bearer: Option<&Secret>,
+    (stop, turn): (&Stop, &Turn),
+) -> Fetched {
+    let within = turn.remaining();
+    if within.is_zero() {
+        return Fetched::Body(Err(anyhow!(
+            "GET {url}: not asked, the recovery's {}s were used",
+            ATTEMPT_DEADLINE.as_secs()
+        )));
+    }
     let (sender, receiver) = mpsc::channel();
     let abandoned = Arc::new(AtomicBool::new(false));
     let helper_abandoned = Arc::clone(&abandoned);
@@ -174,7 +251,7 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
         .name("kvi-snapshot".into())
         .spawn(move || {
             // The listener may have gone: nobody to tell then.
-            let _ = sender.send(http_get(&helper_url, header, &helper_abandoned));
+            let _ = sender.send(http_get(&helper_url, header, within, &helper_abandoned));
         });
     if let Err(error) = spawned {
         return Fetched::Body(Err(
@@ -188,9 +265,9 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
                 return Fetched::Body(Err(anyhow!("GET {url}: the fetch thread died")))
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if stop.requested() {
+                if let Some(by) = turn.interrupt(stop) {
                     abandoned.store(true, Ordering::Relaxed);
-                    return Fetched::Stopped;
+                    return Fetched::Interrupted(by);
                 }
             }
         }
@@ -200,16 +277,18 @@ pub(super) fn fetch_snapshot(url: &str, bearer: Option<&Secret>, stop: &Stop) ->
 /// `GET url` with ureq, read in chunks so that an abandoned fetch ends at its next chunk. ureq
 /// cannot be interrupted inside a read, so a server that goes silent holds this helper thread
 /// until `SNAPSHOT_SILENCE` passes (the listener itself does not wait for it), and the whole
-/// fetch never outlives `SNAPSHOT_WHOLE`: an abandoned helper is gone within 5 s of silence.
+/// fetch never outlives `within` (ureq's global timeout, which a server dripping a byte at a
+/// time cannot stretch): an abandoned helper is gone within 5 s of silence.
 fn http_get(
     url: &str,
     authorization: Option<String>,
+    within: Duration,
     abandoned: &AtomicBool,
 ) -> anyhow::Result<Vec<u8>> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_connect(Some(SNAPSHOT_CONNECT))
         .timeout_per_read(Some(SNAPSHOT_SILENCE))
-        .timeout_global(Some(SNAPSHOT_WHOLE))
+        .timeout_global(Some(within))
         .max_redirects(0)
         .http_status_as_error(false)
         .build()
@@ -278,6 +357,70 @@ mod tests {
         assert!(!progress.covers(5));
         assert!(!progress.continues_with(6));
         assert!(!progress.continues_with(4));
+    }
+
+    #[test]
+    fn a_turn_yields_only_after_its_share_and_while_another_rank_waits() {
+        let (stop, raise) = Stop::new();
+        let waiting = Arc::new(AtomicUsize::new(1));
+        let turn = Turn::new(Duration::from_millis(50), Some(Arc::clone(&waiting)));
+        assert_eq!(turn.interrupt(&stop), None, "within its share");
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(turn.interrupt(&stop), Some(Interrupt::Yield));
+        waiting.store(0, Ordering::Relaxed);
+        assert_eq!(turn.interrupt(&stop), None, "nobody waits");
+        assert_eq!(
+            Turn::new(Duration::ZERO, None).interrupt(&stop),
+            None,
+            "no queue to yield to"
+        );
+        raise.raise();
+        assert_eq!(turn.interrupt(&stop), Some(Interrupt::Stopped));
+    }
+
+    #[test]
+    fn a_turn_ending_by_a_past_instant_still_has_its_share() {
+        let turn = Turn::new(Duration::from_millis(500), None);
+        let past = Instant::now() - Duration::from_secs(1);
+        assert_eq!(turn.ending_by(past).deadline, turn.share_ends);
+        let later = Instant::now() + Duration::from_secs(5);
+        assert_eq!(turn.ending_by(later).deadline, later);
+        let never = Instant::now() + 2 * ATTEMPT_DEADLINE;
+        assert_eq!(turn.ending_by(never).deadline, turn.deadline);
+    }
+
+    /// A server that declares a body and drips it a byte every 100 ms: no per-read timeout
+    /// fires, only the turn's deadline ends the fetch.
+    #[test]
+    fn a_dripping_snapshot_is_given_up_at_the_turns_deadline() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}/kv_recover", listener.local_addr().expect("addr"));
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("accept");
+            let _ = stream.read(&mut [0u8; 4096]);
+            let head = "HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n";
+            let mut sent = stream.write_all(head.as_bytes());
+            while sent.is_ok() {
+                std::thread::sleep(Duration::from_millis(100));
+                sent = stream.write_all(b" ");
+            }
+        });
+        let (stop, _raise) = Stop::new();
+        let within = Duration::from_millis(400);
+        let turn = Turn::new(Duration::ZERO, None).ending_by(Instant::now() + within);
+        let started = Instant::now();
+        let fetched = fetch_snapshot(&url, None, (&stop, &turn));
+        let took = started.elapsed();
+        assert!(
+            matches!(fetched, Fetched::Body(Err(_))),
+            "a dripped body taken for a snapshot"
+        );
+        assert!(
+            took >= within && took < within + Duration::from_secs(2),
+            "gave up after {took:?}"
+        );
+        server.join().expect("the server thread");
     }
 
     #[test]

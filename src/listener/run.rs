@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::applier::Applier;
 use super::frames::Frames;
 use super::peers::{snapshot_url, Replication};
-use super::recovery::{self, Fetched, Replayed};
+use super::recovery::{self, Fetched, Interrupt, Replayed, Turn};
 use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
 use super::stop::Stop;
 use super::RecoveredBy;
@@ -24,6 +24,11 @@ use crate::wire::{self, EventBatch};
 const DRAIN_BATCH: usize = 256;
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
+/// A hole is worked on, over as many turns as it takes, until this long after it was found
+/// (or, when it waited longer for its first turn, for that turn's share); then it is given up.
+/// It bounds how long a rank shows `recovering` with its live batches waiting: the staleness
+/// one rank's recovery can cause.
+const HOLE_BUDGET: Duration = Duration::from_secs(30);
 /// A rank not connected this long after its listener started gets one log line saying what to
 /// check: long enough for an engine that is still loading its model to be left alone (ZMQ
 /// keeps retrying quietly meanwhile), short enough to be seen by whoever just started us.
@@ -51,9 +56,14 @@ pub(super) struct Rank {
     /// While lost history may still be repaired by a snapshot: the next attempt and the
     /// backoff after it.
     snapshot_retry: Option<(Instant, Duration)>,
-    /// The first seq lost and not repaired since the rank was last whole: a later replay from
-    /// it that reaches the hole at hand makes the rank whole again.
+    /// The first seq lost and not repaired since the rank was last whole. Set, only a snapshot,
+    /// a restart or a replay of the whole history into an emptied rank makes it whole again: a
+    /// replay from the loss would apply again the batches applied since, each store a second
+    /// copy (docs/design.md "When a rank is whole again").
     lost_since: Option<u64>,
+    /// Recoveries given up in a row: the rank's holes queue behind those of ranks that failed
+    /// less (`Job::priority`).
+    failures: u32,
     /// Until the first connection: when to log what to check (once).
     never_connected_hint: Option<Instant>,
     /// The poller's bookkeeping: the wake-up it has queued for this rank, and whether the rank
@@ -71,13 +81,33 @@ pub(super) struct Pending {
 
 /// A recovery the rank needs, run off its poller.
 pub(super) enum Job {
-    /// Recover `hole`, then apply `pending` unless the recovery went past it.
-    Hole {
-        hole: RangeInclusive<u64>,
-        pending: Option<Pending>,
+    Hole(Hole),
+    /// Lost history may be repaired by a snapshot now. `place`: as a hole's, the rank's
+    /// failures in a row (at least the one that made it degraded).
+    SnapshotRetry {
+        place: u32,
     },
-    /// Lost history may be repaired by a snapshot now.
-    SnapshotRetry,
+}
+
+/// Batches to recover, then `pending` to apply unless the recovery went past it.
+pub(super) struct Hole {
+    range: RangeInclusive<u64>,
+    pending: Option<Pending>,
+    /// When it was found: `HOLE_BUDGET` counts from here.
+    found: Instant,
+    /// Its place among the waiting: the rank's failures in a row, plus the turns it had.
+    place: u32,
+}
+
+impl Job {
+    /// Lower goes first: a fresh hole of a rank that has not been failing before a hole that
+    /// already had turns, or of a rank that keeps failing (a snapshot retry's rank failed at
+    /// least once, and applies live meanwhile).
+    pub(super) fn priority(&self) -> u32 {
+        match self {
+            Job::Hole(Hole { place, .. }) | Job::SnapshotRetry { place } => *place,
+        }
+    }
 }
 
 /// How a recovery ended.
@@ -87,6 +117,13 @@ pub(super) enum Recovery {
     Done,
     /// Stop was requested during it.
     Stopped,
+}
+
+/// How one turn of a recovery ended.
+pub(super) enum TurnEnd {
+    Finished(Recovery),
+    /// The turn gave its worker up to a waiting rank: what is left to do.
+    Yielded(Job),
 }
 
 /// Where a drain of live messages stopped.
@@ -120,6 +157,7 @@ impl Rank {
             live_frames: Frames::default(),
             snapshot_retry: None,
             lost_since: None,
+            failures: 0,
             never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
             armed: None,
             ready: false,
@@ -149,7 +187,9 @@ impl Rank {
         }
         self.snapshot_retry
             .is_some_and(|(at, _)| now >= at)
-            .then_some(Job::SnapshotRetry)
+            .then_some(Job::SnapshotRetry {
+                place: self.failures,
+            })
     }
 
     /// Whether a recovery may wait on the network (a replay socket, a snapshot URL, a peer):
@@ -159,12 +199,36 @@ impl Rank {
         spec.replay.is_some() || spec.recover.is_some() || !self.replication.peers().is_empty()
     }
 
-    /// Runs a recovery: on a recovery worker, or on the poller when it cannot wait.
-    pub(super) fn run(&mut self, job: Job) -> Recovery {
-        match job {
-            Job::Hole { hole, pending } => self.recover(hole, pending),
-            Job::SnapshotRetry => self.retry_snapshot(),
+    /// Runs a recovery to its end, with nothing to yield to (on the poller, when it cannot
+    /// wait or no worker could be started).
+    pub(super) fn run(&mut self, mut job: Job) -> Recovery {
+        loop {
+            match self.take_turn(job, &Turn::new(Duration::ZERO, None)) {
+                TurnEnd::Finished(recovery) => return recovery,
+                TurnEnd::Yielded(rest) => job = rest,
+            }
         }
+    }
+
+    /// Runs one turn of a recovery (on a recovery worker): until it ends, or `turn` says
+    /// another rank's turn has come.
+    pub(super) fn take_turn(&mut self, job: Job, turn: &Turn) -> TurnEnd {
+        match job {
+            Job::Hole(hole) => self.recover(hole, turn),
+            Job::SnapshotRetry { .. } => TurnEnd::Finished(self.retry_snapshot(turn)),
+        }
+    }
+
+    /// A hole of `range`, queued behind those of ranks failing less. The rank shows
+    /// `recovering` from now: its newer batches wait until the hole is dealt with.
+    fn hole(&self, range: RangeInclusive<u64>, pending: Option<Pending>) -> Job {
+        self.applier.status.set_recovering(true);
+        Job::Hole(Hole {
+            range,
+            pending,
+            found: Instant::now(),
+            place: self.failures,
+        })
     }
 
     fn log_never_connected(&self) {
@@ -262,10 +326,7 @@ impl Rank {
                     }
                     None => {
                         status.gap(false);
-                        Some(Job::Hole {
-                            hole: seq..=seq,
-                            pending: None,
-                        })
+                        Some(self.hole(seq..=seq, None))
                     }
                 }
             }
@@ -300,128 +361,171 @@ impl Rank {
                 self.applier.apply_batch(seq, &batch);
                 None
             }
-            Some(batch) => Some(Job::Hole {
-                hole: missing.start..=missing.end - 1,
-                pending: Some(Pending {
+            Some(batch) => Some(self.hole(
+                missing.start..=missing.end - 1,
+                Some(Pending {
                     seq,
                     batch: batch.into_batch(),
                 }),
-            }),
-            None => Some(Job::Hole {
-                hole: missing.start..=seq,
-                pending: None,
-            }),
+            )),
+            None => Some(self.hole(missing.start..=seq, None)),
         }
     }
 
-    /// Recovers `hole` (docs/design.md "Recovery": replay, snapshot, else degraded), then applies
-    /// `pending` unless the recovery went past it. Live messages arriving meanwhile stay queued
-    /// in the SUB socket, the rank being out of its poller's epoll set meanwhile (bounded by its
-    /// RCVHWM; what overflows shows up as a gap afterwards).
-    fn recover(&mut self, hole: RangeInclusive<u64>, pending: Option<Pending>) -> Recovery {
-        let (from, through) = (*hole.start(), *hole.end());
+    /// One turn of recovering `hole` (docs/design.md "Recovery": replay, snapshot, else
+    /// degraded), then applies its pending message unless the recovery went past it. Live
+    /// messages arriving meanwhile stay queued in the SUB socket, the rank being out of its
+    /// poller's epoll set meanwhile (bounded by its RCVHWM; what overflows shows up as a gap
+    /// afterwards). A turn cut short for a waiting rank keeps what it applied and yields the
+    /// rest of the hole, until `HOLE_BUDGET` has passed since the hole was found.
+    fn recover(&mut self, hole: Hole, turn: &Turn) -> TurnEnd {
+        let Hole {
+            range,
+            pending,
+            found,
+            place,
+        } = hole;
+        let turn = &turn.ending_by(found + HOLE_BUDGET);
+        // What is still open is `from..=through`: `from` moves on as batches are applied.
+        let (mut from, through) = (*range.start(), *range.end());
         let status = Arc::clone(&self.applier.status);
-        status.set_recovering(true);
-        let mut covered: Option<u64> = None;
+        // The newest seq this recovery accounted for.
+        let mut reached: Option<u64> = None;
+        let closed = |reached: Option<u64>| reached.is_some_and(|c| c >= through);
         let mut how = RecoveredBy::Replay;
-        // Whether the rank is whole again: a snapshot, or a replay from the first unrepaired loss.
-        let mut whole_state = false;
+        let mut cut = None;
         // A hole longer than any history holds (a publisher seen first, or again, at a seq near
         // 2^64) is not asked of a replay and not counted as lost batches: its size is unknown.
         let knowable = |start: u64| through - start < MAX_PLAUSIBLE_GAP;
         if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable(from)) {
-            // Degraded by an earlier loss: ask from there. Batches applied since are applied
-            // again, in order (a store of a held block changes nothing), so a reply reaching the
-            // hole leaves the rank as the engine has it. Else the hole alone is asked for.
-            let since = self
-                .lost_since
-                .filter(|&since| since < from && knowable(since));
-            if let Some(since) = since {
-                let Some(replayed) = self.replay(&endpoint, since, through) else {
-                    return Recovery::Stopped;
-                };
-                if replayed.is_some_and(|c| c >= through) {
-                    covered = replayed;
-                    whole_state = true;
+            // Degraded by an earlier loss: the rank is exact again only from the whole
+            // history, replayed into the emptied rank. A reply that does not start at the
+            // publisher's first seq changes nothing, and the new hole alone is asked for.
+            if self.lost_since.is_some() && knowable(0) {
+                let (replayed, interrupt) = self.replay(&endpoint, (0, through), true, turn);
+                if let Some(c) = replayed {
+                    // The rank holds exactly the batches 0..=c.
+                    self.lost_since = None;
+                    from = c.saturating_add(1);
+                    reached = Some(c);
                 }
+                cut = interrupt;
             }
-            if covered.is_none() {
-                let Some(replayed) = self.replay(&endpoint, from, through) else {
-                    return Recovery::Stopped;
-                };
-                covered = replayed;
+            if cut.is_none() && !closed(reached) {
+                let (replayed, interrupt) = self.replay(&endpoint, (from, through), false, turn);
+                if let Some(c) = replayed {
+                    from = c.saturating_add(1);
+                    reached = Some(c);
+                }
+                cut = interrupt;
             }
-            let ok = covered.is_some_and(|c| c >= through);
-            status.recovery(RecoveryMethod::Replay, ok);
+            if cut.is_none() {
+                status.recovery(RecoveryMethod::Replay, closed(reached));
+            }
         }
-        if covered.is_none_or(|c| c < through) {
+        if cut.is_none() && !closed(reached) {
             // The newest seq seen live: the message that revealed the hole, else its end.
             let newest = pending.as_ref().map_or(through, |pending| pending.seq);
-            match self.whole_state_snapshot(through, newest) {
+            match self.whole_state_snapshot(through, newest, turn) {
                 Snapshot::Covered(seq, by) => {
-                    covered = Some(seq);
+                    reached = Some(seq);
                     how = by;
-                    whole_state = true;
-                }
-                Snapshot::Unusable => {}
-                Snapshot::Stopped => return Recovery::Stopped,
-            }
-        }
-        match covered.filter(|&c| c >= through) {
-            Some(c) => {
-                log::info!("{}: recovered batches {from}..={c}", self.applier.who());
-                self.sequence.covered_through(c);
-                status.recovered(how, whole_state);
-                if whole_state {
-                    self.snapshot_retry = None;
                     self.lost_since = None;
                 }
+                Snapshot::Unusable => {}
+                Snapshot::Interrupted(by) => cut = Some(by),
             }
-            None if !knowable(from) => {
-                log::warn!(
-                    "{}: the history before seq {} is unknown and not recovered",
-                    self.applier.who(),
-                    through.saturating_add(1)
-                );
-                status.history_unknown();
+        }
+        match cut {
+            Some(Interrupt::Stopped) => return TurnEnd::Finished(Recovery::Stopped),
+            Some(Interrupt::Yield) if found.elapsed() < HOLE_BUDGET => {
+                return TurnEnd::Yielded(Job::Hole(Hole {
+                    range: from..=through,
+                    pending,
+                    found,
+                    place: place.saturating_add(1),
+                }));
+            }
+            _ => {}
+        }
+        self.settle(from..=through, reached, how, pending)
+    }
+
+    /// Ends a recovery whose open part is `open`: covered when `reached` got to its end, else
+    /// given up (counted lost, the rank `degraded`, a snapshot retry scheduled).
+    fn settle(
+        &mut self,
+        open: RangeInclusive<u64>,
+        reached: Option<u64>,
+        how: RecoveredBy,
+        pending: Option<Pending>,
+    ) -> TurnEnd {
+        let (from, through) = (*open.start(), *open.end());
+        let status = Arc::clone(&self.applier.status);
+        match reached.filter(|&c| c >= through) {
+            Some(c) => {
+                log::info!("{}: recovered batches through {c}", self.applier.who());
+                self.sequence.covered_through(c);
+                let whole = self.lost_since.is_none();
+                status.recovered(how, whole);
+                if whole {
+                    self.snapshot_retry = None;
+                }
+                self.failures = 0;
+            }
+            None => {
+                if through - from < MAX_PLAUSIBLE_GAP {
+                    log::warn!(
+                        "{}: batches {from}..={through} lost and not recovered",
+                        self.applier.who()
+                    );
+                    status.lost(through - from + 1);
+                } else {
+                    log::warn!(
+                        "{}: the history before seq {} is unknown and not recovered",
+                        self.applier.who(),
+                        through.saturating_add(1)
+                    );
+                    status.history_unknown();
+                }
                 self.lost_since.get_or_insert(from);
                 self.sequence.covered_through(through);
                 self.schedule_snapshot_retry();
-            }
-            None => {
-                let first_lost = covered.map_or(from, |c| c + 1);
-                let lost = through - first_lost + 1;
-                log::warn!(
-                    "{}: batches {first_lost}..={through} lost and not recovered",
-                    self.applier.who()
-                );
-                status.lost(lost);
-                self.lost_since.get_or_insert(first_lost);
-                self.sequence.covered_through(through);
-                self.schedule_snapshot_retry();
+                self.failures = self.failures.saturating_add(1);
             }
         }
         status.set_recovering(false);
         if let Some(pending) = pending {
-            if covered.is_none_or(|c| c < pending.seq) {
+            if reached.is_none_or(|c| c < pending.seq) {
                 self.applier.apply_batch(pending.seq, &pending.batch);
             }
         }
-        Recovery::Done
+        TurnEnd::Finished(Recovery::Done)
     }
 
-    /// Replays from `from`, applying each contiguous batch. `None` when stopped, else the
-    /// highest seq applied.
-    fn replay(&mut self, endpoint: &str, from: u64, through: u64) -> Option<Option<u64>> {
+    /// Replays `from..=through`, applying each contiguous batch; into an emptied rank when
+    /// `into_empty` (emptied at the first batch that applies, so that a reply that does not
+    /// start at `from` changes nothing). The highest seq applied, and what cut the replay short.
+    fn replay(
+        &mut self,
+        endpoint: &str,
+        (from, through): (u64, u64),
+        into_empty: bool,
+        turn: &Turn,
+    ) -> (Option<u64>, Option<Interrupt>) {
         let applier = &mut self.applier;
+        let mut emptied = !into_empty;
         let result = recovery::replay(
             &self.context,
             endpoint,
-            from,
-            through,
-            &self.stop,
+            (from, through),
+            (&self.stop, turn),
             &mut |seq, payload| match applier.decode(payload) {
                 Some(batch) => {
+                    if !emptied {
+                        applier.clear();
+                        emptied = true;
+                    }
                     applier.apply_batch(seq, &batch);
                     true
                 }
@@ -429,7 +533,7 @@ impl Rank {
             },
         );
         match result {
-            Ok(Replayed::Stopped) => None,
+            Ok(Replayed::Interrupted { by, through }) => (through, Some(by)),
             Ok(Replayed::Covered { through }) => {
                 let covered =
                     through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
@@ -437,39 +541,39 @@ impl Rank {
                     "{}: replay from {from} covered {covered}",
                     self.applier.who()
                 );
-                Some(through)
+                (through, None)
             }
             Err(error) => {
                 log::warn!("{}: replay failed: {error:#}", self.applier.who());
-                Some(None)
+                (None, None)
             }
         }
     }
 
     /// A snapshot with a seq in `need..=newest` from the best peer, else one covering `need`
     /// from the engine (docs/design.md "Recovery"), made the rank's whole state.
-    fn whole_state_snapshot(&mut self, need: u64, newest: u64) -> Snapshot {
-        match self.peer_snapshot(need, newest) {
+    fn whole_state_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> Snapshot {
+        match self.peer_snapshot(need, newest, turn) {
             Snapshot::Unusable => {}
             done => return done,
         }
         if self.applier.spec.recover.is_none() {
             return Snapshot::Unusable;
         }
-        self.engine_snapshot(need)
+        self.engine_snapshot(need, turn)
     }
 
     /// Asks every peer for the rank's snapshot and installs the newest usable one. A peer that
     /// is down, slow, degraded or wrong is skipped (logged, and counted in
     /// `recoveries_total{method="peer",outcome="failed"}`).
-    fn peer_snapshot(&mut self, need: u64, newest: u64) -> Snapshot {
+    fn peer_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> Snapshot {
         let peers = self.replication.peers();
         let mut best: Option<(crate::wire::Snapshot, &str)> = None;
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
             let secret = self.replication.secret();
-            let checked = match recovery::fetch_snapshot(&url, secret, &self.stop) {
-                Fetched::Stopped => return Snapshot::Stopped,
+            let checked = match recovery::fetch_snapshot(&url, secret, (&self.stop, turn)) {
+                Fetched::Interrupted(by) => return Snapshot::Interrupted(by),
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),
             };
@@ -501,12 +605,12 @@ impl Rank {
 
     /// Fetches the engine's snapshot and, when it covers `need`, makes it the rank's whole
     /// state.
-    fn engine_snapshot(&mut self, need: u64) -> Snapshot {
+    fn engine_snapshot(&mut self, need: u64, turn: &Turn) -> Snapshot {
         let Some(url) = self.applier.spec.recover.clone() else {
             return Snapshot::Unusable;
         };
-        let outcome = match recovery::fetch_snapshot(&url, None, &self.stop) {
-            Fetched::Stopped => return Snapshot::Stopped,
+        let outcome = match recovery::fetch_snapshot(&url, None, (&self.stop, turn)) {
+            Fetched::Interrupted(by) => return Snapshot::Interrupted(by),
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),
         };
@@ -541,8 +645,9 @@ impl Rank {
     }
 
     /// A later attempt to repair lost history: the snapshot must be at least as new as every
-    /// batch applied since.
-    fn retry_snapshot(&mut self) -> Recovery {
+    /// batch applied since. One turn: cut short for a waiting rank, it is tried again later,
+    /// like one that failed.
+    fn retry_snapshot(&mut self, turn: &Turn) -> Recovery {
         let Some(need) = self.sequence.next().map(|next| next.saturating_sub(1)) else {
             self.snapshot_retry = None;
             return Recovery::Done;
@@ -551,10 +656,10 @@ impl Rank {
         status.set_recovering(true);
         // Everything received is applied (the retry runs between drains): `need` is also the
         // newest seq seen, so only a peer snapshot at exactly it qualifies.
-        let result = self.whole_state_snapshot(need, need);
+        let result = self.whole_state_snapshot(need, need, turn);
         status.set_recovering(false);
         match result {
-            Snapshot::Stopped => return Recovery::Stopped,
+            Snapshot::Interrupted(Interrupt::Stopped) => return Recovery::Stopped,
             Snapshot::Covered(seq, how) => {
                 log::info!(
                     "{}: lost history repaired by a snapshot at seq {seq}",
@@ -564,8 +669,11 @@ impl Rank {
                 status.recovered(how, true);
                 self.snapshot_retry = None;
                 self.lost_since = None;
+                self.failures = 0;
             }
-            Snapshot::Unusable => self.schedule_snapshot_retry(),
+            Snapshot::Unusable | Snapshot::Interrupted(Interrupt::Yield) => {
+                self.schedule_snapshot_retry()
+            }
         }
         Recovery::Done
     }
@@ -576,5 +684,5 @@ enum Snapshot {
     /// Applied; it covers up to this seq, and came from there.
     Covered(u64, RecoveredBy),
     Unusable,
-    Stopped,
+    Interrupted(Interrupt),
 }
