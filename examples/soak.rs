@@ -131,11 +131,14 @@ fn main() -> Result<()> {
         ..engine_config(0x50A4 + args.engines as u64)
     })
     .context("starting the discovered engine")?;
-    let api_port = discovered.api_port().context("the discovered engine's API port")?;
+    let api_port = discovered
+        .api_port()
+        .context("the discovered engine's API port")?;
     fleet.engines.push(discovered);
 
     let (primary_address, replica_address) = (free_address()?, free_address()?);
-    let toml = |reloads: u64, peer: SocketAddr| config(&fleet, args.engines, api_port, peer, reloads);
+    let toml =
+        |reloads: u64, peer: SocketAddr| config(&fleet, args.engines, api_port, peer, reloads);
     let primary = IndexerProcess::launch(&binary, &toml(0, replica_address))
         .address(primary_address)
         .start(START)?;

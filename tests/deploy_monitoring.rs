@@ -22,8 +22,7 @@ fn read(file: &str) -> String {
 }
 
 fn yaml(file: &str) -> Yaml {
-    let mut docs =
-        YamlLoader::load_from_str(&read(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let mut docs = YamlLoader::load_from_str(&read(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
     assert_eq!(docs.len(), 1, "{file}: one document");
     docs.remove(0)
 }
@@ -66,7 +65,10 @@ fn rules() -> Vec<Yaml> {
         .iter()
         .flat_map(|group| {
             assert!(group["name"].as_str().is_some(), "a group without a name");
-            group["rules"].as_vec().expect("a group without rules").clone()
+            group["rules"]
+                .as_vec()
+                .expect("a group without rules")
+                .clone()
         })
         .collect()
 }
@@ -268,7 +270,11 @@ fn every_alert_rule_has_an_expr_a_for_a_severity_and_annotations() {
         let expr = rule["expr"].as_str().unwrap_or_default();
         assert!(!expr.trim().is_empty(), "{name}: no expr");
         let parens = expr.chars().filter(|&c| c == '(').count();
-        assert_eq!(parens, expr.chars().filter(|&c| c == ')').count(), "{name}: parens");
+        assert_eq!(
+            parens,
+            expr.chars().filter(|&c| c == ')').count(),
+            "{name}: parens"
+        );
         let wait = rule["for"]
             .as_str()
             .unwrap_or_else(|| panic!("{name}: no `for`"));
@@ -284,7 +290,9 @@ fn every_alert_rule_has_an_expr_a_for_a_severity_and_annotations() {
         );
         for key in ["summary", "description"] {
             assert!(
-                rule["annotations"][key].as_str().is_some_and(|s| !s.is_empty()),
+                rule["annotations"][key]
+                    .as_str()
+                    .is_some_and(|s| !s.is_empty()),
                 "{name}: no annotations.{key}"
             );
         }
@@ -321,7 +329,9 @@ fn dashboard_panels_have_queries_unique_ids_and_a_datasource() {
     let mut ids = BTreeSet::new();
     let mut queries = 0;
     for panel in panels(&dashboard) {
-        let id = panel["id"].as_u64().unwrap_or_else(|| panic!("no id: {panel}"));
+        let id = panel["id"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no id: {panel}"));
         assert!(ids.insert(id), "panel id {id} twice");
         assert!(panel["title"].as_str().is_some(), "panel {id}: no title");
         let grid = &panel["gridPos"];
@@ -332,13 +342,20 @@ fn dashboard_panels_have_queries_unique_ids_and_a_datasource() {
             continue;
         }
         assert_eq!(panel["datasource"]["type"], "prometheus", "panel {id}");
-        assert_eq!(panel["datasource"]["uid"], datasource_name.as_str(), "panel {id}");
+        assert_eq!(
+            panel["datasource"]["uid"],
+            datasource_name.as_str(),
+            "panel {id}"
+        );
         let targets = panel["targets"].as_array().expect("targets");
         assert!(!targets.is_empty(), "panel {id}: no targets");
         let mut refs = BTreeSet::new();
         for target in targets {
             assert!(target["expr"].as_str().is_some_and(|e| !e.is_empty()));
-            assert!(refs.insert(target["refId"].to_string()), "panel {id}: refId twice");
+            assert!(
+                refs.insert(target["refId"].to_string()),
+                "panel {id}: refId twice"
+            );
             queries += 1;
         }
     }
@@ -428,17 +445,24 @@ fn the_monitoring_profile_provisions_prometheus_and_grafana_from_deploy() {
     }
     // The engine's label is renamed `engine`, as the dashboard and the rules read it.
     let relabel = scrape["metric_relabel_configs"].as_vec().expect("relabel");
-    assert!(relabel.iter().any(|r| r["source_labels"][0].as_str()
-        == Some("exported_instance")
-        && r["target_label"].as_str() == Some("engine")));
+    assert!(relabel.iter().any(
+        |r| r["source_labels"][0].as_str() == Some("exported_instance")
+            && r["target_label"].as_str() == Some("engine")
+    ));
 
     let datasources = yaml("deploy/grafana/provisioning/datasources/prometheus.yml");
     let source = &datasources["datasources"][0];
     assert_eq!(source["type"].as_str(), Some("prometheus"));
     assert_eq!(source["url"].as_str(), Some("http://prometheus:9090"));
-    mounted_at(grafana, "deploy/grafana/provisioning/datasources/prometheus.yml");
+    mounted_at(
+        grafana,
+        "deploy/grafana/provisioning/datasources/prometheus.yml",
+    );
     let providers = yaml("deploy/grafana/provisioning/dashboards/kv-indexer.yml");
-    mounted_at(grafana, "deploy/grafana/provisioning/dashboards/kv-indexer.yml");
+    mounted_at(
+        grafana,
+        "deploy/grafana/provisioning/dashboards/kv-indexer.yml",
+    );
     let dashboards_at = providers["providers"][0]["options"]["path"]
         .as_str()
         .expect("providers[0].options.path");

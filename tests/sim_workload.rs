@@ -119,11 +119,20 @@ fn a_cycled_trace_expands_each_request_as_it_is_taken() {
     assert_eq!(trace.len(), 2);
     let whole = load_trace(file.path(), 16).expect("valid trace");
     let cycled: Vec<Vec<u32>> = trace.cycled(5).collect();
-    assert_eq!(cycled.iter().map(Vec::len).collect::<Vec<_>>(), [20, 600, 20, 600, 20]);
+    assert_eq!(
+        cycled.iter().map(Vec::len).collect::<Vec<_>>(),
+        [20, 600, 20, 600, 20]
+    );
     assert_eq!(cycled[..2], whole[..]);
     assert_eq!(cycled[2], whole[0]);
     let empty = trace_file(&[]);
-    assert_eq!(Trace::load(empty.path(), 16).expect("empty trace").cycled(5).count(), 0);
+    assert_eq!(
+        Trace::load(empty.path(), 16)
+            .expect("empty trace")
+            .cycled(5)
+            .count(),
+        0
+    );
 }
 
 #[test]

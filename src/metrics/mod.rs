@@ -51,7 +51,6 @@ mod labels;
 mod process;
 
 use engines::EngineFamilies;
-use process::ProcessGauges;
 pub use engines::EngineMetrics;
 use labels::{
     event_labels, reason_labels, recovery_labels, state_labels, EventLabels, RankLabels,
@@ -61,6 +60,7 @@ use labels::{
 pub use labels::{
     DiscoveryOutcome, EventSeries, LayoutKey, ListenerState, MalformedReason, RecoveryMethod,
 };
+use process::ProcessGauges;
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
 /// loopback queries land; slower ones fall in `+Inf`.

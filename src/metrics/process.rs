@@ -45,7 +45,8 @@ impl ProcessGauges {
         }
         if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
             // The directory being read holds one descriptor itself.
-            self.open_fds.set((entries.count() as u64).saturating_sub(1));
+            self.open_fds
+                .set((entries.count() as u64).saturating_sub(1));
         }
     }
 }
