@@ -161,8 +161,11 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// The requests to run, made one at a time as they are served, and how many there are.
-fn workload(args: &Args, seed: u64) -> Result<(usize, Box<dyn Iterator<Item = Vec<u32>>>)> {
+/// Prompts made one at a time as they are served.
+type Prompts = Box<dyn Iterator<Item = Vec<u32>>>;
+
+/// The requests to run, and how many there are.
+fn workload(args: &Args, seed: u64) -> Result<(usize, Prompts)> {
     match args.workload {
         Workload::Trace => {
             let trace = Trace::load(&args.trace, args.block_size)?;
