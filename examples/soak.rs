@@ -318,20 +318,9 @@ fn check(fleet: &Fleet, address: SocketAddr, sample: &[Vec<u32>]) -> Result<Chec
 /// of `sim-0` changed on each reload, so a reload replaces its listeners), the discovered one,
 /// the other indexer as the peer.
 fn config(fleet: &Fleet, fixed: usize, api_port: u16, peer: SocketAddr, reloads: u64) -> String {
-    let mut engines: Vec<EngineToml> = fleet.engines[..fixed]
-        .iter()
-        .enumerate()
-        .map(|(i, engine)| {
-            let rank0 = engine.ports()[0];
-            EngineToml {
-                dp_size: Some(engine.dp_size()),
-                replay_port: rank0.replay,
-                recover_port: rank0.recover,
-                model: (i == 0).then(|| format!("soak-{reloads}")),
-                ..EngineToml::new(Fleet::name(i), rank0.publish)
-            }
-        })
-        .collect();
+    let mut engines = fleet.engine_tomls();
+    engines.truncate(fixed);
+    engines[0].model = Some(format!("soak-{reloads}"));
     engines.push(EngineToml {
         discover_interval_s: Some(1),
         ..EngineToml::discovered(Fleet::name(fixed), api_port)

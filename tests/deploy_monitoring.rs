@@ -27,6 +27,15 @@ fn yaml(file: &str) -> Yaml {
     docs.remove(0)
 }
 
+/// A list of strings, or the test fails naming `what`.
+fn strs<'a>(list: &'a Yaml, what: &str) -> Vec<&'a str> {
+    list.as_vec()
+        .unwrap_or_else(|| panic!("{what}: not a list"))
+        .iter()
+        .filter_map(Yaml::as_str)
+        .collect()
+}
+
 fn dashboard() -> Value {
     serde_json::from_str(&read("deploy/grafana/kv-indexer.json"))
         .unwrap_or_else(|e| panic!("deploy/grafana/kv-indexer.json: {e}"))
@@ -400,42 +409,22 @@ fn the_monitoring_profile_provisions_prometheus_and_grafana_from_deploy() {
     let prometheus = &compose["services"]["prometheus"];
     let grafana = &compose["services"]["grafana"];
     for (name, service) in [("prometheus", prometheus), ("grafana", grafana)] {
-        let profiles: Vec<&str> = service["profiles"]
-            .as_vec()
-            .unwrap_or_else(|| panic!("{name}: no profiles"))
-            .iter()
-            .filter_map(Yaml::as_str)
-            .collect();
+        let profiles: Vec<&str> = strs(&service["profiles"], &format!("{name} profiles"));
         assert_eq!(profiles, ["monitoring"], "{name}");
     }
 
     let config = yaml("deploy/prometheus/prometheus.yml");
     let config_at = mounted_at(prometheus, "deploy/prometheus/prometheus.yml");
-    let command: Vec<&str> = prometheus["command"]
-        .as_vec()
-        .expect("prometheus command")
-        .iter()
-        .filter_map(Yaml::as_str)
-        .collect();
+    let command: Vec<&str> = strs(&prometheus["command"], "prometheus command");
     assert!(command.contains(&format!("--config.file={config_at}").as_str()));
-    let rule_files: Vec<&str> = config["rule_files"]
-        .as_vec()
-        .expect("rule_files")
-        .iter()
-        .filter_map(Yaml::as_str)
-        .collect();
+    let rule_files: Vec<&str> = strs(&config["rule_files"], "rule_files");
     assert_eq!(
         rule_files,
         [mounted_at(prometheus, "deploy/prometheus/alerts.yml")]
     );
     let scrape = &config["scrape_configs"][0];
     assert_eq!(scrape["metrics_path"].as_str(), Some("/metrics"));
-    let targets: Vec<&str> = scrape["static_configs"][0]["targets"]
-        .as_vec()
-        .expect("targets")
-        .iter()
-        .filter_map(Yaml::as_str)
-        .collect();
+    let targets: Vec<&str> = strs(&scrape["static_configs"][0]["targets"], "targets");
     for indexer in ["indexer", "indexer-mock"] {
         assert!(!compose["services"][indexer].is_badvalue(), "{indexer}");
         assert!(

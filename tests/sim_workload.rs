@@ -149,8 +149,8 @@ fn conversations_beyond_those_in_progress_start_as_others_end() {
     };
     let prompts: Vec<Vec<u32>> = spec.prompts().collect();
     assert_eq!(prompts.len(), 200);
-    // With two under way, a conversation's first turn (20 tokens) is never more than one
-    // unfinished conversation behind: every first turn after the first two follows an ending.
+    // First turns are 20 tokens, last turns 44: between them a conversation is under way, and
+    // never more than two are.
     let first_turns = prompts.iter().filter(|p| p.len() == 20).count();
     let last_turns = prompts.iter().filter(|p| p.len() == 44).count();
     assert_eq!((first_turns, last_turns), (50, 50));
