@@ -21,7 +21,7 @@ use log::info;
 
 use kv_indexer_sim::encode::Form;
 use kv_indexer_sim::server::{SimConfig, SimEngine};
-use kv_indexer_sim::workload::{load_trace, take_cycled, Conversations, Route, Router};
+use kv_indexer_sim::workload::{Conversations, Route, Router, Trace};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Workload {
@@ -98,6 +98,10 @@ struct Args {
     /// Answer replays in the 2-frame layout of vLLM < 0.26.
     #[arg(long)]
     old_replay_layout: bool,
+    /// Batches each rank keeps for replays (vLLM's `buffer_steps`): with the trace's long
+    /// prompts, most of the engine's memory once full.
+    #[arg(long, default_value_t = SimConfig::default().replay_buffer)]
+    replay_buffer: usize,
     /// Seed of engine hashes, drops and synthetic prompts; default: from the clock.
     #[arg(long)]
     seed: Option<u64>,
@@ -107,7 +111,7 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(clock_seed);
-    let prompts = workload(&args, seed)?;
+    let (count, prompts) = workload(&args, seed)?;
 
     let engine = SimEngine::start(SimConfig {
         dp_size: args.dp_size,
@@ -125,6 +129,7 @@ fn main() -> Result<()> {
             FormArg::Array => Form::Array,
         },
         old_replay_layout: args.old_replay_layout,
+        replay_buffer: args.replay_buffer,
         drop_fraction: args.drop_fraction,
         seed,
         ..SimConfig::default()
@@ -140,8 +145,7 @@ fn main() -> Result<()> {
         info!("API server http://{}:{port}/kv_event_sources", args.bind);
     }
     info!(
-        "seed {seed}; {} requests, rate {}",
-        prompts.len(),
+        "seed {seed}; {count} requests, rate {}",
         if args.rate > 0.0 {
             format!("{}/s", args.rate)
         } else {
@@ -149,7 +153,7 @@ fn main() -> Result<()> {
         }
     );
 
-    run_workload(&engine, &args, prompts)?;
+    run_workload(&engine, &args, count, prompts)?;
     info!("workload done; serving snapshots, ground truth and the API until Ctrl-C");
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -162,12 +166,16 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn workload(args: &Args, seed: u64) -> Result<Vec<Vec<u32>>> {
+/// Prompts made one at a time as they are served.
+type Prompts = Box<dyn Iterator<Item = Vec<u32>>>;
+
+/// The requests to run, and how many there are.
+fn workload(args: &Args, seed: u64) -> Result<(usize, Prompts)> {
     match args.workload {
         Workload::Trace => {
-            let prompts = load_trace(&args.trace, args.block_size)?;
-            let count = args.requests.unwrap_or(prompts.len());
-            Ok(take_cycled(prompts, count).collect())
+            let trace = Trace::load(&args.trace, args.block_size)?;
+            let count = args.requests.unwrap_or(trace.len());
+            Ok((count, Box::new(trace.cycled(count))))
         }
         Workload::Synthetic => {
             let shape = Conversations::default();
@@ -179,12 +187,17 @@ fn workload(args: &Args, seed: u64) -> Result<Vec<Vec<u32>>> {
                 ..shape
             }
             .prompts();
-            Ok(prompts.into_iter().take(count).collect())
+            Ok((count, Box::new(prompts.take(count))))
         }
     }
 }
 
-fn run_workload(engine: &SimEngine, args: &Args, prompts: Vec<Vec<u32>>) -> Result<()> {
+fn run_workload(
+    engine: &SimEngine,
+    args: &Args,
+    total: usize,
+    prompts: impl Iterator<Item = Vec<u32>>,
+) -> Result<()> {
     let route = match args.route {
         RouteArg::RoundRobin => Route::RoundRobin,
         RouteArg::Sticky => Route::Sticky,
@@ -192,9 +205,8 @@ fn run_workload(engine: &SimEngine, args: &Args, prompts: Vec<Vec<u32>>) -> Resu
     let mut router = Router::new(route, args.dp_size, args.block_size);
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let started = Instant::now();
-    let total = prompts.len();
     let (mut hit_blocks, mut full_blocks) = (0u64, 0u64);
-    for (done, prompt) in prompts.into_iter().enumerate() {
+    for (done, prompt) in prompts.enumerate() {
         if let Some(interval) = interval {
             let due = started + interval.mul_f64(done as f64);
             std::thread::sleep(due.saturating_duration_since(Instant::now()));

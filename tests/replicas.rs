@@ -78,10 +78,10 @@ fn workers(indexer: &IndexerProcess) -> serde_json::Value {
     reply.json()
 }
 
-/// Waits until every listener of `indexer` is connected, and a little more for the
-/// subscriptions to reach the engines: on engines that cannot replay, a first batch lost to
-/// the PUB/SUB slow joiner would be lost for good.
-fn connected(indexer: &IndexerProcess) {
+/// Waits until every listener of `indexer` is connected and every rank of `fleet` (whose only
+/// subscriber it is) has seen its subscriber's handshake: on engines that cannot replay, a
+/// first batch lost to the PUB/SUB slow joiner would be lost for good.
+fn subscribed(fleet: &Fleet, indexer: &IndexerProcess) {
     let started = Instant::now();
     while !workers(indexer)
         .as_array()
@@ -98,7 +98,12 @@ fn connected(indexer: &IndexerProcess) {
         assert!(started.elapsed() < DEADLINE, "{}", workers(indexer));
         std::thread::sleep(Duration::from_millis(20));
     }
-    std::thread::sleep(Duration::from_millis(200));
+    for at in fleet.ranks() {
+        while fleet.engine(at).subscribers(at.rank).expect("rank") == 0 {
+            assert!(started.elapsed() < DEADLINE, "{at:?}: no subscriber");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// Every listener's `recovered_by`.
@@ -206,7 +211,7 @@ fn a_replica_joining_or_restarted_recovers_from_its_peer_and_one_without_peers_d
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let half = prompts.len() / 2;
     let first = start_indexer(&config(&fleet, &[], true, None));
-    connected(&first);
+    subscribed(&fleet, &first);
     warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
     serve(&fleet, &prompts[..half]);
     assert_settled_exact(&fleet, &first, &prompts[..half]);
@@ -316,7 +321,7 @@ fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, "correct-horse-battery\n").expect("token file");
     let guarded = start_indexer(&config(&fleet, &[], true, Some(&token_file)));
-    connected(&guarded);
+    subscribed(&fleet, &guarded);
     warm_up(&fleet, &mut OverHttp::new(guarded.address), DEADLINE);
     serve(&fleet, &prompts);
     assert_settled_exact(&fleet, &guarded, &prompts);

@@ -493,3 +493,31 @@ fn start_rejects_bad_configurations_and_busy_ports() {
     .expect("port in use");
     assert!(format!("{error:#}").contains("rank 0"), "{error:#}");
 }
+
+/// Waits until `rank`'s subscriber count is `wanted`, or fails.
+fn wait_subscribers(engine: &SimEngine, rank: u32, wanted: usize) {
+    let started = Instant::now();
+    while engine.subscribers(rank).expect("rank") != wanted {
+        assert!(started.elapsed() < DEADLINE, "never {wanted} subscribers");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_rank_counts_its_handshaken_subscribers_and_a_subscribed_one_gets_the_first_batch() {
+    let engine = SimEngine::start(config(2)).expect("engine");
+    let context = zmq::Context::new();
+    assert_eq!(engine.subscribers(0).expect("rank 0"), 0);
+    let first = subscribe(&context, engine.ports()[0].publish);
+    wait_subscribers(&engine, 0, 1);
+    // The condition replaces a sleep: the very first batch, sent now, is not lost.
+    engine.serve(0, &prompt(1, 2)).expect("serve");
+    let frames = recv_frames(&first, DEADLINE).expect("the first batch");
+    assert_eq!(parse_message(&frames).expect("a KV-event message").seq, 0);
+    let second = subscribe(&context, engine.ports()[0].publish);
+    wait_subscribers(&engine, 0, 2);
+    assert_eq!(engine.subscribers(1).expect("rank 1"), 0, "another rank's");
+    drop(first);
+    drop(second);
+    wait_subscribers(&engine, 0, 0);
+}

@@ -66,14 +66,15 @@ fn conversations_grow_turn_by_turn_over_shared_system_prompts() {
         system_prompts: 2,
         system_tokens: 64,
         conversations: 10,
+        in_progress: 4,
         turns: 3,
         user_tokens: 8,
         reply_tokens: 8,
         seed: 4,
     };
-    let prompts = spec.prompts();
+    let prompts: Vec<Vec<u32>> = spec.prompts().collect();
     assert_eq!(prompts.len(), 30);
-    assert_eq!(prompts, spec.prompts(), "deterministic");
+    assert_eq!(prompts, spec.prompts().collect::<Vec<_>>(), "deterministic");
     let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
     assert_eq!(lengths.iter().filter(|&&n| n == 72).count(), 10);
     assert_eq!(lengths.iter().filter(|&&n| n == 88).count(), 10);
@@ -109,10 +110,59 @@ fn routing_round_robin_and_sticky() {
 }
 
 #[test]
-fn take_cycled_repeats_the_list() {
-    let got: Vec<Vec<u32>> = take_cycled(vec![vec![1], vec![2]], 5).collect();
-    assert_eq!(got, [vec![1], vec![2], vec![1], vec![2], vec![1]]);
-    assert_eq!(take_cycled(Vec::new(), 5).count(), 0);
+fn a_cycled_trace_expands_each_request_as_it_is_taken() {
+    let file = trace_file(&[
+        r#"{"input_length": 20, "hash_ids": [1]}"#,
+        r#"{"input_length": 600, "hash_ids": [2, 3]}"#,
+    ]);
+    let trace = Trace::load(file.path(), 16).expect("valid trace");
+    assert_eq!(trace.len(), 2);
+    let whole = load_trace(file.path(), 16).expect("valid trace");
+    let cycled: Vec<Vec<u32>> = trace.cycled(5).collect();
+    assert_eq!(
+        cycled.iter().map(Vec::len).collect::<Vec<_>>(),
+        [20, 600, 20, 600, 20]
+    );
+    assert_eq!(cycled[..2], whole[..]);
+    assert_eq!(cycled[2], whole[0]);
+    let empty = trace_file(&[]);
+    assert_eq!(
+        Trace::load(empty.path(), 16)
+            .expect("empty trace")
+            .cycled(5)
+            .count(),
+        0
+    );
+}
+
+#[test]
+fn conversations_beyond_those_in_progress_start_as_others_end() {
+    let spec = Conversations {
+        system_prompts: 1,
+        system_tokens: 16,
+        conversations: 50,
+        in_progress: 2,
+        turns: 4,
+        user_tokens: 4,
+        reply_tokens: 4,
+        seed: 1,
+    };
+    let prompts: Vec<Vec<u32>> = spec.prompts().collect();
+    assert_eq!(prompts.len(), 200);
+    // First turns are 20 tokens, last turns 44: between them a conversation is under way, and
+    // never more than two are.
+    let first_turns = prompts.iter().filter(|p| p.len() == 20).count();
+    let last_turns = prompts.iter().filter(|p| p.len() == 44).count();
+    assert_eq!((first_turns, last_turns), (50, 50));
+    let mut under_way = 0i32;
+    for prompt in &prompts {
+        match prompt.len() {
+            20 => under_way += 1,
+            44 => under_way -= 1,
+            _ => {}
+        }
+        assert!((0..=2).contains(&under_way), "{under_way} under way");
+    }
 }
 
 #[test]

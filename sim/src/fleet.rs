@@ -237,8 +237,13 @@ impl Fleet {
     /// The `indexer.toml` for a fleet started by `start_on_consecutive_ports` (no `listen`: the
     /// caller gives `--listen`).
     pub fn indexer_config(&self) -> String {
-        let engines: Vec<EngineToml> = self
-            .engines
+        indexer_toml(None, BLOCK_SIZE, SHARDS, &self.engine_tomls())
+    }
+
+    /// Each engine's `[[engine]]` table, as `indexer_config` writes them: for a caller that
+    /// changes or adds some before writing the file (`sim::indexer_toml`).
+    pub fn engine_tomls(&self) -> Vec<EngineToml> {
+        self.engines
             .iter()
             .enumerate()
             .map(|(i, engine)| {
@@ -250,8 +255,7 @@ impl Fleet {
                     ..EngineToml::new(Fleet::name(i), rank0.publish)
                 }
             })
-            .collect();
-        indexer_toml(None, BLOCK_SIZE, SHARDS, &engines)
+            .collect()
     }
 }
 

@@ -12,6 +12,7 @@
 
 mod bind;
 mod rank;
+mod subscribers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -246,6 +247,12 @@ impl SimEngine {
         let mut state = rank.state.lock();
         state.cache.clear();
         state.publish(&rank, vec![Event::Cleared { medium: None }])
+    }
+
+    /// Subscribers of `rank`'s PUB socket whose handshake succeeded and who have not
+    /// disconnected (`subscribers`): wait for them before publishing what cannot be replayed.
+    pub fn subscribers(&self, rank: u32) -> Result<usize> {
+        self.rank(rank)?.state.lock().subscribers.count()
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.

@@ -378,6 +378,9 @@ pub struct Accuracy {
     pub hits: u64,
     /// Prompts no longer fully cached on the rank that served them: eviction happened.
     pub evicted: u64,
+    /// Pairs where the indexer claims more blocks than the rank holds, and scores for ranks
+    /// that do not exist: the errors a router pays for (a miss only costs a cache hit).
+    pub false_hits: u64,
     /// The first few disagreements, described.
     pub mismatches: Vec<String>,
 }
@@ -435,6 +438,7 @@ pub fn compare(
             if got == truth {
                 accuracy.exact += 1;
             } else {
+                accuracy.false_hits += u64::from(got > truth);
                 let what = format!(
                     "prompt {i} on sim-{}/{}: indexer {got}, rank holds {truth}",
                     at.engine, at.rank
@@ -446,6 +450,7 @@ pub fn compare(
             }
         }
         for (worker, got) in predicted {
+            accuracy.false_hits += u64::from(got > 0);
             accuracy.note(format!(
                 "prompt {i}: score {got} for {worker:?}, no such rank"
             ));

@@ -394,8 +394,8 @@ impl Shard {
 
     /// `change` in the common case, in one pass over the entry's slots: an inline entry, the
     /// worker's slot inline and unsaturated before and after, room for a new slot. `None`,
-    /// changing nothing, in any other case (half the instructions of a store's or a removal's
-    /// shard visit went to `counts_of` and `set_counts` walking the slots twice).
+    /// changing nothing, in any other case (the general path, `counts_of` then `set_counts`,
+    /// walks the slots twice).
     #[inline]
     fn change_inline(
         &mut self,

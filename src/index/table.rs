@@ -85,8 +85,8 @@ pub(super) fn random_seed() -> u64 {
 
 /// The fullest a table may get, `LOAD_NUMERATOR / LOAD_DENOMINATOR`: every probe must end at a
 /// vacant place, and long runs cost readers cache lines. 9/10 rather than 7/8: 46.6 instead of
-/// 48.9 B per pair in `bench_index` at 10 M pairs, for 2.8 % more instructions per applied block
-/// (callgrind, the longer probes near the top of the range).
+/// 48.9 B per pair in `bench_index` at 10 M pairs, for somewhat longer probes near the top of
+/// the range.
 const LOAD_NUMERATOR: usize = 9;
 const LOAD_DENOMINATOR: usize = 10;
 const MIN_CAPACITY: usize = 16;

@@ -36,6 +36,7 @@
 //! | `endpoints_refused_total` | counter | `source` ([`EndpointSource`]), `reason` ([`EndpointRefusal`]) only |
 //! | `select_overpredicted_tokens_total`, `select_underpredicted_tokens_total` | counter | none |
 //! | `select_prediction_error_tokens` | histogram | none |
+//! | `resident_memory_bytes`, `open_fds`, `threads` | gauge | none (the process's, `process`) |
 //!
 //! The engine-level series (`engines`) are resolved once per engine through [`EngineMetrics`].
 
@@ -53,6 +54,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 mod engines;
 mod labels;
+mod process;
 
 use engines::EngineFamilies;
 pub use engines::EngineMetrics;
@@ -65,6 +67,7 @@ pub use labels::{
     DiscoveryOutcome, EndpointRefusal, EndpointSource, EventSeries, FailureReason, LayoutKey,
     ListenerState, MalformedReason, RecoveryMethod,
 };
+use process::ProcessGauges;
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
 /// loopback queries land; slower ones fall in `+Inf`.
@@ -112,6 +115,7 @@ pub struct Metrics {
     underpredicted_tokens: Counter,
     prediction_error: Histogram,
     engines: EngineFamilies,
+    process: ProcessGauges,
 }
 
 impl Metrics {
@@ -152,6 +156,7 @@ impl Metrics {
             underpredicted_tokens: Counter::default(),
             prediction_error: Histogram::new(PREDICTION_ERROR_BUCKETS),
             engines: EngineFamilies::default(),
+            process: ProcessGauges::default(),
         };
         metrics.register(reloads);
         metrics
@@ -295,6 +300,7 @@ impl Metrics {
             self.prediction_error.clone(),
         );
         self.engines.register(r);
+        self.process.register(r);
     }
 
     /// The handles of one engine's own series (discovery, the neighbour probe), labelled
@@ -455,8 +461,10 @@ impl Metrics {
         self.index_keys.set(keys);
     }
 
-    /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]).
+    /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]), the process's own
+    /// figures read just before.
     pub fn render(&self) -> String {
+        self.process.refresh();
         let mut text = String::new();
         // Writing to a String cannot fail, and no label of ours fails to encode.
         if let Err(err) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {

@@ -570,6 +570,7 @@ impl Drop for Registry {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::listener::State;
 
     fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
         ListenerSpec::subscribing(engine, dp_rank, endpoint.to_owned())
@@ -664,14 +665,16 @@ pub(crate) mod tests {
         let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
         let first = registry.apply(vec![spec("a", 0, &a0), spec("a", 1, &a1)]);
         assert_eq!(first.added.len(), 2);
-        let worker_of = |registry: &Registry, key: &str| {
+        // Worker ids are reused, so they cannot tell a kept listener from a replacement; the
+        // listener's own status handle can: once its listener is stopped it reads `stopped`.
+        let handle_of = |registry: &Registry, engine: &str, dp_rank| {
             registry
-                .snapshot()
-                .iter()
-                .find(|v| v.spec.key.to_string() == key)
-                .and_then(|v| v.worker)
+                .ranks()
+                .current()
+                .handle(engine, dp_rank)
+                .unwrap_or_else(|| panic!("{engine}/{dp_rank} runs"))
         };
-        let a0_worker = worker_of(&registry, "a/0");
+        let (a0_before, a1_before) = (handle_of(&registry, "a", 0), handle_of(&registry, "a", 1));
 
         let mut retopic = spec("a", 1, &a1);
         retopic.topic = "kv".into();
@@ -684,12 +687,23 @@ pub(crate) mod tests {
         assert_eq!(diff.replaced, [key("a", 1)]);
         assert!(diff.removed.is_empty() && diff.failed.is_empty());
         assert_eq!(diff.unchanged, 1);
-        assert_eq!(worker_of(&registry, "a/0"), a0_worker, "a/0 untouched");
+        assert_ne!(
+            a0_before.get().state,
+            State::Stopped,
+            "a/0 is still the listener it was"
+        );
+        assert_eq!(
+            a1_before.get().state,
+            State::Stopped,
+            "a/1's old listener was replaced"
+        );
+        assert_ne!(handle_of(&registry, "a", 1).get().state, State::Stopped);
 
         let diff = registry.apply(vec![spec("b", 0, &b0)]);
         assert_eq!(diff.removed, [key("a", 0), key("a", 1)]);
         assert_eq!(diff.unchanged, 1);
         assert_eq!(keys(&registry), ["b/0"]);
+        assert_eq!(a0_before.get().state, State::Stopped, "a/0 removed");
     }
 
     /// Puts a fresh context in the registry's pool and terminates the one its listeners run on

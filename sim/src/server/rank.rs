@@ -17,6 +17,7 @@ use log::warn;
 use parking_lot::Mutex;
 
 use super::bind::{bind_http, bind_zmq, offset_port};
+use super::subscribers::Subscribers;
 use super::{RankPorts, SimConfig};
 use crate::cache::RankCache;
 use crate::encode::{encode_batch, encode_snapshot, message_frames, Form};
@@ -58,6 +59,7 @@ impl Settings {
 pub(crate) struct RankState {
     pub(crate) cache: RankCache,
     publisher: zmq::Socket,
+    pub(super) subscribers: Subscribers,
     next_seq: u64,
     history: VecDeque<replay::Batch>,
     drops: SplitMix64,
@@ -92,6 +94,8 @@ impl RankRuntime {
     ) -> Result<RankRuntime> {
         let (publisher, publish) = bind_zmq(context, zmq::PUB, &config.bind, config.port, index)
             .with_context(|| format!("rank {index}: binding the PUB socket"))?;
+        let subscribers = Subscribers::watch(context, &publisher)
+            .with_context(|| format!("rank {index}: watching the PUB socket"))?;
         let rank_seed = mix(config.seed, u64::from(index));
         let mut runtime = RankRuntime {
             rank: Arc::new(Rank {
@@ -108,6 +112,7 @@ impl RankRuntime {
                         }
                     },
                     publisher,
+                    subscribers,
                     next_seq: 0,
                     history: VecDeque::new(),
                     drops: SplitMix64::new(mix(rank_seed, 0xD809)),
