@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use serde_json::json;
-use tiny_http::Method;
+use http::Method;
 
 use super::auth::{is_authorized, unauthorized};
 use super::select_body::{parse_prefill_complete, parse_select_request};
@@ -124,7 +124,7 @@ pub(super) fn reservation(api: &Api, request: &Request, rest: &str, body: &[u8])
         if let Err(refused) = check_method(request, &path, true) {
             return refused;
         }
-    } else if request.method() != &Method::Delete {
+    } else if *request.method() != Method::DELETE {
         let mut reply = Reply::error(
             405,
             format!(

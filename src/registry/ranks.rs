@@ -74,7 +74,7 @@ impl RankBoard {
     /// Every running rank with its status as of now, in the board's order, without copying
     /// specs: what `/select` weighs on every request.
     pub fn running(&self) -> impl Iterator<Item = RunningRank<'_>> {
-        self.ranks.iter().filter_map(|rank| {
+        self.ranks.values().filter_map(|rank| {
             let (worker, status) = rank.running.as_ref()?;
             Some(RunningRank {
                 spec: &rank.spec,
