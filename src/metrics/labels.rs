@@ -193,7 +193,19 @@ pub enum EndpointRefusal {
     Loopback,
 }
 
+impl EndpointSource {
+    pub const ALL: [EndpointSource; 2] = [EndpointSource::discovery, EndpointSource::register];
+}
+
 impl EndpointRefusal {
+    pub const ALL: [EndpointRefusal; 5] = [
+        EndpointRefusal::Unparsable,
+        EndpointRefusal::Unresolvable,
+        EndpointRefusal::Duplicate,
+        EndpointRefusal::OwnAddress,
+        EndpointRefusal::Loopback,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             EndpointRefusal::Unparsable => "unparsable",

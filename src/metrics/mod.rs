@@ -83,6 +83,11 @@ const PREDICTION_ERROR_BUCKETS: [f64; 11] = [
 
 type U64Gauge = Gauge<u64, AtomicU64>;
 
+/// The `reason`s of `inexact_ranks` that are not a group kind (`index::Inexact::name`; its
+/// tests hold the two lists together).
+pub const INEXACT_REASONS_NOT_KINDS: [&str; 4] =
+    ["unnamed_kind", "block_size", "incomplete", "speculative"];
+
 /// Every metric of the process, rendered by `GET /metrics`.
 pub struct Metrics {
     registry: Registry,
@@ -158,6 +163,21 @@ impl Metrics {
             engines: EngineFamilies::default(),
             process: ProcessGauges::default(),
         };
+        // Series at 0 from the start, so that the first refusal or inexact rank is an
+        // increase an alert sees, and the dashboard's panels have a line before anything
+        // happens. A group kind's reason appears when a rank first has it.
+        for source in EndpointSource::ALL {
+            for reason in EndpointRefusal::ALL {
+                metrics
+                    .endpoints_refused
+                    .get_or_create(&RefusalLabels { source, reason });
+            }
+        }
+        for reason in INEXACT_REASONS_NOT_KINDS {
+            metrics
+                .inexact_ranks
+                .get_or_create(&InexactLabels { reason });
+        }
         metrics.register(reloads);
         metrics
     }

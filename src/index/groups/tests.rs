@@ -186,3 +186,15 @@ fn a_plain_rank_publishes_no_layout_and_drops_leave_no_hybrid_rank() {
     plain.clear();
     assert!(plain.groups().is_empty());
 }
+
+#[test]
+fn the_reasons_that_are_not_kinds_are_the_ones_metrics_starts_at_zero() {
+    let names = [
+        Inexact::UnnamedKind,
+        Inexact::BlockSize,
+        Inexact::Incomplete,
+        Inexact::Speculative,
+    ]
+    .map(Inexact::name);
+    assert_eq!(names, crate::metrics::INEXACT_REASONS_NOT_KINDS);
+}
