@@ -29,4 +29,5 @@ pub mod metrics;
 pub mod plan;
 pub mod registry;
 pub mod service;
+pub mod tokenize;
 pub mod wire;
