@@ -58,6 +58,7 @@ use crate::index::Index;
 use crate::listener::Secret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
+use crate::tokenize::SharedTokenizers;
 use accept::{accept_loop, Live, Reserve};
 use body::Uploads;
 pub use head::{Request, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
@@ -94,6 +95,8 @@ pub struct Api {
     pub reload: Box<ReloadFn>,
     /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
     pub secret: Option<Secret>,
+    /// The models' tokenizers, for prompts sent as text or chat messages.
+    pub tokenizers: Arc<SharedTokenizers>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one

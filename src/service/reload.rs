@@ -14,6 +14,7 @@ use log::{error, info, warn};
 use parking_lot::Mutex;
 
 use super::discovery::Askers;
+use super::load_tokenizers;
 use super::neighbours::NeighbourWatch;
 use crate::config::{Config, ConfigError};
 use crate::discover::{Board, Discovery, EngineApi};
@@ -22,6 +23,7 @@ use crate::listener::Replication;
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::ReloadDiff;
+use crate::tokenize::SharedTokenizers;
 
 /// What the registry runs, as `plan` inputs.
 struct Applied {
@@ -47,6 +49,8 @@ pub(super) struct Reloader {
     neighbours: Mutex<Option<NeighbourWatch>>,
     /// Its `peers` follow the file; listeners are not touched.
     replication: Arc<Replication>,
+    /// The models' tokenizers, swapped whole once a reload is accepted.
+    tokenizers: Arc<SharedTokenizers>,
 }
 
 impl Reloader {
@@ -60,6 +64,7 @@ impl Reloader {
         board: Arc<Board>,
         neighbours: NeighbourWatch,
         replication: Arc<Replication>,
+        tokenizers: Arc<SharedTokenizers>,
     ) -> Reloader {
         Reloader {
             config_path: config_path.to_owned(),
@@ -73,6 +78,7 @@ impl Reloader {
             askers: Mutex::new(None),
             neighbours: Mutex::new(Some(neighbours)),
             replication,
+            tokenizers,
         }
     }
 
@@ -115,6 +121,18 @@ impl Reloader {
                 error!("reload of {path} rejected; the running configuration is unchanged");
                 self.metrics.reload(false);
                 return Err(rejected);
+            }
+        };
+        // Read before anything changes: a tokenizer that does not load rejects the whole file.
+        let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
+            Ok(tokenizers) => tokenizers,
+            Err(failed) => {
+                error!("reload rejected: {failed:#}");
+                error!("reload of {path} rejected; the running configuration is unchanged");
+                self.metrics.reload(false);
+                return Err(ConfigError {
+                    problems: vec![format!("{failed:#}")],
+                });
             }
         };
         keep_for_restart(
@@ -178,6 +196,7 @@ impl Reloader {
         if let Some(neighbours) = self.neighbours.lock().as_ref() {
             neighbours.sync(&applied.config, &plan);
         }
+        self.tokenizers.replace(tokenizers);
         self.metrics.reload(true);
         Ok(diff)
     }
