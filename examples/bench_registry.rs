@@ -39,6 +39,7 @@ fn config(engines: u32) -> Config {
             model: None,
             topic: String::new(),
             instance_id: u64::from(i),
+            tokenizer: None,
         })
         .collect();
     Config {

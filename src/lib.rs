@@ -32,4 +32,5 @@ pub mod plan;
 pub mod registry;
 pub mod select;
 pub mod service;
+pub mod tokenize;
 pub mod wire;

@@ -255,6 +255,7 @@ mod tests {
             model: None,
             topic: String::new(),
             instance_id: crate::config::derived_instance_id(name),
+            tokenizer: None,
         }
     }
 

@@ -26,5 +26,6 @@ pub mod replay;
 pub mod rng;
 pub mod running;
 pub mod server;
+pub mod tokenizer_dir;
 pub mod watch;
 pub mod workload;

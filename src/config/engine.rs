@@ -39,6 +39,7 @@ struct RawEngine {
     discover: Option<Spanned<String>>,
     discover_interval_s: Option<Spanned<Int>>,
     instance_id: Option<Spanned<Int>>,
+    tokenizer: Option<Spanned<String>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
@@ -56,6 +57,7 @@ pub(super) struct EngineFields {
     pub(super) discover: Checked<String>,
     pub(super) discover_interval_s: Checked<u32>,
     pub(super) instance_id: Checked<u64>,
+    pub(super) tokenizer: Checked<String>,
 }
 
 impl EngineFields {
@@ -122,6 +124,9 @@ impl EngineFields {
                 &format!("an integer 0..={MAX_INSTANCE_ID}"),
                 |n| u64::try_from(n).ok(),
             ),
+            tokenizer: checker.text("tokenizer", raw.tokenizer, |dir| {
+                dir.trim().is_empty().then(|| "is empty".to_string())
+            }),
         }
     }
 
@@ -147,6 +152,7 @@ impl EngineFields {
             discover: self.discover.clone(),
             discover_interval_s: self.discover_interval_s.or(&defaults.discover_interval_s),
             instance_id: self.instance_id.clone(),
+            tokenizer: self.tokenizer.or(&defaults.tokenizer),
         }
     }
 
@@ -412,6 +418,7 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         recover_port: fields.recover_port.optional()?,
         model: fields.model.optional()?,
         topic: fields.topic.or_default_to(String::new())?,
+        tokenizer: fields.tokenizer.optional()?,
     })
 }
 

@@ -86,6 +86,9 @@ pub struct EngineConfig {
     /// The engine's id in the Dynamo API: `instance_id` as written, else
     /// `derived_instance_id(name)`.
     pub instance_id: u64,
+    /// The directory of the model's Hugging Face tokenizer (`tokenizer.json`,
+    /// `tokenizer_config.json`, `chat_template.jinja`), for prompts sent as text or messages.
+    pub tokenizer: Option<String>,
 }
 
 /// Where an engine's ranks come from.
@@ -139,6 +142,11 @@ impl EngineConfig {
             Ranks::Discovered(discover) => Some(discover),
         }
     }
+
+    /// The model a prompt names to use this engine's tokenizer: `model`, else the engine's name.
+    pub fn tokenizer_model(&self) -> &str {
+        self.model.as_deref().unwrap_or(&self.name)
+    }
 }
 
 /// Every problem found in a configuration file; each names the file, the engine and the key.
@@ -185,6 +193,14 @@ impl Config {
             problems: vec![format!("{origin}: cannot read the file: {err}")],
         })?;
         Config::parse(&text, &origin)
+    }
+
+    /// Each engine's tokenizer directory, with the model that chooses it.
+    pub fn tokenizers(&self) -> impl Iterator<Item = (&str, &Path)> {
+        self.engines.iter().filter_map(|engine| {
+            let dir = engine.tokenizer.as_deref()?;
+            Some((engine.tokenizer_model(), Path::new(dir)))
+        })
     }
 
     /// Validates `text`; `origin` (the file name) prefixes every problem.
@@ -423,6 +439,7 @@ mod tests {
                     model: None,
                     topic: String::new(),
                     instance_id: derived_instance_id("local"),
+                    tokenizer: None,
                 }],
                 replicas: Replicas::default(),
                 select: Select::default(),

@@ -66,6 +66,7 @@ use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use crate::select::Selector;
+use crate::tokenize::SharedTokenizers;
 use accept::{accept_loop, Live, Reserve};
 use answering::Answering;
 use body::Uploads;
@@ -105,6 +106,9 @@ pub struct Api {
     pub secret: Arc<CurrentSecret>,
     /// `/select`'s reservations and predictions.
     pub selector: Arc<Selector>,
+    pub secret: Option<Secret>,
+    /// The models' tokenizers, for prompts sent as text or chat messages.
+    pub tokenizers: Arc<SharedTokenizers>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one

@@ -37,6 +37,7 @@ use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
+use crate::tokenize::{SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
 use reload::{board_engines, Reloader};
@@ -176,6 +177,10 @@ impl Service {
         let metrics = Arc::new(Metrics::new());
         let listen = listen.unwrap_or_else(|| config.listen.clone());
         let replication = start_replication(&config, &listen)?;
+        let tokenizers = Arc::new(SharedTokenizers::new(load_tokenizers(
+            &config,
+            &Tokenizers::default(),
+        )?));
         let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone())
             .with_shutdown_signal(shutdown_signal.clone())
             .with_replication(replication.clone());
@@ -222,6 +227,7 @@ impl Service {
             board.clone(),
             neighbours,
             replication.clone(),
+            tokenizers.clone(),
         ));
         // Weak: the askers live in the reloader, and their answers go back to it.
         let answers = Arc::downgrade(&reloader);
@@ -263,6 +269,7 @@ impl Service {
             secret: replication.secret().clone(),
             selector: reload_for_http.selector(),
             reload: Box::new(move || reload_for_http.reload()),
+            tokenizers,
         });
         let http = http.serve(api)?;
         let dynamo = dynamo
@@ -352,6 +359,15 @@ fn bind_dynamo(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
     };
     let bound = HttpServer::bind(listen).context("dynamo_listen: the Dynamo API")?;
     Ok(Some(bound))
+}
+
+/// Every engine's tokenizer, sharing what `previous` already holds; the error names the file.
+pub(super) fn load_tokenizers(config: &Config, previous: &Tokenizers) -> anyhow::Result<Tokenizers> {
+    let tokenizers = Tokenizers::load(config.tokenizers(), previous)?;
+    for (model, dir) in tokenizers.dirs() {
+        info!("model {model:?}: tokenizer {}", dir.display());
+    }
+    Ok(tokenizers)
 }
 
 /// The peers, the secret (read from `auth_token_file` now) and whether ranks keep their

@@ -15,6 +15,7 @@ use log::{error, info, warn};
 use parking_lot::Mutex;
 
 use super::discovery::Askers;
+use super::load_tokenizers;
 use super::neighbours::NeighbourWatch;
 use crate::config::{Config, ConfigError};
 use crate::discover::{Board, Discovery, EngineApi};
@@ -24,6 +25,7 @@ use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::ReloadDiff;
 use crate::select::Selector;
+use crate::tokenize::SharedTokenizers;
 
 /// What the registry runs, as `plan` inputs.
 struct Applied {
@@ -51,6 +53,8 @@ pub(super) struct Reloader {
     replication: Arc<Replication>,
     /// `/select`'s state; its `[select]` knobs follow the file.
     selector: Arc<Selector>,
+    /// The models' tokenizers, swapped whole once a reload is accepted.
+    tokenizers: Arc<SharedTokenizers>,
 }
 
 impl Reloader {
@@ -64,6 +68,7 @@ impl Reloader {
         board: Arc<Board>,
         neighbours: NeighbourWatch,
         replication: Arc<Replication>,
+        tokenizers: Arc<SharedTokenizers>,
     ) -> Reloader {
         let selector = Arc::new(Selector::new(config.select.clone(), metrics.clone()));
         Reloader {
@@ -79,6 +84,7 @@ impl Reloader {
             askers: Mutex::new(None),
             neighbours: Mutex::new(Some(neighbours)),
             replication,
+            tokenizers,
         }
     }
 
@@ -127,6 +133,18 @@ impl Reloader {
                 return Err(self.rejected(ConfigError {
                     problems: vec![format!("{error:#}")],
                 }))
+            }
+        };
+        // Read before anything changes: a tokenizer that does not load rejects the whole file.
+        let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
+            Ok(tokenizers) => tokenizers,
+            Err(failed) => {
+                error!("reload rejected: {failed:#}");
+                error!("reload of {path} rejected; the running configuration is unchanged");
+                self.metrics.reload(false);
+                return Err(ConfigError {
+                    problems: vec![format!("{failed:#}")],
+                });
             }
         };
         keep_for_restart(
@@ -205,6 +223,7 @@ impl Reloader {
         if let Some(neighbours) = self.neighbours.lock().as_ref() {
             neighbours.sync(&applied.config, &plan);
         }
+        self.tokenizers.replace(tokenizers);
         self.metrics.reload(true);
         Ok(diff)
     }

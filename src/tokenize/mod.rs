@@ -1,0 +1,156 @@
+//! Prompts as text or chat messages: each configured model's own tokenizer and chat template,
+//! so that a caller with only an OpenAI-style request body can ask the index.
+//!
+//! `model` reads one tokenizer directory and turns a request into token ids exactly as vLLM
+//! does; `template` renders chat templates as transformers does; `pieces` tokenizes rendered
+//! text a piece at a time with a bounded cache. This module keeps the set of loaded tokenizers,
+//! one for each model (engines serving the same `model` share it), loaded at start and on
+//! reload. Owns: which model names have a tokenizer. Never: reads the index, or decides what a
+//! route answers (http turns a `PromptError` into a 400).
+
+mod model;
+mod pieces;
+mod template;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use parking_lot::RwLock;
+
+pub use model::{ModelTokenizer, PromptError};
+
+/// The loaded tokenizers, by model name.
+#[derive(Default)]
+pub struct Tokenizers {
+    by_model: BTreeMap<String, Arc<ModelTokenizer>>,
+}
+
+/// A request's prompt in one of the forms the JSON bodies accept instead of `token_ids`.
+pub enum Prompt<'a> {
+    /// `"prompt": "text"`, as `/v1/completions`.
+    Text(&'a str),
+    /// `"messages": [...]` (and `"tools"`), as `/v1/chat/completions`.
+    Chat {
+        messages: &'a serde_json::Value,
+        tools: Option<&'a serde_json::Value>,
+    },
+}
+
+impl Tokenizers {
+    /// Loads each `(model, directory)` pair; a directory already loaded in `previous` (same
+    /// path) is shared, not read again. Two engines naming one model must name one directory.
+    pub fn load<'a>(
+        wanted: impl IntoIterator<Item = (&'a str, &'a Path)>,
+        previous: &Tokenizers,
+    ) -> Result<Tokenizers> {
+        let mut dirs: BTreeMap<&str, &Path> = BTreeMap::new();
+        for (model, dir) in wanted {
+            match dirs.insert(model, dir) {
+                Some(other) if other != dir => bail!(
+                    "model {model:?} has two tokenizers, {} and {}: engines serving one model \
+                     must name the same tokenizer directory",
+                    other.display(),
+                    dir.display()
+                ),
+                _ => {}
+            }
+        }
+        let mut by_model = BTreeMap::new();
+        for (model, dir) in dirs {
+            let loaded = match previous.by_model.get(model) {
+                Some(kept) if kept.dir() == dir => Arc::clone(kept),
+                _ => Arc::new(ModelTokenizer::load(dir)?),
+            };
+            by_model.insert(model.to_string(), loaded);
+        }
+        Ok(Tokenizers { by_model })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_model.is_empty()
+    }
+
+    /// The models that have a tokenizer, sorted.
+    pub fn models(&self) -> impl Iterator<Item = &str> {
+        self.by_model.keys().map(String::as_str)
+    }
+
+    /// The directory each model's tokenizer was read from.
+    pub fn dirs(&self) -> impl Iterator<Item = (&str, PathBuf)> {
+        self.by_model
+            .iter()
+            .map(|(model, tokenizer)| (model.as_str(), tokenizer.dir().to_path_buf()))
+    }
+
+    /// The token ids of `prompt` for `model` (which may be left out when exactly one model has
+    /// a tokenizer), appended to `ids`.
+    pub fn encode(
+        &self,
+        model: Option<&str>,
+        prompt: &Prompt<'_>,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), PromptError> {
+        let tokenizer = self.choose(model)?;
+        match prompt {
+            Prompt::Text(text) => tokenizer.encode_prompt(text, ids),
+            Prompt::Chat { messages, tools } => tokenizer.encode_chat(messages, *tools, ids),
+        }
+    }
+
+    fn choose(&self, model: Option<&str>) -> Result<&ModelTokenizer, PromptError> {
+        let known = || {
+            let names: Vec<&str> = self.models().collect();
+            if names.is_empty() {
+                "no engine has a `tokenizer` in the configuration: send `token_ids`".to_string()
+            } else {
+                format!("models with a tokenizer: {}", names.join(", "))
+            }
+        };
+        match model {
+            Some(name) => self
+                .by_model
+                .get(name)
+                .map(|t| &**t)
+                .ok_or_else(|| PromptError {
+                    field: "model".into(),
+                    message: format!("no tokenizer for model {name:?}; {}", known()),
+                }),
+            None if self.by_model.len() == 1 => Ok(self
+                .by_model
+                .values()
+                .next()
+                .map(|t| &**t)
+                .ok_or_else(|| PromptError {
+                    field: "model".into(),
+                    message: known(),
+                })?),
+            None => Err(PromptError {
+                field: "model".into(),
+                message: format!(
+                    "is required to choose a tokenizer when several models have one; {}",
+                    known()
+                ),
+            }),
+        }
+    }
+}
+
+/// The tokenizers the routes read: swapped whole on reload, so a request sees one set.
+#[derive(Default)]
+pub struct SharedTokenizers(RwLock<Arc<Tokenizers>>);
+
+impl SharedTokenizers {
+    pub fn new(tokenizers: Tokenizers) -> SharedTokenizers {
+        SharedTokenizers(RwLock::new(Arc::new(tokenizers)))
+    }
+
+    pub fn current(&self) -> Arc<Tokenizers> {
+        Arc::clone(&self.0.read())
+    }
+
+    pub fn replace(&self, tokenizers: Tokenizers) {
+        *self.0.write() = Arc::new(tokenizers);
+    }
+}

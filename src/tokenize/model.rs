@@ -1,0 +1,244 @@
+//! One model's tokenizer directory, as the Hugging Face hub lays it out, and the two ways vLLM
+//! turns a request into token ids.
+//!
+//! Owns reading `tokenizer.json`, `tokenizer_config.json` (`chat_template`, `bos_token`,
+//! `eos_token`) and `chat_template.jinja` (which wins over the config's template, as in
+//! transformers), and every load error named with its file. A completion prompt is tokenized
+//! with the tokenizer's special tokens (`/v1/completions`); chat messages are rendered with
+//! the template, then tokenized without added special tokens (`/v1/chat/completions`). Never
+//! looks at the index or at HTTP.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tokenizers::Tokenizer;
+
+use super::pieces::PieceTokenizer;
+use super::template::{ChatContext, ChatTemplate};
+
+/// A loaded tokenizer directory.
+pub struct ModelTokenizer {
+    dir: PathBuf,
+    pieces: PieceTokenizer,
+    template: Option<ChatTemplate>,
+}
+
+/// Why a request's prompt could not be tokenized: a 400 for the caller.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PromptError {
+    /// The request field at fault (`messages`, `messages[2].content`, `prompt`).
+    pub field: String,
+    pub message: String,
+}
+
+impl PromptError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> PromptError {
+        PromptError {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl ModelTokenizer {
+    /// Reads `dir`. Every error names the file that is missing or wrong.
+    pub fn load(dir: &Path) -> Result<ModelTokenizer> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer_text = std::fs::read_to_string(&tokenizer_path)
+            .with_context(|| format!("{}: cannot read", tokenizer_path.display()))?;
+        let tokenizer_json: serde_json::Value = serde_json::from_str(&tokenizer_text)
+            .with_context(|| format!("{}: not JSON", tokenizer_path.display()))?;
+        let tokenizer = Tokenizer::from_bytes(tokenizer_text.as_bytes())
+            .map_err(|error| anyhow::anyhow!("{}: {error}", tokenizer_path.display()))?;
+
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text)
+                .with_context(|| format!("{}: not JSON", config_path.display()))?,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(error) => {
+                return Err(error)
+                    .with_context(|| format!("{}: cannot read", config_path.display()))
+            }
+        };
+        let bos_token = special_token(&config, "bos_token", &tokenizer, &config_path)?;
+        let eos_token = special_token(&config, "eos_token", &tokenizer, &config_path)?;
+
+        let template_path = dir.join("chat_template.jinja");
+        let template_source = match std::fs::read_to_string(&template_path) {
+            Ok(text) => Some((text, template_path)),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                config_template(&config, &config_path)?.map(|text| (text, config_path.clone()))
+            }
+            Err(error) => {
+                return Err(error)
+                    .with_context(|| format!("{}: cannot read", template_path.display()))
+            }
+        };
+        let template = match template_source {
+            Some((source, from)) => Some(
+                ChatTemplate::new(source, bos_token, eos_token)
+                    .with_context(|| format!("{}: the chat template", from.display()))?,
+            ),
+            None => None,
+        };
+        let pieces = PieceTokenizer::new(tokenizer, &tokenizer_json)
+            .with_context(|| format!("{}: its added tokens", tokenizer_path.display()))?;
+        Ok(ModelTokenizer {
+            dir: dir.to_path_buf(),
+            pieces,
+            template,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Whether chat prompts are tokenized piece by piece (with the piece cache).
+    pub fn cuts_pieces(&self) -> bool {
+        self.pieces.cuts_pieces()
+    }
+
+    /// `prompt` as vLLM's `/v1/completions` tokenizes it: with the tokenizer's special tokens.
+    pub fn encode_prompt(&self, prompt: &str, ids: &mut Vec<u32>) -> Result<(), PromptError> {
+        self.pieces
+            .encode_with_specials(prompt, ids)
+            .map_err(|error| PromptError::new("prompt", error.to_string()))
+    }
+
+    /// `messages` (and `tools`, when the request has them) as vLLM's `/v1/chat/completions`
+    /// tokenizes them: the chat template rendered with `add_generation_prompt`, then tokenized
+    /// without added special tokens.
+    pub fn encode_chat(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), PromptError> {
+        let Some(template) = &self.template else {
+            return Err(PromptError::new(
+                "messages",
+                format!(
+                    "the tokenizer in {} has no chat template (chat_template.jinja or \
+                     chat_template in tokenizer_config.json): send `prompt` or `token_ids`",
+                    self.dir.display()
+                ),
+            ));
+        };
+        check_messages(messages)?;
+        if let Some(tools) = tools {
+            if !tools.is_array() {
+                return Err(PromptError::new("tools", "must be an array of tools"));
+            }
+        }
+        let text = template
+            .render(&ChatContext { messages, tools })
+            .map_err(|error| PromptError::new("messages", format!("the chat template: {error}")))?;
+        self.pieces
+            .encode_plain(&text, ids)
+            .map_err(|error| PromptError::new("messages", error.to_string()))
+    }
+}
+
+/// What the template may be given: an array of objects with a string `role` and a string (or
+/// null) `content`. Content parts (images, audio, or text parts that vLLM would join in its own
+/// way) are refused until supported, so that the ids are never a guess.
+fn check_messages(messages: &serde_json::Value) -> Result<(), PromptError> {
+    let Some(list) = messages.as_array() else {
+        return Err(PromptError::new("messages", "must be an array of messages"));
+    };
+    if list.is_empty() {
+        return Err(PromptError::new("messages", "is empty"));
+    }
+    for (i, message) in list.iter().enumerate() {
+        let Some(fields) = message.as_object() else {
+            return Err(PromptError::new(
+                format!("messages[{i}]"),
+                "must be an object with `role` and `content`",
+            ));
+        };
+        if !fields.get("role").is_some_and(serde_json::Value::is_string) {
+            return Err(PromptError::new(
+                format!("messages[{i}].role"),
+                "must be a string",
+            ));
+        }
+        match fields.get("content") {
+            None | Some(serde_json::Value::String(_) | serde_json::Value::Null) => {}
+            Some(serde_json::Value::Array(_)) => {
+                return Err(PromptError::new(
+                    format!("messages[{i}].content"),
+                    "content parts (images, audio, text parts) are not supported yet: send the \
+                     content as one string",
+                ))
+            }
+            Some(_) => {
+                return Err(PromptError::new(
+                    format!("messages[{i}].content"),
+                    "must be a string",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `tokenizer_config.json`'s `key` (a string, or an added-token object with `content`), which
+/// must be a token of the tokenizer; "" when the config has none.
+fn special_token(
+    config: &serde_json::Value,
+    key: &str,
+    tokenizer: &Tokenizer,
+    config_path: &Path,
+) -> Result<String> {
+    let token = match &config[key] {
+        serde_json::Value::Null => return Ok(String::new()),
+        serde_json::Value::String(token) => token.clone(),
+        serde_json::Value::Object(object) => match object.get("content") {
+            Some(serde_json::Value::String(token)) => token.clone(),
+            _ => bail!(
+                "{}: {key} is an object without a string `content`",
+                config_path.display()
+            ),
+        },
+        _ => bail!("{}: {key} must be a string", config_path.display()),
+    };
+    if tokenizer.token_to_id(&token).is_none() {
+        bail!(
+            "{}: {key} {token:?} is not a token of tokenizer.json",
+            config_path.display()
+        );
+    }
+    Ok(token)
+}
+
+/// `tokenizer_config.json`'s `chat_template`: a string, or a list of named templates of which
+/// transformers renders `default`.
+fn config_template(config: &serde_json::Value, config_path: &Path) -> Result<Option<String>> {
+    match &config["chat_template"] {
+        serde_json::Value::Null => Ok(None),
+        serde_json::Value::String(source) => Ok(Some(source.clone())),
+        serde_json::Value::Array(named) => {
+            for entry in named {
+                if entry["name"].as_str() == Some("default") {
+                    if let Some(source) = entry["template"].as_str() {
+                        return Ok(Some(source.to_string()));
+                    }
+                }
+            }
+            bail!(
+                "{}: chat_template is a list without a \"default\" template",
+                config_path.display()
+            )
+        }
+        _ => bail!(
+            "{}: chat_template must be a string or a list of {{name, template}}",
+            config_path.display()
+        ),
+    }
+}
