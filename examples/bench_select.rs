@@ -72,7 +72,10 @@ fn latency() {
     for i in 0..8 {
         let at = ranks[i * ranks.len() / 8];
         let held = (64 * (i as u32 + 1) * BLOCK_SIZE) as usize;
-        fleet.engine(at).serve(at.rank, &prompt[..held]).expect("serve the prompt");
+        fleet
+            .engine(at)
+            .serve(at.rank, &prompt[..held])
+            .expect("serve the prompt");
     }
     settle(&fleet, &mut OverHttp::new(addr), DEADLINE).expect("the index caught up");
 
@@ -93,7 +96,9 @@ fn latency() {
         opening.elapsed().as_secs_f64() * 1e6 / OPEN_RESERVATIONS as f64
     );
 
-    let body = serde_json::json!({ "token_ids": prompt }).to_string().into_bytes();
+    let body = serde_json::json!({ "token_ids": prompt })
+        .to_string()
+        .into_bytes();
     let answer: serde_json::Value =
         serde_json::from_slice(&post(&agent, addr, "/select", &body)).expect("JSON");
     let reservations: u64 = answer["candidates"]
@@ -185,7 +190,10 @@ fn memory(churn: usize) {
             .as_array()
             .expect("loads")
             .iter()
-            .map(|rank| rank["reservations"].as_u64().unwrap_or(0) + rank["predicted_prefixes"].as_u64().unwrap_or(0))
+            .map(|rank| {
+                rank["reservations"].as_u64().unwrap_or(0)
+                    + rank["predicted_prefixes"].as_u64().unwrap_or(0)
+            })
             .sum();
         assert_eq!(held, 0, "every reservation and prediction gone");
         println!(

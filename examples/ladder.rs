@@ -391,9 +391,8 @@ impl Run<'_> {
                     let body = json!({ "cached_tokens": cached }).to_string();
                     self.post(&format!("/reservations/{id}/prefill_complete"), &body)?;
                 }
-                let decode_s = f64::from(self.requests[n].output_tokens)
-                    * self.args.decode_ms_per_token
-                    / 1e3;
+                let decode_s =
+                    f64::from(self.requests[n].output_tokens) * self.args.decode_ms_per_token / 1e3;
                 self.schedule(now + decode_s, Happening::DecodeDone(rank, n));
                 self.start_next(rank, now)?;
             }

@@ -87,6 +87,7 @@ fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
         answer,
         json!({
             "block_size": 16,
+            "query_tokens": 69,
             "query_blocks": 4,
             "scores": [
                 {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "matched_tokens": 64, "cached_blocks": 4, "tiers": {"gpu": 4, "cpu": 4, "disk": 4}},
@@ -114,7 +115,7 @@ fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
     let unknown = query(addr, json!({ "token_ids": prompt(5000, 3) }));
     assert_eq!(
         unknown,
-        json!({"block_size": 16, "query_blocks": 3, "scores": []})
+        json!({"block_size": 16, "query_tokens": 48, "query_blocks": 3, "scores": []})
     );
     let with_lora = query(
         addr,
@@ -128,7 +129,7 @@ fn query_answers_in_the_exact_shape_sorted_and_filtered_by_model() {
     let short = query(addr, json!({ "token_ids": [1, 2, 3] }));
     assert_eq!(
         short,
-        json!({"block_size": 16, "query_blocks": 0, "scores": []})
+        json!({"block_size": 16, "query_tokens": 3, "query_blocks": 0, "scores": []})
     );
 }
 
@@ -192,6 +193,9 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "recovered_by",
         "reason",
         "last_event_ms_ago",
+        "groups",
+        "exact",
+        "inexact",
     ]
     .into();
     let instances = workers.as_array().expect("an array");

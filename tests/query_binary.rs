@@ -208,7 +208,7 @@ fn an_empty_binary_body_answers_as_no_tokens_in_json() {
     let empty = assert_same_answer(addr, &[], &[("model", "m2", "m2")]);
     assert_eq!(
         empty,
-        json!({"block_size": 16, "query_blocks": 0, "scores": []})
+        json!({"block_size": 16, "query_tokens": 0, "query_blocks": 0, "scores": []})
     );
 }
 

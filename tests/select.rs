@@ -158,7 +158,7 @@ fn the_worked_example_reservation_load_and_prediction() {
     assert_eq!(
         answer,
         json!({
-            "instance": "a", "dp_rank": 0, "instance_id": answer["instance_id"], "query_blocks": 8,
+            "instance": "a", "dp_rank": 0, "instance_id": answer["instance_id"], "query_tokens": 128, "query_blocks": 8,
             "candidates": [
                 {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "predicted_blocks": 0,
                  "overlap_blocks": 5.0, "prefill_blocks": 3.0, "active_prefill_blocks": 0.0,

@@ -102,7 +102,7 @@ fn every_vector_decodes_to_its_expectation() {
     for row in rows() {
         let batch = decode_batch(&row.payload)
             .unwrap_or_else(|error| panic!("row {:?}: decode failed: {error}", row.name));
-        // The shared expectations predate block identity: checked by `identity_fields_decode`.
+        // The shared expectations predate block identity and the KV-cache spec.
         assert_eq!(
             without_extras(batch.events.clone()),
             row.events,
@@ -375,12 +375,17 @@ fn malformed_replay_replies_are_frame_errors() {
     );
 }
 
+/// The events without what the shared expectations predate: block identity (checked by
+/// `identity_fields_decode`) and the KV-cache spec of hybrid models (checked by
+/// `tests/hybrid_window.rs` and the decoder's tests).
 fn without_extras(events: Vec<Event>) -> Vec<Event> {
     events
         .into_iter()
         .map(|event| match event {
             Event::Stored(stored) => Event::Stored(BlockStored {
                 extras: Vec::new(),
+                kind: None,
+                sliding_window: None,
                 ..stored
             }),
             other => other,

@@ -57,16 +57,17 @@ pub fn encode_batch(batch: &EventBatch, form: Form) -> Vec<u8> {
 
 /// vLLM 0.24+: `{type, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 /// lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
-/// lookahead_token_ids}`, `group_idx` left out when unset, the spec when its kind is, and
+/// lookahead_token_ids}`, `group_idx` left out when unset, the spec when neither its kind nor its window is, and
 /// `lookahead_token_ids` when no block has any (as vLLM 0.33 without speculative decoding).
 fn stored_map(out: &mut Writer, stored: &BlockStored) {
     let lookahead = stored
         .extras
         .iter()
         .any(|extras| !extras.lookahead.is_empty());
+    let has_spec = stored.kind.is_some() || stored.sliding_window.is_some();
     out.map(
         9 + usize::from(stored.group_idx.is_some())
-            + 2 * usize::from(stored.kind.is_some())
+            + 2 * usize::from(has_spec)
             + usize::from(lookahead),
     );
     out.str("type");
@@ -91,9 +92,9 @@ fn stored_map(out: &mut Writer, stored: &BlockStored) {
         out.str("group_idx");
         out.uint(u64::from(group_idx));
     }
-    if let Some(kind) = stored.kind {
+    if has_spec {
         out.str("kv_cache_spec_kind");
-        out.str(kind.name());
+        out.optional_str(stored.kind.map(|kind| kind.name()));
         out.str("kv_cache_spec_sliding_window");
         out.optional_uint(stored.sliding_window.map(u64::from));
     }

@@ -11,7 +11,8 @@
 //!
 //! Owns: the wording of every rejection of a JSON body's values, and the checks that a body is
 //! UTF-8 and one JSON value. Never: builds a JSON tree of a body (a 16 MiB body of small
-//! numbers would make one of ~256 MiB), decides what a route does with a field, or panics on
+//! numbers would make one of ~256 MiB; only chat `messages` and `tools` are kept as JSON),
+//! decides what a route does with a field, or panics on
 //! what a client sends. Unknown keys are ignored; a key given twice is refused (as by Dynamo's
 //! own serde structs), so no two readers of one body can see different values.
 
@@ -158,6 +159,38 @@ pub(crate) fn objects_or_null<'de, D: Deserializer<'de>, T: Object>(
     let read = ReadArray::<AnObject<T>>(PhantomData);
     let items = deserializer.deserialize_any(Visit(read))?;
     Ok(items.map(|items| items.into_iter().map(|item| item.0).collect()))
+}
+
+/// `#[serde(default, deserialize_with = "json_array_or_null")]`: absent, `null` or an array,
+/// kept as JSON (chat `messages` and `tools`, which a chat template reads as it likes). The
+/// only JSON tree made of a body: a field's, and only when a route needs the value whole.
+pub(crate) fn json_array_or_null<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Value>, D::Error> {
+    match Option::<Value>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(array @ Value::Array(_)) => Ok(Some(array)),
+        Some(other) => Err(rejection(
+            Expected {
+                what: "an array",
+                array: false,
+                or_null: true,
+            },
+            json_kind(&other),
+        )),
+    }
+}
+
+/// What a JSON value is, as a rejection names it.
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// What an array's elements are called in its rejection.

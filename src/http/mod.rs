@@ -45,6 +45,7 @@ mod routes;
 mod select_body;
 mod select_route;
 mod snapshot_route;
+mod text_prompt;
 pub use snapshot_route::percent_decode;
 
 use std::net::{SocketAddr, TcpListener};
@@ -106,7 +107,6 @@ pub struct Api {
     pub secret: Arc<CurrentSecret>,
     /// `/select`'s reservations and predictions.
     pub selector: Arc<Selector>,
-    pub secret: Option<Secret>,
     /// The models' tokenizers, for prompts sent as text or chat messages.
     pub tokenizers: Arc<SharedTokenizers>,
 }

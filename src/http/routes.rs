@@ -12,6 +12,7 @@ use super::auth::{is_authorized, unauthorized};
 use super::query_body::{parse_query_request, QueryRequest};
 use super::select_route;
 use super::snapshot_route::snapshot_route;
+use super::text_prompt::tokenize_prompt;
 use super::{check_method, Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::index::{GroupView, Inexact, PerTier};
@@ -60,6 +61,8 @@ pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<
 #[derive(Serialize)]
 struct QueryAnswer<'a> {
     block_size: u32,
+    /// The prompt's tokens: what a text or chat prompt became.
+    query_tokens: usize,
     query_blocks: usize,
     scores: Vec<ScoreJson<'a>>,
 }
@@ -98,8 +101,11 @@ fn query(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Re
     let query_string = request.url().split_once('?').map(|(_, query)| query);
     let content_type = request.header("Content-Type");
     match parse_query_request(content_type, query_string, body, std::mem::take(tokens)) {
-        Ok(query) => {
-            let reply = score(api, &query);
+        Ok(mut query) => {
+            let reply = match tokenize_prompt(api, &mut query) {
+                Ok(()) => score(api, &query),
+                Err(refused) => refused,
+            };
             *tokens = query.token_ids;
             reply
         }
@@ -141,6 +147,7 @@ fn score(api: &Api, query: &QueryRequest) -> Reply {
     });
     let answer = QueryAnswer {
         block_size,
+        query_tokens: query.token_ids.len(),
         query_blocks: query.token_ids.len() / block_size.max(1) as usize,
         scores,
     };

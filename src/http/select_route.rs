@@ -8,12 +8,13 @@
 
 use std::time::Instant;
 
+use http::Method;
 use serde::Serialize;
 use serde_json::json;
-use http::Method;
 
 use super::auth::{is_authorized, unauthorized};
 use super::select_body::{parse_prefill_complete, parse_select_request};
+use super::text_prompt::tokenize_prompt;
 use super::{check_method, Api, Reply, Request};
 use crate::select::{Ranked, UnknownReservation};
 
@@ -22,6 +23,8 @@ struct SelectAnswer<'a> {
     instance: &'a str,
     dp_rank: u32,
     instance_id: u64,
+    /// The prompt's tokens: what a text or chat prompt became.
+    query_tokens: usize,
     query_blocks: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     reservation_id: Option<u64>,
@@ -65,13 +68,15 @@ impl<'a> CandidateJson<'a> {
 pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
     let query_string = request.url().split_once('?').map(|(_, query)| query);
     let content_type = request.header("Content-Type");
-    let (query, options) =
+    let (mut query, options) =
         match parse_select_request(content_type, query_string, body, std::mem::take(tokens)) {
             Ok(parsed) => parsed,
             Err(reason) => return Reply::error(400, reason),
         };
     let reply = if options.reserve && !is_authorized(request, api.secret.get().as_ref()) {
         unauthorized()
+    } else if let Err(refused) = tokenize_prompt(api, &mut query) {
+        refused
     } else {
         let board = api.ranks.current();
         let model = query.model.as_deref();
@@ -90,6 +95,7 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec
                     instance: &selection.chosen.key.engine,
                     dp_rank: selection.chosen.key.dp_rank,
                     instance_id: selection.chosen.instance_id,
+                    query_tokens: query.token_ids.len(),
                     query_blocks: selection.query_blocks,
                     reservation_id: selection.reservation_id,
                     candidates: selection

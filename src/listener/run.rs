@@ -618,7 +618,8 @@ impl Rank {
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
             let secret = self.replication.secret().get();
-            let checked = match recovery::fetch_snapshot(&url, secret.as_ref(), (&self.stop, turn)) {
+            let checked = match recovery::fetch_snapshot(&url, secret.as_ref(), (&self.stop, turn))
+            {
                 Fetched::Interrupted(by) => return Snapshot::Interrupted(by),
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),

@@ -168,15 +168,19 @@ impl Metrics {
         // happens. A group kind's reason appears when a rank first has it.
         for source in EndpointSource::ALL {
             for reason in EndpointRefusal::ALL {
-                metrics
-                    .endpoints_refused
-                    .get_or_create(&RefusalLabels { source, reason });
+                drop(
+                    metrics
+                        .endpoints_refused
+                        .get_or_create(&RefusalLabels { source, reason }),
+                );
             }
         }
         for reason in INEXACT_REASONS_NOT_KINDS {
-            metrics
-                .inexact_ranks
-                .get_or_create(&InexactLabels { reason });
+            drop(
+                metrics
+                    .inexact_ranks
+                    .get_or_create(&InexactLabels { reason }),
+            );
         }
         metrics.register(reloads);
         metrics

@@ -362,7 +362,10 @@ fn bind_dynamo(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
 }
 
 /// Every engine's tokenizer, sharing what `previous` already holds; the error names the file.
-pub(super) fn load_tokenizers(config: &Config, previous: &Tokenizers) -> anyhow::Result<Tokenizers> {
+pub(super) fn load_tokenizers(
+    config: &Config,
+    previous: &Tokenizers,
+) -> anyhow::Result<Tokenizers> {
     let tokenizers = Tokenizers::load(config.tokenizers(), previous)?;
     for (model, dir) in tokenizers.dirs() {
         info!("model {model:?}: tokenizer {}", dir.display());

@@ -85,21 +85,22 @@ impl Tokenizers {
     }
 
     /// The token ids of `prompt` for `model` (which may be left out when exactly one model has
-    /// a tokenizer), appended to `ids`.
+    /// a tokenizer), appended to `ids`; answers the model whose tokenizer read it.
     pub fn encode(
         &self,
         model: Option<&str>,
         prompt: &Prompt<'_>,
         ids: &mut Vec<u32>,
-    ) -> Result<(), PromptError> {
-        let tokenizer = self.choose(model)?;
+    ) -> Result<&str, PromptError> {
+        let (name, tokenizer) = self.choose(model)?;
         match prompt {
-            Prompt::Text(text) => tokenizer.encode_prompt(text, ids),
-            Prompt::Chat { messages, tools } => tokenizer.encode_chat(messages, *tools, ids),
+            Prompt::Text(text) => tokenizer.encode_prompt(text, ids)?,
+            Prompt::Chat { messages, tools } => tokenizer.encode_chat(messages, *tools, ids)?,
         }
+        Ok(name)
     }
 
-    fn choose(&self, model: Option<&str>) -> Result<&ModelTokenizer, PromptError> {
+    fn choose(&self, model: Option<&str>) -> Result<(&str, &ModelTokenizer), PromptError> {
         let known = || {
             let names: Vec<&str> = self.models().collect();
             if names.is_empty() {
@@ -108,32 +109,28 @@ impl Tokenizers {
                 format!("models with a tokenizer: {}", names.join(", "))
             }
         };
-        match model {
-            Some(name) => self
-                .by_model
-                .get(name)
-                .map(|t| &**t)
-                .ok_or_else(|| PromptError {
+        let found = match model {
+            Some(name) => self.by_model.get_key_value(name),
+            None if self.by_model.len() <= 1 => self.by_model.iter().next(),
+            None => {
+                return Err(PromptError {
                     field: "model".into(),
-                    message: format!("no tokenizer for model {name:?}; {}", known()),
-                }),
-            None if self.by_model.len() == 1 => Ok(self
-                .by_model
-                .values()
-                .next()
-                .map(|t| &**t)
-                .ok_or_else(|| PromptError {
-                    field: "model".into(),
-                    message: known(),
-                })?),
-            None => Err(PromptError {
+                    message: format!(
+                        "is required to choose a tokenizer when several models have one; {}",
+                        known()
+                    ),
+                })
+            }
+        };
+        found
+            .map(|(name, tokenizer)| (name.as_str(), &**tokenizer))
+            .ok_or_else(|| PromptError {
                 field: "model".into(),
-                message: format!(
-                    "is required to choose a tokenizer when several models have one; {}",
-                    known()
-                ),
-            }),
-        }
+                message: match model {
+                    Some(name) => format!("no tokenizer for model {name:?}; {}", known()),
+                    None => known(),
+                },
+            })
     }
 }
 

@@ -142,6 +142,7 @@ mod tests {
                 lora_name: Some("my adapter".into()),
                 cache_salt: Some("a+b c".into()),
                 mm_features: Vec::new(),
+                text: None,
             })
         );
         assert_eq!(

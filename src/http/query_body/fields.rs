@@ -7,8 +7,10 @@
 
 use serde::Deserialize;
 
-use super::QueryRequest;
-use crate::http::json_fields::{leaves_or_null, objects_or_null, or_null, present, Object};
+use super::{QueryRequest, TextPrompt};
+use crate::http::json_fields::{
+    json_array_or_null, leaves_or_null, objects_or_null, or_null, present, Object,
+};
 use crate::index::MmFeature;
 
 /// Every field a `/query` body may carry, each `None` when absent (or `null`).
@@ -24,6 +26,12 @@ struct QueryFields {
     cache_salt: Option<String>,
     #[serde(default, deserialize_with = "objects_or_null")]
     mm_features: Option<Vec<MmFeatureFields>>,
+    #[serde(default, deserialize_with = "or_null")]
+    prompt: Option<String>,
+    #[serde(default, deserialize_with = "json_array_or_null")]
+    messages: Option<serde_json::Value>,
+    #[serde(default, deserialize_with = "json_array_or_null")]
+    tools: Option<serde_json::Value>,
 }
 
 impl Object for QueryFields {
@@ -53,8 +61,40 @@ pub(super) fn parse_fields(body: &[u8]) -> Result<QueryRequest, String> {
 }
 
 impl QueryFields {
-    fn into_request(self) -> Result<QueryRequest, String> {
-        let token_ids = self.token_ids.ok_or("token_ids: missing")?;
+    fn into_request(mut self) -> Result<QueryRequest, String> {
+        let (token_ids, text) = match (self.token_ids, self.prompt, self.messages) {
+            (Some(token_ids), None, None) => (token_ids, None),
+            (None, Some(text), None) => (Vec::new(), Some(TextPrompt::Text(text))),
+            (None, None, Some(messages)) => (
+                Vec::new(),
+                Some(TextPrompt::Chat {
+                    messages,
+                    tools: self.tools.take(),
+                }),
+            ),
+            (None, None, None) => return Err(
+                "token_ids: missing (or send the prompt as \"prompt\" text or chat \"messages\")"
+                    .into(),
+            ),
+            (token_ids, prompt, messages) => {
+                let given: Vec<&str> = [
+                    token_ids.map(|_| "token_ids"),
+                    prompt.map(|_| "prompt"),
+                    messages.map(|_| "messages"),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                return Err(format!(
+                    "{}: given with {}; send exactly one of token_ids, prompt, messages",
+                    given[given.len() - 1],
+                    given[..given.len() - 1].join(" and ")
+                ));
+            }
+        };
+        if self.tools.is_some() {
+            return Err("tools: only with messages (a chat prompt)".into());
+        }
         let mm_features = self.mm_features.unwrap_or_default();
         let mm_features = mm_features
             .into_iter()
@@ -67,6 +107,7 @@ impl QueryFields {
             lora_name: self.lora_name,
             cache_salt: self.cache_salt,
             mm_features,
+            text,
         })
     }
 }

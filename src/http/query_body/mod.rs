@@ -7,8 +7,9 @@
 //!
 //! Never builds a JSON tree of the body and never panics on what a client sends.
 //!
-//! `scan` is the fast path, `fields` the body's fields as serde reads them; `binary` reads the
-//! other form of the body, little-endian u32 tokens with the options in the query string.
+//! `scan` is the fast path, `fields` the body's fields as serde reads them (`prompt` and
+//! `messages`, the alternatives to `token_ids`, only there); `binary` reads the other form of
+//! the body, little-endian u32 tokens with the options in the query string.
 
 mod binary;
 mod fields;
@@ -31,6 +32,20 @@ pub struct QueryRequest {
     /// Multimodal items of the prompt (vLLM's `MultiModalFeatureSpec`: identifier, offset and
     /// length in tokens).
     pub mm_features: Vec<MmFeature>,
+    /// The prompt as text or chat messages, in place of `token_ids` (empty until the route
+    /// tokenizes it: docs.md "Prompts as text or chat messages").
+    pub text: Option<TextPrompt>,
+}
+
+/// A prompt sent as text (`prompt`) or as chat messages (`messages`, with `tools`), for the
+/// model's tokenizer.
+#[derive(Debug, PartialEq)]
+pub enum TextPrompt {
+    Text(String),
+    Chat {
+        messages: serde_json::Value,
+        tools: Option<serde_json::Value>,
+    },
 }
 
 impl QueryRequest {

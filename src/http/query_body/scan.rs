@@ -49,6 +49,7 @@ pub(super) fn scan_common_shape(body: &[u8], mut tokens: Vec<u32>) -> Option<Que
         lora_name: lora_name.flatten(),
         cache_salt: cache_salt.flatten(),
         mm_features: mm_features.unwrap_or_default(),
+        text: None,
     })
 }
 
