@@ -1,10 +1,21 @@
 //! Prompts as text and chat messages: the model's own tokenizer and template give the ids
-//! transformers gives (the checked-in vectors), and `/query` scores them as their token ids.
+//! transformers gives (the checked-in vectors), and `/query` and `/select`, over real HTTP
+//! against scripted engine ranks over real ZMQ, score them exactly as their token ids.
 
+mod support;
+
+use std::net::SocketAddr;
 use std::path::Path;
 
 use kv_indexer::tokenize::{Prompt, Tokenizers};
+use kv_indexer::wire::{BlockStored, Event};
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::tokenizer_dir;
+use serde_json::{json, Value};
+use support::fake_engine::FakeRank;
+use support::http_client::{post, wait_for};
+use support::start_service;
 
 /// Writes the tokenizer directories for `make_vectors.py`:
 /// `KV_INDEXER_TOKENIZER_DIRS=/tmp/tok cargo test --test tokenize -- --ignored write_tokenizer_dirs`.
@@ -70,6 +81,195 @@ fn every_case_gets_the_ids_transformers_gives() {
                 .encode(case["model"].as_str(), &prompt, &mut ids)
                 .unwrap_or_else(|e| panic!("{name}: {e:?}"));
             assert_eq!(ids, expected, "{name} (round {round})");
+        }
+    }
+}
+
+/// Tokens per block here: the vectors' prompts are 8 to 77 tokens.
+const BLOCK: u32 = 4;
+
+/// The vectors' cases, each with the body field its prompt is sent in.
+fn cases() -> Vec<Value> {
+    vectors()["cases"].as_array().expect("cases").clone()
+}
+
+/// The case's prompt as a body: `prompt` text or chat `messages`, with its `model`.
+fn text_body(case: &Value) -> Value {
+    match case.get("prompt") {
+        Some(text) => json!({ "prompt": text, "model": case["model"] }),
+        None => json!({ "messages": case["messages"], "model": case["model"] }),
+    }
+}
+
+fn query(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let reply = post(addr, path, body.to_string().as_bytes());
+    (reply.status, reply.json())
+}
+
+/// One engine per tokenizer family (named and `model` as the family, `tokenizer` its
+/// directory), and `other`, of a model with no tokenizer, holding the same blocks.
+struct Engines {
+    running: RunningService,
+    ranks: Vec<FakeRank>,
+    _dirs: tempfile::TempDir,
+}
+
+const OTHER: usize = tokenizer_dir::FAMILIES.len();
+
+impl Engines {
+    fn start() -> Engines {
+        let dirs = tokenizer_dirs();
+        let zmq = zmq::Context::new();
+        let ranks: Vec<FakeRank> = (0..=OTHER).map(|_| FakeRank::bind(&zmq, 0)).collect();
+        let mut engines: Vec<EngineToml> = tokenizer_dir::FAMILIES
+            .iter()
+            .zip(&ranks)
+            .map(|(family, rank)| EngineToml {
+                model: Some(family.name.to_owned()),
+                tokenizer: Some(dirs.path().join(family.name).display().to_string()),
+                ..EngineToml::new(family.name, rank.port)
+            })
+            .collect();
+        engines.push(EngineToml {
+            model: Some("other".to_owned()),
+            ..EngineToml::new("other", ranks[OTHER].port)
+        });
+        let running = start_service(&indexer_toml(Some("127.0.0.1:1"), BLOCK, 8, &engines));
+        for rank in &ranks {
+            rank.wait_subscribed();
+        }
+        Engines {
+            running,
+            ranks,
+            _dirs: dirs,
+        }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.running.http_addr()
+    }
+
+    /// Stores the first `blocks` blocks of `ids` (hashes from `first_hash`) on the case's
+    /// family's rank and on `other`'s, and waits until both are indexed.
+    fn store(&mut self, model: &str, ids: &[u32], blocks: usize, first_hash: u64) {
+        let family = tokenizer_dir::FAMILIES
+            .iter()
+            .position(|family| family.name == model)
+            .expect("a family");
+        let hashes: Vec<u64> = (first_hash..first_hash + blocks as u64).collect();
+        let tokens = ids[..blocks * BLOCK as usize].to_vec();
+        for at in [family, OTHER] {
+            let stored = BlockStored::new(hashes.clone(), None, tokens.clone(), BLOCK);
+            self.ranks[at].publish(vec![Event::Stored(stored)]);
+        }
+        let addr = self.addr();
+        let body = json!({ "token_ids": ids });
+        wait_for(10, "the case's blocks on both ranks", || {
+            let (_, answer) = query(addr, "/query", &body);
+            let scores = answer["scores"].as_array()?;
+            let held = |name: &str| {
+                scores
+                    .iter()
+                    .any(|s| s["instance"] == name && s["matched_blocks"] == blocks as u64)
+            };
+            (held(model) && held("other")).then_some(())
+        });
+    }
+}
+
+#[test]
+fn text_and_chat_prompts_score_exactly_their_token_ids_over_http() {
+    let mut engines = Engines::start();
+    let addr = engines.addr();
+    for (at, case) in cases().iter().enumerate() {
+        let name = case["name"].as_str().expect("name");
+        let model = case["model"].as_str().expect("model");
+        let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).expect("ids");
+        // All but the last full block cached (at least one): a prefix, not the whole prompt.
+        let full = ids.len() / BLOCK as usize;
+        let cached = full.saturating_sub(1).max(1);
+        engines.store(model, &ids, cached, 1 + 1000 * at as u64);
+
+        let by_ids = json!({ "token_ids": ids, "model": model });
+        let (status, expected) = query(addr, "/query", &by_ids);
+        assert_eq!(status, 200, "{name}: {expected}");
+        let (status, answer) = query(addr, "/query", &text_body(case));
+        assert_eq!(status, 200, "{name}: {answer}");
+        assert_eq!(answer, expected, "{name}");
+        assert_eq!(answer["query_tokens"], ids.len(), "{name}");
+        let ranks: Vec<(&Value, &Value)> = answer["scores"]
+            .as_array()
+            .expect("scores")
+            .iter()
+            .map(|score| (&score["instance"], &score["matched_blocks"]))
+            .collect();
+        assert_eq!(
+            ranks,
+            [(&json!(model), &json!(cached))],
+            "{name}: only the model's own rank, never `other`'s same blocks"
+        );
+
+        let (status, selected) = query(addr, "/select", &text_body(case));
+        assert_eq!(status, 200, "{name}: {selected}");
+        let (_, selected_by_ids) = query(addr, "/select", &by_ids);
+        assert_eq!(selected, selected_by_ids, "{name}");
+        assert_eq!(selected["instance"], model, "{name}");
+        assert_eq!(selected["query_tokens"], ids.len(), "{name}");
+    }
+}
+
+#[test]
+fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
+    let engines = Engines::start();
+    let addr = engines.addr();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let refusals = [
+        (
+            json!({"token_ids": [1, 2], "prompt": "hi", "model": "chatml"}),
+            "prompt: given with token_ids; send exactly one of token_ids, prompt, messages",
+        ),
+        (
+            json!({"prompt": "hi", "messages": user, "model": "chatml"}),
+            "messages: given with prompt",
+        ),
+        (
+            json!({"model": "chatml"}),
+            "token_ids: missing",
+        ),
+        (
+            json!({"prompt": "hi", "model": "other"}),
+            "model: no tokenizer for model \"other\"; models with a tokenizer: chatml, deepseek-r1, llama3",
+        ),
+        (
+            json!({"prompt": "hi"}),
+            "model: is required to choose a tokenizer when several models have one",
+        ),
+        (
+            json!({"messages": "hi", "model": "chatml"}),
+            "messages: expected an array or null, got a string",
+        ),
+        (
+            json!({"prompt": 7, "model": "chatml"}),
+            "prompt: expected a string",
+        ),
+        (
+            json!({"prompt": "hi", "tools": [], "model": "chatml"}),
+            "tools: only with messages (a chat prompt)",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}], "model": "chatml"}),
+            "messages[0].content",
+        ),
+    ];
+    for path in ["/query", "/select"] {
+        for (body, wanted) in &refusals {
+            let (status, answer) = query(addr, path, body);
+            assert_eq!(status, 400, "{path} {body}: {answer}");
+            let error = answer["error"].as_str().unwrap_or_default();
+            assert!(
+                error.starts_with(wanted),
+                "{path} {body}: {error:?}, wanted {wanted:?}"
+            );
         }
     }
 }

@@ -19,6 +19,8 @@ pub struct EngineToml {
     pub replay_port: Option<u16>,
     pub recover_port: Option<u16>,
     pub model: Option<String>,
+    /// The model's tokenizer directory (docs.md "Prompts as text or chat messages").
+    pub tokenizer: Option<String>,
     /// The engine's HTTP server; written instead of `host`.
     pub discover: Option<String>,
     pub discover_interval_s: Option<u32>,
@@ -71,6 +73,10 @@ impl fmt::Display for EngineToml {
         }
         if let Some(model) = &self.model {
             writeln!(f, "model = \"{model}\"")?;
+        }
+        if let Some(tokenizer) = &self.tokenizer {
+            // A literal string: a path's backslashes stay as they are.
+            writeln!(f, "tokenizer = '{tokenizer}'")?;
         }
         Ok(())
     }

@@ -72,10 +72,7 @@ impl QueryFields {
                     tools: self.tools.take(),
                 }),
             ),
-            (None, None, None) => return Err(
-                "token_ids: missing (or send the prompt as \"prompt\" text or chat \"messages\")"
-                    .into(),
-            ),
+            (None, None, None) => return Err("token_ids: missing".into()),
             (token_ids, prompt, messages) => {
                 let given: Vec<&str> = [
                     token_ids.map(|_| "token_ids"),
