@@ -4,8 +4,9 @@
 //! benchmarks point the indexer's `tokenizer` key at them; nothing is downloaded.
 //!
 //! `tests/data/tokenize/make_vectors.py` reads the same directories with transformers to make
-//! the checked-in token-id vectors; `TRAINED_TOKENIZER_XXH3` pins the trained model, so a
-//! change in training is an error that says so, not a silent mismatch.
+//! the checked-in token-id vectors, which keep the trained model beside them
+//! (`trained_model`): `tests/tokenize.rs` compares it, so a change in training is an error
+//! that says so, not a silent mismatch.
 
 use std::path::Path;
 
@@ -66,10 +67,6 @@ pub const FAMILIES: [Family; 3] = [
         template: include_str!("tokenizer_dir/deepseek-r1-distill.jinja"),
     },
 ];
-
-/// xxh3 of the trained model's `tokenizer.json` (before a family's post-processor is set):
-/// what `make_vectors.py` was run against.
-pub const TRAINED_TOKENIZER_XXH3: u64 = 0;
 
 /// Trains the BPE (about a second) and writes one directory per family under `root`
 /// (`root/chatml`, …), each with `tokenizer.json`, `tokenizer_config.json` and, for

@@ -210,4 +210,51 @@ mod tests {
         stripping["added_tokens"][0]["lstrip"] = serde_json::json!(true);
         assert!(!piecewise_is_exact(&stripping));
     }
+
+    /// Random texts of added tokens, words, Unicode, digits and odd whitespace, some pieces
+    /// long enough to be cached: cut at added tokens, cold and from the cache, they get the ids
+    /// the tokenizer gives the whole text.
+    #[test]
+    fn pieces_laid_end_to_end_are_the_whole_texts_ids() {
+        use rand::rngs::SmallRng;
+        use rand::{Rng, SeedableRng};
+
+        let root = tempfile::tempdir().expect("a temporary directory");
+        kv_indexer_sim::tokenizer_dir::write_all(root.path()).expect("tokenizer directories");
+        let path = root.path().join("chatml/tokenizer.json");
+        let text = std::fs::read_to_string(&path).expect("tokenizer.json");
+        let config: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        let tokenizer = Tokenizer::from_bytes(text.as_bytes()).expect("a tokenizer");
+        let pieces = PieceTokenizer::new(tokenizer.clone(), &config).expect("pieces");
+        assert!(pieces.cuts_pieces(), "the byte-level BPE is cut at its added tokens");
+
+        let added: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|token| token.content)
+            .collect();
+        let long = "You are a helpful assistant who answers in full sentences. ".repeat(3);
+        let fragments = [
+            "hello", " world", "héllo", "你好", "🙂", "12345", " 3.14", "\n", "\n\n", "  ",
+            "\t", " \r\n", "<", "|", "im_", "don't", long.as_str(),
+        ];
+        let mut rng = SmallRng::seed_from_u64(25);
+        for round in 0..400 {
+            let mut text = String::new();
+            for _ in 0..rng.random_range(1..40) {
+                if rng.random_ratio(1, 6) {
+                    text.push_str(&added[rng.random_range(0..added.len())]);
+                } else {
+                    text.push_str(fragments[rng.random_range(0..fragments.len())]);
+                }
+            }
+            let whole = tokenizer.encode_fast(text.as_str(), false).expect("encode");
+            for pass in ["cold", "cached"] {
+                let mut ids = Vec::new();
+                pieces.encode_plain(&text, &mut ids).expect("encode");
+                assert_eq!(ids, whole.get_ids(), "round {round}, {pass}: {text:?}");
+            }
+        }
+        assert!(!pieces.cache.lock().pieces.is_empty(), "long pieces were cached");
+    }
 }
