@@ -279,7 +279,7 @@ fn zeroed<T: Item>() -> T {
 }
 
 /// Tables at least this big are mapped from the OS, aligned to huge pages.
-const HUGE_PAGE: usize = 2 << 20;
+pub(super) const HUGE_PAGE: usize = 2 << 20;
 
 const CACHE_LINE: usize = 64;
 
@@ -395,7 +395,7 @@ impl<T> Drop for Places<T> {
 
 /// Maps `bytes` (whole pages) of zeroed memory aligned to `HUGE_PAGE`, marked for transparent
 /// huge pages.
-fn map_huge(bytes: usize) -> NonNull<u8> {
+pub(super) fn map_huge(bytes: usize) -> NonNull<u8> {
     let padded = bytes + HUGE_PAGE;
     // SAFETY: an anonymous private mapping at an address of the kernel's choice touches no
     // existing memory.
