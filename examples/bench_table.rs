@@ -1,6 +1,7 @@
 //! Table benchmark: the index's own open-addressing table (`src/index/table.rs`, compiled in
 //! here as it is) against `hashbrown::HashTable` on the same storage (big allocations mapped
-//! with `mmap`, aligned to 2 MiB, `MADV_HUGEPAGE`, unmapped on free), side by side.
+//! with `mmap`, aligned to 2 MiB, `MADV_HUGEPAGE`, unmapped on free), side by side, both placed
+//! by the index's seeded hash (`table::scatter`).
 //!
 //! The workload is the index's, table by table: 64 shard tables of 32-byte entries (a uniform
 //! key, its parent, four holder slots) and 64 worker maps of 16-byte blocks (engine hash →
