@@ -139,12 +139,9 @@ impl Reloader {
         let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
             Ok(tokenizers) => tokenizers,
             Err(failed) => {
-                error!("reload rejected: {failed:#}");
-                error!("reload of {path} rejected; the running configuration is unchanged");
-                self.metrics.reload(false);
-                return Err(ConfigError {
+                return Err(self.rejected(ConfigError {
                     problems: vec![format!("{failed:#}")],
-                });
+                }))
             }
         };
         keep_for_restart(
