@@ -274,11 +274,15 @@ fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
     }
 }
 
-/// A copy of the ChatML tokenizer directory in `root/name`, for a test to break or change.
+/// A copy of the ChatML tokenizer directory in `root/name`, for a test to break or change
+/// (the families are trained once per `root`).
 fn chatml_copy(root: &Path, name: &str) -> std::path::PathBuf {
     let dir = root.join(name);
     std::fs::create_dir_all(&dir).expect("a directory");
-    tokenizer_dir::write_all(&root.join("families")).expect("tokenizer directories");
+    let families = root.join("families");
+    if !families.exists() {
+        tokenizer_dir::write_all(&families).expect("tokenizer directories");
+    }
     for file in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(root.join("families/chatml").join(file), dir.join(file)).expect("copy");
     }
@@ -390,17 +394,12 @@ fn a_tokenizer_that_does_not_load_rejects_the_reload_and_the_old_one_stays() {
         "the old tokenizer stays"
     );
 
+    let changed = chatml_copy(root.path(), "changed");
     std::fs::write(
-        dir.join("chat_template.jinja"),
+        changed.join("chat_template.jinja"),
         "{{ messages[0]['content'] }}",
     )
     .expect("write");
-    let changed = chatml_copy(root.path(), "changed");
-    std::fs::copy(
-        dir.join("chat_template.jinja"),
-        changed.join("chat_template.jinja"),
-    )
-    .expect("copy");
     std::fs::write(running.config_path(), file(&changed)).expect("rewrite the file");
     let reply = post(addr, "/reload", b"");
     assert_eq!(reply.status, 200, "{}", reply.text());
