@@ -246,7 +246,7 @@ fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
         ),
         (
             json!({"messages": "hi", "model": "chatml"}),
-            "messages: expected an array or null, got a string",
+            "messages: expected an array or null, got \"hi\"",
         ),
         (
             json!({"prompt": 7, "model": "chatml"}),
