@@ -3,7 +3,9 @@
 //! keep-alive clients, with the JSON body and with the binary one (little-endian u32 tokens).
 //! Target: p99 <= 300 µs with one client. Also what a percent-decode of a query-string value
 //! costs, with the `percent-encoding` crate (what the server uses) and with the hand-written
-//! decoder it replaced.
+//! decoder it replaced, and what a 12,000-token chat prompt sent as `messages` costs against
+//! the same prompt as `token_ids` (docs.md "Prompts as text or chat messages"; the engines'
+//! tokenizer is `sim::tokenizer_dir`'s ChatML one).
 //!
 //! `cargo run --release --example bench_http`
 
@@ -13,15 +15,23 @@ use std::time::{Duration, Instant};
 use kv_indexer::config::Config;
 use kv_indexer::http::percent_decode;
 use kv_indexer::service::Service;
+use kv_indexer::tokenize::{Prompt, Tokenizers};
 use kv_indexer_sim::fleet::{Fleet, BLOCK_SIZE};
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use kv_indexer_sim::rng::SplitMix64;
 use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::tokenizer_dir;
 use kv_indexer_sim::watch::{settle, total, warm_up, OverHttp, QueryForm};
+use serde_json::{json, Value};
 
 const ENGINES: usize = 8;
 const PAIRS: u64 = 1_000_000;
 const PROMPT_BLOCKS: u32 = 512;
 const CHAIN: u32 = 32;
 const DEADLINE: Duration = Duration::from_secs(120);
+const CHAT_MODEL: &str = "chatml";
+/// The chat prompt's length, as the issue asks.
+const CHAT_TOKENS: usize = 12_000;
 
 fn main() {
     let per_engine = PAIRS / ENGINES as u64;
@@ -34,8 +44,21 @@ fn main() {
     })
     .expect("simulated engines");
     let dir = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(dir.path()).expect("tokenizer directories");
+    let chatml = dir.path().join("chatml");
+    // Every engine serves the model `chatml` with that tokenizer; the token-id bodies name no
+    // model, so they score every engine as before.
+    let engines: Vec<EngineToml> = fleet
+        .engine_tomls()
+        .into_iter()
+        .map(|engine| EngineToml {
+            model: Some(CHAT_MODEL.to_owned()),
+            tokenizer: Some(chatml.display().to_string()),
+            ..engine
+        })
+        .collect();
     let path = dir.path().join("indexer.toml");
-    std::fs::write(&path, fleet.indexer_config()).expect("write config");
+    std::fs::write(&path, indexer_toml(None, BLOCK_SIZE, 64, &engines)).expect("write config");
     let config = Config::load(&path).expect("valid config");
     let service = Service::start(&path, config, Some("127.0.0.1:0".into())).expect("service");
     let addr = service.http_addr();
@@ -140,7 +163,155 @@ fn main() {
             latencies.len() as f64 / wall.as_secs_f64()
         );
     }
+    print_chat_cost(&fleet, &mut indexer, addr, &chatml);
     service.shutdown();
+}
+
+/// A 12,000-token chat (a system prompt and turns of generated prose) served on the first
+/// rank, then `/query` with it as `token_ids`, as the same `messages` again and again (every
+/// piece from the tokenizer's cache), and as a conversation whose last user turn is new each
+/// time (what a chat's next request is). Interleaved, one keep-alive client.
+fn print_chat_cost(fleet: &Fleet, indexer: &mut OverHttp, addr: SocketAddr, dir: &std::path::Path) {
+    let tokenizers = Tokenizers::load([(CHAT_MODEL, dir)], &Tokenizers::default())
+        .expect("the ChatML tokenizer");
+    let mut words = SplitMix64::new(12_000);
+    let mut messages = vec![json!({"role": "system", "content": prose(&mut words, 400)})];
+    let ids = loop {
+        let mut ids = Vec::new();
+        let chat = Value::Array(messages.clone());
+        let prompt = Prompt::Chat {
+            messages: &chat,
+            tools: None,
+        };
+        tokenizers
+            .encode(Some(CHAT_MODEL), &prompt, &mut ids)
+            .expect("tokenized");
+        if ids.len() >= CHAT_TOKENS {
+            break ids;
+        }
+        let role = if messages.len() % 2 == 1 {
+            "user"
+        } else {
+            "assistant"
+        };
+        messages.push(json!({"role": role, "content": prose(&mut words, 300)}));
+    };
+    let at = fleet.ranks()[0];
+    fleet
+        .engine(at)
+        .serve(at.rank, &ids)
+        .expect("serve the chat");
+    settle(fleet, indexer, DEADLINE).expect("the chat indexed");
+
+    let by_ids = json!({"token_ids": ids, "model": CHAT_MODEL})
+        .to_string()
+        .into_bytes();
+    let chat = json!({"messages": messages, "model": CHAT_MODEL})
+        .to_string()
+        .into_bytes();
+    let agent = keep_alive_client();
+    let expected: Value = serde_json::from_slice(&query(&agent, addr, QueryForm::Json, &by_ids))
+        .expect("a JSON answer");
+    let answer: Value = serde_json::from_slice(&query(&agent, addr, QueryForm::Json, &chat))
+        .expect("a JSON answer");
+    assert_eq!(
+        answer, expected,
+        "the chat as messages scores otherwise than its ids"
+    );
+    assert_eq!(answer["query_tokens"], ids.len());
+    println!(
+        "chat prompt: {} messages, {} tokens, {} bytes as messages, {} as token_ids",
+        messages.len(),
+        ids.len(),
+        chat.len(),
+        by_ids.len()
+    );
+
+    let (mut as_ids, mut repeated, mut new_turn) = (Vec::new(), Vec::new(), Vec::new());
+    let timed = |samples: &mut Vec<Duration>, body: &[u8]| {
+        let t = Instant::now();
+        query(&agent, addr, QueryForm::Json, body);
+        samples.push(t.elapsed());
+    };
+    for round in 0..1_200 {
+        let mut next = messages.clone();
+        if let Some(last) = next.last_mut() {
+            last["content"] = json!(format!("{} (take {round})", prose(&mut words, 300)));
+        }
+        let next = json!({"messages": next, "model": CHAT_MODEL})
+            .to_string()
+            .into_bytes();
+        if round < 200 {
+            query(&agent, addr, QueryForm::Json, &by_ids);
+            query(&agent, addr, QueryForm::Json, &chat);
+            continue;
+        }
+        timed(&mut as_ids, &by_ids);
+        timed(&mut repeated, &chat);
+        timed(&mut new_turn, &next);
+    }
+    for (what, samples) in [
+        ("as token_ids", &mut as_ids),
+        ("as messages, repeated", &mut repeated),
+        ("as messages, last turn new", &mut new_turn),
+    ] {
+        samples.sort();
+        let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+        println!(
+            "{CHAT_TOKENS}-token chat {what}: {} queries, p50 {:?}, p99 {:?}",
+            samples.len(),
+            at(0.50),
+            at(0.99)
+        );
+    }
+}
+
+/// `words` words of generated prose: common words, some capitalised, with punctuation.
+fn prose(rng: &mut SplitMix64, words: usize) -> String {
+    const WORDS: [&str; 24] = [
+        "the",
+        "cache",
+        "of",
+        "a",
+        "rank",
+        "holds",
+        "blocks",
+        "that",
+        "prompt",
+        "shares",
+        "with",
+        "its",
+        "neighbours",
+        "and",
+        "router",
+        "sends",
+        "each",
+        "request",
+        "where",
+        "prefix",
+        "is",
+        "already",
+        "warm",
+        "today",
+    ];
+    let mut text = String::new();
+    for n in 0..words {
+        let word = WORDS[rng.below(WORDS.len() as u64) as usize];
+        if n > 0 {
+            text.push(' ');
+        }
+        if n % 11 == 0 {
+            let mut chars = word.chars();
+            text.extend(chars.next().map(|c| c.to_ascii_uppercase()));
+            text.push_str(chars.as_str());
+        } else {
+            text.push_str(word);
+        }
+        if n % 11 == 10 {
+            text.push_str(if rng.below(4) == 0 { "?" } else { "." });
+        }
+    }
+    text
 }
 
 /// What parsing the body costs, apart from HTTP: the server's one-pass scanner (every body of

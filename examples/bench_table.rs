@@ -317,9 +317,12 @@ impl Maps for Brown {
 
     fn remove(&mut self, worker: usize, engine_hash: u64) {
         let map = &mut self.workers[worker];
-        let Ok(found) = map.table.find_entry(table::scatter(spread(engine_hash), map.seed), |b| {
-            b.engine_hash == engine_hash
-        }) else {
+        let Ok(found) = map
+            .table
+            .find_entry(table::scatter(spread(engine_hash), map.seed), |b| {
+                b.engine_hash == engine_hash
+            })
+        else {
             return;
         };
         let (block, _) = found.remove();
@@ -507,17 +510,13 @@ fn measure<M: Maps>(pairs: usize) {
     let mut found = 0;
     println!(
         "lookup_held {:.2}",
-        rate(sample.len(), || found += sample
-            .iter()
-            .map(|d| maps.holders(d.key))
-            .sum::<usize>())
+        rate(sample.len(), || found +=
+            sample.iter().map(|d| maps.holders(d.key)).sum::<usize>())
     );
     println!(
         "lookup_absent {:.2}",
-        rate(absent.len(), || found += absent
-            .iter()
-            .map(|&key| maps.holders(key))
-            .sum::<usize>())
+        rate(absent.len(), || found +=
+            absent.iter().map(|&key| maps.holders(key)).sum::<usize>())
     );
     println!(
         "lookup_engine_hash {:.2}",
@@ -625,7 +624,10 @@ fn main() {
         ("fill", "fill, growth included (M pairs per CPU s)"),
         ("lookup_held", "lookup of a held key (M per CPU s)"),
         ("lookup_absent", "lookup of an absent key (M per CPU s)"),
-        ("lookup_engine_hash", "lookup of a held engine hash (M per CPU s)"),
+        (
+            "lookup_engine_hash",
+            "lookup of a held engine hash (M per CPU s)",
+        ),
         ("churn_store", "churn: store a pair (M per CPU s)"),
         ("churn_remove", "churn: remove a pair (M per CPU s)"),
         (

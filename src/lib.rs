@@ -13,6 +13,7 @@
 //!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
 //! http (our HTTP/1.1 server and routes) reads the index and the registry's published views.
 //! select, beside http, weighs them with its own reservations to choose a rank (`/select`).
+//! tokenize, beside http, turns a prompt sent as text or chat messages into token ids.
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
 //! ```

@@ -10,6 +10,7 @@ mod support;
 use std::time::Duration;
 
 use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::watch::{total, OverHttp, RankView};
 use kv_indexer_sim::workload::Route;
@@ -205,17 +206,24 @@ fn the_binary_over_http_is_exact() {
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let fleet =
         Fleet::start_on_consecutive_ports(ENGINES, |i| engine_config(i, CLEAN)).expect("fleet");
+    served_exactly_over_http(&fleet, &prompts);
+}
+
+/// The binary on `fleet`: `prompts` served sticky, then every (prompt, rank) answer over HTTP
+/// exact, with evictions and no gap. The indexer, for what a test checks next.
+fn served_exactly_over_http(fleet: &Fleet, prompts: &[Vec<u32>]) -> IndexerProcess {
     let process = start_indexer(&fleet.indexer_config());
     let mut indexer = OverHttp::new(process.address);
-    let warm = warm_up(&fleet, &mut indexer, DEADLINE);
+    let warm = warm_up(fleet, &mut indexer, DEADLINE);
     assert_eq!(warm.len(), ENGINES * DP_SIZE as usize);
 
     let mut router = fleet.router(Route::Sticky);
-    let placed = fleet.serve_all(&mut router, &prompts).expect("serve");
-    let views = settle(&fleet, &mut indexer, DEADLINE);
-    let accuracy = assert_exact(&fleet, &mut indexer, &views, &prompts, &placed);
+    let placed = fleet.serve_all(&mut router, prompts).expect("serve");
+    let views = settle(fleet, &mut indexer, DEADLINE);
+    let accuracy = assert_exact(fleet, &mut indexer, &views, prompts, &placed);
     assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");
     assert_eq!(gaps_since(&warm, &views), 0, "{views:#?}");
+    process
 }
 
 /// Hybrid engines (`sliding_window`: group 1 a window of 32 tokens on one engine, 64 on the
@@ -232,15 +240,7 @@ fn a_hybrid_fleet_with_two_windows_over_http_is_exact() {
         ..engine_config(i, CLEAN)
     })
     .expect("fleet");
-    let process = start_indexer(&fleet.indexer_config());
-    let mut indexer = OverHttp::new(process.address);
-    let warm = warm_up(&fleet, &mut indexer, DEADLINE);
-    let mut router = fleet.router(Route::Sticky);
-    let placed = fleet.serve_all(&mut router, &prompts).expect("serve");
-    let views = settle(&fleet, &mut indexer, DEADLINE);
-    let accuracy = assert_exact(&fleet, &mut indexer, &views, &prompts, &placed);
-    assert!(accuracy.evicted > 0, "no eviction: {accuracy:?}");
-    assert_eq!(gaps_since(&warm, &views), 0, "{views:#?}");
+    let process = served_exactly_over_http(&fleet, &prompts);
     let window_decided = prompts
         .iter()
         .flat_map(|prompt| fleet.ranks().into_iter().map(move |at| (prompt, at)))

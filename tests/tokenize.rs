@@ -246,7 +246,7 @@ fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
         ),
         (
             json!({"messages": "hi", "model": "chatml"}),
-            "messages: expected an array or null, got a string",
+            "messages: expected an array or null, got \"hi\"",
         ),
         (
             json!({"prompt": 7, "model": "chatml"}),
@@ -272,4 +272,152 @@ fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
             );
         }
     }
+}
+
+/// A copy of the ChatML tokenizer directory in `root/name`, for a test to break or change
+/// (the families are trained once per `root`).
+fn chatml_copy(root: &Path, name: &str) -> std::path::PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    let families = root.join("families");
+    if !families.exists() {
+        tokenizer_dir::write_all(&families).expect("tokenizer directories");
+    }
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(root.join("families/chatml").join(file), dir.join(file)).expect("copy");
+    }
+    dir
+}
+
+fn load_error(dir: &Path) -> String {
+    match kv_indexer::tokenize::ModelTokenizer::load(dir) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(error) => format!("{error:#}"),
+    }
+}
+
+#[test]
+fn loading_names_the_file_of_every_problem() {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let missing = root.path().join("missing");
+    std::fs::create_dir_all(&missing).expect("a directory");
+    let error = load_error(&missing);
+    assert!(
+        error.starts_with(&format!(
+            "{}: cannot read",
+            missing.join("tokenizer.json").display()
+        )),
+        "{error}"
+    );
+
+    let bad_template = chatml_copy(root.path(), "bad-template");
+    std::fs::write(bad_template.join("chat_template.jinja"), "{% for m in %}").expect("write");
+    let error = load_error(&bad_template);
+    assert!(
+        error.contains(
+            &bad_template
+                .join("chat_template.jinja")
+                .display()
+                .to_string()
+        ),
+        "{error}"
+    );
+
+    let unknown_token = chatml_copy(root.path(), "unknown-token");
+    let config_path = unknown_token.join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("read")).expect("JSON");
+    config["eos_token"] = json!("<|no such token|>");
+    std::fs::write(&config_path, config.to_string()).expect("write");
+    assert_eq!(
+        load_error(&unknown_token),
+        format!(
+            "{}: eos_token \"<|no such token|>\" is not a token of tokenizer.json",
+            config_path.display()
+        )
+    );
+}
+
+#[test]
+fn a_chat_template_file_wins_over_the_configs_template() {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let dir = chatml_copy(root.path(), "own-template");
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ 'Q: ' + messages[0]['content'] | trim }}\n",
+    )
+    .expect("write");
+    let tokenizer =
+        kv_indexer::tokenize::ModelTokenizer::load(&dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let messages = json!([{"role": "user", "content": "  hello there "}]);
+    let (mut chat, mut text) = (Vec::new(), Vec::new());
+    tokenizer
+        .encode_chat(&messages, None, &mut chat)
+        .expect("rendered");
+    // ChatML has no BOS: the prompt's ids are the plain text's (trim_blocks ate the newline).
+    tokenizer
+        .encode_prompt("Q: hello there", &mut text)
+        .expect("tokenized");
+    assert_eq!(chat, text);
+}
+
+#[test]
+fn a_tokenizer_that_does_not_load_rejects_the_reload_and_the_old_one_stays() {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let dir = chatml_copy(root.path(), "chatml");
+    let zmq = zmq::Context::new();
+    let rank = FakeRank::bind(&zmq, 0);
+    let engine = |tokenizer: &Path| EngineToml {
+        model: Some("chatml".to_owned()),
+        tokenizer: Some(tokenizer.display().to_string()),
+        ..EngineToml::new("chatml", rank.port)
+    };
+    let file = |tokenizer: &Path| indexer_toml(Some("127.0.0.1:1"), BLOCK, 8, &[engine(tokenizer)]);
+    let running = start_service(&file(&dir));
+    let addr = running.http_addr();
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let (status, before) = query(addr, "/query", &chat);
+    assert_eq!(status, 200, "{before}");
+
+    let gone = root.path().join("gone");
+    std::fs::write(running.config_path(), file(&gone)).expect("rewrite the file");
+    let reply = post(addr, "/reload", b"");
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    let problems = reply.json()["problems"].to_string();
+    assert!(
+        problems.contains(&gone.join("tokenizer.json").display().to_string()),
+        "{problems}"
+    );
+    assert_eq!(
+        query(addr, "/query", &chat),
+        (200, before.clone()),
+        "the old tokenizer stays"
+    );
+
+    let changed = chatml_copy(root.path(), "changed");
+    std::fs::write(
+        changed.join("chat_template.jinja"),
+        "{{ messages[0]['content'] }}",
+    )
+    .expect("write");
+    std::fs::write(running.config_path(), file(&changed)).expect("rewrite the file");
+    let reply = post(addr, "/reload", b"");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let (status, after) = query(addr, "/query", &chat);
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(
+        after["query_tokens"],
+        json!(tokens_of("hi", &changed)),
+        "the new template"
+    );
+    assert_ne!(after["query_tokens"], before["query_tokens"]);
+}
+
+/// How many tokens the plain text `text` is for the tokenizer in `dir`.
+fn tokens_of(text: &str, dir: &Path) -> usize {
+    let tokenizer =
+        kv_indexer::tokenize::ModelTokenizer::load(dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let mut ids = Vec::new();
+    tokenizer.encode_prompt(text, &mut ids).expect("tokenized");
+    ids.len()
 }

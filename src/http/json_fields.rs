@@ -167,30 +167,7 @@ pub(crate) fn objects_or_null<'de, D: Deserializer<'de>, T: Object>(
 pub(crate) fn json_array_or_null<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<Value>, D::Error> {
-    match Option::<Value>::deserialize(deserializer)? {
-        None => Ok(None),
-        Some(array @ Value::Array(_)) => Ok(Some(array)),
-        Some(other) => Err(rejection(
-            Expected {
-                what: "an array",
-                array: false,
-                or_null: true,
-            },
-            json_kind(&other),
-        )),
-    }
-}
-
-/// What a JSON value is, as a rejection names it.
-fn json_kind(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
+    deserializer.deserialize_any(Visit(ReadJsonArray))
 }
 
 /// What an array's elements are called in its rejection.
@@ -404,6 +381,32 @@ impl<'de, E: Element> Read<'de> for ReadArray<E> {
             values.push(value);
         }
         Ok(Some(Some(values)))
+    }
+}
+
+/// An array of any JSON values, kept as JSON, or `null` as `None`.
+struct ReadJsonArray;
+
+impl<'de> Read<'de> for ReadJsonArray {
+    type Value = Option<Value>;
+
+    fn expected(&self) -> Expected {
+        Expected {
+            or_null: true,
+            ..Expected::one("an array")
+        }
+    }
+
+    fn null(self) -> Option<Option<Value>> {
+        Some(None)
+    }
+
+    fn seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Option<Self::Value>, A::Error> {
+        let mut values = Vec::with_capacity(items.size_hint().unwrap_or(0));
+        while let Some(value) = items.next_element()? {
+            values.push(value);
+        }
+        Ok(Some(Some(Value::Array(values))))
     }
 }
 

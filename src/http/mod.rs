@@ -5,9 +5,10 @@
 //! reveal cache contents or change state, `answering` bounds the requests answered at once,
 //! `query_body` parses `POST /query` and `json_fields` reads the JSON bodies of both APIs;
 //! `select_route` answers `POST /select` and the reservation routes (`select_body` parses what
-//! they add to the `/query` body), asking `select`; `dynamo` is the Dynamo / Mooncake indexer
-//! API, served by the same server code on its own address (`Routes` says which API a server
-//! answers).
+//! they add to the `/query` body), asking `select`; `text_prompt` has a text or chat prompt
+//! tokenized by its model's tokenizer before either scores it; `dynamo` is the Dynamo /
+//! Mooncake indexer API, served by the same server code on its own address (`Routes` says
+//! which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the

@@ -175,7 +175,7 @@ mod tests {
         };
         let mut busy = candidate(0, 2, 2, 2);
         busy.load.reservations = 1;
-        let mut sorted = vec![
+        let mut sorted = [
             cost(4, busy, &weights),
             cost(4, candidate(3, 2, 2, 2), &weights),
             cost(4, candidate(2, 2, 2, 2), &weights),
@@ -190,7 +190,7 @@ mod tests {
             prefill_weight: 0.0,
             ..Select::default()
         };
-        let mut tied = vec![
+        let mut tied = [
             cost(4, candidate(0, 0, 0, 0), &weights),
             cost(4, candidate(1, 0, 0, 1), &weights),
         ];

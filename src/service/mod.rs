@@ -40,7 +40,7 @@ use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
 use crate::tokenize::{SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
-use reload::{board_engines, Reloader};
+use reload::{board_engines, Followers, Reloader};
 use retry::Retry;
 
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
@@ -226,8 +226,10 @@ impl Service {
             metrics.clone(),
             board.clone(),
             neighbours,
-            replication.clone(),
-            tokenizers.clone(),
+            Followers {
+                replication: replication.clone(),
+                tokenizers: tokenizers.clone(),
+            },
         ));
         // Weak: the askers live in the reloader, and their answers go back to it.
         let answers = Arc::downgrade(&reloader);

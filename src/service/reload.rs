@@ -57,6 +57,13 @@ pub(super) struct Reloader {
     tokenizers: Arc<SharedTokenizers>,
 }
 
+/// What follows the file beside the registry and the discovered engines: the peers and the
+/// token (`replication`), and the models' tokenizers.
+pub(super) struct Followers {
+    pub replication: Arc<Replication>,
+    pub tokenizers: Arc<SharedTokenizers>,
+}
+
 impl Reloader {
     /// The reloader of `config` as just applied at start-up; its askers come with `set_askers`
     /// (they hold a weak reference back to it).
@@ -67,8 +74,10 @@ impl Reloader {
         metrics: Arc<Metrics>,
         board: Arc<Board>,
         neighbours: NeighbourWatch,
-        replication: Arc<Replication>,
-        tokenizers: Arc<SharedTokenizers>,
+        Followers {
+            replication,
+            tokenizers,
+        }: Followers,
     ) -> Reloader {
         let selector = Arc::new(Selector::new(config.select.clone(), metrics.clone()));
         Reloader {
@@ -139,12 +148,9 @@ impl Reloader {
         let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
             Ok(tokenizers) => tokenizers,
             Err(failed) => {
-                error!("reload rejected: {failed:#}");
-                error!("reload of {path} rejected; the running configuration is unchanged");
-                self.metrics.reload(false);
-                return Err(ConfigError {
+                return Err(self.rejected(ConfigError {
                     problems: vec![format!("{failed:#}")],
-                });
+                }))
             }
         };
         keep_for_restart(

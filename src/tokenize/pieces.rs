@@ -226,7 +226,10 @@ mod tests {
         let config: serde_json::Value = serde_json::from_str(&text).expect("JSON");
         let tokenizer = Tokenizer::from_bytes(text.as_bytes()).expect("a tokenizer");
         let pieces = PieceTokenizer::new(tokenizer.clone(), &config).expect("pieces");
-        assert!(pieces.cuts_pieces(), "the byte-level BPE is cut at its added tokens");
+        assert!(
+            pieces.cuts_pieces(),
+            "the byte-level BPE is cut at its added tokens"
+        );
 
         let added: Vec<String> = tokenizer
             .get_added_tokens_decoder()
@@ -235,8 +238,23 @@ mod tests {
             .collect();
         let long = "You are a helpful assistant who answers in full sentences. ".repeat(3);
         let fragments = [
-            "hello", " world", "héllo", "你好", "🙂", "12345", " 3.14", "\n", "\n\n", "  ",
-            "\t", " \r\n", "<", "|", "im_", "don't", long.as_str(),
+            "hello",
+            " world",
+            "héllo",
+            "你好",
+            "🙂",
+            "12345",
+            " 3.14",
+            "\n",
+            "\n\n",
+            "  ",
+            "\t",
+            " \r\n",
+            "<",
+            "|",
+            "im_",
+            "don't",
+            long.as_str(),
         ];
         let mut rng = SmallRng::seed_from_u64(25);
         for round in 0..400 {
@@ -255,6 +273,9 @@ mod tests {
                 assert_eq!(ids, whole.get_ids(), "round {round}, {pass}: {text:?}");
             }
         }
-        assert!(!pieces.cache.lock().pieces.is_empty(), "long pieces were cached");
+        assert!(
+            !pieces.cache.lock().pieces.is_empty(),
+            "long pieces were cached"
+        );
     }
 }
