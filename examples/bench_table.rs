@@ -596,17 +596,14 @@ fn load_average() -> String {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let number = |arg: Option<&String>| arg.and_then(|n| n.parse().ok());
-    match args.first().map(String::as_str) {
-        Some(which @ ("ours" | "hashbrown")) => {
-            let pairs = number(args.get(1)).unwrap_or(10_000_000);
-            if which == Ours::NAME {
-                measure::<Ours>(pairs);
-            } else {
-                measure::<Brown>(pairs);
-            }
-            return;
+    if let Some(which @ ("ours" | "hashbrown")) = args.first().map(String::as_str) {
+        let pairs = number(args.get(1)).unwrap_or(10_000_000);
+        if which == Ours::NAME {
+            measure::<Ours>(pairs);
+        } else {
+            measure::<Brown>(pairs);
         }
-        _ => {}
+        return;
     }
     let pairs = number(args.first()).unwrap_or(10_000_000);
     println!("load average before: {}", load_average());
