@@ -171,7 +171,6 @@ fn salted_and_multimodal_prompts_end_to_end() {
     let engine = SimEngine::start(SimConfig {
         block_size: 4,
         capacity_blocks: 1_000,
-        replay_port: None,
         recover_port: None,
         seed: 14,
         ..SimConfig::default()
@@ -181,7 +180,12 @@ fn salted_and_multimodal_prompts_end_to_end() {
         None,
         4,
         4,
-        &[EngineToml::new("sim", engine.ports()[0].publish)],
+        // With its replay: a first batch lost to the slow joiner is replayed, so the rank is
+        // whole (`active`, the only state a query trusts) and not degraded from the start.
+        &[EngineToml {
+            replay_port: engine.ports()[0].replay,
+            ..EngineToml::new("sim", engine.ports()[0].publish)
+        }],
     ))
     .unwrap_or_else(|error| panic!("{error:#}"));
     let url = format!("http://{}/query", service.http_addr());
