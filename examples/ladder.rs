@@ -454,12 +454,14 @@ impl Run<'_> {
                     let rank = self.rank_of(score)?;
                     matched[rank] = score["matched_blocks"].as_u64().unwrap_or(0);
                 }
-                let queued = |rank: usize| {
+                // What a router knows of a rank's load: the requests it sent there and has not
+                // seen finish (queued, prefilling or decoding).
+                let outstanding = |rank: usize| {
                     let state = &self.state[rank];
-                    state.queue.len() + usize::from(state.prefilling.is_some())
+                    state.queue.len() + usize::from(state.prefilling.is_some()) + state.decoding
                 };
                 Ok((0..self.ranks.len())
-                    .min_by_key(|&rank| (Reverse(matched[rank]), queued(rank), rank))
+                    .min_by_key(|&rank| (Reverse(matched[rank]), outstanding(rank), rank))
                     .unwrap_or(0))
             }
             Policy::Select => {
