@@ -35,7 +35,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use kv_indexer::config::{Config, Select};
 use kv_indexer::index::PerTier;
-use kv_indexer::select::{best_first, cost, Candidate, Load};
+use kv_indexer::select::{best_first, cost, Candidate, Costed, Load};
 use kv_indexer::service::Service;
 use kv_indexer_sim::fleet::{load_benchmark_requests, Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer_sim::indexer_toml::select_table;
@@ -125,6 +125,8 @@ struct Row {
     ttft_p50_ms: f64,
     ttft_p99_ms: f64,
     imbalance: f64,
+    /// The share of decisions the oracle would have made (of the lowest oracle cost).
+    oracle_agreement: f64,
 }
 
 fn main() -> Result<()> {
@@ -145,8 +147,8 @@ fn main() -> Result<()> {
             args.decode_ms_per_token, args.decode_slots
         );
         println!(
-            "{:<8} {:<22} {:>9} {:>12} {:>12} {:>10}",
-            "workload", "policy", "hit", "TTFT p50 ms", "TTFT p99 ms", "imbalance"
+            "{:<8} {:<22} {:>9} {:>12} {:>12} {:>10} {:>9}",
+            "workload", "policy", "hit", "TTFT p50 ms", "TTFT p99 ms", "imbalance", "oracle's"
         );
     }
     for workload in &workloads {
@@ -183,18 +185,19 @@ fn print_row(args: &Args, row: &Row) {
             json!({
                 "workload": row.workload, "policy": row.policy, "hit_ratio": row.hit_ratio,
                 "ttft_p50_ms": row.ttft_p50_ms, "ttft_p99_ms": row.ttft_p99_ms,
-                "imbalance": row.imbalance,
+                "imbalance": row.imbalance, "oracle_agreement": row.oracle_agreement,
             })
         );
     } else {
         println!(
-            "{:<8} {:<22} {:>8.1}% {:>12.0} {:>12.0} {:>10.2}",
+            "{:<8} {:<22} {:>8.1}% {:>12.0} {:>12.0} {:>10.2} {:>8.1}%",
             row.workload,
             row.policy,
             row.hit_ratio * 100.0,
             row.ttft_p50_ms,
             row.ttft_p99_ms,
-            row.imbalance
+            row.imbalance,
+            row.oracle_agreement * 100.0
         );
     }
 }
@@ -260,7 +263,7 @@ struct RankState {
     prefilling: Option<usize>,
     decoding: usize,
     busy_s: f64,
-    /// The true load, as the oracle weighs it (zero in the other policies' bookkeeping).
+    /// The true load, as the oracle weighs it.
     load: Load,
 }
 
@@ -271,7 +274,7 @@ struct Fate {
     hit_blocks: u32,
     ttft_s: f64,
     reservation: Option<u64>,
-    /// The oracle's bookkeeping of it.
+    /// The oracle's weighing of it on its rank.
     prefill_blocks: f64,
     decode_blocks: u64,
 }
@@ -292,6 +295,8 @@ struct Run<'a> {
     /// Something was published since the indexer last caught up.
     dirty: bool,
     round_robin: usize,
+    /// Decisions whose rank had the oracle's lowest cost.
+    agreed: usize,
 }
 
 fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Result<Row> {
@@ -340,6 +345,7 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         scheduled: 0,
         dirty: false,
         round_robin: 0,
+        agreed: 0,
     };
     for (n, request) in workload.requests.iter().enumerate() {
         run.schedule(request.arrival_s, Happening::Arrive(n));
@@ -364,6 +370,7 @@ impl Run<'_> {
         match happening {
             Happening::Arrive(n) => {
                 let rank = self.route(n)?;
+                let rank = self.as_the_oracle(n, rank)?;
                 self.fates[n].rank = rank;
                 let fate = &self.fates[n];
                 let state = &mut self.state[rank];
@@ -473,13 +480,38 @@ impl Run<'_> {
                 self.fates[n].reservation = answer["reservation_id"].as_u64();
                 self.rank_of(&answer)
             }
-            Policy::Oracle => self.oracle(n),
+            Policy::Oracle => Ok(0),
         }
     }
 
-    /// The cost of `/select` on the truth: each rank's cache now, plus what its queue will
-    /// have stored before this prompt runs there, and its true load.
-    fn oracle(&mut self, n: usize) -> Result<usize> {
+    /// Weighs `policy`'s choice `rank` for request `n` by the oracle's cost: the oracle takes
+    /// its own lowest cost instead; every policy's choice counts as the oracle's when its
+    /// cost is the lowest, and loads the rank as the oracle weighs it (its true load).
+    fn as_the_oracle(&mut self, n: usize, rank: usize) -> Result<usize> {
+        let costed = self.oracle_costs(n)?;
+        let lowest = costed[0].cost;
+        let rank = match self.policy {
+            Policy::Oracle => costed[0].candidate.position,
+            _ => rank,
+        };
+        let chosen = costed
+            .iter()
+            .find(|costed| costed.candidate.position == rank)
+            .context("the chosen rank is costed")?;
+        if chosen.cost <= lowest {
+            self.agreed += 1;
+        }
+        let prompt = &self.requests[n];
+        let query_blocks = (prompt.prompt.len() / BLOCK_SIZE as usize) as u64;
+        self.fates[n].prefill_blocks = chosen.prefill_blocks;
+        self.fates[n].decode_blocks =
+            query_blocks + u64::from(prompt.output_tokens).div_ceil(u64::from(BLOCK_SIZE));
+        Ok(rank)
+    }
+
+    /// The cost of `/select` on the truth, best first: each rank's cache now, plus what its
+    /// queue will have stored before this prompt runs there, and its true load.
+    fn oracle_costs(&self, n: usize) -> Result<Vec<Costed>> {
         let prompt = &self.requests[n].prompt;
         let query_blocks = (prompt.len() / BLOCK_SIZE as usize) as u32;
         let mut costed = Vec::with_capacity(self.ranks.len());
@@ -507,13 +539,7 @@ impl Run<'_> {
             costed.push(cost(query_blocks, candidate, self.weights));
         }
         costed.sort_by(best_first);
-        let chosen = &costed[0];
-        let rank = chosen.candidate.position;
-        let decode_blocks = u64::from(query_blocks)
-            + u64::from(self.requests[n].output_tokens).div_ceil(u64::from(BLOCK_SIZE));
-        self.fates[n].prefill_blocks = chosen.prefill_blocks;
-        self.fates[n].decode_blocks = decode_blocks;
-        Ok(rank)
+        Ok(costed)
     }
 
     fn rank_of(&self, named: &Value) -> Result<usize> {
@@ -558,6 +584,7 @@ impl Run<'_> {
             ttft_p50_ms: at(0.5),
             ttft_p99_ms: at(0.99),
             imbalance: if mean > 0.0 { max / mean } else { 1.0 },
+            oracle_agreement: self.agreed as f64 / self.requests.len().max(1) as f64,
         }
     }
 }
