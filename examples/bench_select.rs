@@ -53,7 +53,7 @@ fn start(fleet: &Fleet, select: &[(&str, &str)], dir: &tempfile::TempDir) -> Ser
 fn latency() {
     let fleet = Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
         dp_size: RANKS_PER_ENGINE,
-        replay_port: None,
+        replay_port: Some(0),
         recover_port: None,
         block_size: BLOCK_SIZE,
         capacity_blocks: 4_096,
@@ -149,7 +149,7 @@ fn latency() {
 fn memory(churn: usize) {
     let fleet = Fleet::start_on_consecutive_ports(1, |_| SimConfig {
         dp_size: 8,
-        replay_port: None,
+        replay_port: Some(0),
         recover_port: None,
         block_size: BLOCK_SIZE,
         ..SimConfig::default()
