@@ -6,8 +6,10 @@
 //!    case); `/select` and `/query` on that prompt, one keep-alive client, interleaved.
 //!    Target: `/select` p99 within 1.5× of `/query`'s.
 //! 2. Memory: a million reservations created and released (10 rounds of 100,000 opened then
-//!    released), on 8 ranks; the process's RSS before, at each peak and after. Target: after
-//!    equals before, give or take the allocator.
+//!    released), on 8 ranks; the process's RSS before, at each peak and after, each also after
+//!    `malloc_trim(0)` (what the `kv-indexer` binary's trim thread does after a burst; this
+//!    process, the service in-process, has no such thread). Target: after equals before, give
+//!    or take the allocator.
 //!
 //! `cargo run --release --example bench_select [-- --churn N]`
 
@@ -162,8 +164,11 @@ fn memory(churn: usize) {
     let rss = || Proc::Myself.holdings().expect("/proc/self").resident_kib;
     let rounds = 10;
     let per_round = churn / rounds;
-    let before = rss();
-    println!("churn: {rounds} rounds of {per_round} reservations opened then released; RSS before {before} KiB");
+    let before = (rss(), trimmed_rss());
+    println!(
+        "churn: {rounds} rounds of {per_round} reservations opened then released; RSS before {} KiB ({} trimmed)",
+        before.0, before.1
+    );
     let started = Instant::now();
     for round in 0..rounds {
         let ids = in_parallel(4, per_round, |agent, n| {
@@ -175,13 +180,15 @@ fn memory(churn: usize) {
                     .expect("JSON");
             answer["reservation_id"].as_u64().expect("a reservation id")
         });
-        let peak = rss();
+        let peak = (rss(), trimmed_rss());
         in_parallel(4, ids.len(), |agent, n| {
-            let reply = agent
+            let mut reply = agent
                 .delete(&format!("http://{addr}/reservations/{}", ids[n]))
                 .call()
                 .expect("DELETE");
-            assert_eq!(reply.status(), 200);
+            // Read to the end, so that the connection is kept for the next request.
+            let answer = reply.body_mut().read_to_vec().expect("the body");
+            assert_eq!(reply.status(), 200, "{}", String::from_utf8_lossy(&answer));
         });
         std::thread::sleep(Duration::from_millis(600));
         // One more request purges the expired predictions.
@@ -197,17 +204,36 @@ fn memory(churn: usize) {
             .sum();
         assert_eq!(held, 0, "every reservation and prediction gone");
         println!(
-            "round {round}: RSS with {per_round} open {peak} KiB, after releasing {} KiB",
-            rss()
+            "round {round}: RSS with {per_round} open {} KiB ({} trimmed), after releasing {} KiB ({} trimmed)",
+            peak.0,
+            peak.1,
+            rss(),
+            trimmed_rss()
         );
     }
-    let after = rss();
+    let after = (rss(), trimmed_rss());
     println!(
-        "{churn} reservations created and released in {:?}: RSS {before} KiB before, {after} KiB after ({:+} KiB)",
+        "{churn} reservations created and released in {:?}: RSS {} KiB before, {} KiB after ({:+} KiB); trimmed {} KiB before, {} KiB after ({:+} KiB)",
         started.elapsed(),
-        after as i64 - before as i64
+        before.0,
+        after.0,
+        after.0 as i64 - before.0 as i64,
+        before.1,
+        after.1,
+        after.1 as i64 - before.1 as i64
     );
     service.shutdown();
+}
+
+/// The resident set after giving glibc's free pages back to the kernel, as the binary's trim
+/// thread does (`src/main.rs`, `return_bursts_to_the_kernel`).
+fn trimmed_rss() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes no pointers and is thread-safe (it locks each arena in turn).
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    Proc::Myself.holdings().expect("/proc/self").resident_kib
 }
 
 /// `count` calls of `call(agent, n)` over `clients` keep-alive clients, results in order.

@@ -294,6 +294,8 @@ struct Run<'a> {
     ranks: Vec<RankRef>,
     addr: SocketAddr,
     agent: ureq::Agent,
+    /// The indexer's statuses, over one kept-alive connection.
+    indexer: OverHttp,
     requests: &'a [Request],
     state: Vec<RankState>,
     fates: Vec<Fate>,
@@ -331,7 +333,8 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
     let config = Config::load(&path).map_err(|err| anyhow::anyhow!("{err}"))?;
     let service = Service::start(&path, config, Some("127.0.0.1:0".into()))?;
     let addr = service.http_addr();
-    warm_up(&fleet, &mut OverHttp::new(addr), DEADLINE)?;
+    let mut indexer = OverHttp::new(addr);
+    warm_up(&fleet, &mut indexer, DEADLINE)?;
     let ranks = fleet.ranks();
     let mut run = Run {
         args,
@@ -341,6 +344,7 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         fleet,
         ranks,
         addr,
+        indexer,
         agent: ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(30)))
@@ -418,8 +422,10 @@ impl Run<'_> {
                 state.load.active_decode_blocks -= fate.decode_blocks;
                 if let Some(id) = fate.reservation {
                     let url = format!("http://{}/reservations/{id}", self.addr);
-                    let reply = self.agent.delete(&url).call().context("DELETE")?;
-                    anyhow::ensure!(reply.status() == 200, "DELETE {url}: {}", reply.status());
+                    let mut reply = self.agent.delete(&url).call().context("DELETE")?;
+                    // Read to the end, so that the connection is kept for the next request.
+                    let text = reply.body_mut().read_to_string()?;
+                    anyhow::ensure!(reply.status() == 200, "DELETE {url}: {} {text}", reply.status());
                 }
                 self.start_next(rank, now)?;
             }
@@ -452,7 +458,7 @@ impl Run<'_> {
 
     fn route(&mut self, n: usize) -> Result<usize> {
         if self.policy.asks_indexer() && self.dirty {
-            settle(&self.fleet, &mut OverHttp::new(self.addr), DEADLINE)?;
+            settle(&self.fleet, &mut self.indexer, DEADLINE)?;
             self.dirty = false;
         }
         let prompt = &self.requests[n].prompt;
