@@ -161,13 +161,11 @@ fn memory(churn: usize) {
     // Predictions expire fast, so a round's are gone before the next begins.
     let service = start(&fleet, &[("predicted_ttl_s", "0.5")], &dir);
     let addr = service.http_addr();
-    let rss = || Proc::Myself.holdings().expect("/proc/self").resident_kib;
     let rounds = 10;
     let per_round = churn / rounds;
-    let before = (rss(), trimmed_rss());
+    let before = Held::now();
     println!(
-        "churn: {rounds} rounds of {per_round} reservations opened then released; RSS before {} KiB ({} trimmed)",
-        before.0, before.1
+        "churn: {rounds} rounds of {per_round} reservations opened then released; before: {before}"
     );
     let started = Instant::now();
     for round in 0..rounds {
@@ -180,7 +178,7 @@ fn memory(churn: usize) {
                     .expect("JSON");
             answer["reservation_id"].as_u64().expect("a reservation id")
         });
-        let peak = (rss(), trimmed_rss());
+        let peak = Held::now();
         in_parallel(4, ids.len(), |agent, n| {
             let mut reply = agent
                 .delete(&format!("http://{addr}/reservations/{}", ids[n]))
@@ -204,36 +202,62 @@ fn memory(churn: usize) {
             .sum();
         assert_eq!(held, 0, "every reservation and prediction gone");
         println!(
-            "round {round}: RSS with {per_round} open {} KiB ({} trimmed), after releasing {} KiB ({} trimmed)",
-            peak.0,
-            peak.1,
-            rss(),
-            trimmed_rss()
+            "round {round}: with {per_round} open: {peak}; after releasing: {}",
+            Held::now()
         );
     }
-    let after = (rss(), trimmed_rss());
+    let after = Held::now();
     println!(
-        "{churn} reservations created and released in {:?}: RSS {} KiB before, {} KiB after ({:+} KiB); trimmed {} KiB before, {} KiB after ({:+} KiB)",
+        "{churn} reservations created and released in {:?}: before {before}; after {after}",
         started.elapsed(),
-        before.0,
-        after.0,
-        after.0 as i64 - before.0 as i64,
-        before.1,
-        after.1,
-        after.1 as i64 - before.1 as i64
     );
     service.shutdown();
 }
 
-/// The resident set after giving glibc's free pages back to the kernel, as the binary's trim
-/// thread does (`src/main.rs`, `return_bursts_to_the_kernel`).
-fn trimmed_rss() -> u64 {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim takes no pointers and is thread-safe (it locks each arena in turn).
-    unsafe {
-        libc::malloc_trim(0);
+/// What the process holds: its resident set, the same after giving glibc's free pages back to
+/// the kernel (as the binary's trim thread does, `src/main.rs` `return_bursts_to_the_kernel`),
+/// and the bytes malloc has handed out and not had back (`mallinfo2`: a leak shows there,
+/// fragmentation only in the resident set).
+struct Held {
+    rss_kib: u64,
+    trimmed_kib: u64,
+    malloced_kib: Option<u64>,
+}
+
+impl Held {
+    fn now() -> Held {
+        let rss = || Proc::Myself.holdings().expect("/proc/self").resident_kib;
+        let rss_kib = rss();
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim and mallinfo2 take no pointers and are thread-safe (they lock
+        // each arena in turn).
+        let malloced_kib = unsafe {
+            libc::malloc_trim(0);
+            let info = libc::mallinfo2();
+            Some((info.uordblks + info.hblkhd) as u64 >> 10)
+        };
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        let malloced_kib = None;
+        Held {
+            rss_kib,
+            trimmed_kib: rss(),
+            malloced_kib,
+        }
     }
-    Proc::Myself.holdings().expect("/proc/self").resident_kib
+}
+
+impl std::fmt::Display for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RSS {} KiB, trimmed {} KiB",
+            self.rss_kib, self.trimmed_kib
+        )?;
+        match self.malloced_kib {
+            Some(kib) => write!(f, ", malloc'd {kib} KiB"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// `count` calls of `call(agent, n)` over `clients` keep-alive clients, results in order.

@@ -425,7 +425,11 @@ impl Run<'_> {
                     let mut reply = self.agent.delete(&url).call().context("DELETE")?;
                     // Read to the end, so that the connection is kept for the next request.
                     let text = reply.body_mut().read_to_string()?;
-                    anyhow::ensure!(reply.status() == 200, "DELETE {url}: {} {text}", reply.status());
+                    anyhow::ensure!(
+                        reply.status() == 200,
+                        "DELETE {url}: {} {text}",
+                        reply.status()
+                    );
                 }
                 self.start_next(rank, now)?;
             }

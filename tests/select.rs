@@ -200,7 +200,10 @@ fn the_worked_example_reservation_load_and_prediction() {
     assert_eq!(a["overlap_blocks"], 6.0);
     assert_eq!(a["cost"], 2.0 + 3.0 + 0.1 * 11.0);
     assert_eq!(candidate(&answer, "b")["cost"], 8.0);
-    assert_eq!(answer["instance"], "a", "a's predicted prefix outweighs its load");
+    assert_eq!(
+        answer["instance"], "a",
+        "a's predicted prefix outweighs its load"
+    );
     // At decode_weight 1 (Dynamo's) a's load outweighs it: 2 + 3 + 11 = 16 against b's 8.
     let file = std::fs::read_to_string(setup.running.config_path()).expect("the config file");
     let dynamo = file.replace("[select]\n", "[select]\ndecode_weight = 1\n");
