@@ -595,7 +595,7 @@ fn memory_and_query() {
         pairs as f64 / fill_seconds / 1e6
     );
     println!(
-        "| memory per (worker, block) pair, RSS growth | {:.1} B | <= 40 B |",
+        "| memory per (worker, block) pair, RSS growth | {:.1} B | <= 48 B |",
         after.saturating_sub(before) as f64 / pairs as f64
     );
 
