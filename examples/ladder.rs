@@ -33,7 +33,9 @@
 //! `cargo run --release --example ladder [-- --json] [-- --sweep]`
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -159,6 +161,9 @@ fn main() -> Result<()> {
         );
     }
     for workload in &workloads {
+        if !args.json {
+            print_bounds(args.prefill_tokens_per_s, workload);
+        }
         for policy in [
             Policy::RoundRobin,
             Policy::LongestPrefix,
@@ -207,6 +212,36 @@ fn print_row(args: &Args, row: &Row) {
             row.oracle_agreement * 100.0
         );
     }
+}
+
+/// What no policy beats: the hit ratio of one cache that holds everything, and the TTFT of the
+/// 99th-percentile prompt prefilled with nothing cached.
+fn print_bounds(prefill_tokens_per_s: f64, workload: &Workload) {
+    let block = BLOCK_SIZE as usize;
+    let mut seen = HashSet::new();
+    let (mut hit, mut blocks) = (0u64, 0u64);
+    for request in &workload.requests {
+        let mut chain = 0u64;
+        let mut cached = true;
+        for tokens in request.prompt.chunks_exact(block) {
+            let mut hasher = DefaultHasher::new();
+            (chain, tokens).hash(&mut hasher);
+            chain = hasher.finish();
+            cached &= !seen.insert(chain);
+            hit += u64::from(cached);
+            blocks += 1;
+        }
+    }
+    let mut lengths: Vec<usize> = workload.requests.iter().map(|r| r.prompt.len()).collect();
+    lengths.sort_unstable();
+    let p99 = lengths[((lengths.len() - 1) as f64 * 0.99) as usize];
+    println!(
+        "{}: {} requests; one unbounded cache would hit {:.1}%; the p99 prompt, {p99} tokens, prefills uncached in {:.0} ms",
+        workload.name,
+        workload.requests.len(),
+        100.0 * hit as f64 / blocks.max(1) as f64,
+        p99 as f64 / prefill_tokens_per_s * 1e3
+    );
 }
 
 fn trace(args: &Args) -> Result<Workload> {
