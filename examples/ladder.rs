@@ -23,10 +23,11 @@
 //! p50/p99, the load imbalance (max/mean prefill busy time) and the share of its decisions
 //! that had the oracle's lowest cost at the time; `--json` one object per row; `--sweep` the
 //! same for `/select` and the oracle over a grid of `decode_weight` (the cost is scale-free:
-//! only its ratio to `prefill_weight` matters).
+//! only its ratio to `prefill_weight` matters). Before a workload's rows, what no policy beats:
+//! the hit ratio of one unbounded cache and the p99 prompt's prefill with nothing cached.
 //!
 //! One clock is not virtual: the indexer's, which ends predictions after `predicted_ttl_s` of
-//! wall time. A run replays the trace's 329 s in about 10 s, so a prediction outlives its
+//! wall time. A run replays minutes of trace in seconds, so a prediction outlives its
 //! prompt's prefill there (as it should: the index then speaks for it) but `/select`'s rows
 //! can differ by a few tenths of a point of hit ratio from run to run; the oracle's do not.
 //!
