@@ -543,7 +543,7 @@ fn a_flood_of_slow_uploads_is_bounded_and_the_excess_refused_503() {
 
 /// `max_blocks_per_rank`: a store that would take a rank past it is counted
 /// (`blocks_over_cap_total`), not indexed, and the rank is `degraded` with the reason on
-/// `/workers`; what fits is still indexed.
+/// `/workers`; what fits is still indexed, and `/query` answers the rank as a miss.
 #[test]
 fn stores_past_max_blocks_per_rank_are_counted_not_indexed_and_the_rank_says_why() {
     let zmq = zmq::Context::new();
@@ -576,9 +576,11 @@ fn stores_past_max_blocks_per_rank_are_counted_not_indexed_and_the_rank_says_why
             .and_then(|scores| scores.first())
             .map_or(0, |score| score["matched_blocks"].as_u64().unwrap_or(0))
     };
+    // What fits is indexed (4 blocks above), but a degraded rank is not trusted by a query: a
+    // miss for every prompt, never more than the rank holds.
     assert_eq!(
         (matched(&first), matched(&second), matched(&third)),
-        (3, 0, 1)
+        (0, 0, 0)
     );
     let metrics = get(addr, "/metrics").text();
     assert!(
@@ -588,4 +590,57 @@ fn stores_past_max_blocks_per_rank_are_counted_not_indexed_and_the_rank_says_why
                 && line.ends_with(" 2")),
         "{metrics}"
     );
+}
+
+/// The rank's state on `/workers` (the only engine's first rank).
+fn first_rank_state(addr: SocketAddr) -> Value {
+    get(addr, "/workers").json()[0]["listeners"][0]["state"].clone()
+}
+
+/// A rank that lost a batch it cannot get back (no replay, no snapshot) is `degraded`: what
+/// it holds may include blocks its engine evicted, so `/query` answers it as a miss (not
+/// listed, never a false hit) until its state is whole again (here: its publisher restarts).
+#[test]
+fn a_rank_that_is_not_active_is_answered_as_a_miss() {
+    let zmq = zmq::Context::new();
+    let mut rank = FakeRank::bind(&zmq, 0);
+    let running = start_service(&config(&[engine("a", rank.port, None)]));
+    rank.wait_subscribed();
+    let addr = running.http_addr();
+    let tokens = prompt(100, 2);
+    let listed = |answer: &Value| -> Vec<(String, u64)> {
+        answer["scores"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| {
+                let name = s["instance"].as_str().unwrap_or_default().to_owned();
+                (name, s["matched_blocks"].as_u64().unwrap_or_default())
+            })
+            .collect()
+    };
+    let body = json!({ "token_ids": tokens });
+    rank.store(&[1, 2], None, &tokens);
+    wait_for(10, "both blocks scored", || {
+        (listed(&query(addr, body.clone())) == [("a".to_owned(), 2)]).then_some(())
+    });
+
+    // Seq 1 never arrives (an eviction, say); seq 2 shows the hole, and nothing repairs it.
+    rank.lose(Vec::new());
+    rank.store(&[3], Some(2), &prompt(132, 1));
+    wait_for(10, "the rank degraded", || {
+        (first_rank_state(addr) == "degraded").then_some(())
+    });
+    assert_eq!(
+        listed(&query(addr, body.clone())),
+        [],
+        "a degraded rank is a miss"
+    );
+
+    rank.restart();
+    rank.store(&[1, 2], None, &tokens);
+    wait_for(10, "the restarted rank active and scored", || {
+        let active = first_rank_state(addr) == "active";
+        (active && listed(&query(addr, body.clone())) == [("a".to_owned(), 2)]).then_some(())
+    });
 }

@@ -317,12 +317,13 @@ fn a_degraded_rank_is_a_candidate_with_nothing_matched() {
     let mut setup = Setup::start(2, "", &[]);
     let addr = setup.addr();
     let tokens = prompt(900, 3);
-    // b joins mid-stream (its first batch is seq 5) without replay: degraded, still indexed.
+    // b joins mid-stream (its first batch is seq 5) without replay: degraded, still indexed
+    // (but not trusted: `/query` would not list it).
     setup.ranks[1].next_seq = 5;
-    setup.store(1, &tokens, 3);
-    wait_for(10, "b degraded", || {
-        let workers = get(addr, "/workers").json();
-        (workers[1]["listeners"][0]["state"] == "degraded").then_some(())
+    setup.ranks[1].store(&[1001, 1002, 1003], None, &tokens);
+    wait_for(10, "b degraded with its blocks", || {
+        let b = &get(addr, "/workers").json()[1]["listeners"][0];
+        (b["state"] == "degraded" && b["blocks"] == 3).then_some(())
     });
     let answer = select(addr, json!({ "token_ids": tokens }));
     assert_eq!(candidate(&answer, "b")["matched_blocks"], 0);

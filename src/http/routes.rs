@@ -118,7 +118,8 @@ fn score(api: &Api, query: &QueryRequest) -> Reply {
     let model = query.model.as_deref();
     let include = |worker| {
         directory.get(worker).is_some_and(|info| {
-            model.is_none() || info.model.is_none() || info.model.as_deref() == model
+            (model.is_none() || info.model.is_none() || info.model.as_deref() == model)
+                && info.is_trusted()
         })
     };
     let block_size = api.index.block_size();

@@ -160,13 +160,28 @@ impl std::fmt::Display for RecoveredBy {
 }
 
 /// A listener's live status as a cloneable handle: `/workers` reads it without the registry,
-/// and the snapshot route the rank's contents.
+/// the snapshot route the rank's contents, and a query the rank's state. Two handles are equal
+/// when they are of one listener.
 #[derive(Clone)]
 pub struct StatusHandle {
     status: Arc<StatusCell>,
     contents: Option<Arc<Mutex<Contents>>>,
     dp_rank: u32,
     block_size: u32,
+}
+
+impl PartialEq for StatusHandle {
+    fn eq(&self, other: &StatusHandle) -> bool {
+        Arc::ptr_eq(&self.status, &other.status)
+    }
+}
+
+impl Eq for StatusHandle {}
+
+impl std::fmt::Debug for StatusHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StatusHandle({})", self.state().as_str())
+    }
 }
 
 /// Why a rank has no snapshot to give a peer.
@@ -190,6 +205,11 @@ pub struct ServedSnapshot {
 impl StatusHandle {
     pub fn get(&self) -> ListenerStatus {
         self.status.snapshot()
+    }
+
+    /// The rank's state now: only an `active` rank's blocks are trusted by a query.
+    pub fn state(&self) -> State {
+        self.status.state()
     }
 
     /// The rank's snapshot, only while the rank is `active`. The state is read under the

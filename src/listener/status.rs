@@ -96,6 +96,11 @@ impl StatusCell {
         cell
     }
 
+    /// The state alone, for a query that weighs many ranks.
+    pub(super) fn state(&self) -> State {
+        self.lock().state()
+    }
+
     pub(super) fn snapshot(&self) -> ListenerStatus {
         let facts = self.lock();
         ListenerStatus {

@@ -7,6 +7,7 @@
 use rpds::RedBlackTreeMapSync;
 
 use crate::index::WorkerId;
+use crate::listener::{State, StatusHandle};
 
 use super::published::Published;
 
@@ -18,6 +19,18 @@ pub struct WorkerInfo {
     pub model: Option<String>,
     /// Its id in the Dynamo API (`EngineConfig::instance_id`).
     pub instance_id: u64,
+    /// Its listener's status: a query trusts only an `active` rank's blocks.
+    pub status: StatusHandle,
+}
+
+impl WorkerInfo {
+    /// Whether a query may score the rank's blocks: only while it is `active`. A rank that is
+    /// connecting, recovering, degraded, failed or stopped may hold blocks its engine has
+    /// evicted (a lost or unapplied removal), so it is answered as a miss (docs.md "Recovery
+    /// and the `degraded` state").
+    pub fn is_trusted(&self) -> bool {
+        self.status.state() == State::Active
+    }
 }
 
 /// `WorkerId → WorkerInfo` for every running listener: an immutable snapshot, replaced after

@@ -501,7 +501,7 @@ impl Registry {
     fn publish(&self) {
         let workers = self.running.values().map(|running| {
             let listener = &running.listener;
-            (listener.worker(), worker_info(listener.spec()))
+            (listener.worker(), worker_info(listener))
         });
         self.directory.publish(WorkerDirectory::new(workers));
         let running = self.running.values().map(running_rank);
@@ -522,7 +522,7 @@ impl Registry {
         let mut board = RankBoard::clone(&self.ranks.current());
         for running in started {
             let listener = &running.listener;
-            directory.insert(listener.worker(), worker_info(listener.spec()));
+            directory.insert(listener.worker(), worker_info(listener));
             board.insert(running_rank(running));
         }
         self.directory.publish(directory);
@@ -544,12 +544,14 @@ impl Registry {
     }
 }
 
-fn worker_info(spec: &ListenerSpec) -> WorkerInfo {
+fn worker_info(listener: &Listener) -> WorkerInfo {
+    let spec = listener.spec();
     WorkerInfo {
         instance: spec.key.engine.clone(),
         dp_rank: spec.key.dp_rank,
         model: spec.model.clone(),
         instance_id: spec.instance_id,
+        status: listener.status_handle(),
     }
 }
 

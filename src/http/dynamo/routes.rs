@@ -81,9 +81,9 @@ fn ranks_for<'d>(
 ) -> Option<impl Fn(u32) -> bool + 'd> {
     let known = group == ROUTING_GROUP && api.engines.serves(model);
     known.then_some(move |worker: u32| {
-        directory
-            .get(worker)
-            .is_some_and(|info| info.model.as_deref().is_none_or(|served| served == model))
+        directory.get(worker).is_some_and(|info| {
+            info.model.as_deref().is_none_or(|served| served == model) && info.is_trusted()
+        })
     })
 }
 
