@@ -13,20 +13,30 @@
 //! Workloads: the Mooncake trace (`--trace FILE` in the same format, else the shipped one;
 //! its first `--requests`), and an agent fan-out burst (`--burst-requests` on two hot
 //! prefixes within `--burst-seconds`). Policies: round robin; longest prefix only (`/query`,
-//! ties to the least queued rank); `/select` (reserving, `prefill_complete` with the engine's
-//! cached tokens, `DELETE` when decoded); and an oracle that applies the same cost
-//! (`kv_indexer::select::cost`) to the engines' ground truth and true load (what is queued on
-//! a rank will be cached before the next prompt runs there).
+//! ties to the least loaded rank: the fewest requests queued, prefilling or decoding there);
+//! `/select` (reserving, `prefill_complete` with the engine's cached tokens, `DELETE` when
+//! decoded); and an oracle that applies the same cost (`kv_indexer::select::cost`) to the
+//! engines' ground truth and true load (what is queued on a rank will be cached before the
+//! next prompt runs there).
 //!
 //! Prints per workload and policy the engines' own prefix hit ratio (block-weighted), TTFT
-//! p50/p99 and the load imbalance (max/mean prefill busy time); `--json` one object per row;
-//! `--sweep` the same for `/select` and the oracle over a grid of `decode_weight` (the cost is
-//! scale-free: only its ratio to `prefill_weight` matters).
+//! p50/p99, the load imbalance (max/mean prefill busy time) and the share of its decisions
+//! that had the oracle's lowest cost at the time; `--json` one object per row; `--sweep` the
+//! same for `/select` and the oracle over a grid of `decode_weight` (the cost is scale-free:
+//! only its ratio to `prefill_weight` matters). Before a workload's rows, what no policy beats:
+//! the hit ratio of one unbounded cache and the p99 prompt's prefill with nothing cached.
+//!
+//! One clock is not virtual: the indexer's, which ends predictions after `predicted_ttl_s` of
+//! wall time. A run replays minutes of trace in seconds, so a prediction outlives its
+//! prompt's prefill there (as it should: the index then speaks for it) but `/select`'s rows
+//! can differ by a few tenths of a point of hit ratio from run to run; the oracle's do not.
 //!
 //! `cargo run --release --example ladder [-- --json] [-- --sweep]`
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -35,7 +45,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use kv_indexer::config::{Config, Select};
 use kv_indexer::index::PerTier;
-use kv_indexer::select::{best_first, cost, Candidate, Load};
+use kv_indexer::select::{best_first, cost, Candidate, Costed, Load};
 use kv_indexer::service::Service;
 use kv_indexer_sim::fleet::{load_benchmark_requests, Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer_sim::indexer_toml::select_table;
@@ -125,6 +135,8 @@ struct Row {
     ttft_p50_ms: f64,
     ttft_p99_ms: f64,
     imbalance: f64,
+    /// The share of decisions the oracle would have made (of the lowest oracle cost).
+    oracle_agreement: f64,
 }
 
 fn main() -> Result<()> {
@@ -145,11 +157,14 @@ fn main() -> Result<()> {
             args.decode_ms_per_token, args.decode_slots
         );
         println!(
-            "{:<8} {:<22} {:>9} {:>12} {:>12} {:>10}",
-            "workload", "policy", "hit", "TTFT p50 ms", "TTFT p99 ms", "imbalance"
+            "{:<8} {:<22} {:>9} {:>12} {:>12} {:>10} {:>9}",
+            "workload", "policy", "hit", "TTFT p50 ms", "TTFT p99 ms", "imbalance", "oracle's"
         );
     }
     for workload in &workloads {
+        if !args.json {
+            print_bounds(args.prefill_tokens_per_s, workload);
+        }
         for policy in [
             Policy::RoundRobin,
             Policy::LongestPrefix,
@@ -160,7 +175,7 @@ fn main() -> Result<()> {
             print_row(&args, &row);
         }
         if args.sweep {
-            for decode_weight in [0.0, 0.05, 0.1, 0.25, 0.5, 2.0] {
+            for decode_weight in [0.0, 0.05, 0.25, 0.5, 1.0, 2.0] {
                 let weights = Select {
                     decode_weight,
                     ..Select::default()
@@ -183,20 +198,51 @@ fn print_row(args: &Args, row: &Row) {
             json!({
                 "workload": row.workload, "policy": row.policy, "hit_ratio": row.hit_ratio,
                 "ttft_p50_ms": row.ttft_p50_ms, "ttft_p99_ms": row.ttft_p99_ms,
-                "imbalance": row.imbalance,
+                "imbalance": row.imbalance, "oracle_agreement": row.oracle_agreement,
             })
         );
     } else {
         println!(
-            "{:<8} {:<22} {:>8.1}% {:>12.0} {:>12.0} {:>10.2}",
+            "{:<8} {:<22} {:>8.1}% {:>12.0} {:>12.0} {:>10.2} {:>8.1}%",
             row.workload,
             row.policy,
             row.hit_ratio * 100.0,
             row.ttft_p50_ms,
             row.ttft_p99_ms,
-            row.imbalance
+            row.imbalance,
+            row.oracle_agreement * 100.0
         );
     }
+}
+
+/// What no policy beats: the hit ratio of one cache that holds everything, and the TTFT of the
+/// 99th-percentile prompt prefilled with nothing cached.
+fn print_bounds(prefill_tokens_per_s: f64, workload: &Workload) {
+    let block = BLOCK_SIZE as usize;
+    let mut seen = HashSet::new();
+    let (mut hit, mut blocks) = (0u64, 0u64);
+    for request in &workload.requests {
+        let mut chain = 0u64;
+        let mut cached = true;
+        for tokens in request.prompt.chunks_exact(block) {
+            let mut hasher = DefaultHasher::new();
+            (chain, tokens).hash(&mut hasher);
+            chain = hasher.finish();
+            cached &= !seen.insert(chain);
+            hit += u64::from(cached);
+            blocks += 1;
+        }
+    }
+    let mut lengths: Vec<usize> = workload.requests.iter().map(|r| r.prompt.len()).collect();
+    lengths.sort_unstable();
+    let p99 = lengths[((lengths.len() - 1) as f64 * 0.99) as usize];
+    println!(
+        "{}: {} requests; one unbounded cache would hit {:.1}%; the p99 prompt, {p99} tokens, prefills uncached in {:.0} ms",
+        workload.name,
+        workload.requests.len(),
+        100.0 * hit as f64 / blocks.max(1) as f64,
+        p99 as f64 / prefill_tokens_per_s * 1e3
+    );
 }
 
 fn trace(args: &Args) -> Result<Workload> {
@@ -260,7 +306,7 @@ struct RankState {
     prefilling: Option<usize>,
     decoding: usize,
     busy_s: f64,
-    /// The true load, as the oracle weighs it (zero in the other policies' bookkeeping).
+    /// The true load, as the oracle weighs it.
     load: Load,
 }
 
@@ -271,7 +317,7 @@ struct Fate {
     hit_blocks: u32,
     ttft_s: f64,
     reservation: Option<u64>,
-    /// The oracle's bookkeeping of it.
+    /// The oracle's weighing of it on its rank.
     prefill_blocks: f64,
     decode_blocks: u64,
 }
@@ -284,6 +330,8 @@ struct Run<'a> {
     ranks: Vec<RankRef>,
     addr: SocketAddr,
     agent: ureq::Agent,
+    /// The indexer's statuses, over one kept-alive connection.
+    indexer: OverHttp,
     requests: &'a [Request],
     state: Vec<RankState>,
     fates: Vec<Fate>,
@@ -292,6 +340,8 @@ struct Run<'a> {
     /// Something was published since the indexer last caught up.
     dirty: bool,
     round_robin: usize,
+    /// Decisions whose rank had the oracle's lowest cost.
+    agreed: usize,
 }
 
 fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Result<Row> {
@@ -319,7 +369,8 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
     let config = Config::load(&path).map_err(|err| anyhow::anyhow!("{err}"))?;
     let service = Service::start(&path, config, Some("127.0.0.1:0".into()))?;
     let addr = service.http_addr();
-    warm_up(&fleet, &mut OverHttp::new(addr), DEADLINE)?;
+    let mut indexer = OverHttp::new(addr);
+    warm_up(&fleet, &mut indexer, DEADLINE)?;
     let ranks = fleet.ranks();
     let mut run = Run {
         args,
@@ -329,6 +380,7 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         fleet,
         ranks,
         addr,
+        indexer,
         agent: ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(30)))
@@ -340,6 +392,7 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         scheduled: 0,
         dirty: false,
         round_robin: 0,
+        agreed: 0,
     };
     for (n, request) in workload.requests.iter().enumerate() {
         run.schedule(request.arrival_s, Happening::Arrive(n));
@@ -364,6 +417,7 @@ impl Run<'_> {
         match happening {
             Happening::Arrive(n) => {
                 let rank = self.route(n)?;
+                let rank = self.as_the_oracle(n, rank)?;
                 self.fates[n].rank = rank;
                 let fate = &self.fates[n];
                 let state = &mut self.state[rank];
@@ -404,8 +458,14 @@ impl Run<'_> {
                 state.load.active_decode_blocks -= fate.decode_blocks;
                 if let Some(id) = fate.reservation {
                     let url = format!("http://{}/reservations/{id}", self.addr);
-                    let reply = self.agent.delete(&url).call().context("DELETE")?;
-                    anyhow::ensure!(reply.status() == 200, "DELETE {url}: {}", reply.status());
+                    let mut reply = self.agent.delete(&url).call().context("DELETE")?;
+                    // Read to the end, so that the connection is kept for the next request.
+                    let text = reply.body_mut().read_to_string()?;
+                    anyhow::ensure!(
+                        reply.status() == 200,
+                        "DELETE {url}: {} {text}",
+                        reply.status()
+                    );
                 }
                 self.start_next(rank, now)?;
             }
@@ -438,7 +498,7 @@ impl Run<'_> {
 
     fn route(&mut self, n: usize) -> Result<usize> {
         if self.policy.asks_indexer() && self.dirty {
-            settle(&self.fleet, &mut OverHttp::new(self.addr), DEADLINE)?;
+            settle(&self.fleet, &mut self.indexer, DEADLINE)?;
             self.dirty = false;
         }
         let prompt = &self.requests[n].prompt;
@@ -454,12 +514,14 @@ impl Run<'_> {
                     let rank = self.rank_of(score)?;
                     matched[rank] = score["matched_blocks"].as_u64().unwrap_or(0);
                 }
-                let queued = |rank: usize| {
+                // What a router knows of a rank's load: the requests it sent there and has not
+                // seen finish (queued, prefilling or decoding).
+                let outstanding = |rank: usize| {
                     let state = &self.state[rank];
-                    state.queue.len() + usize::from(state.prefilling.is_some())
+                    state.queue.len() + usize::from(state.prefilling.is_some()) + state.decoding
                 };
                 Ok((0..self.ranks.len())
-                    .min_by_key(|&rank| (Reverse(matched[rank]), queued(rank), rank))
+                    .min_by_key(|&rank| (Reverse(matched[rank]), outstanding(rank), rank))
                     .unwrap_or(0))
             }
             Policy::Select => {
@@ -471,13 +533,38 @@ impl Run<'_> {
                 self.fates[n].reservation = answer["reservation_id"].as_u64();
                 self.rank_of(&answer)
             }
-            Policy::Oracle => self.oracle(n),
+            Policy::Oracle => Ok(0),
         }
     }
 
-    /// The cost of `/select` on the truth: each rank's cache now, plus what its queue will
-    /// have stored before this prompt runs there, and its true load.
-    fn oracle(&mut self, n: usize) -> Result<usize> {
+    /// Weighs `policy`'s choice `rank` for request `n` by the oracle's cost: the oracle takes
+    /// its own lowest cost instead; every policy's choice counts as the oracle's when its
+    /// cost is the lowest, and loads the rank as the oracle weighs it (its true load).
+    fn as_the_oracle(&mut self, n: usize, rank: usize) -> Result<usize> {
+        let costed = self.oracle_costs(n)?;
+        let lowest = costed[0].cost;
+        let rank = match self.policy {
+            Policy::Oracle => costed[0].candidate.position,
+            _ => rank,
+        };
+        let chosen = costed
+            .iter()
+            .find(|costed| costed.candidate.position == rank)
+            .context("the chosen rank is costed")?;
+        if chosen.cost <= lowest {
+            self.agreed += 1;
+        }
+        let prompt = &self.requests[n];
+        let query_blocks = (prompt.prompt.len() / BLOCK_SIZE as usize) as u64;
+        self.fates[n].prefill_blocks = chosen.prefill_blocks;
+        self.fates[n].decode_blocks =
+            query_blocks + u64::from(prompt.output_tokens).div_ceil(u64::from(BLOCK_SIZE));
+        Ok(rank)
+    }
+
+    /// The cost of `/select` on the truth, best first: each rank's cache now, plus what its
+    /// queue will have stored before this prompt runs there, and its true load.
+    fn oracle_costs(&self, n: usize) -> Result<Vec<Costed>> {
         let prompt = &self.requests[n].prompt;
         let query_blocks = (prompt.len() / BLOCK_SIZE as usize) as u32;
         let mut costed = Vec::with_capacity(self.ranks.len());
@@ -505,13 +592,7 @@ impl Run<'_> {
             costed.push(cost(query_blocks, candidate, self.weights));
         }
         costed.sort_by(best_first);
-        let chosen = &costed[0];
-        let rank = chosen.candidate.position;
-        let decode_blocks = u64::from(query_blocks)
-            + u64::from(self.requests[n].output_tokens).div_ceil(u64::from(BLOCK_SIZE));
-        self.fates[n].prefill_blocks = chosen.prefill_blocks;
-        self.fates[n].decode_blocks = decode_blocks;
-        Ok(rank)
+        Ok(costed)
     }
 
     fn rank_of(&self, named: &Value) -> Result<usize> {
@@ -556,6 +637,7 @@ impl Run<'_> {
             ttft_p50_ms: at(0.5),
             ttft_p99_ms: at(0.99),
             imbalance: if mean > 0.0 { max / mean } else { 1.0 },
+            oracle_agreement: self.agreed as f64 / self.requests.len().max(1) as f64,
         }
     }
 }

@@ -195,10 +195,22 @@ fn the_worked_example_reservation_load_and_prediction() {
         (a["matched_blocks"].as_u64(), a["predicted_blocks"].as_u64()),
         (Some(4), Some(6))
     );
-    // 6 predicted, the CPU and disk blocks within them: 2 to prefill, 3 queued, 11 decoding.
+    // 6 predicted, the CPU and disk blocks within them: 2 to prefill, 3 queued, 11 decoding
+    // at decode_weight 0.1.
     assert_eq!(a["overlap_blocks"], 6.0);
-    assert_eq!(a["cost"], 2.0 + 3.0 + 11.0);
+    assert_eq!(a["cost"], 2.0 + 3.0 + 0.1 * 11.0);
     assert_eq!(candidate(&answer, "b")["cost"], 8.0);
+    assert_eq!(
+        answer["instance"], "a",
+        "a's predicted prefix outweighs its load"
+    );
+    // At decode_weight 1 (Dynamo's) a's load outweighs it: 2 + 3 + 11 = 16 against b's 8.
+    let file = std::fs::read_to_string(setup.running.config_path()).expect("the config file");
+    let dynamo = file.replace("[select]\n", "[select]\ndecode_weight = 1\n");
+    std::fs::write(setup.running.config_path(), dynamo).expect("rewrite the config");
+    assert_eq!(post(addr, "/reload", b"").status, 200);
+    let answer = select(addr, json!({ "token_ids": sibling }));
+    assert_eq!(candidate(&answer, "a")["cost"], 2.0 + 3.0 + 11.0);
     assert_eq!(answer["instance"], "b", "a's load outweighs its overlap");
     // Predictions are not cache: /query and /query's scores are untouched.
     let query = post(

@@ -94,6 +94,7 @@ impl Fleet {
         for i in 0..count {
             let config = config(i);
             let span = 3 * config.dp_size as u16;
+            let mut last_error = None;
             let started = (0..ATTEMPTS).find_map(|_| {
                 let base = free_port_range(span)?;
                 SimEngine::start(SimConfig {
@@ -102,10 +103,12 @@ impl Fleet {
                     recover_port: config.recover_port.map(|_| base + 2 * span / 3),
                     ..config.clone()
                 })
+                .map_err(|err| last_error = Some(err))
                 .ok()
             });
-            engines
-                .push(started.ok_or_else(|| anyhow!("sim-{i}: no {span} consecutive free ports"))?);
+            engines.push(started.ok_or_else(|| {
+                anyhow!("sim-{i}: no {span} consecutive free ports in {ATTEMPTS} attempts (the last bind failed with: {last_error:?})")
+            })?);
         }
         Ok(Fleet::of(engines))
     }

@@ -44,7 +44,7 @@ impl Default for Select {
     fn default() -> Select {
         Select {
             prefill_weight: 1.0,
-            decode_weight: 1.0,
+            decode_weight: 0.1,
             cpu_weight: 0.75,
             disk_weight: 0.25,
             predicted_ttl_s: 2.0,

@@ -142,7 +142,7 @@ mod tests {
         let a = cost(10, a, &weights);
         assert_eq!(a.overlap_blocks, 6.0 + 0.75 * 2.0 + 0.25 * 1.0);
         assert_eq!(a.prefill_blocks, 10.0 - 7.75);
-        assert_eq!(a.cost, 1.0 * (2.25 + 3.0) + 1.0 * 12.0);
+        assert_eq!(a.cost, 1.0 * (2.25 + 3.0) + 0.1 * 12.0);
         // Rank b: nothing cached, nothing running.
         let b = cost(10, candidate(1, 0, 0, 0), &weights);
         assert_eq!(
