@@ -9,6 +9,7 @@
 //!
 //! `cargo run --release --example bench_http`
 
+use kv_indexer_sim::watch::keep_alive_client;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -413,15 +414,6 @@ fn hand_written_decode(text: &str) -> Option<String> {
         }
     }
     String::from_utf8(bytes).ok()
-}
-
-/// A client keeping one connection alive, as a router does.
-fn keep_alive_client() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .into()
 }
 
 /// `POST /query` with `body` in `form`; the answer's bytes, read whole (status 200 or the bench

@@ -10,6 +10,7 @@
 //! keeps the last blocks of each store, as vLLM frees the rest out of window) and prints what a
 //! group-1 block costs and what the window rule adds to a query.
 
+use kv_indexer_sim::procfs::{resident_bytes as rss_bytes, thread_cpu_seconds};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
@@ -141,28 +142,6 @@ impl Workload {
         tokens.extend((0..fresh).map(|_| self.rng.random::<u32>()));
         tokens
     }
-}
-
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
-/// CPU seconds this thread has run (to the nanosecond: runs last tens of milliseconds): the
-/// machine is shared, so rates are also given per CPU second.
-fn thread_cpu_seconds() -> f64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid timespec for the call to write.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
-    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -13,6 +13,7 @@
 //!
 //! `cargo run --release --example bench_select [-- --churn N]`
 
+use kv_indexer_sim::watch::keep_alive_client;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -286,14 +287,6 @@ fn in_parallel<T: Send>(
         all.sort_by_key(|(n, _)| *n);
         all.into_iter().map(|(_, value)| value).collect()
     })
-}
-
-fn keep_alive_client() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .into()
 }
 
 /// `POST path` with a JSON `body`; the answer's bytes (200, or the bench fails).

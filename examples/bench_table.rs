@@ -28,6 +28,7 @@
 #[path = "../src/index/table.rs"]
 mod table;
 
+use kv_indexer_sim::procfs::{resident_bytes as rss_bytes, thread_cpu_seconds};
 use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -401,26 +402,6 @@ impl Keys {
             count,
         }
     }
-}
-
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
-fn thread_cpu_seconds() -> f64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid timespec for the call to write.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
-    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
 
 /// CPU seconds of this thread that `work` took.

@@ -91,3 +91,29 @@ impl Proc {
         Ok((seconds(ticks[0]), seconds(ticks[1])))
     }
 }
+
+/// This process's resident memory in bytes (`statm`'s resident pages), 0 when it cannot be
+/// read: for benchmarks that sample it between steps.
+pub fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf reads a constant of the system and touches no memory of ours.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * u64::try_from(page).unwrap_or(4096)
+}
+
+/// CPU seconds the calling thread has run, to the nanosecond: rates per CPU second hold on a
+/// shared machine.
+pub fn thread_cpu_seconds() -> f64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec for the call to write.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
+}

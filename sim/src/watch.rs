@@ -39,6 +39,16 @@ pub trait IndexerView {
     fn matched(&mut self, prompt: &[u32]) -> Result<HashMap<(String, u32), u32>>;
 }
 
+/// An HTTP client keeping its connections alive, as a router does; statuses are values, and
+/// every request is bounded by `OverHttp::TIMEOUT`.
+pub fn keep_alive_client() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(OverHttp::TIMEOUT))
+        .build()
+        .into()
+}
+
 /// The indexer's HTTP API (`GET /workers`, `POST /query`) through one keep-alive agent.
 pub struct OverHttp {
     agent: ureq::Agent,
@@ -50,13 +60,8 @@ impl OverHttp {
     const TIMEOUT: Duration = Duration::from_secs(10);
 
     pub fn new(address: SocketAddr) -> OverHttp {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Self::TIMEOUT))
-            .build()
-            .into();
         OverHttp {
-            agent,
+            agent: keep_alive_client(),
             base: format!("http://{address}"),
         }
     }
