@@ -10,7 +10,7 @@
 //! keeps the last blocks of each store, as vLLM frees the rest out of window) and prints what a
 //! group-1 block costs and what the window rule adds to a query.
 
-use kv_indexer_sim::procfs::{resident_bytes as rss_bytes, thread_cpu_seconds};
+use kv_indexer_sim::procfs::{load_average, resident_bytes as rss_bytes, thread_cpu_seconds};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
@@ -356,15 +356,6 @@ fn stores_and_removals(stores_per_worker: usize) {
         }
     }
     assert_eq!(index.key_count(), 0);
-}
-
-fn load_average() -> String {
-    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    loadavg
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 fn main() {

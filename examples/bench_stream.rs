@@ -21,6 +21,7 @@
 //! cargo run --release --example bench_stream -- --binary   # queries as little-endian u32
 //! ```
 
+use kv_indexer_sim::procfs::load_average;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -320,17 +321,6 @@ fn split_long(latencies: &[Duration], queried: &[Vec<u32>]) -> Latencies {
         .map(|(latency, _)| *latency)
         .collect();
     Latencies::new(latencies.to_vec(), long)
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_else(|_| "?".into())
 }
 
 fn print_figures(

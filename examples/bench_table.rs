@@ -28,7 +28,7 @@
 #[path = "../src/index/table.rs"]
 mod table;
 
-use kv_indexer_sim::procfs::{resident_bytes as rss_bytes, thread_cpu_seconds};
+use kv_indexer_sim::procfs::{load_average, resident_bytes as rss_bytes, thread_cpu_seconds};
 use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -563,15 +563,6 @@ fn run_child(which: &str, pairs: usize) -> BTreeMap<String, String> {
         .filter_map(|line| line.split_once(' '))
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect()
-}
-
-fn load_average() -> String {
-    let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    loadavg
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 fn main() {

@@ -117,3 +117,16 @@ pub fn thread_cpu_seconds() -> f64 {
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
     now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9
 }
+
+/// The machine's load averages over 1, 5 and 15 minutes, as `/proc/loadavg` gives them ("?"
+/// when it cannot be read): benchmarks print it beside their figures.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| "?".into())
+}
