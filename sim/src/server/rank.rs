@@ -240,6 +240,12 @@ impl RankState {
     /// Gives the batch the next seq, keeps it for replay and sends it unless the fault injector
     /// drops it.
     pub(super) fn publish(&mut self, rank: &Rank, events: Vec<Event>) -> Result<()> {
+        // libzmq's monitor blocks the PUB socket's I/O once a thousand unread events queue up
+        // (each reconnect of a subscriber is two): read them at every batch, so that an engine
+        // whose subscribers come and go for hours keeps accepting and sending.
+        self.subscribers
+            .count()
+            .with_context(|| format!("rank {}: reading its subscribers", rank.index))?;
         let settings = &rank.settings;
         let seq = self.next_seq;
         self.next_seq += 1;

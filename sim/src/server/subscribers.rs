@@ -4,7 +4,9 @@
 //! that cannot replay (a first batch lost to the PUB/SUB slow joiner would be lost for good),
 //! instead of sleeping.
 //!
-//! Owns the PUB socket's monitor. Never: blocks (events are read when asked), or publishes.
+//! Owns the PUB socket's monitor. Never: blocks (events are read when asked, and at every
+//! batch the rank publishes: libzmq stops the PUB's I/O when its monitor's queue is full), or
+//! publishes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
