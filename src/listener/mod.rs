@@ -411,11 +411,8 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sock
     sub.set_subscribe(spec.topic.as_bytes())
         .with_context(|| format!("subscribing to topic {:?}", spec.topic))?;
     // Only the events the listener acts on: with ALL, every failed connect to a rank that is
-    // down (3 events) would wake the thread for nothing. Connected means the ZMTP handshake
-    // succeeded, not the TCP connect (CONNECTED): a port whose kernel accepts connections but
-    // whose publisher never speaks (wedged, or not ZMQ at all) is not a connected rank.
-    let events =
-        zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
+    // down (3 events) would wake the thread for nothing.
+    let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
     sub.monitor(&monitor_endpoint, events.into())
         .context("attaching the socket monitor")?;
     let monitor = zmq

@@ -305,7 +305,7 @@ impl Rank {
             else {
                 continue;
             };
-            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+            if event == zmq::SocketEvent::CONNECTED.to_raw() {
                 self.applier.status.set_connected(true);
                 self.never_connected_hint = None;
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
