@@ -16,6 +16,7 @@
 //! tokenize, beside http, turns a prompt sent as text or chat messages into token ids.
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
+//! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
 //! ```
 //!
 //! `service` is on top: it wires these together, handles signals and reloads. The simulated
@@ -33,5 +34,6 @@ pub mod plan;
 pub mod registry;
 pub mod select;
 pub mod service;
+pub mod socket_monitor;
 pub mod tokenize;
 pub mod wire;

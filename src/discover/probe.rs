@@ -4,10 +4,11 @@
 //! Owns: one short-lived SUB socket per probe, subscribed to nothing, that only waits for the
 //! ZMTP handshake. Never: receives or indexes a message, or keeps a socket past the probe.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+
+use crate::socket_monitor::Monitored;
 
 /// The port rank `dp_rank_start + dp_size` would publish on (rank r on `zmq_port + r`, as
 /// `plan` expands it), or `None` past 65535.
@@ -36,11 +37,6 @@ pub fn publisher_answers(
     endpoint: &str,
     wait: Duration,
 ) -> anyhow::Result<bool> {
-    static NEXT_ID: AtomicU64 = AtomicU64::new(0);
-    let monitor_endpoint = format!(
-        "inproc://kv-indexer-probe-{}",
-        NEXT_ID.fetch_add(1, Ordering::Relaxed)
-    );
     let sub = zmq
         .socket(zmq::SUB)
         .context("creating the probe's SUB socket")?;
@@ -54,19 +50,11 @@ pub fn publisher_answers(
         // What a peer of the wrong socket type gets (libzmq 4.3 reports no handshake failure
         // for it): connected, then dropped.
         zmq::SocketEvent::DISCONNECTED,
-    ]
-    .iter()
-    .fold(0, |mask, event| mask | event.to_raw());
-    sub.monitor(&monitor_endpoint, events.into())
-        .context("attaching the probe's monitor")?;
-    let monitor = zmq
-        .socket(zmq::PAIR)
-        .context("creating the probe's monitor socket")?;
-    monitor.set_linger(0).context("setting LINGER")?;
-    monitor
-        .connect(&monitor_endpoint)
-        .context("connecting the probe's monitor")?;
-    sub.connect(endpoint)
+    ];
+    let probe = Monitored::attach(zmq, sub, &events, "probe").context("the probe's monitor")?;
+    probe
+        .socket()
+        .connect(endpoint)
         .with_context(|| format!("probing {endpoint}"))?;
 
     let deadline = Instant::now() + wait;
@@ -76,23 +64,15 @@ pub fn publisher_answers(
             return Ok(false);
         }
         let timeout_ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1);
-        if monitor
+        if probe
+            .reader()
             .poll(zmq::POLLIN, timeout_ms)
             .context("polling the probe's monitor")?
             == 0
         {
             continue;
         }
-        let frames = monitor
-            .recv_multipart(0)
-            .context("reading the probe's monitor")?;
-        // Frame 0: u16 event id (native order), u32 value; frame 1: the endpoint.
-        let event = frames
-            .first()
-            .and_then(|frame| frame.get(..2))
-            .and_then(|id| <[u8; 2]>::try_from(id).ok())
-            .map(u16::from_ne_bytes);
-        match event {
+        match probe.next_event()? {
             Some(id) if id == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() => return Ok(true),
             Some(_) => return Ok(false),
             None => {}

@@ -72,12 +72,13 @@ use parking_lot::Mutex;
 use crate::index::{Index, WorkerId};
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
+use crate::socket_monitor::Monitored;
 use applier::Applier;
 use contents::Contents;
 pub use peers::{CurrentSecret, Replication, Secret};
 use poller::Mailbox;
 pub use poller::Pollers;
-use run::{Rank, Sockets};
+use run::Rank;
 use status::StatusCell;
 use stop::{Stop, StopHandle};
 
@@ -390,12 +391,11 @@ impl Drop for Listener {
     }
 }
 
-/// The rank's sockets and its token (which also names its monitor endpoint). The monitor is
-/// attached before `connect`, or the first CONNECTED event could be missed.
-fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sockets, u64)> {
+/// The rank's SUB socket, monitored, and its token. The monitor is attached before
+/// `connect`, or the first CONNECTED event could be missed.
+fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Monitored, u64)> {
     static NEXT_ID: AtomicU64 = AtomicU64::new(0);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    let monitor_endpoint = format!("inproc://kv-indexer-listener-{id}-monitor");
 
     let sub = zmq.socket(zmq::SUB).context("creating the SUB socket")?;
     sub.set_linger(0).context("setting LINGER")?;
@@ -412,16 +412,10 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Sock
         .with_context(|| format!("subscribing to topic {:?}", spec.topic))?;
     // Only the events the listener acts on: with ALL, every failed connect to a rank that is
     // down (3 events) would wake the thread for nothing.
-    let events = zmq::SocketEvent::CONNECTED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw();
-    sub.monitor(&monitor_endpoint, events.into())
-        .context("attaching the socket monitor")?;
-    let monitor = zmq
-        .socket(zmq::PAIR)
-        .context("creating the monitor socket")?;
-    monitor
-        .connect(&monitor_endpoint)
-        .context("connecting the monitor socket")?;
-    sub.connect(&spec.endpoint)
+    let events = [zmq::SocketEvent::CONNECTED, zmq::SocketEvent::DISCONNECTED];
+    let sub = Monitored::attach(zmq, sub, &events, "listener")?;
+    sub.socket()
+        .connect(&spec.endpoint)
         .with_context(|| format!("connecting to {}", spec.endpoint))?;
-    Ok((Sockets { sub, monitor }, id))
+    Ok((sub, id))
 }

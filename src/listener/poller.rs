@@ -66,13 +66,13 @@ fn token_of(rank: u64) -> Token {
 
 fn rank_fds(rank: &Rank) -> anyhow::Result<(RawFd, RawFd)> {
     let sub = rank
-        .sockets
         .sub
+        .socket()
         .get_fd()
         .context("ZMQ_FD of the SUB socket")?;
     let monitor = rank
-        .sockets
-        .monitor
+        .sub
+        .reader()
         .get_fd()
         .context("ZMQ_FD of the monitor socket")?;
     Ok((sub, monitor))
@@ -514,7 +514,7 @@ fn serve_rank(rank: &mut Rank) -> anyhow::Result<Drained> {
             .map(|events| events.contains(zmq::POLLIN))
             .context("ZMQ_EVENTS")
     };
-    if waiting(&rank.sockets.sub)? || waiting(&rank.sockets.monitor)? {
+    if waiting(rank.sub.socket())? || waiting(rank.sub.reader())? {
         return Ok(Drained::Budget);
     }
     Ok(Drained::Empty)

@@ -18,6 +18,7 @@ use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
 use super::stop::Stop;
 use super::RecoveredBy;
 use crate::metrics::{MalformedReason, RecoveryMethod};
+use crate::socket_monitor::Monitored;
 use crate::wire::{self, EventBatch};
 
 /// Live messages taken from one rank before its poller serves the others: one busy rank
@@ -35,12 +36,6 @@ const HOLE_BUDGET: Duration = Duration::from_secs(30);
 /// keeps retrying quietly meanwhile), short enough to be seen by whoever just started us.
 const NEVER_CONNECTED_HINT: Duration = Duration::from_secs(10);
 
-/// The sockets of a rank, created by `Listener::start` so that setup errors surface there.
-pub(super) struct Sockets {
-    pub(super) sub: zmq::Socket,
-    pub(super) monitor: zmq::Socket,
-}
-
 /// How long after a disconnect ZMQ has to reconnect by itself before the rank connects anew
 /// (`Rank::revive`): ten times its first reconnect interval and a handshake.
 const REVIVE_AFTER: Duration = Duration::from_secs(1);
@@ -51,7 +46,9 @@ const REVIVE_AFTER: Duration = Duration::from_secs(1);
 pub(super) struct Rank {
     pub(super) token: u64,
     context: zmq::Context,
-    pub(super) sockets: Sockets,
+    /// The SUB socket and its monitor, created by `Listener::start` so that setup errors
+    /// surface there.
+    pub(super) sub: Monitored,
     applier: Applier,
     replication: Arc<Replication>,
     pub(super) stop: Stop,
@@ -150,7 +147,7 @@ impl Rank {
     pub(super) fn new(
         token: u64,
         context: zmq::Context,
-        sockets: Sockets,
+        sub: Monitored,
         applier: Applier,
         replication: Arc<Replication>,
         stop: Stop,
@@ -160,7 +157,7 @@ impl Rank {
         Rank {
             token,
             context,
-            sockets,
+            sub,
             applier,
             replication,
             stop,
@@ -282,8 +279,8 @@ impl Rank {
             crate::wire::MAX_MESSAGE_BYTES
         );
         // Gone already when ZMQ ended the connection itself: nothing to undo then.
-        let _ = self.sockets.sub.disconnect(endpoint);
-        if let Err(error) = self.sockets.sub.connect(endpoint) {
+        let _ = self.sub.socket().disconnect(endpoint);
+        if let Err(error) = self.sub.socket().connect(endpoint) {
             log::warn!(
                 "{}: connecting to {endpoint} again: {error}",
                 self.applier.who()
@@ -293,18 +290,7 @@ impl Rank {
 
     /// Takes every monitor event waiting (a few per connection change: no budget needed).
     pub(super) fn drain_monitor(&mut self) -> anyhow::Result<()> {
-        let mut frames = Frames::default();
-        while frames.receive(&self.sockets.monitor)? {
-            // Frame 0: u16 event id (native order), u32 value; frame 1: the endpoint.
-            let Some(event) = frames
-                .as_slice()
-                .first()
-                .and_then(|frame| frame.get(..2))
-                .and_then(|id| <[u8; 2]>::try_from(id).ok())
-                .map(u16::from_ne_bytes)
-            else {
-                continue;
-            };
+        while let Some(event) = self.sub.next_event()? {
             if event == zmq::SocketEvent::CONNECTED.to_raw() {
                 self.applier.status.set_connected(true);
                 self.never_connected_hint = None;
@@ -322,7 +308,7 @@ impl Rank {
         let mut frames = std::mem::take(&mut self.live_frames);
         let mut drained = Drained::Budget;
         for _ in 0..DRAIN_BATCH {
-            match frames.receive(&self.sockets.sub) {
+            match frames.receive(self.sub.socket()) {
                 Ok(true) => {}
                 Ok(false) => {
                     drained = Drained::Empty;

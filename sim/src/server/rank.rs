@@ -58,7 +58,7 @@ impl Settings {
 /// A rank's mutable state, behind one lock so that a snapshot's seq always matches its blocks.
 pub(crate) struct RankState {
     pub(crate) cache: RankCache,
-    publisher: zmq::Socket,
+    /// The PUB socket, with its monitor.
     pub(super) subscribers: Subscribers,
     next_seq: u64,
     history: VecDeque<replay::Batch>,
@@ -94,7 +94,7 @@ impl RankRuntime {
     ) -> Result<RankRuntime> {
         let (publisher, publish) = bind_zmq(context, zmq::PUB, &config.bind, config.port, index)
             .with_context(|| format!("rank {index}: binding the PUB socket"))?;
-        let subscribers = Subscribers::watch(context, &publisher)
+        let subscribers = Subscribers::watch(context, publisher)
             .with_context(|| format!("rank {index}: watching the PUB socket"))?;
         let rank_seed = mix(config.seed, u64::from(index));
         let mut runtime = RankRuntime {
@@ -111,7 +111,6 @@ impl RankRuntime {
                             (cpu, None) => cache.with_cpu_tier(cpu),
                         }
                     },
-                    publisher,
                     subscribers,
                     next_seq: 0,
                     history: VecDeque::new(),
@@ -240,9 +239,8 @@ impl RankState {
     /// Gives the batch the next seq, keeps it for replay and sends it unless the fault injector
     /// drops it.
     pub(super) fn publish(&mut self, rank: &Rank, events: Vec<Event>) -> Result<()> {
-        // libzmq's monitor blocks the PUB socket's I/O once a thousand unread events queue up
-        // (each reconnect of a subscriber is two): read them at every batch, so that an engine
-        // whose subscribers come and go for hours keeps accepting and sending.
+        // The monitor's queue has no limit (kv_indexer::socket_monitor): read it at every batch,
+        // so that an engine whose subscribers come and go for hours keeps it short.
         self.subscribers
             .count()
             .with_context(|| format!("rank {}: reading its subscribers", rank.index))?;
@@ -266,7 +264,8 @@ impl RankState {
             self.dropped += 1;
             return Ok(());
         }
-        self.publisher
+        self.subscribers
+            .publisher()
             .send_multipart(message_frames(&settings.topic, seq, &payload), 0)
             .with_context(|| format!("rank {}: publishing seq {seq}", rank.index))
     }

@@ -4,60 +4,47 @@
 //! that cannot replay (a first batch lost to the PUB/SUB slow joiner would be lost for good),
 //! instead of sleeping.
 //!
-//! Owns the PUB socket's monitor. Never: blocks (events are read when asked, and at every
-//! batch the rank publishes: libzmq stops the PUB's I/O when its monitor's queue is full), or
-//! publishes.
+//! Owns the PUB socket and its monitor (`kv_indexer::socket_monitor`, which keeps libzmq from
+//! blocking the PUB's I/O on it). Never: waits for an event (they are read when asked, and at
+//! every batch the rank publishes), or publishes itself.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use anyhow::Result;
+use kv_indexer::socket_monitor::Monitored;
 
-use anyhow::{Context, Result};
-
+/// The PUB socket and what its monitor said.
 pub(super) struct Subscribers {
-    monitor: zmq::Socket,
+    publisher: Monitored,
     count: usize,
 }
 
 impl Subscribers {
-    /// Attaches a monitor to `publisher` (before anything connects to it).
-    pub(super) fn watch(context: &zmq::Context, publisher: &zmq::Socket) -> Result<Subscribers> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let endpoint = format!(
-            "inproc://sim-subscribers-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let events = zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw()
-            | zmq::SocketEvent::DISCONNECTED.to_raw();
-        publisher
-            .monitor(&endpoint, events.into())
-            .context("attaching the PUB socket's monitor")?;
-        let monitor = context
-            .socket(zmq::PAIR)
-            .context("creating the monitor socket")?;
-        monitor
-            .connect(&endpoint)
-            .context("connecting the monitor socket")?;
-        Ok(Subscribers { monitor, count: 0 })
+    /// Attaches a monitor to `publisher` (before it binds).
+    pub(super) fn watch(context: &zmq::Context, publisher: zmq::Socket) -> Result<Subscribers> {
+        let events = [
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+            zmq::SocketEvent::DISCONNECTED,
+        ];
+        let publisher = Monitored::attach(context, publisher, &events, "sim-publisher")?;
+        Ok(Subscribers {
+            publisher,
+            count: 0,
+        })
+    }
+
+    /// The PUB socket.
+    pub(super) fn publisher(&self) -> &zmq::Socket {
+        self.publisher.socket()
     }
 
     /// Subscribers handshaken and not disconnected, reading the events that came meanwhile.
     pub(super) fn count(&mut self) -> Result<usize> {
-        loop {
-            let frames = match self.monitor.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => frames,
-                Err(zmq::Error::EAGAIN) => return Ok(self.count),
-                Err(error) => return Err(error).context("reading the PUB socket's monitor"),
-            };
-            let event = frames
-                .first()
-                .and_then(|frame| frame.get(..2))
-                .and_then(|id| <[u8; 2]>::try_from(id).ok())
-                .map(u16::from_ne_bytes);
-            if event == Some(zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw()) {
+        while let Some(event) = self.publisher.next_event()? {
+            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
                 self.count += 1;
-            } else if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
+            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.count = self.count.saturating_sub(1);
             }
         }
+        Ok(self.count)
     }
 }
