@@ -10,7 +10,9 @@
 //!   a few dozen bytes, a few per connection change, and every holder reads them as they come;
 //! - a reader closed while its socket can still report (the socket is closed after its reader,
 //!   or lives on in libzmq's reaper while a connect completes): dropping a `Monitored` first
-//!   turns the monitor's events off, then closes the socket, then the reader.
+//!   turns the monitor's events off, then closes the socket, then the reader (libzmq issue
+//!   #3575 describes this hang; its remedy, `zmq_socket_monitor(socket, NULL, 0)`, is what
+//!   `Drop` does by the zmq crate's safe API).
 //!
 //! The 30-minute soak (`examples/soak`) froze every rank of the primary at minutes 8–11 this
 //! way, with a ZMQ I/O thread blocked in `zmq_msg_send` on a monitor.

@@ -644,3 +644,49 @@ fn a_rank_that_is_not_active_is_answered_as_a_miss() {
         (active && listed(&query(addr, body.clone())) == [("a".to_owned(), 2)]).then_some(())
     });
 }
+
+/// A port that accepts TCP connections but never speaks ZMQ (a wedged publisher, or another
+/// service) is not a connected rank: it stays `connecting` (and so is never scored), while a
+/// real publisher beside it is `active`.
+#[test]
+fn a_port_that_accepts_but_never_speaks_zmq_stays_connecting() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let silent_port = silent.local_addr().expect("address").port();
+    let (accepted, on_accept) = std::sync::mpsc::channel();
+    let held = std::thread::spawn(move || {
+        // Accept the rank's connection and hold it, saying nothing (later ones wait in the
+        // backlog, as a wedged publisher's do).
+        let connection = silent.accept();
+        let _ = accepted.send(());
+        connection.map(|(stream, _)| (silent, stream))
+    });
+    let zmq = zmq::Context::new();
+    let rank = FakeRank::bind(&zmq, 0);
+    let running = start_service(&config(&[
+        engine("real", rank.port, None),
+        engine("silent", silent_port, None),
+    ]));
+    rank.wait_subscribed();
+    let addr = running.http_addr();
+    let state = |name: &str| -> Value {
+        let workers = get(addr, "/workers").json();
+        let engines = workers.as_array().cloned().unwrap_or_default();
+        let engine = engines
+            .into_iter()
+            .find(|engine| engine["instance"] == name);
+        engine.map_or(Value::Null, |engine| engine["listeners"][0].clone())
+    };
+    wait_for(10, "the real rank active", || {
+        (state("real")["state"] == "active").then_some(())
+    });
+    on_accept
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the rank connected to the silent port");
+    // Time for a TCP-level CONNECTED to reach the rank's state, had it counted.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let silent_rank = state("silent");
+    assert_eq!(silent_rank["state"], "connecting", "{silent_rank}");
+    assert_eq!(silent_rank["connected"], false, "{silent_rank}");
+    drop(running);
+    drop(held.join());
+}

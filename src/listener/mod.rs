@@ -392,7 +392,7 @@ impl Drop for Listener {
 }
 
 /// The rank's SUB socket, monitored, and its token. The monitor is attached before
-/// `connect`, or the first CONNECTED event could be missed.
+/// `connect`, or its first event could be missed.
 fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Monitored, u64)> {
     static NEXT_ID: AtomicU64 = AtomicU64::new(0);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -411,8 +411,13 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Moni
     sub.set_subscribe(spec.topic.as_bytes())
         .with_context(|| format!("subscribing to topic {:?}", spec.topic))?;
     // Only the events the listener acts on: with ALL, every failed connect to a rank that is
-    // down (3 events) would wake the thread for nothing.
-    let events = [zmq::SocketEvent::CONNECTED, zmq::SocketEvent::DISCONNECTED];
+    // down (3 events) would wake the thread for nothing. Connected means the ZMTP handshake
+    // succeeded, not the TCP connect (CONNECTED): a port whose kernel accepts connections but
+    // whose publisher never speaks (wedged, or not ZMQ at all) is not a connected rank.
+    let events = [
+        zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+        zmq::SocketEvent::DISCONNECTED,
+    ];
     let sub = Monitored::attach(zmq, sub, &events, "listener")?;
     sub.socket()
         .connect(&spec.endpoint)

@@ -291,7 +291,7 @@ impl Rank {
     /// Takes every monitor event waiting (a few per connection change: no budget needed).
     pub(super) fn drain_monitor(&mut self) -> anyhow::Result<()> {
         while let Some(event) = self.sub.next_event()? {
-            if event == zmq::SocketEvent::CONNECTED.to_raw() {
+            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
                 self.applier.status.set_connected(true);
                 self.never_connected_hint = None;
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
