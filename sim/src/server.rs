@@ -11,8 +11,8 @@
 //! every socket is bound.
 
 mod bind;
+mod publisher;
 mod rank;
-mod subscribers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -250,9 +250,9 @@ impl SimEngine {
     }
 
     /// Subscribers of `rank`'s PUB socket whose handshake succeeded and who have not
-    /// disconnected (`subscribers`): wait for them before publishing what cannot be replayed.
+    /// disconnected (`publisher`): wait for them before publishing what cannot be replayed.
     pub fn subscribers(&self, rank: u32) -> Result<usize> {
-        self.rank(rank)?.state.lock().subscribers.count()
+        self.rank(rank)?.state.lock().publisher.subscribers()
     }
 
     /// The seq of the last batch `rank` published (or dropped), `None` before the first.

@@ -17,7 +17,7 @@ use log::warn;
 use parking_lot::Mutex;
 
 use super::bind::{bind_http, bind_zmq, offset_port};
-use super::subscribers::Subscribers;
+use super::publisher::Publisher;
 use super::{RankPorts, SimConfig};
 use crate::cache::RankCache;
 use crate::encode::{encode_batch, encode_snapshot, message_frames, Form};
@@ -59,7 +59,7 @@ impl Settings {
 pub(crate) struct RankState {
     pub(crate) cache: RankCache,
     /// The PUB socket, with its monitor.
-    pub(super) subscribers: Subscribers,
+    pub(super) publisher: Publisher,
     next_seq: u64,
     history: VecDeque<replay::Batch>,
     drops: SplitMix64,
@@ -94,7 +94,7 @@ impl RankRuntime {
     ) -> Result<RankRuntime> {
         let (publisher, publish) = bind_zmq(context, zmq::PUB, &config.bind, config.port, index)
             .with_context(|| format!("rank {index}: binding the PUB socket"))?;
-        let subscribers = Subscribers::watch(context, publisher)
+        let publisher = Publisher::watch(context, publisher)
             .with_context(|| format!("rank {index}: watching the PUB socket"))?;
         let rank_seed = mix(config.seed, u64::from(index));
         let mut runtime = RankRuntime {
@@ -111,7 +111,7 @@ impl RankRuntime {
                             (cpu, None) => cache.with_cpu_tier(cpu),
                         }
                     },
-                    subscribers,
+                    publisher,
                     next_seq: 0,
                     history: VecDeque::new(),
                     drops: SplitMix64::new(mix(rank_seed, 0xD809)),
@@ -241,8 +241,8 @@ impl RankState {
     pub(super) fn publish(&mut self, rank: &Rank, events: Vec<Event>) -> Result<()> {
         // The monitor's queue has no limit (kv_indexer::socket_monitor): read it at every batch,
         // so that an engine whose subscribers come and go for hours keeps it short.
-        self.subscribers
-            .count()
+        self.publisher
+            .subscribers()
             .with_context(|| format!("rank {}: reading its subscribers", rank.index))?;
         let settings = &rank.settings;
         let seq = self.next_seq;
@@ -264,8 +264,8 @@ impl RankState {
             self.dropped += 1;
             return Ok(());
         }
-        self.subscribers
-            .publisher()
+        self.publisher
+            .socket()
             .send_multipart(message_frames(&settings.topic, seq, &payload), 0)
             .with_context(|| format!("rank {}: publishing seq {seq}", rank.index))
     }
