@@ -113,6 +113,20 @@ fn refusal(addr: SocketAddr, request: &[u8]) -> (u16, String) {
     (status, error)
 }
 
+/// The status of a refusal hyper's parser wrote itself (a head or framing it cannot read): no
+/// body, and the connection closed after it.
+fn parser_refusal(addr: SocketAddr, request: &[u8]) -> u16 {
+    let answer = exchange(addr, request).expect("answered");
+    let status = status_of(&answer).unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"));
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or_default();
+    assert!(body.is_empty(), "{answer:?}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{answer:?}"
+    );
+    status
+}
+
 /// Sends `request` alone on a new connection; it must be answered 200.
 fn assert_answered(addr: SocketAddr, request: &[u8]) {
     let answer = exchange(addr, request).expect("answered");
@@ -382,31 +396,21 @@ fn transfer_encoding_is_one_list_however_many_headers_carry_it() {
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
     let body = one_chunk("18", "", "");
-    // chunked then identity: chunked is not the last coding, so the body's end is unknown.
-    let two_headers = refusal(
-        addr,
-        &post_query(
-            "Transfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n",
-            &body,
-        ),
-    );
-    let one_list = refusal(
-        addr,
-        &post_query("Transfer-Encoding: chunked, identity\r\n", &body),
-    );
-    assert_eq!(two_headers, one_list, "the same list, answered otherwise");
-    assert_eq!(two_headers.0, 400, "{}", two_headers.1);
-    assert!(
-        two_headers.1.contains("does not end in chunked"),
-        "{}",
-        two_headers.1
-    );
-    for (headers, status, reason) in [
-        (
-            "Transfer-Encoding: identity\r\n",
+    // A list that does not end in chunked leaves the body's end unknown: hyper's parser
+    // refuses it, one header or several, before any route runs.
+    for headers in [
+        "Transfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n",
+        "Transfer-Encoding: chunked, identity\r\n",
+        "Transfer-Encoding: identity\r\n",
+        "Transfer-Encoding: \r\n",
+    ] {
+        assert_eq!(
+            parser_refusal(addr, &post_query(headers, &body)),
             400,
-            "does not end in chunked",
-        ),
+            "{headers:?}"
+        );
+    }
+    for (headers, status, reason) in [
         (
             "Transfer-Encoding: chunked, chunked\r\n",
             400,
@@ -427,7 +431,6 @@ fn transfer_encoding_is_one_list_however_many_headers_carry_it() {
             501,
             "send chunked alone",
         ),
-        ("Transfer-Encoding: \r\n", 400, "does not end in chunked"),
     ] {
         let (got, error) = refusal(addr, &post_query(headers, &body));
         assert_eq!(got, status, "{headers:?}: {error}");
@@ -435,9 +438,7 @@ fn transfer_encoding_is_one_list_however_many_headers_carry_it() {
     }
     let http_1_0 =
         format!("POST /query HTTP/1.0\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n{body}");
-    let (status, error) = refusal(addr, http_1_0.as_bytes());
-    assert_eq!(status, 400, "{error}");
-    assert!(error.contains("HTTP/1.0"), "{error}");
+    assert_eq!(parser_refusal(addr, http_1_0.as_bytes()), 400);
     // The one list we decode, in any case and with empty elements, is answered.
     for headers in [
         "Transfer-Encoding: chunked\r\n",
@@ -453,25 +454,23 @@ fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
     let chunked = "Transfer-Encoding: chunked\r\n";
-    // QUERY is 0x18 bytes; `+10` was read as 16.
+    // QUERY is 0x18 bytes; `+10` must not be read as 16.
     assert_eq!(QUERY.len(), 0x18);
     for (size, extension, trailers, reason) in [
-        ("+18", "", "", "must begin with a hex digit"),
-        ("+10", "", "", "must begin with a hex digit"),
-        ("-18", "", "", "must begin with a hex digit"),
-        (" 18", "", "", "must begin with a hex digit"),
-        ("\t18", "", "", "must begin with a hex digit"),
-        ("", "", "", "must begin with a hex digit"),
-        ("0x18", "", "", "not 1 to 16 hex digits"),
-        ("1_8", "", "", "not 1 to 16 hex digits"),
-        ("1 8", "", "", "not 1 to 16 hex digits"),
-        // 17 digits: past what a u64 holds, whatever their value.
-        ("00000000000000018", "", "", "not 1 to 16 hex digits"),
-        ("ffffffffffffffffff", "", "", "not 1 to 16 hex digits"),
-        ("18", ";a=\0", "", "control character"),
-        ("18", ";a\rb", "", "control character"),
-        ("18", "", "Bad Trailer\r\n", "trailer line"),
-        ("18", "", "X-T: a\0b\r\n", "trailer line"),
+        ("+18", "", "", "missing size digit"),
+        ("+10", "", "", "missing size digit"),
+        ("-18", "", "", "missing size digit"),
+        (" 18", "", "", "missing size digit"),
+        ("\t18", "", "", "missing size digit"),
+        ("", "", "", "missing size digit"),
+        ("0x18", "", "", "Invalid Size"),
+        ("1_8", "", "", "Invalid Size"),
+        ("1 8", "", "", "chunk size"),
+        // Past what a u64 holds.
+        ("ffffffffffffffffff", "", "", "overflow"),
+        ("18", ";a\rb", "", "chunk size"),
+        ("18", "", "Bad Trailer\r\n", "header name"),
+        ("18", "", "X-T: a\0b\r\n", "header value"),
     ] {
         let body = one_chunk(size, extension, trailers);
         let (status, error) = refusal(addr, &post_query(chunked, &body));
@@ -489,11 +488,14 @@ fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
         let (status, error) = refusal(addr, &post_query(chunked, &body));
         assert_eq!(status, 400, "{body:?}: {error}");
     }
-    // What RFC 9112 allows is answered: leading zeros, either case, extensions (with spaces
-    // before the `;`), trailers.
+    // What RFC 9112 allows is answered: leading zeros (any number of them), either case,
+    // extensions (with spaces before the `;`; their bytes but CR and LF are not looked at),
+    // trailers.
     for (size, extension, trailers) in [
         ("18", "", ""),
         ("0000000000000018", "", ""),
+        ("00000000000000018", "", ""),
+        ("18", ";a=\0", ""),
         ("18", ";name=value;flag", ""),
         ("18", " ; name=\"quoted value\"", ""),
         ("18", "", "X-Checksum: 1\r\nX-Other: two words\r\n"),
@@ -512,34 +514,33 @@ fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
 }
 
 #[test]
-fn other_malformed_heads_and_framings_get_400_or_505_with_the_reason() {
+fn other_malformed_heads_and_framings_get_400() {
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
     let length = format!("Content-Length: {}\r\n", QUERY.len());
     let chunked_too = format!("Transfer-Encoding: chunked\r\n{length}");
     let twice = format!("Content-Length: 3\r\n{length}");
-    let cases: [(Vec<u8>, u16, &str); 9] = [
-        (
-            b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(),
-            505,
-            "HTTP/2.0 is not supported",
-        ),
-        (
-            b"GET  /health HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
-            400,
-            "malformed request line",
-        ),
-        (
-            b"GET /health HTTP/1.1\r\nHost : t\r\n\r\n".to_vec(),
-            400,
-            "malformed header line",
-        ),
+    // What hyper's parser cannot read, it refuses itself, before any route runs.
+    let unparsable: [&[u8]; 4] = [
+        b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n",
+        b"GET  /health HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost : t\r\n\r\n",
         // Obsolete line folding.
-        (
-            b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n".to_vec(),
-            400,
-            "malformed header line",
-        ),
+        b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n",
+    ];
+    for request in unparsable {
+        let status = parser_refusal(addr, request);
+        assert_eq!(status, 400, "{:?}", String::from_utf8_lossy(request));
+    }
+    for request in [
+        post_query(&twice, QUERY),
+        post_query(&format!("Content-Length: +{}\r\n", QUERY.len()), QUERY),
+        post_query(&format!("Content-Length: {}, 3\r\n", QUERY.len()), QUERY),
+    ] {
+        let status = parser_refusal(addr, &request);
+        assert_eq!(status, 400, "{:?}", String::from_utf8_lossy(&request));
+    }
+    let cases: [(Vec<u8>, u16, &str); 2] = [
         (
             "GET /health HTTP/1.1\r\nX-Name: é\r\n\r\n"
                 .as_bytes()
@@ -551,17 +552,6 @@ fn other_malformed_heads_and_framings_get_400_or_505_with_the_reason() {
             post_query(&chunked_too, QUERY),
             400,
             "both Transfer-Encoding and Content-Length",
-        ),
-        (post_query(&twice, QUERY), 400, "conflicting Content-Length"),
-        (
-            post_query(&format!("Content-Length: +{}\r\n", QUERY.len()), QUERY),
-            400,
-            "is not a number",
-        ),
-        (
-            post_query(&format!("Content-Length: {}, 3\r\n", QUERY.len()), QUERY),
-            400,
-            "is not a number",
         ),
     ];
     for (request, status, reason) in cases {

@@ -1,65 +1,58 @@
-//! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `accept` runs the
-//! listening socket, `connection` serves one connection, `head` and `body` read a request
-//! against limits and deadlines, `routes` answers each path with its exact JSON,
-//! `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards the routes that
-//! reveal cache contents or change state, `answering` bounds the requests answered at once,
-//! `query_body` parses `POST /query` and `json_fields` reads the JSON bodies of both APIs;
-//! `select_route` answers `POST /select` and the reservation routes (`select_body` parses what
-//! they add to the `/query` body), asking `select`; `text_prompt` has a text or chat prompt
-//! tokenized by its model's tokenizer before either scores it; `dynamo` is the Dynamo /
-//! Mooncake indexer API, served by the same server code on its own address (`Routes` says
-//! which API a server answers).
+//! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `server` accepts
+//! and serves connections with hyper on the service's tokio runtime, `guard` keeps the byte
+//! rules and deadlines of request heads on each socket, `body` reads a request's body against
+//! its limits, `request` is the head as routes read it, and `routes` answers each path with
+//! its exact JSON; `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards
+//! the routes that reveal cache contents or change state, `query_body` parses `POST /query`
+//! and `json_fields` reads the JSON bodies of both APIs; `select_route` answers `POST /select`
+//! and the reservation routes (`select_body` parses what they add to the `/query` body),
+//! asking `select`; `text_prompt` has a text or chat prompt tokenized by its model's tokenizer
+//! before either scores it; `dynamo` is the Dynamo / Mooncake indexer API, served by the same
+//! server code on its own address (`Routes` says which API a server answers).
 //!
 //! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
 //! status code the API returns. Never: changes the index or the registry except through the
-//! reload callback, panics on a request, waits for a client without a deadline, keeps a thread
+//! reload callback, panics on a request, waits for a client without a deadline, keeps a task
 //! or a descriptor for a connection that is done, or stops accepting while it runs.
 //!
-//! Why our own connection handling and not tiny_http's `Server`: tiny_http 0.12 reads request
-//! heads on a thread per connection with no size limit and no deadline (20 connections sending
-//! 32 MiB heads took 900 MB), gives no access to the accepted sockets (so no socket timeouts),
-//! cannot be handed a connection it did not accept itself, and its accept thread quits for
-//! good on the first accept error (EMFILE left the API dead while the process lived on). So we
-//! accept on our own `TcpListener`, read against our own limits and deadlines, and answer
-//! ourselves (HTTP/1.1 with keep-alive, Content-Length and chunked bodies,
-//! `Expect: 100-continue`; answers always carry a Content-Length); the parsing is httparse's
-//! (heads, chunk sizes, trailers), and methods and reason phrases are the `http` crate's.
-//!
-//! Bounds: at most `MAX_CONNECTIONS` open connections (one thread and one descriptor each),
-//! `MAX_HEAD_BYTES` of head, `MAX_BODY_BYTES` of body, `MAX_UPLOADS` bodies read at once, and
-//! `POOL_THREADS` requests answered at once.
+//! hyper parses (heads, Content-Length and chunked bodies, trailers, `Expect: 100-continue`,
+//! keep-alive); we own the policy on top (`guard`, `body`, `server`). Bounds: at most
+//! `MAX_CONNECTIONS` open connections, `MAX_HEAD_BYTES` of head, `MAX_BODY_BYTES` of body,
+//! `MAX_UPLOADS` bodies read at once, and `POOL_THREADS` requests answered at once.
 
-mod accept;
-mod answering;
 mod auth;
 pub use auth::{constant_time_eq, is_authorized};
 mod body;
-mod connection;
 pub mod dynamo;
-mod head;
+mod guard;
 mod json_fields;
 #[cfg(test)]
 mod json_mutation;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
+mod request;
+pub use request::Request;
 mod routes;
 mod select_body;
 mod select_route;
+mod server;
 mod snapshot_route;
 mod text_prompt;
 pub use snapshot_route::percent_decode;
 
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::Context;
+use bytes::Bytes;
 use http::{Method, StatusCode};
+use http_body_util::Full;
 use log::info;
 use serde::Serialize;
 use serde_json::json;
+use tokio::runtime::Handle;
+use tokio::sync::watch;
 
 use crate::config::ConfigError;
 use crate::discover::Board;
@@ -69,24 +62,31 @@ use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
-use accept::{accept_loop, Live, Reserve};
-use answering::Answering;
-use body::Uploads;
-pub use head::{Request, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
 pub use routes::diff_json;
 use routes::route;
+use server::{spawn_accept, Live, Reserve};
 
+/// A request line and headers together: 16 KiB is 4 times what any client of this API sends
+/// (a router's head is under 300 bytes), and bounds what every open connection's head holds.
+pub const MAX_HEAD_BYTES: usize = 16 << 10;
+/// Header lines in one head.
+pub const MAX_HEADERS: usize = 100;
+/// From a head's first byte to its blank line: a slow head is answered 408 and closed then.
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a connection may wait for the first byte of its next request.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Larger bodies are refused with 413.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
-/// Requests answered at once (routed and their reply built): a query is CPU work, and more at
-/// once than this only adds memory on a machine of a few cores.
+/// Requests answered at once (routed and their reply built, on the runtime's blocking
+/// threads): a query is CPU work, and more at once than this only adds memory on a machine of
+/// a few cores.
 pub const POOL_THREADS: usize = 32;
-/// At most this many bodies are read from the socket at once (24 × 16 MiB bound their memory);
+/// At most this many bodies are read from sockets at once (24 × 16 MiB bound their memory);
 /// an upload beyond it is refused 503 without being read.
 pub const MAX_UPLOADS: usize = 24;
 /// Open connections; one more is answered 503 and closed. 512 keep-alive connections are far
-/// more than a few routers' pools, and bound what connections hold: 512 threads, descriptors
-/// and heads of at most 16 KiB.
+/// more than a few routers' pools, and bound what connections hold: descriptors, buffers and
+/// heads of at most 16 KiB.
 pub const MAX_CONNECTIONS: usize = 512;
 /// How long `stop` waits for open connections to finish the request they are answering.
 const STOP_GRACE: Duration = Duration::from_millis(500);
@@ -139,25 +139,6 @@ impl Routes for Api {
     }
 }
 
-/// What every connection thread shares.
-struct Shared {
-    routes: Arc<dyn Routes>,
-    uploads: Uploads,
-    answering: Answering,
-    live: Arc<Live>,
-}
-
-/// Routes `request` and counts its error, if any.
-fn answer(shared: &Shared, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-    let reply = shared
-        .answering
-        .run(|| shared.routes.route(request, body, tokens));
-    if reply.status >= 400 {
-        shared.routes.metrics().http_error(reply.status);
-    }
-    reply
-}
-
 /// A 405 naming the methods `path` allows (`POST`, or `GET, HEAD` for a path that reads), unless
 /// `request` uses one of them.
 fn check_method(request: &Request, path: &str, wants_post: bool) -> Result<(), Reply> {
@@ -194,30 +175,26 @@ impl BoundHttp {
         self.addr
     }
 
-    /// Starts accepting and answering with `routes`.
-    pub fn serve(self, routes: Arc<dyn Routes>) -> anyhow::Result<HttpServer> {
-        let addr = self.addr;
-        let name = routes.name();
-        let shared = Arc::new(Shared {
+    /// Starts accepting and answering with `routes`, on `runtime`.
+    pub fn serve(self, routes: Arc<dyn Routes>, runtime: &Handle) -> anyhow::Result<HttpServer> {
+        let (addr, name) = (self.addr, routes.name());
+        let (stop, stopping) = watch::channel(false);
+        let live = Arc::new(Live::default());
+        let acceptor = spawn_accept(
+            runtime,
+            self.listener,
+            self.reserve,
             routes,
-            uploads: Uploads::default(),
-            answering: Answering::default(),
-            live: Arc::default(),
-        });
-        let stopping = Arc::new(AtomicBool::new(false));
-        let (for_loop, stopping_for_loop) = (shared.clone(), stopping.clone());
-        let BoundHttp {
-            listener, reserve, ..
-        } = self;
-        let acceptor = std::thread::Builder::new()
-            .name("http-accept".into())
-            .spawn(move || accept_loop(&listener, reserve, &for_loop, &stopping_for_loop))
-            .with_context(|| format!("spawning the {name} accept thread for {addr}"))?;
+            Arc::clone(&live),
+            stopping,
+        )
+        .with_context(|| format!("serving the {name} on {addr}"))?;
         info!("{name} listening on http://{addr} (up to {MAX_CONNECTIONS} connections)");
         Ok(HttpServer {
-            shared,
-            stopping,
+            name,
+            stop,
             acceptor,
+            live,
             addr,
         })
     }
@@ -225,9 +202,10 @@ impl BoundHttp {
 
 /// The running HTTP server.
 pub struct HttpServer {
-    shared: Arc<Shared>,
-    stopping: Arc<AtomicBool>,
-    acceptor: JoinHandle<()>,
+    name: &'static str,
+    stop: watch::Sender<bool>,
+    acceptor: tokio::task::JoinHandle<()>,
+    live: Arc<Live>,
     addr: SocketAddr,
 }
 
@@ -254,17 +232,23 @@ impl HttpServer {
     }
 
     /// Stops accepting, lets open connections finish the request they are answering (up to
-    /// `STOP_GRACE`) and returns.
+    /// `STOP_GRACE`) and returns. Called from a thread that is not one of the runtime's
+    /// workers (it waits).
     pub fn stop(self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        // The accept loop never panics; a join error would be a bug, not input.
-        let _ = self.acceptor.join();
-        self.shared.live.shut_all(STOP_GRACE);
-        info!("{} on {} stopped", self.shared.routes.name(), self.addr);
+        // Every receiver has gone only when every task has already ended.
+        let _ = self.stop.send(true);
+        self.live.wait_closed(STOP_GRACE);
+        self.acceptor.abort();
+        info!("{} on {} stopped", self.name, self.addr);
     }
 }
 
-/// A response, written by `Reply::encode`.
+/// The JSON body of every error the API answers: `{"error": reason}`.
+fn error_body(reason: &str) -> Vec<u8> {
+    json!({ "error": reason }).to_string().into_bytes()
+}
+
+/// A response.
 pub struct Reply {
     status: u16,
     body: Vec<u8>,
@@ -290,44 +274,29 @@ impl Reply {
     }
 
     fn error(status: u16, reason: impl Into<String>) -> Reply {
-        let body = json!({ "error": reason.into() });
         Reply {
             status,
-            body: body.to_string().into_bytes(),
+            body: error_body(&reason.into()),
             content_type: "application/json",
             header: None,
             is_query: false,
         }
     }
 
-    /// The whole response in one buffer (one write: no Nagle wait between head and body).
-    /// Always a Content-Length, never chunked: simpler for every client. `Connection` is
-    /// `close` when the connection closes after it, `keep-alive` for an HTTP/1.0 client that
-    /// asked to keep it.
-    fn encode(&self, minor_version: u8, head_only: bool, close: bool) -> Vec<u8> {
-        let reason = StatusCode::from_u16(self.status)
-            .ok()
-            .and_then(|status| status.canonical_reason())
-            .unwrap_or_default();
-        let mut head = format!(
-            "HTTP/1.{minor_version} {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\n",
-            self.status,
-            self.content_type,
-            self.body.len()
+    /// The response hyper writes: always a Content-Length (hyper's for a whole body), never
+    /// chunked, so every client reads it simply; hyper leaves the body out of a HEAD's answer.
+    fn into_response(self) -> hyper::Response<Full<Bytes>> {
+        let mut response = hyper::Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let headers = response.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static(self.content_type),
         );
         if let Some((name, value)) = self.header {
-            head.push_str(&format!("{name}: {value}\r\n"));
+            headers.insert(name, http::HeaderValue::from_static(value));
         }
-        match (close, minor_version) {
-            (true, _) => head.push_str("Connection: close\r\n"),
-            (false, 0) => head.push_str("Connection: keep-alive\r\n"),
-            (false, _) => {}
-        }
-        head.push_str("\r\n");
-        let mut bytes = head.into_bytes();
-        if !head_only {
-            bytes.extend_from_slice(&self.body);
-        }
-        bytes
+        response
     }
 }

@@ -46,10 +46,7 @@ use retry::Retry;
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
 pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the signal runtime")?;
+    let runtime = build_runtime()?;
     runtime.block_on(async {
         // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
         let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
@@ -96,6 +93,15 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
         service.shutdown();
         Ok(())
     })
+}
+
+/// The one runtime the service runs on: HTTP connections and the routes' blocking work.
+fn build_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .thread_name("kv-runtime")
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
 }
 
 /// Waits for SIGTERM or SIGINT; the name of the one that came.
@@ -151,6 +157,9 @@ pub struct Service {
     reloader: Arc<Reloader>,
     retry: Retry,
     rank_watch: RankWatch,
+    /// The runtime of a service started outside one (tests, examples); `run`'s otherwise.
+    /// Last: dropped once everything that runs on it has stopped.
+    _own_runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl Service {
@@ -172,6 +181,15 @@ impl Service {
         listen: Option<String>,
         shutdown_signal: ShutdownSignal,
     ) -> anyhow::Result<Service> {
+        let own_runtime = match tokio::runtime::Handle::try_current() {
+            Ok(_) => None,
+            Err(_) => Some(build_runtime()?),
+        };
+        let handle = own_runtime
+            .as_ref()
+            .map_or_else(tokio::runtime::Handle::current, |runtime| {
+                runtime.handle().clone()
+            });
         let index = Index::new(config.block_size, config.shards);
         index.set_max_blocks_per_rank(config.max_blocks_per_rank);
         let metrics = Arc::new(Metrics::new());
@@ -273,9 +291,9 @@ impl Service {
             reload: Box::new(move || reload_for_http.reload()),
             tokenizers,
         });
-        let http = http.serve(api)?;
+        let http = http.serve(api, &handle)?;
         let dynamo = dynamo
-            .map(|bound| bound.serve(Arc::new(dynamo_api)))
+            .map(|bound| bound.serve(Arc::new(dynamo_api), &handle))
             .transpose()?;
         let retry = Retry::spawn(registry.clone())?;
         Ok(Service {
@@ -286,6 +304,7 @@ impl Service {
             reloader,
             retry,
             rank_watch,
+            _own_runtime: own_runtime,
         })
     }
 

@@ -1,0 +1,78 @@
+//! The request head as the routes see it: hyper's parsed head and the address it came from.
+//!
+//! Owns: how a route reads the method, the URL (path and query, as sent), headers and the
+//! peer. Never: reads the body (the server hands it over whole), or parses a byte itself:
+//! hyper did, behind `guard`'s byte rules.
+
+use std::net::SocketAddr;
+
+use http::request::Parts;
+use http::Method;
+
+/// A parsed request head.
+pub struct Request {
+    parts: Parts,
+    peer: SocketAddr,
+}
+
+impl Request {
+    pub(super) fn new(parts: Parts, peer: SocketAddr) -> Request {
+        Request { parts, peer }
+    }
+
+    /// A request made here rather than received (unit tests of the routes).
+    #[cfg(test)]
+    pub(crate) fn for_test(method: Method, url: &str, headers: &[(&str, &str)]) -> Request {
+        let mut builder = http::Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        let (parts, ()) = builder
+            .body(())
+            .unwrap_or_else(|err| panic!("test request {url}: {err}"))
+            .into_parts();
+        Request::new(parts, SocketAddr::from(([127, 0, 0, 1], 1)))
+    }
+
+    /// The address of the client that sent it.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        Some(self.peer)
+    }
+
+    pub fn method(&self) -> &Method {
+        &self.parts.method
+    }
+
+    /// The path and query as sent (`/query?model=m`).
+    pub fn url(&self) -> &str {
+        self.parts
+            .uri
+            .path_and_query()
+            .map_or("/", |path| path.as_str())
+    }
+
+    /// The path alone.
+    pub fn path(&self) -> &str {
+        self.parts.uri.path()
+    }
+
+    /// The query string, without its `?`.
+    pub fn query_string(&self) -> Option<&str> {
+        self.parts.uri.query()
+    }
+
+    /// Every value of header `name` (case-insensitive), in order. `guard` refuses a head that
+    /// is not ASCII, so every value reads as text.
+    pub(super) fn header_values<'a>(&'a self, name: &str) -> impl Iterator<Item = &'a str> + 'a {
+        self.parts
+            .headers
+            .get_all(name)
+            .into_iter()
+            .filter_map(|value| value.to_str().ok())
+            .map(str::trim_ascii)
+    }
+
+    pub(super) fn header(&self, name: &str) -> Option<&str> {
+        self.header_values(name).next()
+    }
+}

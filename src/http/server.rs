@@ -1,0 +1,389 @@
+//! The HTTP server: the listening socket, the connections it admits, and each request from its
+//! head to its answer, on hyper over the service's tokio runtime.
+//!
+//! Owns: the cap on open connections (past it a connection is answered 503 and closed,
+//! counted), the descriptors held in reserve so that accept can run when the process has none
+//! left, the back-off on accept errors, the bound on requests answered at once (routes run on
+//! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry),
+//! and stopping: accept ends, open connections finish the request they are answering.
+//! Never: gives up the listening socket (an accept error is logged, waited out and retried),
+//! keeps a task or descriptor for a connection that is done, or blocks a runtime thread.
+
+use std::fs::File;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use log::{debug, warn};
+use parking_lot::{Condvar, Mutex};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Handle;
+use tokio::sync::{watch, Semaphore};
+
+use super::body::{keep_bounded, read_body, Uploads};
+use super::guard::{Guarded, Link};
+use super::{
+    error_body, Reply, Request, Routes, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_HEADERS,
+    MAX_HEAD_BYTES, POOL_THREADS,
+};
+
+/// Descriptors kept open on /dev/null and closed one at a time when accept fails for want of
+/// descriptors: each lets one more connection in (and be served) while, say, 5,000 engines
+/// hold all the others. Refilled as soon as descriptors are free again.
+const RESERVED_FDS: usize = 16;
+/// After a failed accept: wait this long, doubling up to the max, before the next.
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(200);
+/// A repeated warning is logged at most this often (with the count of those not logged).
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// What every connection of one server shares.
+struct Shared {
+    routes: Arc<dyn Routes>,
+    uploads: Uploads,
+    /// `POOL_THREADS` places to answer in.
+    answering: Arc<Semaphore>,
+}
+
+/// Descriptors held so that accept can run out of descriptors and still get one.
+pub(super) struct Reserve(Vec<File>);
+
+impl Reserve {
+    pub(super) fn new() -> Reserve {
+        let mut reserve = Reserve(Vec::with_capacity(RESERVED_FDS));
+        reserve.refill();
+        reserve
+    }
+
+    fn refill(&mut self) {
+        while self.0.len() < RESERVED_FDS {
+            match File::open("/dev/null") {
+                Ok(file) => self.0.push(file),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Closes one reserved descriptor; false when none is left.
+    fn release_one(&mut self) -> bool {
+        self.0.pop().is_some()
+    }
+}
+
+/// The open connections: a count `stop` waits on.
+#[derive(Default)]
+pub(super) struct Live {
+    open: Mutex<usize>,
+    closed: Condvar,
+}
+
+/// A connection's place among `Live`'s; given back on drop.
+struct LiveEntry(Arc<Live>);
+
+impl Live {
+    fn enter(self: &Arc<Self>) -> Option<LiveEntry> {
+        let mut open = self.open.lock();
+        if *open >= MAX_CONNECTIONS {
+            return None;
+        }
+        *open += 1;
+        Some(LiveEntry(Arc::clone(self)))
+    }
+
+    /// Waits up to `grace` for every connection to close.
+    pub(super) fn wait_closed(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        let mut open = self.open.lock();
+        while *open > 0 {
+            if self.closed.wait_until(&mut open, deadline).timed_out() {
+                debug!("{} HTTP connections still closing", *open);
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for LiveEntry {
+    fn drop(&mut self) {
+        let mut open = self.0.open.lock();
+        *open -= 1;
+        if *open == 0 {
+            self.0.closed.notify_all();
+        }
+    }
+}
+
+/// A warning logged at most once per `WARN_EVERY`.
+#[derive(Default)]
+struct Throttled {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl Throttled {
+    fn warn(&mut self, message: impl FnOnce() -> String) {
+        if self.last.is_some_and(|at| at.elapsed() < WARN_EVERY) {
+            self.unlogged += 1;
+            return;
+        }
+        let message = message();
+        match std::mem::take(&mut self.unlogged) {
+            0 => warn!("{message}"),
+            n => warn!("{message} ({n} more like it not logged)"),
+        }
+        self.last = Some(Instant::now());
+    }
+}
+
+/// Starts accepting on `listener` with `routes`; the task ends once `stopping` says so.
+pub(super) fn spawn_accept(
+    runtime: &Handle,
+    listener: std::net::TcpListener,
+    reserve: Reserve,
+    routes: Arc<dyn Routes>,
+    live: Arc<Live>,
+    stopping: watch::Receiver<bool>,
+) -> io::Result<tokio::task::JoinHandle<()>> {
+    let listener = {
+        let _entered = runtime.enter();
+        TcpListener::from_std(listener)?
+    };
+    let shared = Arc::new(Shared {
+        routes,
+        uploads: Uploads::default(),
+        answering: Arc::new(Semaphore::new(POOL_THREADS)),
+    });
+    Ok(runtime.spawn(accept_loop(listener, reserve, shared, live, stopping)))
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    mut reserve: Reserve,
+    shared: Arc<Shared>,
+    live: Arc<Live>,
+    mut stopping: watch::Receiver<bool>,
+) {
+    let addr = listener.local_addr().ok();
+    let mut backoff = BACKOFF_MIN;
+    let (mut failures, mut refusals) = (Throttled::default(), Throttled::default());
+    // Set when accept ran out of descriptors: the reserve is not refilled before the next
+    // accept has used the descriptor just freed for it.
+    let mut starved = false;
+    loop {
+        if !starved {
+            reserve.refill();
+        }
+        let accepted = tokio::select! {
+            _ = async { stopping.wait_for(|&stop| stop).await.map(|_| ()) } => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((socket, peer)) => {
+                backoff = BACKOFF_MIN;
+                starved = false;
+                admit(socket, peer, &shared, &live, &stopping, &mut refusals);
+            }
+            Err(err) if transient(&err) => {}
+            // Out of descriptors: free one of the reserve and accept again at once.
+            Err(err) if out_of_files(&err) && reserve.release_one() => starved = true,
+            Err(err) => {
+                // Nothing left in reserve, or another error: let the reserve refill.
+                starved = false;
+                failures.warn(|| {
+                    format!(
+                        "{} on {addr:?}: accept failed: {err}; retrying in {}ms",
+                        shared.routes.name(),
+                        backoff.as_millis()
+                    )
+                });
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+fn transient(err: &io::Error) -> bool {
+    matches!(
+        err.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+    )
+}
+
+fn out_of_files(err: &io::Error) -> bool {
+    let (emfile, enfile) = (
+        rustix::io::Errno::MFILE.raw_os_error(),
+        rustix::io::Errno::NFILE.raw_os_error(),
+    );
+    err.raw_os_error()
+        .is_some_and(|code| code == emfile || code == enfile)
+}
+
+fn admit(
+    socket: TcpStream,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    live: &Arc<Live>,
+    stopping: &watch::Receiver<bool>,
+    refusals: &mut Throttled,
+) {
+    // TCP_NODELAY: an answer's last segment must not wait 40 ms for the client's delayed ACK.
+    if let Err(err) = socket.set_nodelay(true) {
+        debug!("HTTP connection from {peer}: {err}");
+        return;
+    }
+    let Some(entry) = live.enter() else {
+        shared.routes.metrics().http_error(503);
+        refusals.warn(|| {
+            format!("HTTP connection from {peer} refused: {MAX_CONNECTIONS} connections are open")
+        });
+        tokio::spawn(refuse_busy(socket));
+        return;
+    };
+    tokio::spawn(serve_connection(
+        socket,
+        peer,
+        Arc::clone(shared),
+        entry,
+        stopping.clone(),
+    ));
+}
+
+/// Answers 503 on a connection past the cap and closes it. Nothing is read: the answer is in
+/// the socket's empty send buffer before the client has sent its request.
+async fn refuse_busy(mut socket: TcpStream) {
+    let body = error_body(&format!(
+        "{MAX_CONNECTIONS} connections are open; retry shortly"
+    ));
+    let mut reply = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: \
+         {}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    reply.extend_from_slice(&body);
+    let write = async {
+        socket.write_all(&reply).await?;
+        socket.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(100), write).await;
+}
+
+/// What one connection keeps from one request to the next.
+#[derive(Default)]
+struct Buffers {
+    body: Vec<u8>,
+    tokens: Vec<u32>,
+}
+
+async fn serve_connection(
+    socket: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    _entry: LiveEntry,
+    mut stopping: watch::Receiver<bool>,
+) {
+    let link = Arc::new(Link::default());
+    let io = TokioIo::new(Guarded::new(socket, Arc::clone(&link)));
+    let buffers = Arc::new(Mutex::new(Buffers::default()));
+    let service = {
+        let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
+        service_fn(move |request| {
+            let (shared, link, buffers) =
+                (Arc::clone(&shared), Arc::clone(&link), Arc::clone(&buffers));
+            async move {
+                let reply = answer(&shared, &link, &buffers, request, peer).await;
+                Ok::<_, std::convert::Infallible>(reply)
+            }
+        })
+    };
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        // `guard` keeps the idle and head deadlines; hyper's timer is a backstop behind them.
+        .header_read_timeout(IDLE_TIMEOUT + HEAD_DEADLINE)
+        // Above `MAX_HEAD_BYTES`, so that `guard` answers an oversized head (414 or 431) first.
+        .max_buf_size(2 * MAX_HEAD_BYTES)
+        .max_headers(MAX_HEADERS)
+        .serve_connection(io, service);
+    let mut connection = std::pin::pin!(connection);
+    let served = tokio::select! {
+        served = connection.as_mut() => served,
+        _ = async { stopping.wait_for(|&stop| stop).await.map(|_| ()) } => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Some(status) = link.refused() {
+        shared.routes.metrics().http_error(status);
+    } else if let Err(err) = served {
+        // hyper answered a head it could not parse (400, 431, 505) before closing.
+        if err.is_parse() || err.is_parse_too_large() {
+            let status = if err.is_parse_too_large() { 431 } else { 400 };
+            shared.routes.metrics().http_error(status);
+        }
+        debug!("HTTP connection from {peer}: {err}");
+    }
+}
+
+/// One request, from its body to its answer.
+async fn answer(
+    shared: &Arc<Shared>,
+    link: &Link,
+    buffers: &Arc<Mutex<Buffers>>,
+    request: hyper::Request<Incoming>,
+    peer: SocketAddr,
+) -> hyper::Response<Full<Bytes>> {
+    let started = Instant::now();
+    let (parts, body) = request.into_parts();
+    let request = Request::new(parts, peer);
+    let mut kept = std::mem::take(&mut *buffers.lock());
+    if let Err(refused) = read_body(&request, body, &shared.uploads, &mut kept.body).await {
+        shared.routes.metrics().http_error(refused.status);
+        *buffers.lock() = kept;
+        // The body is not read (or not whole): the connection cannot carry another request.
+        let mut response = refused.into_response();
+        response.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        return response;
+    }
+    // The body is read whole: what the connection sends next is a head.
+    link.expect_head();
+    let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
+        return Reply::error(503, "the server is stopping").into_response();
+    };
+    let routes = Arc::clone(&shared.routes);
+    let answered = tokio::task::spawn_blocking(move || {
+        let reply = routes.route(&request, &kept.body, &mut kept.tokens);
+        keep_bounded(&mut kept.body);
+        keep_bounded(&mut kept.tokens);
+        (reply, kept)
+    })
+    .await;
+    let reply = match answered {
+        Ok((reply, kept)) => {
+            *buffers.lock() = kept;
+            reply
+        }
+        // A route that panicked: a bug, answered as one (the connection's buffers are lost).
+        Err(err) => Reply::error(500, format!("the route failed: {err}")),
+    };
+    drop(_place);
+    let metrics = shared.routes.metrics();
+    if reply.status >= 400 {
+        metrics.http_error(reply.status);
+    }
+    if reply.is_query {
+        metrics.observe_query(started.elapsed().as_secs_f64());
+    }
+    reply.into_response()
+}
