@@ -690,3 +690,47 @@ fn a_port_that_accepts_but_never_speaks_zmq_stays_connecting() {
     drop(running);
     drop(held.join());
 }
+
+/// Each path is declared once: a path no route declares is a 404 naming it, whatever its
+/// likeness to one that is declared, and a declared path asked with another method is a 405
+/// naming the method it takes — never another route's answer.
+#[test]
+fn a_path_is_answered_by_its_own_route_or_404() {
+    let running = start_service(&config(&[]));
+    let addr = running.http_addr();
+    let mut connection = Connection::open(addr);
+    for (method, path) in [
+        ("GET", "/healthz"),
+        ("GET", "/health/"),
+        ("GET", "//health"),
+        ("POST", "/query/"),
+        ("POST", "/query/x"),
+        ("GET", "/workers/1"),
+        ("POST", "/reservations/7/prefill_completed"),
+        ("POST", "/reservations/7/prefill_complete/"),
+        ("GET", "/reservations/7/x"),
+        ("DELETE", "/reservations//"),
+        ("DELETE", "/reservations/"),
+        ("GET", "/snapshot/a"),
+        ("GET", "/snapshot/a/0/extra"),
+        ("GET", "/"),
+    ] {
+        let reply = connection.send(method, path, (method != "GET").then_some(&b"{}"[..]));
+        assert_error(&reply, 404, &format!("no such path: {path}"));
+    }
+    for (method, path, allow) in [
+        ("GET", "/reservations/7/prefill_complete", "POST"),
+        ("POST", "/reservations/7", "DELETE"),
+        ("DELETE", "/snapshot/a/0", "GET, HEAD"),
+        ("DELETE", "/health", "GET, HEAD"),
+        ("GET", "/reload", "POST"),
+    ] {
+        let reply = connection.send(method, path, (method != "GET").then_some(&b"{}"[..]));
+        assert_error(&reply, 405, &format!("{method} {path}: method not allowed"));
+        assert_eq!(reply.header("Allow"), Some(allow), "{method} {path}");
+    }
+    // The declared routes still answer.
+    assert_eq!(connection.send("GET", "/health", None).status, 200);
+    let release = connection.send("DELETE", "/reservations/7", None);
+    assert_error(&release, 404, "no such reservation: 7");
+}

@@ -20,7 +20,7 @@
 //! `MAX_CONNECTIONS` open connections, `MAX_HEAD_BYTES` of head, `MAX_BODY_BYTES` of body,
 //! `MAX_UPLOADS` bodies read at once, and `POOL_THREADS` requests answered at once.
 
-mod auth;
+pub(crate) mod auth;
 pub use auth::{constant_time_eq, is_authorized};
 mod body;
 pub mod dynamo;
@@ -37,6 +37,7 @@ mod select_body;
 mod select_route;
 mod server;
 mod snapshot_route;
+pub(crate) mod table;
 mod text_prompt;
 pub use snapshot_route::percent_decode;
 
@@ -46,7 +47,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
-use http::{Method, StatusCode};
+use http::StatusCode;
 use http_body_util::Full;
 use log::info;
 use serde::Serialize;
@@ -63,7 +64,7 @@ use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 pub use routes::diff_json;
-use routes::route;
+use routes::API_ROUTES;
 use server::{spawn_accept, Live, Reserve};
 
 /// A request line and headers together: 16 KiB is 4 times what any client of this API sends
@@ -131,35 +132,12 @@ impl Routes for Api {
     }
 
     fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-        route(self, request, body, tokens)
+        table::dispatch(API_ROUTES, self, &self.secret, request, body, tokens)
     }
 
     fn metrics(&self) -> &Metrics {
         &self.metrics
     }
-}
-
-/// A 405 naming the methods `path` allows (`POST`, or `GET, HEAD` for a path that reads), unless
-/// `request` uses one of them.
-fn check_method(request: &Request, path: &str, wants_post: bool) -> Result<(), Reply> {
-    let allowed = match request.method() {
-        &Method::POST => wants_post,
-        &Method::GET | &Method::HEAD => !wants_post,
-        _ => false,
-    };
-    if allowed {
-        return Ok(());
-    }
-    let allow = if wants_post { "POST" } else { "GET, HEAD" };
-    let mut reply = Reply::error(
-        405,
-        format!(
-            "{} {path}: method not allowed; use {allow}",
-            request.method()
-        ),
-    );
-    reply.header = Some(("Allow", allow));
-    Err(reply)
 }
 
 /// The HTTP socket bound, not serving yet: bound before the engines start, so that they cannot

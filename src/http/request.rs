@@ -20,20 +20,6 @@ impl Request {
         Request { parts, peer }
     }
 
-    /// A request made here rather than received (unit tests of the routes).
-    #[cfg(test)]
-    pub(crate) fn for_test(method: Method, url: &str, headers: &[(&str, &str)]) -> Request {
-        let mut builder = http::Request::builder().method(method).uri(url);
-        for (name, value) in headers {
-            builder = builder.header(*name, *value);
-        }
-        let (parts, ()) = builder
-            .body(())
-            .unwrap_or_else(|err| panic!("test request {url}: {err}"))
-            .into_parts();
-        Request::new(parts, SocketAddr::from(([127, 0, 0, 1], 1)))
-    }
-
     /// The address of the client that sent it.
     pub fn peer(&self) -> Option<SocketAddr> {
         Some(self.peer)

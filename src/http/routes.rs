@@ -8,53 +8,97 @@ use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::auth::{is_authorized, unauthorized};
 use super::query_body::{parse_query_request, QueryRequest};
 use super::select_route;
 use super::snapshot_route::snapshot_route;
+use super::table::{Guard, Route, Verb};
 use super::text_prompt::tokenize_prompt;
-use super::{check_method, Api, Reply};
+use super::{Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::index::{GroupView, Inexact, PerTier};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
 use crate::wire::SpecKind;
 
-pub(super) fn route(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-    let path = request.url().split('?').next().unwrap_or_default();
-    if let Some(rank) = path.strip_prefix("/snapshot/") {
-        return snapshot_route(api, request, rank);
-    }
-    if let Some(rest) = path.strip_prefix("/reservations/") {
-        return select_route::reservation(api, request, rest, body);
-    }
-    let wants_post = match path {
-        "/query" | "/select" | "/reload" => true,
-        "/workers" | "/health" | "/ready" | "/metrics" | "/loads" => false,
-        _ => return Reply::error(404, format!("no such path: {path}")),
-    };
-    if let Err(refused) = check_method(request, path, wants_post) {
-        return refused;
-    }
-    match path {
-        "/query" => query(api, request, body, tokens),
-        "/select" => select_route::select(api, request, body, tokens),
-        "/loads" => select_route::loads(api),
-        "/reload" if !is_authorized(request, api.secret.get().as_ref()) => unauthorized(),
-        "/reload" => reload(api),
-        "/workers" => workers(api),
-        "/health" => Reply::json(200, &json!({ "status": "ok" })),
-        "/ready" => ready(api),
-        _ => {
-            api.metrics.set_index_keys(api.index.key_count());
-            Reply {
-                status: 200,
-                body: api.metrics.render().into_bytes(),
-                content_type: crate::metrics::CONTENT_TYPE,
-                header: None,
-                is_query: false,
-            }
-        }
+/// Every path of the API, once (docs.md "HTTP API").
+pub(super) static API_ROUTES: &[Route<Api>] = &[
+    Route {
+        verb: Verb::Post,
+        pattern: "/query",
+        guard: Guard::Open,
+        handler: |api, call| query(api, call.request, call.body, call.tokens),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/select",
+        // A reserving `/select` needs the secret: its body says so (`select_route`).
+        guard: Guard::Open,
+        handler: |api, call| select_route::select(api, call.request, call.body, call.tokens),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/reservations/{id}/prefill_complete",
+        guard: Guard::Secret,
+        handler: |api, call| select_route::prefill_complete(api, call.params.get(0), call.body),
+    },
+    Route {
+        verb: Verb::Delete,
+        pattern: "/reservations/{id}",
+        guard: Guard::Secret,
+        handler: |api, call| select_route::release(api, call.params.get(0)),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/loads",
+        guard: Guard::Open,
+        handler: |api, _| select_route::loads(api),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/snapshot/{engine}/{dp_rank}",
+        guard: Guard::Secret,
+        handler: |api, call| snapshot_route(api, call.params.get(0), call.params.get(1)),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/reload",
+        guard: Guard::Secret,
+        handler: |api, _| reload(api),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/workers",
+        guard: Guard::Open,
+        handler: |api, _| workers(api),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/health",
+        guard: Guard::Open,
+        handler: |_, _| Reply::json(200, &json!({ "status": "ok" })),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/ready",
+        guard: Guard::Open,
+        handler: |api, _| ready(api),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/metrics",
+        guard: Guard::Open,
+        handler: |api, _| metrics(api),
+    },
+];
+
+fn metrics(api: &Api) -> Reply {
+    api.metrics.set_index_keys(api.index.key_count());
+    Reply {
+        status: 200,
+        body: api.metrics.render().into_bytes(),
+        content_type: crate::metrics::CONTENT_TYPE,
+        header: None,
+        is_query: false,
     }
 }
 
@@ -98,7 +142,7 @@ impl<T: Copy> From<PerTier<T>> for TiersJson<T> {
 /// `POST /query` in either form of the body (`query_body`), its tokens read into the
 /// connection's `tokens` and left there for its next query.
 fn query(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-    let query_string = request.url().split_once('?').map(|(_, query)| query);
+    let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     match parse_query_request(content_type, query_string, body, std::mem::take(tokens)) {
         Ok(mut query) => {

@@ -8,14 +8,13 @@
 
 use std::time::Instant;
 
-use http::Method;
 use serde::Serialize;
 use serde_json::json;
 
 use super::auth::{is_authorized, unauthorized};
 use super::select_body::{parse_prefill_complete, parse_select_request};
 use super::text_prompt::tokenize_prompt;
-use super::{check_method, Api, Reply, Request};
+use super::{Api, Reply, Request};
 use crate::select::{Ranked, UnknownReservation};
 
 #[derive(Serialize)]
@@ -66,7 +65,7 @@ impl<'a> CandidateJson<'a> {
 
 /// `POST /select`, the tokens read into the connection's `tokens` and left there.
 pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-    let query_string = request.url().split_once('?').map(|(_, query)| query);
+    let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     let (mut query, options) =
         match parse_select_request(content_type, query_string, body, std::mem::take(tokens)) {
@@ -118,45 +117,32 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec
     reply
 }
 
-/// `/reservations/{id}` (`DELETE`) and `/reservations/{id}/prefill_complete` (`POST`); `rest`
-/// is the path after `/reservations/`.
-pub(super) fn reservation(api: &Api, request: &Request, rest: &str, body: &[u8]) -> Reply {
-    let (id, completing) = match rest.strip_suffix("/prefill_complete") {
-        Some(id) => (id, true),
-        None => (rest, false),
-    };
-    let path = format!("/reservations/{rest}");
-    if completing {
-        if let Err(refused) = check_method(request, &path, true) {
-            return refused;
-        }
-    } else if *request.method() != Method::DELETE {
-        let mut reply = Reply::error(
-            405,
-            format!(
-                "{} {path}: method not allowed; use DELETE",
-                request.method()
-            ),
-        );
-        reply.header = Some(("Allow", "DELETE"));
-        return reply;
-    }
-    if !is_authorized(request, api.secret.get().as_ref()) {
-        return unauthorized();
-    }
+/// `POST /reservations/{id}/prefill_complete`: the engine has begun answering; the body may
+/// say how many tokens it found cached.
+pub(super) fn prefill_complete(api: &Api, id: &str, body: &[u8]) -> Reply {
     let Ok(id) = id.parse::<u64>() else {
-        return Reply::error(404, format!("no such reservation: {id:?}"));
+        return unknown(id);
     };
-    let now = Instant::now();
-    let done = if completing {
-        let cached_tokens = match parse_prefill_complete(body) {
-            Ok(cached_tokens) => cached_tokens,
-            Err(reason) => return Reply::error(400, reason),
-        };
-        api.selector.prefill_complete(id, cached_tokens, now)
-    } else {
-        api.selector.release(id, now)
+    let cached_tokens = match parse_prefill_complete(body) {
+        Ok(cached_tokens) => cached_tokens,
+        Err(reason) => return Reply::error(400, reason),
     };
+    answered(
+        id,
+        api.selector
+            .prefill_complete(id, cached_tokens, Instant::now()),
+    )
+}
+
+/// `DELETE /reservations/{id}`: the request is done.
+pub(super) fn release(api: &Api, id: &str) -> Reply {
+    let Ok(id) = id.parse::<u64>() else {
+        return unknown(id);
+    };
+    answered(id, api.selector.release(id, Instant::now()))
+}
+
+fn answered(id: u64, done: Result<(), UnknownReservation>) -> Reply {
     match done {
         Ok(()) => Reply::json(200, &json!({ "reservation_id": id })),
         Err(UnknownReservation) => Reply::error(
@@ -164,6 +150,10 @@ pub(super) fn reservation(api: &Api, request: &Request, rest: &str, body: &[u8])
             format!("no such reservation: {id} (never made, released, or expired)"),
         ),
     }
+}
+
+fn unknown(id: &str) -> Reply {
+    Reply::error(404, format!("no such reservation: {id:?}"))
 }
 
 #[derive(Serialize)]

@@ -2,38 +2,23 @@
 //! the other indexers that recover from this one (docs.md "Replicas", docs/design.md "Recovery
 //! from a peer").
 //!
-//! Owns: the route's path, its guard (`auth`) and every status it answers. Never: serves a
+//! Owns: every status the route answers (its path and guard are `routes`' table). Never: serves a
 //! rank that is not whole (`active`), or a part of one.
 
-use http::Method;
-
-use super::auth::{is_authorized, unauthorized};
 use super::{Api, Reply};
 use crate::listener::Unservable;
 
-/// `rank` is the path after `/snapshot/`: `{engine, percent-encoded}/{dp_rank}`.
-pub(super) fn snapshot_route(api: &Api, request: &super::Request, rank: &str) -> Reply {
-    if !matches!(request.method(), &Method::GET | &Method::HEAD) {
-        let mut reply = Reply::error(
-            405,
-            format!(
-                "{} /snapshot/: method not allowed; use GET, HEAD",
-                request.method()
-            ),
-        );
-        reply.header = Some(("Allow", "GET, HEAD"));
-        return reply;
-    }
-    if !is_authorized(request, api.secret.get().as_ref()) {
-        return unauthorized();
-    }
-    let parsed = rank.rsplit_once('/').and_then(|(engine, dp_rank)| {
-        Some((percent_decode(engine)?, dp_rank.parse::<u32>().ok()?))
-    });
+/// `engine` (percent-encoded) and `dp_rank` are the path's segments; the table has checked the
+/// method and the secret.
+pub(super) fn snapshot_route(api: &Api, engine: &str, dp_rank: &str) -> Reply {
+    let parsed = percent_decode(engine).zip(dp_rank.parse::<u32>().ok());
     let Some((engine, dp_rank)) = parsed else {
         return Reply::error(
             404,
-            format!("no such path: /snapshot/{rank}; expected /snapshot/{{engine}}/{{dp_rank}}"),
+            format!(
+                "no such rank: /snapshot/{engine}/{dp_rank}; expected \
+                 /snapshot/{{engine}}/{{dp_rank}} with a number for dp_rank"
+            ),
         );
     };
     let Some(handle) = api.ranks.current().handle(&engine, dp_rank) else {

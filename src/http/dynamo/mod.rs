@@ -45,8 +45,15 @@ impl Routes for DynamoApi {
         "Dynamo API"
     }
 
-    fn route(&self, request: &Request, body: &[u8], _tokens: &mut Vec<u32>) -> Reply {
-        routes::route(self, request, body)
+    fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+        crate::http::table::dispatch(
+            routes::DYNAMO_ROUTES,
+            self,
+            &self.secret,
+            request,
+            body,
+            tokens,
+        )
     }
 
     fn metrics(&self) -> &Metrics {

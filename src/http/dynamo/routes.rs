@@ -1,6 +1,6 @@
 //! The Dynamo API's routes and their exact JSON shapes (docs.md, "Dynamo / Mooncake indexer API").
 //!
-//! Owns which path answers which method, how `model_name` and `routing_group` select ranks, and
+//! Owns the API's route table (each path once: method, guard, handler), how `model_name` and `routing_group` select ranks, and
 //! what each answer contains. Never reads a socket (it gets the whole body) and never changes
 //! what runs except through `RuntimeEngines`.
 
@@ -14,8 +14,8 @@ use super::engines::EngineChange;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
 use crate::config::{validate_listen, MAX_DP_SIZE};
-use crate::http::auth::{is_authorized, unauthorized};
-use crate::http::{check_method, Reply};
+use crate::http::table::{Guard, Route, Verb};
+use crate::http::Reply;
 use crate::index::{keys_of_local_hashes, Prompt, Score};
 use crate::metrics::EndpointSource;
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -30,33 +30,51 @@ pub const MAX_MODEL_NAME_BYTES: usize = 256;
 /// `tcp://host:port` with a DNS name of the longest (253 bytes) would need more, none in use does.
 pub const MAX_ENDPOINT_BYTES: usize = 256;
 
-pub(super) fn route(api: &DynamoApi, request: &Request, body: &[u8]) -> Reply {
-    let path = request.url().split('?').next().unwrap_or_default();
-    let wants_post = match path {
-        "/query" | "/query_by_hash" | "/register" | "/unregister" => true,
-        "/workers" | "/health" => false,
-        _ => return Reply::error(404, format!("no such path: {path}")),
-    };
-    if let Err(refused) = check_method(request, path, wants_post) {
-        return refused;
-    }
-    if path == "/health" {
-        return Reply::json(200, &json!({ "status": "ok" }));
-    }
-    if path == "/workers" {
-        return workers(api);
-    }
-    let changes_state = matches!(path, "/register" | "/unregister");
-    if changes_state && !is_authorized(request, api.secret.get().as_ref()) {
-        return unauthorized();
-    }
-    let answer = parse_body(body).and_then(|body| match path {
-        "/query" => query(api, &body),
-        "/query_by_hash" => query_by_hash(api, &body),
-        "/register" => register(api, request, body),
-        _ => unregister(api, &body),
-    });
-    answer.unwrap_or_else(|reason| Reply::error(400, reason))
+/// Every path of the Dynamo API, once.
+pub(super) static DYNAMO_ROUTES: &[Route<DynamoApi>] = &[
+    Route {
+        verb: Verb::Post,
+        pattern: "/query",
+        guard: Guard::Open,
+        handler: |api, call| with_body(call.body, |body| query(api, &body)),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/query_by_hash",
+        guard: Guard::Open,
+        handler: |api, call| with_body(call.body, |body| query_by_hash(api, &body)),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/register",
+        guard: Guard::Secret,
+        handler: |api, call| with_body(call.body, |body| register(api, call.request, body)),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/unregister",
+        guard: Guard::Secret,
+        handler: |api, call| with_body(call.body, |body| unregister(api, &body)),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/workers",
+        guard: Guard::Open,
+        handler: |api, _| workers(api),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/health",
+        guard: Guard::Open,
+        handler: |_, _| Reply::json(200, &json!({ "status": "ok" })),
+    },
+];
+
+/// The route's answer to its parsed body, or a 400 naming what is wrong with either.
+fn with_body(body: &[u8], answer: impl FnOnce(DynamoBody) -> Answer) -> Reply {
+    parse_body(body)
+        .and_then(answer)
+        .unwrap_or_else(|reason| Reply::error(400, reason))
 }
 
 /// A route's answer, or the reason for a 400.

@@ -1,0 +1,191 @@
+//! Route tables: each API declares every path it answers once, with its method, its guard and
+//! its handler, and `dispatch` is the one place a request meets them.
+//!
+//! Owns: matching a path against the declared patterns (`/reservations/{id}`: literal segments
+//! equal, each `{param}` one non-empty segment), the 404 for a path no route declares, the 405
+//! (with `Allow`) for a declared path asked with another method, and the 401 of a guarded
+//! route. Never: answers a path with another route's answer, or runs a handler before its
+//! guard.
+
+use http::Method;
+
+use super::auth::{is_authorized, unauthorized};
+use super::{Reply, Request};
+use crate::listener::CurrentSecret;
+
+/// The method a route answers. `Get` answers `HEAD` too (without the body).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Verb {
+    Get,
+    Post,
+    Delete,
+}
+
+impl Verb {
+    fn allows(self, method: &Method) -> bool {
+        match self {
+            Verb::Get => method == Method::GET || method == Method::HEAD,
+            Verb::Post => method == Method::POST,
+            Verb::Delete => method == Method::DELETE,
+        }
+    }
+
+    /// The `Allow` header of a 405.
+    fn allow(self) -> &'static str {
+        match self {
+            Verb::Get => "GET, HEAD",
+            Verb::Post => "POST",
+            Verb::Delete => "DELETE",
+        }
+    }
+}
+
+/// Who may call a route.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Guard {
+    Open,
+    /// Only with the secret (`auth_token_file`), when one is set.
+    Secret,
+}
+
+/// What a handler is given: the request, its whole body, the connection's token vector (a
+/// route that reads token ids reads them into it and leaves them there for the next request),
+/// and the values of the pattern's `{params}`, in order.
+pub(super) struct Call<'a> {
+    pub(super) request: &'a Request,
+    pub(super) body: &'a [u8],
+    pub(super) tokens: &'a mut Vec<u32>,
+    pub(super) params: Params<'a>,
+}
+
+/// A pattern's parameters: at most `MAX_PARAMS`.
+#[derive(Default)]
+pub(super) struct Params<'a>([&'a str; MAX_PARAMS]);
+
+const MAX_PARAMS: usize = 2;
+
+impl<'a> Params<'a> {
+    pub(super) fn get(&self, n: usize) -> &'a str {
+        self.0.get(n).copied().unwrap_or_default()
+    }
+}
+
+/// One declared route of an API `A`.
+pub(super) struct Route<A: ?Sized + 'static> {
+    pub(super) verb: Verb,
+    /// The path, with `{name}` for a segment the handler reads.
+    pub(super) pattern: &'static str,
+    pub(super) guard: Guard,
+    pub(super) handler: fn(&A, Call<'_>) -> Reply,
+}
+
+impl<A: ?Sized> Route<A> {
+    /// The pattern's parameters if `path` matches it.
+    fn matches<'p>(&self, path: &'p str) -> Option<Params<'p>> {
+        let mut params = Params::default();
+        let mut taken = 0;
+        let mut wanted = self.pattern.split('/');
+        let mut given = path.split('/');
+        loop {
+            match (wanted.next(), given.next()) {
+                (None, None) => return Some(params),
+                (Some(want), Some(got)) if want.starts_with('{') && want.ends_with('}') => {
+                    if got.is_empty() || taken == MAX_PARAMS {
+                        return None;
+                    }
+                    params.0[taken] = got;
+                    taken += 1;
+                }
+                (Some(want), Some(got)) if want == got => {}
+                _ => return None,
+            }
+        }
+    }
+}
+
+/// Answers `request` from `table`: the first route whose pattern and method match, behind its
+/// guard; else 405 if a route declares the path with another method, else 404.
+pub(super) fn dispatch<A: ?Sized>(
+    table: &[Route<A>],
+    api: &A,
+    secret: &CurrentSecret,
+    request: &Request,
+    body: &[u8],
+    tokens: &mut Vec<u32>,
+) -> Reply {
+    let path = request.path();
+    let mut declared: Option<Verb> = None;
+    for route in table {
+        let Some(params) = route.matches(path) else {
+            continue;
+        };
+        if !route.verb.allows(request.method()) {
+            declared.get_or_insert(route.verb);
+            continue;
+        }
+        if route.guard == Guard::Secret && !is_authorized(request, secret.get().as_ref()) {
+            return unauthorized();
+        }
+        let call = Call {
+            request,
+            body,
+            tokens,
+            params,
+        };
+        return (route.handler)(api, call);
+    }
+    match declared {
+        Some(verb) => {
+            let mut reply = Reply::error(
+                405,
+                format!(
+                    "{} {path}: method not allowed; use {}",
+                    request.method(),
+                    verb.allow()
+                ),
+            );
+            reply.header = Some(("Allow", verb.allow()));
+            reply
+        }
+        None => Reply::error(404, format!("no such path: {path}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(pattern: &'static str) -> Route<()> {
+        Route {
+            verb: Verb::Get,
+            pattern,
+            guard: Guard::Open,
+            handler: |_, _| Reply::error(200, "unused"),
+        }
+    }
+
+    #[test]
+    fn a_pattern_matches_its_literals_and_one_segment_per_param() {
+        let reservation = route("/reservations/{id}/prefill_complete");
+        let params = reservation
+            .matches("/reservations/17/prefill_complete")
+            .expect("matches");
+        assert_eq!(params.get(0), "17");
+        for other in [
+            "/reservations/17",
+            "/reservations//prefill_complete",
+            "/reservations/17/prefill_complete/",
+            "/reservations/1/7/prefill_complete",
+            "/reservations/17/prefill_completed",
+        ] {
+            assert!(reservation.matches(other).is_none(), "{other}");
+        }
+        let snapshot = route("/snapshot/{engine}/{dp_rank}");
+        let params = snapshot.matches("/snapshot/vllm-a/3").expect("matches");
+        assert_eq!((params.get(0), params.get(1)), ("vllm-a", "3"));
+        assert!(snapshot.matches("/snapshot/vllm-a").is_none());
+        assert!(route("/health").matches("/health").is_some());
+        assert!(route("/health").matches("/health/").is_none());
+        assert!(route("/health").matches("/healthz").is_none());
+    }
+}
