@@ -71,7 +71,7 @@ pub fn percent_decode(text: &str) -> Option<String> {
         return None;
     }
     // Into a buffer of the text's size: `decode_utf8` grows its own from a few bytes, 2–5 times
-    // the time of one allocation for a short value (`bench_http`).
+    // the time of one allocation for a short value (docs/performance.md).
     let mut decoded = Vec::with_capacity(bytes.len());
     decoded.extend(percent_encoding::percent_decode(bytes));
     String::from_utf8(decoded).ok()
