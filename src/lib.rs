@@ -11,7 +11,7 @@
 //! config (parse, validate) → plan (engines × ranks → listener specs)
 //!   → registry (running listeners; register / deregister / reload diff; published views)
 //!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
-//! http (our HTTP/1.1 server and routes) reads the index and the registry's published views.
+//! http (hyper with our limits, and the routes) reads the index and the registry's published views.
 //! select, beside http, weighs them with its own reservations to choose a rank (`/select`).
 //! tokenize, beside http, turns a prompt sent as text or chat messages into token ids.
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
