@@ -1,20 +1,77 @@
-//! The process's own figures (resident memory, open descriptors, threads), read from
-//! `/proc/self` each time `/metrics` is rendered, for the operator's memory and descriptor
-//! panels. Owns reading them; never fails a render: a figure that cannot be read keeps its last
-//! value (and is 0 off Linux).
+//! The process's own figures (resident memory, open descriptors, threads, and the threads of
+//! each kind by their names), read from `/proc/self` each time `/metrics` is rendered, for the
+//! operator's memory and descriptor panels. Owns reading them and the thread kinds; never fails
+//! a render: a figure that cannot be read keeps its last value (and is 0 off Linux).
 
 use std::sync::atomic::AtomicU64;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 
 type U64Gauge = Gauge<u64, AtomicU64>;
+
+/// What a thread of the process is, by the name it was given (`/proc/self/task/*/comm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum ThreadKind {
+    /// The tokio runtime's workers and blocking threads (HTTP, routes, background tasks).
+    Runtime,
+    /// The pollers that drain every rank's SUB socket (`kvi-poller-N`).
+    Poller,
+    /// Recovery workers (`kvi-recovery-N`) and snapshot fetches (`kvi-snapshot`).
+    Recovery,
+    /// libzmq's own: each context's I/O threads and reaper (`ZMQbg/...`).
+    Zmq,
+    /// The main thread, and any thread not named above.
+    Other,
+}
+
+impl ThreadKind {
+    const ALL: [ThreadKind; 5] = [
+        ThreadKind::Runtime,
+        ThreadKind::Poller,
+        ThreadKind::Recovery,
+        ThreadKind::Zmq,
+        ThreadKind::Other,
+    ];
+
+    fn of(name: &str) -> ThreadKind {
+        if name.starts_with("kv-runtime") {
+            ThreadKind::Runtime
+        } else if name.starts_with("kvi-poller") {
+            ThreadKind::Poller
+        } else if name.starts_with("kvi-recovery") || name.starts_with("kvi-snapshot") {
+            ThreadKind::Recovery
+        } else if name.starts_with("ZMQbg") {
+            ThreadKind::Zmq
+        } else {
+            ThreadKind::Other
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            ThreadKind::Runtime => "runtime",
+            ThreadKind::Poller => "poller",
+            ThreadKind::Recovery => "recovery",
+            ThreadKind::Zmq => "zmq",
+            ThreadKind::Other => "other",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
 
 #[derive(Default)]
 pub(super) struct ProcessGauges {
     resident_memory: U64Gauge,
     open_fds: U64Gauge,
     threads: U64Gauge,
+    threads_by_kind: Family<KindLabel, U64Gauge>,
 }
 
 impl ProcessGauges {
@@ -31,6 +88,12 @@ impl ProcessGauges {
             self.open_fds.clone(),
         );
         registry.register("threads", "Threads of the process", self.threads.clone());
+        registry.register(
+            "threads_by_kind",
+            "Threads of the process by kind: runtime (tokio workers and blocking threads), \
+             poller, recovery, zmq (libzmq's I/O threads), other",
+            self.threads_by_kind.clone(),
+        );
     }
 
     /// Reads the figures now.
@@ -41,6 +104,19 @@ impl ProcessGauges {
             }
             if let Some(threads) = status_field(&status, "Threads:") {
                 self.threads.set(threads);
+            }
+        }
+        if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+            let mut counts = [0u64; ThreadKind::ALL.len()];
+            for task in tasks.flatten() {
+                let Ok(name) = std::fs::read_to_string(task.path().join("comm")) else {
+                    continue; // the thread has just ended
+                };
+                counts[ThreadKind::of(name.trim_end()) as usize] += 1;
+            }
+            for (kind, count) in ThreadKind::ALL.into_iter().zip(counts) {
+                let label = KindLabel { kind: kind.label() };
+                self.threads_by_kind.get_or_create(&label).set(count);
             }
         }
         if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
@@ -65,6 +141,26 @@ fn status_field(status: &str, name: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::ProcessGauges;
+
+    #[test]
+    fn threads_are_told_apart_by_their_names() {
+        use super::ThreadKind;
+        for (name, kind) in [
+            ("kv-runtime", ThreadKind::Runtime),
+            ("kvi-poller-1", ThreadKind::Poller),
+            ("kvi-recovery-3", ThreadKind::Recovery),
+            ("kvi-snapshot", ThreadKind::Recovery),
+            ("ZMQbg/IO/0", ThreadKind::Zmq),
+            ("ZMQbg/Reaper", ThreadKind::Zmq),
+            ("kv-indexer", ThreadKind::Other),
+        ] {
+            assert_eq!(ThreadKind::of(name), kind, "{name}");
+        }
+        // The index of each kind is its place in `ALL`: the counts are kept by it.
+        for (n, kind) in ThreadKind::ALL.into_iter().enumerate() {
+            assert_eq!(kind as usize, n);
+        }
+    }
 
     #[test]
     fn the_figures_are_read_from_the_process() {

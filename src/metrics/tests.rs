@@ -106,14 +106,28 @@ fn a_fresh_registry_renders_valid_exposition_with_every_rank_series_at_zero() {
         + 1 // worker_blocks
         + 3; // worker_tier_blocks
     assert_eq!(per_rank, expected);
-    // The process's own figures are its figures, never 0; every other series starts at 0.
+    // The process's own figures are its figures, never 0 (but a kind of thread this test
+    // process has none of); every other series starts at 0.
     let process = [
         "kv_indexer_resident_memory_bytes",
         "kv_indexer_open_fds",
         "kv_indexer_threads",
     ];
+    let threads_by_kind: f64 = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == "kv_indexer_threads_by_kind")
+        .map(|s| match s.value {
+            Value::Gauge(v) => v,
+            _ => 0.0,
+        })
+        .sum();
+    assert!(threads_by_kind >= 1.0, "no thread counted by kind");
     for s in &scrape.samples {
         if let Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) = s.value {
+            if s.metric == "kv_indexer_threads_by_kind" {
+                continue;
+            }
             if process.contains(&s.metric.as_str()) {
                 assert!(v > 0.0, "{} {v}", s.metric);
             } else {
