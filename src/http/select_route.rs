@@ -6,8 +6,6 @@
 //! when `auth_token_file` is set; a `/select` that does not reserve is as open as `/query`) and
 //! every status they answer. Never: decides anything itself (`select` does) or reads a socket.
 
-use std::time::Instant;
-
 use http::Method;
 use serde::Serialize;
 use serde_json::json;
@@ -80,14 +78,9 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec
     } else {
         let board = api.ranks.current();
         let model = query.model.as_deref();
-        let selection = api.selector.select(
-            &api.index,
-            &board,
-            &query.prompt(),
-            model,
-            options,
-            Instant::now(),
-        );
+        let selection = api
+            .selector
+            .select(&api.index, &board, &query.prompt(), model, options);
         match selection {
             Some(selection) => Reply::json(
                 200,
@@ -147,15 +140,14 @@ pub(super) fn reservation(api: &Api, request: &Request, rest: &str, body: &[u8])
     let Ok(id) = id.parse::<u64>() else {
         return Reply::error(404, format!("no such reservation: {id:?}"));
     };
-    let now = Instant::now();
     let done = if completing {
         let cached_tokens = match parse_prefill_complete(body) {
             Ok(cached_tokens) => cached_tokens,
             Err(reason) => return Reply::error(400, reason),
         };
-        api.selector.prefill_complete(id, cached_tokens, now)
+        api.selector.prefill_complete(id, cached_tokens)
     } else {
-        api.selector.release(id, now)
+        api.selector.release(id)
     };
     match done {
         Ok(()) => Reply::json(200, &json!({ "reservation_id": id })),
@@ -178,7 +170,7 @@ struct LoadJson<'a> {
 
 /// `GET /loads`: every running rank with what its reservations and predictions put on it.
 pub(super) fn loads(api: &Api) -> Reply {
-    let loads = api.selector.loads(&api.ranks.current(), Instant::now());
+    let loads = api.selector.loads(&api.ranks.current());
     let answer: Vec<LoadJson> = loads
         .iter()
         .map(|rank| LoadJson {
