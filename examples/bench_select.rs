@@ -17,7 +17,8 @@ use kv_indexer_sim::watch::keep_alive_client;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kv_indexer::config::Config;
+use kv_indexer::config::{Config, Select};
+use kv_indexer::select::Clock;
 use kv_indexer::service::Service;
 use kv_indexer_sim::fleet::{Fleet, BLOCK_SIZE};
 use kv_indexer_sim::indexer_toml::select_table;
@@ -41,13 +42,14 @@ fn main() {
     memory(churn);
 }
 
-/// A service watching `fleet`, with `[select]` keys `select`.
-fn start(fleet: &Fleet, select: &[(&str, &str)], dir: &tempfile::TempDir) -> Service {
+/// A service watching `fleet`, with `[select]` keys `select`, its time-to-lives on `clock`.
+fn start(fleet: &Fleet, select: &[(&str, &str)], clock: Clock, dir: &tempfile::TempDir) -> Service {
     let path = dir.path().join("indexer.toml");
     let toml = format!("{}{}", fleet.indexer_config(), select_table(select));
     std::fs::write(&path, toml).expect("write config");
     let config = Config::load(&path).expect("valid config");
-    let service = Service::start(&path, config, Some("127.0.0.1:0".into())).expect("service");
+    let listen = Some("127.0.0.1:0".into());
+    let service = Service::start_with_select_clock(&path, config, listen, clock).expect("service");
     let mut indexer = OverHttp::new(service.http_addr());
     warm_up(fleet, &mut indexer, DEADLINE).expect("every listener subscribed");
     service
@@ -65,7 +67,7 @@ fn latency() {
     })
     .expect("simulated engines");
     let dir = tempfile::tempdir().expect("temp dir");
-    let service = start(&fleet, &[("predicted_ttl_s", "3600")], &dir);
+    let service = start(&fleet, &[("predicted_ttl_s", "3600")], Clock::real(), &dir);
     let addr = service.http_addr();
     let ranks = fleet.ranks();
     println!("{} ranks connected", ranks.len());
@@ -159,8 +161,10 @@ fn memory(churn: usize) {
     })
     .expect("simulated engine");
     let dir = tempfile::tempdir().expect("temp dir");
-    // Predictions expire fast, so a round's are gone before the next begins.
-    let service = start(&fleet, &[("predicted_ttl_s", "0.5")], &dir);
+    // The clock is advanced past the predictions' time-to-live after each round, so that a
+    // round's are gone before the next begins.
+    let clock = Clock::manual();
+    let service = start(&fleet, &[], clock.clone(), &dir);
     let addr = service.http_addr();
     let rounds = 10;
     let per_round = churn / rounds;
@@ -189,7 +193,7 @@ fn memory(churn: usize) {
             let answer = reply.body_mut().read_to_vec().expect("the body");
             assert_eq!(reply.status(), 200, "{}", String::from_utf8_lossy(&answer));
         });
-        std::thread::sleep(Duration::from_millis(600));
+        clock.advance(Duration::from_secs_f64(Select::default().predicted_ttl_s));
         // One more request purges the expired predictions.
         let open = OverHttp::new(addr).json("/loads", None).expect("/loads");
         let held: u64 = open

@@ -1,20 +1,22 @@
 //! `POST /select`, the reservation routes and `GET /loads` (docs.md "Selection") over real HTTP
 //! on 127.0.0.1, served in-process by `Service` over the real registry, listeners and index,
 //! fed by scripted engine ranks over real ZMQ: the formula on docs.md's worked example, the
-//! tie-breaks, reservations and their expiry, predictions, auth, reload and bad input.
+//! tie-breaks, reservations and their expiry, predictions, auth, reload and bad input. The
+//! selection's clock is manual: time-to-lives pass only when a test advances it.
 
 mod support;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kv_indexer::select::Clock;
 use kv_indexer::wire::{BlockStored, Event};
 use kv_indexer_sim::indexer_toml::{indexer_toml, replica_keys, select_table, EngineToml};
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
 use support::http_client::{get, post, wait_for, Connection, Reply};
-use support::start_service;
+use support::start_service_with_select_clock;
 
 /// Engines `a`, `b`, … (dp_size 1 each) on `ranks`, with `extra` top-level keys first and a
 /// `[select]` table of `select` last.
@@ -31,17 +33,25 @@ fn config(ranks: &[FakeRank], extra: &str, select: &[(&str, &str)]) -> String {
 struct Setup {
     running: RunningService,
     ranks: Vec<FakeRank>,
+    /// The selection's clock: it stands still until the test advances it.
+    clock: Clock,
 }
 
 impl Setup {
     fn start(engines: usize, extra: &str, select: &[(&str, &str)]) -> Setup {
         let zmq = zmq::Context::new();
         let ranks: Vec<FakeRank> = (0..engines).map(|_| FakeRank::bind(&zmq, 0)).collect();
-        let running = start_service(&config(&ranks, extra, select));
+        let clock = Clock::manual();
+        let running =
+            start_service_with_select_clock(&config(&ranks, extra, select), clock.clone());
         for rank in &ranks {
             rank.wait_subscribed();
         }
-        let setup = Setup { running, ranks };
+        let setup = Setup {
+            running,
+            ranks,
+            clock,
+        };
         let addr = setup.addr();
         wait_for(10, "every rank connected and active", || {
             let workers = get(addr, "/workers").json();
@@ -278,30 +288,49 @@ fn ties_go_to_fewer_reservations_then_overlap_then_workers_order() {
     assert_eq!(chosen, ["b", "c", "a", "a"]);
 }
 
-/// Reservations and predictions expire on their own; a reload changes the knobs in effect.
+/// A prediction lasts exactly `predicted_ttl_s` and a reservation `reservation_ttl_s` on the
+/// selection's clock: there one nanosecond before, gone at it, the rank's load back to exactly
+/// zero and the reservation's routes answering 404; a reload changes the knobs in effect.
 #[test]
-fn reservations_and_predictions_expire_and_knobs_reload() {
-    let knobs = [("reservation_ttl_s", "1.0"), ("predicted_ttl_s", "0.3")];
+fn reservations_and_predictions_expire_at_their_ttl_and_knobs_reload() {
+    let knobs = [("reservation_ttl_s", "10"), ("predicted_ttl_s", "3")];
     let setup = Setup::start(2, "", &knobs);
     let addr = setup.addr();
+    let tick = Duration::from_nanos(1);
     let tokens = prompt(700, 4);
-    let reserved = select(addr, json!({ "token_ids": tokens, "reserve": true }));
+    let reserve = json!({ "token_ids": tokens, "reserve": true, "expected_output_tokens": 16 });
+    let reserved = select(addr, reserve);
     let id = reserved["reservation_id"].as_u64().expect("an id");
     assert_eq!(reserved["instance"], "a");
-    let again = select(addr, json!({ "token_ids": tokens }));
-    assert_eq!(candidate(&again, "a")["predicted_blocks"], 4);
-    std::thread::sleep(Duration::from_millis(400));
-    let later = select(addr, json!({ "token_ids": tokens }));
-    assert_eq!(candidate(&later, "a")["predicted_blocks"], 0, "{later}");
-    assert_eq!(candidate(&later, "a")["reservations"], 1);
-    std::thread::sleep(Duration::from_millis(700));
-    assert_eq!(loads(addr, "a")["reservations"], 0);
-    let path = format!("/reservations/{id}");
+    let reserved_load = |predicted_prefixes: u32| {
+        json!({"instance": "a", "dp_rank": 0, "reservations": 1, "active_prefill_blocks": 4.0,
+               "active_decode_blocks": 5, "predicted_prefixes": predicted_prefixes})
+    };
+
+    setup.clock.advance(Duration::from_secs(3) - tick);
+    let before = select(addr, json!({ "token_ids": tokens }));
+    assert_eq!(candidate(&before, "a")["predicted_blocks"], 4, "{before}");
+    assert_eq!(loads(addr, "a"), reserved_load(1));
+    setup.clock.advance(tick);
+    let at = select(addr, json!({ "token_ids": tokens }));
+    assert_eq!(candidate(&at, "a")["predicted_blocks"], 0, "{at}");
+    assert_eq!(candidate(&at, "a")["reservations"], 1, "{at}");
+    assert_eq!(loads(addr, "a"), reserved_load(0));
+
+    let complete = format!("/reservations/{id}/prefill_complete");
+    let release = format!("/reservations/{id}");
+    setup.clock.advance(Duration::from_secs(7) - tick);
+    assert_eq!(loads(addr, "a")["reservations"], 1);
+    assert_eq!(send(addr, "POST", &complete, None, b"").status, 200);
+    setup.clock.advance(tick);
     assert_eq!(
-        send(addr, "DELETE", &path, None, b"").status,
-        404,
-        "expired"
+        loads(addr, "a"),
+        json!({"instance": "a", "dp_rank": 0, "reservations": 0, "active_prefill_blocks": 0.0,
+               "active_decode_blocks": 0, "predicted_prefixes": 0})
     );
+    let expired = send(addr, "POST", &complete, None, b"");
+    assert_eq!(expired.status, 404, "expired: {}", expired.text());
+    assert_eq!(send(addr, "DELETE", &release, None, b"").status, 404);
 
     let file = std::fs::read_to_string(setup.running.config_path()).expect("the config file");
     let doubled = file.replace("[select]\n", "[select]\nprefill_weight = 2\n");
@@ -309,6 +338,62 @@ fn reservations_and_predictions_expire_and_knobs_reload() {
     assert_eq!(post(addr, "/reload", b"").status, 200);
     let answer = select(addr, json!({ "token_ids": tokens }));
     assert_eq!(costs(&answer)[0].1, 8.0, "2 × 4 blocks: {answer}");
+}
+
+/// Each reservation expires at its own deadline, measured from its own `/select`; the rank's
+/// sums follow each one out, back to exactly zero.
+#[test]
+fn each_reservation_expires_at_its_own_deadline() {
+    let setup = Setup::start(1, "", &[("reservation_ttl_s", "5")]);
+    let addr = setup.addr();
+    let tick = Duration::from_nanos(1);
+    let reserve = |first: u32| {
+        let body = json!({ "token_ids": prompt(first, 2), "reserve": true });
+        select(addr, body)["reservation_id"]
+            .as_u64()
+            .expect("an id")
+    };
+    let first = reserve(800);
+    setup.clock.advance(Duration::from_secs(2));
+    let second = reserve(850);
+    let load = loads(addr, "a");
+    assert_eq!(
+        (
+            load["reservations"].as_u64(),
+            load["active_decode_blocks"].as_u64()
+        ),
+        (Some(2), Some(4)),
+        "{load}"
+    );
+
+    setup.clock.advance(Duration::from_secs(3) - tick);
+    assert_eq!(loads(addr, "a")["reservations"], 2);
+    setup.clock.advance(tick);
+    let load = loads(addr, "a");
+    assert_eq!(
+        (
+            load["reservations"].as_u64(),
+            load["active_decode_blocks"].as_u64()
+        ),
+        (Some(1), Some(2)),
+        "the first is due 5 s after its /select: {load}"
+    );
+    let gone = send(addr, "DELETE", &format!("/reservations/{first}"), None, b"");
+    assert_eq!(gone.status, 404, "{}", gone.text());
+
+    setup.clock.advance(Duration::from_secs(2) - tick);
+    assert_eq!(loads(addr, "a")["reservations"], 1);
+    setup.clock.advance(tick);
+    assert_eq!(loads(addr, "a")["reservations"], 0);
+    assert_eq!(loads(addr, "a")["active_prefill_blocks"], 0.0);
+    let gone = send(
+        addr,
+        "DELETE",
+        &format!("/reservations/{second}"),
+        None,
+        b"",
+    );
+    assert_eq!(gone.status, 404, "{}", gone.text());
 }
 
 /// A rank that is not `active` is still a candidate, with nothing matched.

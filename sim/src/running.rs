@@ -13,6 +13,7 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::process::PrivateDir;
 use kv_indexer::config::Config;
+use kv_indexer::select::Clock;
 use kv_indexer::service::Service;
 
 /// A running `Service`, shut down on drop.
@@ -27,12 +28,19 @@ impl RunningService {
     /// Writes `toml` to a fresh `indexer.toml`, loads it and starts the service on it, with
     /// `listen` overridden to 127.0.0.1:0.
     pub fn start(toml: &str) -> Result<RunningService> {
+        RunningService::start_with_select_clock(toml, Clock::real())
+    }
+
+    /// `start`, with `/select`'s time-to-lives measured on `select_clock` (a test's
+    /// `Clock::manual()`, which it advances instead of waiting).
+    pub fn start_with_select_clock(toml: &str, select_clock: Clock) -> Result<RunningService> {
         let dir = PrivateDir::create()?;
         let config = dir.path().join("indexer.toml");
         std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
         let loaded =
             Config::load(&config).map_err(|error| anyhow!("{}: {error}", config.display()))?;
-        let service = Service::start(&config, loaded, Some("127.0.0.1:0".into()))
+        let listen = Some("127.0.0.1:0".into());
+        let service = Service::start_with_select_clock(&config, loaded, listen, select_clock)
             .with_context(|| format!("starting the service on {}", config.display()))?;
         Ok(RunningService {
             service: Some(service),

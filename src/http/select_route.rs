@@ -6,8 +6,6 @@
 //! when `auth_token_file` is set; a `/select` that does not reserve is as open as `/query`) and
 //! every status they answer. Never: decides anything itself (`select` does) or reads a socket.
 
-use std::time::Instant;
-
 use serde::Serialize;
 use serde_json::json;
 
@@ -79,14 +77,9 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec
     } else {
         let board = api.ranks.current();
         let model = query.model.as_deref();
-        let selection = api.selector.select(
-            &api.index,
-            &board,
-            &query.prompt(),
-            model,
-            options,
-            Instant::now(),
-        );
+        let selection = api
+            .selector
+            .select(&api.index, &board, &query.prompt(), model, options);
         match selection {
             Some(selection) => Reply::json(
                 200,
@@ -127,11 +120,7 @@ pub(super) fn prefill_complete(api: &Api, id: &str, body: &[u8]) -> Reply {
         Ok(cached_tokens) => cached_tokens,
         Err(reason) => return Reply::error(400, reason),
     };
-    answered(
-        id,
-        api.selector
-            .prefill_complete(id, cached_tokens, Instant::now()),
-    )
+    answered(id, api.selector.prefill_complete(id, cached_tokens))
 }
 
 /// `DELETE /reservations/{id}`: the request is done.
@@ -139,7 +128,7 @@ pub(super) fn release(api: &Api, id: &str) -> Reply {
     let Ok(id) = id.parse::<u64>() else {
         return unknown(id);
     };
-    answered(id, api.selector.release(id, Instant::now()))
+    answered(id, api.selector.release(id))
 }
 
 fn answered(id: u64, done: Result<(), UnknownReservation>) -> Reply {
@@ -168,7 +157,7 @@ struct LoadJson<'a> {
 
 /// `GET /loads`: every running rank with what its reservations and predictions put on it.
 pub(super) fn loads(api: &Api) -> Reply {
-    let loads = api.selector.loads(&api.ranks.current(), Instant::now());
+    let loads = api.selector.loads(&api.ranks.current());
     let answer: Vec<LoadJson> = loads
         .iter()
         .map(|rank| LoadJson {

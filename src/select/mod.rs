@@ -6,13 +6,20 @@
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
 //! for bookkeeping only (the index is read before it is taken). `cost` is the formula and the
 //! choice, `reservations` the open reservations and each rank's load, `predictions` the
-//! predicted blocks.
+//! predicted blocks, `clock` the time their time-to-lives are measured on.
+//!
+//! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
+//! service's is `Clock::real()`; a test makes it with `Clock::manual()`, keeps a clone and
+//! `advance`s it, so that a reservation or a prediction expires exactly when the test says
+//! (a deadline is past once the clock reaches it) and no test waits for a time-to-live.
 //!
 //! Owns: the candidates (every connected rank of the prompt's model; one not `active` is
 //! weighed with nothing matched), the reservations, the predictions and the live prediction
 //! metrics. Never: writes the index or shows a prediction as cache, keeps a reservation past
-//! its `reservation_ttl_s`, or blocks a reader of the index.
+//! its `reservation_ttl_s`, measures a time-to-live on any clock but its `Clock`, or blocks a
+//! reader of the index.
 
+mod clock;
 mod cost;
 mod predictions;
 mod reservations;
@@ -32,6 +39,7 @@ use crate::listener::State;
 use crate::metrics::Metrics;
 use crate::plan::WorkerKey;
 use crate::registry::RankBoard;
+pub use clock::Clock;
 use cost::choose;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder.rs`).
@@ -86,6 +94,7 @@ pub struct UnknownReservation;
 pub struct Selector {
     state: Mutex<SelectState>,
     metrics: Arc<Metrics>,
+    clock: Clock,
 }
 
 struct SelectState {
@@ -105,7 +114,8 @@ struct Gathered<'a> {
 }
 
 impl Selector {
-    pub fn new(config: Select, metrics: Arc<Metrics>) -> Selector {
+    /// The selection on `config`, its time-to-lives measured on `clock`.
+    pub fn new(config: Select, metrics: Arc<Metrics>, clock: Clock) -> Selector {
         Selector {
             state: Mutex::new(SelectState {
                 rng: seeded(config.seed),
@@ -115,6 +125,7 @@ impl Selector {
                 predictions: Predictions::default(),
             }),
             metrics,
+            clock,
         }
     }
 
@@ -136,7 +147,6 @@ impl Selector {
         prompt: &Prompt<'_>,
         model: Option<&str>,
         options: Options,
-        now: Instant,
     ) -> Option<Selection> {
         let block_size = index.block_size();
         let ranks: Vec<_> = board
@@ -187,6 +197,7 @@ impl Selector {
         };
 
         let mut state = self.state.lock();
+        let now = self.clock.now();
         state.expire(now);
         let state = &mut *state;
         let predicted: HashMap<RankSlot, u32> =
@@ -268,10 +279,9 @@ impl Selector {
         &self,
         id: u64,
         cached_tokens: Option<u64>,
-        now: Instant,
     ) -> Result<(), UnknownReservation> {
         let mut state = self.state.lock();
-        state.expire(now);
+        state.expire(self.clock.now());
         let completed = state
             .reservations
             .prefill_complete(id)
@@ -285,9 +295,9 @@ impl Selector {
     }
 
     /// Releases reservation `id`.
-    pub fn release(&self, id: u64, now: Instant) -> Result<(), UnknownReservation> {
+    pub fn release(&self, id: u64) -> Result<(), UnknownReservation> {
         let mut state = self.state.lock();
-        state.expire(now);
+        state.expire(self.clock.now());
         if state.reservations.release(id) {
             Ok(())
         } else {
@@ -296,9 +306,9 @@ impl Selector {
     }
 
     /// Every running rank on `board` with its load, in the board's order.
-    pub fn loads(&self, board: &RankBoard, now: Instant) -> Vec<RankLoad> {
+    pub fn loads(&self, board: &RankBoard) -> Vec<RankLoad> {
         let mut state = self.state.lock();
-        state.expire(now);
+        state.expire(self.clock.now());
         board
             .running()
             .map(|rank| {

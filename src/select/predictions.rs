@@ -166,6 +166,8 @@ mod tests {
         assert_eq!(predictions.covered(&[30]), []);
         assert_eq!(predictions.held(1), 1);
 
+        predictions.expire(now + Duration::from_secs(1) - Duration::from_nanos(1));
+        assert_eq!(predictions.held(2), 1, "not due before its deadline");
         predictions.expire(now + Duration::from_secs(1));
         assert_eq!(predictions.covered(&[10, 11, 12]), [(1, 3)]);
         assert_eq!(predictions.held(2), 0);

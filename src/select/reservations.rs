@@ -144,7 +144,9 @@ mod tests {
             .prefill_complete(first)
             .is_some_and(|done| !done.first));
         assert!((table.load(1).active_prefill_blocks - 0.1).abs() < 1e-12);
-        assert_eq!(table.expire(now + Duration::from_secs(1)), 1);
+        let one_second = now + Duration::from_secs(1);
+        assert_eq!(table.expire(one_second - Duration::from_nanos(1)), 0);
+        assert_eq!(table.expire(one_second), 1, "due at its deadline");
         assert!(!table.release(second), "expired");
         assert_eq!(table.load(1).reservations, 1);
         assert!(table.release(first));

@@ -37,6 +37,7 @@ use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
+use crate::select::{Clock, Selector};
 use crate::tokenize::{SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
@@ -181,6 +182,28 @@ impl Service {
         listen: Option<String>,
         shutdown_signal: ShutdownSignal,
     ) -> anyhow::Result<Service> {
+        Service::start_all(config_path, config, listen, shutdown_signal, Clock::real())
+    }
+
+    /// `start`, with `/select`'s time-to-lives measured on `select_clock`: a test's
+    /// `Clock::manual()`, advanced to expire a reservation or a prediction.
+    pub fn start_with_select_clock(
+        config_path: &Path,
+        config: Config,
+        listen: Option<String>,
+        select_clock: Clock,
+    ) -> anyhow::Result<Service> {
+        let shutdown_signal = ShutdownSignal::default();
+        Service::start_all(config_path, config, listen, shutdown_signal, select_clock)
+    }
+
+    fn start_all(
+        config_path: &Path,
+        config: Config,
+        listen: Option<String>,
+        shutdown_signal: ShutdownSignal,
+        select_clock: Clock,
+    ) -> anyhow::Result<Service> {
         let own_runtime = match tokio::runtime::Handle::try_current() {
             Ok(_) => None,
             Err(_) => Some(build_runtime()?),
@@ -237,6 +260,11 @@ impl Service {
         board.retain(&board_engines(&config));
         let neighbours = NeighbourWatch::spawn(board.clone(), metrics.clone())?;
         neighbours.sync(&config, &plan::expand(&config));
+        let selector = Arc::new(Selector::new(
+            config.select.clone(),
+            metrics.clone(),
+            select_clock,
+        ));
         let reloader = Arc::new(Reloader::new(
             config_path,
             config.clone(),
@@ -247,6 +275,7 @@ impl Service {
             Followers {
                 replication: replication.clone(),
                 tokenizers: tokenizers.clone(),
+                selector: selector.clone(),
             },
         ));
         // Weak: the askers live in the reloader, and their answers go back to it.
@@ -287,7 +316,7 @@ impl Service {
             directory,
             board,
             secret: replication.secret().clone(),
-            selector: reload_for_http.selector(),
+            selector,
             reload: Box::new(move || reload_for_http.reload()),
             tokenizers,
         });

@@ -58,10 +58,11 @@ pub(super) struct Reloader {
 }
 
 /// What follows the file beside the registry and the discovered engines: the peers and the
-/// token (`replication`), and the models' tokenizers.
+/// token (`replication`), the models' tokenizers and the `[select]` knobs.
 pub(super) struct Followers {
     pub replication: Arc<Replication>,
     pub tokenizers: Arc<SharedTokenizers>,
+    pub selector: Arc<Selector>,
 }
 
 impl Reloader {
@@ -77,9 +78,9 @@ impl Reloader {
         Followers {
             replication,
             tokenizers,
+            selector,
         }: Followers,
     ) -> Reloader {
-        let selector = Arc::new(Selector::new(config.select.clone(), metrics.clone()));
         Reloader {
             selector,
             config_path: config_path.to_owned(),
@@ -95,11 +96,6 @@ impl Reloader {
             replication,
             tokenizers,
         }
-    }
-
-    /// The selection state, its knobs kept in step with the file.
-    pub(super) fn selector(&self) -> Arc<Selector> {
-        self.selector.clone()
     }
 
     pub(super) fn set_askers(&self, askers: Askers) {

@@ -29,6 +29,7 @@ use kv_indexer::index::Index;
 use kv_indexer::metrics::Metrics;
 use kv_indexer::plan::ListenerSpec;
 use kv_indexer::registry::Registry;
+use kv_indexer::select::Clock;
 use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer_sim::ports;
 use kv_indexer_sim::process::IndexerProcess;
@@ -81,6 +82,12 @@ pub fn start_indexer(toml: &str) -> IndexerProcess {
 /// `RunningService::start` on `toml`, or the test fails.
 pub fn start_service(toml: &str) -> RunningService {
     RunningService::start(toml).unwrap_or_else(|error| panic!("{error:#}"))
+}
+
+/// `RunningService::start_with_select_clock` on `toml`, or the test fails.
+pub fn start_service_with_select_clock(toml: &str, select_clock: Clock) -> RunningService {
+    RunningService::start_with_select_clock(toml, select_clock)
+        .unwrap_or_else(|error| panic!("{error:#}"))
 }
 
 /// `watch::settle`, failing the test when the fleet does not settle in time.
