@@ -74,6 +74,9 @@ pub struct Selection {
     pub query_blocks: u32,
     pub chosen: Ranked,
     pub reservation_id: Option<u64>,
+    /// The prefix the chosen rank is expected to find cached, in tokens: matched, predicted
+    /// or held on disk, whichever is longest.
+    pub predicted_cached_tokens: u64,
     /// The lowest-cost candidates, best first (`max_candidates` of them, or all).
     pub candidates: Vec<Ranked>,
 }
@@ -148,10 +151,24 @@ impl Selector {
         model: Option<&str>,
         options: Options,
     ) -> Option<Selection> {
+        self.select_but(index, board, prompt, model, options, &|_| false)
+    }
+
+    /// `select`, with the ranks `excluded` says left out (the route front end's ranks in
+    /// back-off after a failure).
+    pub fn select_but(
+        &self,
+        index: &Index,
+        board: &RankBoard,
+        prompt: &Prompt<'_>,
+        model: Option<&str>,
+        options: Options,
+        excluded: &dyn Fn(&WorkerKey) -> bool,
+    ) -> Option<Selection> {
         let block_size = index.block_size();
         let ranks: Vec<_> = board
             .running()
-            .filter(|rank| rank.status.connected)
+            .filter(|rank| rank.status.connected && !excluded(&rank.spec.key))
             .filter(|rank| {
                 let served = rank.spec.model.as_deref();
                 model.is_none() || served.is_none() || served == model
@@ -236,13 +253,15 @@ impl Selector {
                 costed: costed.clone(),
             }
         };
+        let cached_blocks = chosen
+            .candidate
+            .matched_blocks
+            .max(chosen.candidate.predicted_blocks)
+            .max(chosen.candidate.tiers.disk);
+        let predicted_cached_tokens = u64::from(cached_blocks) * u64::from(block_size);
         let reservation_id = options.reserve.then(|| {
             let candidate = &chosen.candidate;
             let slot = state.slot(gathered[candidate.position].key);
-            let cached_blocks = candidate
-                .matched_blocks
-                .max(candidate.predicted_blocks)
-                .max(candidate.tiers.disk);
             let output_blocks = options
                 .expected_output_tokens
                 .div_ceil(u64::from(block_size.max(1)));
@@ -258,7 +277,8 @@ impl Selector {
                 decode_blocks: u64::from(query_blocks) + output_blocks,
                 prefill_complete: false,
                 deadline: now + Duration::from_secs_f64(config.reservation_ttl_s),
-                predicted_tokens: u64::from(cached_blocks) * u64::from(block_size),
+                predicted_tokens: predicted_cached_tokens,
+                reported: false,
             })
         });
         let shown = match state.config.max_candidates {
@@ -269,6 +289,7 @@ impl Selector {
             query_blocks,
             chosen: ranked(chosen),
             reservation_id,
+            predicted_cached_tokens,
             candidates: costed[..shown].iter().map(ranked).collect(),
         })
     }
@@ -282,16 +303,30 @@ impl Selector {
     ) -> Result<(), UnknownReservation> {
         let mut state = self.state.lock();
         state.expire(self.clock.now());
-        let completed = state
+        state
             .reservations
             .prefill_complete(id)
             .ok_or(UnknownReservation)?;
+        let predicted = cached_tokens.and_then(|_| state.reservations.take_report(id));
         drop(state);
-        if let (true, Some(served)) = (completed.first, cached_tokens) {
-            self.metrics
-                .observe_prediction(completed.predicted_tokens, served);
+        if let (Some(predicted), Some(served)) = (predicted, cached_tokens) {
+            self.metrics.observe_prediction(predicted, served);
         }
         Ok(())
+    }
+
+    /// The engine says it found `served` tokens of reservation `id`'s prompt cached (at the
+    /// end of a stream, after `prefill_complete`): weighed against the prediction once.
+    pub fn report_cached_tokens(&self, id: u64, served: u64) -> Result<(), UnknownReservation> {
+        let mut state = self.state.lock();
+        state.expire(self.clock.now());
+        let predicted = state.reservations.take_report(id);
+        let known = predicted.is_some() || state.reservations.contains(id);
+        drop(state);
+        if let Some(predicted) = predicted {
+            self.metrics.observe_prediction(predicted, served);
+        }
+        known.then_some(()).ok_or(UnknownReservation)
     }
 
     /// Releases reservation `id`.

@@ -20,6 +20,9 @@ pub(super) struct Reservation {
     pub(super) deadline: Instant,
     /// The prefix the selection expected the engine to find cached, in tokens.
     pub(super) predicted_tokens: u64,
+    /// Whether the engine's own count of cached tokens was weighed against the prediction:
+    /// once a reservation, whether it comes at prefill or at the end of a stream.
+    pub(super) reported: bool,
 }
 
 #[derive(Default)]
@@ -28,13 +31,6 @@ pub(super) struct Reservations {
     open: HashMap<u64, Reservation>,
     by_deadline: BTreeSet<(Instant, u64)>,
     loads: HashMap<RankSlot, Load>,
-}
-
-/// What `prefill_complete` found.
-pub(super) struct Completed {
-    /// False when it was already complete: nothing changed.
-    pub(super) first: bool,
-    pub(super) predicted_tokens: u64,
 }
 
 impl Reservations {
@@ -51,6 +47,10 @@ impl Reservations {
         id
     }
 
+    pub(super) fn contains(&self, id: u64) -> bool {
+        self.open.contains_key(&id)
+    }
+
     pub(super) fn len(&self) -> usize {
         self.open.len()
     }
@@ -59,8 +59,9 @@ impl Reservations {
         self.loads.get(&rank).copied().unwrap_or_default()
     }
 
-    /// Marks `id` prefill-complete: its prefill leaves its rank's queue. `None` when unknown.
-    pub(super) fn prefill_complete(&mut self, id: u64) -> Option<Completed> {
+    /// Marks `id` prefill-complete: its prefill leaves its rank's queue. `None` when unknown;
+    /// `Some(false)` when it already was (nothing changed).
+    pub(super) fn prefill_complete(&mut self, id: u64) -> Option<bool> {
         let reservation = self.open.get_mut(&id)?;
         let first = !reservation.prefill_complete;
         if first {
@@ -69,10 +70,15 @@ impl Reservations {
             load.active_prefill_blocks =
                 (load.active_prefill_blocks - reservation.prefill_blocks).max(0.0);
         }
-        Some(Completed {
-            first,
-            predicted_tokens: reservation.predicted_tokens,
-        })
+        Some(first)
+    }
+
+    /// The predicted cached tokens of `id`, the first time its engine's own count is reported;
+    /// `None` when unknown or already reported.
+    pub(super) fn take_report(&mut self, id: u64) -> Option<u64> {
+        let reservation = self.open.get_mut(&id)?;
+        let first = !std::mem::replace(&mut reservation.reported, true);
+        first.then_some(reservation.predicted_tokens)
     }
 
     /// Releases `id`; false when unknown (never made, released, or expired).
@@ -126,6 +132,7 @@ mod tests {
             prefill_complete: false,
             deadline,
             predicted_tokens: 0,
+            reported: false,
         }
     }
 
@@ -139,10 +146,10 @@ mod tests {
         let load = table.load(1);
         assert_eq!((load.reservations, load.active_decode_blocks), (2, 10));
         assert!((load.active_prefill_blocks - 0.2).abs() < 1e-12);
-        assert!(table.prefill_complete(first).is_some_and(|done| done.first));
-        assert!(table
-            .prefill_complete(first)
-            .is_some_and(|done| !done.first));
+        assert_eq!(table.prefill_complete(first), Some(true));
+        assert_eq!(table.prefill_complete(first), Some(false));
+        assert_eq!(table.take_report(first), Some(0), "reported once");
+        assert_eq!(table.take_report(first), None);
         assert!((table.load(1).active_prefill_blocks - 0.1).abs() < 1e-12);
         let one_second = now + Duration::from_secs(1);
         assert_eq!(table.expire(one_second - Duration::from_nanos(1)), 0);
