@@ -40,6 +40,7 @@ fn config(engines: u32) -> Config {
             topic: String::new(),
             instance_id: u64::from(i),
             tokenizer: None,
+            openai_url: None,
         })
         .collect();
     Config {
@@ -52,6 +53,7 @@ fn config(engines: u32) -> Config {
         engines,
         replicas: Default::default(),
         select: Default::default(),
+        route: None,
     }
 }
 

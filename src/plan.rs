@@ -256,6 +256,7 @@ mod tests {
             topic: String::new(),
             instance_id: crate::config::derived_instance_id(name),
             tokenizer: None,
+            openai_url: None,
         }
     }
 
@@ -270,6 +271,7 @@ mod tests {
             engines,
             replicas: Default::default(),
             select: Default::default(),
+            route: None,
         }
     }
 

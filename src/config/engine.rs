@@ -13,6 +13,8 @@ use serde::Deserialize;
 use toml::de::{DeArray, DeValue};
 use toml::Spanned;
 
+use crate::discover::BaseUrl;
+
 use super::diagnostics::Problems;
 use super::discovered::{self, check_discover_url};
 use super::instance::{check_unique_instance, derived_instance_id};
@@ -40,6 +42,7 @@ struct RawEngine {
     discover_interval_s: Option<Spanned<Int>>,
     instance_id: Option<Spanned<Int>>,
     tokenizer: Option<Spanned<String>>,
+    openai_url: Option<Spanned<String>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
@@ -58,6 +61,7 @@ pub(super) struct EngineFields {
     pub(super) discover_interval_s: Checked<u32>,
     pub(super) instance_id: Checked<u64>,
     pub(super) tokenizer: Checked<String>,
+    pub(super) openai_url: Checked<String>,
 }
 
 impl EngineFields {
@@ -127,6 +131,9 @@ impl EngineFields {
             tokenizer: checker.text("tokenizer", raw.tokenizer, |dir| {
                 dir.trim().is_empty().then(|| "is empty".to_string())
             }),
+            openai_url: checker.text("openai_url", raw.openai_url, |url| {
+                BaseUrl::parse(url).err().map(|why| format!("is invalid: {why}"))
+            }),
         }
     }
 
@@ -153,6 +160,8 @@ impl EngineFields {
             discover_interval_s: self.discover_interval_s.or(&defaults.discover_interval_s),
             instance_id: self.instance_id.clone(),
             tokenizer: self.tokenizer.or(&defaults.tokenizer),
+            // Each engine's own server: a default would send every engine's requests to one.
+            openai_url: self.openai_url.clone(),
         }
     }
 
@@ -405,6 +414,11 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
             replay_port: fields.replay_port.optional()?,
         }),
     };
+    let openai_url = match (fields.openai_url.optional()?, &source) {
+        (Some(url), _) => BaseUrl::parse(&url).ok(),
+        (None, Ranks::Discovered(discover)) => Some(discover.api.url.clone()),
+        (None, Ranks::Fixed(_)) => None,
+    };
     let name: String = fields.name.optional()??;
     let instance_id = fields
         .instance_id
@@ -419,6 +433,7 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         model: fields.model.optional()?,
         topic: fields.topic.or_default_to(String::new())?,
         tokenizer: fields.tokenizer.optional()?,
+        openai_url,
     })
 }
 

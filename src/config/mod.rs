@@ -12,7 +12,8 @@
 //! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide;
 //! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`;
-//! - `select`: the `[select]` knobs of `POST /select`.
+//! - `select`: the `[select]` knobs of `POST /select`;
+//! - `route`: the `[route]` table of the OpenAI-compatible front end.
 
 mod diagnostics;
 mod discovered;
@@ -21,6 +22,7 @@ mod instance;
 mod keys;
 mod ports;
 mod replicas;
+mod route;
 mod select;
 
 use std::fmt;
@@ -33,7 +35,7 @@ use toml::de::DeTable;
 use toml::Spanned;
 
 pub use crate::discover::MAX_DP_SIZE;
-use crate::discover::{EngineApi, FileLayout};
+use crate::discover::{BaseUrl, EngineApi, FileLayout};
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
 pub use instance::derived_instance_id;
@@ -42,6 +44,8 @@ use ports::check_port_overlaps;
 pub use ports::rank_port;
 use replicas::check_replicas;
 pub use replicas::{is_loopback_listen, Replicas};
+use route::check_route;
+pub use route::Route;
 use select::check_select;
 pub use select::{Select, MAX_TTL_S};
 
@@ -68,6 +72,8 @@ pub struct Config {
     pub replicas: Replicas,
     /// The knobs of `POST /select` (`[select]`); reloadable.
     pub select: Select,
+    /// The OpenAI-compatible front end (`[route]`), when the file has the table.
+    pub route: Option<Route>,
 }
 
 /// One `[[engine]]` with defaults applied.
@@ -89,6 +95,9 @@ pub struct EngineConfig {
     /// The directory of the model's Hugging Face tokenizer (`tokenizer.json`,
     /// `tokenizer_config.json`, `chat_template.jinja`), for prompts sent as text or messages.
     pub tokenizer: Option<String>,
+    /// The engine's OpenAI-compatible server, where the front end (`[route]`) sends requests:
+    /// `openai_url` as written, else the `discover` URL.
+    pub openai_url: Option<BaseUrl>,
 }
 
 /// Where an engine's ranks come from.
@@ -227,8 +236,19 @@ impl Config {
             Some(value) => check_select(value, &mut problems),
             None => Some(Select::default()),
         };
-        match (top, select) {
-            (Some(top), Some(select)) if problems.is_empty() => Ok(Config {
+        let route = match root.get_ref().get("route") {
+            Some(value) => {
+                let apis: Vec<&str> = top
+                    .iter()
+                    .flat_map(|top| std::iter::once(&top.listen).chain(&top.dynamo_listen))
+                    .map(String::as_str)
+                    .collect();
+                check_route(value, &apis, &mut problems).map(Some)
+            }
+            None => Some(None),
+        };
+        match (top, select, route) {
+            (Some(top), Some(select), Some(route)) if problems.is_empty() => Ok(Config {
                 listen: top.listen,
                 dynamo_listen: top.dynamo_listen,
                 max_runtime_ranks: top.max_runtime_ranks,
@@ -238,6 +258,7 @@ impl Config {
                 engines: engines.valid,
                 replicas: top.replicas,
                 select,
+                route,
             }),
             _ => Err(problems.into_error()),
         }
@@ -299,6 +320,8 @@ struct RawTop {
     _engine: Option<IgnoredAny>,
     #[serde(rename = "select")]
     _select: Option<IgnoredAny>,
+    #[serde(rename = "route")]
+    _route: Option<IgnoredAny>,
 }
 
 struct Top {
@@ -440,9 +463,11 @@ mod tests {
                     topic: String::new(),
                     instance_id: derived_instance_id("local"),
                     tokenizer: None,
+                    openai_url: None,
                 }],
                 replicas: Replicas::default(),
                 select: Select::default(),
+                route: None,
             }
         );
     }

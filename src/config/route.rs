@@ -1,0 +1,135 @@
+//! The `[route]` table: the OpenAI-compatible front end (docs.md "Routing"), off when absent.
+//!
+//! Owns its keys, their defaults and ranges, and the rule that the route listener differs from
+//! the API's. Never: decides where a request goes (`route` does) or reads a token file's text
+//! before the service starts (`Route::read_token` does, then).
+
+use anyhow::Context;
+use serde::Deserialize;
+use toml::de::DeValue;
+use toml::Spanned;
+
+use super::diagnostics::Problems;
+use super::keys::{as_table, read_table, Int, SectionChecker};
+use super::validate_listen;
+
+const SECTION: &str = "[route]";
+/// Requests the front end forwards at once; one more is answered 429.
+pub const DEFAULT_MAX_CONCURRENT_REQUESTS: usize = 4_096;
+/// The most `max_concurrent_requests` may be: each open request holds two descriptors (the
+/// client's and the engine's connection) and its buffers.
+pub const MAX_CONCURRENT_REQUESTS: usize = 1_000_000;
+/// How long an engine may take to send the first byte of its answer: a long prompt's prefill
+/// on a loaded engine takes minutes, not ten.
+pub const DEFAULT_FIRST_BYTE_TIMEOUT_S: u32 = 600;
+/// How long a streamed answer may pause between two chunks.
+pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 60;
+/// How long connecting to an engine may take: a reachable engine accepts in milliseconds.
+pub const DEFAULT_CONNECT_TIMEOUT_S: u32 = 2;
+/// The longest any of the timeouts may be: a day.
+pub const MAX_TIMEOUT_S: u32 = 86_400;
+
+/// The `[route]` table, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The front end's address, `IP:port` or `hostname:port`.
+    pub listen: String,
+    /// The file holding the token clients must send (`Authorization: Bearer`), separate from
+    /// the admin token; none: the front end is open.
+    pub auth_token_file: Option<String>,
+    pub max_concurrent_requests: usize,
+    pub first_byte_timeout_s: u32,
+    pub idle_timeout_s: u32,
+    pub connect_timeout_s: u32,
+}
+
+impl Route {
+    /// The text of `auth_token_file`, when set; the error names the file, never its content.
+    pub fn read_token(&self) -> anyhow::Result<Option<String>> {
+        let Some(path) = &self.auth_token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("[route] auth_token_file: reading {path}"))?;
+        anyhow::ensure!(
+            !text.trim().is_empty(),
+            "[route] auth_token_file {path} is empty: write the clients' token in it"
+        );
+        Ok(Some(text))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    listen: Option<Spanned<String>>,
+    auth_token_file: Option<Spanned<String>>,
+    max_concurrent_requests: Option<Spanned<Int>>,
+    first_byte_timeout_s: Option<Spanned<Int>>,
+    idle_timeout_s: Option<Spanned<Int>>,
+    connect_timeout_s: Option<Spanned<Int>>,
+}
+
+/// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
+/// `api_listens` are the other servers' addresses, which `listen` must differ from.
+pub(super) fn check_route(
+    value: &Spanned<DeValue<'_>>,
+    api_listens: &[&str],
+    problems: &mut Problems<'_>,
+) -> Option<Route> {
+    let table = as_table(value, SECTION, problems)?;
+    let (raw, dropped) = read_table::<RawRoute>(&table, SECTION, problems)?;
+    let mut checker = SectionChecker {
+        section: SECTION,
+        dropped: &dropped,
+        problems,
+    };
+    let listen = checker.text("listen", raw.listen, |addr| match validate_listen(addr) {
+        Err(why) => Some(format!("is invalid: {why}")),
+        Ok(()) if api_listens.contains(&addr) => {
+            Some(format!("must differ from the API's address ({addr})"))
+        }
+        Ok(()) => None,
+    });
+    let auth_token_file = checker.text("auth_token_file", raw.auth_token_file, |path| {
+        path.trim().is_empty().then(|| "is empty".to_string())
+    });
+    let max_concurrent_requests = checker.int(
+        "max_concurrent_requests",
+        raw.max_concurrent_requests,
+        &format!("1..={MAX_CONCURRENT_REQUESTS}"),
+        |n| {
+            usize::try_from(n)
+                .ok()
+                .filter(|n| (1..=MAX_CONCURRENT_REQUESTS).contains(n))
+        },
+    );
+    let seconds = format!("1..={MAX_TIMEOUT_S} (seconds)");
+    let timeout = |n: i64| u32::try_from(n).ok().filter(|s| (1..=MAX_TIMEOUT_S).contains(s));
+    let first_byte_timeout_s = checker.int(
+        "first_byte_timeout_s",
+        raw.first_byte_timeout_s,
+        &seconds,
+        timeout,
+    );
+    let idle_timeout_s = checker.int("idle_timeout_s", raw.idle_timeout_s, &seconds, timeout);
+    let connect_timeout_s =
+        checker.int("connect_timeout_s", raw.connect_timeout_s, &seconds, timeout);
+    let listen = match listen.optional()? {
+        Some(listen) => listen,
+        None => {
+            let why = "`listen` is missing: the front end's address, e.g. \"127.0.0.1:8080\"";
+            problems.add(Some(value.span()), SECTION, why);
+            return None;
+        }
+    };
+    Some(Route {
+        listen,
+        auth_token_file: auth_token_file.optional()?,
+        max_concurrent_requests: max_concurrent_requests
+            .or_default_to(DEFAULT_MAX_CONCURRENT_REQUESTS)?,
+        first_byte_timeout_s: first_byte_timeout_s.or_default_to(DEFAULT_FIRST_BYTE_TIMEOUT_S)?,
+        idle_timeout_s: idle_timeout_s.or_default_to(DEFAULT_IDLE_TIMEOUT_S)?,
+        connect_timeout_s: connect_timeout_s.or_default_to(DEFAULT_CONNECT_TIMEOUT_S)?,
+    })
+}
