@@ -5,7 +5,7 @@
 //! decode; this module owns the policy on top: a `Transfer-Encoding` list applying chunked
 //! more than once (400) or another coding before it (501), `Expect` values but
 //! `100-continue` (417), `MAX_BODY_BYTES` (413, by the declared length before a byte is read,
-//! or as a chunked body passes it), the body deadline (408), the upload bound (`MAX_UPLOADS`
+//! or as a chunked body passes it), the body deadline (408), the upload bound (`Limits::uploads`
 //! bodies read at once, 503 beyond), and how much of its buffers a connection keeps between
 //! requests (`keep_bounded`). Never: allocates beyond what it read plus a declared length
 //! within the limit, or reads a body it refused (the connection closes after the answer).
@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use hyper::body::{Body, Incoming};
 use tokio::sync::Semaphore;
 
-use super::{Reply, Request, MAX_BODY_BYTES, MAX_UPLOADS};
+use super::{Reply, Request, MAX_BODY_BYTES};
 
 /// A body must have arrived whole within this time.
 const BODY_DEADLINE: Duration = Duration::from_secs(30);
@@ -30,12 +30,12 @@ const SMALL_BODY_BYTES: u64 = 1024;
 /// body, a 64,000-token vector).
 const KEPT_BUFFER_BYTES: usize = 256 << 10;
 
-/// The bodies being read from sockets, at most `MAX_UPLOADS`.
-pub(super) struct Uploads(Arc<Semaphore>);
+/// The bodies being read from sockets, at most the server's `Limits::uploads`.
+pub(super) struct Uploads(Arc<Semaphore>, usize);
 
-impl Default for Uploads {
-    fn default() -> Uploads {
-        Uploads(Arc::new(Semaphore::new(MAX_UPLOADS)))
+impl Uploads {
+    pub(super) fn new(most: usize) -> Uploads {
+        Uploads(Arc::new(Semaphore::new(most)), most)
     }
 }
 
@@ -110,7 +110,7 @@ pub(super) async fn read_body(
         false => Some(uploads.0.try_acquire().map_err(|_| {
             Reply::error(
                 503,
-                format!("{MAX_UPLOADS} uploads are in progress; retry shortly"),
+                format!("{} uploads are in progress; retry shortly", uploads.1),
             )
         })?),
     };

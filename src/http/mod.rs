@@ -41,14 +41,17 @@ pub(crate) mod table;
 mod text_prompt;
 pub use snapshot_route::percent_decode;
 
+use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
 use http::StatusCode;
-use http_body_util::Full;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
 use log::info;
 use serde::Serialize;
 use serde_json::json;
@@ -65,7 +68,7 @@ use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 pub use routes::diff_json;
 use routes::API_ROUTES;
-use server::{spawn_accept, Live, Reserve};
+use server::{spawn_accept, Answerer, Live, Reserve};
 
 /// A request line and headers together: 16 KiB is 4 times what any client of this API sends
 /// (a router's head is under 300 bytes), and bounds what every open connection's head holds.
@@ -89,6 +92,39 @@ pub const MAX_UPLOADS: usize = 24;
 /// more than a few routers' pools, and bound what connections hold: descriptors, buffers and
 /// heads of at most 16 KiB.
 pub const MAX_CONNECTIONS: usize = 512;
+/// What one server holds at most: open connections, and bodies over 1 KiB read at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub connections: usize,
+    pub uploads: usize,
+}
+
+impl Limits {
+    /// The API's (and the Dynamo API's): `MAX_CONNECTIONS`, `MAX_UPLOADS`.
+    pub const API: Limits = Limits {
+        connections: MAX_CONNECTIONS,
+        uploads: MAX_UPLOADS,
+    };
+}
+
+/// The body of an answer, whole or streamed.
+pub type AnswerBody = UnsyncBoxBody<Bytes, BodyError>;
+/// Why a streamed answer ended early (the client sees the connection cut).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An API whose answers are asynchronous and may stream (the route front end): it gets the
+/// request with its whole body, read under the same limits as every API's.
+pub trait AsyncRoutes: Send + Sync + 'static {
+    /// What the logs call this API.
+    fn name(&self) -> &'static str;
+    fn metrics(&self) -> &Metrics;
+    fn answer(
+        self: Arc<Self>,
+        request: Request,
+        body: Vec<u8>,
+    ) -> Pin<Box<dyn Future<Output = hyper::Response<AnswerBody>> + Send>>;
+}
+
 /// How long `stop` waits for open connections to finish the request they are answering.
 const STOP_GRACE: Duration = Duration::from_millis(500);
 
@@ -153,21 +189,42 @@ impl BoundHttp {
         self.addr
     }
 
-    /// Starts accepting and answering with `routes`, on `runtime`.
+    /// Starts accepting and answering with `routes`, on `runtime`, within `Limits::API`.
     pub fn serve(self, routes: Arc<dyn Routes>, runtime: &Handle) -> anyhow::Result<HttpServer> {
-        let (addr, name) = (self.addr, routes.name());
+        self.start(Answerer::Routes(routes), Limits::API, runtime)
+    }
+
+    /// Starts accepting and answering with `routes`, whose answers may stream, within `limits`.
+    pub fn serve_streams(
+        self,
+        routes: Arc<dyn AsyncRoutes>,
+        limits: Limits,
+        runtime: &Handle,
+    ) -> anyhow::Result<HttpServer> {
+        self.start(Answerer::Streams(routes), limits, runtime)
+    }
+
+    fn start(
+        self,
+        answerer: Answerer,
+        limits: Limits,
+        runtime: &Handle,
+    ) -> anyhow::Result<HttpServer> {
+        let (addr, name) = (self.addr, answerer.name());
         let (stop, stopping) = watch::channel(false);
         let live = Arc::new(Live::default());
         let acceptor = spawn_accept(
             runtime,
             self.listener,
             self.reserve,
-            routes,
+            answerer,
+            limits,
             Arc::clone(&live),
             stopping,
         )
         .with_context(|| format!("serving the {name} on {addr}"))?;
-        info!("{name} listening on http://{addr} (up to {MAX_CONNECTIONS} connections)");
+        let most = limits.connections;
+        info!("{name} listening on http://{addr} (up to {most} connections)");
         Ok(HttpServer {
             name,
             stop,
@@ -263,8 +320,9 @@ impl Reply {
 
     /// The response hyper writes: always a Content-Length (hyper's for a whole body), never
     /// chunked, so every client reads it simply; hyper leaves the body out of a HEAD's answer.
-    fn into_response(self) -> hyper::Response<Full<Bytes>> {
-        let mut response = hyper::Response::new(Full::new(Bytes::from(self.body)));
+    fn into_response(self) -> hyper::Response<AnswerBody> {
+        let body = Full::new(Bytes::from(self.body)).map_err(|never| match never {});
+        let mut response = hyper::Response::new(UnsyncBoxBody::new(body));
         *response.status_mut() =
             StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let headers = response.headers_mut();

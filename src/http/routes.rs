@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use super::query_body::{parse_query_request, QueryRequest};
 use super::select_route;
 use super::snapshot_route::snapshot_route;
-use super::table::{Guard, Route, Verb};
+use super::table::{Guard, Handler, Route, Verb};
 use super::text_prompt::tokenize_prompt;
 use super::{Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
@@ -21,7 +21,7 @@ use crate::registry::{ListenerView, ReloadDiff};
 use crate::wire::SpecKind;
 
 /// Every path of the API, once (docs.md "HTTP API").
-pub(super) static API_ROUTES: &[Route<Api>] = &[
+pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
     Route {
         verb: Verb::Post,
         pattern: "/query",

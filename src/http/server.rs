@@ -15,8 +15,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -31,9 +29,10 @@ use tokio::sync::{watch, Semaphore};
 use super::body::{keep_bounded, read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    error_body, Reply, Request, Routes, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_HEADERS,
-    MAX_HEAD_BYTES, POOL_THREADS,
+    error_body, AnswerBody, AsyncRoutes, Limits, Reply, Request, Routes, HEAD_DEADLINE,
+    IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES, POOL_THREADS,
 };
+use crate::metrics::Metrics;
 
 /// Descriptors kept open on /dev/null and closed one at a time when accept fails for want of
 /// descriptors: each lets one more connection in (and be served) while, say, 5,000 engines
@@ -45,11 +44,37 @@ const BACKOFF_MAX: Duration = Duration::from_millis(200);
 /// A repeated warning is logged at most this often (with the count of those not logged).
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
+/// What a server answers with.
+#[derive(Clone)]
+pub(super) enum Answerer {
+    /// Synchronous routes with whole answers, run on blocking threads.
+    Routes(Arc<dyn Routes>),
+    /// Asynchronous answers that may stream (the route front end).
+    Streams(Arc<dyn AsyncRoutes>),
+}
+
+impl Answerer {
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Answerer::Routes(routes) => routes.name(),
+            Answerer::Streams(routes) => routes.name(),
+        }
+    }
+
+    fn metrics(&self) -> &Metrics {
+        match self {
+            Answerer::Routes(routes) => routes.metrics(),
+            Answerer::Streams(routes) => routes.metrics(),
+        }
+    }
+}
+
 /// What every connection of one server shares.
 struct Shared {
-    routes: Arc<dyn Routes>,
+    answerer: Answerer,
+    limits: Limits,
     uploads: Uploads,
-    /// `POOL_THREADS` places to answer in.
+    /// `POOL_THREADS` places to answer synchronous routes in.
     answering: Arc<Semaphore>,
 }
 
@@ -89,9 +114,9 @@ pub(super) struct Live {
 struct LiveEntry(Arc<Live>);
 
 impl Live {
-    fn enter(self: &Arc<Self>) -> Option<LiveEntry> {
+    fn enter(self: &Arc<Self>, cap: usize) -> Option<LiveEntry> {
         let mut open = self.open.lock();
-        if *open >= MAX_CONNECTIONS {
+        if *open >= cap {
             return None;
         }
         *open += 1;
@@ -148,7 +173,8 @@ pub(super) fn spawn_accept(
     runtime: &Handle,
     listener: std::net::TcpListener,
     reserve: Reserve,
-    routes: Arc<dyn Routes>,
+    answerer: Answerer,
+    limits: Limits,
     live: Arc<Live>,
     stopping: watch::Receiver<bool>,
 ) -> io::Result<tokio::task::JoinHandle<()>> {
@@ -157,8 +183,9 @@ pub(super) fn spawn_accept(
         TcpListener::from_std(listener)?
     };
     let shared = Arc::new(Shared {
-        routes,
-        uploads: Uploads::default(),
+        answerer,
+        uploads: Uploads::new(limits.uploads),
+        limits,
         answering: Arc::new(Semaphore::new(POOL_THREADS)),
     });
     Ok(runtime.spawn(accept_loop(listener, reserve, shared, live, stopping)))
@@ -200,7 +227,7 @@ async fn accept_loop(
                 failures.warn(|| {
                     format!(
                         "{} on {addr:?}: accept failed: {err}; retrying in {}ms",
-                        shared.routes.name(),
+                        shared.answerer.name(),
                         backoff.as_millis()
                     )
                 });
@@ -240,12 +267,13 @@ fn admit(
         debug!("HTTP connection from {peer}: {err}");
         return;
     }
-    let Some(entry) = live.enter() else {
-        shared.routes.metrics().http_error(503);
+    let cap = shared.limits.connections;
+    let Some(entry) = live.enter(cap) else {
+        shared.answerer.metrics().http_error(503);
         refusals.warn(|| {
-            format!("HTTP connection from {peer} refused: {MAX_CONNECTIONS} connections are open")
+            format!("HTTP connection from {peer} refused: {cap} connections are open")
         });
-        tokio::spawn(refuse_busy(socket));
+        tokio::spawn(refuse_busy(socket, cap));
         return;
     };
     tokio::spawn(serve_connection(
@@ -259,10 +287,8 @@ fn admit(
 
 /// Answers 503 on a connection past the cap and closes it. Nothing is read: the answer is in
 /// the socket's empty send buffer before the client has sent its request.
-async fn refuse_busy(mut socket: TcpStream) {
-    let body = error_body(&format!(
-        "{MAX_CONNECTIONS} connections are open; retry shortly"
-    ));
+async fn refuse_busy(mut socket: TcpStream, cap: usize) {
+    let body = error_body(&format!("{cap} connections are open; retry shortly"));
     let mut reply = format!(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: \
          {}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n",
@@ -322,12 +348,12 @@ async fn serve_connection(
         }
     };
     if let Some(status) = link.refused() {
-        shared.routes.metrics().http_error(status);
+        shared.answerer.metrics().http_error(status);
     } else if let Err(err) = served {
         // hyper answered a head it could not parse (400, 431, 505) before closing.
         if err.is_parse() || err.is_parse_too_large() {
             let status = if err.is_parse_too_large() { 431 } else { 400 };
-            shared.routes.metrics().http_error(status);
+            shared.answerer.metrics().http_error(status);
         }
         debug!("HTTP connection from {peer}: {err}");
     }
@@ -340,13 +366,13 @@ async fn answer(
     buffers: &Arc<Mutex<Buffers>>,
     request: hyper::Request<Incoming>,
     peer: SocketAddr,
-) -> hyper::Response<Full<Bytes>> {
+) -> hyper::Response<AnswerBody> {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
     let request = Request::new(parts, peer);
     let mut kept = std::mem::take(&mut *buffers.lock());
     if let Err(refused) = read_body(&request, body, &shared.uploads, &mut kept.body).await {
-        shared.routes.metrics().http_error(refused.status);
+        shared.answerer.metrics().http_error(refused.status);
         *buffers.lock() = kept;
         // The body is not read (or not whole): the connection cannot carry another request.
         let mut response = refused.into_response();
@@ -358,10 +384,17 @@ async fn answer(
     }
     // The body is read whole: what the connection sends next is a head.
     link.expect_head();
+    let routes = match &shared.answerer {
+        Answerer::Routes(routes) => Arc::clone(routes),
+        Answerer::Streams(routes) => {
+            let body = std::mem::take(&mut kept.body);
+            *buffers.lock() = kept;
+            return Arc::clone(routes).answer(request, body).await;
+        }
+    };
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
         return Reply::error(503, "the server is stopping").into_response();
     };
-    let routes = Arc::clone(&shared.routes);
     let answered = tokio::task::spawn_blocking(move || {
         let reply = routes.route(&request, &kept.body, &mut kept.tokens);
         keep_bounded(&mut kept.body);
@@ -378,7 +411,7 @@ async fn answer(
         Err(err) => Reply::error(500, format!("the route failed: {err}")),
     };
     drop(_place);
-    let metrics = shared.routes.metrics();
+    let metrics = shared.answerer.metrics();
     if reply.status >= 400 {
         metrics.http_error(reply.status);
     }

@@ -15,7 +15,7 @@ use crate::listener::CurrentSecret;
 
 /// The method a route answers. `Get` answers `HEAD` too (without the body).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Verb {
+pub(crate) enum Verb {
     Get,
     Post,
     Delete,
@@ -42,7 +42,7 @@ impl Verb {
 
 /// Who may call a route.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Guard {
+pub(crate) enum Guard {
     Open,
     /// Only with the secret (`auth_token_file`), when one is set.
     Secret,
@@ -51,7 +51,7 @@ pub(super) enum Guard {
 /// What a handler is given: the request, its whole body, the connection's token vector (a
 /// route that reads token ids reads them into it and leaves them there for the next request),
 /// and the values of the pattern's `{params}`, in order.
-pub(super) struct Call<'a> {
+pub(crate) struct Call<'a> {
     pub(super) request: &'a Request,
     pub(super) body: &'a [u8],
     pub(super) tokens: &'a mut Vec<u32>,
@@ -60,7 +60,7 @@ pub(super) struct Call<'a> {
 
 /// A pattern's parameters: at most `MAX_PARAMS`.
 #[derive(Default)]
-pub(super) struct Params<'a>([&'a str; MAX_PARAMS]);
+pub(crate) struct Params<'a>([&'a str; MAX_PARAMS]);
 
 const MAX_PARAMS: usize = 2;
 
@@ -70,16 +70,20 @@ impl<'a> Params<'a> {
     }
 }
 
-/// One declared route of an API `A`.
-pub(super) struct Route<A: ?Sized + 'static> {
-    pub(super) verb: Verb,
+/// One declared route; `H` is what answers it: a handler of an API `A` (`Handler<A>`), or what
+/// an asynchronous front end matches on.
+pub(crate) struct Route<H: 'static> {
+    pub(crate) verb: Verb,
     /// The path, with `{name}` for a segment the handler reads.
-    pub(super) pattern: &'static str,
-    pub(super) guard: Guard,
-    pub(super) handler: fn(&A, Call<'_>) -> Reply,
+    pub(crate) pattern: &'static str,
+    pub(crate) guard: Guard,
+    pub(crate) handler: H,
 }
 
-impl<A: ?Sized> Route<A> {
+/// A synchronous API's handler.
+pub(crate) type Handler<A> = fn(&A, Call<'_>) -> Reply;
+
+impl<H> Route<H> {
     /// The pattern's parameters if `path` matches it.
     fn matches<'p>(&self, path: &'p str) -> Option<Params<'p>> {
         let mut params = Params::default();
@@ -105,14 +109,35 @@ impl<A: ?Sized> Route<A> {
 
 /// Answers `request` from `table`: the first route whose pattern and method match, behind its
 /// guard; else 405 if a route declares the path with another method, else 404.
-pub(super) fn dispatch<A: ?Sized>(
-    table: &[Route<A>],
+pub(super) fn dispatch<A>(
+    table: &[Route<Handler<A>>],
     api: &A,
     secret: &CurrentSecret,
     request: &Request,
     body: &[u8],
     tokens: &mut Vec<u32>,
 ) -> Reply {
+    match find(table, secret, request) {
+        Ok((handler, params)) => {
+            let call = Call {
+                request,
+                body,
+                tokens,
+                params,
+            };
+            handler(api, call)
+        }
+        Err(refused) => refused,
+    }
+}
+
+/// The route of `table` that answers `request`, behind its guard, with the pattern's
+/// parameters; else the 401, 404 or 405 to answer.
+pub(crate) fn find<'t, 'r, H>(
+    table: &'t [Route<H>],
+    secret: &CurrentSecret,
+    request: &'r Request,
+) -> Result<(&'t H, Params<'r>), Reply> {
     let path = request.path();
     let mut declared: Option<Verb> = None;
     for route in table {
@@ -124,17 +149,11 @@ pub(super) fn dispatch<A: ?Sized>(
             continue;
         }
         if route.guard == Guard::Secret && !is_authorized(request, secret.get().as_ref()) {
-            return unauthorized();
+            return Err(unauthorized());
         }
-        let call = Call {
-            request,
-            body,
-            tokens,
-            params,
-        };
-        return (route.handler)(api, call);
+        return Ok((&route.handler, params));
     }
-    match declared {
+    Err(match declared {
         Some(verb) => {
             let mut reply = Reply::error(
                 405,
@@ -148,7 +167,7 @@ pub(super) fn dispatch<A: ?Sized>(
             reply
         }
         None => Reply::error(404, format!("no such path: {path}")),
-    }
+    })
 }
 
 #[cfg(test)]
@@ -160,7 +179,7 @@ mod tests {
             verb: Verb::Get,
             pattern,
             guard: Guard::Open,
-            handler: |_, _| Reply::error(200, "unused"),
+            handler: (),
         }
     }
 

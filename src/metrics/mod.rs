@@ -56,6 +56,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 mod engines;
 mod labels;
 mod process;
+mod route;
 
 use engines::EngineFamilies;
 pub use engines::EngineMetrics;
@@ -69,6 +70,8 @@ pub use labels::{
     ListenerState, MalformedReason, RecoveryMethod,
 };
 use process::ProcessGauges;
+use route::RouteFamilies;
+pub use route::RouteOutcome;
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
 /// loopback queries land; slower ones fall in `+Inf`.
@@ -122,6 +125,7 @@ pub struct Metrics {
     prediction_error: Histogram,
     engines: EngineFamilies,
     process: ProcessGauges,
+    route: RouteFamilies,
 }
 
 impl Metrics {
@@ -163,6 +167,7 @@ impl Metrics {
             prediction_error: Histogram::new(PREDICTION_ERROR_BUCKETS),
             engines: EngineFamilies::default(),
             process: ProcessGauges::default(),
+            route: RouteFamilies::default(),
         };
         // Series at 0 from the start, so that the first refusal or inexact rank is an
         // increase an alert sees, and the dashboard's panels have a line before anything
@@ -326,6 +331,7 @@ impl Metrics {
         );
         self.engines.register(r);
         self.process.register(r);
+        self.route.register(r);
     }
 
     /// The handles of one engine's own series (discovery, the neighbour probe), labelled
@@ -422,6 +428,7 @@ impl Metrics {
         }
         self.listener_up.remove(&rank);
         self.worker_blocks.remove(&rank);
+        self.route.forget(&rank);
         for tier in TIERS {
             self.worker_tier_blocks.remove(&TierLabels {
                 rank: rank.clone(),

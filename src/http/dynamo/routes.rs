@@ -14,7 +14,7 @@ use super::engines::EngineChange;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
 use crate::config::{validate_listen, MAX_DP_SIZE};
-use crate::http::table::{Guard, Route, Verb};
+use crate::http::table::{Guard, Handler, Route, Verb};
 use crate::http::Reply;
 use crate::index::{keys_of_local_hashes, Prompt, Score};
 use crate::metrics::EndpointSource;
@@ -31,7 +31,7 @@ pub const MAX_MODEL_NAME_BYTES: usize = 256;
 pub const MAX_ENDPOINT_BYTES: usize = 256;
 
 /// Every path of the Dynamo API, once.
-pub(super) static DYNAMO_ROUTES: &[Route<DynamoApi>] = &[
+pub(super) static DYNAMO_ROUTES: &[Route<Handler<DynamoApi>>] = &[
     Route {
         verb: Verb::Post,
         pattern: "/query",

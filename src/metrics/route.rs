@@ -1,0 +1,265 @@
+//! The route front end's series (docs.md "Routing"): requests by outcome, retries, time to the
+//! engine's first byte, open streams, and per rank the ranks in back-off and the live KV ladder:
+//! the cached tokens the selection predicted against those the engine reported, and the share
+//! of prompt tokens the engine found cached.
+//!
+//! Owns: their names and the closed set of outcomes. Never: imports anything from the crate
+//! but its labels, or decides an outcome (the front end reports it).
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::labels::RankLabels;
+
+type U64Gauge = Gauge<u64, AtomicU64>;
+type RatioGauge = Gauge<f64, AtomicU64>;
+
+/// How a routed request ended.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum RouteOutcome {
+    /// The engine's answer was passed on whole (whatever its status).
+    answered,
+    /// Refused before any engine was asked (400, 401, 404, 413, 429).
+    refused,
+    /// No rank could take it (503).
+    no_rank,
+    /// Every try failed before a byte reached the client (502).
+    upstream_failed,
+    /// The engine sent nothing in time (504).
+    timed_out,
+    /// The engine failed after the first byte: the stream was cut.
+    cut,
+    /// The client went away before the answer ended.
+    client_gone,
+}
+
+impl RouteOutcome {
+    pub const ALL: [RouteOutcome; 7] = [
+        RouteOutcome::answered,
+        RouteOutcome::refused,
+        RouteOutcome::no_rank,
+        RouteOutcome::upstream_failed,
+        RouteOutcome::timed_out,
+        RouteOutcome::cut,
+        RouteOutcome::client_gone,
+    ];
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: RouteOutcome,
+}
+
+/// Seconds from sending a request to the engine's first byte: 1 ms to 10 min.
+const FIRST_BYTE_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0, 60.0, 600.0,
+];
+
+pub(super) struct RouteFamilies {
+    requests: Family<OutcomeLabels, Counter>,
+    retries: Counter,
+    first_byte: Histogram,
+    open_streams: U64Gauge,
+    rank_failures: Family<RankLabels, Counter>,
+    rank_excluded: Family<RankLabels, Gauge>,
+    predicted_cached: Family<RankLabels, Counter>,
+    reported_cached: Family<RankLabels, Counter>,
+    prompt_tokens: Family<RankLabels, Counter>,
+    hit_ratio: Family<RankLabels, RatioGauge>,
+}
+
+impl Default for RouteFamilies {
+    fn default() -> RouteFamilies {
+        let families = RouteFamilies {
+            requests: Family::default(),
+            retries: Counter::default(),
+            first_byte: Histogram::new(FIRST_BYTE_BUCKETS),
+            open_streams: U64Gauge::default(),
+            rank_failures: Family::default(),
+            rank_excluded: Family::default(),
+            predicted_cached: Family::default(),
+            reported_cached: Family::default(),
+            prompt_tokens: Family::default(),
+            hit_ratio: Family::default(),
+        };
+        // Every outcome from the start, so that the first failure is an increase.
+        for outcome in RouteOutcome::ALL {
+            let _ = families.requests.get_or_create(&OutcomeLabels { outcome });
+        }
+        families
+    }
+}
+
+impl RouteFamilies {
+    pub(super) fn register(&self, r: &mut Registry) {
+        r.register(
+            "route_requests",
+            "Requests the route front end took, by how they ended",
+            self.requests.clone(),
+        );
+        r.register(
+            "route_retries",
+            "Requests sent to another rank after a rank failed before the first byte",
+            self.retries.clone(),
+        );
+        r.register_with_unit(
+            "route_first_byte",
+            "Time from sending a request to an engine to its first byte",
+            Unit::Seconds,
+            self.first_byte.clone(),
+        );
+        r.register(
+            "route_open_streams",
+            "Answers being passed on to clients now",
+            self.open_streams.clone(),
+        );
+        r.register(
+            "route_rank_failures",
+            "Requests a rank failed before the first byte (refused, 5xx, timed out)",
+            self.rank_failures.clone(),
+        );
+        r.register(
+            "route_rank_excluded",
+            "1 while a rank is left out of routing after a failure (its back-off)",
+            self.rank_excluded.clone(),
+        );
+        r.register(
+            "route_predicted_cached_tokens",
+            "Cached tokens the selection predicted on the rank, for answers that reported theirs",
+            self.predicted_cached.clone(),
+        );
+        r.register(
+            "route_reported_cached_tokens",
+            "Cached tokens the engine reported (usage.prompt_tokens_details.cached_tokens)",
+            self.reported_cached.clone(),
+        );
+        r.register(
+            "route_prompt_tokens",
+            "Prompt tokens of the answers that reported their cached tokens",
+            self.prompt_tokens.clone(),
+        );
+        r.register(
+            "route_cache_hit_ratio",
+            "Reported cached tokens over prompt tokens on the rank, since start",
+            self.hit_ratio.clone(),
+        );
+    }
+
+    pub(super) fn forget(&self, rank: &RankLabels) {
+        self.rank_failures.remove(rank);
+        self.rank_excluded.remove(rank);
+        self.predicted_cached.remove(rank);
+        self.reported_cached.remove(rank);
+        self.prompt_tokens.remove(rank);
+        self.hit_ratio.remove(rank);
+    }
+
+    pub(super) fn outcome(&self, outcome: RouteOutcome) {
+        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub(super) fn retry(&self) {
+        self.retries.inc();
+    }
+
+    pub(super) fn first_byte(&self, seconds: f64) {
+        self.first_byte.observe(seconds);
+    }
+
+    pub(super) fn stream_opened(&self) {
+        self.open_streams.inc();
+    }
+
+    pub(super) fn stream_closed(&self) {
+        self.open_streams.dec();
+    }
+
+    pub(super) fn rank_failed(&self, rank: &RankLabels) {
+        self.rank_failures.get_or_create(rank).inc();
+    }
+
+    pub(super) fn rank_excluded(&self, rank: &RankLabels, excluded: bool) {
+        self.rank_excluded.get_or_create(rank).set(i64::from(excluded));
+    }
+
+    /// An answer that reported its cached tokens: the ladder's rung on its rank.
+    pub(super) fn cached_tokens(
+        &self,
+        rank: &RankLabels,
+        predicted: u64,
+        reported: u64,
+        prompt: u64,
+    ) {
+        self.predicted_cached.get_or_create(rank).inc_by(predicted);
+        let reported_total = self.reported_cached.get_or_create(rank);
+        reported_total.inc_by(reported);
+        let prompt_total = self.prompt_tokens.get_or_create(rank);
+        prompt_total.inc_by(prompt);
+        let (reported, prompt) = (reported_total.get(), prompt_total.get());
+        if prompt > 0 {
+            self.hit_ratio
+                .get_or_create(rank)
+                .set(reported as f64 / prompt as f64);
+        }
+    }
+}
+
+fn rank_labels(instance: &str, dp_rank: u32) -> RankLabels {
+    RankLabels {
+        instance: instance.to_owned(),
+        dp_rank,
+    }
+}
+
+/// What the route front end reports.
+impl super::Metrics {
+    pub fn route_outcome(&self, outcome: RouteOutcome) {
+        self.route.outcome(outcome);
+    }
+
+    pub fn route_retry(&self) {
+        self.route.retry();
+    }
+
+    pub fn route_first_byte(&self, seconds: f64) {
+        self.route.first_byte(seconds);
+    }
+
+    pub fn route_stream_opened(&self) {
+        self.route.stream_opened();
+    }
+
+    pub fn route_stream_closed(&self) {
+        self.route.stream_closed();
+    }
+
+    pub fn route_rank_failed(&self, instance: &str, dp_rank: u32) {
+        self.route.rank_failed(&rank_labels(instance, dp_rank));
+    }
+
+    pub fn route_rank_excluded(&self, instance: &str, dp_rank: u32, excluded: bool) {
+        self.route
+            .rank_excluded(&rank_labels(instance, dp_rank), excluded);
+    }
+
+    /// The engine reported `reported` of the answer's `prompt` tokens cached, where the
+    /// selection predicted `predicted`.
+    pub fn route_cached_tokens(
+        &self,
+        instance: &str,
+        dp_rank: u32,
+        predicted: u64,
+        reported: u64,
+        prompt: u64,
+    ) {
+        self.route
+            .cached_tokens(&rank_labels(instance, dp_rank), predicted, reported, prompt);
+    }
+}
