@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod outbound;
 pub mod plan;
 pub mod registry;
+pub mod route;
 pub mod select;
 pub mod service;
 pub mod socket_monitor;

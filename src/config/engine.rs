@@ -132,7 +132,9 @@ impl EngineFields {
                 dir.trim().is_empty().then(|| "is empty".to_string())
             }),
             openai_url: checker.text("openai_url", raw.openai_url, |url| {
-                BaseUrl::parse(url).err().map(|why| format!("is invalid: {why}"))
+                BaseUrl::parse(url)
+                    .err()
+                    .map(|why| format!("is invalid: {why}"))
             }),
         }
     }

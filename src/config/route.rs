@@ -105,7 +105,11 @@ pub(super) fn check_route(
         },
     );
     let seconds = format!("1..={MAX_TIMEOUT_S} (seconds)");
-    let timeout = |n: i64| u32::try_from(n).ok().filter(|s| (1..=MAX_TIMEOUT_S).contains(s));
+    let timeout = |n: i64| {
+        u32::try_from(n)
+            .ok()
+            .filter(|s| (1..=MAX_TIMEOUT_S).contains(s))
+    };
     let first_byte_timeout_s = checker.int(
         "first_byte_timeout_s",
         raw.first_byte_timeout_s,
@@ -113,8 +117,12 @@ pub(super) fn check_route(
         timeout,
     );
     let idle_timeout_s = checker.int("idle_timeout_s", raw.idle_timeout_s, &seconds, timeout);
-    let connect_timeout_s =
-        checker.int("connect_timeout_s", raw.connect_timeout_s, &seconds, timeout);
+    let connect_timeout_s = checker.int(
+        "connect_timeout_s",
+        raw.connect_timeout_s,
+        &seconds,
+        timeout,
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {

@@ -318,6 +318,11 @@ impl Reply {
         }
     }
 
+    /// Its status and body, for a server that writes its own answers (the route front end).
+    pub(crate) fn into_parts(self) -> (u16, Vec<u8>) {
+        (self.status, self.body)
+    }
+
     /// The response hyper writes: always a Content-Length (hyper's for a whole body), never
     /// chunked, so every client reads it simply; hyper leaves the body out of a HEAD's answer.
     fn into_response(self) -> hyper::Response<AnswerBody> {

@@ -49,6 +49,10 @@ impl Request {
 
     /// Every value of header `name` (case-insensitive), in order. `guard` refuses a head that
     /// is not ASCII, so every value reads as text.
+    pub fn headers(&self) -> &http::HeaderMap {
+        &self.parts.headers
+    }
+
     pub(super) fn header_values<'a>(&'a self, name: &str) -> impl Iterator<Item = &'a str> + 'a {
         self.parts
             .headers
@@ -58,7 +62,7 @@ impl Request {
             .map(str::trim_ascii)
     }
 
-    pub(super) fn header(&self, name: &str) -> Option<&str> {
+    pub fn header(&self, name: &str) -> Option<&str> {
         self.header_values(name).next()
     }
 }

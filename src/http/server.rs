@@ -270,9 +270,8 @@ fn admit(
     let cap = shared.limits.connections;
     let Some(entry) = live.enter(cap) else {
         shared.answerer.metrics().http_error(503);
-        refusals.warn(|| {
-            format!("HTTP connection from {peer} refused: {cap} connections are open")
-        });
+        refusals
+            .warn(|| format!("HTTP connection from {peer} refused: {cap} connections are open"));
         tokio::spawn(refuse_busy(socket, cap));
         return;
     };

@@ -162,7 +162,9 @@ impl RouteFamilies {
     }
 
     pub(super) fn outcome(&self, outcome: RouteOutcome) {
-        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+        self.requests
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 
     pub(super) fn retry(&self) {
@@ -186,7 +188,9 @@ impl RouteFamilies {
     }
 
     pub(super) fn rank_excluded(&self, rank: &RankLabels, excluded: bool) {
-        self.rank_excluded.get_or_create(rank).set(i64::from(excluded));
+        self.rank_excluded
+            .get_or_create(rank)
+            .set(i64::from(excluded));
     }
 
     /// An answer that reported its cached tokens: the ladder's rung on its rank.

@@ -19,6 +19,7 @@
 //! its `reservation_ttl_s`, measures a time-to-live on any clock but its `Clock`, or blocks a
 //! reader of the index.
 
+mod backoff;
 mod clock;
 mod cost;
 mod predictions;
@@ -39,6 +40,8 @@ use crate::listener::State;
 use crate::metrics::Metrics;
 use crate::plan::WorkerKey;
 use crate::registry::RankBoard;
+use backoff::Backoffs;
+pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use clock::Clock;
 use cost::choose;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
@@ -106,6 +109,7 @@ struct SelectState {
     slots: HashMap<WorkerKey, RankSlot>,
     reservations: Reservations,
     predictions: Predictions,
+    backoffs: Backoffs,
 }
 
 /// A ranks's inputs, gathered before the lock.
@@ -126,6 +130,7 @@ impl Selector {
                 slots: HashMap::new(),
                 reservations: Reservations::default(),
                 predictions: Predictions::default(),
+                backoffs: Backoffs::default(),
             }),
             metrics,
             clock,
@@ -166,9 +171,11 @@ impl Selector {
         excluded: &dyn Fn(&WorkerKey) -> bool,
     ) -> Option<Selection> {
         let block_size = index.block_size();
+        let backed_off = self.backed_off();
         let ranks: Vec<_> = board
             .running()
             .filter(|rank| rank.status.connected && !excluded(&rank.spec.key))
+            .filter(|rank| !backed_off.contains(&rank.spec.key))
             .filter(|rank| {
                 let served = rank.spec.model.as_deref();
                 model.is_none() || served.is_none() || served == model
@@ -354,6 +361,45 @@ impl Selector {
                     predicted_prefixes: slot.map_or(0, |slot| state.predictions.held(slot)),
                 }
             })
+            .collect()
+    }
+
+    /// Rank `key` failed a request before its first byte: it is left out of every selection
+    /// for its back-off, which this returns.
+    pub fn rank_failed(&self, key: &WorkerKey) -> Duration {
+        let mut state = self.state.lock();
+        let now = self.clock.now();
+        let slot = state.slot(key);
+        state.backoffs.failed(slot, now)
+    }
+
+    /// Rank `key` answered a request: a back-off it was in is over, and forgotten.
+    pub fn rank_answered(&self, key: &WorkerKey) {
+        let mut state = self.state.lock();
+        if let Some(&slot) = state.slots.get(key) {
+            state.backoffs.succeeded(slot);
+        }
+    }
+
+    /// How long rank `key` is still left out, if it is (for `/workers`).
+    pub fn backoff_left(&self, key: &WorkerKey) -> Option<Duration> {
+        let state = self.state.lock();
+        let slot = *state.slots.get(key)?;
+        state.backoffs.left(slot, self.clock.now())
+    }
+
+    /// The ranks in back-off now.
+    fn backed_off(&self) -> Vec<WorkerKey> {
+        let state = self.state.lock();
+        if state.backoffs.is_empty() {
+            return Vec::new();
+        }
+        let now = self.clock.now();
+        state
+            .slots
+            .iter()
+            .filter(|(_, &slot)| state.backoffs.left(slot, now).is_some())
+            .map(|(key, _)| key.clone())
             .collect()
     }
 

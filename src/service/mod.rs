@@ -31,12 +31,13 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
 use crate::http::dynamo::{DynamoApi, Runner, RuntimeEngines};
-use crate::http::{Api, BoundHttp, HttpServer};
+use crate::http::{Api, BoundHttp, HttpServer, Limits as ServerLimits};
 use crate::index::Index;
 use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
+use crate::route::{RouteFront, RouteParts};
 use crate::select::{Clock, Selector};
 use crate::tokenize::{SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
@@ -153,6 +154,8 @@ pub struct Service {
     http: HttpServer,
     /// The Dynamo API, when `dynamo_listen` is set.
     dynamo: Option<HttpServer>,
+    /// The route front end, when `[route]` is set.
+    route: Option<HttpServer>,
     registry: Arc<Mutex<Registry>>,
     shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
@@ -243,8 +246,11 @@ impl Service {
         // Bound before the engines start: 5,000 of them can take every descriptor left.
         let http = HttpServer::bind(&listen)?;
         let dynamo = bind_dynamo(&config)?;
+        let route_bound = bind_route(&config)?;
         // Known only once bound (`--listen 127.0.0.1:0`): what no endpoint may aim at.
-        let own = std::iter::once(http.addr()).chain(dynamo.as_ref().map(BoundHttp::addr));
+        let own = std::iter::once(http.addr())
+            .chain(dynamo.as_ref().map(BoundHttp::addr))
+            .chain(route_bound.as_ref().map(BoundHttp::addr));
         let endpoints = Arc::new(EndpointPolicy::new(own.collect()));
         let diff = engines.apply_file_plan(plan);
         for failure in &diff.failed {
@@ -265,6 +271,19 @@ impl Service {
             metrics.clone(),
             select_clock,
         ));
+        let route = match &config.route {
+            Some(settings) => {
+                let parts = RouteParts {
+                    index: index.clone(),
+                    selector: selector.clone(),
+                    ranks: ranks.clone(),
+                    tokenizers: tokenizers.clone(),
+                    metrics: metrics.clone(),
+                };
+                Some(Arc::new(RouteFront::new(parts, &config, settings)?))
+            }
+            None => None,
+        };
         let reloader = Arc::new(Reloader::new(
             config_path,
             config.clone(),
@@ -276,6 +295,7 @@ impl Service {
                 replication: replication.clone(),
                 tokenizers: tokenizers.clone(),
                 selector: selector.clone(),
+                route: route.clone(),
             },
         ));
         // Weak: the askers live in the reloader, and their answers go back to it.
@@ -324,10 +344,17 @@ impl Service {
         let dynamo = dynamo
             .map(|bound| bound.serve(Arc::new(dynamo_api), &handle))
             .transpose()?;
+        let route = match (route_bound, route, &config.route) {
+            (Some(bound), Some(front), Some(settings)) => {
+                Some(bound.serve_streams(front, route_limits(settings), &handle)?)
+            }
+            _ => None,
+        };
         let retry = Retry::spawn(registry.clone())?;
         Ok(Service {
             http,
             dynamo,
+            route,
             registry,
             shutdown_signal,
             reloader,
@@ -340,6 +367,11 @@ impl Service {
     /// The address the HTTP API is bound to.
     pub fn http_addr(&self) -> SocketAddr {
         self.http.addr()
+    }
+
+    /// The address the route front end is bound to, when `[route]` is set.
+    pub fn route_addr(&self) -> Option<SocketAddr> {
+        self.route.as_ref().map(HttpServer::addr)
     }
 
     /// The address the Dynamo API is bound to, when `dynamo_listen` is set.
@@ -360,6 +392,9 @@ impl Service {
         self.http.stop();
         if let Some(dynamo) = self.dynamo {
             dynamo.stop();
+        }
+        if let Some(route) = self.route {
+            route.stop();
         }
         self.retry.stop();
         self.rank_watch.stop();
@@ -410,6 +445,28 @@ fn bind_dynamo(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
     let bound = HttpServer::bind(listen).context("dynamo_listen: the Dynamo API")?;
     Ok(Some(bound))
 }
+
+/// Binds `[route] listen`, if set, before the engines start (as `listen` is).
+fn bind_route(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
+    let Some(route) = &config.route else {
+        return Ok(None);
+    };
+    let bound = HttpServer::bind(&route.listen).context("[route] listen: the route front end")?;
+    Ok(Some(bound))
+}
+
+/// The route front end's connections: every request it admits, and as many idle keep-alive
+/// connections again (a client pool's); its uploads: a chat prompt is often over 1 KiB, and
+/// `MAX_UPLOADS` would refuse a busy router's.
+fn route_limits(route: &crate::config::Route) -> ServerLimits {
+    ServerLimits {
+        connections: route.max_concurrent_requests.saturating_mul(2),
+        uploads: ROUTE_UPLOADS,
+    }
+}
+
+/// Bodies over 1 KiB the route front end reads at once: 256 × 16 MiB bound their memory.
+const ROUTE_UPLOADS: usize = 256;
 
 /// Every engine's tokenizer, sharing what `previous` already holds; the error names the file.
 pub(super) fn load_tokenizers(

@@ -17,13 +17,14 @@ use parking_lot::Mutex;
 use super::discovery::Askers;
 use super::load_tokenizers;
 use super::neighbours::NeighbourWatch;
-use crate::config::{Config, ConfigError};
+use crate::config::{self, Config, ConfigError};
 use crate::discover::{Board, Discovery, EngineApi};
 use crate::http::dynamo::RuntimeEngines;
 use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::ReloadDiff;
+use crate::route::RouteFront;
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 
@@ -53,6 +54,7 @@ pub(super) struct Reloader {
     replication: Arc<Replication>,
     /// `/select`'s state; its `[select]` knobs follow the file.
     selector: Arc<Selector>,
+    route: Option<Arc<RouteFront>>,
     /// The models' tokenizers, swapped whole once a reload is accepted.
     tokenizers: Arc<SharedTokenizers>,
 }
@@ -63,6 +65,8 @@ pub(super) struct Followers {
     pub replication: Arc<Replication>,
     pub tokenizers: Arc<SharedTokenizers>,
     pub selector: Arc<Selector>,
+    /// The route front end, when `[route]` was in the file at start.
+    pub route: Option<Arc<RouteFront>>,
 }
 
 impl Reloader {
@@ -79,10 +83,12 @@ impl Reloader {
             replication,
             tokenizers,
             selector,
+            route,
         }: Followers,
     ) -> Reloader {
         Reloader {
             selector,
+            route,
             config_path: config_path.to_owned(),
             applied: Mutex::new(Applied {
                 config,
@@ -140,6 +146,12 @@ impl Reloader {
                 }))
             }
         };
+        // The route's token too: read before anything is applied.
+        if let Some(Err(error)) = config.route.as_ref().map(config::Route::read_token) {
+            return Err(self.rejected(ConfigError {
+                problems: vec![format!("{error:#}")],
+            }));
+        }
         // Read before anything changes: a tokenizer that does not load rejects the whole file.
         let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
             Ok(tokenizers) => tokenizers,
@@ -213,6 +225,7 @@ impl Reloader {
         {
             self.metrics.forget_engine(&gone.name);
         }
+        let old_route = old.route.clone();
         let plan = plan::expand_with(&config, &applied.discovered);
         let diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
         applied.config = config;
@@ -226,6 +239,16 @@ impl Reloader {
             neighbours.sync(&applied.config, &plan);
         }
         self.tokenizers.replace(tokenizers);
+        warn_route_restart(
+            old_route.as_ref(),
+            applied.config.route.as_ref(),
+            &self.config_path,
+        );
+        if let Some(front) = &self.route {
+            if let Err(error) = front.reload(&applied.config) {
+                error!("{path}: [route]: {error:#}");
+            }
+        }
         self.metrics.reload(true);
         Ok(diff)
     }
@@ -336,5 +359,35 @@ fn keep_for_restart<T: PartialEq + std::fmt::Display + Clone>(
             path.display()
         );
         *new = in_effect.clone();
+    }
+}
+
+/// The `[route]` keys a reload cannot apply: the front end was started with the old ones.
+fn warn_route_restart(old: Option<&config::Route>, new: Option<&config::Route>, path: &Path) {
+    let path = path.display();
+    match (old, new) {
+        (Some(old), Some(new)) => {
+            if old.listen != new.listen {
+                warn!(
+                    "{path}: [route] listen changed from {} to {}: takes effect at restart",
+                    old.listen, new.listen
+                );
+            }
+            if old.max_concurrent_requests != new.max_concurrent_requests {
+                warn!(
+                    "{path}: [route] max_concurrent_requests changed from {} to {}: takes \
+                     effect at restart",
+                    old.max_concurrent_requests, new.max_concurrent_requests
+                );
+            }
+        }
+        (Some(_), None) => {
+            warn!("{path}: [route] was removed: the front end keeps serving until a restart")
+        }
+        (None, Some(new)) => warn!(
+            "{path}: [route] was added: restart kv-indexer to start the front end on {}",
+            new.listen
+        ),
+        (None, None) => {}
     }
 }

@@ -1,0 +1,599 @@
+//! The route front end (docs.md "Routing"): an OpenAI-compatible server that sends each request
+//! to the rank `/select` chooses and passes the engine's answer back unchanged.
+//!
+//! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
+//! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does
+//! (a model without a tokenizer is routed by load alone, and the answer says so), chooses and
+//! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
+//! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
+//! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
+//! and the reservation is released however the answer ends. A rank that refuses the connection
+//! or answers 5xx before a byte reached the client is left out for a back-off and the next-best
+//! rank is tried, at most `MAX_TRIES` in all.
+//!
+//! Owns: the front end's routes, its admission bound (`max_concurrent_requests`, 429 beyond),
+//! its token, and every status it answers (400, 401, 429, 502, 503, 504, each a JSON error
+//! naming the cause). Never: writes the index, changes a body but to ask for the usage chunk,
+//! trusts a client's proxy headers, or holds a request past its timeouts.
+
+mod passing;
+mod request;
+mod upstream;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::{Response, StatusCode};
+use log::{debug, warn};
+use parking_lot::RwLock;
+use serde_json::json;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::{self, Config};
+use crate::http::table::{find, Guard, Route, Verb};
+use crate::http::{constant_time_eq, AnswerBody, AsyncRoutes, Request};
+use crate::index::{Index, Prompt};
+use crate::listener::{CurrentSecret, Secret};
+use crate::metrics::{Metrics, RouteOutcome};
+use crate::plan::WorkerKey;
+use crate::registry::RanksReader;
+use crate::select::{Options, Selection, Selector};
+use crate::tokenize::{self, SharedTokenizers};
+use passing::{usage_of, Passing, Ticket};
+use request::{with_usage, Kind, OpenAiRequest, PromptSource};
+use upstream::{Failure, Fleet, Sent, Settings, Upstream};
+
+/// Ranks a request is sent to at most: the chosen one and, if it fails before the first byte,
+/// the next-best.
+pub const MAX_TRIES: usize = 2;
+
+/// What the front end's routes do.
+#[derive(Clone, Copy)]
+enum Action {
+    Forward(Kind),
+    Models,
+    Health,
+}
+
+static ROUTE_ROUTES: &[Route<Action>] = &[
+    Route {
+        verb: Verb::Post,
+        pattern: "/v1/chat/completions",
+        guard: Guard::Open,
+        handler: Action::Forward(Kind::Chat),
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/v1/completions",
+        guard: Guard::Open,
+        handler: Action::Forward(Kind::Completion),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/v1/models",
+        guard: Guard::Open,
+        handler: Action::Models,
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/health",
+        guard: Guard::Open,
+        handler: Action::Health,
+    },
+];
+
+/// The front end, as its server runs it.
+pub struct RouteFront {
+    index: Arc<Index>,
+    selector: Arc<Selector>,
+    ranks: RanksReader,
+    tokenizers: Arc<SharedTokenizers>,
+    metrics: Arc<Metrics>,
+    /// The clients' token (`[route] auth_token_file`), apart from the admin one.
+    token: CurrentSecret,
+    fleet: RwLock<Arc<Fleet>>,
+    upstream: Upstream,
+    in_flight: Arc<Semaphore>,
+    max_concurrent: usize,
+}
+
+/// What the front end reads, handed over by the service.
+pub struct RouteParts {
+    pub index: Arc<Index>,
+    pub selector: Arc<Selector>,
+    pub ranks: RanksReader,
+    pub tokenizers: Arc<SharedTokenizers>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl RouteFront {
+    /// The front end of `config`'s `[route]` (which the caller has checked is there).
+    pub fn new(parts: RouteParts, config: &Config, route: &config::Route) -> anyhow::Result<Self> {
+        let token = CurrentSecret::default();
+        token.set(
+            route
+                .read_token()?
+                .as_deref()
+                .and_then(Secret::from_file_text),
+        );
+        Ok(RouteFront {
+            index: parts.index,
+            selector: parts.selector,
+            ranks: parts.ranks,
+            tokenizers: parts.tokenizers,
+            metrics: parts.metrics,
+            token,
+            fleet: RwLock::new(Arc::new(Fleet::of(config))),
+            upstream: Upstream::new(Settings::of(route)),
+            in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
+            max_concurrent: route.max_concurrent_requests,
+        })
+    }
+
+    /// Applies a reloaded file: its engines' servers, models, timeouts and token (`listen`
+    /// and `max_concurrent_requests` take effect at restart).
+    pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
+        let Some(route) = &config.route else {
+            return Ok(());
+        };
+        let token = route.read_token()?;
+        self.token
+            .set(token.as_deref().and_then(Secret::from_file_text));
+        *self.fleet.write() = Arc::new(Fleet::of(config));
+        self.upstream.set(Settings::of(route));
+        Ok(())
+    }
+
+    /// The engine servers each engine's requests go to (for `--check` and the logs).
+    pub fn plan(config: &Config) -> Vec<(String, Option<String>)> {
+        Fleet::of(config).describe()
+    }
+
+    fn authorized(&self, request: &Request) -> bool {
+        let Some(secret) = self.token.get() else {
+            return true;
+        };
+        let presented = request.header("Authorization").and_then(|value| {
+            let (scheme, token) = value.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        });
+        presented
+            .is_some_and(|token| constant_time_eq(token.as_bytes(), secret.expose().as_bytes()))
+    }
+
+    async fn answer_request(
+        self: Arc<Self>,
+        request: Request,
+        body: Vec<u8>,
+    ) -> Response<AnswerBody> {
+        let action = match find(ROUTE_ROUTES, &CurrentSecret::default(), &request) {
+            Ok((action, _)) => *action,
+            Err(refused) => return self.refused(refused.into_parts()),
+        };
+        match action {
+            Action::Health => json_response(StatusCode::OK, &json!({ "status": "ok" })),
+            _ if !self.authorized(&request) => self.error(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "this route requires Authorization: Bearer <token> (the [route] auth_token_file)",
+            ),
+            Action::Models => self.models(),
+            Action::Forward(kind) => self.forward(request, body, kind).await,
+        }
+    }
+
+    fn models(&self) -> Response<AnswerBody> {
+        let fleet = self.fleet.read().clone();
+        let data: Vec<_> = fleet
+            .models()
+            .map(|model| json!({ "id": model, "object": "model", "owned_by": "kv-indexer" }))
+            .collect();
+        json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
+    }
+
+    async fn forward(
+        self: Arc<Self>,
+        request: Request,
+        body: Vec<u8>,
+        kind: Kind,
+    ) -> Response<AnswerBody> {
+        let Ok(place) = Arc::clone(&self.in_flight).try_acquire_owned() else {
+            return self.error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                &format!(
+                    "{} requests are being routed (max_concurrent_requests); retry shortly",
+                    self.max_concurrent
+                ),
+            );
+        };
+        let parsed = match OpenAiRequest::parse(&body, kind) {
+            Ok(parsed) => parsed,
+            Err(why) => return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why),
+        };
+        // The engine's last chunk says what it found cached only when asked.
+        let strip = parsed.stream && !parsed.include_usage;
+        let body = match strip.then(|| with_usage(&body)).flatten() {
+            Some(changed) => Bytes::from(changed),
+            None => Bytes::from(body),
+        };
+        let chooser = Arc::clone(&self);
+        let tokenized = tokio::task::spawn_blocking(move || {
+            let tokenized = chooser.tokenize(&parsed);
+            tokenized.map(|tokenized| (parsed, tokenized))
+        })
+        .await;
+        let (parsed, prompt) = match tokenized {
+            Ok(Ok(tokenized)) => tokenized,
+            Ok(Err(why)) => {
+                return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why)
+            }
+            Err(err) => {
+                return self.error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    &err.to_string(),
+                )
+            }
+        };
+        self.send(request, body, kind, parsed, prompt, strip, place)
+            .await
+    }
+
+    /// The prompt's token ids, or why the request is routed by load alone.
+    fn tokenize(&self, parsed: &OpenAiRequest) -> Result<Tokenized, String> {
+        let model = parsed.model.clone();
+        let text = match &parsed.prompt {
+            PromptSource::Tokens(tokens) => return Ok(Tokenized::ids(tokens.clone(), model)),
+            PromptSource::Unreadable(why) => return Ok(Tokenized::load_only((*why).into(), model)),
+            PromptSource::Text(text) => tokenize::Prompt::Text(text),
+            PromptSource::Chat { messages, tools } => tokenize::Prompt::Chat {
+                messages,
+                tools: tools.as_ref(),
+            },
+        };
+        let tokenizers = self.tokenizers.current();
+        let known = match &model {
+            Some(model) => tokenizers.models().any(|known| known == model),
+            None => tokenizers.models().next().is_some(),
+        };
+        if !known {
+            let why = match &model {
+                Some(model) => format!("no tokenizer for model {model:?}"),
+                None => "no tokenizer in the configuration".to_owned(),
+            };
+            return Ok(Tokenized::load_only(why, model));
+        }
+        let mut ids = Vec::new();
+        match tokenizers.encode(model.as_deref(), &text, &mut ids) {
+            Ok(model) => Ok(Tokenized::ids(ids, Some(model.to_owned()))),
+            Err(err) => Err(format!("{}: {}", err.field, err.message)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn send(
+        self: Arc<Self>,
+        request: Request,
+        body: Bytes,
+        kind: Kind,
+        parsed: OpenAiRequest,
+        prompt: Tokenized,
+        strip: bool,
+        place: OwnedSemaphorePermit,
+    ) -> Response<AnswerBody> {
+        let fleet = self.fleet.read().clone();
+        let mut tried: Vec<WorkerKey> = Vec::with_capacity(MAX_TRIES);
+        let mut last_failure: Option<Failure> = None;
+        let mut place = Some(place);
+        for attempt in 0..MAX_TRIES {
+            let selection = {
+                let (front, tried, fleet) = (Arc::clone(&self), tried.clone(), Arc::clone(&fleet));
+                let (tokens, model) = (prompt.tokens.clone(), prompt.model.clone());
+                let (salt, output) = (parsed.cache_salt.clone(), parsed.max_tokens.unwrap_or(0));
+                tokio::task::spawn_blocking(move || {
+                    front.choose(&tokens, model.as_deref(), salt.as_deref(), output, &|key| {
+                        tried.contains(key) || fleet.server(&key.engine).is_none()
+                    })
+                })
+                .await
+                .ok()
+                .flatten()
+            };
+            let Some(selection) = selection else {
+                break;
+            };
+            let key = selection.chosen.key.clone();
+            let Some(server) = fleet.server(&key.engine) else {
+                break;
+            };
+            if attempt > 0 {
+                self.metrics.route_retry();
+            }
+            tried.push(key.clone());
+            let mut ticket = Ticket {
+                selector: Arc::clone(&self.selector),
+                metrics: Arc::clone(&self.metrics),
+                key: key.clone(),
+                reservation: selection.reservation_id,
+                predicted_tokens: selection.predicted_cached_tokens,
+                prefilled: false,
+                reported: false,
+                place: None,
+            };
+            let started = Instant::now();
+            match self
+                .upstream
+                .send(server, kind, &request, body.clone(), key.dp_rank)
+                .await
+            {
+                Ok(sent) => {
+                    ticket.place = place.take();
+                    self.metrics
+                        .route_first_byte(started.elapsed().as_secs_f64());
+                    self.selector.rank_answered(&key);
+                    return self
+                        .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
+                        .await;
+                }
+                Err(failure) => {
+                    // The ticket is dropped here: the reservation is released.
+                    let back_off = self.selector.rank_failed(&key);
+                    self.metrics.route_rank_failed(&key.engine, key.dp_rank);
+                    self.metrics
+                        .route_rank_excluded(&key.engine, key.dp_rank, true);
+                    warn!(
+                        "route: {}/{} at {}: {failure}; left out for {}s",
+                        key.engine,
+                        key.dp_rank,
+                        server.base,
+                        back_off.as_secs()
+                    );
+                    drop(ticket);
+                    let retry = failure.retryable();
+                    last_failure = Some(failure);
+                    if !retry {
+                        break;
+                    }
+                }
+            }
+        }
+        match last_failure {
+            Some(failure) => {
+                let (status, outcome) = failure.status();
+                self.metrics.route_outcome(outcome);
+                self.error_with(status, "upstream_error", &failure.to_string(), None)
+            }
+            None => {
+                self.metrics.route_outcome(RouteOutcome::no_rank);
+                let why = match &prompt.model {
+                    Some(model) => {
+                        format!("no connected rank with an openai_url serves model {model:?}")
+                    }
+                    None => "no connected rank with an openai_url to route to".to_owned(),
+                };
+                self.error_with(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    &why,
+                    None,
+                )
+            }
+        }
+    }
+
+    /// Chooses and reserves a rank for `tokens`, leaving out what `excluded` says.
+    fn choose(
+        &self,
+        tokens: &[u32],
+        model: Option<&str>,
+        cache_salt: Option<&str>,
+        output_tokens: u64,
+        excluded: &dyn Fn(&WorkerKey) -> bool,
+    ) -> Option<Selection> {
+        let board = self.ranks.current();
+        let options = Options {
+            reserve: true,
+            expected_output_tokens: output_tokens,
+        };
+        let prompt = Prompt {
+            tokens,
+            lora_name: None,
+            cache_salt,
+            mm_features: &[],
+        };
+        self.selector
+            .select_but(&self.index, &board, &prompt, model, options, excluded)
+    }
+
+    /// The engine's answer, on its way to the client.
+    async fn pass_on(
+        &self,
+        sent: Sent,
+        mut ticket: Ticket,
+        selection: &Selection,
+        prompt: &Tokenized,
+        stream: bool,
+        strip: bool,
+    ) -> Response<AnswerBody> {
+        let Sent {
+            head,
+            body,
+            first_byte_by,
+        } = sent;
+        let mut response = Response::from_parts(head, ());
+        let headers = response.headers_mut();
+        upstream::drop_hop_by_hop(headers);
+        headers.remove(hyper::header::CONTENT_LENGTH);
+        let chosen = &selection.chosen.key;
+        insert(
+            headers,
+            "x-kv-indexer-rank",
+            &format!("{}/{}", chosen.engine, chosen.dp_rank),
+        );
+        insert(
+            headers,
+            "x-kv-indexer-predicted-cached-tokens",
+            &selection.predicted_cached_tokens.to_string(),
+        );
+        if let Some(why) = &prompt.load_only {
+            insert(
+                headers,
+                "x-kv-indexer-routing",
+                &format!("load only: {why}"),
+            );
+        }
+        let idle = self.upstream.settings().idle;
+        if stream && response.status().is_success() {
+            let passing = Passing::new(body, ticket, strip, first_byte_by, idle);
+            return response.map(|()| UnsyncBoxBody::new(passing));
+        }
+        // A whole answer: read it (bounded), report its usage, pass it on.
+        let read = tokio::time::timeout_at(
+            first_byte_by.max(tokio::time::Instant::now() + idle),
+            async {
+                http_body_util::Limited::new(body, upstream::MAX_ANSWER_BYTES)
+                    .collect()
+                    .await
+            },
+        )
+        .await;
+        let whole = match read {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(err)) => {
+                self.metrics.route_outcome(RouteOutcome::upstream_failed);
+                return self.error_with(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    &format!(
+                        "engine {}/{}: reading the answer: {err}",
+                        chosen.engine, chosen.dp_rank
+                    ),
+                    Some(chosen),
+                );
+            }
+            Err(_) => {
+                self.metrics.route_outcome(RouteOutcome::timed_out);
+                return self.error_with(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "timeout",
+                    &format!(
+                        "engine {}/{}: the answer did not arrive in time",
+                        chosen.engine, chosen.dp_rank
+                    ),
+                    Some(chosen),
+                );
+            }
+        };
+        ticket.first_byte();
+        if let Some(usage) = usage_of(&whole) {
+            ticket.usage(&usage);
+        }
+        drop(ticket);
+        self.metrics.route_outcome(RouteOutcome::answered);
+        response.map(|()| boxed(whole))
+    }
+
+    fn refused(&self, (status, body): (u16, Vec<u8>)) -> Response<AnswerBody> {
+        self.metrics.route_outcome(RouteOutcome::refused);
+        let mut response = Response::new(boxed(Bytes::from(body)));
+        *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::NOT_FOUND);
+        insert(response.headers_mut(), "content-type", "application/json");
+        response
+    }
+
+    fn error(&self, status: StatusCode, kind: &str, message: &str) -> Response<AnswerBody> {
+        self.metrics.route_outcome(RouteOutcome::refused);
+        self.error_with(status, kind, message, None)
+    }
+
+    /// An OpenAI-shaped error (`{"error": {"message", "type", "code"}}`), counted by status.
+    fn error_with(
+        &self,
+        status: StatusCode,
+        kind: &str,
+        message: &str,
+        rank: Option<&WorkerKey>,
+    ) -> Response<AnswerBody> {
+        self.metrics.http_error(status.as_u16());
+        debug!("route: {status}: {message}");
+        let mut response = json_response(
+            status,
+            &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
+        );
+        if let Some(rank) = rank {
+            insert(
+                response.headers_mut(),
+                "x-kv-indexer-rank",
+                &format!("{}/{}", rank.engine, rank.dp_rank),
+            );
+        }
+        response
+    }
+}
+
+/// A prompt as routing weighs it.
+struct Tokenized {
+    tokens: Vec<u32>,
+    model: Option<String>,
+    /// Why it is routed by load alone (no tokens).
+    load_only: Option<String>,
+}
+
+impl Tokenized {
+    fn ids(tokens: Vec<u32>, model: Option<String>) -> Tokenized {
+        Tokenized {
+            tokens,
+            model,
+            load_only: None,
+        }
+    }
+
+    fn load_only(why: String, model: Option<String>) -> Tokenized {
+        Tokenized {
+            tokens: Vec::new(),
+            model,
+            load_only: Some(why),
+        }
+    }
+}
+
+impl AsyncRoutes for RouteFront {
+    fn name(&self) -> &'static str {
+        "route front end"
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn answer(
+        self: Arc<Self>,
+        request: Request,
+        body: Vec<u8>,
+    ) -> Pin<Box<dyn Future<Output = Response<AnswerBody>> + Send>> {
+        Box::pin(self.answer_request(request, body))
+    }
+}
+
+fn boxed(bytes: Bytes) -> AnswerBody {
+    UnsyncBoxBody::new(Full::new(bytes).map_err(|never| match never {}))
+}
+
+fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<AnswerBody> {
+    let mut response = Response::new(boxed(Bytes::from(value.to_string())));
+    *response.status_mut() = status;
+    insert(response.headers_mut(), "content-type", "application/json");
+    response
+}
+
+fn insert(headers: &mut hyper::HeaderMap, name: &'static str, value: &str) {
+    if let Ok(value) = hyper::header::HeaderValue::from_str(value) {
+        headers.insert(name, value);
+    }
+}

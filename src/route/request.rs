@@ -1,0 +1,193 @@
+//! What the front end reads of an OpenAI request body, and the one change it may make to it.
+//!
+//! Owns: the fields routing needs (`model`, the prompt as `messages`, text or token ids,
+//! `stream`, `stream_options.include_usage`, the output budget), and adding
+//! `stream_options.include_usage` to a streamed request that did not ask for it, so the
+//! engine's last chunk says how many tokens it found cached. Never: changes anything else of a
+//! body (the engine gets the client's bytes), or tokenizes.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Which OpenAI route a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    pub(super) fn path(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+}
+
+/// The prompt as the body gives it.
+#[derive(Debug)]
+pub(super) enum PromptSource {
+    Chat {
+        messages: Value,
+        tools: Option<Value>,
+    },
+    Text(String),
+    Tokens(Vec<u32>),
+    /// A batch of prompts, or a shape the front end does not read: routed by load alone.
+    Unreadable(&'static str),
+}
+
+/// The parts of a request routing reads.
+#[derive(Debug)]
+pub(super) struct OpenAiRequest {
+    pub(super) model: Option<String>,
+    pub(super) prompt: PromptSource,
+    pub(super) stream: bool,
+    /// The client asked for the usage chunk itself: it is passed on, not stripped.
+    pub(super) include_usage: bool,
+    /// `max_completion_tokens`, else `max_tokens`: the decode load a reservation weighs.
+    pub(super) max_tokens: Option<u64>,
+    /// vLLM's `cache_salt`: blocks of a salted prompt are another tenant's than unsalted ones.
+    pub(super) cache_salt: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Fields {
+    model: Option<String>,
+    messages: Option<Value>,
+    tools: Option<Value>,
+    prompt: Option<Value>,
+    #[serde(default)]
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    cache_salt: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+impl OpenAiRequest {
+    /// Reads `body` as a request to `kind`; the error names the field.
+    pub(super) fn parse(body: &[u8], kind: Kind) -> Result<OpenAiRequest, String> {
+        let fields: Fields = serde_json::from_slice(body)
+            .map_err(|err| format!("the body is not a JSON object of this route: {err}"))?;
+        let prompt = match kind {
+            Kind::Chat => PromptSource::Chat {
+                messages: fields
+                    .messages
+                    .ok_or("`messages` is missing: a chat request needs them")?,
+                tools: fields.tools,
+            },
+            Kind::Completion => {
+                let prompt = fields
+                    .prompt
+                    .ok_or("`prompt` is missing: a completion request needs one")?;
+                completion_prompt(prompt)?
+            }
+        };
+        Ok(OpenAiRequest {
+            model: fields.model,
+            prompt,
+            stream: fields.stream.unwrap_or(false),
+            include_usage: fields
+                .stream_options
+                .and_then(|options| options.include_usage)
+                .unwrap_or(false),
+            max_tokens: fields.max_completion_tokens.or(fields.max_tokens),
+            cache_salt: fields.cache_salt,
+        })
+    }
+}
+
+/// `prompt` as a string, an array of token ids, or (routed by load alone) a batch.
+fn completion_prompt(prompt: Value) -> Result<PromptSource, String> {
+    match prompt {
+        Value::String(text) => Ok(PromptSource::Text(text)),
+        Value::Array(items) => {
+            let ids: Option<Vec<u32>> = items
+                .iter()
+                .map(|item| item.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect();
+            Ok(match ids {
+                Some(ids) if !ids.is_empty() => PromptSource::Tokens(ids),
+                _ => PromptSource::Unreadable(
+                    "`prompt` is a batch: each prompt of it may belong elsewhere",
+                ),
+            })
+        }
+        _ => Err("`prompt` must be a string, an array of token ids, or a batch of them".into()),
+    }
+}
+
+/// `body` with `stream_options.include_usage` set, the rest as the client wrote it (key order
+/// kept); `None` when the body is not an object (it was parsed as one just before).
+pub(super) fn with_usage(body: &[u8]) -> Option<Vec<u8>> {
+    let mut value: Value = serde_json::from_slice(body).ok()?;
+    let object = value.as_object_mut()?;
+    let options = object
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Default::default()));
+    if !options.is_object() {
+        *options = Value::Object(Default::default());
+    }
+    options
+        .as_object_mut()?
+        .insert("include_usage".into(), Value::Bool(true));
+    serde_json::to_vec(&value).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chat_and_each_completion_prompt_are_read() {
+        let chat = OpenAiRequest::parse(
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true,
+                "max_completion_tokens": 7}"#,
+            Kind::Chat,
+        )
+        .expect("chat");
+        assert_eq!(chat.model.as_deref(), Some("m"));
+        assert!(chat.stream && !chat.include_usage);
+        assert_eq!(chat.max_tokens, Some(7));
+        assert!(matches!(chat.prompt, PromptSource::Chat { .. }));
+        let text = OpenAiRequest::parse(br#"{"prompt": "hello"}"#, Kind::Completion).expect("text");
+        assert!(matches!(text.prompt, PromptSource::Text(ref t) if t == "hello"));
+        let ids = OpenAiRequest::parse(br#"{"prompt": [1, 2, 3]}"#, Kind::Completion).expect("ids");
+        assert!(matches!(ids.prompt, PromptSource::Tokens(ref t) if t == &[1, 2, 3]));
+        let batch =
+            OpenAiRequest::parse(br#"{"prompt": ["a", "b"]}"#, Kind::Completion).expect("batch");
+        assert!(matches!(batch.prompt, PromptSource::Unreadable(_)));
+    }
+
+    #[test]
+    fn a_body_without_its_prompt_is_refused_naming_the_field() {
+        let err = OpenAiRequest::parse(br#"{"prompt": "x"}"#, Kind::Chat).unwrap_err();
+        assert!(err.contains("`messages` is missing"), "{err}");
+        let err = OpenAiRequest::parse(br#"{"messages": []}"#, Kind::Completion).unwrap_err();
+        assert!(err.contains("`prompt` is missing"), "{err}");
+        let err = OpenAiRequest::parse(b"[1]", Kind::Chat).unwrap_err();
+        assert!(err.contains("not a JSON object"), "{err}");
+    }
+
+    #[test]
+    fn include_usage_is_added_and_nothing_else_changes() {
+        let body = br#"{"model":"m","stream":true,"stream_options":{"other":1},"prompt":"p"}"#;
+        let changed = String::from_utf8(with_usage(body).expect("object")).expect("utf-8");
+        assert_eq!(
+            changed,
+            r#"{"model":"m","stream":true,"stream_options":{"other":1,"include_usage":true},"prompt":"p"}"#
+        );
+        let added = with_usage(br#"{"stream":true}"#).expect("object");
+        assert_eq!(
+            added,
+            br#"{"stream":true,"stream_options":{"include_usage":true}}"#
+        );
+    }
+}

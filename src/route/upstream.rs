@@ -1,0 +1,333 @@
+//! The engines' OpenAI servers as the front end reaches them: which server an engine's requests
+//! go to (`Fleet`), and sending one request there (`Upstream`): the client's headers but the
+//! hop-by-hop and proxy ones, `Host` rewritten, `X-data-parallel-rank` set, under the connect
+//! and first-byte timeouts.
+//!
+//! Owns: the HTTP client (one pool for every engine, no proxy from the environment), the
+//! headers an engine gets, the timeouts, and what each failure is (retryable or not, and the
+//! status it ends in). Never: chooses a rank, reads a body, or follows a redirect.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::RwLock;
+use tokio::time::Instant;
+
+use super::request::Kind;
+use crate::config::{self, Config};
+use crate::discover::BaseUrl;
+use crate::http::Request;
+use crate::metrics::RouteOutcome;
+
+/// A whole (not streamed) answer larger than this is refused: 64 MiB is far above any
+/// completion's JSON.
+pub(super) const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// Idle connections to engines kept per engine server, for the next request.
+const IDLE_PER_ENGINE: usize = 256;
+
+/// Each engine's OpenAI server and the models the fleet serves, from the file.
+pub(super) struct Fleet {
+    servers: Vec<(String, Option<BaseUrl>)>,
+    models: Vec<String>,
+}
+
+impl Fleet {
+    pub(super) fn of(config: &Config) -> Fleet {
+        let servers = config
+            .engines
+            .iter()
+            .map(|engine| (engine.name.clone(), engine.openai_url.clone()))
+            .collect();
+        let mut models: Vec<String> = config
+            .engines
+            .iter()
+            .filter_map(|engine| engine.model.clone())
+            .collect();
+        models.sort();
+        models.dedup();
+        Fleet { servers, models }
+    }
+
+    /// The server of `engine`, if it has one.
+    pub(super) fn server(&self, engine: &str) -> Option<&BaseUrl> {
+        self.servers
+            .iter()
+            .find(|(name, _)| name == engine)
+            .and_then(|(_, url)| url.as_ref())
+    }
+
+    pub(super) fn models(&self) -> impl Iterator<Item = &str> {
+        self.models.iter().map(String::as_str)
+    }
+
+    pub(super) fn describe(&self) -> Vec<(String, Option<String>)> {
+        self.servers
+            .iter()
+            .map(|(name, url)| (name.clone(), url.as_ref().map(|url| url.base.clone())))
+            .collect()
+    }
+}
+
+/// The timeouts of `[route]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Settings {
+    pub(super) connect: Duration,
+    pub(super) first_byte: Duration,
+    pub(super) idle: Duration,
+}
+
+impl Settings {
+    pub(super) fn of(route: &config::Route) -> Settings {
+        Settings {
+            connect: Duration::from_secs(u64::from(route.connect_timeout_s)),
+            first_byte: Duration::from_secs(u64::from(route.first_byte_timeout_s)),
+            idle: Duration::from_secs(u64::from(route.idle_timeout_s)),
+        }
+    }
+}
+
+/// Why a request did not reach an answer from its rank.
+#[derive(Debug)]
+pub(super) enum Failure {
+    /// Refused, reset or unreachable: the engine never read the request.
+    Unreachable(String),
+    /// The engine answered 5xx before a byte went to the client.
+    Status(StatusCode),
+    /// No answer within the first-byte timeout.
+    TimedOut(Duration),
+    /// The request could not be built (a URL or header the engine's server cannot take).
+    Request(String),
+}
+
+impl Failure {
+    /// Whether the next-best rank may be tried: the engine did no work for this request.
+    pub(super) fn retryable(&self) -> bool {
+        matches!(self, Failure::Unreachable(_) | Failure::Status(_))
+    }
+
+    /// The status the client is answered when this was the last try, and its outcome.
+    pub(super) fn status(&self) -> (StatusCode, RouteOutcome) {
+        match self {
+            Failure::TimedOut(_) => (StatusCode::GATEWAY_TIMEOUT, RouteOutcome::timed_out),
+            _ => (StatusCode::BAD_GATEWAY, RouteOutcome::upstream_failed),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Unreachable(why) => write!(f, "cannot be reached: {why}"),
+            Failure::Status(status) => write!(f, "answered {status}"),
+            Failure::TimedOut(after) => {
+                write!(
+                    f,
+                    "sent no answer within {}s (first_byte_timeout_s)",
+                    after.as_secs()
+                )
+            }
+            Failure::Request(why) => write!(f, "the request cannot be sent: {why}"),
+        }
+    }
+}
+
+/// An answer's head, its body still to come, and when its first byte is due.
+pub(super) struct Sent {
+    pub(super) head: hyper::http::response::Parts,
+    pub(super) body: Incoming,
+    pub(super) first_byte_by: Instant,
+}
+
+/// The client every request to an engine goes through.
+pub(super) struct Upstream {
+    client: RwLock<Arc<Client<HttpConnector, Full<Bytes>>>>,
+    settings: RwLock<Settings>,
+}
+
+impl Upstream {
+    pub(super) fn new(settings: Settings) -> Upstream {
+        Upstream {
+            client: RwLock::new(Arc::new(client(settings))),
+            settings: RwLock::new(settings),
+        }
+    }
+
+    pub(super) fn settings(&self) -> Settings {
+        *self.settings.read()
+    }
+
+    /// Takes reloaded timeouts; a new connect timeout means a new pool.
+    pub(super) fn set(&self, settings: Settings) {
+        let mut current = self.settings.write();
+        if current.connect != settings.connect {
+            *self.client.write() = Arc::new(client(settings));
+        }
+        *current = settings;
+    }
+
+    /// Sends `body` for rank `dp_rank` to `server`, with `request`'s headers but those that
+    /// are the front end's; the head within the first-byte timeout.
+    pub(super) async fn send(
+        &self,
+        server: &BaseUrl,
+        kind: Kind,
+        request: &Request,
+        body: Bytes,
+        dp_rank: u32,
+    ) -> Result<Sent, Failure> {
+        let settings = self.settings();
+        let first_byte_by = Instant::now() + settings.first_byte;
+        let outgoing = build(server, kind, request, body, dp_rank).map_err(Failure::Request)?;
+        let client = self.client.read().clone();
+        let answered = tokio::time::timeout_at(first_byte_by, client.request(outgoing)).await;
+        let response = match answered {
+            Err(_) => return Err(Failure::TimedOut(settings.first_byte)),
+            Ok(Err(err)) => return Err(Failure::Unreachable(error_chain(&err))),
+            Ok(Ok(response)) => response,
+        };
+        if response.status().is_server_error() {
+            return Err(Failure::Status(response.status()));
+        }
+        let (head, body) = response.into_parts();
+        Ok(Sent {
+            head,
+            body,
+            first_byte_by,
+        })
+    }
+}
+
+fn client(settings: Settings) -> Client<HttpConnector, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(settings.connect));
+    // Each chunk of a stream leaves at once, not after the engine's delayed ACK.
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(IDLE_PER_ENGINE)
+        .build(connector)
+}
+
+/// The request to the engine: `server`'s URL of the route, the client's headers but the
+/// hop-by-hop, proxy and length ones and its rank header, `Host` the engine's, our rank header.
+fn build(
+    server: &BaseUrl,
+    kind: Kind,
+    request: &Request,
+    body: Bytes,
+    dp_rank: u32,
+) -> Result<hyper::Request<Full<Bytes>>, String> {
+    let url = match request.query_string() {
+        Some(query) => format!("{}?{query}", server.join(kind.path())),
+        None => server.join(kind.path()),
+    };
+    let uri: hyper::Uri = url.parse().map_err(|err| format!("{url}: {err}"))?;
+    let authority = uri
+        .authority()
+        .ok_or_else(|| format!("{url}: no host"))?
+        .as_str()
+        .to_owned();
+    let mut outgoing = hyper::Request::new(Full::new(body));
+    *outgoing.method_mut() = Method::POST;
+    *outgoing.uri_mut() = uri;
+    let headers = outgoing.headers_mut();
+    for (name, value) in request.headers() {
+        headers.append(name.clone(), value.clone());
+    }
+    drop_hop_by_hop(headers);
+    for name in [
+        hyper::header::HOST,
+        hyper::header::CONTENT_LENGTH,
+        hyper::header::EXPECT,
+        HeaderName::from_static("forwarded"),
+        HeaderName::from_static("x-forwarded-for"),
+        HeaderName::from_static("x-forwarded-host"),
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderName::from_static("x-real-ip"),
+        HeaderName::from_static(DP_RANK_HEADER),
+    ] {
+        headers.remove(name);
+    }
+    let host = HeaderValue::from_str(&authority).map_err(|err| format!("{authority}: {err}"))?;
+    headers.insert(hyper::header::HOST, host);
+    headers.insert(DP_RANK_HEADER, HeaderValue::from(dp_rank));
+    Ok(outgoing)
+}
+
+/// Removes the headers that belong to one connection (RFC 9110 section 7.6.1): those the
+/// `Connection` header names, and the fixed list.
+pub(super) fn drop_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(hyper::header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ] {
+        headers.remove(name);
+    }
+}
+
+/// An error and its causes, as one line.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(error) = cause {
+        let more = error.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = error.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_dropped() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "close, x-private"),
+            ("x-private", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+            ("authorization", "Bearer engine-key"),
+            ("content-type", "application/json"),
+        ] {
+            headers.append(name, HeaderValue::from_static(value));
+        }
+        drop_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(left, ["authorization", "content-type"]);
+    }
+}
