@@ -325,7 +325,7 @@ impl Registry {
     }
 
     /// Every configured rank, running or pending, sorted by (engine, dp_rank).
-    pub fn snapshot(&self) -> Vec<ListenerView> {
+    pub fn views(&self) -> Vec<ListenerView> {
         self.ranks.current().views()
     }
 
@@ -597,7 +597,7 @@ pub(crate) mod tests {
 
     fn keys(registry: &Registry) -> Vec<String> {
         registry
-            .snapshot()
+            .views()
             .iter()
             .map(|v| v.spec.key.to_string())
             .collect()
@@ -624,7 +624,7 @@ pub(crate) mod tests {
         );
         assert_eq!(keys(&registry), ["a/0"], "b/0 was rolled back");
 
-        let worker = registry.snapshot()[0].worker.expect("a/0 runs");
+        let worker = registry.views()[0].worker.expect("a/0 runs");
         let directory = registry.directory().current();
         assert_eq!(
             directory.get(worker).map(|w| w.instance.as_str()),
@@ -642,7 +642,7 @@ pub(crate) mod tests {
         let pair = vec![spec("a", 0, &a0), spec("a", 1, &a1)];
         registry.register(pair).expect("a");
         registry.register(vec![spec("b", 0, &b0)]).expect("b");
-        let a1_worker = registry.snapshot()[1].worker.expect("a/1 runs");
+        let a1_worker = registry.views()[1].worker.expect("a/1 runs");
         let a1_key = WorkerKey {
             engine: "a".into(),
             dp_rank: 1,
@@ -722,7 +722,7 @@ pub(crate) mod tests {
     fn wait_for_state(registry: &Registry, state: crate::listener::State) -> ListenerView {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let view = registry.snapshot().remove(0);
+            let view = registry.views().remove(0);
             if view.status.as_ref().is_some_and(|s| {
                 s.state == state && (s.connected || state != crate::listener::State::Active)
             }) {
@@ -777,10 +777,7 @@ pub(crate) mod tests {
             "{taken:?}"
         );
         assert!(registry.has_pending());
-        assert!(
-            registry.snapshot()[0].status.is_none(),
-            "pending, not running"
-        );
+        assert!(registry.views()[0].status.is_none(), "pending, not running");
         assert!(registry.retry_pending().is_empty());
         wait_for_state(&registry, State::Active);
         let text = metrics.render();
@@ -813,7 +810,7 @@ pub(crate) mod tests {
             diff.failed
         );
         assert!(registry.has_pending());
-        let views = registry.snapshot();
+        let views = registry.views();
         assert_eq!(keys(&registry), ["bad/0", "bad/1", "good/0"]);
         assert!(views[..2]
             .iter()
