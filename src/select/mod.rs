@@ -311,11 +311,6 @@ impl Selector {
             })
             .collect()
     }
-
-    /// Open reservations (for benchmarks and tests of memory).
-    pub fn open_reservations(&self) -> usize {
-        self.state.lock().reservations.len()
-    }
 }
 
 impl SelectState {
