@@ -172,8 +172,7 @@ fn process_started(pid: u32) -> Result<Instant> {
         .next()
         .context("/proc/uptime format")?
         .parse()?;
-    // SAFETY: sysconf takes no pointers.
-    let hertz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hertz = rustix::param::clock_ticks_per_second() as f64;
     let age = Duration::from_secs_f64((uptime - ticks / hertz).max(0.0));
     Instant::now()
         .checked_sub(age)

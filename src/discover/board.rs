@@ -142,11 +142,6 @@ impl Board {
         }
     }
 
-    /// A copy of `engine`'s report.
-    pub fn get(&self, engine: &str) -> Option<EngineReport> {
-        self.engines.read().get(engine).cloned()
-    }
-
     /// A copy of every report, by engine name.
     pub fn all(&self) -> BTreeMap<String, EngineReport> {
         self.engines.read().clone()

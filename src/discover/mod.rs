@@ -147,21 +147,6 @@ pub enum Failure {
     Shape,
 }
 
-impl Failure {
-    pub fn label(self) -> &'static str {
-        match self {
-            Failure::Unreachable => "unreachable",
-            Failure::Timeout => "timeout",
-            Failure::NotHttp => "not_http",
-            Failure::Status(_) => "status",
-            Failure::Redirect(_) => "redirect",
-            Failure::TooLarge => "too_large",
-            Failure::NotJson => "not_json",
-            Failure::Shape => "shape",
-        }
-    }
-}
-
 /// A discovery that failed; displays as `engine NAME: URL DETAIL`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiscoverError {

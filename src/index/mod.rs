@@ -55,6 +55,7 @@ mod groups;
 mod hybrid;
 mod keys;
 mod local_hashes;
+mod locked_shard;
 mod query;
 mod search;
 mod shard;
@@ -70,7 +71,7 @@ use parking_lot::RwLock;
 
 use groups::Layout;
 use keys::KeyChain;
-use shard::LockedShard;
+use locked_shard::LockedShard;
 use tier_blocks::TierBlocks;
 
 pub use groups::{GroupSpec, GroupView, Inexact, MAX_GROUPS};

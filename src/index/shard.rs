@@ -4,16 +4,12 @@
 //! (`holdings`) and how many of its engine hashes carry a key whose parent is this one
 //! (`children`). A worker holds the key while `holdings > 0`; the slot lives on while
 //! `children > 0` so that the worker's orphan count stays exact (see `orphan_weight`). The shard
-//! knows nothing about locks, engine hashes or events.
+//! knows nothing about locks (`locked_shard` puts it behind one), engine hashes or events.
 //!
 //! Memory is the index's budget, so an entry is 32 bytes: the key, its parent and four 4-byte
 //! slots (16-bit worker id, 8-bit counts). The rare key with more than four slots, or with a
 //! worker id above 16 bits, keeps exact slots in a side map (`crowded`); the rare count above
 //! `u8::MAX` keeps its excess in another (`excess`).
-
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use parking_lot::{RwLock, RwLockReadGuard};
 
 use super::table::{prefetch, Item, Table, UniformMap, Vacant};
 use super::WorkerId;
@@ -125,7 +121,7 @@ pub(super) struct Change {
 }
 
 /// `key → entry` by open addressing (see `table`): a lookup usually reads one cache line, and
-/// the place a key would be is known before the lock is taken (see `LockedShard::prefetch`).
+/// the place a key would be is known before the lock is taken (`prefetch_entry`).
 #[derive(Default)]
 pub(super) struct Shard {
     table: Table<Entry>,
@@ -151,6 +147,16 @@ impl Shard {
     /// Keys with at least one holder.
     pub(super) fn held_keys(&self) -> u64 {
         self.held_keys
+    }
+
+    /// Where the table is: its address and capacity, which change as it grows.
+    pub(super) fn table_place(&self) -> (usize, usize) {
+        (self.table.address(), self.table.capacity())
+    }
+
+    /// The table's placement seed, fixed for its life.
+    pub(super) fn table_seed(&self) -> u64 {
+        self.table.seed()
     }
 
     fn find(&self, key: u64) -> Option<usize> {
@@ -517,55 +523,13 @@ impl Shard {
     }
 }
 
-/// A shard behind its lock, plus where its table is, published for prefetching: a writer with
-/// many blocks to apply starts every block's cache miss before it takes the first lock.
-pub(super) struct LockedShard {
-    shard: RwLock<Shard>,
-    /// Address and capacity of the table, updated under the write lock. A stale pair only makes
-    /// a prefetch useless (a prefetch never faults and is never a read).
-    table: AtomicUsize,
-    capacity: AtomicUsize,
-    /// The table's placement seed, fixed for its life.
-    seed: u64,
-}
-
-impl Default for LockedShard {
-    fn default() -> LockedShard {
-        let shard = Shard::default();
-        LockedShard {
-            seed: shard.table.seed(),
-            shard: RwLock::new(shard),
-            table: AtomicUsize::new(0),
-            capacity: AtomicUsize::new(0),
-        }
-    }
-}
-
-impl LockedShard {
-    pub(super) fn read(&self) -> RwLockReadGuard<'_, Shard> {
-        self.shard.read()
-    }
-
-    /// Runs `change` under the write lock.
-    pub(super) fn write<T>(&self, change: impl FnOnce(&mut Shard) -> T) -> T {
-        let mut shard = self.shard.write();
-        let result = change(&mut shard);
-        self.table.store(shard.table.address(), Ordering::Relaxed);
-        self.capacity
-            .store(shard.table.capacity(), Ordering::Relaxed);
-        result
-    }
-
-    /// Starts loading the cache line where `key`'s probe starts.
-    pub(super) fn prefetch(&self, key: u64) {
-        let (table, capacity) = (&self.table, &self.capacity);
-        prefetch::<Entry>(
-            table.load(Ordering::Relaxed),
-            capacity.load(Ordering::Relaxed),
-            self.seed,
-            key,
-        );
-    }
+/// Starts loading the cache line where `key`'s probe starts in the table at `address` with
+/// `capacity` places and seed `seed` (as `Shard::table_place` and `Shard::table_seed` gave them),
+/// for a writer that has not taken the shard's lock yet. A stale place only makes the hint
+/// useless (a prefetch never faults and is never a read).
+#[inline]
+pub(super) fn prefetch_entry(address: usize, capacity: usize, seed: u64, key: u64) {
+    prefetch::<Entry>(address, capacity, seed, key);
 }
 
 #[cfg(test)]

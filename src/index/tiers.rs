@@ -36,15 +36,6 @@ impl Tier {
             None
         }
     }
-
-    /// The name `/query`, `/workers` and the metrics use.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Gpu => "gpu",
-            Tier::Cpu => "cpu",
-            Tier::Disk => "disk",
-        }
-    }
 }
 
 /// One value per tier.

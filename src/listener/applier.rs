@@ -1,6 +1,6 @@
 //! The writer of one rank's blocks: decodes batches and snapshots and applies them to the rank's
 //! `WorkerBlocks`, reporting what happened to its `StatusCell`. It never decides what to apply
-//! (the sequence rules in `run` do) and never touches a socket.
+//! (the sequence rules in `live` do) and never touches a socket.
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;

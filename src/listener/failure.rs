@@ -1,9 +1,9 @@
 //! What a rank says when it is dropped without being asked to stop: `failed`, with the reason.
 //!
-//! Owns the one rule that no rank ends silently: a `FailOnDrop` lives in every `Rank`, after
-//! its `WorkerBlocks` (so the blocks have left the index when it speaks) and before the sender
-//! its `Listener` waits on, and on drop reports the failure to the rank's status unless the
-//! rank's stop was requested. Whoever drops a rank on purpose says why first (`set`); any other
+//! Owns the one rule that no rank ends silently: a `FailOnDrop` lives in every `Subscription`,
+//! after its `WorkerBlocks` (so the blocks have left the index when it speaks) and before the
+//! sender its `Listener` waits on, and on drop reports the failure to the rank's status unless
+//! the rank's stop was requested. Whoever drops a rank on purpose says why first (`set`); any other
 //! drop (a panic unwinding a recovery worker) is reported as `dropped`. Never: decides to drop a
 //! rank, or restarts one (the registry's retry loop does, on seeing `failed`).
 

@@ -5,10 +5,10 @@
 //!
 //! **A few threads for every rank.** A ZMQ socket must be used by one thread at a time, and a
 //! recovery (a replay of up to 10 s, a snapshot download) must never hold up another rank or a
-//! query. A listener is a `Rank` (its SUB socket, the socket monitor, the sequence rules and
-//! the rank's `WorkerBlocks`, the only writer of that worker) owned by one of a few pollers
-//! (`poller`, `kvi-poller-N`: one per core, at most 4), which wait in epoll on their ranks'
-//! `ZMQ_FD`s, no timer while healthy. A hole moves the whole rank to a recovery worker
+//! query. A listener is a `Subscription` (its SUB socket, the socket monitor, the sequence
+//! rules and the rank's `WorkerBlocks`, the only writer of that worker) owned by one of a few
+//! pollers (`poller`, `kvi-poller-N`: one per core, at most 4), which wait in epoll on their
+//! ranks' `ZMQ_FD`s, no timer while healthy. A hole moves the whole rank to a recovery worker
 //! (`recoveries`, `kvi-recovery-N`, up to 16, started on demand) and back, so a slow replay
 //! holds up nothing else; the workers serve ranks in fair turns, so a stalling peer cannot keep
 //! another rank's repair waiting either (docs/design.md "Fair turns"). A thread per rank cost 288 µs to start and 2,016 threads at 2,000
@@ -23,14 +23,15 @@
 //!
 //! **Data flow.** `Listener::start` creates and connects the sockets on the caller's thread
 //! (setup errors return there, naming engine, rank and endpoint, with nothing left running),
-//! then hands the rank to the least loaded poller, which for each live message (`run`):
+//! then hands the rank to the least loaded poller, which for each live message (`live`):
 //! `frames` (received in place) → `wire::parse_message` → the sequence rules (`sequence`) →
 //! `applier` (`wire::BatchDecoder`, reusing the buffers of applied batches; `WorkerBlocks::apply`
 //! per event) → `status` (read by HTTP threads
 //! through `Listener::status`; the one route to the rank's metrics). A hole in the history
-//! (gap, mid-stream join, publisher restart, undecodable batch) runs `recovery` on a recovery
-//! worker: replay, else a peer indexer's snapshot (`peers`), else the engine's snapshot, else
-//! `degraded` with the lost batches counted. When this indexer serves snapshots, the applier
+//! (gap, mid-stream join, publisher restart, undecodable batch) runs the recovery order
+//! (`recovery_order`, through `recovery`'s clients) on a recovery worker: replay, else a peer
+//! indexer's snapshot (`peers`), else the engine's snapshot, else `degraded` with the lost
+//! batches counted. When this indexer serves snapshots, the applier
 //! keeps the rank's block contents (`contents`) in step with the index, and `StatusHandle`
 //! builds the rank's snapshot from them for `GET /snapshot/...`. Meanwhile live
 //! messages wait in the SUB socket's queue, bounded by its RCVHWM; what overflows is lost by
@@ -50,11 +51,12 @@ mod applier;
 mod contents;
 mod failure;
 mod frames;
+mod live;
 mod peers;
 mod poller;
 mod recoveries;
 mod recovery;
-mod run;
+mod recovery_order;
 mod sequence;
 mod status;
 mod stop;
@@ -75,10 +77,10 @@ use crate::plan::ListenerSpec;
 use crate::socket_monitor::Monitored;
 use applier::Applier;
 use contents::Contents;
+use live::Subscription;
 pub use peers::{CurrentSecret, Replication, Secret};
 use poller::Mailbox;
 pub use poller::Pollers;
-use run::Rank;
 use status::StatusCell;
 use stop::{Stop, StopHandle};
 
@@ -205,7 +207,7 @@ pub struct ServedSnapshot {
 
 impl StatusHandle {
     pub fn get(&self) -> ListenerStatus {
-        self.status.snapshot()
+        self.status.status()
     }
 
     /// The rank's state now: only an `active` rank's blocks are trusted by a query.
@@ -219,7 +221,7 @@ impl StatusHandle {
     pub fn snapshot(&self) -> Result<ServedSnapshot, Unservable> {
         let contents = self.contents.as_ref().ok_or(Unservable::NotRetained)?;
         let contents = contents.lock();
-        let state = self.status.snapshot().state;
+        let state = self.status.status().state;
         if state != State::Active {
             return Err(Unservable::NotWhole(state));
         }
@@ -302,7 +304,7 @@ impl Listener {
         };
         let (stop, stop_handle) = Stop::new();
         let (gone_sender, gone) = mpsc::sync_channel(0);
-        let rank = Rank::new(
+        let rank = Subscription::new(
             token,
             zmq.clone(),
             sockets,
@@ -352,7 +354,7 @@ impl Listener {
     }
 
     pub fn status(&self) -> ListenerStatus {
-        self.status.snapshot()
+        self.status.status()
     }
 
     pub fn status_handle(&self) -> StatusHandle {

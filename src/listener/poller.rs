@@ -32,8 +32,9 @@ use anyhow::{anyhow, Context as _};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use super::live::{Drained, Subscription};
 use super::recoveries::{Handoff, Recoveries};
-use super::run::{Drained, Job, Rank, Recovery};
+use super::recovery_order::{Job, Recovery};
 use crate::metrics::FailureReason;
 
 /// Pollers at most, one per core below it. A poller is busy only while decoding and applying
@@ -49,9 +50,9 @@ const COMMANDS: Token = Token(usize::MAX);
 /// What a poller is told.
 pub(super) enum Command {
     /// A new rank, its descriptors already in the poller's set.
-    Add(Box<Rank>),
+    Add(Box<Subscription>),
     /// A rank back from a recovery.
-    Back(Box<Rank>),
+    Back(Box<Subscription>),
     /// Drop this rank (its stop flag is raised).
     Remove(u64),
     /// The last handle is gone.
@@ -64,7 +65,7 @@ fn token_of(rank: u64) -> Token {
     Token(rank as usize)
 }
 
-fn rank_fds(rank: &Rank) -> anyhow::Result<(RawFd, RawFd)> {
+fn rank_fds(rank: &Subscription) -> anyhow::Result<(RawFd, RawFd)> {
     let sub = rank
         .sub
         .socket()
@@ -96,7 +97,10 @@ pub(super) struct Mailbox {
 impl Mailbox {
     /// Puts `rank` in the poller's set and sends it there; errors (on the caller's thread),
     /// giving the rank back, when the set refuses it or the poller is gone.
-    pub(super) fn add(&self, rank: Box<Rank>) -> Result<(), (Box<Rank>, anyhow::Error)> {
+    pub(super) fn add(
+        &self,
+        rank: Box<Subscription>,
+    ) -> Result<(), (Box<Subscription>, anyhow::Error)> {
         if let Err(error) = watch(&self.set, &rank) {
             return Err((rank, error));
         }
@@ -126,7 +130,7 @@ impl Mailbox {
     }
 
     /// A rank back from a recovery; failed (its blocks dropped) if the poller is gone.
-    pub(super) fn give_back(&self, rank: Box<Rank>) {
+    pub(super) fn give_back(&self, rank: Box<Subscription>) {
         if let Err(mpsc::SendError(Command::Back(rank))) = self.commands.send(Command::Back(rank)) {
             fail(
                 rank,
@@ -157,7 +161,7 @@ impl Drop for Mailbox {
 /// and whoever is woken drains the socket to EAGAIN and asks `ZMQ_EVENTS` again
 /// (`serve_rank`); a rank (re)added is served at once (`Poller::insert`), for a signal consumed
 /// before it came.
-fn watch(set: &mio::Registry, rank: &Rank) -> anyhow::Result<()> {
+fn watch(set: &mio::Registry, rank: &Subscription) -> anyhow::Result<()> {
     let (sub, monitor) = rank_fds(rank)?;
     let token = token_of(rank.token);
     set.register(&mut SourceFd(&sub), token, Interest::READABLE)
@@ -171,7 +175,7 @@ fn watch(set: &mio::Registry, rank: &Rank) -> anyhow::Result<()> {
 
 /// Takes a rank's descriptors out of the set: they leave before the rank does, so that no
 /// event names a rank that is elsewhere.
-fn unwatch(set: &mio::Registry, rank: &Rank) {
+fn unwatch(set: &mio::Registry, rank: &Subscription) {
     if let Ok((sub, monitor)) = rank_fds(rank) {
         for fd in [sub, monitor] {
             // ENOENT (never added) is the one failure possible here, and harmless.
@@ -182,7 +186,7 @@ fn unwatch(set: &mio::Registry, rank: &Rank) {
 
 /// Drops a rank that was not asked to stop: its blocks leave the index, and its status says
 /// `failed` with the reason, which the registry's retry loop sees and starts the rank again.
-fn fail(mut rank: Box<Rank>, reason: FailureReason, error: &anyhow::Error) {
+fn fail(mut rank: Box<Subscription>, reason: FailureReason, error: &anyhow::Error) {
     log::error!(
         "{}: listener failed ({}): {error:#}; its blocks leave the index",
         rank.who(),
@@ -272,7 +276,7 @@ struct Poller {
     /// Handed to recoveries so that a rank finds its way back.
     mailbox: Weak<Mailbox>,
     recoveries: Arc<Recoveries>,
-    ranks: HashMap<u64, Box<Rank>>,
+    ranks: HashMap<u64, Box<Subscription>>,
     /// Ranks with messages (or monitor events) possibly waiting, served in turn.
     ready: VecDeque<u64>,
     /// (when, rank): lazily deleted, an entry counts only while it is its rank's `armed`.
@@ -382,7 +386,7 @@ impl Poller {
 
     /// A rank whose descriptors are in the set; served at once, since a signal may have been
     /// consumed before it came (at setup, or on the recovery worker).
-    fn insert(&mut self, rank: Box<Rank>) {
+    fn insert(&mut self, rank: Box<Subscription>) {
         let token = rank.token;
         self.ranks.insert(token, rank);
         self.mark_ready(token);
@@ -447,14 +451,14 @@ impl Poller {
     }
 
     /// Runs `job` on this poller and takes the rank back, unless it was stopped meanwhile.
-    fn recover_here(&mut self, mut rank: Box<Rank>, job: Job) {
+    fn recover_here(&mut self, mut rank: Box<Subscription>, job: Job) {
         if rank.run(job) == Recovery::Done {
             self.rewatch(rank);
         }
     }
 
     /// Puts a rank back from a recovery in the set, or fails it.
-    fn rewatch(&mut self, rank: Box<Rank>) {
+    fn rewatch(&mut self, rank: Box<Subscription>) {
         match watch(self.poll.registry(), &rank) {
             Ok(()) => self.insert(rank),
             Err(error) => fail(
@@ -502,7 +506,7 @@ impl Poller {
 
 /// Drains the rank's monitor, then up to a budget of its live messages. Drained empty, the
 /// sockets are asked again: a recv may have consumed the signal of a message that came after.
-fn serve_rank(rank: &mut Rank) -> anyhow::Result<Drained> {
+fn serve_rank(rank: &mut Subscription) -> anyhow::Result<Drained> {
     rank.drain_monitor()?;
     let drained = rank.drain_live()?;
     if !matches!(drained, Drained::Empty) {

@@ -11,7 +11,7 @@
 //! than about a share. Owns: the queue, its order and the workers. Never: keeps a stopped rank
 //! (a queued one is dropped by `drop_stopped` or the next worker to meet it, a running one
 //! returns within a recovery wait's 20 ms), or runs anything but the rank's own recovery rules
-//! (`run::Rank`).
+//! (`recovery_order`).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,9 +20,10 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::live::Subscription;
 use super::poller::Mailbox;
 use super::recovery::Turn;
-use super::run::{Job, Rank, Recovery, TurnEnd};
+use super::recovery_order::{Job, Recovery, TurnEnd};
 
 /// Recoveries at once. They wait on engines and peers, not on a core: a thread each would be
 /// cheap, but a network blip opens a hole in every rank at once (8,000 at 1,000 × 8), and a
@@ -38,7 +39,7 @@ const IDLE_EXIT: Duration = Duration::from_secs(10);
 
 /// A rank on its way to a recovery: what to run, and the poller to give it back to.
 pub(super) struct Handoff {
-    pub(super) rank: Box<Rank>,
+    pub(super) rank: Box<Subscription>,
     pub(super) job: Job,
     pub(super) back: Arc<Mailbox>,
 }

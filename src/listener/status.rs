@@ -101,7 +101,7 @@ impl StatusCell {
         self.lock().state()
     }
 
-    pub(super) fn snapshot(&self) -> ListenerStatus {
+    pub(super) fn status(&self) -> ListenerStatus {
         let facts = self.lock();
         ListenerStatus {
             state: facts.state(),

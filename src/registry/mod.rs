@@ -1,7 +1,8 @@
 //! The running listeners, one per (engine, dp_rank), and the only code that starts or stops them.
 //!
-//! Owns: `register` / `deregister` of whole engines, the reload diff (`apply`), the list of
-//! engines whose start failed and must be retried, and the read-side views HTTP serves
+//! Owns: `register` / `deregister` of whole engines, starting each engine all or nothing and
+//! stopping listeners many at once, the state the reload diff (`reload`: `apply`, the engines
+//! whose start failed and must be retried) works on, and the read-side views HTTP serves
 //! (`ranks` for `/workers` and `/ready`, `directory` for `/query`), published after every
 //! change so that no reader ever waits for the registry's lock (a reload holds it while it
 //! starts engines, for seconds with thousands of them).
@@ -25,9 +26,10 @@
 //! The registry owns the pollers (`listener::Pollers`, started with the first listener) its
 //! listeners run on, and hands each listener to the least loaded one.
 //!
-//! Beside it: `directory` (the worker names `/query` reads), `contexts` (the ZMQ context
-//! pool), `open_files` (descriptor limits against the plan), `parallel` (bounded fan-out),
-//! `ranks` (the rank board `/workers` reads) and `published` (how both are handed to readers).
+//! Beside it: `reload` (the reload diff and the pending engines), `directory` (the worker names
+//! `/query` reads), `contexts` (the ZMQ context pool), `open_files` (descriptor limits against
+//! the plan), `parallel` (bounded fan-out), `ranks` (the rank board `/workers` reads) and
+//! `published` (how both are handed to readers).
 
 mod contexts;
 mod directory;
@@ -35,11 +37,11 @@ mod open_files;
 mod parallel;
 mod published;
 mod ranks;
+mod reload;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use log::{info, warn};
@@ -56,19 +58,7 @@ use parallel::in_parallel;
 pub use published::Published;
 use ranks::Rank;
 pub use ranks::{ListenerView, RankBoard, RanksReader, RunningRank};
-
-/// What `apply` did, by listener.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReloadDiff {
-    pub added: Vec<WorkerKey>,
-    pub removed: Vec<WorkerKey>,
-    pub replaced: Vec<WorkerKey>,
-    pub unchanged: usize,
-    /// Engines whose additions failed to start (rolled back, retried later): the error text.
-    pub failed: Vec<String>,
-    /// Engines not started because shutdown began during the call.
-    pub interrupted: usize,
-}
+pub use reload::ReloadDiff;
 
 /// Engines started at once by `apply` and `retry_pending`. Starting a listener is CPU work
 /// (sockets, socketpairs, epoll) partly serialized by kernel locks, so a few starters suffice.
@@ -181,151 +171,8 @@ impl Registry {
         self.forget_failures(keys);
     }
 
-    /// Makes the running set equal to `plan`, touching only listeners whose spec changed
-    /// (`docs/design.md`, "The registry"). Additions are grouped by engine, each group all or nothing;
-    /// a failed group becomes pending for `retry_pending`.
-    pub fn apply(&mut self, plan: Vec<ListenerSpec>) -> ReloadDiff {
-        let mut diff = ReloadDiff::default();
-        let mut wanted: BTreeMap<WorkerKey, ListenerSpec> =
-            plan.into_iter().map(|s| (s.key.clone(), s)).collect();
-
-        let mut leaving = Vec::new();
-        for (key, running) in &self.running {
-            match wanted.get(key) {
-                Some(spec) if spec == running.listener.spec() => {
-                    wanted.remove(key);
-                    diff.unchanged += 1;
-                }
-                Some(_) => leaving.push(key.clone()),
-                None => {
-                    leaving.push(key.clone());
-                    diff.removed.push(key.clone());
-                }
-            }
-        }
-        self.remove_running(&leaving);
-        let leaving: BTreeSet<WorkerKey> = leaving.into_iter().collect();
-        // Pending ranks the plan no longer has leave for good too.
-        let unplanned: Vec<WorkerKey> = self
-            .pending
-            .values()
-            .flat_map(|(specs, _)| specs.iter().map(|s| s.key.clone()))
-            .filter(|key| !wanted.contains_key(key))
-            .collect();
-        self.forget_failures(&diff.removed);
-        self.forget_failures(&unplanned);
-
-        // What is left of `wanted` must be started; group it by engine in plan order.
-        let planned = diff.unchanged + wanted.len();
-        let mut groups: BTreeMap<String, Vec<ListenerSpec>> = BTreeMap::new();
-        for (key, spec) in wanted {
-            groups.entry(key.engine.clone()).or_default().push(spec);
-        }
-        self.pending.clear();
-        for EngineStart {
-            engine,
-            specs,
-            outcome,
-        } in self.start_engines(groups.into_iter().collect(), planned)
-        {
-            match outcome {
-                Ok(started) => {
-                    for key in specs.into_iter().map(|s| s.key) {
-                        if leaving.contains(&key) {
-                            diff.replaced.push(key);
-                        } else {
-                            diff.added.push(key);
-                        }
-                    }
-                    self.insert_running(started);
-                }
-                Err(err) => {
-                    let err = format!("{err:#}");
-                    if self.shutting_down.load(Ordering::SeqCst) {
-                        diff.interrupted += 1;
-                    } else {
-                        diff.failed.push(err.clone());
-                    }
-                    self.pending.insert(engine, (specs, err));
-                }
-            }
-        }
-        self.publish();
-        diff
-    }
-
-    /// Tries again to start every pending engine. Returns the errors of those still failing
-    /// (none once shutdown began).
-    pub fn retry_pending(&mut self) -> Vec<String> {
-        let mut still_failing = Vec::new();
-        let planned = self.planned_count();
-        let groups = std::mem::take(&mut self.pending)
-            .into_iter()
-            .map(|(engine, (specs, _))| (engine, specs))
-            .collect();
-        for EngineStart {
-            engine,
-            specs,
-            outcome,
-        } in self.start_engines(groups, planned)
-        {
-            match outcome {
-                Ok(started) => {
-                    info!("engine {engine}: started on retry");
-                    self.insert_running(started);
-                }
-                Err(err) => {
-                    let err = format!("{err:#}");
-                    if !self.shutting_down.load(Ordering::SeqCst) {
-                        still_failing.push(err.clone());
-                    }
-                    self.pending.insert(engine, (specs, err));
-                }
-            }
-        }
-        self.publish();
-        still_failing
-    }
-
-    /// Moves every listener that has been `failed` for at least `after` (docs.md "`failed`")
-    /// to the pending engines, for `retry_pending` to start again like an engine that failed
-    /// to start. Returns what it moved and why, for the log.
-    pub fn take_failed(&mut self, after: Duration) -> Vec<String> {
-        let failed: Vec<(ListenerSpec, String)> = self
-            .running
-            .values()
-            .filter_map(|running| {
-                let failed = running.listener.status().failed?;
-                (failed.at.elapsed() >= after)
-                    .then(|| (running.listener.spec().clone(), failed.reason))
-            })
-            .collect();
-        if failed.is_empty() {
-            return Vec::new();
-        }
-        let keys: Vec<WorkerKey> = failed.iter().map(|(spec, _)| spec.key.clone()).collect();
-        self.remove_running(&keys);
-        let mut taken = Vec::with_capacity(failed.len());
-        for (spec, reason) in failed {
-            let error = format!("{} failed: {reason}", spec.describe());
-            let pending = self
-                .pending
-                .entry(spec.key.engine.clone())
-                .or_insert_with(|| (Vec::new(), String::new()));
-            pending.0.push(spec);
-            pending.1.clone_from(&error);
-            taken.push(error);
-        }
-        self.publish();
-        taken
-    }
-
-    pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty()
-    }
-
     /// Every configured rank, running or pending, sorted by (engine, dp_rank).
-    pub fn snapshot(&self) -> Vec<ListenerView> {
+    pub fn views(&self) -> Vec<ListenerView> {
         self.ranks.current().views()
     }
 
@@ -572,22 +419,21 @@ impl Drop for Registry {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::listener::State;
 
-    fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
+    pub(super) fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
         ListenerSpec::subscribing(engine, dp_rank, endpoint.to_owned())
     }
 
     /// An endpoint nobody publishes on: ZMQ connects asynchronously, so it starts fine.
-    fn quiet_endpoint() -> String {
+    pub(super) fn quiet_endpoint() -> String {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
         format!("tcp://{}", listener.local_addr().expect("addr"))
     }
 
     /// An endpoint ZMQ refuses at connect time.
-    const BROKEN: &str = "nosuch://127.0.0.1:1";
+    pub(super) const BROKEN: &str = "nosuch://127.0.0.1:1";
 
-    fn registry() -> Registry {
+    pub(super) fn registry() -> Registry {
         Registry::new(
             zmq::Context::new(),
             Index::new(16, 8),
@@ -595,9 +441,9 @@ pub(crate) mod tests {
         )
     }
 
-    fn keys(registry: &Registry) -> Vec<String> {
+    pub(super) fn keys(registry: &Registry) -> Vec<String> {
         registry
-            .snapshot()
+            .views()
             .iter()
             .map(|v| v.spec.key.to_string())
             .collect()
@@ -624,7 +470,7 @@ pub(crate) mod tests {
         );
         assert_eq!(keys(&registry), ["a/0"], "b/0 was rolled back");
 
-        let worker = registry.snapshot()[0].worker.expect("a/0 runs");
+        let worker = registry.views()[0].worker.expect("a/0 runs");
         let directory = registry.directory().current();
         assert_eq!(
             directory.get(worker).map(|w| w.instance.as_str()),
@@ -642,7 +488,7 @@ pub(crate) mod tests {
         let pair = vec![spec("a", 0, &a0), spec("a", 1, &a1)];
         registry.register(pair).expect("a");
         registry.register(vec![spec("b", 0, &b0)]).expect("b");
-        let a1_worker = registry.snapshot()[1].worker.expect("a/1 runs");
+        let a1_worker = registry.views()[1].worker.expect("a/1 runs");
         let a1_key = WorkerKey {
             engine: "a".into(),
             dp_rank: 1,
@@ -661,53 +507,6 @@ pub(crate) mod tests {
         assert_eq!(keys(&registry), ["b/0"]);
     }
 
-    #[test]
-    fn apply_touches_only_what_changed() {
-        let mut registry = registry();
-        let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
-        let first = registry.apply(vec![spec("a", 0, &a0), spec("a", 1, &a1)]);
-        assert_eq!(first.added.len(), 2);
-        // Worker ids are reused, so they cannot tell a kept listener from a replacement; the
-        // listener's own status handle can: once its listener is stopped it reads `stopped`.
-        let handle_of = |registry: &Registry, engine: &str, dp_rank| {
-            registry
-                .ranks()
-                .current()
-                .handle(engine, dp_rank)
-                .unwrap_or_else(|| panic!("{engine}/{dp_rank} runs"))
-        };
-        let (a0_before, a1_before) = (handle_of(&registry, "a", 0), handle_of(&registry, "a", 1));
-
-        let mut retopic = spec("a", 1, &a1);
-        retopic.topic = "kv".into();
-        let diff = registry.apply(vec![spec("a", 0, &a0), retopic, spec("b", 0, &b0)]);
-        let key = |engine: &str, dp_rank| WorkerKey {
-            engine: engine.into(),
-            dp_rank,
-        };
-        assert_eq!(diff.added, [key("b", 0)]);
-        assert_eq!(diff.replaced, [key("a", 1)]);
-        assert!(diff.removed.is_empty() && diff.failed.is_empty());
-        assert_eq!(diff.unchanged, 1);
-        assert_ne!(
-            a0_before.get().state,
-            State::Stopped,
-            "a/0 is still the listener it was"
-        );
-        assert_eq!(
-            a1_before.get().state,
-            State::Stopped,
-            "a/1's old listener was replaced"
-        );
-        assert_ne!(handle_of(&registry, "a", 1).get().state, State::Stopped);
-
-        let diff = registry.apply(vec![spec("b", 0, &b0)]);
-        assert_eq!(diff.removed, [key("a", 0), key("a", 1)]);
-        assert_eq!(diff.unchanged, 1);
-        assert_eq!(keys(&registry), ["b/0"]);
-        assert_eq!(a0_before.get().state, State::Stopped, "a/0 removed");
-    }
-
     /// Puts a fresh context in the registry's pool and terminates the one its listeners run on
     /// (on another thread: `zmq_ctx_term` returns once their sockets are closed). One handle is
     /// leaked so that the context is never terminated twice.
@@ -717,113 +516,5 @@ pub(crate) mod tests {
             old.destroy().expect("zmq_ctx_term");
             std::mem::forget(old);
         })
-    }
-
-    fn wait_for_state(registry: &Registry, state: crate::listener::State) -> ListenerView {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let view = registry.snapshot().remove(0);
-            if view.status.as_ref().is_some_and(|s| {
-                s.state == state && (s.connected || state != crate::listener::State::Active)
-            }) {
-                return view;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no {state:?}: {view:?}"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    #[test]
-    fn a_failed_listener_is_taken_for_a_restart_after_its_wait_and_starts_again() {
-        use crate::listener::State;
-        let publishers = zmq::Context::new();
-        let publisher = publishers.socket(zmq::PUB).expect("PUB");
-        publisher.bind("tcp://127.0.0.1:*").expect("bind");
-        let endpoint = publisher
-            .get_last_endpoint()
-            .expect("endpoint")
-            .expect("UTF-8");
-        let metrics = Arc::new(Metrics::new());
-        let mut registry = Registry::new(zmq::Context::new(), Index::new(16, 8), metrics.clone());
-        registry
-            .register(vec![spec("a", 0, &endpoint)])
-            .expect("register a");
-        wait_for_state(&registry, State::Active);
-
-        terminate_listeners_context(&registry)
-            .join()
-            .expect("terminated");
-        let failed = wait_for_state(&registry, State::Failed);
-        let reason = failed.status.and_then(|s| s.failed).map(|f| f.reason);
-        assert!(
-            reason
-                .as_deref()
-                .is_some_and(|r| r.contains("Context was terminated")),
-            "{reason:?}"
-        );
-        assert!(!registry.has_pending(), "running, failed");
-        assert!(
-            registry.take_failed(Duration::from_secs(60)).is_empty(),
-            "not failed long enough"
-        );
-
-        let taken = registry.take_failed(Duration::ZERO);
-        assert_eq!(taken.len(), 1, "{taken:?}");
-        assert!(
-            taken[0].contains("engine a rank 0") && taken[0].contains("terminated"),
-            "{taken:?}"
-        );
-        assert!(registry.has_pending());
-        assert!(
-            registry.snapshot()[0].status.is_none(),
-            "pending, not running"
-        );
-        assert!(registry.retry_pending().is_empty());
-        wait_for_state(&registry, State::Active);
-        let text = metrics.render();
-        let counted =
-            "kv_indexer_listener_failures_total{instance=\"a\",dp_rank=\"0\",reason=\"socket\"} 1";
-        assert!(text.lines().any(|l| l == counted), "{text}");
-
-        registry.deregister("a");
-        assert!(
-            !metrics
-                .render()
-                .contains("listener_failures_total{instance=\"a\""),
-            "forgotten with the engine"
-        );
-    }
-
-    #[test]
-    fn a_failing_engine_is_pending_shown_stopped_and_dropped_when_unconfigured() {
-        let mut registry = registry();
-        let diff = registry.apply(vec![
-            spec("bad", 0, &quiet_endpoint()),
-            spec("bad", 1, BROKEN),
-            spec("good", 0, &quiet_endpoint()),
-        ]);
-        assert_eq!(diff.added.len(), 1);
-        assert_eq!(diff.failed.len(), 1);
-        assert!(
-            diff.failed[0].contains("engine bad rank 1"),
-            "{:?}",
-            diff.failed
-        );
-        assert!(registry.has_pending());
-        let views = registry.snapshot();
-        assert_eq!(keys(&registry), ["bad/0", "bad/1", "good/0"]);
-        assert!(views[..2]
-            .iter()
-            .all(|v| v.status.is_none() && v.worker.is_none()));
-        assert_eq!(registry.running_count(), 1);
-        assert_eq!(registry.retry_pending().len(), 1, "still broken");
-
-        let good_only: Vec<ListenerSpec> = views[2..].iter().map(|v| v.spec.clone()).collect();
-        let diff = registry.apply(good_only);
-        assert_eq!(diff.unchanged, 1);
-        assert!(!registry.has_pending());
     }
 }

@@ -4,6 +4,9 @@
 //! out-of-descriptors start error into one that says what to raise. Never: lowers a limit, or
 //! hides an error that is not about descriptors.
 
+use rustix::io::Errno;
+use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+
 use crate::listener::FDS_PER_LISTENER;
 
 /// Descriptors the process needs besides its listeners: HTTP, logs, ZMQ contexts, replays.
@@ -18,32 +21,35 @@ pub fn open_files_needed(listeners: usize) -> u64 {
 /// `FDS_PER_LISTENER` descriptors and the usual soft default is 1,024). Returns the soft limit
 /// before and after.
 pub fn raise_open_files_limit() -> std::io::Result<(u64, u64)> {
-    let mut limit = open_files_limit()?;
-    let before = limit.rlim_cur;
-    if limit.rlim_cur < limit.rlim_max {
-        limit.rlim_cur = limit.rlim_max;
-        // SAFETY: passes a valid rlimit the kernel only reads.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+    let limit = getrlimit(Resource::Nofile);
+    let (soft, hard) = (
+        unlimited_as_max(limit.current),
+        unlimited_as_max(limit.maximum),
+    );
+    if soft >= hard {
+        return Ok((soft, soft));
     }
-    Ok((before, limit.rlim_cur))
+    let raised = Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    setrlimit(Resource::Nofile, raised)?;
+    Ok((soft, hard))
 }
 
-fn open_files_limit() -> std::io::Result<libc::rlimit> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the valid rlimit it is given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(limit)
+/// The soft open-files limit now (`u64::MAX` when unlimited).
+fn open_files_limit() -> u64 {
+    unlimited_as_max(getrlimit(Resource::Nofile).current)
+}
+
+/// A limit as a number: `None` is `RLIM_INFINITY`, which is `u64::MAX` in the kernel's terms.
+fn unlimited_as_max(limit: Option<u64>) -> u64 {
+    limit.unwrap_or(u64::MAX)
 }
 
 /// Whether `error` comes from running out of file descriptors (the process's or the system's).
 fn out_of_files(error: &anyhow::Error) -> bool {
+    let out_of = [Errno::MFILE.raw_os_error(), Errno::NFILE.raw_os_error()];
     error.chain().any(|cause| {
         let code = match cause.downcast_ref::<zmq::Error>() {
             Some(zmq_error) => Some(zmq_error.to_raw()),
@@ -51,7 +57,7 @@ fn out_of_files(error: &anyhow::Error) -> bool {
                 .downcast_ref::<std::io::Error>()
                 .and_then(std::io::Error::raw_os_error),
         };
-        code.is_some_and(|code| code == libc::EMFILE || code == libc::ENFILE)
+        code.is_some_and(|code| out_of.contains(&code))
     })
 }
 
@@ -61,8 +67,7 @@ pub(super) fn explain_out_of_files(error: anyhow::Error, listeners: usize) -> an
         return error;
     }
     let needed = open_files_needed(listeners);
-    let limit =
-        open_files_limit().map_or_else(|e| format!("unknown: {e}"), |l| l.rlim_cur.to_string());
+    let limit = open_files_limit();
     error.context(format!(
         "out of file descriptors: {listeners} listeners need about {needed} (open files limit: \
          {limit}); raise LimitNOFILE= in the systemd unit, or `ulimit -n`, to at least {needed}"

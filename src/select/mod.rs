@@ -402,11 +402,6 @@ impl Selector {
             .map(|(key, _)| key.clone())
             .collect()
     }
-
-    /// Open reservations (for benchmarks and tests of memory).
-    pub fn open_reservations(&self) -> usize {
-        self.state.lock().reservations.len()
-    }
 }
 
 impl SelectState {

@@ -51,10 +51,6 @@ impl Reservations {
         self.open.contains_key(&id)
     }
 
-    pub(super) fn len(&self) -> usize {
-        self.open.len()
-    }
-
     pub(super) fn load(&self, rank: RankSlot) -> Load {
         self.loads.get(&rank).copied().unwrap_or_default()
     }

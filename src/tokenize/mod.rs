@@ -68,10 +68,6 @@ impl Tokenizers {
         Ok(Tokenizers { by_model })
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.by_model.is_empty()
-    }
-
     /// The models that have a tokenizer, sorted.
     pub fn models(&self) -> impl Iterator<Item = &str> {
         self.by_model.keys().map(String::as_str)

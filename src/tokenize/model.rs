@@ -95,15 +95,6 @@ impl ModelTokenizer {
         &self.dir
     }
 
-    pub fn has_chat_template(&self) -> bool {
-        self.template.is_some()
-    }
-
-    /// Whether chat prompts are tokenized piece by piece (with the piece cache).
-    pub fn cuts_pieces(&self) -> bool {
-        self.pieces.cuts_pieces()
-    }
-
     /// `prompt` as vLLM's `/v1/completions` tokenizes it: with the tokenizer's special tokens.
     pub fn encode_prompt(&self, prompt: &str, ids: &mut Vec<u32>) -> Result<(), PromptError> {
         self.pieces

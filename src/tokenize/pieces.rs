@@ -99,11 +99,6 @@ impl PieceTokenizer {
         })
     }
 
-    /// Whether `encode_plain` cuts at added tokens (else it tokenizes the text whole).
-    pub fn cuts_pieces(&self) -> bool {
-        self.cut.is_some()
-    }
-
     /// The ids of `text` without added special tokens (no BOS), as
     /// `tokenizer(text, add_special_tokens=False)` gives them.
     pub fn encode_plain(&self, text: &str, ids: &mut Vec<u32>) -> tokenizers::Result<()> {
@@ -227,7 +222,7 @@ mod tests {
         let tokenizer = Tokenizer::from_bytes(text.as_bytes()).expect("a tokenizer");
         let pieces = PieceTokenizer::new(tokenizer.clone(), &config).expect("pieces");
         assert!(
-            pieces.cuts_pieces(),
+            pieces.cut.is_some(),
             "the byte-level BPE is cut at its added tokens"
         );
 

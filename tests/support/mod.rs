@@ -101,7 +101,7 @@ pub fn warm_up(fleet: &Fleet, indexer: &mut dyn IndexerView, deadline: Duration)
 }
 
 /// A registry of listeners on every rank of a fleet feeding one in-process index, wired as the
-/// service wires them (`/workers` reads `snapshot`, `/query` names workers by `directory`).
+/// service wires them (`/workers` reads `views`, `/query` names workers by `directory`).
 pub struct InProcess {
     index: Arc<Index>,
     registry: Registry,
@@ -140,7 +140,7 @@ fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
 impl IndexerView for InProcess {
     fn ranks(&mut self) -> Result<Vec<RankView>> {
         self.registry
-            .snapshot()
+            .views()
             .into_iter()
             .map(|view| {
                 let status = view

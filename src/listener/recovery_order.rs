@@ -1,29 +1,26 @@
-//! One rank's state and rules: owns the rank's sockets and its `WorkerBlocks`, turns each live
-//! message into index changes under the sequence rules, and runs recoveries. A rank is moved,
-//! whole, between its poller (`poller`: live messages, the monitor, timers) and a recovery worker
-//! (`recoveries`): at any moment exactly one thread holds it, so its sockets and its worker
-//! have one user. The outside world sees only `StatusCell` and the index. It never waits on
-//! the network while live messages are being drained: a hole ends the drain with a `Job`.
+//! One rank's recoveries: what a hole in its history gets, in which order, and what is tried
+//! later when history stayed lost (docs/design.md "Recovery"). A recovery runs on a recovery
+//! worker in fair turns (`recoveries`), or on the poller when it cannot wait on the network.
+//!
+//! Owns: the recovery order (replay, else a peer's snapshot, else the engine's, else the loss
+//! counted and the rank `degraded`), the hole's budget and its turns, the rank's lost history
+//! (since which seq, how many recoveries in a row were given up) and the snapshot retry with its
+//! backoff. Never: touches a socket but through `recovery` (the replay client and the snapshot
+//! fetch), waits past its turn or the stop flag, or reads a live message (the rank is off its
+//! poller meanwhile; its live messages wait in the SUB socket's queue).
 
 use std::ops::RangeInclusive;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::applier::Applier;
-use super::failure::FailOnDrop;
-use super::frames::Frames;
-use super::peers::{snapshot_url, Replication};
+use super::live::Subscription;
+use super::peers::snapshot_url;
 use super::recovery::{self, Fetched, Interrupt, Replayed, Turn};
-use super::sequence::{Sequence, Step, MAX_PLAUSIBLE_GAP};
-use super::stop::Stop;
+use super::sequence::MAX_PLAUSIBLE_GAP;
 use super::RecoveredBy;
-use crate::metrics::{MalformedReason, RecoveryMethod};
-use crate::socket_monitor::Monitored;
+use crate::metrics::RecoveryMethod;
 use crate::wire::{self, EventBatch};
 
-/// Live messages taken from one rank before its poller serves the others: one busy rank
-/// cannot starve the rest of its poller.
-const DRAIN_BATCH: usize = 256;
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
 /// A hole is worked on, over as many turns as it takes, until this long after it was found
@@ -31,59 +28,41 @@ const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
 /// It bounds how long a rank shows `recovering` with its live batches waiting: the staleness
 /// one rank's recovery can cause.
 const HOLE_BUDGET: Duration = Duration::from_secs(30);
-/// A rank not connected this long after its listener started gets one log line saying what to
-/// check: long enough for an engine that is still loading its model to be left alone (ZMQ
-/// keeps retrying quietly meanwhile), short enough to be seen by whoever just started us.
-const NEVER_CONNECTED_HINT: Duration = Duration::from_secs(10);
 
-/// How long after a disconnect ZMQ has to reconnect by itself before the rank connects anew
-/// (`Rank::revive`): ten times its first reconnect interval and a handshake.
-const REVIVE_AFTER: Duration = Duration::from_secs(1);
-
-/// Everything of one rank: whoever holds it is the only user of its sockets and its worker.
-/// Dropping it closes the sockets and removes the rank's blocks from the index, then tells the
-/// `Listener` (the `gone` sender is declared last: fields drop in order).
-pub(super) struct Rank {
-    pub(super) token: u64,
-    context: zmq::Context,
-    /// The SUB socket and its monitor, created by `Listener::start` so that setup errors
-    /// surface there.
-    pub(super) sub: Monitored,
-    applier: Applier,
-    replication: Arc<Replication>,
-    pub(super) stop: Stop,
-    sequence: Sequence,
-    /// Reused for every live message.
-    live_frames: Frames,
-    /// While lost history may still be repaired by a snapshot: the next attempt and the
-    /// backoff after it.
-    snapshot_retry: Option<(Instant, Duration)>,
+/// What a rank lost and has not repaired.
+#[derive(Default)]
+pub(super) struct LostHistory {
     /// The first seq lost and not repaired since the rank was last whole. Set, only a snapshot,
     /// a restart or a replay of the whole history into an emptied rank makes it whole again: a
     /// replay from the loss would apply again the batches applied since, each store a second
     /// copy (docs/design.md "When a rank is whole again").
-    lost_since: Option<u64>,
+    since: Option<u64>,
     /// Recoveries given up in a row: the rank's holes queue behind those of ranks that failed
     /// less (`Job::priority`).
     failures: u32,
-    /// Until the first connection: when to log what to check (once).
-    never_connected_hint: Option<Instant>,
-    /// After a disconnect, when to connect anew if ZMQ has not reconnected by itself.
-    revive_at: Option<Instant>,
-    /// The poller's bookkeeping: the wake-up it has queued for this rank, and whether the rank
-    /// is on its ready list.
-    pub(super) armed: Option<Instant>,
-    pub(super) ready: bool,
-    /// Says `failed` unless stop was requested: after `applier` (its blocks have left the
-    /// index by then), before `_gone`.
-    pub(super) failure: FailOnDrop,
-    _gone: mpsc::SyncSender<()>,
+    /// While lost history may still be repaired by a snapshot: the next attempt and the
+    /// backoff after it.
+    snapshot_retry: Option<(Instant, Duration)>,
+}
+
+impl LostHistory {
+    /// When the next snapshot retry is due, if one is scheduled.
+    pub(super) fn snapshot_retry_at(&self) -> Option<Instant> {
+        self.snapshot_retry.map(|(at, _)| at)
+    }
+
+    /// The publisher restarted and the rank was emptied: what it lost before is no longer
+    /// its history. Its failures in a row still count.
+    pub(super) fn publisher_restarted(&mut self) {
+        self.since = None;
+        self.snapshot_retry = None;
+    }
 }
 
 /// The message that revealed a hole, applied after the recovery unless it went past it.
 pub(super) struct Pending {
-    seq: u64,
-    batch: EventBatch,
+    pub(super) seq: u64,
+    pub(super) batch: EventBatch,
 }
 
 /// A recovery the rank needs, run off its poller.
@@ -133,77 +112,14 @@ pub(super) enum TurnEnd {
     Yielded(Job),
 }
 
-/// Where a drain of live messages stopped.
-pub(super) enum Drained {
-    /// The socket has no message waiting.
-    Empty,
-    /// `DRAIN_BATCH` messages were taken and more may wait.
-    Budget,
-    /// A message revealed a hole: the rank must recover before anything else of it is read.
-    Recover(Job),
-}
-
-impl Rank {
-    pub(super) fn new(
-        token: u64,
-        context: zmq::Context,
-        sub: Monitored,
-        applier: Applier,
-        replication: Arc<Replication>,
-        stop: Stop,
-        gone: mpsc::SyncSender<()>,
-    ) -> Rank {
-        let failure = FailOnDrop::new(applier.who(), Arc::clone(&applier.status), stop.clone());
-        Rank {
-            token,
-            context,
-            sub,
-            applier,
-            replication,
-            stop,
-            sequence: Sequence::new(),
-            live_frames: Frames::default(),
-            snapshot_retry: None,
-            lost_since: None,
-            failures: 0,
-            never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
-            revive_at: None,
-            armed: None,
-            ready: false,
-            failure,
-            _gone: gone,
-        }
-    }
-
-    pub(super) fn who(&self) -> String {
-        self.applier.who()
-    }
-
-    /// The next time the rank needs its poller without a message: the never-connected hint, a
-    /// snapshot retry or a revival after a disconnect.
-    pub(super) fn next_wake(&self) -> Option<Instant> {
-        let retry = self.snapshot_retry.map(|(at, _)| at);
-        [retry, self.never_connected_hint, self.revive_at]
-            .into_iter()
-            .flatten()
-            .min()
-    }
-
-    /// What is due at `now`: the hint is logged and a revival made here, a due snapshot retry
-    /// is returned.
-    pub(super) fn on_timer(&mut self, now: Instant) -> Option<Job> {
-        if self.never_connected_hint.is_some_and(|at| now >= at) {
-            self.never_connected_hint = None;
-            self.log_never_connected();
-        }
-        if self.revive_at.is_some_and(|at| now >= at) {
-            self.revive_at = None;
-            self.revive();
-        }
-        self.snapshot_retry
-            .is_some_and(|(at, _)| now >= at)
+impl Subscription {
+    /// A snapshot retry, when one is due at `now`.
+    pub(super) fn due_snapshot_retry(&self, now: Instant) -> Option<Job> {
+        self.lost
+            .snapshot_retry_at()
+            .is_some_and(|at| now >= at)
             .then_some(Job::SnapshotRetry {
-                place: self.failures,
+                place: self.lost.failures,
             })
     }
 
@@ -236,172 +152,14 @@ impl Rank {
 
     /// A hole of `range`, queued behind those of ranks failing less. The rank shows
     /// `recovering` from now: its newer batches wait until the hole is dealt with.
-    fn hole(&self, range: RangeInclusive<u64>, pending: Option<Pending>) -> Job {
+    pub(super) fn hole(&self, range: RangeInclusive<u64>, pending: Option<Pending>) -> Job {
         self.applier.status.set_recovering(true);
         Job::Hole(Hole {
             range,
             pending,
             found: Instant::now(),
-            place: self.failures,
+            place: self.lost.failures,
         })
-    }
-
-    fn log_never_connected(&self) {
-        let spec = &self.applier.spec;
-        let port = spec.endpoint.rsplit(':').next().unwrap_or("?");
-        log::warn!(
-            "{}: no connection after {}s. Check: is the engine running? Does its \
-             --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
-             the base port + their rank)? Is {} reachable from here (host, firewall)? \
-             Still retrying.",
-            self.applier.who(),
-            NEVER_CONNECTED_HINT.as_secs(),
-            spec.key.dp_rank,
-            spec.endpoint
-        );
-    }
-
-    /// Connects anew when still disconnected `REVIVE_AFTER` a disconnect. ZMQ reconnects by
-    /// itself after a lost connection (within its 100 ms reconnect interval), but not after a
-    /// protocol error: a message over `ZMQ_MAXMSGSIZE` (`wire::MAX_MESSAGE_BYTES`) ends the
-    /// connection for good (libzmq 4.3's `session_base_t::engine_error`), which would leave
-    /// the rank `connecting` forever. A rank that is merely down gets a new connection
-    /// attempt and ZMQ's backoff again: harmless.
-    fn revive(&mut self) {
-        if self.applier.status.snapshot().connected {
-            return;
-        }
-        let endpoint = &self.applier.spec.endpoint;
-        log::info!(
-            "{}: still disconnected {REVIVE_AFTER:?} after losing {endpoint}: connecting anew \
-             (ZMQ does not reconnect after a message over ZMQ_MAXMSGSIZE, {} bytes)",
-            self.applier.who(),
-            crate::wire::MAX_MESSAGE_BYTES
-        );
-        // Gone already when ZMQ ended the connection itself: nothing to undo then.
-        let _ = self.sub.socket().disconnect(endpoint);
-        if let Err(error) = self.sub.socket().connect(endpoint) {
-            log::warn!(
-                "{}: connecting to {endpoint} again: {error}",
-                self.applier.who()
-            );
-        }
-    }
-
-    /// Takes every monitor event waiting (a few per connection change: no budget needed).
-    pub(super) fn drain_monitor(&mut self) -> anyhow::Result<()> {
-        while let Some(event) = self.sub.next_event()? {
-            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
-                self.applier.status.set_connected(true);
-                self.never_connected_hint = None;
-            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
-                self.applier.status.set_connected(false);
-                self.revive_at = Some(Instant::now() + REVIVE_AFTER);
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes up to `DRAIN_BATCH` live messages, stopping early at a hole.
-    pub(super) fn drain_live(&mut self) -> anyhow::Result<Drained> {
-        // Taken out of `self` for the drain, so that `on_live` may borrow both.
-        let mut frames = std::mem::take(&mut self.live_frames);
-        let mut drained = Drained::Budget;
-        for _ in 0..DRAIN_BATCH {
-            match frames.receive(self.sub.socket()) {
-                Ok(true) => {}
-                Ok(false) => {
-                    drained = Drained::Empty;
-                    break;
-                }
-                Err(error) => {
-                    self.live_frames = frames;
-                    return Err(error);
-                }
-            }
-            if let Some(job) = self.on_live(frames.as_slice()) {
-                drained = Drained::Recover(job);
-                break;
-            }
-        }
-        self.live_frames = frames;
-        Ok(drained)
-    }
-
-    /// Applies a live message, or returns the recovery its hole needs first.
-    fn on_live(&mut self, frames: &[zmq::Message]) -> Option<Job> {
-        let status = Arc::clone(&self.applier.status);
-        let message = match wire::parse_message(frames) {
-            Ok(message) => message,
-            Err(error) => {
-                let reason = if frames.len() == 3 {
-                    MalformedReason::Seq
-                } else {
-                    MalformedReason::Frames
-                };
-                log::debug!(
-                    "{}: dropped a malformed message: {error}",
-                    self.applier.who()
-                );
-                status.malformed(reason);
-                return None;
-            }
-        };
-        let seq = message.seq;
-        let (restart, join, missing) = match self.sequence.observe(seq) {
-            Step::Duplicate => return None,
-            Step::Apply => {
-                return match self.applier.decode(message.payload) {
-                    Some(batch) => {
-                        self.applier.apply_batch(seq, &batch);
-                        None
-                    }
-                    None => {
-                        status.gap(false);
-                        Some(self.hole(seq..=seq, None))
-                    }
-                }
-            }
-            Step::Hole {
-                restart,
-                join,
-                missing,
-            } => (restart, join, missing),
-        };
-        status.gap(restart);
-        if restart {
-            log::warn!(
-                "{}: publisher restarted (seq {seq} after {:?}); dropping the rank's blocks",
-                self.applier.who(),
-                status.snapshot().last_seq
-            );
-            self.applier.clear();
-            status.restarted(seq == 0);
-            self.snapshot_retry = None;
-            self.lost_since = None;
-        } else if !missing.is_empty() {
-            let what = if join { "joined mid-stream" } else { "gap" };
-            log::warn!(
-                "{}: {what}: batches {}..={} missing",
-                self.applier.who(),
-                missing.start,
-                missing.end - 1
-            );
-        }
-        match self.applier.decode(message.payload) {
-            Some(batch) if missing.is_empty() => {
-                self.applier.apply_batch(seq, &batch);
-                None
-            }
-            Some(batch) => Some(self.hole(
-                missing.start..=missing.end - 1,
-                Some(Pending {
-                    seq,
-                    batch: batch.into_batch(),
-                }),
-            )),
-            None => Some(self.hole(missing.start..=seq, None)),
-        }
     }
 
     /// One turn of recovering `hole` (docs/design.md "Recovery": replay, snapshot, else
@@ -433,11 +191,11 @@ impl Rank {
             // Degraded by an earlier loss: the rank is exact again only from the whole
             // history, replayed into the emptied rank. A reply that does not start at the
             // publisher's first seq changes nothing, and the new hole alone is asked for.
-            if self.lost_since.is_some() && knowable(0) {
+            if self.lost.since.is_some() && knowable(0) {
                 let (replayed, interrupt) = self.replay(&endpoint, (0, through), true, turn);
                 if let Some(c) = replayed {
                     // The rank holds exactly the batches 0..=c.
-                    self.lost_since = None;
+                    self.lost.since = None;
                     from = c.saturating_add(1);
                     reached = Some(c);
                 }
@@ -459,13 +217,13 @@ impl Rank {
             // The newest seq seen live: the message that revealed the hole, else its end.
             let newest = pending.as_ref().map_or(through, |pending| pending.seq);
             match self.whole_state_snapshot(through, newest, turn) {
-                Snapshot::Covered(seq, by) => {
+                SnapshotAttempt::Covered(seq, by) => {
                     reached = Some(seq);
                     how = by;
-                    self.lost_since = None;
+                    self.lost.since = None;
                 }
-                Snapshot::Unusable => {}
-                Snapshot::Interrupted(by) => cut = Some(by),
+                SnapshotAttempt::Unusable => {}
+                SnapshotAttempt::Interrupted(by) => cut = Some(by),
             }
         }
         match cut {
@@ -498,12 +256,12 @@ impl Rank {
             Some(c) => {
                 log::info!("{}: recovered batches through {c}", self.applier.who());
                 self.sequence.covered_through(c);
-                let whole = self.lost_since.is_none();
+                let whole = self.lost.since.is_none();
                 status.recovered(how, whole);
                 if whole {
-                    self.snapshot_retry = None;
+                    self.lost.snapshot_retry = None;
                 }
-                self.failures = 0;
+                self.lost.failures = 0;
             }
             None => {
                 if through - from < MAX_PLAUSIBLE_GAP {
@@ -520,10 +278,10 @@ impl Rank {
                     );
                     status.history_unknown();
                 }
-                self.lost_since.get_or_insert(from);
+                self.lost.since.get_or_insert(from);
                 self.sequence.covered_through(through);
                 self.schedule_snapshot_retry();
-                self.failures = self.failures.saturating_add(1);
+                self.lost.failures = self.lost.failures.saturating_add(1);
             }
         }
         status.set_recovering(false);
@@ -584,13 +342,13 @@ impl Rank {
 
     /// A snapshot with a seq in `need..=newest` from the best peer, else one covering `need`
     /// from the engine (docs/design.md "Recovery"), made the rank's whole state.
-    fn whole_state_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> Snapshot {
+    fn whole_state_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> SnapshotAttempt {
         match self.peer_snapshot(need, newest, turn) {
-            Snapshot::Unusable => {}
+            SnapshotAttempt::Unusable => {}
             done => return done,
         }
         if self.applier.spec.recover.is_none() {
-            return Snapshot::Unusable;
+            return SnapshotAttempt::Unusable;
         }
         self.engine_snapshot(need, turn)
     }
@@ -598,15 +356,15 @@ impl Rank {
     /// Asks every peer for the rank's snapshot and installs the newest usable one. A peer that
     /// is down, slow, degraded or wrong is skipped (logged, and counted in
     /// `recoveries_total{method="peer",outcome="failed"}`).
-    fn peer_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> Snapshot {
+    fn peer_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> SnapshotAttempt {
         let peers = self.replication.peers();
-        let mut best: Option<(crate::wire::Snapshot, &str)> = None;
+        let mut best: Option<(wire::Snapshot, &str)> = None;
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
             let secret = self.replication.secret().get();
             let checked = match recovery::fetch_snapshot(&url, secret.as_ref(), (&self.stop, turn))
             {
-                Fetched::Interrupted(by) => return Snapshot::Interrupted(by),
+                Fetched::Interrupted(by) => return SnapshotAttempt::Interrupted(by),
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),
             };
@@ -625,7 +383,7 @@ impl Rank {
             }
         }
         let Some((snapshot, peer)) = best else {
-            return Snapshot::Unusable;
+            return SnapshotAttempt::Unusable;
         };
         let seq = self.applier.install_snapshot(snapshot);
         self.applier.status.recovery(RecoveryMethod::Peer, true);
@@ -633,17 +391,17 @@ impl Rank {
             "{}: recovered from peer {peer}: its snapshot at seq {seq}",
             self.applier.who()
         );
-        Snapshot::Covered(seq, RecoveredBy::Peer(peer.to_owned()))
+        SnapshotAttempt::Covered(seq, RecoveredBy::Peer(peer.to_owned()))
     }
 
     /// Fetches the engine's snapshot and, when it covers `need`, makes it the rank's whole
     /// state.
-    fn engine_snapshot(&mut self, need: u64, turn: &Turn) -> Snapshot {
+    fn engine_snapshot(&mut self, need: u64, turn: &Turn) -> SnapshotAttempt {
         let Some(url) = self.applier.spec.recover.clone() else {
-            return Snapshot::Unusable;
+            return SnapshotAttempt::Unusable;
         };
         let outcome = match recovery::fetch_snapshot(&url, None, (&self.stop, turn)) {
-            Fetched::Interrupted(by) => return Snapshot::Interrupted(by),
+            Fetched::Interrupted(by) => return SnapshotAttempt::Interrupted(by),
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),
         };
@@ -651,7 +409,7 @@ impl Rank {
         match outcome {
             Ok(seq) => {
                 status.recovery(RecoveryMethod::Snapshot, true);
-                Snapshot::Covered(seq, RecoveredBy::EngineSnapshot)
+                SnapshotAttempt::Covered(seq, RecoveredBy::EngineSnapshot)
             }
             Err(error) => {
                 status.recovery(RecoveryMethod::Snapshot, false);
@@ -659,7 +417,7 @@ impl Rank {
                     "{}: snapshot recovery failed: {error:#}",
                     self.applier.who()
                 );
-                Snapshot::Unusable
+                SnapshotAttempt::Unusable
             }
         }
     }
@@ -669,9 +427,10 @@ impl Rank {
     /// wake-up, at most every 30 s).
     fn schedule_snapshot_retry(&mut self) {
         let backoff = self
+            .lost
             .snapshot_retry
             .map_or(SNAPSHOT_RETRY_FIRST, |(_, backoff)| backoff);
-        self.snapshot_retry = Some((
+        self.lost.snapshot_retry = Some((
             Instant::now() + backoff,
             (backoff * 2).min(SNAPSHOT_RETRY_MAX),
         ));
@@ -682,7 +441,7 @@ impl Rank {
     /// like one that failed.
     fn retry_snapshot(&mut self, turn: &Turn) -> Recovery {
         let Some(need) = self.sequence.next().map(|next| next.saturating_sub(1)) else {
-            self.snapshot_retry = None;
+            self.lost.snapshot_retry = None;
             return Recovery::Done;
         };
         let status = Arc::clone(&self.applier.status);
@@ -692,19 +451,19 @@ impl Rank {
         let result = self.whole_state_snapshot(need, need, turn);
         status.set_recovering(false);
         match result {
-            Snapshot::Interrupted(Interrupt::Stopped) => return Recovery::Stopped,
-            Snapshot::Covered(seq, how) => {
+            SnapshotAttempt::Interrupted(Interrupt::Stopped) => return Recovery::Stopped,
+            SnapshotAttempt::Covered(seq, how) => {
                 log::info!(
                     "{}: lost history repaired by a snapshot at seq {seq}",
                     self.applier.who()
                 );
                 self.sequence.covered_through(seq);
                 status.recovered(how, true);
-                self.snapshot_retry = None;
-                self.lost_since = None;
-                self.failures = 0;
+                self.lost.snapshot_retry = None;
+                self.lost.since = None;
+                self.lost.failures = 0;
             }
-            Snapshot::Unusable | Snapshot::Interrupted(Interrupt::Yield) => {
+            SnapshotAttempt::Unusable | SnapshotAttempt::Interrupted(Interrupt::Yield) => {
                 self.schedule_snapshot_retry()
             }
         }
@@ -713,7 +472,7 @@ impl Rank {
 }
 
 /// How a snapshot attempt ended.
-enum Snapshot {
+enum SnapshotAttempt {
     /// Applied; it covers up to this seq, and came from there.
     Covered(u64, RecoveredBy),
     Unusable,
