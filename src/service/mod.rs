@@ -1,32 +1,38 @@
 //! The running process: index, metrics, registry, HTTP server (and the Dynamo API's, when
-//! `dynamo_listen` is set), signals, and the threads that ask discovered engines for their
-//! ranks (`discovery`) and probe fixed engines' neighbour ports (`neighbours`); `reload` applies
-//! the file and the discovered answers, `retry` restarts engines that failed to start.
+//! `dynamo_listen` is set), signals, and the background tasks, all on one multi-thread tokio
+//! runtime (`tasks`): the askers of discovered engines (`discovery`, with the rank watch that
+//! asks them early), the neighbour probes of fixed engines (`neighbours`), the retry of engines
+//! that failed to start (`retry`) and the SIGHUP reloads; `reload`
+//! applies the file and the discovered answers. Only the ZMQ pollers and the recovery workers
+//! (`listener`) are threads of their own.
 //!
-//! Owns: start-up order, the signals (SIGHUP asks `reload`, one at a time; SIGTERM and SIGINT
-//! stop), and clean shutdown.
+//! Owns: the runtime (built by `run`, or by `Service::start` for a service of its own), start-up
+//! order, the signals (SIGHUP asks `reload`, one at a time; SIGTERM and SIGINT stop), and clean
+//! shutdown: every task told to stop and waited for.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
-//! listeners do), or exits without stopping the HTTP servers and every listener. Every plan goes
-//! to the registry through `RuntimeEngines`, so the file's ranks and those registered at
-//! runtime (the Dynamo API's `POST /register`) are applied together, the file's winning a clash.
+//! listeners do), blocks a worker of the runtime (blocking work goes to its blocking pool), or
+//! exits without stopping the HTTP servers and every listener. Every plan goes to the registry
+//! through `RuntimeEngines`, so the file's ranks and those registered at runtime (the Dynamo
+//! API's `POST /register`) are applied together, the file's winning a clash.
 
 mod discovery;
 mod neighbours;
 mod reload;
 mod retry;
+mod tasks;
 #[cfg(test)]
 mod tests;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use anyhow::Context;
 use log::{info, warn};
 use parking_lot::Mutex;
+use tokio::runtime::{Handle, Runtime};
 use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::sync::Notify;
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
@@ -42,60 +48,77 @@ use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
 use reload::{board_engines, Followers, Reloader};
 use retry::Retry;
+pub use tasks::build_runtime;
+use tasks::{blocking, Task};
 
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
 pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the signal runtime")?;
-    runtime.block_on(async {
-        // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
-        let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-        let mut terminate =
-            signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-        let mut interrupt =
-            signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-        // Start-up runs beside the signals: SIGTERM while thousands of engines start stops
-        // the start (no engine starts after it) and exits within a second.
-        let shutdown_signal = ShutdownSignal::default();
-        let mut start = {
-            let (path, signal) = (config_path.to_owned(), shutdown_signal.clone());
-            tokio::task::spawn_blocking(move || Service::start_until(&path, config, listen, signal))
-        };
-        let (started, stop_early) = tokio::select! {
-            started = &mut start => (started, None),
+    let runtime = build_runtime()?;
+    let served = runtime.block_on(serve(runtime.handle(), config_path, config, listen));
+    // Outside `block_on`: `shutdown` waits for the service's tasks with a `block_on` of its own.
+    let outcome = served.map(Service::shutdown);
+    // Not waiting for blocking work still under way (a discovery question, up to 5 s, whose
+    // answer nobody takes any more): SIGTERM ends the process within a second.
+    runtime.shutdown_background();
+    outcome
+}
+
+/// Installs the signal handlers, starts the service beside them and answers the signals until
+/// SIGTERM or SIGINT; returns the service, for `run` to shut down.
+async fn serve(
+    runtime: &Handle,
+    config_path: &Path,
+    config: Config,
+    listen: Option<String>,
+) -> anyhow::Result<Service> {
+    // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
+    let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut terminate =
+        signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    // Start-up runs beside the signals: SIGTERM while thousands of engines start stops the
+    // start (no engine starts after it) and exits within a second.
+    let shutdown_signal = ShutdownSignal::default();
+    let mut start = {
+        let (path, signal, runtime) = (
+            config_path.to_owned(),
+            shutdown_signal.clone(),
+            runtime.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            Service::start_on(runtime, &path, config, listen, signal)
+        })
+    };
+    let (started, stop_early) = tokio::select! {
+        started = &mut start => (started, None),
+        name = stop_requested(&mut terminate, &mut interrupt) => {
+            shutdown_signal.raise();
+            ((&mut start).await, Some(name))
+        }
+    };
+    let service = started.context("the start-up task")??;
+    if let Some(name) = stop_early {
+        info!("{name} during start-up: shutting down");
+        return Ok(service);
+    }
+    let hangups = HangupReloads::spawn(runtime, service.reloader.clone());
+    loop {
+        tokio::select! {
+            _ = hangup.recv() => {
+                info!("SIGHUP: reloading {}", config_path.display());
+                hangups.ask();
+            }
             name = stop_requested(&mut terminate, &mut interrupt) => {
-                shutdown_signal.raise();
-                ((&mut start).await, Some(name))
-            }
-        };
-        let service = started.context("the start-up thread")??;
-        if let Some(name) = stop_early {
-            info!("{name} during start-up: shutting down");
-            service.shutdown();
-            return Ok(());
-        }
-        let hangups = HangupReloads::spawn(service.reloader.clone())?;
-        loop {
-            tokio::select! {
-                _ = hangup.recv() => {
-                    info!("SIGHUP: reloading {}", config_path.display());
-                    hangups.ask();
-                }
-                name = stop_requested(&mut terminate, &mut interrupt) => {
-                    info!("{name}: shutting down");
-                    break;
-                }
+                info!("{name}: shutting down");
+                break;
             }
         }
-        // Before joining the reload thread: a reload in progress stops starting engines.
-        service.shutdown_signal.raise();
-        hangups.stop();
-        service.shutdown();
-        Ok(())
-    })
+    }
+    // Before waiting for the reload task: a reload in progress stops starting engines.
+    service.shutdown_signal.raise();
+    hangups.stop().await;
+    Ok(service)
 }
 
 /// Waits for SIGTERM or SIGINT; the name of the one that came.
@@ -106,38 +129,51 @@ async fn stop_requested(terminate: &mut Signal, interrupt: &mut Signal) -> &'sta
     }
 }
 
-/// Reloads asked for by SIGHUP, run one after another on their own thread so that the signal
-/// loop sees SIGTERM at once, even while a reload starts thousands of engines (seconds).
-/// SIGHUPs that arrive during a reload are answered by one more reload.
+/// Reloads asked for by SIGHUP, run one after another by a task of their own (each on the
+/// blocking pool) so that the signal loop sees SIGTERM at once, even while a reload starts
+/// thousands of engines (seconds). SIGHUPs that arrive during a reload are answered by one
+/// more reload.
 struct HangupReloads {
-    ask: Sender<()>,
-    thread: JoinHandle<()>,
+    /// Holds one permit at most: the SIGHUPs during a reload make one more.
+    asked: Arc<Notify>,
+    task: Task,
 }
 
 impl HangupReloads {
-    fn spawn(reloader: Arc<Reloader>) -> anyhow::Result<HangupReloads> {
-        let (ask, asked) = mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("sighup-reload".into())
-            .spawn(move || {
-                while asked.recv().is_ok() {
-                    while asked.try_recv().is_ok() {}
-                    // The outcome is logged by reload itself.
-                    let _ = reloader.reload();
-                }
-            })
-            .context("spawning the SIGHUP reload thread")?;
-        Ok(HangupReloads { ask, thread })
+    fn spawn(runtime: &Handle, reloader: Arc<Reloader>) -> HangupReloads {
+        let asked = Arc::new(Notify::new());
+        let reloads = Arc::clone(&asked);
+        let task = Task::spawn(runtime, |mut stopped| async move {
+            while stopped.unless(reloads.notified()).await.is_some() {
+                let reloader = Arc::clone(&reloader);
+                // The outcome is logged by reload itself.
+                let _ = blocking(move || reloader.reload()).await;
+            }
+        });
+        HangupReloads { asked, task }
     }
 
     fn ask(&self) {
-        // The thread only ends once `ask` is dropped (in `stop`).
-        let _ = self.ask.send(());
+        self.asked.notify_one();
     }
 
-    fn stop(self) {
-        drop(self.ask);
-        let _ = self.thread.join();
+    /// Stops the task; waits for the reload under way (the shutdown signal, raised first,
+    /// makes it start no more engines), never starts a reload asked for meanwhile.
+    async fn stop(self) {
+        self.task.stop().await;
+    }
+}
+
+/// The runtime a service built for itself (`Service::start`), shut down without waiting for
+/// blocking work still under way (as `run` does), so that it never blocks or panics where it
+/// is dropped, even in an async context.
+struct OwnedRuntime(Option<Runtime>);
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
     }
 }
 
@@ -151,22 +187,43 @@ pub struct Service {
     reloader: Arc<Reloader>,
     retry: Retry,
     rank_watch: RankWatch,
+    /// Where every task of the service runs.
+    runtime: Handle,
+    /// Declared last, dropped last: the runtime `Service::start` built, after everything on it
+    /// has stopped.
+    owned_runtime: OwnedRuntime,
 }
 
 impl Service {
     /// Builds the index and the registry, subscribes to every engine (one that fails is logged
-    /// and retried in the background) and serves HTTP on `listen` or else the file's `listen`.
+    /// and retried in the background) and serves HTTP on `listen` or else the file's `listen`,
+    /// on a runtime of its own (`build_runtime`) that the service owns. Call it, and
+    /// `shutdown`, outside any async context (a plain thread, or `spawn_blocking`).
     pub fn start(
         config_path: &Path,
         config: Config,
         listen: Option<String>,
     ) -> anyhow::Result<Service> {
-        Service::start_until(config_path, config, listen, ShutdownSignal::default())
+        let runtime = build_runtime()?;
+        let handle = runtime.handle().clone();
+        // Dropped without waiting if the start fails, like the service's.
+        let runtime = OwnedRuntime(Some(runtime));
+        let mut service = Service::start_on(
+            handle,
+            config_path,
+            config,
+            listen,
+            ShutdownSignal::default(),
+        )?;
+        service.owned_runtime = runtime;
+        Ok(service)
     }
 
-    /// `start`, that stops starting engines once `shutdown_signal` is raised (SIGTERM during
-    /// start-up).
-    pub fn start_until(
+    /// `start` with its tasks on `runtime` (`run`'s), that stops starting engines once
+    /// `shutdown_signal` is raised (SIGTERM during start-up). It blocks: call it outside any
+    /// async context (`run` calls it in `spawn_blocking`).
+    pub fn start_on(
+        runtime: Handle,
         config_path: &Path,
         config: Config,
         listen: Option<String>,
@@ -217,7 +274,7 @@ impl Service {
 
         let board = Arc::new(Board::default());
         board.retain(&board_engines(&config));
-        let neighbours = NeighbourWatch::spawn(board.clone(), metrics.clone())?;
+        let neighbours = NeighbourWatch::spawn(&runtime, board.clone(), metrics.clone());
         neighbours.sync(&config, &plan::expand(&config));
         let reloader = Arc::new(Reloader::new(
             config_path,
@@ -239,21 +296,22 @@ impl Service {
             }
         });
         let mut askers = Askers::new(
+            runtime.clone(),
             Client::new(Limits::default()),
             endpoints.clone(),
             board.clone(),
             metrics.clone(),
             apply,
         );
-        askers.sync(&config)?;
+        askers.sync(&config);
         reloader.set_askers(askers);
         let reload_for_http = reloader.clone();
         let suspects = Arc::downgrade(&reloader);
-        let rank_watch = RankWatch::spawn(ranks.clone(), move |engine| {
+        let rank_watch = RankWatch::spawn(&runtime, ranks.clone(), move |engine| {
             if let Some(reloader) = suspects.upgrade() {
                 reloader.suspect(engine);
             }
-        })?;
+        });
         let dynamo_api = DynamoApi {
             index: index.clone(),
             metrics: metrics.clone(),
@@ -277,7 +335,8 @@ impl Service {
         let dynamo = dynamo
             .map(|bound| bound.serve(Arc::new(dynamo_api)))
             .transpose()?;
-        let retry = Retry::spawn(registry.clone())?;
+        let retrying = registry.clone();
+        let retry = Retry::spawn(&runtime, move || retry::restart_failed(&retrying));
         Ok(Service {
             http,
             dynamo,
@@ -286,7 +345,14 @@ impl Service {
             reloader,
             retry,
             rank_watch,
+            runtime,
+            owned_runtime: OwnedRuntime(None),
         })
+    }
+
+    /// The runtime the service's tasks run on: `run`'s, or the one `start` built.
+    pub fn runtime(&self) -> &Handle {
+        &self.runtime
     }
 
     /// The address the HTTP API is bound to.
@@ -304,7 +370,8 @@ impl Service {
         self.reloader.reload()
     }
 
-    /// Stops HTTP (answering what was already received), the retries and every listener.
+    /// Stops HTTP (answering what was already received), every task (waiting for each) and
+    /// every listener; then the runtime, if `start` built it. Call it outside any async context.
     pub fn shutdown(self) {
         // First, from outside the registry's lock: a reload or retry holding it starts no
         // more engines, so the lock is free within one listener start.
@@ -313,14 +380,18 @@ impl Service {
         if let Some(dynamo) = self.dynamo {
             dynamo.stop();
         }
-        self.retry.stop();
-        self.rank_watch.stop();
-        // Their threads end after the question under way; an answer that arrives later meets
-        // the raised shutdown signal, and the registry starts nothing for it.
-        self.reloader.stop_watchers();
+        let reloader = &self.reloader;
+        self.runtime.block_on(async {
+            self.retry.stop().await;
+            self.rank_watch.stop().await;
+            // An apply under way finishes against the raised shutdown signal: the registry
+            // starts nothing for it.
+            reloader.stop_watchers().await;
+        });
         let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
+        drop(registry);
         info!("stopped {ranks} listeners; bye");
     }
 }
