@@ -2,7 +2,7 @@
 //! `dynamo_listen` is set), signals, and the background tasks, all on one multi-thread tokio
 //! runtime (`tasks`): the askers of discovered engines (`discovery`, with the rank watch that
 //! asks them early), the neighbour probes of fixed engines (`neighbours`), the retry of engines
-//! that failed to start (`retry`) and the SIGHUP reloads; `reload`
+//! that failed to start (`retry`), the SIGHUP reloads and the malloc trim (`trim`); `reload`
 //! applies the file and the discovered answers. Only the ZMQ pollers and the recovery workers
 //! (`listener`) are threads of their own.
 //!
@@ -22,6 +22,7 @@ mod retry;
 mod tasks;
 #[cfg(test)]
 mod tests;
+mod trim;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -55,9 +56,13 @@ use tasks::{blocking, Task};
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
 pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
     let runtime = build_runtime()?;
+    let trim = trim::spawn(runtime.handle());
     let served = runtime.block_on(serve(runtime.handle(), config_path, config, listen));
     // Outside `block_on`: `shutdown` waits for the service's tasks with a `block_on` of its own.
     let outcome = served.map(Service::shutdown);
+    if let Some(trim) = trim {
+        runtime.block_on(trim.stop());
+    }
     // Not waiting for blocking work still under way (a discovery question, up to 5 s, whose
     // answer nobody takes any more): SIGTERM ends the process within a second.
     runtime.shutdown_background();
