@@ -2,10 +2,6 @@
 //! configuration, then either prints the expanded plan (`--check`, offline; with `--discover`
 //! after asking every discovered engine) or hands everything to `service::run`. It never serves
 //! anything itself, and starts nothing from a broken file.
-//!
-//! Before serving it starts the one thread that returns what the C allocator keeps after a
-//! burst (`return_bursts_to_the_kernel`): libzmq allocates every received message with C
-//! malloc, which no Rust allocator setting reaches.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -83,7 +79,6 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
 
-    return_bursts_to_the_kernel();
     match service::run(&args.config, config, args.listen) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -92,60 +87,6 @@ fn main() -> ExitCode {
         }
     }
 }
-
-/// Starts a thread that gives what glibc keeps after a burst back to the kernel: once a second
-/// it reads the resident set (`/proc/self/statm`), and when that grew by `TRIM_AFTER_GROWTH`
-/// since the last trim and stopped growing (the burst is over), calls `malloc_trim(0)`.
-///
-/// Why: libzmq mallocs each received message (most of ours are 8–16 KiB), and glibc keeps
-/// freed chunks in its arenas, fragmented between live ones, for good. Measured with
-/// `examples/bench_stream --burst` (16 ranks, 262,144 live pairs, docs/performance.md): 23 MiB
-/// of 46 MiB growth kept after the burst without it, none with it. The other fix measured,
-/// `mallopt(M_MMAP_THRESHOLD, 8 KiB)` (a mapping per message), cost the burst 26% more CPU.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn return_bursts_to_the_kernel() {
-    const TRIM_AFTER_GROWTH: u64 = 8 << 20;
-    const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-    let spawned = std::thread::Builder::new()
-        .name("malloc-trim".into())
-        .spawn(|| {
-            let mut trimmed_at = resident_bytes();
-            let mut previous = trimmed_at;
-            loop {
-                std::thread::sleep(EVERY);
-                let now = resident_bytes();
-                if now >= trimmed_at.saturating_add(TRIM_AFTER_GROWTH) && now <= previous {
-                    // SAFETY: malloc_trim takes no pointers and is thread-safe (it locks each
-                    // arena in turn).
-                    unsafe { libc::malloc_trim(0) };
-                    let after = resident_bytes();
-                    log::debug!(
-                        "returned {} KiB to the kernel",
-                        now.saturating_sub(after) >> 10
-                    );
-                    trimmed_at = after;
-                }
-                previous = now;
-            }
-        });
-    if let Err(error) = spawned {
-        log::warn!("no malloc-trim thread ({error}): memory a burst took stays with the process");
-    }
-}
-
-/// Bytes resident now; 0 when `/proc/self/statm` cannot be read (nothing is trimmed then).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn resident_bytes() -> u64 {
-    // SAFETY: sysconf takes no pointers.
-    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * page)
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn return_bursts_to_the_kernel() {}
 
 /// The configuration, and every problem with it and with `--listen`.
 fn load(args: &Args) -> (Option<Config>, Vec<String>) {

@@ -1,24 +1,27 @@
-//! Asking discovered engines for their ranks while the service runs: one thread per engine
-//! with `discover`, so that an engine whose API server is slow or down (each question may take
-//! `Limits::whole`, 5 s) never delays another engine or the rest of the service.
+//! Asking discovered engines for their ranks while the service runs: one task per engine with
+//! `discover`, its question on the runtime's blocking pool, so that an engine whose API server
+//! is slow or down (each question may take `Limits::whole`, 5 s) never delays another engine or
+//! the rest of the service.
 //!
 //! Owns when each engine is asked: at start, on reload (SIGHUP, `POST /reload`), every
 //! `discover_interval_s`, early when one of its ranks looks restarted or stays disconnected
 //! (with `tcp://*:0` a restarted rank binds another port), and, while it fails, after a backoff
-//! from 1 s doubling up to the interval. Owns what each outcome logs, counts and puts on the
-//! board. Never: touches the registry or the plan itself: a new answer is handed to the
-//! service's `apply` (the reloader), which applies it through `plan` and `Registry::apply`
-//! exactly as a reload, so unchanged ranks keep their socket and blocks.
+//! from 1 s doubling up to the interval, all on tokio time (a test pauses and advances it).
+//! Owns what each outcome logs, counts and puts on the board. Never: touches the registry or
+//! the plan itself: a new answer is handed to the service's `apply` (the reloader), which
+//! applies it through `plan` and `Registry::apply` exactly as a reload, so unchanged ranks keep
+//! their socket and blocks.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::Context;
 use log::{info, warn};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 
+use super::tasks::{blocking, Stopped, Task};
 use crate::config::{Config, DiscoverConfig};
 use crate::discover::{
     Board, Client, Disagreement, DiscoverError, Discovery, EndpointPolicy, EngineApi, EngineKind,
@@ -39,10 +42,11 @@ const EARLY_MIN: Duration = Duration::from_secs(2);
 
 /// Hands an engine's new answer to the service, which applies it like a reload: the engine's
 /// name, the API it asked (so an answer racing a reload that changed `discover` is dropped)
-/// and the answer.
+/// and the answer. It blocks (the reloader's lock, listener starts): it is called on the
+/// blocking pool.
 pub type ApplyFn = dyn Fn(&EngineApi, Discovery) + Send + Sync;
 
-/// Why an engine's thread is woken before its next question is due.
+/// Why an engine's task is woken before its next question is due.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Wake {
     /// A reload: ask now.
@@ -51,24 +55,31 @@ enum Wake {
     Suspect,
 }
 
-/// One engine's asking thread; dropping `wake` stops it (the thread is not joined).
+/// One engine's asking task; dropping it stops the task without waiting (see `Askers::stop`).
 struct Asker {
     settings: DiscoverConfig,
-    wake: Sender<Wake>,
+    wake: mpsc::UnboundedSender<Wake>,
+    task: Task,
 }
 
-/// Every discovered engine's asking thread.
+/// Every discovered engine's asking task.
 pub struct Askers {
+    runtime: Handle,
     client: Arc<Client>,
     policy: Arc<EndpointPolicy>,
     board: Arc<Board>,
     metrics: Arc<Metrics>,
     apply: Arc<ApplyFn>,
+    /// One answer applied at a time: the reloader applies them one at a time anyway, and
+    /// waiting for that here, on the runtime, keeps the blocking pool's threads for questions.
+    applying: Arc<tokio::sync::Mutex<()>>,
     engines: BTreeMap<String, Asker>,
 }
 
 impl Askers {
+    /// Askers whose tasks run on `runtime`.
     pub fn new(
+        runtime: Handle,
         client: Client,
         policy: Arc<EndpointPolicy>,
         board: Arc<Board>,
@@ -76,47 +87,41 @@ impl Askers {
         apply: Arc<ApplyFn>,
     ) -> Askers {
         Askers {
+            runtime,
             client: Arc::new(client),
             policy,
             board,
             metrics,
             apply,
+            applying: Arc::default(),
             engines: BTreeMap::new(),
         }
     }
 
-    /// Makes the threads match `config` (at start and on reload): an engine gone, or whose
-    /// `discover` settings changed, has its thread stopped; a new one (or a changed one) gets
-    /// a thread that asks at once; an engine that stays is asked now.
-    pub fn sync(&mut self, config: &Config) -> anyhow::Result<()> {
+    /// Makes the tasks match `config` (at start and on reload): an engine gone, or whose
+    /// `discover` settings changed, has its task stopped; a new one (or a changed one) gets
+    /// a task that asks at once; an engine that stays is asked now.
+    pub fn sync(&mut self, config: &Config) {
         let wanted: BTreeMap<&str, &DiscoverConfig> = config
             .engines
             .iter()
             .filter_map(|engine| Some((engine.name.as_str(), engine.discover()?)))
             .collect();
-        let leaving: Vec<String> = self
-            .engines
-            .iter()
-            .filter(|(name, asker)| wanted.get(name.as_str()) != Some(&&asker.settings))
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in leaving {
-            // Its thread ends after the question under way (see `stop`).
-            self.engines.remove(&name);
-        }
+        // Dropped: told to stop, not waited for (see `stop`).
+        self.engines
+            .retain(|name, asker| wanted.get(name.as_str()) == Some(&&asker.settings));
         for (name, settings) in wanted {
             match self.engines.get(name) {
                 Some(asker) => {
-                    // A thread that is gone has nothing left to ask.
+                    // A task that has ended (it panicked) has nothing left to ask.
                     let _ = asker.wake.send(Wake::Reload);
                 }
                 None => {
-                    let asker = self.spawn(settings.clone())?;
+                    let asker = self.spawn(settings.clone());
                     self.engines.insert(name.to_string(), asker);
                 }
             }
         }
-        Ok(())
     }
 
     /// Asks `engine` soon: one of its ranks looks restarted or stays disconnected.
@@ -126,18 +131,21 @@ impl Askers {
         }
     }
 
-    /// Tells every thread to stop, without waiting: a question under way may take
-    /// `Limits::whole` (5 s), and SIGTERM must end the process within a second. A thread ends
-    /// after that question; its answer, if any, reaches a registry whose shutdown signal is
-    /// raised (it starts nothing), or an applier that drops it (a reload changed the engine).
-    pub fn stop(self) {
-        drop(self.engines);
+    /// Stops every task and waits for them, which is at once: a task stops where it waits,
+    /// even for a question under way (that may take `Limits::whole`, 5 s, and SIGTERM must end
+    /// the process within a second). The question finishes on the blocking pool and its answer
+    /// is dropped; an apply under way finishes against a registry whose shutdown signal is
+    /// raised (it starts nothing).
+    pub async fn stop(self) {
+        for asker in self.engines.into_values() {
+            asker.task.stop().await;
+        }
     }
 
-    fn spawn(&self, settings: DiscoverConfig) -> anyhow::Result<Asker> {
-        let (wake, woken) = mpsc::channel();
+    fn spawn(&self, settings: DiscoverConfig) -> Asker {
+        let (wake, woken) = mpsc::unbounded_channel();
         let name = settings.api.engine.clone();
-        let mut asking = Asking {
+        let asking = Asking {
             settings: settings.clone(),
             client: Arc::clone(&self.client),
             policy: Arc::clone(&self.policy),
@@ -145,20 +153,22 @@ impl Askers {
             metrics: self.metrics.engine(&name),
             refusals: Arc::clone(&self.metrics),
             apply: Arc::clone(&self.apply),
+            applying: Arc::clone(&self.applying),
             hint: None,
             last_ranks: None,
             reported: Vec::new(),
             logged_error: None,
         };
-        std::thread::Builder::new()
-            .name(format!("discover-{name}"))
-            .spawn(move || asking.run(&woken))
-            .with_context(|| format!("engine {name}: spawning its discovery thread"))?;
-        Ok(Asker { settings, wake })
+        let task = Task::spawn(&self.runtime, |stopped| asking.run(woken, stopped));
+        Asker {
+            settings,
+            wake,
+            task,
+        }
     }
 }
 
-/// One engine's thread state.
+/// One engine's task state.
 struct Asking {
     settings: DiscoverConfig,
     client: Arc<Client>,
@@ -168,6 +178,7 @@ struct Asking {
     /// Where refused endpoints are counted.
     refusals: Arc<Metrics>,
     apply: Arc<ApplyFn>,
+    applying: Arc<tokio::sync::Mutex<()>>,
     /// The kind that answered last: its route is asked first.
     hint: Option<EngineKind>,
     /// The ranks of the last answer taken, for the log.
@@ -179,27 +190,33 @@ struct Asking {
 }
 
 impl Asking {
-    fn run(&mut self, woken: &mpsc::Receiver<Wake>) {
+    async fn run(mut self, mut woken: mpsc::UnboundedReceiver<Wake>, mut stopped: Stopped) {
         let interval = Duration::from_secs(u64::from(self.settings.interval_s));
         let mut backoff = BACKOFF_MIN;
         let mut early_spacing = EARLY_MIN;
         let mut last_asked: Option<Instant> = None;
         let mut due = Instant::now();
         loop {
-            let wait = due.saturating_duration_since(Instant::now());
-            let early = match woken.recv_timeout(wait) {
-                Ok(Wake::Reload) => false,
-                Ok(Wake::Suspect) => {
-                    if last_asked.is_some_and(|at| at.elapsed() < early_spacing) {
-                        continue;
+            let early = tokio::select! {
+                biased;
+                () = stopped.wait() => return,
+                wake = woken.recv() => match wake {
+                    Some(Wake::Reload) => false,
+                    Some(Wake::Suspect) => {
+                        if last_asked.is_some_and(|at| at.elapsed() < early_spacing) {
+                            continue;
+                        }
+                        true
                     }
-                    true
-                }
-                Err(RecvTimeoutError::Timeout) => false,
-                Err(RecvTimeoutError::Disconnected) => return,
+                    None => return,
+                },
+                () = tokio::time::sleep_until(due) => false,
             };
             last_asked = Some(Instant::now());
-            match self.ask() {
+            let Some(asked) = stopped.unless(self.ask()).await else {
+                return;
+            };
+            match asked {
                 Ok(changed) => {
                     backoff = BACKOFF_MIN;
                     early_spacing = match (early, changed) {
@@ -217,14 +234,21 @@ impl Asking {
     }
 
     /// One question; `Ok(true)` when the answer differs from the last one taken.
-    fn ask(&mut self) -> Result<bool, ()> {
-        let api = &self.settings.api;
-        let checked = self
-            .client
-            .discover(api, self.hint)
-            .and_then(|discovery| self.check_endpoints(discovery));
+    async fn ask(&mut self) -> Result<bool, ()> {
+        let client = Arc::clone(&self.client);
+        let policy = Arc::clone(&self.policy);
+        let refusals = Arc::clone(&self.refusals);
+        let api = self.settings.api.clone();
+        let hint = self.hint;
+        // The GET, and the endpoints' names resolved by the policy.
+        let checked = blocking(move || {
+            client
+                .discover(&api, hint)
+                .and_then(|discovery| check_endpoints(&policy, &refusals, &api, discovery))
+        })
+        .await;
         match checked {
-            Ok(discovery) => Ok(self.answered(discovery)),
+            Ok(discovery) => Ok(self.answered(discovery).await),
             Err(error) => {
                 self.failed(&error);
                 Err(())
@@ -232,44 +256,7 @@ impl Asking {
         }
     }
 
-    /// The answer, unless one of its endpoints is refused (`EndpointPolicy`): then the whole
-    /// answer is, as for any rank kv-indexer cannot use, and each refusal is counted.
-    fn check_endpoints(&self, discovery: Discovery) -> Result<Discovery, DiscoverError> {
-        let api = &self.settings.api;
-        let endpoints = discovery
-            .ranks
-            .iter()
-            .flat_map(|rank| std::iter::once(rank.endpoint.as_str()).chain(rank.replay.as_deref()));
-        let who = format!("engine {}", api.engine);
-        let Err(refused) = self.policy.check(&who, &api.host, endpoints) else {
-            return Ok(discovery);
-        };
-        for refusal in &refused {
-            self.refusals
-                .endpoint_refused(EndpointSource::discovery, refusal.reason);
-        }
-        /// Enough to see the pattern of a hostile answer without a line per rank.
-        const NAMED: usize = 3;
-        let mut detail: Vec<String> = refused
-            .iter()
-            .take(NAMED)
-            .map(ToString::to_string)
-            .collect();
-        if refused.len() > NAMED {
-            detail.push(format!("and {} more", refused.len() - NAMED));
-        }
-        Err(DiscoverError {
-            engine: api.engine.clone(),
-            url: discovery.url,
-            failure: Failure::Shape,
-            detail: format!(
-                "answered endpoints kv-indexer refuses: {}",
-                detail.join("; ")
-            ),
-        })
-    }
-
-    fn answered(&mut self, discovery: Discovery) -> bool {
+    async fn answered(&mut self, discovery: Discovery) -> bool {
         let engine = &self.settings.api.engine;
         self.metrics.discovery(DiscoveryOutcome::Ok);
         self.metrics.set_discovered_ranks(discovery.ranks.len());
@@ -309,7 +296,9 @@ impl Asking {
         self.hint = Some(discovery.kind);
         self.last_ranks = Some(ranks);
         // The applier compares the whole answer (endpoints included) with the one in effect.
-        (self.apply)(&self.settings.api, discovery);
+        let _turn = self.applying.lock().await;
+        let (apply, api) = (Arc::clone(&self.apply), self.settings.api.clone());
+        blocking(move || apply(&api, discovery)).await;
         changed
     }
 
@@ -334,6 +323,47 @@ impl Asking {
     }
 }
 
+/// The answer, unless one of its endpoints is refused (`EndpointPolicy`): then the whole answer
+/// is, as for any rank kv-indexer cannot use, and each refusal is counted in `refusals`.
+/// Blocks while it resolves the endpoints' host names.
+fn check_endpoints(
+    policy: &EndpointPolicy,
+    refusals: &Metrics,
+    api: &EngineApi,
+    discovery: Discovery,
+) -> Result<Discovery, DiscoverError> {
+    let endpoints = discovery
+        .ranks
+        .iter()
+        .flat_map(|rank| std::iter::once(rank.endpoint.as_str()).chain(rank.replay.as_deref()));
+    let who = format!("engine {}", api.engine);
+    let Err(refused) = policy.check(&who, &api.host, endpoints) else {
+        return Ok(discovery);
+    };
+    for refusal in &refused {
+        refusals.endpoint_refused(EndpointSource::discovery, refusal.reason);
+    }
+    /// Enough to see the pattern of a hostile answer without a line per rank.
+    const NAMED: usize = 3;
+    let mut detail: Vec<String> = refused
+        .iter()
+        .take(NAMED)
+        .map(ToString::to_string)
+        .collect();
+    if refused.len() > NAMED {
+        detail.push(format!("and {} more", refused.len() - NAMED));
+    }
+    Err(DiscoverError {
+        engine: api.engine.clone(),
+        url: discovery.url,
+        failure: Failure::Shape,
+        detail: format!(
+            "answered endpoints kv-indexer refuses: {}",
+            detail.join("; ")
+        ),
+    })
+}
+
 /// Looks a rank must be seen disconnected in a row before its engine is asked early: the
 /// service looks every second, and a listener that has just (re)connected needs a moment for
 /// its handshake, so 3 looks (at least 2 s) mean "stays disconnected".
@@ -343,38 +373,35 @@ const DISCONNECTED_LOOKS: u32 = 3;
 /// views, no registry lock).
 const LOOK_EVERY: Duration = Duration::from_secs(1);
 
-/// The thread that looks at every rank once a second and names the engines to ask early.
-pub struct RankWatch {
-    stop: Sender<()>,
-    thread: JoinHandle<()>,
-}
+/// The task that looks at every rank once a second and names the engines to ask early.
+pub struct RankWatch(Task);
 
 impl RankWatch {
     /// Looks at `ranks` every `LOOK_EVERY` and calls `suspect` with each engine that has a rank
     /// looking restarted or staying disconnected (`Askers::suspect` ignores fixed engines).
+    /// `suspect` must not block: it runs on the runtime.
     pub fn spawn(
+        runtime: &Handle,
         ranks: RanksReader,
         suspect: impl Fn(&str) + Send + 'static,
-    ) -> anyhow::Result<RankWatch> {
-        let (stop, stopped) = mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("rank-watch".into())
-            .spawn(move || {
-                let mut looks = RankLooks::default();
-                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(LOOK_EVERY) {
-                    for engine in looks.look(&ranks.current().views()) {
-                        suspect(&engine);
-                    }
+    ) -> RankWatch {
+        RankWatch(Task::spawn(runtime, |mut stopped| async move {
+            let mut looks = RankLooks::default();
+            while stopped
+                .unless(tokio::time::sleep(LOOK_EVERY))
+                .await
+                .is_some()
+            {
+                for engine in looks.look(&ranks.current().views()) {
+                    suspect(&engine);
                 }
-            })
-            .context("spawning the rank watch thread")?;
-        Ok(RankWatch { stop, thread })
+            }
+        }))
     }
 
-    pub fn stop(self) {
-        drop(self.stop);
-        // A panicked thread has already logged why.
-        let _ = self.thread.join();
+    /// Stops the task; a look takes no time, so this is at once.
+    pub async fn stop(self) {
+        self.0.stop().await;
     }
 }
 
@@ -420,5 +447,84 @@ fn outcome(failure: Failure) -> DiscoveryOutcome {
         Failure::TooLarge => DiscoveryOutcome::TooLarge,
         Failure::NotJson => DiscoveryOutcome::NotJson,
         Failure::Shape => DiscoveryOutcome::Shape,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::discover::Limits;
+
+    /// An engine's API server on 127.0.0.1 that answers 503 to its first `failures` questions
+    /// and vLLM's `{}` (no ranks) to the rest, `questions` in all, telling `asked` of each
+    /// question as it arrives.
+    fn engine_api(
+        failures: usize,
+        questions: usize,
+        asked: mpsc::UnboundedSender<()>,
+    ) -> (u16, std::thread::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the engine's API");
+        let port = listener.local_addr().expect("its address").port();
+        let server = std::thread::spawn(move || {
+            for n in 0..questions {
+                let (mut socket, _) = listener.accept().expect("a question");
+                socket
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .expect("read timeout");
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    socket.read_exact(&mut byte).expect("the request head");
+                    head.push(byte[0]);
+                }
+                assert!(head.starts_with(b"GET /kv_event_sources "), "{head:?}");
+                let _ = asked.send(());
+                let reply: &[u8] = if n < failures {
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+                };
+                socket.write_all(reply).expect("the answer");
+            }
+        });
+        (port, server)
+    }
+
+    /// Paused time: the asker's waits are tokio's, so the test runs through half a minute of
+    /// backoff and interval at once. Each question is reported as it arrives, while its GET
+    /// holds the paused clock still, so its time is the time it was asked.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_engine_is_asked_again_after_1_2_4_s_then_every_interval() {
+        let (asked, mut questions) = mpsc::unbounded_channel();
+        let (port, server) = engine_api(3, 6, asked);
+        let text = format!(
+            "[[engine]]\nname = \"asked\"\ndiscover = \"http://127.0.0.1:{port}\"\n\
+             discover_interval_s = 10\n"
+        );
+        let config = Config::parse(&text, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+        let ignore: Arc<ApplyFn> = Arc::new(|_: &EngineApi, _: Discovery| {});
+        let mut askers = Askers::new(
+            Handle::current(),
+            Client::new(Limits::default()),
+            Arc::new(EndpointPolicy::new(Vec::new())),
+            Arc::new(Board::default()),
+            Arc::new(Metrics::new()),
+            ignore,
+        );
+        let start = Instant::now();
+        askers.sync(&config);
+        let mut at = Vec::new();
+        for _ in 0..6 {
+            let asked = tokio::time::timeout(Duration::from_secs(60), questions.recv()).await;
+            assert!(matches!(asked, Ok(Some(()))), "no question after {at:?}");
+            at.push(start.elapsed().as_secs());
+        }
+        askers.stop().await;
+        server.join().expect("the engine's API");
+        // Three 503s: asked again after 1, 2 and 4 s; then answered, asked every 10 s.
+        assert_eq!(at, [0, 1, 3, 7, 17, 27]);
     }
 }

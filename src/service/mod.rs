@@ -1,32 +1,39 @@
 //! The running process: index, metrics, registry, HTTP server (and the Dynamo API's, when
-//! `dynamo_listen` is set), signals, and the threads that ask discovered engines for their
-//! ranks (`discovery`) and probe fixed engines' neighbour ports (`neighbours`); `reload` applies
-//! the file and the discovered answers, `retry` restarts engines that failed to start.
+//! `dynamo_listen` is set), signals, and the background tasks, all on one multi-thread tokio
+//! runtime (`tasks`): the askers of discovered engines (`discovery`, with the rank watch that
+//! asks them early), the neighbour probes of fixed engines (`neighbours`), the retry of engines
+//! that failed to start (`retry`), the SIGHUP reloads and the malloc trim (`trim`); `reload`
+//! applies the file and the discovered answers. Only the ZMQ pollers and the recovery workers
+//! (`listener`) are threads of their own.
 //!
-//! Owns: start-up order, the signals (SIGHUP asks `reload`, one at a time; SIGTERM and SIGINT
-//! stop), and clean shutdown.
+//! Owns: the runtime (built by `run`, or by `Service::start` for a service of its own), start-up
+//! order, the signals (SIGHUP asks `reload`, one at a time; SIGTERM and SIGINT stop), and clean
+//! shutdown: every task told to stop and waited for.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
-//! listeners do), or exits without stopping the HTTP servers and every listener. Every plan goes
-//! to the registry through `RuntimeEngines`, so the file's ranks and those registered at
-//! runtime (the Dynamo API's `POST /register`) are applied together, the file's winning a clash.
+//! listeners do), blocks a worker of the runtime (blocking work goes to its blocking pool), or
+//! exits without stopping the HTTP servers and every listener. Every plan goes to the registry
+//! through `RuntimeEngines`, so the file's ranks and those registered at runtime (the Dynamo
+//! API's `POST /register`) are applied together, the file's winning a clash.
 
 mod discovery;
 mod neighbours;
 mod reload;
 mod retry;
+mod tasks;
 #[cfg(test)]
 mod tests;
+mod trim;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use anyhow::Context;
 use log::{info, warn};
 use parking_lot::Mutex;
+use tokio::runtime::{Handle, Runtime};
 use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::sync::Notify;
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
@@ -44,66 +51,81 @@ use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
 use reload::{board_engines, Followers, Reloader};
 use retry::Retry;
+pub use tasks::build_runtime;
+use tasks::{blocking, Task};
 
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
 pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
     let runtime = build_runtime()?;
-    runtime.block_on(async {
-        // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
-        let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-        let mut terminate =
-            signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-        let mut interrupt =
-            signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-        // Start-up runs beside the signals: SIGTERM while thousands of engines start stops
-        // the start (no engine starts after it) and exits within a second.
-        let shutdown_signal = ShutdownSignal::default();
-        let mut start = {
-            let (path, signal) = (config_path.to_owned(), shutdown_signal.clone());
-            tokio::task::spawn_blocking(move || Service::start_until(&path, config, listen, signal))
-        };
-        let (started, stop_early) = tokio::select! {
-            started = &mut start => (started, None),
-            name = stop_requested(&mut terminate, &mut interrupt) => {
-                shutdown_signal.raise();
-                ((&mut start).await, Some(name))
-            }
-        };
-        let service = started.context("the start-up thread")??;
-        if let Some(name) = stop_early {
-            info!("{name} during start-up: shutting down");
-            service.shutdown();
-            return Ok(());
-        }
-        let hangups = HangupReloads::spawn(service.reloader.clone())?;
-        loop {
-            tokio::select! {
-                _ = hangup.recv() => {
-                    info!("SIGHUP: reloading {}", config_path.display());
-                    hangups.ask();
-                }
-                name = stop_requested(&mut terminate, &mut interrupt) => {
-                    info!("{name}: shutting down");
-                    break;
-                }
-            }
-        }
-        // Before joining the reload thread: a reload in progress stops starting engines.
-        service.shutdown_signal.raise();
-        hangups.stop();
-        service.shutdown();
-        Ok(())
-    })
+    let trim = trim::spawn(runtime.handle());
+    let served = runtime.block_on(serve(runtime.handle(), config_path, config, listen));
+    // Outside `block_on`: `shutdown` waits for the service's tasks with a `block_on` of its own.
+    let outcome = served.map(Service::shutdown);
+    if let Some(trim) = trim {
+        runtime.block_on(trim.stop());
+    }
+    // Not waiting for blocking work still under way (a discovery question, up to 5 s, whose
+    // answer nobody takes any more): SIGTERM ends the process within a second.
+    runtime.shutdown_background();
+    outcome
 }
 
-/// The one runtime the service runs on: HTTP connections and the routes' blocking work.
-fn build_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .thread_name("kv-runtime")
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")
+/// Installs the signal handlers, starts the service beside them and answers the signals until
+/// SIGTERM or SIGINT; returns the service, for `run` to shut down.
+async fn serve(
+    runtime: &Handle,
+    config_path: &Path,
+    config: Config,
+    listen: Option<String>,
+) -> anyhow::Result<Service> {
+    // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
+    let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut terminate =
+        signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    // Start-up runs beside the signals: SIGTERM while thousands of engines start stops the
+    // start (no engine starts after it) and exits within a second.
+    let shutdown_signal = ShutdownSignal::default();
+    let mut start = {
+        let (path, signal, runtime) = (
+            config_path.to_owned(),
+            shutdown_signal.clone(),
+            runtime.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            Service::start_on(runtime, &path, config, listen, signal)
+        })
+    };
+    let (started, stop_early) = tokio::select! {
+        started = &mut start => (started, None),
+        name = stop_requested(&mut terminate, &mut interrupt) => {
+            shutdown_signal.raise();
+            ((&mut start).await, Some(name))
+        }
+    };
+    let service = started.context("the start-up task")??;
+    if let Some(name) = stop_early {
+        info!("{name} during start-up: shutting down");
+        return Ok(service);
+    }
+    let hangups = HangupReloads::spawn(runtime, service.reloader.clone());
+    loop {
+        tokio::select! {
+            _ = hangup.recv() => {
+                info!("SIGHUP: reloading {}", config_path.display());
+                hangups.ask();
+            }
+            name = stop_requested(&mut terminate, &mut interrupt) => {
+                info!("{name}: shutting down");
+                break;
+            }
+        }
+    }
+    // Before waiting for the reload task: a reload in progress stops starting engines.
+    service.shutdown_signal.raise();
+    hangups.stop().await;
+    Ok(service)
 }
 
 /// Waits for SIGTERM or SIGINT; the name of the one that came.
@@ -114,38 +136,51 @@ async fn stop_requested(terminate: &mut Signal, interrupt: &mut Signal) -> &'sta
     }
 }
 
-/// Reloads asked for by SIGHUP, run one after another on their own thread so that the signal
-/// loop sees SIGTERM at once, even while a reload starts thousands of engines (seconds).
-/// SIGHUPs that arrive during a reload are answered by one more reload.
+/// Reloads asked for by SIGHUP, run one after another by a task of their own (each on the
+/// blocking pool) so that the signal loop sees SIGTERM at once, even while a reload starts
+/// thousands of engines (seconds). SIGHUPs that arrive during a reload are answered by one
+/// more reload.
 struct HangupReloads {
-    ask: Sender<()>,
-    thread: JoinHandle<()>,
+    /// Holds one permit at most: the SIGHUPs during a reload make one more.
+    asked: Arc<Notify>,
+    task: Task,
 }
 
 impl HangupReloads {
-    fn spawn(reloader: Arc<Reloader>) -> anyhow::Result<HangupReloads> {
-        let (ask, asked) = mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("sighup-reload".into())
-            .spawn(move || {
-                while asked.recv().is_ok() {
-                    while asked.try_recv().is_ok() {}
-                    // The outcome is logged by reload itself.
-                    let _ = reloader.reload();
-                }
-            })
-            .context("spawning the SIGHUP reload thread")?;
-        Ok(HangupReloads { ask, thread })
+    fn spawn(runtime: &Handle, reloader: Arc<Reloader>) -> HangupReloads {
+        let asked = Arc::new(Notify::new());
+        let reloads = Arc::clone(&asked);
+        let task = Task::spawn(runtime, |mut stopped| async move {
+            while stopped.unless(reloads.notified()).await.is_some() {
+                let reloader = Arc::clone(&reloader);
+                // The outcome is logged by reload itself.
+                let _ = blocking(move || reloader.reload()).await;
+            }
+        });
+        HangupReloads { asked, task }
     }
 
     fn ask(&self) {
-        // The thread only ends once `ask` is dropped (in `stop`).
-        let _ = self.ask.send(());
+        self.asked.notify_one();
     }
 
-    fn stop(self) {
-        drop(self.ask);
-        let _ = self.thread.join();
+    /// Stops the task; waits for the reload under way (the shutdown signal, raised first,
+    /// makes it start no more engines), never starts a reload asked for meanwhile.
+    async fn stop(self) {
+        self.task.stop().await;
+    }
+}
+
+/// The runtime a service built for itself (`Service::start`), shut down without waiting for
+/// blocking work still under way (as `run` does), so that it never blocks or panics where it
+/// is dropped, even in an async context.
+struct OwnedRuntime(Option<Runtime>);
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
     }
 }
 
@@ -161,61 +196,80 @@ pub struct Service {
     reloader: Arc<Reloader>,
     retry: Retry,
     rank_watch: RankWatch,
-    /// The runtime of a service started outside one (tests, examples); `run`'s otherwise.
-    /// Last: dropped once everything that runs on it has stopped.
-    _own_runtime: Option<tokio::runtime::Runtime>,
+    /// Where every task of the service runs.
+    runtime: Handle,
+    /// Declared last, dropped last: the runtime `Service::start` built, after everything on it
+    /// has stopped.
+    owned_runtime: OwnedRuntime,
 }
 
 impl Service {
     /// Builds the index and the registry, subscribes to every engine (one that fails is logged
-    /// and retried in the background) and serves HTTP on `listen` or else the file's `listen`.
+    /// and retried in the background) and serves HTTP on `listen` or else the file's `listen`,
+    /// on a runtime of its own (`build_runtime`) that the service owns. Call it, and
+    /// `shutdown`, outside any async context (a plain thread, or `spawn_blocking`).
     pub fn start(
         config_path: &Path,
         config: Config,
         listen: Option<String>,
     ) -> anyhow::Result<Service> {
-        Service::start_until(config_path, config, listen, ShutdownSignal::default())
+        Service::start_with_select_clock(config_path, config, listen, Clock::real())
     }
 
-    /// `start`, that stops starting engines once `shutdown_signal` is raised (SIGTERM during
-    /// start-up).
-    pub fn start_until(
+    /// `start` with its tasks on `runtime` (`run`'s), that stops starting engines once
+    /// `shutdown_signal` is raised (SIGTERM during start-up). It blocks: call it outside any
+    /// async context (`run` calls it in `spawn_blocking`).
+    pub fn start_on(
+        runtime: Handle,
         config_path: &Path,
         config: Config,
         listen: Option<String>,
         shutdown_signal: ShutdownSignal,
     ) -> anyhow::Result<Service> {
-        Service::start_all(config_path, config, listen, shutdown_signal, Clock::real())
+        Service::start_all(
+            runtime,
+            config_path,
+            config,
+            listen,
+            shutdown_signal,
+            Clock::real(),
+        )
     }
 
-    /// `start`, with `/select`'s time-to-lives measured on `select_clock`: a test's
-    /// `Clock::manual()`, advanced to expire a reservation or a prediction.
+    /// `start`, with `/select`'s time-to-lives and the route's back-offs measured on
+    /// `select_clock`: a test's `Clock::manual()`, advanced to expire a reservation, a
+    /// prediction or a back-off.
     pub fn start_with_select_clock(
         config_path: &Path,
         config: Config,
         listen: Option<String>,
         select_clock: Clock,
     ) -> anyhow::Result<Service> {
+        let runtime = build_runtime()?;
+        let handle = runtime.handle().clone();
+        // Dropped without waiting if the start fails, like the service's.
+        let runtime = OwnedRuntime(Some(runtime));
         let shutdown_signal = ShutdownSignal::default();
-        Service::start_all(config_path, config, listen, shutdown_signal, select_clock)
+        let mut service = Service::start_all(
+            handle,
+            config_path,
+            config,
+            listen,
+            shutdown_signal,
+            select_clock,
+        )?;
+        service.owned_runtime = runtime;
+        Ok(service)
     }
 
     fn start_all(
+        runtime: Handle,
         config_path: &Path,
         config: Config,
         listen: Option<String>,
         shutdown_signal: ShutdownSignal,
         select_clock: Clock,
     ) -> anyhow::Result<Service> {
-        let own_runtime = match tokio::runtime::Handle::try_current() {
-            Ok(_) => None,
-            Err(_) => Some(build_runtime()?),
-        };
-        let handle = own_runtime
-            .as_ref()
-            .map_or_else(tokio::runtime::Handle::current, |runtime| {
-                runtime.handle().clone()
-            });
         let index = Index::new(config.block_size, config.shards);
         index.set_max_blocks_per_rank(config.max_blocks_per_rank);
         let metrics = Arc::new(Metrics::new());
@@ -264,7 +318,7 @@ impl Service {
 
         let board = Arc::new(Board::default());
         board.retain(&board_engines(&config));
-        let neighbours = NeighbourWatch::spawn(board.clone(), metrics.clone())?;
+        let neighbours = NeighbourWatch::spawn(&runtime, board.clone(), metrics.clone());
         neighbours.sync(&config, &plan::expand(&config));
         let selector = Arc::new(Selector::new(
             config.select.clone(),
@@ -306,21 +360,22 @@ impl Service {
             }
         });
         let mut askers = Askers::new(
+            runtime.clone(),
             Client::new(Limits::default()),
             endpoints.clone(),
             board.clone(),
             metrics.clone(),
             apply,
         );
-        askers.sync(&config)?;
+        askers.sync(&config);
         reloader.set_askers(askers);
         let reload_for_http = reloader.clone();
         let suspects = Arc::downgrade(&reloader);
-        let rank_watch = RankWatch::spawn(ranks.clone(), move |engine| {
+        let rank_watch = RankWatch::spawn(&runtime, ranks.clone(), move |engine| {
             if let Some(reloader) = suspects.upgrade() {
                 reloader.suspect(engine);
             }
-        })?;
+        });
         let dynamo_api = DynamoApi {
             index: index.clone(),
             metrics: metrics.clone(),
@@ -340,17 +395,18 @@ impl Service {
             reload: Box::new(move || reload_for_http.reload()),
             tokenizers,
         });
-        let http = http.serve(api, &handle)?;
+        let http = http.serve(api, &runtime)?;
         let dynamo = dynamo
-            .map(|bound| bound.serve(Arc::new(dynamo_api), &handle))
+            .map(|bound| bound.serve(Arc::new(dynamo_api), &runtime))
             .transpose()?;
         let route = match (route_bound, route, &config.route) {
             (Some(bound), Some(front), Some(settings)) => {
-                Some(bound.serve_streams(front, route_limits(settings), &handle)?)
+                Some(bound.serve_streams(front, route_limits(settings), &runtime)?)
             }
             _ => None,
         };
-        let retry = Retry::spawn(registry.clone())?;
+        let retrying = registry.clone();
+        let retry = Retry::spawn(&runtime, move || retry::restart_failed(&retrying));
         Ok(Service {
             http,
             dynamo,
@@ -360,8 +416,14 @@ impl Service {
             reloader,
             retry,
             rank_watch,
-            _own_runtime: own_runtime,
+            runtime,
+            owned_runtime: OwnedRuntime(None),
         })
+    }
+
+    /// The runtime the service's tasks run on: `run`'s, or the one `start` built.
+    pub fn runtime(&self) -> &Handle {
+        &self.runtime
     }
 
     /// The address the HTTP API is bound to.
@@ -384,7 +446,8 @@ impl Service {
         self.reloader.reload()
     }
 
-    /// Stops HTTP (answering what was already received), the retries and every listener.
+    /// Stops HTTP (answering what was already received), every task (waiting for each) and
+    /// every listener; then the runtime, if `start` built it. Call it outside any async context.
     pub fn shutdown(self) {
         // First, from outside the registry's lock: a reload or retry holding it starts no
         // more engines, so the lock is free within one listener start.
@@ -396,14 +459,18 @@ impl Service {
         if let Some(route) = self.route {
             route.stop();
         }
-        self.retry.stop();
-        self.rank_watch.stop();
-        // Their threads end after the question under way; an answer that arrives later meets
-        // the raised shutdown signal, and the registry starts nothing for it.
-        self.reloader.stop_watchers();
+        let reloader = &self.reloader;
+        self.runtime.block_on(async {
+            self.retry.stop().await;
+            self.rank_watch.stop().await;
+            // An apply under way finishes against the raised shutdown signal: the registry
+            // starts nothing for it.
+            reloader.stop_watchers().await;
+        });
         let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
+        drop(registry);
         info!("stopped {ranks} listeners; bye");
     }
 }

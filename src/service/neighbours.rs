@@ -4,20 +4,19 @@
 //! fix, counted (`neighbour_publishers_total`) and shown on `/workers`.
 //!
 //! Owns: which ports are probed (not one that is another rank of the plan), when (at start, on
-//! reload, every 30 s), and the transitions a probe reports. Never: subscribes to or indexes
-//! anything from that port (`discover::publisher_answers` only waits for the handshake).
+//! reload, every 30 s of tokio time), and the transitions a probe reports. Its task waits for
+//! each probe's handshake on the blocking pool. Never: subscribes to or indexes anything from
+//! that port (`discover::publisher_answers` only waits for the handshake).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::Context;
 use log::{info, warn};
-use parking_lot::Mutex;
+use tokio::runtime::Handle;
+use tokio::sync::watch;
 
+use super::tasks::{blocking, Stopped, Task};
 use crate::config::Config;
 use crate::discover::{
     neighbour_port, neighbour_warning, publisher_answers, Board, NeighbourReport,
@@ -42,65 +41,39 @@ struct Target {
     dp_size: u32,
 }
 
-/// The probing thread; `sync` gives it the fixed engines of a new configuration.
+/// The probing task; `sync` gives it the fixed engines of a new configuration.
 pub struct NeighbourWatch {
-    targets: Arc<Mutex<Vec<Target>>>,
-    wake: Sender<()>,
-    /// Checked between two probes: a round over thousands of engines stops at once.
-    stopping: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
+    /// What the task probes; a new value wakes it for a round at once.
+    targets: watch::Sender<Arc<Vec<Target>>>,
+    task: Task,
 }
 
 impl NeighbourWatch {
-    pub fn spawn(board: Arc<Board>, metrics: Arc<Metrics>) -> anyhow::Result<NeighbourWatch> {
-        let targets: Arc<Mutex<Vec<Target>>> = Arc::default();
-        let (wake, woken) = mpsc::channel::<()>();
-        let probed = Arc::clone(&targets);
-        let stopping = Arc::new(AtomicBool::new(false));
-        let stop = Arc::clone(&stopping);
-        let thread = std::thread::Builder::new()
-            .name("neighbour-probe".into())
-            .spawn(move || {
-                let zmq = zmq::Context::new();
-                // The ports answering now, by engine: a warning is logged when one appears.
-                let mut answering: BTreeMap<String, u16> = BTreeMap::new();
-                loop {
-                    match woken.recv_timeout(PROBE_INTERVAL) {
-                        Ok(()) | Err(RecvTimeoutError::Timeout) => {}
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                    let targets = probed.lock();
-                    let round = Round {
-                        zmq: &zmq,
-                        board: &board,
-                        metrics: &metrics,
-                        stopping: &stop,
-                    };
-                    round.probe(&targets, &mut answering);
-                }
-            })
-            .context("spawning the neighbour probe thread")?;
-        Ok(NeighbourWatch {
-            targets,
-            wake,
-            stopping,
-            thread,
-        })
+    /// A watch with nothing to probe until `sync`, its task on `runtime`.
+    pub fn spawn(runtime: &Handle, board: Arc<Board>, metrics: Arc<Metrics>) -> NeighbourWatch {
+        let (targets, probed) = watch::channel(Arc::new(Vec::new()));
+        let task = Task::spawn(runtime, |stopped| async move {
+            let round = Round {
+                zmq: zmq::Context::new(),
+                board,
+                metrics,
+            };
+            round.run(probed, stopped).await;
+            // Terminating the context joins its I/O threads: not on a worker of the runtime.
+            blocking(move || drop(round)).await;
+        });
+        NeighbourWatch { targets, task }
     }
 
     /// Probes the fixed engines of `config` from now on, starting now; a port that is a rank
     /// of `plan` (another engine's) is not probed.
     pub fn sync(&self, config: &Config, plan: &[ListenerSpec]) {
-        *self.targets.lock() = targets(config, plan);
-        let _ = self.wake.send(());
+        self.targets.send_replace(Arc::new(targets(config, plan)));
     }
 
-    /// Stops the thread; waits at most for the probe under way (`PROBE_WAIT`).
-    pub fn stop(self) {
-        self.stopping.store(true, Ordering::Relaxed);
-        drop(self.wake);
-        // A panicked thread has already logged why.
-        let _ = self.thread.join();
+    /// Stops the task; waits at most for the probe under way (`PROBE_WAIT`).
+    pub async fn stop(self) {
+        self.task.stop().await;
     }
 }
 
@@ -132,19 +105,44 @@ fn targets(config: &Config, plan: &[ListenerSpec]) -> Vec<Target> {
         .collect()
 }
 
-/// What one round of probes uses.
-struct Round<'a> {
-    zmq: &'a zmq::Context,
-    board: &'a Board,
-    metrics: &'a Metrics,
-    stopping: &'a AtomicBool,
+/// What the probes use.
+struct Round {
+    zmq: zmq::Context,
+    board: Arc<Board>,
+    metrics: Arc<Metrics>,
 }
 
-impl Round<'_> {
-    /// Probes every target once; logs, counts and shows each port that starts answering, and
-    /// clears each that stops (or is no longer the engine's neighbour after a reload).
-    fn probe(&self, targets: &[Target], answering: &mut BTreeMap<String, u16>) {
-        let (zmq, board, metrics) = (self.zmq, self.board, self.metrics);
+impl Round {
+    /// A round at once when the targets change, else every `PROBE_INTERVAL`, until stopped.
+    async fn run(&self, mut probed: watch::Receiver<Arc<Vec<Target>>>, mut stopped: Stopped) {
+        // The ports answering now, by engine: a warning is logged when one appears.
+        let mut answering: BTreeMap<String, u16> = BTreeMap::new();
+        loop {
+            tokio::select! {
+                biased;
+                () = stopped.wait() => return,
+                changed = probed.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                () = tokio::time::sleep(PROBE_INTERVAL) => {}
+            }
+            let targets = Arc::clone(&probed.borrow_and_update());
+            self.probe(&targets, &mut answering, &stopped).await;
+        }
+    }
+
+    /// Probes every target once, unless stopped between two probes; logs, counts and shows
+    /// each port that starts answering, and clears each that stops (or is no longer the
+    /// engine's neighbour after a reload).
+    async fn probe(
+        &self,
+        targets: &[Target],
+        answering: &mut BTreeMap<String, u16>,
+        stopped: &Stopped,
+    ) {
+        let (board, metrics) = (&self.board, &self.metrics);
         answering.retain(|engine, port| {
             let still = targets
                 .iter()
@@ -155,10 +153,13 @@ impl Round<'_> {
             still
         });
         for target in targets {
-            if self.stopping.load(Ordering::Relaxed) {
+            if stopped.is_set() {
                 return;
             }
-            let answers = match publisher_answers(zmq, &target.endpoint, PROBE_WAIT) {
+            let (zmq, endpoint) = (self.zmq.clone(), target.endpoint.clone());
+            // Not raced with the stop: the probe's socket closes within `PROBE_WAIT`.
+            let answers = blocking(move || publisher_answers(&zmq, &endpoint, PROBE_WAIT)).await;
+            let answers = match answers {
                 Ok(answers) => answers,
                 Err(error) => {
                     warn!(

@@ -4,9 +4,11 @@
 //! Owns: the configuration and the discovered answers in effect (`Applied`), the keys that only
 //! a restart changes (kept, with a warning), re-reading `auth_token_file` on every reload (the
 //! token it holds then alone is valid; a file that cannot be read rejects the reload), and the
-//! discovery askers and neighbour probes that follow the file. Never: applies a plan other than through `RuntimeEngines` (so the runtime
-//! registrations are applied with it, the file's winning a clash), or leaves the running
-//! configuration half-changed when a file is rejected.
+//! discovery askers and neighbour probes that follow the file. Never: applies a plan other than
+//! through `RuntimeEngines` (so the runtime registrations are applied with it, the file's
+//! winning a clash), or leaves the running configuration half-changed when a file is rejected.
+//! Its calls block (the file, the registry's lock, listener starts): tasks make them on the
+//! runtime's blocking pool.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -116,16 +118,16 @@ impl Reloader {
         }
     }
 
-    /// Stops asking engines and probing neighbours; their threads end after the question
-    /// under way.
-    pub(super) fn stop_watchers(&self) {
+    /// Stops asking engines (at once: a question under way is dropped) and probing neighbours
+    /// (after the probe under way), and waits for their tasks.
+    pub(super) async fn stop_watchers(&self) {
         let askers = self.askers.lock().take();
         if let Some(askers) = askers {
-            askers.stop();
+            askers.stop().await;
         }
         let neighbours = self.neighbours.lock().take();
         if let Some(neighbours) = neighbours {
-            neighbours.stop();
+            neighbours.stop().await;
         }
     }
 
@@ -231,9 +233,7 @@ impl Reloader {
         applied.config = config;
         self.board.retain(&board_engines(&applied.config));
         if let Some(askers) = self.askers.lock().as_mut() {
-            if let Err(error) = askers.sync(&applied.config) {
-                error!("{error:#}: its ranks are not asked for");
-            }
+            askers.sync(&applied.config);
         }
         if let Some(neighbours) = self.neighbours.lock().as_ref() {
             neighbours.sync(&applied.config, &plan);
