@@ -248,7 +248,7 @@ impl Rank {
 
     fn log_never_connected(&self) {
         let spec = &self.applier.spec;
-        let port = spec.endpoint.rsplit(':').next().unwrap_or("?");
+        let port = spec.endpoint.port;
         log::warn!(
             "{}: no connection after {}s. Check: is the engine running? Does its \
              --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
@@ -271,7 +271,7 @@ impl Rank {
         if self.applier.status.snapshot().connected {
             return;
         }
-        let endpoint = &self.applier.spec.endpoint;
+        let endpoint = &self.applier.spec.endpoint.to_string();
         log::info!(
             "{}: still disconnected {REVIVE_AFTER:?} after losing {endpoint}: connecting anew \
              (ZMQ does not reconnect after a message over ZMQ_MAXMSGSIZE, {} bytes)",
@@ -429,7 +429,8 @@ impl Rank {
         // A hole longer than any history holds (a publisher seen first, or again, at a seq near
         // 2^64) is not asked of a replay and not counted as lost batches: its size is unknown.
         let knowable = |start: u64| through - start < MAX_PLAUSIBLE_GAP;
-        if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable(from)) {
+        let replay = self.applier.spec.replay.as_ref().map(ToString::to_string);
+        if let Some(endpoint) = replay.filter(|_| knowable(from)) {
             // Degraded by an earlier loss: the rank is exact again only from the whole
             // history, replayed into the emptied rank. A reply that does not start at the
             // publisher's first seq changes nothing, and the new hole alone is asked for.

@@ -441,9 +441,9 @@ impl Registry {
     /// Adds `started` to what runs, and to the directory and the rank board.
     fn insert_running(&mut self, started: Vec<Running>) {
         if let Some(first) = started.first() {
-            let endpoints: Vec<&str> = started
+            let endpoints: Vec<String> = started
                 .iter()
-                .map(|r| r.listener.spec().endpoint.as_str())
+                .map(|r| r.listener.spec().endpoint.to_string())
                 .collect();
             info!(
                 "engine {}: listening to {} ranks at {}",
@@ -575,7 +575,8 @@ pub(crate) mod tests {
     use crate::listener::State;
 
     fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
-        ListenerSpec::subscribing(engine, dp_rank, endpoint.to_owned())
+        let endpoint = endpoint.parse().unwrap_or_else(|why| panic!("{why}"));
+        ListenerSpec::subscribing(engine, dp_rank, endpoint)
     }
 
     /// An endpoint nobody publishes on: ZMQ connects asynchronously, so it starts fine.
@@ -584,8 +585,8 @@ pub(crate) mod tests {
         format!("tcp://{}", listener.local_addr().expect("addr"))
     }
 
-    /// An endpoint ZMQ refuses at connect time.
-    const BROKEN: &str = "nosuch://127.0.0.1:1";
+    /// An endpoint ZMQ refuses at connect time: the wildcard host only a bind takes.
+    const BROKEN: &str = "tcp://*:1";
 
     fn registry() -> Registry {
         Registry::new(
