@@ -12,6 +12,7 @@
 //! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide;
 //! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`;
+//! - `restart_only`: the top-level keys only a restart changes, listed once;
 //! - `select`: the `[select]` knobs of `POST /select`.
 
 mod diagnostics;
@@ -21,6 +22,7 @@ mod instance;
 mod keys;
 mod ports;
 mod replicas;
+mod restart_only;
 mod select;
 
 use std::fmt;
@@ -43,6 +45,7 @@ use ports::check_port_overlaps;
 pub use ports::rank_port;
 use replicas::check_replicas;
 pub use replicas::{is_loopback_listen, Replicas};
+pub use restart_only::{keep_restart_only, RestartOnlyKey, RestartPending, RESTART_ONLY};
 use select::check_select;
 pub use select::{Select, MAX_TTL_S};
 

@@ -405,6 +405,7 @@ pub fn diff_json(diff: &ReloadDiff) -> Value {
         "replaced": names(&diff.replaced),
         "unchanged": diff.unchanged,
         "failed": diff.failed,
+        "restart_pending": diff.restart_pending,
     })
 }
 
