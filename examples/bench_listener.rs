@@ -232,7 +232,7 @@ fn main() -> anyhow::Result<()> {
     let context = zmq::Context::new();
     let index = Index::new(BLOCK_SIZE, 64);
     let metrics = Arc::new(Metrics::new());
-    let spec = ListenerSpec::subscribing("bench", 0, endpoint);
+    let spec = ListenerSpec::subscribing("bench", 0, endpoint.parse().map_err(anyhow::Error::msg)?);
     let listener = Listener::start(spec.clone(), &context, &index, &metrics)?;
     await_subscriber(&publisher)?;
     let worker = listener.worker();

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_indexer::config::{Config, EngineConfig, FixedRanks, Ranks};
+use kv_indexer::endpoint::Host;
 use kv_indexer::index::Index;
 use kv_indexer::listener::Pollers;
 use kv_indexer::metrics::Metrics;
@@ -26,7 +27,7 @@ fn config(engines: u32) -> Config {
     let engines = (0..engines)
         .map(|i| EngineConfig {
             name: format!("engine-{i:04}"),
-            host: "127.0.0.1".into(),
+            host: Host::Ip([127, 0, 0, 1].into()),
             // From 20000 up, below 60000 for up to 5,000 engines: loopback ports nobody
             // listens on.
             ranks: Ranks::Fixed(FixedRanks {

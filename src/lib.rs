@@ -16,6 +16,7 @@
 //! tokenize, beside http, turns a prompt sent as text or chat messages into token ids.
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
+//! endpoint is a leaf: the typed `tcp://host:port` that config, discover, plan and http share.
 //! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
 //! ```
 //!
@@ -25,6 +26,7 @@
 
 pub mod config;
 pub mod discover;
+pub mod endpoint;
 pub mod http;
 pub mod index;
 pub mod listener;

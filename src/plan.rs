@@ -14,6 +14,7 @@ use std::fmt;
 
 use crate::config::{rank_port, Config, EngineConfig, Ranks};
 use crate::discover::{DiscoveredRank, Discovery};
+use crate::endpoint::Endpoint;
 
 /// Identity of one listener: the worker (engine name, global dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -27,10 +28,10 @@ pub struct WorkerKey {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListenerSpec {
     pub key: WorkerKey,
-    /// `tcp://host:zmq_port+r` (IPv6 hosts in brackets).
-    pub endpoint: String,
+    /// `tcp://host:zmq_port+r`.
+    pub endpoint: Endpoint,
     /// `tcp://host:replay_port+r`, when the engine has a replay socket.
-    pub replay: Option<String>,
+    pub replay: Option<Endpoint>,
     /// `http://host:recover_port+r/kv_recover`, when the engine serves snapshots.
     pub recover: Option<String>,
     /// ZMQ subscription prefix ("" = everything).
@@ -55,7 +56,7 @@ impl ListenerSpec {
     /// The rank `engine/dp_rank` subscribed at `endpoint` and nothing more: no replay, no
     /// snapshot, every topic, no model, instance id 0 (what tests and benchmarks start from:
     /// `ListenerSpec { replay: .., ..ListenerSpec::subscribing(..) }` for the rest).
-    pub fn subscribing(engine: &str, dp_rank: u32, endpoint: String) -> ListenerSpec {
+    pub fn subscribing(engine: &str, dp_rank: u32, endpoint: Endpoint) -> ListenerSpec {
         ListenerSpec {
             key: WorkerKey {
                 engine: engine.to_owned(),
@@ -103,10 +104,10 @@ pub fn expand_with(config: &Config, discovered: &Discoveries) -> Vec<ListenerSpe
 /// `port + r` for every socket kind. Discovered: the ranks of `discovery` (ignored for a fixed
 /// engine), each on the endpoints the engine reported.
 pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Vec<ListenerSpec> {
-    // `rank_port` is wider than a port: a validated engine never passes 65535, and an
-    // unvalidated one yields a URL that fails to connect rather than a panic.
-    let host = url_host(&engine.host);
-    let spec = |dp_rank: u32, endpoint: String, replay: Option<String>, topic: &str| ListenerSpec {
+    // `rank_port` is wider than a port: a validated engine never passes 65535, and the recover
+    // URL of an unvalidated one fails to fetch rather than panics.
+    let host = engine.host.in_url();
+    let spec = |dp_rank: u32, endpoint, replay, topic: &str| ListenerSpec {
         key: WorkerKey {
             engine: engine.name.clone(),
             dp_rank,
@@ -124,13 +125,20 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
     match &engine.ranks {
         Ranks::Fixed(fixed) => {
             let first = fixed.dp_rank_start;
+            // A validated engine's ranks all have ports (`config::ports`); an unvalidated one
+            // ends at its last rank that has.
+            let on_rank = |base: u16, rank: u32| {
+                let port = u16::try_from(rank_port(base, rank)).ok()?;
+                Some(Endpoint::new(engine.host.clone(), port))
+            };
             (first..first.saturating_add(fixed.dp_size))
-                .map(|rank| {
-                    let endpoint = format!("tcp://{host}:{}", rank_port(fixed.zmq_port, rank));
-                    let replay = fixed
-                        .replay_port
-                        .map(|port| format!("tcp://{host}:{}", rank_port(port, rank)));
-                    spec(rank, endpoint, replay, &engine.topic)
+                .map_while(|rank| {
+                    let endpoint = on_rank(fixed.zmq_port, rank)?;
+                    let replay = match fixed.replay_port {
+                        Some(base) => Some(on_rank(base, rank)?),
+                        None => None,
+                    };
+                    Some(spec(rank, endpoint, replay, &engine.topic))
                 })
                 .collect()
         }
@@ -146,15 +154,6 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
                 )
             })
             .collect(),
-    }
-}
-
-/// The host as it goes into a URL: IPv6 literals in brackets.
-fn url_host(host: &str) -> String {
-    if host.contains(':') {
-        format!("[{host}]")
-    } else {
-        host.to_string()
     }
 }
 
@@ -197,8 +196,10 @@ pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String 
             [
                 spec.key.engine.clone(),
                 spec.key.dp_rank.to_string(),
-                spec.endpoint.clone(),
-                spec.replay.clone().unwrap_or_else(|| "-".into()),
+                spec.endpoint.to_string(),
+                spec.replay
+                    .as_ref()
+                    .map_or_else(|| "-".into(), ToString::to_string),
                 spec.recover.clone().unwrap_or_else(|| "-".into()),
                 format!("{:?}", spec.topic),
                 spec.instance_id.to_string(),
@@ -233,6 +234,16 @@ mod tests {
     use super::*;
     use crate::config::{DiscoverConfig, FixedRanks};
     use crate::discover::{EngineApi, EngineKind, FileLayout};
+    use crate::endpoint::Host;
+
+    fn endpoint(text: &str) -> Endpoint {
+        Endpoint::parse(text).unwrap_or_else(|why| panic!("{why}"))
+    }
+
+    /// An optional endpoint as text, for comparing with what a test writes.
+    fn shown(endpoint: &Option<Endpoint>) -> Option<String> {
+        endpoint.as_ref().map(ToString::to_string)
+    }
 
     fn fixed(engine: &mut EngineConfig) -> &mut FixedRanks {
         match &mut engine.ranks {
@@ -244,7 +255,7 @@ mod tests {
     fn engine(name: &str, host: &str, dp_size: u32) -> EngineConfig {
         EngineConfig {
             name: name.into(),
-            host: host.into(),
+            host: Host::parse(host).unwrap_or_else(|why| panic!("{why}")),
             ranks: Ranks::Fixed(FixedRanks {
                 zmq_port: 5557,
                 dp_rank_start: 0,
@@ -285,7 +296,7 @@ mod tests {
                     engine: "local".into(),
                     dp_rank: 0
                 },
-                endpoint: "tcp://127.0.0.1:5557".into(),
+                endpoint: endpoint("tcp://127.0.0.1:5557"),
                 replay: None,
                 recover: None,
                 topic: String::new(),
@@ -309,26 +320,30 @@ mod tests {
             .map(|s| {
                 (
                     s.key.dp_rank,
-                    s.endpoint.as_str(),
-                    s.replay.as_deref(),
-                    s.recover.as_deref(),
+                    s.endpoint.to_string(),
+                    shown(&s.replay),
+                    s.recover.clone(),
                 )
             })
             .collect();
+        let row = |rank: u32, endpoint: &str, replay: &str, recover: &str| {
+            let text = |text: &str| Some(text.to_string());
+            (rank, endpoint.to_string(), text(replay), text(recover))
+        };
         assert_eq!(
             ranks,
             vec![
-                (
+                row(
                     0,
                     "tcp://10.0.0.5:5557",
-                    Some("tcp://10.0.0.5:5600"),
-                    Some("http://10.0.0.5:8200/kv_recover")
+                    "tcp://10.0.0.5:5600",
+                    "http://10.0.0.5:8200/kv_recover"
                 ),
-                (
+                row(
                     1,
                     "tcp://10.0.0.5:5558",
-                    Some("tcp://10.0.0.5:5601"),
-                    Some("http://10.0.0.5:8201/kv_recover")
+                    "tcp://10.0.0.5:5601",
+                    "http://10.0.0.5:8201/kv_recover"
                 ),
             ]
         );
@@ -364,7 +379,14 @@ mod tests {
         node_b.recover_port = Some(8200);
         let rows: Vec<_> = expand(&config(vec![node_b]))
             .into_iter()
-            .map(|s| (s.key.dp_rank, s.endpoint, s.replay, s.recover))
+            .map(|s| {
+                (
+                    s.key.dp_rank,
+                    s.endpoint.to_string(),
+                    shown(&s.replay),
+                    s.recover,
+                )
+            })
             .collect();
         let row = |rank: u32, zmq: u32, replay: u32, recover: u32| {
             (
@@ -405,9 +427,9 @@ mod tests {
         fixed(&mut v6).replay_port = Some(5600);
         v6.recover_port = Some(8200);
         let specs = expand(&config(vec![v6]));
-        assert_eq!(specs[0].endpoint, "tcp://[::1]:5557");
-        assert_eq!(specs[1].endpoint, "tcp://[::1]:5558");
-        assert_eq!(specs[1].replay.as_deref(), Some("tcp://[::1]:5601"));
+        assert_eq!(specs[0].endpoint.to_string(), "tcp://[::1]:5557");
+        assert_eq!(specs[1].endpoint.to_string(), "tcp://[::1]:5558");
+        assert_eq!(shown(&specs[1].replay).as_deref(), Some("tcp://[::1]:5601"));
         assert_eq!(
             specs[1].recover.as_deref(),
             Some("http://[::1]:8201/kv_recover")
@@ -484,10 +506,10 @@ mod tests {
             url: "http://10.0.0.5:8000/kv_event_sources".into(),
             ranks: ranks
                 .iter()
-                .map(|&(dp_rank, endpoint, replay)| DiscoveredRank {
+                .map(|&(dp_rank, text, replay)| DiscoveredRank {
                     dp_rank,
-                    endpoint: endpoint.into(),
-                    replay: replay.map(String::from),
+                    endpoint: endpoint(text),
+                    replay: replay.map(endpoint),
                     topic: "kv".into(),
                 })
                 .collect(),
@@ -515,7 +537,7 @@ mod tests {
                     engine: "asked".into(),
                     dp_rank: 3
                 },
-                endpoint: "tcp://10.0.0.9:5560".into(),
+                endpoint: endpoint("tcp://10.0.0.9:5560"),
                 replay: None,
                 recover: Some("http://10.0.0.5:8203/kv_recover".into()),
                 topic: "kv".into(),
@@ -524,7 +546,10 @@ mod tests {
                 registered_at_runtime: false,
             }
         );
-        assert_eq!(specs[0].replay.as_deref(), Some("tcp://10.0.0.5:41300"));
+        assert_eq!(
+            shown(&specs[0].replay).as_deref(),
+            Some("tcp://10.0.0.5:41300")
+        );
         assert_eq!(specs[2].key.to_string(), "fixed/0");
     }
 
@@ -555,6 +580,6 @@ mod tests {
             [("ENGINE", "SOURCE"), ("asked", "vllm"), ("fixed", "file")],
             "{table}"
         );
-        assert_eq!(specs[1].endpoint, "tcp://h:5557", "{table}");
+        assert_eq!(specs[1].endpoint.to_string(), "tcp://h:5557", "{table}");
     }
 }

@@ -196,7 +196,7 @@ fn assert_reaches(discovery: &Discovery, ranks: &[FakeRank]) {
             let sub = zmq.socket(zmq::SUB).unwrap();
             sub.set_linger(0).unwrap();
             sub.set_subscribe(rank.topic.as_bytes()).unwrap();
-            sub.connect(&rank.endpoint).unwrap();
+            sub.connect(&rank.endpoint.to_string()).unwrap();
             sub
         })
         .collect();
@@ -227,7 +227,7 @@ fn two_vllm_ranks_on_os_chosen_ports_are_found_as_reported() {
     let found: Vec<_> = discovery
         .ranks
         .iter()
-        .map(|r| (r.dp_rank, r.endpoint.clone()))
+        .map(|r| (r.dp_rank, r.endpoint.to_string()))
         .collect();
     let expected: Vec<_> = ranks
         .iter()
@@ -252,13 +252,14 @@ fn wildcard_hosts_are_replaced_by_the_engine_host() {
     assert!(discovery
         .ranks
         .iter()
-        .all(|r| r.endpoint.starts_with("tcp://127.0.0.1:")));
+        .all(|r| r.endpoint.host.to_string() == "127.0.0.1"));
     assert_reaches(&discovery, &ranks);
     // ... and a configured host wins over it.
-    let api_elsewhere = EngineApi::new("e", &api.url, Some("10.0.0.5")).unwrap();
+    let elsewhere = "10.0.0.5".parse().expect("a host");
+    let api_elsewhere = EngineApi::new("e", &api.url, Some(elsewhere)).unwrap();
     let discovery = client().discover(&api_elsewhere, None).expect("discovered");
     assert_eq!(
-        discovery.ranks[1].endpoint,
+        discovery.ranks[1].endpoint.to_string(),
         format!("tcp://10.0.0.5:{}", ranks[1].port)
     );
 }
@@ -288,7 +289,11 @@ fn sglang_is_told_apart_by_its_route_and_puts_rank_r_on_port_plus_r() {
     let discovery = client().discover(&api.api(), None).expect("discovered");
     assert_eq!(discovery.kind, EngineKind::Sglang);
     assert_eq!(discovery.url, format!("{}/server_info", api.url));
-    let ports: Vec<_> = discovery.ranks.iter().map(|r| r.endpoint.clone()).collect();
+    let ports: Vec<_> = discovery
+        .ranks
+        .iter()
+        .map(|r| r.endpoint.to_string())
+        .collect();
     assert_eq!(
         ports,
         ranks

@@ -9,6 +9,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use kv_indexer::discover::{neighbour_port, neighbour_warning, publisher_answers};
+use kv_indexer::endpoint::Endpoint;
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -63,7 +64,7 @@ fn the_static_fleet_check_reads_as_the_warning_says() {
     // rank 0 configured on `port`, a second rank running on `port + 1`: dp_size = 1 is short.
     let zmq = zmq::Context::new();
     let (_rank_1, endpoint) = bound(&zmq, zmq::PUB);
-    let rank_1_port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    let rank_1_port = Endpoint::parse(&endpoint).expect("an endpoint").port;
     let zmq_port = rank_1_port - 1;
     let neighbour = neighbour_port(zmq_port, 0, 1).expect("in range");
     let probed = format!("tcp://127.0.0.1:{neighbour}");

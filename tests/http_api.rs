@@ -278,7 +278,8 @@ fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     assert_eq!(reload.status, 200, "{}", reload.text());
     assert_eq!(
         reload.json(),
-        json!({"added": [], "removed": [], "replaced": [], "unchanged": 1, "failed": []})
+        json!({"added": [], "removed": [], "replaced": [], "unchanged": 1, "failed": [],
+               "restart_pending": []})
     );
 
     let metrics = get(addr, "/metrics");

@@ -175,7 +175,8 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(
         reply.json(),
-        json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1, "failed": []})
+        json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1, "failed": [],
+               "restart_pending": []})
     );
     assert_eq!(workers(addr), ["a/0", "b/0"]);
     assert_eq!(scores(addr, &tokens), held);
@@ -205,7 +206,8 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
     let reply = post(addr, "/reload", b"");
     assert_eq!(
         reply.json(),
-        json!({"added": [], "removed": [], "replaced": ["a/0"], "unchanged": 0, "failed": []})
+        json!({"added": [], "removed": [], "replaced": ["a/0"], "unchanged": 0, "failed": [],
+               "restart_pending": []})
     );
     second.wait_subscribed();
     assert_eq!(scores(addr, &tokens), []);
@@ -216,6 +218,62 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
     );
 
     indexer.signal(libc::SIGINT).expect("signal");
+    let (status, _) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
+    assert!(status.success(), "{status:?}\n{}", indexer.log());
+}
+
+/// Keys read at start only (`config::RESTART_ONLY`) that a reloaded file changes keep their
+/// running values: each is a warning in the log and in `POST /reload`'s `restart_pending`, on
+/// every reload until the file agrees again, and the rest of the file is applied.
+#[test]
+fn a_changed_restart_only_key_is_kept_and_reported_by_the_reload() {
+    let zmq = zmq::Context::new();
+    let mut a0 = FakeRank::bind(&zmq, 0);
+    let b0 = FakeRank::bind(&zmq, 0);
+    let mut indexer = start_indexer(&config(&[engine("a", a0.port, 1)]));
+    let addr = indexer.address;
+    a0.wait_subscribed();
+    let tokens = prompt(0, 2);
+    a0.store(&[1, 2], None, &tokens);
+    let held = vec![("a".to_owned(), 0, 2)];
+    wait_for(10, "a/0's blocks", || {
+        (scores(addr, &tokens) == held).then_some(())
+    });
+
+    let changed = format!(
+        "max_runtime_ranks = 8\nserve_snapshots = true\n{}",
+        config(&[engine("a", a0.port, 1), engine("b", b0.port, 1)])
+            .replace("block_size = 16", "block_size = 32")
+    );
+    indexer.write_config(&changed).expect("write config");
+    let pending = [
+        "max_runtime_ranks changed from 1024 to 8; restart kv-indexer to apply it (keeping 1024)",
+        "block_size changed from 16 to 32; restart kv-indexer to apply it (keeping 16)",
+        "serve_snapshots changed from false to true; restart kv-indexer to apply it (keeping false)",
+    ];
+    let reply = post(addr, "/reload", b"");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.json(),
+        json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1, "failed": [],
+               "restart_pending": pending})
+    );
+    wait_for(10, "the warnings in the log", || {
+        let log = indexer.log();
+        pending
+            .iter()
+            .all(|warning| log.contains(&format!(": {warning}")))
+            .then_some(())
+    });
+    // The running block size stays: a/0's blocks still match as they were stored.
+    assert_eq!(scores(addr, &tokens), held);
+
+    // Still different from what runs: the next reload says so again.
+    let reply = post(addr, "/reload", b"");
+    assert_eq!(reply.json()["restart_pending"], json!(pending));
+    assert_eq!(reply.json()["unchanged"], 2);
+
+    indexer.signal(libc::SIGTERM).expect("signal");
     let (status, _) = indexer.wait_exit(EXIT_DEADLINE).expect("exit");
     assert!(status.success(), "{status:?}\n{}", indexer.log());
 }

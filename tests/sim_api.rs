@@ -40,7 +40,10 @@ fn ranks(discovery: &Discovery) -> Vec<(u32, String, Option<String>)> {
     discovery
         .ranks
         .iter()
-        .map(|rank| (rank.dp_rank, rank.endpoint.clone(), rank.replay.clone()))
+        .map(|rank| {
+            let replay = rank.replay.as_ref().map(ToString::to_string);
+            (rank.dp_rank, rank.endpoint.to_string(), replay)
+        })
         .collect()
 }
 

@@ -14,6 +14,7 @@ use super::engine::EngineFields;
 use super::keys::Checked;
 use super::{DiscoverConfig, DEFAULT_DISCOVER_INTERVAL_S};
 use crate::discover::{BaseUrl, EngineApi, FileLayout};
+use crate::endpoint::Host;
 
 /// Why a `discover` value is refused, for `SectionChecker::text`.
 pub(super) fn check_discover_url(url: &str) -> Option<String> {
@@ -40,7 +41,7 @@ pub(super) fn check_interval_needs_discover(
 }
 
 /// The engine's node: `host` as written, else the `discover` URL's host.
-pub(super) fn node_host(fields: &EngineFields) -> Option<String> {
+pub(super) fn node_host(fields: &EngineFields) -> Option<Host> {
     match (&fields.host, &fields.discover) {
         (Checked::Valid(host), _) => Some(host.clone()),
         (Checked::Absent, Checked::Valid(url)) => BaseUrl::parse(url).ok().map(|url| url.host),
@@ -55,7 +56,7 @@ pub(super) fn discover_config(fields: &EngineFields) -> Option<DiscoverConfig> {
     };
     let host = fields.host.clone().optional()?;
     Some(DiscoverConfig {
-        api: EngineApi::new(name, url, host.as_deref()).ok()?,
+        api: EngineApi::new(name, url, host).ok()?,
         interval_s: fields
             .discover_interval_s
             .clone()
@@ -83,7 +84,7 @@ mod tests {
     fn discover_alone_is_an_engine_on_the_urls_host_asked_every_30_s() {
         let config = parse("[[engine]]\nname = \"a\"\ndiscover = \"http://10.0.0.5:8000\"\n");
         let engine = &config.engines[0];
-        assert_eq!(engine.host, "10.0.0.5");
+        assert_eq!(engine.host.to_string(), "10.0.0.5");
         assert_eq!(
             engine.ranks,
             Ranks::Discovered(DiscoverConfig {
@@ -116,10 +117,13 @@ discover = "http://[fd00::6]:8000"
 "#;
         let config = parse(text);
         let (a, b) = (&config.engines[0], &config.engines[1]);
-        assert_eq!(a.host, "gpu-1");
+        assert_eq!(a.host.to_string(), "gpu-1");
         let discover = a.discover().expect("discovered");
         assert_eq!(
-            (discover.api.url.base.as_str(), discover.api.host.as_str()),
+            (
+                discover.api.url.base.as_str(),
+                &*discover.api.host.to_string()
+            ),
             ("http://[fd00::5]:8000/vllm", "gpu-1")
         );
         assert_eq!(discover.interval_s, 2);
@@ -132,7 +136,7 @@ discover = "http://[fd00::6]:8000"
                 replay_port: None,
             }
         );
-        assert_eq!(b.host, "fd00::6");
+        assert_eq!(b.host.to_string(), "fd00::6");
         let discover = b.discover().expect("discovered");
         assert_eq!(
             (discover.interval_s, discover.file),

@@ -24,6 +24,7 @@ use super::{
     EngineConfig, FixedRanks, Ranks, DEFAULT_DP_RANK_START, DEFAULT_DP_SIZE, DEFAULT_ZMQ_PORT,
     MAX_DISCOVER_INTERVAL_S, MAX_DP_SIZE, MAX_INSTANCE_ID,
 };
+use crate::endpoint::Host;
 
 /// One `[[engine]]` or `[defaults]` table as written.
 #[derive(Deserialize)]
@@ -49,7 +50,7 @@ struct RawEngine {
 #[derive(Clone, Debug, Default)]
 pub(super) struct EngineFields {
     pub(super) name: Checked<String>,
-    pub(super) host: Checked<String>,
+    pub(super) host: Checked<Host>,
     pub(super) zmq_port: Checked<u16>,
     pub(super) dp_rank_start: Checked<u32>,
     pub(super) dp_size: Checked<u32>,
@@ -79,13 +80,13 @@ impl EngineFields {
         let name = checker.text("name", raw.name, |name| {
             name.is_empty().then(|| "is empty".to_string())
         });
-        let host = checker.text("host", raw.host, |host| {
+        let host = checker.parsed("host", raw.host, |host| {
             if host.trim().is_empty() {
-                Some("is empty".to_string())
+                Err("is empty".to_string())
             } else if host.starts_with('[') {
-                Some("must be written without brackets, also for IPv6 (\"::1\")".to_string())
+                Err("must be written without brackets, also for IPv6 (\"::1\")".to_string())
             } else {
-                None
+                Host::parse(host).map_err(|why| format!("is invalid: {why}"))
             }
         });
         let dp_size = checker.int("dp_size", raw.dp_size, "1..=1024", |n| {
@@ -393,9 +394,9 @@ fn port_bases(fields: &EngineFields) -> [(SocketKind, Option<u16>); 3] {
     ]
 }
 
-fn placed(host: &str, at: &EngineAt, range: PortRange) -> Placed {
+fn placed(host: &Host, at: &EngineAt, range: PortRange) -> Placed {
     Placed {
-        host: host.to_lowercase(),
+        host: host.to_string().to_lowercase(),
         written_host: host.to_string(),
         engine: at.position,
         label: at.label.clone(),

@@ -158,15 +158,28 @@ impl SectionChecker<'_, '_> {
         value: Option<Spanned<String>>,
         check: impl Fn(&str) -> Option<String>,
     ) -> Checked<String> {
+        self.parsed(key, value, |text| match check(text) {
+            None => Ok(text.to_string()),
+            Some(why) => Err(why),
+        })
+    }
+
+    /// A string key read into a `T` once, here; `parse` returns why a value is wrong.
+    pub(super) fn parsed<T>(
+        &mut self,
+        key: &str,
+        value: Option<Spanned<String>>,
+        parse: impl Fn(&str) -> Result<T, String>,
+    ) -> Checked<T> {
         if self.dropped.iter().any(|dropped| dropped == key) {
             return Checked::Rejected;
         }
         let Some(value) = value else {
             return Checked::Absent;
         };
-        match check(value.get_ref()) {
-            None => Checked::Valid(value.into_inner()),
-            Some(why) => {
+        match parse(value.get_ref()) {
+            Ok(parsed) => Checked::Valid(parsed),
+            Err(why) => {
                 let why = format!("`{key}` {why}");
                 self.problems.add(Some(value.span()), self.section, why);
                 Checked::Rejected

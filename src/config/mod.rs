@@ -12,6 +12,7 @@
 //! - `instance`: the engines' ids in the Dynamo API;
 //! - `ports`: which port rank r of an engine uses, and which port ranges collide;
 //! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`;
+//! - `restart_only`: the top-level keys only a restart changes, listed once;
 //! - `select`: the `[select]` knobs of `POST /select`;
 //! - `route`: the `[route]` table of the OpenAI-compatible front end.
 
@@ -22,11 +23,12 @@ mod instance;
 mod keys;
 mod ports;
 mod replicas;
+mod restart_only;
 mod route;
 mod select;
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
 use serde::de::IgnoredAny;
@@ -36,6 +38,7 @@ use toml::Spanned;
 
 pub use crate::discover::MAX_DP_SIZE;
 use crate::discover::{BaseUrl, EngineApi, FileLayout};
+use crate::endpoint::Host;
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
 pub use instance::derived_instance_id;
@@ -44,6 +47,7 @@ use ports::check_port_overlaps;
 pub use ports::rank_port;
 use replicas::check_replicas;
 pub use replicas::{is_loopback_listen, Replicas};
+pub use restart_only::{keep_restart_only, RestartOnlyKey, RestartPending, RESTART_ONLY};
 use route::check_route;
 pub use route::Route;
 use select::check_select;
@@ -82,7 +86,7 @@ pub struct EngineConfig {
     pub name: String,
     /// The engine's node: where fixed ranks publish, and what replaces a wildcard host in the
     /// endpoints a discovered engine reports (the `discover` URL's host unless written).
-    pub host: String,
+    pub host: Host,
     /// Where the ranks come from: the file, or the engine itself.
     pub ranks: Ranks,
     pub recover_port: Option<u16>,
@@ -267,29 +271,29 @@ impl Config {
 
 /// Checks an HTTP listen address: `IP:port` (IPv6 in brackets) or `hostname:port`.
 pub fn validate_listen(addr: &str) -> Result<(), String> {
-    if addr.parse::<SocketAddr>().is_ok() {
-        return Ok(());
+    listen_host_port(addr).map(|_| ())
+}
+
+/// An HTTP listen address (`listen`, `dynamo_listen`, a peer's authority) as its host and
+/// port: `IP:port` with IPv6 in brackets, or `hostname:port`, the host read by `Host::parse`
+/// (the grammar of endpoints). Not an `Endpoint`: no scheme, and port 0 binds a free port.
+fn listen_host_port(addr: &str) -> Result<(Host, u16), String> {
+    if let Ok(socket) = addr.parse::<SocketAddr>() {
+        return Ok((Host::Ip(socket.ip()), socket.port()));
     }
     let expected = "expected IP:port or hostname:port (IPv6 in brackets: [::1]:8090)";
     let Some((host, port)) = addr.rsplit_once(':') else {
         return Err(format!("{addr:?}: no port; {expected}"));
     };
-    if port.parse::<u16>().is_err() {
+    let Ok(port) = port.parse::<u16>() else {
         return Err(format!("{addr:?}: port {port:?} is not a number 0..=65535"));
-    }
-    let is_label = |label: &str| {
-        !label.is_empty()
-            && label.len() <= 63
-            && !label.starts_with('-')
-            && !label.ends_with('-')
-            && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
     };
-    if host.len() > 253 || !host.split('.').all(is_label) {
-        return Err(format!(
+    match Host::parse(host) {
+        Ok(Host::Ip(IpAddr::V6(_))) | Err(_) => Err(format!(
             "{addr:?}: {host:?} is neither an IP nor a hostname; {expected}"
-        ));
+        )),
+        Ok(host) => Ok((host, port)),
     }
-    Ok(())
 }
 
 impl fmt::Display for ConfigError {
@@ -451,7 +455,7 @@ mod tests {
                 max_blocks_per_rank: DEFAULT_MAX_BLOCKS_PER_RANK,
                 engines: vec![EngineConfig {
                     name: "local".into(),
-                    host: "127.0.0.1".into(),
+                    host: Host::Ip([127, 0, 0, 1].into()),
                     ranks: Ranks::Fixed(FixedRanks {
                         zmq_port: 5557,
                         dp_rank_start: 0,

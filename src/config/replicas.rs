@@ -46,12 +46,7 @@ impl Replicas {
 
 /// Whether an HTTP `listen` address only accepts connections from this host.
 pub fn is_loopback_listen(listen: &str) -> bool {
-    let host = listen.rsplit_once(':').map_or(listen, |(host, _)| host);
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    super::listen_host_port(listen).is_ok_and(|(host, _)| host.is_loopback())
 }
 
 /// Checks `peers`, `serve_snapshots` and `auth_token_file`; `None` when any is wrong (reported).

@@ -4,7 +4,7 @@
 //! Owns: comparing the two and wording each disagreement. Never: decides who wins (the engine
 //! always does; the caller warns, counts and shows the disagreement on `/workers`).
 
-use super::{Discovery, TcpEndpoint};
+use super::Discovery;
 
 /// What `indexer.toml` says of an engine's ranks, each key only when it was written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,14 +57,14 @@ impl Discovery {
         let ports = self
             .ranks
             .iter()
-            .map(|rank| (rank.dp_rank, port_of(&rank.endpoint)));
+            .map(|rank| (rank.dp_rank, Some(rank.endpoint.port)));
         if let Some(disagreement) = compare_ports("zmq_port", file.zmq_port, ports) {
             found.push(disagreement);
         }
         let replays = self
             .ranks
             .iter()
-            .map(|rank| (rank.dp_rank, rank.replay.as_deref().and_then(port_of)));
+            .map(|rank| (rank.dp_rank, rank.replay.as_ref().map(|replay| replay.port)));
         if let Some(disagreement) = compare_ports("replay_port", file.replay_port, replays) {
             found.push(disagreement);
         }
@@ -95,12 +95,6 @@ fn compare_ports(
     })
 }
 
-fn port_of(endpoint: &str) -> Option<u16> {
-    TcpEndpoint::parse(endpoint)
-        .ok()
-        .map(|endpoint| endpoint.port)
-}
-
 /// `(0, 1, 2)`, or `(none)`.
 fn rank_list(ranks: &[u32]) -> String {
     if ranks.is_empty() {
@@ -114,6 +108,7 @@ fn rank_list(ranks: &[u32]) -> String {
 mod tests {
     use super::*;
     use crate::discover::{DiscoveredRank, EngineKind};
+    use crate::endpoint::{Endpoint, Host};
 
     fn discovery(ports: &[(u32, u16, Option<u16>)]) -> Discovery {
         Discovery {
@@ -123,8 +118,8 @@ mod tests {
                 .iter()
                 .map(|&(dp_rank, port, replay)| DiscoveredRank {
                     dp_rank,
-                    endpoint: format!("tcp://[fd00::5]:{port}"),
-                    replay: replay.map(|port| format!("tcp://10.0.0.5:{port}")),
+                    endpoint: Endpoint::new(Host::Ip("fd00::5".parse().expect("v6")), port),
+                    replay: replay.map(|port| Endpoint::new(Host::Name("h".into()), port)),
                     topic: String::new(),
                 })
                 .collect(),

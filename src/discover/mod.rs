@@ -3,12 +3,13 @@
 //!
 //! Owns: the two answers kv-indexer understands, vLLM's `GET /kv_event_sources` (`vllm.rs`)
 //! and SGLang's `GET /server_info` (`sglang.rs`), telling them apart by the route that answers,
-//! the bounded HTTP fetch (`fetch.rs`), the `discover` URL and endpoint rules (`url.rs`), and
+//! the bounded HTTP fetch (`fetch.rs`), the `discover` URL (`url.rs`), and
 //! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), the
 //! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`), and
 //! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`),
-//! and the endpoint policy discovery and `/register` share (`endpoint.rs`: which endpoints a
-//! socket may be aimed at).
+//! and the endpoint policy discovery and `/register` share (`endpoint_policy.rs`: which
+//! endpoints a socket may be aimed at). The endpoints themselves are `crate::endpoint`'s type,
+//! parsed once where an answer is read.
 //!
 //! Never: imports `config` (which imports this module), touches the registry, a listener or the
 //! index. A `Discovery` is an input of `plan`, which turns its ranks into listener specs as it
@@ -19,7 +20,7 @@
 
 mod agreement;
 mod board;
-mod endpoint;
+mod endpoint_policy;
 mod fetch;
 mod probe;
 mod sglang;
@@ -30,14 +31,16 @@ use std::fmt;
 
 use serde::Deserialize;
 
+use crate::endpoint::{Endpoint, Host};
+
 pub use agreement::{Disagreement, FileLayout};
 pub use board::{
     Board, DisagreementReport, DiscoveryReport, DiscoveryState, EngineReport, NeighbourReport,
 };
-pub use endpoint::{EndpointPolicy, Refusal};
+pub use endpoint_policy::{EndpointPolicy, Refusal};
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
-pub use url::{BaseUrl, TcpEndpoint};
+pub use url::BaseUrl;
 
 /// Global data-parallel ranks are below this: it bounds a file's `dp_size` and `dp_rank_start +
 /// dp_size` (re-exported as `config::MAX_DP_SIZE`) and the ranks an engine may announce. Here,
@@ -84,11 +87,10 @@ impl EngineKind {
 pub struct DiscoveredRank {
     /// Global data-parallel rank, as the engine numbers it.
     pub dp_rank: u32,
-    /// `tcp://host:port` to connect to: wildcard hosts already replaced by the engine's host,
-    /// IPv6 hosts in brackets (the form `ListenerSpec::endpoint` has).
-    pub endpoint: String,
-    /// The rank's replay ROUTER, same form, when the engine has one.
-    pub replay: Option<String>,
+    /// Where to connect: a wildcard host already replaced by the engine's host.
+    pub endpoint: Endpoint,
+    /// The rank's replay ROUTER, likewise, when the engine has one.
+    pub replay: Option<Endpoint>,
     /// ZMQ subscription prefix ("" = everything).
     pub topic: String,
 }
@@ -110,15 +112,15 @@ pub struct EngineApi {
     pub engine: String,
     pub url: BaseUrl,
     /// The host that replaces a wildcard in the engine's endpoints.
-    pub host: String,
+    pub host: Host,
 }
 
 impl EngineApi {
     /// `host` defaults to the URL's host: the HTTP server and the publishers are the same node.
     /// The error names the engine and says what URL would be accepted.
-    pub fn new(engine: &str, discover: &str, host: Option<&str>) -> Result<EngineApi, String> {
+    pub fn new(engine: &str, discover: &str, host: Option<Host>) -> Result<EngineApi, String> {
         let url = BaseUrl::parse(discover).map_err(|err| format!("engine {engine}: {err}"))?;
-        let host = host.map_or_else(|| url.host.clone(), str::to_string);
+        let host = host.unwrap_or_else(|| url.host.clone());
         Ok(EngineApi {
             engine: engine.to_string(),
             url,
@@ -239,25 +241,23 @@ impl KvEventsConfig {
     fn rank(
         &self,
         dp_rank: u32,
-        endpoint: &TcpEndpoint,
+        endpoint: &Endpoint,
         offset: u32,
-        engine_host: &str,
+        engine_host: &Host,
     ) -> Result<DiscoveredRank, String> {
-        let on_rank = |endpoint: &TcpEndpoint, what: &str| {
-            endpoint
-                .connect_address(engine_host, offset)
-                .ok_or_else(|| {
-                    format!(
-                        "rank {dp_rank}: {what} port {} + {offset} is past 65535",
-                        endpoint.port
-                    )
-                })
+        let on_rank = |endpoint: &Endpoint, what: &str| {
+            endpoint.on_node(engine_host, offset).ok_or_else(|| {
+                format!(
+                    "rank {dp_rank}: {what} port {} + {offset} is past 65535",
+                    endpoint.port
+                )
+            })
         };
         let replay = match self.replay_endpoint.as_deref() {
             None => None,
             Some(text) => {
-                let replay = TcpEndpoint::parse(text)
-                    .map_err(|err| format!("rank {dp_rank}: replay_endpoint: {err}"))?;
+                let replay = Endpoint::parse(text)
+                    .map_err(|err| format!("rank {dp_rank}: replay_endpoint {err}"))?;
                 if replay.port == 0 {
                     return Err(format!(
                         "rank {dp_rank}: replay_endpoint {text:?} has port 0, not the port bound"

@@ -12,13 +12,14 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint, MAX_DP_SIZE};
+use super::{json_kind, DiscoveredRank, KvEventsConfig, MAX_DP_SIZE};
+use crate::endpoint::{Endpoint, Host};
 
 /// SGLang's `KVEventsConfig` default endpoint.
 const DEFAULT_ENDPOINT: &str = "tcp://*:5557";
 
 /// Ranks `0..dp_size` of a `/server_info` answer.
-pub(super) fn ranks(body: &Value, engine_host: &str) -> Result<Vec<DiscoveredRank>, String> {
+pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRank>, String> {
     let Value::Object(info) = body else {
         return Err(format!(
             "expected an object of server arguments, got {}",
@@ -58,7 +59,8 @@ pub(super) fn ranks(body: &Value, engine_host: &str) -> Result<Vec<DiscoveredRan
     // SGLang's default publisher is "null": no events.
     config.require_zmq("null")?;
     let text = config.endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT);
-    let endpoint = TcpEndpoint::parse(text).map_err(|err| format!("kv_events_config: {err}"))?;
+    let endpoint =
+        Endpoint::parse(text).map_err(|err| format!("kv_events_config: endpoint {err}"))?;
     if endpoint.port == 0 {
         return Err(format!(
             "kv_events_config endpoint {text:?} has port 0: SGLang puts rank r on port + r and \
@@ -75,6 +77,10 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn node(text: &str) -> Host {
+        Host::parse(text).expect("a host")
+    }
+
     fn info(dp_size: u32, kv_events_config: Value) -> Value {
         json!({"model_path": "Qwen/Qwen3-8B", "tp_size": 2, "dp_size": dp_size,
                "enable_dp_attention": true, "kv_events_config": kv_events_config,
@@ -85,31 +91,27 @@ mod tests {
     fn rank_r_is_on_port_plus_r_for_both_sockets() {
         let config = r#"{"publisher": "zmq", "endpoint": "tcp://*:5557",
                          "replay_endpoint": "tcp://*:5600", "topic": "kv"}"#;
-        let ranks = ranks(&info(2, json!(config)), "10.0.0.6").expect("valid");
+        let ranks = ranks(&info(2, json!(config)), &node("10.0.0.6")).expect("valid");
         let rows: Vec<_> = ranks
             .iter()
             .map(|r| {
-                (
-                    r.dp_rank,
-                    r.endpoint.as_str(),
-                    r.replay.as_deref(),
-                    r.topic.as_str(),
-                )
+                let replay = r.replay.as_ref().map(ToString::to_string);
+                format!("{} {} {replay:?} {}", r.dp_rank, r.endpoint, r.topic)
             })
             .collect();
         assert_eq!(
             rows,
-            vec![
-                (0, "tcp://10.0.0.6:5557", Some("tcp://10.0.0.6:5600"), "kv"),
-                (1, "tcp://10.0.0.6:5558", Some("tcp://10.0.0.6:5601"), "kv"),
+            [
+                "0 tcp://10.0.0.6:5557 Some(\"tcp://10.0.0.6:5600\") kv",
+                "1 tcp://10.0.0.6:5558 Some(\"tcp://10.0.0.6:5601\") kv",
             ]
         );
     }
 
     #[test]
     fn defaults_are_sglangs_and_an_object_config_is_taken_too() {
-        let ranks = ranks(&info(1, json!({"publisher": "zmq"})), "h").expect("valid");
-        assert_eq!(ranks[0].endpoint, "tcp://h:5557");
+        let ranks = ranks(&info(1, json!({"publisher": "zmq"})), &node("h")).expect("valid");
+        assert_eq!(ranks[0].endpoint.to_string(), "tcp://h:5557");
         assert_eq!(ranks[0].replay, None);
     }
 
@@ -143,7 +145,7 @@ mod tests {
             ),
         ];
         for (body, expected) in cases {
-            let err = ranks(&body, "h").expect_err(&body.to_string());
+            let err = ranks(&body, &node("h")).expect_err(&body.to_string());
             assert!(err.contains(expected), "{body}: {err}");
         }
     }

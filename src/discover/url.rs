@@ -1,16 +1,20 @@
-//! The two kinds of address discovery handles: the `discover` base URL of an engine's HTTP
-//! server, and the `tcp://host:port` endpoints an engine reports for its ranks.
+//! The `discover` base URL of an engine's HTTP server (the `tcp://` endpoints its ranks report
+//! are `crate::endpoint::Endpoint`s).
 //!
-//! Owns: what a `discover` URL may be (plain `http://`, no credentials, query or fragment), the
-//! engine host it implies, and the wildcard-host rule (`*`, `0.0.0.0`, `::`, `[::]` mean "the
-//! engine's node"). Never: resolves a name or opens a connection.
+//! Owns: what a `discover` URL may be (plain `http://`, no credentials, query or fragment) and
+//! the engine host it implies (read by `Host::parse`, the host grammar endpoints use). Never:
+//! resolves a name or opens a connection.
+
+use std::net::IpAddr;
+
+use crate::endpoint::Host;
 
 /// An engine's HTTP server as `discover` names it: `base` without a trailing `/` (routes are
-/// appended to it), `host` as written in the URL, IPv6 literals without brackets.
+/// appended to it), `host` as written in the URL.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BaseUrl {
     pub base: String,
-    pub host: String,
+    pub host: Host,
 }
 
 impl BaseUrl {
@@ -30,8 +34,14 @@ impl BaseUrl {
             ));
         }
         let authority = rest.split('/').next().unwrap_or_default();
-        let (host, port) = split_host_port(authority)
+        let (host, port, bracketed) = split_host_port(authority)
             .ok_or_else(|| format!("{text:?}: no host in {authority:?}; {accepted}"))?;
+        let host = Host::parse(host).map_err(|why| format!("{text:?}: {why}; {accepted}"))?;
+        if bracketed != matches!(host, Host::Ip(IpAddr::V6(_))) {
+            return Err(format!(
+                "{text:?}: an IPv6 host goes in brackets, and nothing else does; {accepted}"
+            ));
+        }
         if let Some(port) = port {
             match port.parse::<u16>() {
                 Ok(1..) => {}
@@ -40,7 +50,7 @@ impl BaseUrl {
         }
         Ok(BaseUrl {
             base: text.trim_end_matches('/').to_string(),
-            host: host.to_string(),
+            host,
         })
     }
 
@@ -50,78 +60,22 @@ impl BaseUrl {
     }
 }
 
-/// `host[:port]` or `[v6][:port]` into the host (no brackets) and the port text, if any.
-fn split_host_port(authority: &str) -> Option<(&str, Option<&str>)> {
-    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+/// `host[:port]` or `[v6][:port]` into the host (no brackets), the port text if any, and
+/// whether the host was in brackets.
+fn split_host_port(authority: &str) -> Option<(&str, Option<&str>, bool)> {
+    let (host, port, bracketed) = if let Some(v6) = authority.strip_prefix('[') {
         let (host, after) = v6.split_once(']')?;
         match after {
-            "" => (host, None),
-            _ => (host, Some(after.strip_prefix(':')?)),
+            "" => (host, None, true),
+            _ => (host, Some(after.strip_prefix(':')?), true),
         }
     } else {
         match authority.split_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (authority, None),
+            Some((host, port)) => (host, Some(port), false),
+            None => (authority, None, false),
         }
     };
-    (!host.is_empty()).then_some((host, port))
-}
-
-/// A rank's ZMQ endpoint as the engine reports it, split: `host` without brackets.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TcpEndpoint {
-    pub host: String,
-    pub port: u16,
-}
-
-impl TcpEndpoint {
-    /// Reads `tcp://host:port`; port 0 is kept (each engine decides what it means).
-    pub fn parse(text: &str) -> Result<TcpEndpoint, String> {
-        let Some(rest) = text.strip_prefix("tcp://") else {
-            return Err(format!(
-                "endpoint {text:?} is not tcp://HOST:PORT (ipc:// and inproc:// cannot be \
-                 reached from another process on another node)"
-            ));
-        };
-        // ZMQ also takes an unbracketed IPv6 host (`tcp://:::5557`): the port follows the last
-        // colon.
-        let split = match rest.matches(':').count() {
-            2.. if !rest.starts_with('[') => rest.rsplit_once(':').map(|(h, p)| (h, Some(p))),
-            _ => split_host_port(rest),
-        };
-        let (host, port) = match split {
-            Some((host, Some(port))) if !host.is_empty() => (host, port),
-            _ => return Err(format!("endpoint {text:?} has no HOST:PORT")),
-        };
-        let port = port
-            .parse::<u16>()
-            .map_err(|_| format!("endpoint {text:?}: port {port:?} is not 0..=65535"))?;
-        Ok(TcpEndpoint {
-            host: host.to_string(),
-            port,
-        })
-    }
-
-    /// True when the host means "every interface of the engine's node".
-    pub fn has_wildcard_host(&self) -> bool {
-        matches!(self.host.as_str(), "*" | "0.0.0.0" | "::")
-    }
-
-    /// `tcp://host:port` to connect to: a wildcard host becomes `engine_host`, the port is
-    /// `port + offset` (None past 65535).
-    pub fn connect_address(&self, engine_host: &str, offset: u32) -> Option<String> {
-        let port = u16::try_from(u32::from(self.port) + offset).ok()?;
-        let host = if self.has_wildcard_host() {
-            engine_host
-        } else {
-            &self.host
-        };
-        Some(if host.contains(':') {
-            format!("tcp://[{host}]:{port}")
-        } else {
-            format!("tcp://{host}:{port}")
-        })
-    }
+    (!host.is_empty()).then_some((host, port, bracketed))
 }
 
 #[cfg(test)]
@@ -135,14 +89,17 @@ mod tests {
             url.join("/kv_event_sources"),
             "http://10.0.0.5:8000/kv_event_sources"
         );
-        assert_eq!(url.host, "10.0.0.5");
+        assert_eq!(url.host.to_string(), "10.0.0.5");
         let url = BaseUrl::parse("http://[fd00::5]:8000/vllm-a").expect("valid");
-        assert_eq!(url.host, "fd00::5");
+        assert_eq!(url.host.to_string(), "fd00::5");
         assert_eq!(
             url.join("/server_info"),
             "http://[fd00::5]:8000/vllm-a/server_info"
         );
-        assert_eq!(BaseUrl::parse("http://gpu-1").expect("valid").host, "gpu-1");
+        assert_eq!(
+            BaseUrl::parse("http://gpu-1").expect("valid").host,
+            Host::Name("gpu-1".into())
+        );
     }
 
     #[test]
@@ -156,50 +113,13 @@ mod tests {
             "http://host:80?x=1",
             "http://user:pw@host:80",
             "http://[::1",
+            "http://[gpu-1]:80",
+            "http://bad_host!:80",
+            "http://*:80",
         ] {
             let err = BaseUrl::parse(bad).expect_err(bad);
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
         assert!(BaseUrl::parse("https://h").unwrap_err().contains("no TLS"));
-    }
-
-    #[test]
-    fn wildcard_hosts_become_the_engine_host_and_others_stay() {
-        for wildcard in [
-            "tcp://*:5557",
-            "tcp://0.0.0.0:5557",
-            "tcp://[::]:5557",
-            "tcp://:::5557",
-        ] {
-            let endpoint = TcpEndpoint::parse(wildcard).expect(wildcard);
-            assert!(endpoint.has_wildcard_host(), "{wildcard}");
-            assert_eq!(
-                endpoint.connect_address("10.0.0.5", 1).as_deref(),
-                Some("tcp://10.0.0.5:5558")
-            );
-            assert_eq!(
-                endpoint.connect_address("fd00::5", 0).as_deref(),
-                Some("tcp://[fd00::5]:5557")
-            );
-        }
-        let fixed = TcpEndpoint::parse("tcp://10.0.0.9:41234").expect("valid");
-        assert_eq!(
-            fixed.connect_address("10.0.0.5", 0).as_deref(),
-            Some("tcp://10.0.0.9:41234")
-        );
-        assert_eq!(fixed.connect_address("h", 30_000), None);
-    }
-
-    #[test]
-    fn endpoints_that_are_not_tcp_host_port_are_refused() {
-        for bad in [
-            "ipc:///tmp/kv",
-            "inproc://kv",
-            "tcp://host",
-            "tcp://host:x",
-            "tcp://:5557",
-        ] {
-            assert!(TcpEndpoint::parse(bad).is_err(), "{bad}");
-        }
     }
 }

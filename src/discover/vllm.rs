@@ -9,10 +9,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, TcpEndpoint, MAX_DP_SIZE};
+use super::{json_kind, DiscoveredRank, KvEventsConfig, MAX_DP_SIZE};
+use crate::endpoint::{Endpoint, Host};
 
 /// The ranks of a `/kv_event_sources` answer, in rank order; `{}` is zero ranks.
-pub(super) fn ranks(body: &Value, engine_host: &str) -> Result<Vec<DiscoveredRank>, String> {
+pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRank>, String> {
     let Value::Object(entries) = body else {
         return Err(format!(
             "expected an object keyed by rank, got {}",
@@ -36,7 +37,7 @@ pub(super) fn ranks(body: &Value, engine_host: &str) -> Result<Vec<DiscoveredRan
     }
     let mut endpoints = BTreeSet::new();
     for rank in by_rank.values() {
-        if !endpoints.insert(rank.endpoint.as_str()) {
+        if !endpoints.insert(&rank.endpoint) {
             return Err(format!(
                 "two ranks on {}: each rank publishes on its own port",
                 rank.endpoint
@@ -46,7 +47,7 @@ pub(super) fn ranks(body: &Value, engine_host: &str) -> Result<Vec<DiscoveredRan
     Ok(by_rank.into_values().collect())
 }
 
-fn rank(dp_rank: u32, entry: &Value, engine_host: &str) -> Result<DiscoveredRank, String> {
+fn rank(dp_rank: u32, entry: &Value, engine_host: &Host) -> Result<DiscoveredRank, String> {
     let config =
         KvEventsConfig::deserialize(entry).map_err(|err| format!("rank {dp_rank}: {err}"))?;
     if config.enable_kv_cache_events != Some(true) {
@@ -66,7 +67,8 @@ fn rank(dp_rank: u32, entry: &Value, engine_host: &str) -> Result<DiscoveredRank
         .endpoint
         .as_deref()
         .ok_or_else(|| format!("rank {dp_rank} has no endpoint"))?;
-    let endpoint = TcpEndpoint::parse(text).map_err(|err| format!("rank {dp_rank}: {err}"))?;
+    let endpoint =
+        Endpoint::parse(text).map_err(|err| format!("rank {dp_rank}: endpoint {err}"))?;
     if endpoint.port == 0 {
         return Err(format!(
             "rank {dp_rank}: endpoint {text:?} has port 0, not the port the rank bound"
@@ -80,6 +82,10 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn node(text: &str) -> Host {
+        Host::parse(text).expect("a host")
+    }
+
     fn entry(endpoint: &str) -> Value {
         json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": endpoint,
                "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000,
@@ -89,14 +95,14 @@ mod tests {
     #[test]
     fn ranks_come_in_rank_order_with_wildcards_replaced() {
         let body = json!({"1": entry("tcp://*:5558"), "0": entry("tcp://*:5557")});
-        let ranks = ranks(&body, "10.0.0.5").expect("valid");
+        let ranks = ranks(&body, &node("10.0.0.5")).expect("valid");
         let endpoints: Vec<_> = ranks
             .iter()
-            .map(|r| (r.dp_rank, r.endpoint.as_str()))
+            .map(|r| format!("{} {}", r.dp_rank, r.endpoint))
             .collect();
         assert_eq!(
             endpoints,
-            vec![(0, "tcp://10.0.0.5:5557"), (1, "tcp://10.0.0.5:5558")]
+            ["0 tcp://10.0.0.5:5557", "1 tcp://10.0.0.5:5558"]
         );
     }
 
@@ -138,13 +144,13 @@ mod tests {
             ),
         ];
         for (body, expected) in cases {
-            let err = ranks(&body, "h").expect_err(&body.to_string());
+            let err = ranks(&body, &node("h")).expect_err(&body.to_string());
             assert!(err.contains(expected), "{body}: {err}");
         }
     }
 
     #[test]
     fn an_empty_object_is_zero_ranks() {
-        assert_eq!(ranks(&json!({}), "h"), Ok(vec![]));
+        assert_eq!(ranks(&json!({}), &node("h")), Ok(vec![]));
     }
 }

@@ -21,8 +21,8 @@ impl Request {
     }
 
     /// The address of the client that sent it.
-    pub fn peer(&self) -> Option<SocketAddr> {
-        Some(self.peer)
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
     }
 
     pub fn method(&self) -> &Method {

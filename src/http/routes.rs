@@ -15,6 +15,7 @@ use super::table::{Guard, Handler, Route, Verb};
 use super::text_prompt::tokenize_prompt;
 use super::{Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
+use crate::endpoint::Endpoint;
 use crate::index::{GroupView, Inexact, PerTier};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
@@ -226,8 +227,8 @@ struct InstanceJson<'a> {
 #[derive(Serialize)]
 struct ListenerJson<'a> {
     dp_rank: u32,
-    endpoint: &'a str,
-    replay: Option<&'a str>,
+    endpoint: &'a Endpoint,
+    replay: Option<&'a Endpoint>,
     recover: Option<&'a str>,
     state: &'static str,
     connected: bool,
@@ -287,7 +288,7 @@ impl<'a> ListenerJson<'a> {
         ListenerJson {
             dp_rank: spec.key.dp_rank,
             endpoint: &spec.endpoint,
-            replay: spec.replay.as_deref(),
+            replay: spec.replay.as_ref(),
             recover: spec.recover.as_deref(),
             state: status.map_or(State::Stopped, |s| s.state).as_str(),
             connected: status.is_some_and(|s| s.connected),
@@ -404,6 +405,7 @@ pub fn diff_json(diff: &ReloadDiff) -> Value {
         "replaced": names(&diff.replaced),
         "unchanged": diff.unchanged,
         "failed": diff.failed,
+        "restart_pending": diff.restart_pending,
     })
 }
 

@@ -141,7 +141,7 @@ impl Subscription {
 
     fn log_never_connected(&self) {
         let spec = &self.applier.spec;
-        let port = spec.endpoint.rsplit(':').next().unwrap_or("?");
+        let port = spec.endpoint.port;
         log::warn!(
             "{}: no connection after {}s. Check: is the engine running? Does its \
              --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
@@ -164,7 +164,7 @@ impl Subscription {
         if self.applier.status.status().connected {
             return;
         }
-        let endpoint = &self.applier.spec.endpoint;
+        let endpoint = &self.applier.spec.endpoint.to_string();
         log::info!(
             "{}: still disconnected {REVIVE_AFTER:?} after losing {endpoint}: connecting anew \
              (ZMQ does not reconnect after a message over ZMQ_MAXMSGSIZE, {} bytes)",

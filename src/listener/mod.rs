@@ -422,7 +422,7 @@ fn open_sockets(spec: &ListenerSpec, zmq: &zmq::Context) -> anyhow::Result<(Moni
     ];
     let sub = Monitored::attach(zmq, sub, &events, "listener")?;
     sub.socket()
-        .connect(&spec.endpoint)
+        .connect(&spec.endpoint.to_string())
         .with_context(|| format!("connecting to {}", spec.endpoint))?;
     Ok((sub, id))
 }

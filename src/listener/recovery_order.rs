@@ -187,7 +187,8 @@ impl Subscription {
         // A hole longer than any history holds (a publisher seen first, or again, at a seq near
         // 2^64) is not asked of a replay and not counted as lost batches: its size is unknown.
         let knowable = |start: u64| through - start < MAX_PLAUSIBLE_GAP;
-        if let Some(endpoint) = self.applier.spec.replay.clone().filter(|_| knowable(from)) {
+        let replay = self.applier.spec.replay.as_ref().map(ToString::to_string);
+        if let Some(endpoint) = replay.filter(|_| knowable(from)) {
             // Degraded by an earlier loss: the rank is exact again only from the whole
             // history, replayed into the emptied rank. A reply that does not start at the
             // publisher's first seq changes nothing, and the new hole alone is asked for.

@@ -181,8 +181,6 @@ pub enum EndpointSource {
 /// `endpoints_refused_total` (docs.md "Endpoints from outside the file").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EndpointRefusal {
-    /// Not `tcp://host:port`.
-    Unparsable,
     /// A host name the system resolver does not answer.
     Unresolvable,
     /// The same address and port as another endpoint of the answer or registration.
@@ -198,8 +196,7 @@ impl EndpointSource {
 }
 
 impl EndpointRefusal {
-    pub const ALL: [EndpointRefusal; 5] = [
-        EndpointRefusal::Unparsable,
+    pub const ALL: [EndpointRefusal; 4] = [
         EndpointRefusal::Unresolvable,
         EndpointRefusal::Duplicate,
         EndpointRefusal::OwnAddress,
@@ -208,7 +205,6 @@ impl EndpointRefusal {
 
     pub fn as_str(self) -> &'static str {
         match self {
-            EndpointRefusal::Unparsable => "unparsable",
             EndpointRefusal::Unresolvable => "unresolvable",
             EndpointRefusal::Duplicate => "duplicate",
             EndpointRefusal::OwnAddress => "own_address",

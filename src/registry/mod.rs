@@ -288,9 +288,9 @@ impl Registry {
     /// Adds `started` to what runs, and to the directory and the rank board.
     fn insert_running(&mut self, started: Vec<Running>) {
         if let Some(first) = started.first() {
-            let endpoints: Vec<&str> = started
+            let endpoints: Vec<String> = started
                 .iter()
-                .map(|r| r.listener.spec().endpoint.as_str())
+                .map(|r| r.listener.spec().endpoint.to_string())
                 .collect();
             info!(
                 "engine {}: listening to {} ranks at {}",
@@ -421,7 +421,8 @@ pub(crate) mod tests {
     use super::*;
 
     pub(super) fn spec(engine: &str, dp_rank: u32, endpoint: &str) -> ListenerSpec {
-        ListenerSpec::subscribing(engine, dp_rank, endpoint.to_owned())
+        let endpoint = endpoint.parse().unwrap_or_else(|why| panic!("{why}"));
+        ListenerSpec::subscribing(engine, dp_rank, endpoint)
     }
 
     /// An endpoint nobody publishes on: ZMQ connects asynchronously, so it starts fine.
@@ -430,8 +431,8 @@ pub(crate) mod tests {
         format!("tcp://{}", listener.local_addr().expect("addr"))
     }
 
-    /// An endpoint ZMQ refuses at connect time.
-    pub(super) const BROKEN: &str = "nosuch://127.0.0.1:1";
+    /// An endpoint ZMQ refuses at connect time: the wildcard host only a bind takes.
+    pub(super) const BROKEN: &str = "tcp://*:1";
 
     pub(super) fn registry() -> Registry {
         Registry::new(

@@ -28,6 +28,9 @@ pub struct ReloadDiff {
     pub failed: Vec<String>,
     /// Engines not started because shutdown began during the call.
     pub interrupted: usize,
+    /// Left empty by `apply`; the reloader's: each restart-only key the file changed, kept at
+    /// its running value (`config::RestartPending`, as its warning).
+    pub restart_pending: Vec<String>,
 }
 
 impl Registry {

@@ -335,7 +335,7 @@ fn check_endpoints(
     let endpoints = discovery
         .ranks
         .iter()
-        .flat_map(|rank| std::iter::once(rank.endpoint.as_str()).chain(rank.replay.as_deref()));
+        .flat_map(|rank| std::iter::once(&rank.endpoint).chain(&rank.replay));
     let who = format!("engine {}", api.engine);
     let Err(refused) = policy.check(&who, &api.host, endpoints) else {
         return Ok(discovery);

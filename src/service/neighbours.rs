@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::discover::{
     neighbour_port, neighbour_warning, publisher_answers, Board, NeighbourReport,
 };
+use crate::endpoint::Endpoint;
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
 
@@ -36,7 +37,7 @@ const PROBE_WAIT: Duration = Duration::from_millis(250);
 /// One fixed engine's neighbour port.
 struct Target {
     engine: String,
-    endpoint: String,
+    endpoint: Endpoint,
     port: u16,
     dp_size: u32,
 }
@@ -80,9 +81,9 @@ impl NeighbourWatch {
 /// The neighbour port of every fixed engine of `config`, except a port that is a rank of `plan`
 /// (an engine placed right after this one).
 fn targets(config: &Config, plan: &[ListenerSpec]) -> Vec<Target> {
-    let in_plan: BTreeSet<&str> = plan
+    let in_plan: BTreeSet<&Endpoint> = plan
         .iter()
-        .flat_map(|spec| std::iter::once(spec.endpoint.as_str()).chain(spec.replay.as_deref()))
+        .flat_map(|spec| std::iter::once(&spec.endpoint).chain(&spec.replay))
         .collect();
     config
         .engines
@@ -90,12 +91,8 @@ fn targets(config: &Config, plan: &[ListenerSpec]) -> Vec<Target> {
         .filter_map(|engine| {
             let fixed = engine.fixed()?;
             let port = neighbour_port(fixed.zmq_port, fixed.dp_rank_start, fixed.dp_size)?;
-            let endpoint = if engine.host.contains(':') {
-                format!("tcp://[{}]:{port}", engine.host)
-            } else {
-                format!("tcp://{}:{port}", engine.host)
-            };
-            (!in_plan.contains(endpoint.as_str())).then(|| Target {
+            let endpoint = Endpoint::new(engine.host.clone(), port);
+            (!in_plan.contains(&endpoint)).then(|| Target {
                 engine: engine.name.clone(),
                 endpoint,
                 port,
@@ -156,7 +153,7 @@ impl Round {
             if stopped.is_set() {
                 return;
             }
-            let (zmq, endpoint) = (self.zmq.clone(), target.endpoint.clone());
+            let (zmq, endpoint) = (self.zmq.clone(), target.endpoint.to_string());
             // Not raced with the stop: the probe's socket closes within `PROBE_WAIT`.
             let answers = blocking(move || publisher_answers(&zmq, &endpoint, PROBE_WAIT)).await;
             let answers = match answers {
@@ -226,7 +223,7 @@ discover = "http://10.0.0.5:8000"
         let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
         let probed: Vec<(String, String)> = targets(&config, &plan::expand(&config))
             .into_iter()
-            .map(|t| (t.engine, t.endpoint))
+            .map(|t| (t.engine, t.endpoint.to_string()))
             .collect();
         assert_eq!(
             probed,

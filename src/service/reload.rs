@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use super::discovery::Askers;
 use super::load_tokenizers;
 use super::neighbours::NeighbourWatch;
-use crate::config::{self, Config, ConfigError};
+use crate::config::{self, keep_restart_only, Config, ConfigError};
 use crate::discover::{Board, Discovery, EngineApi};
 use crate::http::dynamo::RuntimeEngines;
 use crate::listener::{Replication, Secret};
@@ -33,7 +33,7 @@ use crate::tokenize::SharedTokenizers;
 /// What the registry runs, as `plan` inputs.
 struct Applied {
     /// The file's configuration as last applied, with the values in effect for the keys that
-    /// only a restart changes (`listen`, `dynamo_listen`, `block_size`, `shards`).
+    /// only a restart changes (`config::RESTART_ONLY`).
     config: Config,
     /// Each discovered engine's last good answer.
     discovered: Discoveries,
@@ -163,35 +163,14 @@ impl Reloader {
                 }))
             }
         };
-        keep_for_restart(
-            "listen",
-            &mut config.listen,
-            &applied.config.listen,
-            &self.config_path,
-        );
-        keep_for_restart(
-            "block_size",
-            &mut config.block_size,
-            &applied.config.block_size,
-            &self.config_path,
-        );
-        keep_for_restart(
-            "shards",
-            &mut config.shards,
-            &applied.config.shards,
-            &self.config_path,
-        );
-        keep_for_restart(
-            "max_blocks_per_rank",
-            &mut config.max_blocks_per_rank,
-            &applied.config.max_blocks_per_rank,
-            &self.config_path,
-        );
-        keep_dynamo_listen(&mut config, &applied.config, &self.config_path);
+        let restart_pending = keep_restart_only(&mut config, &applied.config);
+        for pending in &restart_pending {
+            warn!("{path}: {pending}");
+        }
         if config.replicas.retains_contents() != applied.config.replicas.retains_contents() {
             warn!(
-                "{path}: serve_snapshots changed, or peers were added or all removed: restart \
-                 kv-indexer to apply that (the new peers list is applied)"
+                "{path}: peers were added or all removed: restart kv-indexer to apply that (the \
+                 new peers list is applied)"
             );
         }
         self.replication.set_peers(config.replicas.peers.clone());
@@ -229,7 +208,8 @@ impl Reloader {
         }
         let old_route = old.route.clone();
         let plan = plan::expand_with(&config, &applied.discovered);
-        let diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
+        let mut diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
+        diff.restart_pending = restart_pending.iter().map(ToString::to_string).collect();
         applied.config = config;
         self.board.retain(&board_engines(&applied.config));
         if let Some(askers) = self.askers.lock().as_mut() {
@@ -332,36 +312,6 @@ pub(super) fn board_engines(config: &Config) -> Vec<(String, Option<String>)> {
         })
         .collect()
 }
-
-/// `dynamo_listen` is bound once, at start-up: like `listen`, a change waits for a restart.
-fn keep_dynamo_listen(config: &mut Config, applied: &Config, path: &Path) {
-    let shown = |listen: &Option<String>| listen.clone().unwrap_or_else(|| "(none)".into());
-    let mut new = shown(&config.dynamo_listen);
-    keep_for_restart(
-        "dynamo_listen",
-        &mut new,
-        &shown(&applied.dynamo_listen),
-        path,
-    );
-    config.dynamo_listen = applied.dynamo_listen.clone();
-}
-
-/// A key that cannot change while running: warn and keep the value in effect.
-fn keep_for_restart<T: PartialEq + std::fmt::Display + Clone>(
-    key: &str,
-    new: &mut T,
-    in_effect: &T,
-    path: &Path,
-) {
-    if new != in_effect {
-        warn!(
-            "{}: {key} changed from {in_effect} to {new}; restart kv-indexer to apply it (keeping {in_effect})",
-            path.display()
-        );
-        *new = in_effect.clone();
-    }
-}
-
 /// The `[route]` keys a reload cannot apply: the front end was started with the old ones.
 fn warn_route_restart(old: Option<&config::Route>, new: Option<&config::Route>, path: &Path) {
     let path = path.display();

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 
 use super::Service;
 use crate::config::Config;
+use crate::endpoint::Endpoint;
 
 /// One vLLM batch (the 0.9.1 layout, dp_rank 0): a BlockStored of two 4-token blocks, tokens
 /// 1..=8 (tests/data/vectors.json).
@@ -77,7 +78,7 @@ fn a_failed_rank_shows_failed_with_its_reason_holds_nothing_is_not_ready_and_is_
         .get_last_endpoint()
         .expect("endpoint")
         .expect("UTF-8");
-    let port = endpoint.rsplit(':').next().expect("a port");
+    let port = Endpoint::parse(&endpoint).expect("an endpoint").port;
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("indexer.toml");
     let toml = format!(

@@ -11,6 +11,7 @@ use std::sync::{Arc, Once, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kv_indexer::endpoint::Endpoint;
 use kv_indexer::index::{Index, WorkerId};
 use kv_indexer::listener::{Listener, ListenerStatus, Pollers, Replication, State};
 use kv_indexer::metrics::Metrics;
@@ -127,7 +128,7 @@ impl Fixture {
 
     pub fn listen(&self, rank: &FakeRank, replay: Option<&str>, recover: Option<&str>) -> Listener {
         let spec = ListenerSpec {
-            replay: replay.map(str::to_owned),
+            replay: replay.map(endpoint),
             recover: recover.map(str::to_owned),
             ..spec("engine-a", rank.dp_rank, rank.endpoint.clone())
         };
@@ -148,7 +149,7 @@ impl Fixture {
         replay: Option<&str>,
     ) -> Listener {
         let spec = ListenerSpec {
-            replay: replay.map(str::to_owned),
+            replay: replay.map(endpoint),
             ..spec(engine, rank.dp_rank, rank.endpoint.clone())
         };
         let listener = Listener::start_with(
@@ -181,8 +182,13 @@ impl Fixture {
 
 /// The spec of rank `dp_rank` of `engine` publishing on `endpoint`, with no replay, no snapshot,
 /// no topic and no model.
-pub fn spec(engine: &str, dp_rank: u32, endpoint: String) -> ListenerSpec {
-    ListenerSpec::subscribing(engine, dp_rank, endpoint)
+pub fn spec(engine: &str, dp_rank: u32, text: String) -> ListenerSpec {
+    ListenerSpec::subscribing(engine, dp_rank, endpoint(&text))
+}
+
+/// `text`, a `tcp://host:port` a test wrote or a socket reported.
+pub fn endpoint(text: &str) -> Endpoint {
+    Endpoint::parse(text).unwrap_or_else(|why| panic!("{why}"))
 }
 
 /// Polls the listener's status until `done` holds, failing the test after a deadline.

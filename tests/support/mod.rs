@@ -125,7 +125,9 @@ impl InProcess {
 /// The listener spec of a rank bound on OS-picked (so not consecutive) ports.
 fn rank_spec(engine: String, dp_rank: u32, ports: RankPorts) -> ListenerSpec {
     ListenerSpec {
-        replay: ports.replay.map(|port| format!("tcp://127.0.0.1:{port}")),
+        replay: ports
+            .replay
+            .map(|port| listeners::endpoint(&format!("tcp://127.0.0.1:{port}"))),
         recover: ports
             .recover
             .map(|port| format!("http://127.0.0.1:{port}/kv_recover")),

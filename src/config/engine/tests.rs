@@ -54,6 +54,28 @@ host = "[::1]"
 }
 
 #[test]
+fn a_host_is_read_by_the_endpoint_grammar_and_an_ipv6_one_is_shown_in_brackets() {
+    for (host, why) in [
+        (
+            "bad host",
+            "host \"bad host\" is neither an IP address nor a host name",
+        ),
+        ("*", "the wildcard host"),
+        ("gpu-1:5557", "neither an IP address nor a host name"),
+    ] {
+        let text = format!("[[engine]]\nname = \"a\"\nhost = \"{host}\"\n");
+        find(
+            &problems(&text),
+            &["indexer.toml:3:", "`host` is invalid", why],
+        );
+    }
+    let config = Config::parse("[[engine]]\nname = \"a\"\nhost = \"fd00::5\"\n", "f")
+        .unwrap_or_else(|err| panic!("{err}"));
+    let plan = crate::plan::expand(&config);
+    assert_eq!(plan[0].endpoint.to_string(), "tcp://[fd00::5]:5557");
+}
+
+#[test]
 fn a_rejected_default_is_reported_once_not_per_engine() {
     let text = "[defaults]\ndp_size = 0\n[[engine]]\nname = \"a\"\nhost = \"h\"\n[[engine]]\nname = \"b\"\nhost = \"h\"\n";
     assert_eq!(problems(text).len(), 1);

@@ -297,6 +297,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::endpoint::{Endpoint, Host};
 
     fn spec(engine: &str, instance_id: u64, model: Option<&str>, runtime: bool) -> ListenerSpec {
         ListenerSpec {
@@ -304,7 +305,7 @@ mod tests {
                 engine: engine.into(),
                 dp_rank: 0,
             },
-            endpoint: format!("tcp://127.0.0.1:{}", 5000 + instance_id),
+            endpoint: Endpoint::new(Host::Ip([127, 0, 0, 1].into()), 5000 + instance_id as u16),
             replay: None,
             recover: None,
             topic: String::new(),

@@ -13,7 +13,8 @@ use serde_json::json;
 use super::engines::EngineChange;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
-use crate::config::{validate_listen, MAX_DP_SIZE};
+use crate::config::MAX_DP_SIZE;
+use crate::endpoint::{Endpoint, Host};
 use crate::http::table::{Guard, Handler, Route, Verb};
 use crate::http::Reply;
 use crate::index::{keys_of_local_hashes, Prompt, Score};
@@ -234,17 +235,19 @@ pub fn runtime_engine_name(instance_id: u64) -> String {
     format!("dynamo-{instance_id}")
 }
 
-/// A ZMQ endpoint a SUB or DEALER socket can connect to: `tcp://host:port`.
-fn check_endpoint(field: &str, endpoint: &str) -> Result<(), String> {
-    let address = endpoint
-        .strip_prefix("tcp://")
-        .ok_or_else(|| format!("{field}: {endpoint:?} is not tcp://host:port"))?;
-    let bare = address.trim_start_matches('[').replace("]:", ":");
-    match validate_listen(address).or_else(|_| validate_listen(&bare)) {
-        Ok(()) if !address.ends_with(":0") => Ok(()),
-        Ok(()) => Err(format!("{field}: {endpoint:?} has port 0")),
-        Err(why) => Err(format!("{field}: {why}")),
+/// `field`'s `tcp://host:port`, one a SUB or DEALER socket can connect to: neither port 0 nor
+/// the wildcard host, which only a bind takes.
+fn connect_endpoint(field: &str, text: &str) -> Result<Endpoint, String> {
+    let endpoint = Endpoint::parse(text).map_err(|why| format!("{field}: {why}"))?;
+    if endpoint.port == 0 {
+        return Err(format!("{field}: {text:?} has port 0"));
     }
+    if endpoint.host == Host::Any {
+        return Err(format!(
+            "{field}: {text:?} has the wildcard host *: name the host the engine publishes on"
+        ));
+    }
+    Ok(endpoint)
 }
 
 /// `text` unless it is longer than `limit` bytes.
@@ -263,20 +266,12 @@ fn at_most(field: &str, text: &str, limit: usize) -> Result<(), String> {
 fn check_endpoint_policy(
     api: &DynamoApi,
     request: &Request,
-    body: &DynamoBody,
+    instance_id: u64,
+    endpoints: &[&Endpoint],
 ) -> Result<(), String> {
-    let origin = request
-        .peer()
-        .map_or_else(String::new, |peer| peer.ip().to_string());
-    let endpoints = body
-        .endpoint
-        .as_deref()
-        .into_iter()
-        .chain(body.replay_endpoint.as_deref());
-    let who = format!(
-        "/register of instance {}",
-        body.instance_id.unwrap_or_default()
-    );
+    let origin = Host::Ip(request.peer().ip());
+    let endpoints = endpoints.iter().copied();
+    let who = format!("/register of instance {instance_id}");
     api.endpoints
         .check(&who, &origin, endpoints)
         .map_err(|refused| {
@@ -291,20 +286,22 @@ fn check_endpoint_policy(
 
 fn register(api: &DynamoApi, request: &Request, body: DynamoBody) -> Answer {
     let instance_id = required(body.instance_id, "instance_id")?;
-    let endpoint = required(body.endpoint.clone(), "endpoint")?;
+    let endpoint = required(body.endpoint.as_deref(), "endpoint")?;
     let model = required(body.model_name.clone(), "model_name")?;
     let block_size = required(body.block_size, "block_size")?;
     let dp_rank = body.dp_rank.unwrap_or(0);
     at_most("model_name", &model, MAX_MODEL_NAME_BYTES)?;
-    at_most("endpoint", &endpoint, MAX_ENDPOINT_BYTES)?;
+    at_most("endpoint", endpoint, MAX_ENDPOINT_BYTES)?;
     if let Some(replay) = &body.replay_endpoint {
         at_most("replay_endpoint", replay, MAX_ENDPOINT_BYTES)?;
     }
-    check_endpoint("endpoint", &endpoint)?;
-    if let Some(replay) = &body.replay_endpoint {
-        check_endpoint("replay_endpoint", replay)?;
-    }
-    check_endpoint_policy(api, request, &body)?;
+    let endpoint = connect_endpoint("endpoint", endpoint)?;
+    let replay = match &body.replay_endpoint {
+        Some(replay) => Some(connect_endpoint("replay_endpoint", replay)?),
+        None => None,
+    };
+    let endpoints: Vec<&Endpoint> = std::iter::once(&endpoint).chain(&replay).collect();
+    check_endpoint_policy(api, request, instance_id, &endpoints)?;
     if model.is_empty() {
         return Err("model_name: must not be empty".into());
     }
@@ -329,7 +326,7 @@ fn register(api: &DynamoApi, request: &Request, body: DynamoBody) -> Answer {
             dp_rank,
         },
         endpoint,
-        replay: body.replay_endpoint,
+        replay,
         recover: None,
         topic: String::new(),
         model: Some(model),
@@ -391,7 +388,7 @@ fn workers(api: &DynamoApi) -> Reply {
             });
         worker
             .endpoints
-            .insert(spec.key.dp_rank.to_string(), spec.endpoint);
+            .insert(spec.key.dp_rank.to_string(), spec.endpoint.to_string());
     }
     let workers: Vec<WorkerAnswer> = by_instance.into_values().collect();
     Reply::json(200, &workers)

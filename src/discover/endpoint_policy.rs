@@ -2,9 +2,9 @@
 //! answer, a `POST /register`) a SUB or replay DEALER socket may be aimed at (docs.md
 //! "Endpoints from outside the file").
 //!
-//! Owns: parsing an endpoint's host into the addresses a connect would reach (inet_aton
-//! spellings such as `127.0.0.01` and `127.1`, IPv4-mapped IPv6, `localhost`, and other names
-//! through the system resolver), and the rules on them: the same address and port at most once
+//! Owns: turning an endpoint's host (already parsed: `crate::endpoint`) into the addresses a
+//! connect would reach (inet_aton spellings such as `127.0.0.01` and `127.1`, IPv4-mapped IPv6,
+//! `localhost`, and other names through the system resolver), and the rules on them: the same address and port at most once
 //! per answer or registration, never one of the indexer's own listen addresses, a loopback (or
 //! unspecified) address only from an origin that is itself loopback, and an address on another
 //! host than the origin accepted but logged once. Every refusal names the endpoint and says why.
@@ -18,13 +18,13 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket}
 use log::info;
 use parking_lot::Mutex;
 
-use super::TcpEndpoint;
+use crate::endpoint::{Endpoint, Host};
 pub use crate::metrics::EndpointRefusal as Reason;
 
 /// One endpoint refused, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
-    pub endpoint: String,
+    pub endpoint: Endpoint,
     pub reason: Reason,
     pub detail: String,
 }
@@ -59,8 +59,8 @@ impl EndpointPolicy {
     pub fn check<'a>(
         &self,
         who: &str,
-        origin: &str,
-        endpoints: impl IntoIterator<Item = &'a str>,
+        origin: &Host,
+        endpoints: impl IntoIterator<Item = &'a Endpoint>,
     ) -> Result<(), Vec<Refusal>> {
         // An origin that does not resolve is on no host we know: nothing it names is its own
         // node, and it is not loopback.
@@ -68,27 +68,20 @@ impl EndpointPolicy {
         let origin_is_loopback = origin_addresses.iter().copied().any(is_local_only);
         let mut seen = HashSet::new();
         let mut refusals = Vec::new();
-        for text in endpoints {
+        for endpoint in endpoints {
             let refuse = |reason: Reason, detail: String| Refusal {
-                endpoint: text.to_string(),
+                endpoint: endpoint.clone(),
                 reason,
                 detail,
             };
-            let parsed = TcpEndpoint::parse(text)
-                .map_err(|why| refuse(Reason::Unparsable, why))
-                .and_then(|endpoint| {
-                    let found = addresses(&endpoint.host).map_err(|why| {
-                        refuse(
-                            Reason::Unresolvable,
-                            format!("{why}: kv-indexer connects only to addresses it can check"),
-                        )
-                    })?;
-                    Ok((endpoint.port, found))
-                });
-            let (port, found) = match parsed {
-                Ok(parsed) => parsed,
-                Err(refusal) => {
-                    refusals.push(refusal);
+            let port = endpoint.port;
+            let found = match addresses(&endpoint.host) {
+                Ok(found) => found,
+                Err(why) => {
+                    refusals.push(refuse(
+                        Reason::Unresolvable,
+                        format!("{why}: kv-indexer connects only to addresses it can check"),
+                    ));
                     continue;
                 }
             };
@@ -126,7 +119,7 @@ impl EndpointPolicy {
                 None => {
                     seen.extend(found.iter().map(|&ip| SocketAddr::new(ip, port)));
                     if !found.iter().any(|ip| origin_addresses.contains(ip)) {
-                        self.log_foreign(who, origin, text, &found);
+                        self.log_foreign(who, origin, endpoint, &found);
                     }
                 }
             }
@@ -149,7 +142,7 @@ impl EndpointPolicy {
     }
 
     /// Multi-node data parallel lists other nodes' ranks: accepted, said once per address.
-    fn log_foreign(&self, who: &str, origin: &str, endpoint: &str, found: &[IpAddr]) {
+    fn log_foreign(&self, who: &str, origin: &Host, endpoint: &Endpoint, found: &[IpAddr]) {
         let Some(&first) = found.first() else { return };
         if self.logged_foreign.lock().insert((who.to_string(), first)) {
             info!(
@@ -178,10 +171,20 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// The addresses a connect to `host` reaches: a literal's one address, `localhost`'s two, or
-/// what the system resolver answers for another name.
-fn addresses(host: &str) -> Result<Vec<IpAddr>, String> {
-    let host = host.trim_start_matches('[').trim_end_matches(']');
+/// The addresses a connect to `host` reaches: an address's own (the wildcard's are the
+/// unspecified ones), `localhost`'s two, a name `inet_aton` reads as an IPv4 address, or what
+/// the system resolver answers for another name.
+fn addresses(host: &Host) -> Result<Vec<IpAddr>, String> {
+    let host = match host {
+        Host::Any => {
+            return Ok(vec![
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            ])
+        }
+        Host::Ip(ip) => return Ok(vec![canonical(*ip)]),
+        Host::Name(name) => name.as_str(),
+    };
     let name = host.trim_end_matches('.').to_ascii_lowercase();
     if name == "localhost" || name.ends_with(".localhost") {
         return Ok(vec![
@@ -191,10 +194,6 @@ fn addresses(host: &str) -> Result<Vec<IpAddr>, String> {
     }
     if let Some(v4) = inet_aton(host) {
         return Ok(vec![IpAddr::V4(v4)]);
-    }
-    // A zone (`fe80::1%eth0`) does not change which address it is.
-    if let Ok(v6) = host.split('%').next().unwrap_or(host).parse::<Ipv6Addr>() {
-        return Ok(vec![canonical(IpAddr::V6(v6))]);
     }
     let resolved: Vec<IpAddr> = (host, 0)
         .to_socket_addrs()
@@ -248,6 +247,24 @@ fn inet_aton(text: &str) -> Option<Ipv4Addr> {
 mod tests {
     use super::*;
 
+    /// `policy.check` of `endpoints` (each parsed) from `origin`, announced by engine `e`.
+    fn check(
+        policy: &EndpointPolicy,
+        origin: &str,
+        endpoints: &[&str],
+    ) -> Result<(), Vec<Refusal>> {
+        let parsed: Vec<Endpoint> = endpoints
+            .iter()
+            .map(|text| Endpoint::parse(text).expect("an endpoint"))
+            .collect();
+        let origin = Host::parse(origin).expect("a host");
+        policy.check("engine e", &origin, &parsed)
+    }
+
+    fn host(text: &str) -> Host {
+        Host::parse(text).expect("a host")
+    }
+
     #[test]
     fn inet_aton_spellings_are_one_address() {
         for spelling in [
@@ -278,24 +295,23 @@ mod tests {
 
     #[test]
     fn loopback_spellings_meet_and_mapped_addresses_are_ipv4() {
-        let local = addresses("localhost").expect("localhost");
+        let local = addresses(&host("localhost")).expect("localhost");
         assert!(local.contains(&IpAddr::V4(Ipv4Addr::LOCALHOST)));
         assert_eq!(
-            addresses("[::ffff:127.0.0.1]").expect("mapped"),
+            addresses(&host("::ffff:127.0.0.1")).expect("mapped"),
             vec![IpAddr::V4(Ipv4Addr::LOCALHOST)]
         );
         let policy = EndpointPolicy::new(Vec::new());
-        let refused = policy
-            .check(
-                "engine e",
-                "127.0.0.1",
-                [
-                    "tcp://127.0.0.1:5557",
-                    "tcp://localhost:5557",
-                    "tcp://127.1:5558",
-                ],
-            )
-            .expect_err("the same address twice");
+        let refused = check(
+            &policy,
+            "127.0.0.1",
+            &[
+                "tcp://127.0.0.1:5557",
+                "tcp://localhost:5557",
+                "tcp://127.1:5558",
+            ],
+        )
+        .expect_err("the same address twice");
         assert_eq!(refused.len(), 1, "{refused:?}");
         assert_eq!(refused[0].reason, Reason::Duplicate);
         assert!(refused[0].to_string().contains("tcp://localhost:5557"));
@@ -310,52 +326,40 @@ mod tests {
             "tcp://127.1:8090",
             "tcp://localhost:8090",
         ];
-        let refused = policy
-            .check("engine e", "localhost", endpoints)
-            .expect_err("our own port");
+        let refused = check(&policy, "localhost", &endpoints).expect_err("our own port");
         assert_eq!(refused.len(), 3);
         assert!(refused.iter().all(|r| r.reason == Reason::OwnAddress));
         let any = EndpointPolicy::new(vec![SocketAddr::from(([0, 0, 0, 0], 8090))]);
-        let refused = any
-            .check(
-                "engine e",
-                "127.0.0.1",
-                ["tcp://127.0.0.2:8090", "tcp://0:8090"],
-            )
+        let refused = check(&any, "127.0.0.1", &["tcp://127.0.0.2:8090", "tcp://0:8090"])
             .expect_err("a wildcard listener is on every local address");
         assert_eq!(refused.len(), 2);
-        assert!(policy
-            .check("engine e", "127.0.0.1", ["tcp://127.0.0.1:8091"])
-            .is_ok());
+        assert!(check(&policy, "127.0.0.1", &["tcp://127.0.0.1:8091"]).is_ok());
     }
 
     #[test]
     fn loopback_only_from_loopback_and_other_hosts_are_accepted() {
         let policy = EndpointPolicy::new(Vec::new());
-        let refused = policy
-            .check(
-                "engine e",
-                "10.0.0.5",
-                ["tcp://10.0.0.5:5557", "tcp://127.1:5558"],
-            )
-            .expect_err("loopback from a remote engine");
+        let refused = check(
+            &policy,
+            "10.0.0.5",
+            &["tcp://10.0.0.5:5557", "tcp://127.1:5558"],
+        )
+        .expect_err("loopback from a remote engine");
         assert_eq!(refused.len(), 1);
         assert_eq!(refused[0].reason, Reason::Loopback);
-        assert!(policy
-            .check(
-                "engine e",
-                "10.0.0.5",
-                ["tcp://10.0.0.6:5557", "tcp://[fd00::7]:5557"]
-            )
-            .is_ok());
-        let refused = policy
-            .check(
-                "engine e",
-                "10.0.0.5",
-                ["ipc:///tmp/x", "tcp://no-such-host.invalid:1"],
-            )
-            .expect_err("neither can be checked");
+        assert!(check(
+            &policy,
+            "10.0.0.5",
+            &["tcp://10.0.0.6:5557", "tcp://[fd00::7]:5557"]
+        )
+        .is_ok());
+        let refused = check(
+            &policy,
+            "10.0.0.5",
+            &["tcp://no-such-host.invalid:1", "tcp://*:5557"],
+        )
+        .expect_err("a name that does not resolve, a wildcard that reaches this host");
         let reasons: Vec<Reason> = refused.iter().map(|r| r.reason).collect();
-        assert_eq!(reasons, [Reason::Unparsable, Reason::Unresolvable]);
+        assert_eq!(reasons, [Reason::Unresolvable, Reason::Loopback]);
     }
 }
