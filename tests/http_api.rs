@@ -196,6 +196,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "groups",
         "exact",
         "inexact",
+        "route_backoff_ms",
     ]
     .into();
     let instances = workers.as_array().expect("an array");
@@ -236,6 +237,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "last_seq",
         "reason",
         "last_event_ms_ago",
+        "route_backoff_ms",
     ] {
         assert_eq!(rank[null], Value::Null, "{null}");
     }

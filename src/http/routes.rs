@@ -4,6 +4,8 @@
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
+use std::time::Duration;
+
 use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -94,6 +96,11 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
 
 fn metrics(api: &Api) -> Reply {
     api.metrics.set_index_keys(api.index.key_count());
+    // A back-off ends with time, not with an event: its gauge is brought up to date here.
+    for (key, left) in api.selector.backoffs() {
+        api.metrics
+            .route_rank_excluded(&key.engine, key.dp_rank, left.is_some());
+    }
     Reply {
         status: 200,
         body: api.metrics.render().into_bytes(),
@@ -251,6 +258,8 @@ struct ListenerJson<'a> {
     /// the rank 0 (a miss), for the reason in `inexact`.
     exact: bool,
     inexact: Option<&'static str>,
+    /// While the route front end leaves the rank out after a failure: how much longer.
+    route_backoff_ms: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -281,7 +290,7 @@ impl From<&GroupView> for GroupJson {
 }
 
 impl<'a> ListenerJson<'a> {
-    fn new(view: &'a ListenerView) -> ListenerJson<'a> {
+    fn new(view: &'a ListenerView, backoff: Option<Duration>) -> ListenerJson<'a> {
         let spec = &view.spec;
         // A rank whose engine failed to start has no listener yet: shown as stopped.
         let status = view.status.as_ref();
@@ -311,6 +320,8 @@ impl<'a> ListenerJson<'a> {
             last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
             groups: status
                 .map_or_else(Vec::new, |s| s.groups.iter().map(GroupJson::from).collect()),
+            route_backoff_ms: backoff
+                .map(|left| u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
             exact: status.is_none_or(|s| s.inexact.is_none()),
             inexact: status.and_then(|s| s.inexact.map(Inexact::name)),
         }
@@ -323,7 +334,7 @@ fn workers(api: &Api) -> Reply {
     let mut instances: Vec<InstanceJson> = Vec::new();
     // Views come sorted by (engine, dp_rank): one run per engine.
     for view in &views {
-        let listener = ListenerJson::new(view);
+        let listener = ListenerJson::new(view, api.selector.backoff_left(&view.spec.key));
         match instances.last_mut() {
             Some(last) if last.instance == view.spec.key.engine => last.listeners.push(listener),
             _ => instances.push(InstanceJson {

@@ -336,7 +336,10 @@ impl RouteFront {
                     ticket.place = place.take();
                     self.metrics
                         .route_first_byte(started.elapsed().as_secs_f64());
-                    self.selector.rank_answered(&key);
+                    if self.selector.rank_answered(&key) {
+                        self.metrics
+                            .route_rank_excluded(&key.engine, key.dp_rank, false);
+                    }
                     return self
                         .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                         .await;

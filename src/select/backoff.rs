@@ -42,17 +42,25 @@ impl Backoffs {
         length
     }
 
-    /// `rank` answered: its next failure starts from `BACKOFF_MIN` again.
-    pub(super) fn succeeded(&mut self, rank: RankSlot) {
-        if self.ranks.remove(&rank).is_some() {
+    /// `rank` answered: its next failure starts from `BACKOFF_MIN` again. Whether it had
+    /// failed.
+    pub(super) fn succeeded(&mut self, rank: RankSlot) -> bool {
+        let failed = self.ranks.remove(&rank).is_some();
+        if failed {
             shrink_sparse(&mut self.ranks);
         }
+        failed
     }
 
     /// How long `rank` is still out at `now`, if it is.
     pub(super) fn left(&self, rank: RankSlot, now: Instant) -> Option<Duration> {
         let backed_off = self.ranks.get(&rank)?;
         (backed_off.until > now).then(|| backed_off.until - now)
+    }
+
+    /// Whether `rank` failed since it last answered.
+    pub(super) fn holds(&self, rank: RankSlot) -> bool {
+        self.ranks.contains_key(&rank)
     }
 
     pub(super) fn is_empty(&self) -> bool {

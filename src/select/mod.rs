@@ -373,11 +373,13 @@ impl Selector {
         state.backoffs.failed(slot, now)
     }
 
-    /// Rank `key` answered a request: a back-off it was in is over, and forgotten.
-    pub fn rank_answered(&self, key: &WorkerKey) {
+    /// Rank `key` answered a request: a back-off it was in is over, and forgotten. Whether
+    /// it had one.
+    pub fn rank_answered(&self, key: &WorkerKey) -> bool {
         let mut state = self.state.lock();
-        if let Some(&slot) = state.slots.get(key) {
-            state.backoffs.succeeded(slot);
+        match state.slots.get(key) {
+            Some(&slot) => state.backoffs.succeeded(slot),
+            None => false,
         }
     }
 
@@ -386,6 +388,21 @@ impl Selector {
         let state = self.state.lock();
         let slot = *state.slots.get(key)?;
         state.backoffs.left(slot, self.clock.now())
+    }
+
+    /// Every rank that failed since it last answered, with how long it is still left out.
+    pub fn backoffs(&self) -> Vec<(WorkerKey, Option<Duration>)> {
+        let state = self.state.lock();
+        if state.backoffs.is_empty() {
+            return Vec::new();
+        }
+        let now = self.clock.now();
+        state
+            .slots
+            .iter()
+            .filter(|(_, &slot)| state.backoffs.holds(slot))
+            .map(|(key, &slot)| (key.clone(), state.backoffs.left(slot, now)))
+            .collect()
     }
 
     /// The ranks in back-off now.
