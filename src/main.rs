@@ -10,6 +10,7 @@ use clap::Parser;
 use kv_indexer::config::{self, Config};
 use kv_indexer::discover::{Client, DiscoverError, Limits};
 use kv_indexer::plan::{self, Discoveries};
+use kv_indexer::route::RouteFront;
 use kv_indexer::service;
 
 /// A standalone KV-cache indexer for LLM serving.
@@ -31,6 +32,28 @@ struct Args {
     /// cannot be asked.
     #[arg(long, requires = "check")]
     discover: bool,
+}
+
+/// `--check`'s route plan: where the front end listens and each engine's OpenAI server.
+fn route_plan(config: &Config, route: &config::Route) -> String {
+    let mut text =
+        format!(
+        "route: listen {}, up to {} requests at once, first byte within {}s, idle {}s, token {}\n",
+        route.listen,
+        route.max_concurrent_requests,
+        route.first_byte_timeout_s,
+        route.idle_timeout_s,
+        if route.auth_token_file.is_some() { "required" } else { "none" },
+    );
+    for (engine, server) in RouteFront::plan(config) {
+        match server {
+            Some(url) => text.push_str(&format!("  {engine} -> {url}\n")),
+            None => text.push_str(&format!(
+                "  {engine}: no openai_url (and no discover): not routed to\n"
+            )),
+        }
+    }
+    text
 }
 
 fn main() -> ExitCode {
@@ -65,6 +88,9 @@ fn main() -> ExitCode {
             config.block_size,
             config.shards
         );
+        if let Some(route) = &config.route {
+            print!("{}", route_plan(&config, route));
+        }
         if failed.is_empty() {
             return ExitCode::SUCCESS;
         }
