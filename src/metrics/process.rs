@@ -21,7 +21,9 @@ enum ThreadKind {
     Poller,
     /// Recovery workers (`kvi-recovery-N`) and snapshot fetches (`kvi-snapshot`).
     Recovery,
-    /// libzmq's own: each context's I/O threads and reaper (`ZMQbg/...`).
+    /// libzmq's own: each context's I/O thread and reaper (`kvi-zmq`, the name of the thread
+    /// that started them, `registry::new_context`; or libzmq's `ZMQbg/...` where it names
+    /// them itself).
     Zmq,
     /// The main thread, and any thread not named above.
     Other,
@@ -43,7 +45,7 @@ impl ThreadKind {
             ThreadKind::Poller
         } else if name.starts_with("kvi-recovery") || name.starts_with("kvi-snapshot") {
             ThreadKind::Recovery
-        } else if name.starts_with("ZMQbg") {
+        } else if name.starts_with("kvi-zmq") || name.starts_with("ZMQbg") {
             ThreadKind::Zmq
         } else {
             ThreadKind::Other
@@ -152,6 +154,7 @@ mod tests {
             ("kvi-snapshot", ThreadKind::Recovery),
             ("ZMQbg/IO/0", ThreadKind::Zmq),
             ("ZMQbg/Reaper", ThreadKind::Zmq),
+            ("kvi-zmq", ThreadKind::Zmq),
             ("kv-indexer", ThreadKind::Other),
         ] {
             assert_eq!(ThreadKind::of(name), kind, "{name}");

@@ -13,6 +13,23 @@ use parking_lot::Mutex;
 /// threads of their own: they run on the registry's pollers).
 const LISTENERS_PER_CONTEXT: usize = 250;
 
+/// A ZMQ context whose I/O thread and reaper are already running, started from a thread named
+/// `kvi-zmq`: libzmq starts them at a context's first socket, and a new thread takes the name of
+/// the one that starts it, so without this they would carry the name of whichever runtime or
+/// poller thread opened that socket, and `threads_by_kind` could not tell them apart.
+pub fn new_context() -> zmq::Context {
+    let context = zmq::Context::new();
+    let starting = context.clone();
+    let started = std::thread::Builder::new()
+        .name("kvi-zmq".into())
+        .spawn(move || drop(starting.socket(zmq::PAIR)));
+    // Not started here (no thread to be had): libzmq starts them at the first socket.
+    if let Ok(thread) = started {
+        let _ = thread.join();
+    }
+    context
+}
+
 /// ZMQ contexts, each given at most `LISTENERS_PER_CONTEXT` listeners, so 1,000 engines × 8
 /// ranks fit. Shared by the starter threads, hence the lock.
 pub(super) struct ContextPool {
@@ -36,7 +53,7 @@ impl ContextPool {
         {
             Some(slot) => slot,
             None => {
-                contexts.push((zmq::Context::new(), 0));
+                contexts.push((new_context(), 0));
                 contexts.len() - 1
             }
         };

@@ -32,6 +32,7 @@
 //! `published` (how both are handed to readers).
 
 mod contexts;
+pub use contexts::new_context;
 mod directory;
 mod open_files;
 mod parallel;

@@ -279,7 +279,7 @@ impl Service {
             &config,
             &Tokenizers::default(),
         )?));
-        let registry = Registry::new(zmq::Context::new(), index.clone(), metrics.clone())
+        let registry = Registry::new(registry::new_context(), index.clone(), metrics.clone())
             .with_shutdown_signal(shutdown_signal.clone())
             .with_replication(replication.clone());
         let directory = registry.directory();

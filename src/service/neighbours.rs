@@ -55,7 +55,7 @@ impl NeighbourWatch {
         let (targets, probed) = watch::channel(Arc::new(Vec::new()));
         let task = Task::spawn(runtime, |stopped| async move {
             let round = Round {
-                zmq: zmq::Context::new(),
+                zmq: crate::registry::new_context(),
                 board,
                 metrics,
             };
