@@ -352,6 +352,7 @@ impl Metrics {
             instance: instance.to_owned(),
             dp_rank,
         };
+        self.route.create_rank(&rank);
         RankMetrics {
             batches: self.batches.get_or_create_owned(&rank),
             events: std::array::from_fn(|i| {

@@ -152,6 +152,17 @@ impl RouteFamilies {
         );
     }
 
+    /// Every per-rank series of `rank`, at 0, so that a dashboard has a line before the front
+    /// end routes anything there.
+    pub(super) fn create_rank(&self, rank: &RankLabels) {
+        let _ = self.rank_failures.get_or_create(rank);
+        let _ = self.rank_excluded.get_or_create(rank);
+        let _ = self.predicted_cached.get_or_create(rank);
+        let _ = self.reported_cached.get_or_create(rank);
+        let _ = self.prompt_tokens.get_or_create(rank);
+        let _ = self.hit_ratio.get_or_create(rank);
+    }
+
     pub(super) fn forget(&self, rank: &RankLabels) {
         self.rank_failures.remove(rank);
         self.rank_excluded.remove(rank);
