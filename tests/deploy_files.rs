@@ -233,6 +233,7 @@ fn indexer_containers_mount_their_toml_where_the_dockerfile_reads_it() {
     for (name, toml_file) in [
         ("indexer", "deploy/indexer.compose.toml"),
         ("indexer-mock", "deploy/indexer.mock.toml"),
+        ("indexer-demo", "deploy/indexer.demo.toml"),
     ] {
         let service = service(&compose, name);
         assert_eq!(
@@ -259,7 +260,74 @@ fn indexer_containers_mount_their_toml_where_the_dockerfile_reads_it() {
 }
 
 #[test]
+fn the_demo_engines_serve_where_indexer_demo_toml_subscribes_and_routes() {
+    let file = "deploy/indexer.demo.toml";
+    let table: toml::Table = read(file).parse().unwrap_or_else(|e| panic!("{file}: {e}"));
+    let engines = table["engine"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{file}: no [[engine]]"));
+    let compose = compose();
+    let volumes = |name: &str| strings(&service(&compose, name)["volumes"], "volumes");
+    let indexer_mounts = volumes("indexer-demo");
+    assert_eq!(engines.len(), 2, "{file}: two engines");
+    for (engine, name) in engines.iter().zip(["demo-engine-a", "demo-engine-b"]) {
+        let engine = engine.as_table().unwrap_or_else(|| panic!("{file}: not a table"));
+        let demo = service(&compose, name);
+        assert_eq!(strings(&demo["profiles"], "profiles"), ["demo"], "{name}");
+        let args = strings(&demo["command"], "command");
+        assert_eq!(text(engine, "host", file), name);
+        assert_eq!(flag(&args, "--bind"), Some("0.0.0.0"));
+        for (flag_name, key) in [
+            ("--dp-size", "dp_size"),
+            ("--port", "zmq_port"),
+            ("--replay-port", "replay_port"),
+            ("--recover-port", "recover_port"),
+        ] {
+            assert_eq!(
+                parse_int(flag(&args, flag_name), flag_name),
+                int(engine, key, file),
+                "{name} {flag_name} vs {file} {key}"
+            );
+        }
+        let openai_port = parse_int(flag(&args, "--openai-port"), "--openai-port");
+        assert_eq!(
+            text(engine, "openai_url", file),
+            format!("http://{name}:{openai_port}")
+        );
+        assert_eq!(flag(&args, "--model"), Some(text(engine, "model", file)));
+        // The engine writes the tokenizer into the volume the indexer reads it from.
+        let written = flag(&args, "--write-tokenizers").unwrap_or_else(|| panic!("{name}"));
+        let (volume, _) = volumes(name)
+            .iter()
+            .find_map(|m| m.split_once(':').filter(|(_, at)| *at == written))
+            .map(|(v, at)| (v.to_owned(), at.to_owned()))
+            .unwrap_or_else(|| panic!("{name}: no volume at {written}"));
+        let tokenizer = text(engine, "tokenizer", file);
+        assert!(
+            indexer_mounts.iter().any(|m| {
+                let mut parts = m.split(':');
+                parts.next() == Some(volume.as_str())
+                    && parts.next().is_some_and(|at| tokenizer.starts_with(at))
+            }),
+            "indexer-demo mounts {volume} where {tokenizer} is: {indexer_mounts:?}"
+        );
+    }
+    let route = table["route"]
+        .as_table()
+        .unwrap_or_else(|| panic!("{file}: no [route]"));
+    let route_port = port_of(&format!("tcp://{}", text(route, "listen", file)));
+    let ports = strings(&service(&compose, "indexer-demo")["ports"], "ports");
+    assert!(
+        ports.contains(&format!("{route_port}:{route_port}")),
+        "indexer-demo publishes the route port {route_port}: {ports:?}"
+    );
+}
+
+#[test]
 fn deploy_tomls_pass_config_validation() {
+    let config = Config::parse(&read("deploy/indexer.demo.toml"), "demo")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(config.route.is_some() && config.engines.len() == 2);
     for file in ["deploy/indexer.compose.toml", "deploy/indexer.mock.toml"] {
         let config = Config::parse(&read(file), file).unwrap_or_else(|e| panic!("{e}"));
         let (_, engine) = only_engine(file);

@@ -24,6 +24,8 @@ pub struct EngineToml {
     /// The engine's HTTP server; written instead of `host`.
     pub discover: Option<String>,
     pub discover_interval_s: Option<u32>,
+    /// The engine's OpenAI server, where a `[route]` front end sends its requests.
+    pub openai_url: Option<String>,
 }
 
 impl EngineToml {
@@ -78,6 +80,9 @@ impl fmt::Display for EngineToml {
             // A literal string: a path's backslashes stay as they are.
             writeln!(f, "tokenizer = '{tokenizer}'")?;
         }
+        if let Some(url) = &self.openai_url {
+            writeln!(f, "openai_url = \"{url}\"")?;
+        }
         Ok(())
     }
 }
@@ -93,6 +98,16 @@ pub fn indexer_toml(
     toml.push_str(&format!("block_size = {block_size}\nshards = {shards}\n"));
     for engine in engines {
         toml.push_str(&format!("\n{engine}"));
+    }
+    toml
+}
+
+/// A `[route]` table (docs.md "Routing") on `listen`, with `keys` as written (`("idle_timeout_s",
+/// "5")`), to put after a file's other tables.
+pub fn route_table(listen: &str, keys: &[(&str, &str)]) -> String {
+    let mut toml = format!("\n[route]\nlisten = \"{listen}\"\n");
+    for (key, value) in keys {
+        toml.push_str(&format!("{key} = {value}\n"));
     }
     toml
 }

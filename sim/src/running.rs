@@ -60,6 +60,11 @@ impl RunningService {
         self.service().http_addr()
     }
 
+    /// Where the route front end serves; None unless the file has `[route]`.
+    pub fn route_addr(&self) -> Option<SocketAddr> {
+        self.service().route_addr()
+    }
+
     /// Where the Dynamo API serves; None unless the file sets `dynamo_listen`.
     pub fn dynamo_addr(&self) -> Option<SocketAddr> {
         self.service().dynamo_addr()

@@ -6,9 +6,10 @@
 //! more than once (400) or another coding before it (501), `Expect` values but
 //! `100-continue` (417), `MAX_BODY_BYTES` (413, by the declared length before a byte is read,
 //! or as a chunked body passes it), the body deadline (408), the upload bound (`Limits::uploads`
-//! bodies read at once, 503 beyond), and how much of its buffers a connection keeps between
-//! requests (`keep_bounded`). Never: allocates beyond what it read plus a declared length
-//! within the limit, or reads a body it refused (the connection closes after the answer).
+//! bodies read at once; one more waits up to `UPLOAD_WAIT` for a place, then is refused 503),
+//! and how much of its buffers a connection keeps between requests (`keep_bounded`). Never:
+//! allocates beyond what it read plus a declared length within the limit, or reads a body it
+//! refused (the connection closes after the answer).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +22,10 @@ use super::{Reply, Request, MAX_BODY_BYTES};
 
 /// A body must have arrived whole within this time.
 const BODY_DEADLINE: Duration = Duration::from_secs(30);
+/// How long a body waits for an upload place before it is refused: the places are held while a
+/// body arrives, which under load includes the time its connection's task waits for a runtime
+/// worker; a second covers that, while a flood of stalled uploads is still refused in it.
+const UPLOAD_WAIT: Duration = Duration::from_secs(1);
 /// Bodies up to this size, sent without `Expect`, are read without an upload place: a router's
 /// `/query` is a few hundred bytes, and every open connection's 1 KiB together is small.
 const SMALL_BODY_BYTES: u64 = 1024;
@@ -107,12 +112,15 @@ pub(super) async fn read_body(
         && request.header("Expect").is_none();
     let _upload = match small {
         true => None,
-        false => Some(uploads.0.try_acquire().map_err(|_| {
-            Reply::error(
-                503,
-                format!("{} uploads are in progress; retry shortly", uploads.1),
-            )
-        })?),
+        false => {
+            let place = tokio::time::timeout(UPLOAD_WAIT, uploads.0.acquire()).await;
+            Some(place.ok().and_then(Result::ok).ok_or_else(|| {
+                Reply::error(
+                    503,
+                    format!("{} uploads are in progress; retry shortly", uploads.1),
+                )
+            })?)
+        }
     };
     let read = async {
         while let Some(frame) = body.frame().await {

@@ -39,7 +39,7 @@ impl ThreadKind {
     ];
 
     fn of(name: &str) -> ThreadKind {
-        if name.starts_with("kv-runtime") {
+        if name.starts_with("kv-runtime") || name.starts_with("kv-blocking") {
             ThreadKind::Runtime
         } else if name.starts_with("kvi-poller") {
             ThreadKind::Poller
@@ -149,6 +149,7 @@ mod tests {
         use super::ThreadKind;
         for (name, kind) in [
             ("kv-runtime", ThreadKind::Runtime),
+            ("kv-blocking", ThreadKind::Runtime),
             ("kvi-poller-1", ThreadKind::Poller),
             ("kvi-recovery-3", ThreadKind::Recovery),
             ("kvi-snapshot", ThreadKind::Recovery),

@@ -1,0 +1,521 @@
+//! The route front end over real HTTP on 127.0.0.1: an in-process indexer with `[route]`, and
+//! simulated engines whose OpenAI servers answer from their real prefix caches and publish the
+//! KV events the indexer reads (`sim::openai`). Each test sends requests as a client would and
+//! reads what the engines received, what the client got, `/loads` and `/metrics`.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kv_indexer::select::Clock;
+use kv_indexer_sim::fleet::Fleet;
+use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
+use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
+use kv_indexer_sim::running::RunningService;
+use kv_indexer_sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::tokenizer_dir;
+use serde_json::{json, Value};
+use support::http_client::{get, metric_value, wait_for, Connection, Reply};
+use support::start_service_with_select_clock;
+
+const MODEL: &str = "chatml";
+
+/// Engines `e0`, `e1`, … of `dp_size` ranks each, with OpenAI servers, and an indexer routing
+/// to them on a clock the test advances.
+struct Routed {
+    running: RunningService,
+    engines: Vec<SimEngine>,
+    clock: Clock,
+    route: SocketAddr,
+    api: SocketAddr,
+    _tokenizers: tempfile::TempDir,
+}
+
+fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &str)]) -> Routed {
+    let tokenizers = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
+    let chatml = tokenizers.path().join(MODEL);
+    let engines: Vec<SimEngine> = (0..engines)
+        .map(|i| {
+            SimEngine::start(SimConfig {
+                dp_size,
+                block_size: 16,
+                capacity_blocks: 4_096,
+                openai_port: Some(0),
+                openai: OpenAiConfig {
+                    model: MODEL.into(),
+                    tokenizer: Some(chatml.clone()),
+                    ..openai.clone()
+                },
+                seed: 0x20 + i as u64,
+                ..SimConfig::default()
+            })
+            .expect("simulated engine")
+        })
+        .collect();
+    let tomls: Vec<EngineToml> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, engine)| {
+            let rank0 = engine.ports()[0];
+            EngineToml {
+                dp_size: Some(engine.dp_size()),
+                model: Some(MODEL.into()),
+                tokenizer: Some(chatml.display().to_string()),
+                openai_url: engine.openai().map(|server| server.url()),
+                ..EngineToml::new(Fleet::name(i), rank0.publish)
+            }
+        })
+        .collect();
+    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table("127.0.0.1:0", keys);
+    let clock = Clock::manual();
+    let running = start_service_with_select_clock(&toml, clock.clone());
+    let api = running.http_addr();
+    let route = running.route_addr().expect("[route] is set");
+    wait_for(30, "every rank to be active", || {
+        (get(api, "/ready").status == 200).then_some(())
+    });
+    Routed {
+        running,
+        engines,
+        clock,
+        route,
+        api,
+        _tokenizers: tokenizers,
+    }
+}
+
+impl Routed {
+    fn server(&self, engine: usize) -> OpenAiServer {
+        self.engines[engine].openai().expect("an OpenAI server")
+    }
+
+    /// Serves `body` on `engine`'s rank `rank` directly (not through the front end), and waits
+    /// until the index shows that rank holding the prompt's blocks.
+    fn warm(&self, engine: usize, rank: u32, path: &str, body: &Value) {
+        let url = self.server(engine).url();
+        let addr: SocketAddr = url
+            .trim_start_matches("http://")
+            .parse()
+            .expect("an IP:port");
+        let rank_header = rank.to_string();
+        let reply = Connection::open(addr).send_with(
+            "POST",
+            path,
+            &[
+                ("Content-Type", "application/json"),
+                ("X-data-parallel-rank", &rank_header),
+            ],
+            Some(body.to_string().as_bytes()),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let query = match path {
+            "/v1/chat/completions" => json!({ "model": MODEL, "messages": body["messages"] }),
+            _ => json!({ "model": MODEL, "prompt": body["prompt"] }),
+        };
+        let instance = Fleet::name(engine);
+        wait_for(20, "the index to hold the warmed prompt", || {
+            let answer = Connection::open(self.api).send(
+                "POST",
+                "/query",
+                Some(query.to_string().as_bytes()),
+            );
+            let scores = answer.json()["scores"].as_array()?.clone();
+            scores
+                .iter()
+                .any(|s| s["instance"] == instance && s["dp_rank"] == rank && s["matched_blocks"] > 0)
+                .then_some(())
+        });
+    }
+
+    /// `GET /loads`' reservations over every rank.
+    fn reservations(&self) -> u64 {
+        get(self.api, "/loads")
+            .json()
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|rank| rank["reservations"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
+    /// Waits until no reservation is open.
+    fn all_released(&self, after: &str) {
+        wait_for(10, &format!("reservations to be released after {after}"), || {
+            (self.reservations() == 0).then_some(())
+        });
+    }
+
+    fn metric(&self, series: &str) -> f64 {
+        metric_value(self.api, series).unwrap_or(0.0)
+    }
+
+    fn send(&self, path: &str, body: &Value) -> Reply {
+        Connection::open(self.route).send("POST", path, Some(body.to_string().as_bytes()))
+    }
+}
+
+/// A chat of a few turns long enough to fill several 16-token blocks.
+fn chat(topic: &str, stream: bool) -> Value {
+    let long = format!("{topic}: ").repeat(120);
+    json!({
+        "model": MODEL,
+        "messages": [
+            { "role": "system", "content": format!("You answer questions about {topic}. {long}") },
+            { "role": "user", "content": format!("Tell me about {topic}.") },
+        ],
+        "max_tokens": 4,
+        "stream": stream,
+    })
+}
+
+fn completion(topic: &str) -> Value {
+    json!({
+        "model": MODEL,
+        "prompt": format!("Once upon a time, {topic}. ").repeat(80),
+        "max_tokens": 3,
+    })
+}
+
+fn cached_tokens(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {answer}"))
+}
+
+fn error_message(reply: &Reply) -> String {
+    let body = reply.json();
+    body["error"]["message"]
+        .as_str()
+        .or_else(|| body["error"].as_str())
+        .unwrap_or_else(|| panic!("no JSON error in {body}"))
+        .to_owned()
+}
+
+#[test]
+fn a_chat_and_a_completion_go_to_the_rank_holding_their_prefix_and_its_cache_is_reported() {
+    let routed = routed(2, 2, OpenAiConfig::default(), &[]);
+    let body = chat("lighthouses", false);
+    routed.warm(1, 1, "/v1/chat/completions", &body);
+    let before = routed.server(1).served_per_rank();
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e1/1"));
+    let predicted: u64 = reply
+        .header("x-kv-indexer-predicted-cached-tokens")
+        .and_then(|n| n.parse().ok())
+        .expect("the prediction header");
+    let answer = reply.json();
+    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    let cached = cached_tokens(&answer);
+    assert!(cached > 0 && predicted > 0, "cached {cached}, predicted {predicted}");
+    assert_eq!(predicted, cached, "the index predicts what the engine finds");
+    let after = routed.server(1).served_per_rank();
+    assert_eq!(after[1], before[1] + 1, "{before:?} → {after:?}");
+    let seen = routed.server(1).last_request().expect("a request");
+    assert_eq!(seen.header("x-data-parallel-rank"), Some("1"));
+
+    let body = completion("a dragon slept");
+    routed.warm(0, 1, "/v1/completions", &body);
+    let reply = routed.send("/v1/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e0/1"));
+    assert!(cached_tokens(&reply.json()) > 0);
+    routed.all_released("two answers");
+
+    // The engines' reports are the ladder: predicted against reported, per rank.
+    let reported = routed.metric(
+        "kv_indexer_route_reported_cached_tokens_total{instance=\"e1\",dp_rank=\"1\"}",
+    );
+    let predicted_total = routed.metric(
+        "kv_indexer_route_predicted_cached_tokens_total{instance=\"e1\",dp_rank=\"1\"}",
+    );
+    assert_eq!(reported, cached as f64);
+    assert_eq!(predicted_total, predicted as f64);
+    let ratio = routed.metric("kv_indexer_route_cache_hit_ratio{instance=\"e1\",dp_rank=\"1\"}");
+    assert!(ratio > 0.0 && ratio <= 1.0, "{ratio}");
+}
+
+#[test]
+fn a_prompt_without_a_tokenizer_is_routed_by_load_and_says_so() {
+    let routed = routed(1, 2, OpenAiConfig::default(), &[]);
+    let body = json!({ "model": MODEL, "prompt": ["one", "two"], "max_tokens": 1 });
+    let reply = routed.send("/v1/completions", &body);
+    // The engine refuses a batch or answers it; either way the front end says how it chose.
+    let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+    assert!(routing.starts_with("load only: "), "{:?}", reply.headers);
+    routed.all_released("a load-only request");
+}
+
+/// Reads a streamed reply's head, then its chunks as they come.
+struct Streamed {
+    connection: Connection,
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Streamed {
+    fn open(addr: SocketAddr, path: &str, body: &Value) -> Streamed {
+        let mut connection = Connection::open(addr);
+        let body = body.to_string();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        connection.write_raw(head.as_bytes());
+        let (status, headers) = connection.read_head();
+        Streamed {
+            connection,
+            status,
+            headers,
+        }
+    }
+
+    /// The next SSE event's text, `None` at the end of the stream.
+    fn next_chunk(&mut self) -> Option<String> {
+        self.connection
+            .read_chunk()
+            .map(|chunk| String::from_utf8_lossy(&chunk).into_owned())
+    }
+}
+
+#[test]
+fn a_stream_is_passed_on_chunk_by_chunk_and_the_usage_chunk_only_when_asked() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(150),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(1, 2, slow, &[]);
+    let mut body = chat("tides", true);
+    body["max_tokens"] = json!(6);
+    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
+    assert_eq!(stream.status, 200);
+    let first = stream.next_chunk().expect("a first chunk");
+    assert!(first.starts_with("data: "), "{first:?}");
+    // The client has the first chunk while the engine is still producing the rest.
+    assert_eq!(routed.server(0).open_streams(), 1, "the engine is still streaming");
+    let mut events = vec![first];
+    while let Some(chunk) = stream.next_chunk() {
+        events.push(chunk);
+    }
+    let all = events.concat();
+    assert!(all.trim_end().ends_with("data: [DONE]"), "{all}");
+    assert!(!all.contains("\"choices\":[]"), "the injected usage chunk is stripped: {all}");
+    let sent = routed.server(0).last_request().expect("a request");
+    let sent: Value = serde_json::from_slice(&sent.body).expect("JSON");
+    assert_eq!(sent["stream_options"]["include_usage"], true, "asked of the engine");
+    routed.all_released("a stream");
+    let reported = routed.metric("kv_indexer_route_prompt_tokens_total{instance=\"e0\",dp_rank=\"0\"}")
+        + routed.metric("kv_indexer_route_prompt_tokens_total{instance=\"e0\",dp_rank=\"1\"}");
+    assert!(reported > 0.0, "the usage chunk was read");
+
+    // A client that asks for usage gets the chunk.
+    body["stream_options"] = json!({ "include_usage": true });
+    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
+    let mut all = String::new();
+    while let Some(chunk) = stream.next_chunk() {
+        all.push_str(&chunk);
+    }
+    assert!(all.contains("\"choices\":[]") && all.contains("cached_tokens"), "{all}");
+    routed.all_released("a stream with usage");
+}
+
+#[test]
+fn every_ending_releases_the_reservation() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(100),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(1, 1, slow, &[("first_byte_timeout_s", "1")]);
+    let server = routed.server(0);
+
+    // The client goes away mid-stream: the engine's request is cancelled too.
+    let mut body = chat("the client leaves", true);
+    body["max_tokens"] = json!(50);
+    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
+    stream.next_chunk().expect("a first chunk");
+    let gone_before = server.disconnects();
+    drop(stream);
+    wait_for(10, "the engine to see its client go", || {
+        (server.disconnects() > gone_before).then_some(())
+    });
+    routed.all_released("a client gone");
+
+    // The engine breaks the stream after a few chunks: the client's stream ends as broken.
+    server.inject(Fault::BreakAfter(2), 1);
+    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
+    assert_eq!(stream.status, 200);
+    let mut chunks = 0;
+    while stream.next_chunk().is_some() {
+        chunks += 1;
+    }
+    assert!(chunks <= 3, "{chunks} chunks of a broken stream");
+    routed.all_released("an upstream error mid-stream");
+    assert!(routed.metric("kv_indexer_route_requests_total{outcome=\"cut\"}") >= 1.0);
+
+    // No first byte within first_byte_timeout_s: 504, naming the rank.
+    server.inject(Fault::Stall(Duration::from_secs(3)), 1);
+    let reply = routed.send("/v1/completions", &completion("a stall"));
+    assert_eq!(reply.status, 504, "{}", reply.text());
+    assert!(error_message(&reply).contains("first_byte_timeout_s"), "{}", reply.text());
+    routed.all_released("a timeout");
+    server.clear_faults();
+
+    // Done, whole and streamed.
+    assert_eq!(routed.send("/v1/completions", &completion("done")).status, 200);
+    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &chat("done", true));
+    while stream.next_chunk().is_some() {}
+    routed.all_released("answers that ended");
+}
+
+#[test]
+fn a_failing_rank_is_retried_then_left_out_then_readmitted() {
+    let routed = routed(2, 1, OpenAiConfig::default(), &[]);
+    let body = chat("harbours", false);
+    routed.warm(0, 0, "/v1/chat/completions", &body);
+    // e0 holds the prefix, and fails once: the request is retried on e1 and answered.
+    routed.server(0).inject(Fault::Status(503), 1);
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e1/0"));
+    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 1.0);
+    assert_eq!(
+        routed.metric("kv_indexer_route_rank_excluded{instance=\"e0\",dp_rank=\"0\"}"),
+        1.0
+    );
+    let workers = get(routed.api, "/workers").json();
+    let e0 = workers
+        .as_array()
+        .and_then(|engines| engines.iter().find(|e| e["instance"] == "e0"))
+        .expect("e0 on /workers");
+    let left = e0["listeners"][0]["route_backoff_ms"].as_u64().expect("a back-off");
+    assert!(left > 0 && left <= 1_000, "{left}");
+    // Left out for its back-off, though it holds the prefix.
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e1/0"));
+    // Readmitted once the back-off is over.
+    routed.clock.advance(Duration::from_secs(1));
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e0/0"));
+    assert_eq!(
+        routed.metric("kv_indexer_route_rank_excluded{instance=\"e0\",dp_rank=\"0\"}"),
+        0.0
+    );
+    routed.all_released("retries");
+
+    // Both ranks fail: two tries, then 502 naming the engine's answer.
+    routed.server(0).inject(Fault::Status(500), 1);
+    routed.server(1).inject(Fault::Status(500), 1);
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    assert!(error_message(&reply).contains("500"), "{}", reply.text());
+    // Refused connections count as failures too; with every rank out, 503.
+    routed.server(0).stop_listening().expect("stop listening");
+    routed.server(1).stop_listening().expect("stop listening");
+    routed.clock.advance(Duration::from_secs(60));
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    assert!(error_message(&reply).contains("cannot be reached"), "{}", reply.text());
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert!(error_message(&reply).contains("no connected rank"), "{}", reply.text());
+    routed.all_released("failures");
+}
+
+#[test]
+fn refusals_are_json_errors_naming_their_cause() {
+    let token = tempfile::NamedTempFile::new().expect("token file");
+    std::fs::write(token.path(), "s3cret\n").expect("write the token");
+    let path = format!("'{}'", token.path().display());
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(200),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(
+        1,
+        1,
+        slow,
+        &[("auth_token_file", &path), ("max_concurrent_requests", "1")],
+    );
+    let authorized = [
+        ("Content-Type", "application/json"),
+        ("Authorization", "Bearer s3cret"),
+    ];
+    let send = |path: &str, headers: &[(&str, &str)], body: &[u8]| {
+        Connection::open(routed.route).send_with("POST", path, headers, Some(body))
+    };
+    let body = completion("refusals").to_string();
+    let reply = send("/v1/completions", &[], body.as_bytes());
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert!(error_message(&reply).contains("Authorization: Bearer"));
+    let reply = send("/v1/completions", &authorized, b"{\"prompt\": 3}");
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    assert!(error_message(&reply).contains("`prompt`"), "{}", reply.text());
+    let reply = send("/v1/chat/completions", &authorized, b"not json");
+    assert_eq!(reply.status, 400);
+    let huge = vec![b' '; (16 << 20) + 1];
+    let reply = send("/v1/completions", &authorized, &huge);
+    assert_eq!(reply.status, 413, "{}", reply.text());
+    assert!(error_message(&reply).contains("limit"), "{}", reply.text());
+    let unknown = json!({ "model": "nobody-serves-it", "prompt": "x" }).to_string();
+    let reply = send("/v1/completions", &authorized, unknown.as_bytes());
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert!(error_message(&reply).contains("nobody-serves-it"), "{}", reply.text());
+    let models = Connection::open(routed.route).send_with("GET", "/v1/models", &authorized, None);
+    assert_eq!(models.json()["data"][0]["id"], MODEL);
+
+    // One request in flight (a slow stream): the next is 429.
+    let mut stream_body = chat("busy", true);
+    stream_body["max_tokens"] = json!(20);
+    let stream_body = stream_body.to_string();
+    let mut streaming = Connection::open(routed.route);
+    streaming.write_raw(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer s3cret\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{stream_body}",
+            stream_body.len()
+        )
+        .as_bytes(),
+    );
+    let (status, _) = streaming.read_head();
+    assert_eq!(status, 200);
+    let reply = send("/v1/completions", &authorized, body.as_bytes());
+    assert_eq!(reply.status, 429, "{}", reply.text());
+    assert!(error_message(&reply).contains("max_concurrent_requests"));
+    drop(streaming);
+    routed.all_released("refusals");
+}
+
+#[test]
+fn hop_by_hop_and_proxy_headers_stay_behind_and_host_is_the_engines() {
+    let routed = routed(1, 1, OpenAiConfig::default(), &[]);
+    let body = completion("headers").to_string();
+    let reply = Connection::open(routed.route).send_with(
+        "POST",
+        "/v1/completions",
+        &[
+            ("Content-Type", "application/json"),
+            ("Connection", "keep-alive, X-Private"),
+            ("X-Private", "1"),
+            ("Proxy-Authorization", "Basic eA=="),
+            ("X-Forwarded-For", "10.1.2.3"),
+            ("X-data-parallel-rank", "7"),
+            ("X-Custom", "kept"),
+        ],
+        Some(body.as_bytes()),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen = routed.server(0).last_request().expect("a request");
+    for gone in ["x-private", "proxy-authorization", "x-forwarded-for", "connection"] {
+        assert_eq!(seen.header(gone), None, "{gone} reached the engine");
+    }
+    assert_eq!(seen.header("x-custom"), Some("kept"));
+    assert_eq!(seen.header("x-data-parallel-rank"), Some("0"), "the front end's rank");
+    let url = routed.server(0).url();
+    assert_eq!(seen.header("host"), url.strip_prefix("http://"));
+    routed.all_released("one answer");
+    drop(routed.running);
+}
