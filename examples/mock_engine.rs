@@ -3,13 +3,18 @@
 //! ROUTER on `--replay-port + r`, `GET /kv_recover` and the ground truth `POST /prefix_hit` on
 //! `--recover-port + r`, and vLLM's API server on `--api-port`: `GET /kv_event_sources` (what
 //! the indexer's `discover` asks) and `POST /scale_elastic_ep` to add or remove ranks while it
-//! runs. It runs a workload (the Mooncake trace or synthetic conversations), then keeps serving
-//! until Ctrl-C.
+//! runs; with `--openai-port`, vLLM's OpenAI API (`/v1/completions`, `/v1/chat/completions`,
+//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`). It runs a
+//! workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
 //!
 //! ```text
 //! cargo run --example mock_engine -- --dp-size 2 --requests 500 --rate 50
 //! cargo run --example mock_engine -- --dp-size 2 --port 0 --api-port 8000
 //! curl -d '{"new_data_parallel_size": 3}' http://127.0.0.1:8000/scale_elastic_ep
+//! cargo run --example mock_engine -- --dp-size 2 --workload synthetic --requests 0 \
+//!     --openai-port 8100 --write-tokenizers /tmp/sim-tokenizers
+//! curl -H 'X-data-parallel-rank: 1' http://127.0.0.1:8100/v1/chat/completions \
+//!     -d '{"messages": [{"role": "user", "content": "hi"}]}'
 //! ```
 
 use std::path::PathBuf;
@@ -20,7 +25,9 @@ use clap::{Parser, ValueEnum};
 use log::info;
 
 use kv_indexer_sim::encode::Form;
+use kv_indexer_sim::openai::OpenAiConfig;
 use kv_indexer_sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::tokenizer_dir;
 use kv_indexer_sim::workload::{Conversations, Route, Router, Trace};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -58,6 +65,30 @@ struct Args {
     /// The API server's port (GET /kv_event_sources, POST /scale_elastic_ep); 0 disables it.
     #[arg(long, default_value_t = 8000)]
     api_port: u16,
+    /// The OpenAI API server's port (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health); 0: picked by the OS; none without it.
+    #[arg(long)]
+    openai_port: Option<u16>,
+    /// The model the OpenAI API serves.
+    #[arg(long, default_value_t = OpenAiConfig::default().model)]
+    model: String,
+    /// The model's tokenizer directory, for prompts as text and chat messages (token ids need
+    /// none).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Writes the simulator's tokenizer directories (chatml, llama3, deepseek-r1) here first,
+    /// and serves with its `chatml` unless `--tokenizer` names another.
+    #[arg(long)]
+    write_tokenizers: Option<PathBuf>,
+    /// Time to a request's first token with nothing to compute, in microseconds.
+    #[arg(long, default_value_t = micros(OpenAiConfig::default().first_token_floor))]
+    first_token_floor_us: u64,
+    /// Prefill time per uncached prompt token, in microseconds.
+    #[arg(long, default_value_t = micros(OpenAiConfig::default().prefill_per_token))]
+    prefill_per_token_us: u64,
+    /// Time between two output tokens, in microseconds.
+    #[arg(long, default_value_t = micros(OpenAiConfig::default().inter_token))]
+    inter_token_us: u64,
     /// Host to bind: an IP, `*` or an IPv6 literal.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
@@ -112,6 +143,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(clock_seed);
     let (count, prompts) = workload(&args, seed)?;
+    let openai = openai_config(&args)?;
 
     let engine = SimEngine::start(SimConfig {
         dp_size: args.dp_size,
@@ -120,6 +152,8 @@ fn main() -> Result<()> {
         replay_port: (args.replay_port != 0).then_some(args.replay_port),
         recover_port: (args.recover_port != 0).then_some(args.recover_port),
         api_port: (args.api_port != 0).then_some(args.api_port),
+        openai_port: args.openai_port,
+        openai,
         topic: args.topic.clone(),
         block_size: args.block_size,
         capacity_blocks: args.capacity_blocks,
@@ -144,6 +178,14 @@ fn main() -> Result<()> {
     if let Some(port) = engine.api_port() {
         info!("API server http://{}:{port}/kv_event_sources", args.bind);
     }
+    if let Some(server) = engine.openai() {
+        info!(
+            "OpenAI API {}/v1 (port {}), model {:?}",
+            server.url(),
+            server.port(),
+            server.model()
+        );
+    }
     info!(
         "seed {seed}; {count} requests, rate {}",
         if args.rate > 0.0 {
@@ -164,6 +206,31 @@ fn main() -> Result<()> {
     info!("stopping");
     engine.stop();
     Ok(())
+}
+
+/// The OpenAI API's model, tokenizer and timing from the flags; writes the simulator's
+/// tokenizer directories first when asked.
+fn openai_config(args: &Args) -> Result<OpenAiConfig> {
+    let mut tokenizer = args.tokenizer.clone();
+    if let Some(root) = &args.write_tokenizers {
+        tokenizer_dir::write_all(root).with_context(|| {
+            format!("writing the tokenizer directories under {}", root.display())
+        })?;
+        info!("tokenizer directories written under {}", root.display());
+        tokenizer.get_or_insert_with(|| root.join("chatml"));
+    }
+    Ok(OpenAiConfig {
+        model: args.model.clone(),
+        tokenizer,
+        first_token_floor: Duration::from_micros(args.first_token_floor_us),
+        prefill_per_token: Duration::from_micros(args.prefill_per_token_us),
+        inter_token: Duration::from_micros(args.inter_token_us),
+        ..OpenAiConfig::default()
+    })
+}
+
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// Prompts made one at a time as they are served.

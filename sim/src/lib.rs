@@ -4,7 +4,8 @@
 //!
 //! `cache` is one rank's prefix cache (the ground truth), `workload` makes prompts and routes
 //! them to ranks, `server` runs ranks behind real sockets (`rank_http` is a rank's HTTP server,
-//! `api` the engine's API server with `/kv_event_sources`), `replay` answers replay requests
+//! `api` the engine's API server with `/kv_event_sources`, `openai` its OpenAI-compatible
+//! server answering completions and chats from the ranks' caches), `replay` answers replay requests
 //! from a history, `encode` writes the wire format. For driving an indexer: `fleet` runs many
 //! engines, `watch` checks an indexer against them, `process` runs the `kv-indexer` binary as a
 //! child, `running` runs the indexer's service in-process, `procfs` reads what a process holds, `indexer_toml` writes its config and `ports` finds
@@ -18,6 +19,7 @@ pub mod cache;
 pub mod encode;
 pub mod fleet;
 pub mod indexer_toml;
+pub mod openai;
 pub mod ports;
 pub mod process;
 pub mod procfs;

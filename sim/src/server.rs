@@ -2,7 +2,8 @@
 //! bound PUB socket on `port + rank`, an optional replay ROUTER on `replay_port + rank` and an
 //! optional HTTP server on `recover_port + rank` (`rank_http`), as vLLM engine cores with
 //! kv-events enabled (plus the snapshot patch); and optionally the engine's API server
-//! (`api`: `GET /kv_event_sources`, elastic scaling), as vLLM's OpenAI server.
+//! (`api`: `GET /kv_event_sources`, elastic scaling) and its OpenAI-compatible server
+//! (`openai`: completions and chat served from the ranks' caches), as vLLM's API server.
 //!
 //! It owns the configuration, the rank set (ranks added and removed while running, as elastic
 //! data parallelism does), the `GET /kv_event_sources` answer and fault injection (dropped
@@ -23,8 +24,9 @@ use parking_lot::Mutex;
 use crate::api::{self, ApiReply, ApiServer};
 use crate::cache::Request;
 use crate::encode::Form;
-pub(super) use bind::bind_http;
+use crate::openai::{self, OpenAiConfig, OpenAiServer};
 use bind::offset_port;
+pub(super) use bind::{bind_http, listen_address, url_host};
 use kv_indexer::wire::{BlockStored, Event};
 pub(super) use rank::Rank;
 use rank::{RankRuntime, Settings};
@@ -47,6 +49,11 @@ pub struct SimConfig {
     /// The engine's API server (`GET /kv_event_sources`): `None`: none (start one later with
     /// `start_api`); 0: picked by the OS.
     pub api_port: Option<u16>,
+    /// The engine's OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`):
+    /// `None`: none (start one later with `start_openai`); 0: picked by the OS.
+    pub openai_port: Option<u16>,
+    /// What the OpenAI-compatible server serves: the model, its tokenizer, the timing.
+    pub openai: OpenAiConfig,
     pub topic: String,
     pub block_size: u32,
     pub capacity_blocks: usize,
@@ -76,6 +83,8 @@ impl Default for SimConfig {
             replay_port: Some(0),
             recover_port: Some(0),
             api_port: None,
+            openai_port: None,
+            openai: OpenAiConfig::default(),
             topic: String::new(),
             block_size: 16,
             capacity_blocks: 20_000,
@@ -107,6 +116,7 @@ pub(super) struct Shared {
     ranks: Mutex<Vec<RankRuntime>>,
     api: Mutex<Option<ApiServer>>,
     pub(super) api_reply: Mutex<ApiReply>,
+    openai: Mutex<Option<OpenAiServer>>,
 }
 
 /// A running simulated engine. Dropping it (or [`SimEngine::stop`]) stops its threads and closes
@@ -129,11 +139,15 @@ impl SimEngine {
                 ranks: Mutex::new(Vec::new()),
                 api: Mutex::new(None),
                 api_reply: Mutex::new(ApiReply::Sources),
+                openai: Mutex::new(None),
             }),
         };
         engine.shared.scale_to(engine.shared.config.dp_size)?;
         if let Some(port) = engine.shared.config.api_port {
             engine.start_api(port)?;
+        }
+        if let Some(port) = engine.shared.config.openai_port {
+            engine.start_openai(port)?;
         }
         Ok(engine)
     }
@@ -186,6 +200,37 @@ impl SimEngine {
         self.shared.api.lock().as_ref().map(ApiServer::port)
     }
 
+    /// Starts the engine's OpenAI-compatible server on `port` (0: picked by the OS) with
+    /// `SimConfig::openai`, when it has none yet; returns the bound port.
+    pub fn start_openai(&self, port: u16) -> Result<u16> {
+        let mut running = self.shared.openai.lock();
+        ensure!(running.is_none(), "the OpenAI server already runs");
+        let server = openai::start(
+            Arc::downgrade(&self.shared),
+            &self.shared.config.openai,
+            &self.shared.config.bind,
+            port,
+        )?;
+        let bound = server.port();
+        *running = Some(server);
+        Ok(bound)
+    }
+
+    /// The OpenAI-compatible server (a handle to its faults and figures), while it runs.
+    pub fn openai(&self) -> Option<OpenAiServer> {
+        self.shared.openai.lock().clone()
+    }
+
+    /// The OpenAI-compatible server's port, while it runs.
+    pub fn openai_port(&self) -> Option<u16> {
+        self.shared.openai.lock().as_ref().map(OpenAiServer::port)
+    }
+
+    /// The OpenAI-compatible server's base URL (`http://127.0.0.1:PORT`), while it runs.
+    pub fn openai_url(&self) -> Option<String> {
+        self.shared.openai.lock().as_ref().map(OpenAiServer::url)
+    }
+
     /// What `GET /kv_event_sources` answers from now on (fault injection).
     pub fn set_api_reply(&self, reply: ApiReply) {
         *self.shared.api_reply.lock() = reply;
@@ -199,21 +244,12 @@ impl SimEngine {
     /// Runs a prompt on `rank` and publishes the resulting batch (if the cache changed); returns
     /// the leading full blocks that were already cached.
     pub fn serve<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
-        let prompt = prompt.into();
-        let rank = self.rank(rank)?;
-        let mut state = rank.state.lock();
-        let served = state.cache.serve(prompt);
-        state.last_prompt.clear();
-        state.last_prompt.extend_from_slice(prompt.tokens);
-        if !served.events.is_empty() {
-            state.publish(&rank, served.events)?;
-        }
-        Ok(served.hit_blocks)
+        self.shared.serve(rank, prompt.into())
     }
 
     /// Ground truth: leading full blocks of `prompt` that `rank` holds now.
     pub fn true_prefix_hit<'p>(&self, rank: u32, prompt: impl Into<Request<'p>>) -> Result<u32> {
-        Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
+        self.shared.true_prefix_hit(rank, prompt.into())
     }
 
     /// What rank `rank`'s full-attention group alone holds of `prompt` from the start: on a
@@ -284,26 +320,58 @@ impl SimEngine {
     pub fn stop(self) {}
 
     fn rank(&self, rank: u32) -> Result<Arc<Rank>> {
-        let ranks = self.shared.ranks.lock();
-        ranks
-            .get(rank as usize)
-            .map(|running| Arc::clone(&running.rank))
-            .ok_or_else(|| anyhow!("rank {rank} out of range (dp_size {})", ranks.len()))
+        self.shared.rank(rank)
     }
 }
 
 impl Drop for SimEngine {
     fn drop(&mut self) {
-        // The API server first: its thread holds the shared state and may be scaling.
+        // The API servers first: their threads use the shared state and may be scaling.
         let api = self.shared.api.lock().take();
         if let Some(api) = api {
             api.stop();
+        }
+        let openai = self.shared.openai.lock().take();
+        if let Some(openai) = openai {
+            openai.shutdown();
         }
         self.shared.ranks.lock().clear();
     }
 }
 
 impl Shared {
+    pub(super) fn dp_size(&self) -> u32 {
+        self.ranks.lock().len() as u32
+    }
+
+    pub(super) fn block_size(&self) -> u32 {
+        self.config.block_size
+    }
+
+    pub(super) fn serve(&self, rank: u32, prompt: Request<'_>) -> Result<u32> {
+        let rank = self.rank(rank)?;
+        let mut state = rank.state.lock();
+        let served = state.cache.serve(prompt);
+        state.last_prompt.clear();
+        state.last_prompt.extend_from_slice(prompt.tokens);
+        if !served.events.is_empty() {
+            state.publish(&rank, served.events)?;
+        }
+        Ok(served.hit_blocks)
+    }
+
+    pub(super) fn true_prefix_hit(&self, rank: u32, prompt: Request<'_>) -> Result<u32> {
+        Ok(self.rank(rank)?.state.lock().cache.true_prefix_hit(prompt))
+    }
+
+    fn rank(&self, rank: u32) -> Result<Arc<Rank>> {
+        let ranks = self.ranks.lock();
+        ranks
+            .get(rank as usize)
+            .map(|running| Arc::clone(&running.rank))
+            .ok_or_else(|| anyhow!("rank {rank} out of range (dp_size {})", ranks.len()))
+    }
+
     /// Adds or removes ranks at the top until `dp_size` run; a rank that fails to start leaves
     /// the ranks started before it running.
     pub(super) fn scale_to(&self, dp_size: u32) -> Result<()> {
@@ -332,11 +400,7 @@ impl Shared {
     /// `tcp://*:0` once bound: the node's address (here the bound host) and the port.
     pub(super) fn kv_event_sources(&self) -> serde_json::Value {
         let config = &self.config;
-        let node = match config.bind.as_str() {
-            "*" => "127.0.0.1".to_string(),
-            ip if ip.contains(':') => format!("[{ip}]"),
-            ip => ip.to_string(),
-        };
+        let node = url_host(&config.bind);
         let endpoint = |base: u16, port: u16| match base {
             0 => format!("tcp://{node}:{port}"),
             _ => format!("tcp://*:{port}"),

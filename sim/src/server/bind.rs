@@ -1,5 +1,6 @@
 //! Binding a simulated engine's sockets: a ZeroMQ socket or a tiny_http server on `base + rank`
-//! (any free port when `base` is 0) on an IPv4 host, `*` or an IPv6 literal.
+//! (any free port when `base` is 0) on an IPv4 host, `*` or an IPv6 literal, and the address
+//! forms of such a host (to listen on, and to reach it at).
 //!
 //! Owns the address forms and the options a socket must have before `bind`. Never: connects, or
 //! picks a port itself (the OS does, for 0).
@@ -58,16 +59,31 @@ pub(super) fn bind_zmq(
     Ok((socket, port))
 }
 
+/// `bind:port` as a socket address to listen on: `*` is every IPv4 interface, an IPv6 literal
+/// gets its brackets.
+pub(crate) fn listen_address(bind: &str, port: u16) -> String {
+    if bind == "*" {
+        format!("0.0.0.0:{port}")
+    } else if bind.contains(':') {
+        format!("[{bind}]:{port}")
+    } else {
+        format!("{bind}:{port}")
+    }
+}
+
+/// The host a client on this node reaches `bind` at: 127.0.0.1 for `*`, an IPv6 literal in
+/// brackets.
+pub(crate) fn url_host(bind: &str) -> String {
+    match bind {
+        "*" => "127.0.0.1".to_string(),
+        ip if ip.contains(':') => format!("[{ip}]"),
+        ip => ip.to_string(),
+    }
+}
+
 /// A tiny_http server on `bind:port` (0: picked by the OS) and the port it bound.
 pub(crate) fn bind_http(bind: &str, port: u16) -> Result<(tiny_http::Server, u16)> {
-    let host = if bind == "*" {
-        "0.0.0.0".to_string()
-    } else if bind.contains(':') {
-        format!("[{bind}]")
-    } else {
-        bind.to_string()
-    };
-    let address = format!("{host}:{port}");
+    let address = listen_address(bind, port);
     let server = tiny_http::Server::http(address.as_str())
         .map_err(|e| anyhow!("binding HTTP on {address}: {e}"))?;
     let port = server

@@ -1,0 +1,418 @@
+//! The simulated engine's OpenAI-compatible server, as vLLM 0.33's: `POST /v1/completions` and
+//! `POST /v1/chat/completions` (whole, or streamed as server-sent events), `GET /v1/models` and
+//! `GET /health`, answered from the ranks' real prefix caches. A request goes to the rank its
+//! `X-data-parallel-rank` header names (round-robin without one), is tokenized as kv-indexer
+//! tokenizes (`kv_indexer::tokenize`), waits a prefill time proportional to its uncached tokens,
+//! then stores its blocks on that rank (which publishes their KV events) and streams its output
+//! tokens; `usage.prompt_tokens_details.cached_tokens` reports what the rank held.
+//!
+//! `routes` reads requests and chooses the rank, `answer` writes the JSON of an answer and of
+//! its events, `body` is a generating answer's body (each event made when due, and only when
+//! the connection takes it). This file owns the runtime, the listener (closed and reopened on
+//! the same port for tests), the faults tests inject and the figures they read.
+//!
+//! Owns: the server's tasks and sockets. Never: a thread per request or connection (one
+//! runtime of two threads serves them all), a blocking sleep on the runtime, or a buffer that
+//! grows with a slow reader.
+
+mod answer;
+mod body;
+mod routes;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use kv_indexer::tokenize::Tokenizers;
+use log::{debug, warn};
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::runtime::{Handle, Runtime};
+use tokio::sync::watch;
+
+use crate::server::{listen_address, url_host, Shared};
+
+/// How long `stop_listening` waits for the accept task to close the listener.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Connections waiting to be accepted.
+const BACKLOG: u32 = 4096;
+
+/// What the OpenAI-compatible server serves, and how fast.
+#[derive(Clone, Debug)]
+pub struct OpenAiConfig {
+    /// The served model: a request naming another gets vLLM's 404.
+    pub model: String,
+    /// The model's tokenizer directory (`tokenizer.json`, `tokenizer_config.json`), for prompts
+    /// given as text and chat messages; a prompt given as token ids needs none.
+    pub tokenizer: Option<PathBuf>,
+    /// Prefill time of a request with nothing to compute: its first token comes this much plus
+    /// `prefill_per_token` per uncached prompt token after it arrives.
+    pub first_token_floor: Duration,
+    pub prefill_per_token: Duration,
+    /// Time between two output tokens.
+    pub inter_token: Duration,
+    /// Prompt plus output tokens a request may ask for (vLLM's `--max-model-len`).
+    pub max_model_len: u32,
+}
+
+impl Default for OpenAiConfig {
+    fn default() -> Self {
+        Self {
+            model: "sim-model".to_string(),
+            tokenizer: None,
+            first_token_floor: Duration::from_millis(1),
+            prefill_per_token: Duration::from_micros(20),
+            inter_token: Duration::from_millis(2),
+            max_model_len: 131_072,
+        }
+    }
+}
+
+/// What the server does to one generating request (`/v1/completions`,
+/// `/v1/chat/completions`) instead of, or before, answering it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer this status with a vLLM-shaped JSON error, serving nothing.
+    Status(u16),
+    /// Write nothing (not even the status line) for this long, then answer as usual.
+    Stall(Duration),
+    /// Close the connection mid-answer: a streamed answer after this many events, a whole one
+    /// halfway through its body.
+    BreakAfter(usize),
+}
+
+/// A generating request as it arrived.
+#[derive(Clone, Debug)]
+pub struct SeenRequest {
+    pub method: String,
+    /// The path and query.
+    pub path: String,
+    /// Every header as received, in order (names lowercase).
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+impl SeenRequest {
+    /// The first value of header `name` (any case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(header, _)| header.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// The running server: a handle to its faults and figures, cheap to clone. The engine shuts it
+/// down when it stops; a handle kept past that answers its last figures.
+#[derive(Clone)]
+pub struct OpenAiServer {
+    inner: Arc<Inner>,
+}
+
+/// What the server's tasks share.
+struct Inner {
+    engine: Weak<Shared>,
+    config: OpenAiConfig,
+    tokenizers: Tokenizers,
+    address: SocketAddr,
+    url: String,
+    runtime: Mutex<OwnedRuntime>,
+    handle: Handle,
+    /// While listening: dropping it closes the listener and every open connection.
+    listening: Mutex<Option<Listening>>,
+    faults: Mutex<VecDeque<Fault>>,
+    figures: Arc<Figures>,
+    next_rank: AtomicU32,
+    next_id: AtomicU64,
+    last_request: Mutex<Option<SeenRequest>>,
+}
+
+/// The server's runtime, shut down without waiting when dropped: the engine may be dropped
+/// on another runtime's thread, where a runtime must not block to stop.
+struct OwnedRuntime(Option<Runtime>);
+
+impl OwnedRuntime {
+    fn stop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Listening {
+    closing: watch::Sender<()>,
+    /// Sent to when the accept task has dropped the listener.
+    closed: std::sync::mpsc::Receiver<()>,
+}
+
+/// What tests read, shared with every answer's body.
+#[derive(Default)]
+pub(crate) struct Figures {
+    received: AtomicU64,
+    served: Mutex<Vec<u64>>,
+    open_streams: AtomicUsize,
+    disconnects: AtomicU64,
+}
+
+/// Loads the tokenizer, binds `bind:port` (0: picked by the OS) and starts serving.
+pub(crate) fn start(
+    engine: Weak<Shared>,
+    config: &OpenAiConfig,
+    bind: &str,
+    port: u16,
+) -> Result<OpenAiServer> {
+    let tokenizers = Tokenizers::load(
+        config
+            .tokenizer
+            .iter()
+            .map(|dir| (config.model.as_str(), dir.as_path())),
+        &Tokenizers::default(),
+    )
+    .with_context(|| format!("the OpenAI server's tokenizer for model {:?}", config.model))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("sim-openai")
+        .enable_all()
+        .build()
+        .context("starting the OpenAI server's runtime")?;
+    let handle = runtime.handle().clone();
+    let runtime = OwnedRuntime(Some(runtime));
+    let wanted = listen_address(bind, port);
+    let wanted: SocketAddr = wanted
+        .parse()
+        .with_context(|| format!("the OpenAI server's address {wanted}"))?;
+    let listener = listen(&handle, wanted)?;
+    let address = listener
+        .local_addr()
+        .with_context(|| format!("the OpenAI server's bound address ({wanted})"))?;
+    let inner = Arc::new(Inner {
+        engine,
+        config: config.clone(),
+        tokenizers,
+        address,
+        url: format!("http://{}:{}", url_host(bind), address.port()),
+        handle,
+        runtime: Mutex::new(runtime),
+        listening: Mutex::new(None),
+        faults: Mutex::new(VecDeque::new()),
+        figures: Arc::new(Figures::default()),
+        next_rank: AtomicU32::new(0),
+        next_id: AtomicU64::new(0),
+        last_request: Mutex::new(None),
+    });
+    inner.accept_on(listener);
+    Ok(OpenAiServer { inner })
+}
+
+impl OpenAiServer {
+    pub fn port(&self) -> u16 {
+        self.inner.address.port()
+    }
+
+    /// `http://HOST:PORT`, the base of `/v1/...`.
+    pub fn url(&self) -> String {
+        self.inner.url.clone()
+    }
+
+    /// The served model's name.
+    pub fn model(&self) -> &str {
+        &self.inner.config.model
+    }
+
+    /// Applies `fault` to each of the next `requests` generating requests, after the faults
+    /// already queued.
+    pub fn inject(&self, fault: Fault, requests: usize) {
+        self.inner
+            .faults
+            .lock()
+            .extend(std::iter::repeat_n(fault, requests));
+    }
+
+    /// Drops the faults not applied yet.
+    pub fn clear_faults(&self) {
+        self.inner.faults.lock().clear();
+    }
+
+    /// Closes the listener (a connection attempt is then refused) and every open connection,
+    /// as an engine whose process died; returns once the port is closed.
+    pub fn stop_listening(&self) -> Result<()> {
+        let listening = self.inner.listening.lock().take();
+        let Some(Listening { closing, closed }) = listening else {
+            return Ok(());
+        };
+        drop(closing);
+        closed.recv_timeout(CLOSE_WAIT).map_err(|_| {
+            anyhow!(
+                "the OpenAI server on {} did not close its listener within {CLOSE_WAIT:?}",
+                self.inner.address
+            )
+        })
+    }
+
+    /// Listens again on the same port after `stop_listening`.
+    pub fn resume_listening(&self) -> Result<()> {
+        if self.listening() {
+            return Ok(());
+        }
+        if self.inner.runtime.lock().0.is_none() {
+            bail!("the OpenAI server on {} is shut down", self.inner.address);
+        }
+        let listener = listen(&self.inner.handle, self.inner.address)?;
+        self.inner.accept_on(listener);
+        Ok(())
+    }
+
+    pub fn listening(&self) -> bool {
+        self.inner.listening.lock().is_some()
+    }
+
+    /// Generating requests received (faulted and refused ones included).
+    pub fn requests(&self) -> u64 {
+        self.inner.figures.received.load(Ordering::Relaxed)
+    }
+
+    /// Generating requests served by each rank, indexed by rank: a request counts on the rank
+    /// chosen for it once it is accepted (before its prefill).
+    pub fn served_per_rank(&self) -> Vec<u64> {
+        self.inner.figures.served.lock().clone()
+    }
+
+    /// The last generating request as it arrived (`/health` and `/v1/models` are not kept).
+    pub fn last_request(&self) -> Option<SeenRequest> {
+        self.inner.last_request.lock().clone()
+    }
+
+    /// Generating requests not yet answered: a streamed one until its last event is sent or its
+    /// connection closes.
+    pub fn open_streams(&self) -> usize {
+        self.inner.figures.open_streams.load(Ordering::Relaxed)
+    }
+
+    /// Generating requests whose client left before the end of the answer (their generation
+    /// stopped then); connections the server closed (faults, `stop_listening`) are not counted.
+    pub fn disconnects(&self) -> u64 {
+        self.inner.figures.disconnects.load(Ordering::Relaxed)
+    }
+
+    /// Stops every task and closes every socket, without waiting for them.
+    pub(crate) fn shutdown(self) {
+        self.inner.listening.lock().take();
+        self.inner.runtime.lock().stop();
+    }
+}
+
+impl Inner {
+    /// Serves connections from `listener` until `stop_listening`.
+    fn accept_on(self: &Arc<Self>, listener: TcpListener) {
+        let (closing, closing_seen) = watch::channel(());
+        let (closed_tx, closed) = std::sync::mpsc::channel();
+        *self.listening.lock() = Some(Listening { closing, closed });
+        let inner = Arc::clone(self);
+        self.handle.spawn(async move {
+            inner.accept_loop(&listener, closing_seen).await;
+            drop(listener);
+            // The receiver is gone when nobody waits.
+            let _ = closed_tx.send(());
+        });
+    }
+
+    async fn accept_loop(self: &Arc<Self>, listener: &TcpListener, closing: watch::Receiver<()>) {
+        let mut until_closed = closing.clone();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((socket, peer)) => {
+                        let connection = serve_connection(Arc::clone(self), socket, closing.clone());
+                        debug!("OpenAI server {}: connection from {peer}", self.address);
+                        tokio::spawn(connection);
+                    }
+                    Err(error) => {
+                        // Out of file descriptors, most likely: wait for connections to close.
+                        warn!("OpenAI server {}: accept failed: {error}", self.address);
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                },
+                _ = until_closed.changed() => return,
+            }
+        }
+    }
+
+    fn count_served(&self, rank: u32) {
+        let mut served = self.figures.served.lock();
+        let index = rank as usize;
+        if served.len() <= index {
+            served.resize(index + 1, 0);
+        }
+        served[index] += 1;
+    }
+}
+
+/// A listening socket on `address`, reusing it while closed connections linger in TIME_WAIT (so
+/// that `resume_listening` gets the same port back).
+fn listen(handle: &Handle, address: SocketAddr) -> Result<TcpListener> {
+    let _runtime = handle.enter();
+    let socket = if address.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .with_context(|| format!("the OpenAI server's socket for {address}"))?;
+    socket
+        .set_reuseaddr(true)
+        .with_context(|| format!("SO_REUSEADDR on {address}"))?;
+    socket
+        .bind(address)
+        .with_context(|| format!("binding the OpenAI server on {address}"))?;
+    socket
+        .listen(BACKLOG)
+        .with_context(|| format!("listening on {address}"))
+}
+
+/// One connection's requests, until either side closes it or the listener is closed.
+async fn serve_connection(inner: Arc<Inner>, socket: TcpStream, mut closing: watch::Receiver<()>) {
+    // An event's segment must not wait for the client's delayed ACK.
+    if let Err(error) = socket.set_nodelay(true) {
+        debug!("OpenAI server {}: TCP_NODELAY: {error}", inner.address);
+    }
+    let closed_by_server = Arc::new(AtomicBool::new(false));
+    let service = {
+        let (inner, closed_by_server) = (Arc::clone(&inner), Arc::clone(&closed_by_server));
+        service_fn(move |request| {
+            let (inner, closed_by_server) = (Arc::clone(&inner), Arc::clone(&closed_by_server));
+            async move {
+                let answer = routes::answer(&inner, request, closed_by_server).await;
+                Ok::<_, std::convert::Infallible>(answer)
+            }
+        })
+    };
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .serve_connection(TokioIo::new(socket), service);
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        served = connection.as_mut() => {
+            if let Err(error) = served {
+                debug!("OpenAI server {}: connection ended: {error}", inner.address);
+            }
+        }
+        _ = closing.changed() => {
+            // Before the connection (and an answer's body) is dropped: not a client leaving.
+            closed_by_server.store(true, Ordering::Relaxed);
+        }
+    }
+}

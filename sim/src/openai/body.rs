@@ -1,0 +1,224 @@
+//! A response body of the OpenAI server: a whole JSON answer, one cut halfway by a fault, or a
+//! generation's server-sent events. The events are made one at a time when hyper asks for the
+//! next, not before it is due: a slow reader holds its generation back (the socket's buffers
+//! are all that is queued), and a client gone drops the body, which stops it.
+//!
+//! Owns when a streamed generation stores its prompt (at its first token, the end of its
+//! prefill) and what counts as a disconnect. Never: renders JSON (`answer`), or spawns a task.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+use log::warn;
+use tokio::time::{Instant, Sleep};
+
+use super::answer::Generation;
+use super::Figures;
+
+/// A body of the server's answers.
+pub(super) struct AnswerBody(Kind);
+
+enum Kind {
+    Whole(Option<Bytes>),
+    /// The first part of an answer of `length` bytes, then an error that closes the connection.
+    Cut {
+        part: Option<Bytes>,
+        length: u64,
+        flushed: Flushed,
+    },
+    Events(Box<Events>),
+}
+
+struct Events {
+    generation: Generation,
+    next: usize,
+    count: usize,
+    /// Events sent before the connection is closed (a fault).
+    break_after: Option<usize>,
+    /// The event the timer is set for, while it waits.
+    timer_for: Option<usize>,
+    flushed: Flushed,
+    timer: Pin<Box<Sleep>>,
+    flight: InFlight,
+}
+
+impl AnswerBody {
+    pub(super) fn whole(bytes: Bytes) -> AnswerBody {
+        AnswerBody(Kind::Whole(Some(bytes)))
+    }
+
+    pub(super) fn empty() -> AnswerBody {
+        AnswerBody(Kind::Whole(None))
+    }
+
+    /// `whole`'s first half, announced at its full length, then the connection breaks.
+    pub(super) fn cut(whole: Bytes) -> AnswerBody {
+        let length = whole.len() as u64;
+        AnswerBody(Kind::Cut {
+            part: Some(whole.slice(..whole.len() / 2)),
+            length,
+            flushed: Flushed(false),
+        })
+    }
+
+    pub(super) fn events(
+        generation: Generation,
+        break_after: Option<usize>,
+        flight: InFlight,
+    ) -> AnswerBody {
+        let count = generation.event_count();
+        let timer = Box::pin(tokio::time::sleep_until(generation.first_token_at));
+        AnswerBody(Kind::Events(Box::new(Events {
+            generation,
+            next: 0,
+            count,
+            break_after,
+            timer_for: None,
+            flushed: Flushed(false),
+            timer,
+            flight,
+        })))
+    }
+}
+
+impl Body for AnswerBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match &mut self.get_mut().0 {
+            Kind::Whole(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
+            Kind::Cut {
+                part,
+                length,
+                flushed,
+            } => match part.take() {
+                Some(part) => Poll::Ready(Some(Ok(Frame::data(part)))),
+                None if *length > 0 => {
+                    ready!(flushed.poll(cx));
+                    *length = 0;
+                    Poll::Ready(Some(Err(io::Error::other(
+                        "injected fault: the connection breaks mid-answer",
+                    ))))
+                }
+                None => Poll::Ready(None),
+            },
+            Kind::Events(events) => events.poll_next(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            Kind::Whole(bytes) => bytes.is_none(),
+            Kind::Cut { length, .. } => *length == 0,
+            Kind::Events(events) => events.next == events.count,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            Kind::Whole(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            Kind::Cut { length, .. } => SizeHint::with_exact(*length),
+            Kind::Events(_) => SizeHint::default(),
+        }
+    }
+}
+
+impl Events {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if self.next == self.count {
+            return Poll::Ready(None);
+        }
+        let event = self.generation.event(self.next);
+        if self.timer_for != Some(self.next) {
+            let due = self.generation.due(event);
+            if due > Instant::now() {
+                self.timer.as_mut().reset(due);
+                self.timer_for = Some(self.next);
+            }
+        }
+        if self.timer_for == Some(self.next) {
+            ready!(self.timer.as_mut().poll(cx));
+        }
+        if self.break_after == Some(self.next) {
+            ready!(self.flushed.poll(cx));
+            self.flight.finish();
+            self.next = self.count;
+            return Poll::Ready(Some(Err(io::Error::other(
+                "injected fault: the connection breaks mid-stream",
+            ))));
+        }
+        if let Err(error) = self.generation.finish_prefill() {
+            warn!("OpenAI server: storing a prompt: {error:#}");
+            self.flight.finish();
+            self.next = self.count;
+            return Poll::Ready(Some(Err(io::Error::other(format!("{error:#}")))));
+        }
+        self.next += 1;
+        if self.next == self.count {
+            // hyper may drop the body without polling past its end.
+            self.flight.finish();
+        }
+        Poll::Ready(Some(Ok(Frame::data(self.generation.event_bytes(event)))))
+    }
+}
+
+/// Whether hyper was given a turn to write what it holds before an injected break: a body
+/// error drops the connection with its unwritten buffer, so the break yields once first.
+struct Flushed(bool);
+
+impl Flushed {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            return Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+/// A generating request while it is answered: counted in `open_streams` until dropped, and in
+/// `disconnects` when dropped before the end of its answer unless the server closed the
+/// connection itself.
+pub(super) struct InFlight {
+    figures: Arc<Figures>,
+    closed_by_server: Arc<AtomicBool>,
+    finished: bool,
+}
+
+impl InFlight {
+    pub(super) fn new(figures: &Arc<Figures>, closed_by_server: Arc<AtomicBool>) -> InFlight {
+        figures.open_streams.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            figures: Arc::clone(figures),
+            closed_by_server,
+            finished: false,
+        }
+    }
+
+    /// The answer is complete, or the server ends it: not a disconnect.
+    pub(super) fn finish(&mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.figures.open_streams.fetch_sub(1, Ordering::Relaxed);
+        if !self.finished && !self.closed_by_server.load(Ordering::Relaxed) {
+            self.figures.disconnects.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,543 @@
+//! The simulated engine's OpenAI-compatible server over real HTTP on 127.0.0.1: completions and
+//! chats answered with the cached tokens their rank really held (prompts tokenized as the
+//! indexer tokenizes them), the rank chosen by `X-data-parallel-rank` or round-robin, answers
+//! streamed one event at a time, a client leaving mid-stream stopping its generation, and each
+//! injected fault.
+
+mod support;
+
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kv_indexer::tokenize::{Prompt, Tokenizers};
+use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
+use kv_indexer_sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::tokenizer_dir;
+use serde_json::{json, Value};
+use support::http_client::{get, wait_for};
+use support::sse_client::{post, send_timed, Answer};
+
+const MODEL: &str = "sim-chatml";
+const BLOCK_SIZE: u32 = 16;
+
+fn engine(dp_size: u32, openai: OpenAiConfig) -> SimEngine {
+    SimEngine::start(SimConfig {
+        dp_size,
+        block_size: BLOCK_SIZE,
+        replay_port: None,
+        recover_port: None,
+        openai_port: Some(0),
+        openai: OpenAiConfig {
+            model: MODEL.to_string(),
+            ..openai
+        },
+        ..SimConfig::default()
+    })
+    .expect("start the engine")
+}
+
+fn server(engine: &SimEngine) -> (OpenAiServer, SocketAddr) {
+    let server = engine.openai().expect("the OpenAI server runs");
+    let addr = SocketAddr::from(([127, 0, 0, 1], server.port()));
+    assert_eq!(engine.openai_url(), Some(format!("http://{addr}")));
+    (server, addr)
+}
+
+/// `count` token ids unlike any other test's.
+fn token_prompt(first: u32, count: u32) -> Vec<u32> {
+    (first..first + count).collect()
+}
+
+fn completion(prompt: Value, extra: Value) -> Vec<u8> {
+    let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 3});
+    merge(&mut body, extra);
+    body.to_string().into_bytes()
+}
+
+fn chat(content: &str, extra: Value) -> Vec<u8> {
+    let mut body = json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": content},
+        ],
+        "max_tokens": 3,
+    });
+    merge(&mut body, extra);
+    body.to_string().into_bytes()
+}
+
+fn merge(body: &mut Value, extra: Value) {
+    if let (Some(body), Value::Object(extra)) = (body.as_object_mut(), extra) {
+        body.extend(extra);
+    }
+}
+
+fn on_rank(rank: u32) -> [(&'static str, String); 1] {
+    [("X-data-parallel-rank", rank.to_string())]
+}
+
+fn post_to(addr: SocketAddr, path: &str, headers: &[(&str, String)], body: &[u8]) -> Answer {
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    post(addr, path, &headers, body)
+}
+
+fn cached_tokens(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {answer}"))
+}
+
+/// Leading full blocks of `tokens` as tokens, capped as vLLM caps a prompt held whole.
+fn expected_cached(hit_blocks: u32, tokens: usize) -> u64 {
+    u64::from(hit_blocks.min((tokens as u32 - 1) / BLOCK_SIZE) * BLOCK_SIZE)
+}
+
+#[test]
+fn completions_and_chats_report_the_cached_tokens_their_rank_held() {
+    let dirs = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(dirs.path()).expect("tokenizer directories");
+    let chatml = dirs.path().join("chatml");
+    let engine = engine(
+        2,
+        OpenAiConfig {
+            tokenizer: Some(chatml.clone()),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let tokenizers = Tokenizers::load([(MODEL, Path::new(&chatml))], &Tokenizers::default())
+        .expect("the same tokenizer");
+
+    // Token ids: nothing cached, then the two full blocks the first request stored.
+    let ids = token_prompt(1_000, 40);
+    for expected in [0, 32] {
+        let mut answer = post_to(
+            addr,
+            "/v1/completions",
+            &on_rank(1),
+            &completion(json!(ids), json!({})),
+        );
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.header("Content-Type"), Some("application/json"));
+        let answer = answer.json();
+        assert_eq!(answer["object"], "text_completion");
+        assert_eq!(answer["model"], MODEL);
+        assert_eq!(answer["choices"][0]["finish_reason"], "length");
+        assert!(answer["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()));
+        assert_eq!(
+            answer["usage"],
+            json!({
+                "prompt_tokens": 40,
+                "completion_tokens": 3,
+                "total_tokens": 43,
+                "prompt_tokens_details": {"cached_tokens": expected},
+            })
+        );
+    }
+    assert_eq!(engine.true_prefix_hit(1, &ids).expect("rank 1"), 2);
+    assert_eq!(engine.true_prefix_hit(0, &ids).expect("rank 0"), 0);
+    assert_eq!(server.served_per_rank(), vec![0, 2]);
+
+    // A text prompt and a chat, tokenized as the indexer tokenizes them.
+    let text = "the prefix cache holds the blocks of every prompt the engine served, so the \
+                router sends the next turn of a conversation to the rank that holds its prefix";
+    let chat_text = "which rank holds the prefix of this question about the cache?";
+    let mut text_ids = Vec::new();
+    tokenizers
+        .encode(Some(MODEL), &Prompt::Text(text), &mut text_ids)
+        .expect("encode the text");
+    let messages = json!([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": chat_text},
+    ]);
+    let mut chat_ids = Vec::new();
+    tokenizers
+        .encode(
+            Some(MODEL),
+            &Prompt::Chat {
+                messages: &messages,
+                tools: None,
+            },
+            &mut chat_ids,
+        )
+        .expect("encode the chat");
+    assert!(text_ids.len() > 2 * BLOCK_SIZE as usize && chat_ids.len() > BLOCK_SIZE as usize);
+
+    for round in 0..2 {
+        let truth = engine.true_prefix_hit(0, &text_ids).expect("rank 0");
+        let answer = post_to(
+            addr,
+            "/v1/completions",
+            &on_rank(0),
+            &completion(json!(text), json!({})),
+        )
+        .json();
+        assert_eq!(answer["usage"]["prompt_tokens"], text_ids.len());
+        assert_eq!(
+            cached_tokens(&answer),
+            expected_cached(truth, text_ids.len())
+        );
+        assert_eq!(round == 1, cached_tokens(&answer) > 0, "round {round}");
+
+        let truth = engine.true_prefix_hit(0, &chat_ids).expect("rank 0");
+        let answer = post_to(
+            addr,
+            "/v1/chat/completions",
+            &on_rank(0),
+            &chat(chat_text, json!({})),
+        )
+        .json();
+        assert_eq!(answer["object"], "chat.completion");
+        assert_eq!(answer["choices"][0]["message"]["role"], "assistant");
+        assert_eq!(answer["choices"][0]["finish_reason"], "length");
+        assert_eq!(answer["usage"]["prompt_tokens"], chat_ids.len());
+        assert_eq!(answer["usage"]["completion_tokens"], 3);
+        assert_eq!(
+            cached_tokens(&answer),
+            expected_cached(truth, chat_ids.len())
+        );
+        assert_eq!(round == 1, cached_tokens(&answer) > 0, "round {round}");
+    }
+    assert_eq!(
+        engine.true_prefix_hit(0, &chat_ids).expect("rank 0"),
+        chat_ids.len() as u32 / 16
+    );
+    assert_eq!(server.served_per_rank(), vec![4, 2]);
+}
+
+#[test]
+fn the_rank_header_picks_the_rank_and_round_robin_serves_without_it() {
+    let engine = engine(3, OpenAiConfig::default());
+    let (server, addr) = server(&engine);
+    let ids = token_prompt(2_000, 20);
+    let body = completion(json!(ids), json!({}));
+
+    assert_eq!(
+        post_to(addr, "/v1/completions", &on_rank(2), &body).status,
+        200
+    );
+    assert_eq!(server.served_per_rank(), vec![0, 0, 1]);
+    let seen = server.last_request().expect("a request seen");
+    assert_eq!(seen.path, "/v1/completions");
+    assert_eq!(seen.header("x-data-parallel-rank"), Some("2"));
+    assert_eq!(seen.header("host"), Some("test"));
+    assert_eq!(&seen.body[..], &body[..]);
+
+    for _ in 0..3 {
+        assert_eq!(post_to(addr, "/v1/completions", &[], &body).status, 200);
+    }
+    assert_eq!(server.served_per_rank(), vec![1, 1, 2]);
+    // vLLM ignores a header that is not a number.
+    let not_a_number = [("X-data-parallel-rank", "two".to_string())];
+    assert_eq!(
+        post_to(addr, "/v1/completions", &not_a_number, &body).status,
+        200
+    );
+    assert_eq!(server.served_per_rank().iter().sum::<u64>(), 5);
+
+    let mut out_of_range = post_to(addr, "/v1/completions", &on_rank(3), &body);
+    assert_eq!(out_of_range.status, 400);
+    let error = out_of_range.json();
+    assert_eq!(error["error"]["code"], 400);
+    assert!(error["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("out of range")));
+
+    let other_model = json!({"model": "gpt-4", "prompt": ids}).to_string();
+    let mut unknown = post_to(addr, "/v1/completions", &[], other_model.as_bytes());
+    assert_eq!(unknown.status, 404);
+    assert_eq!(
+        unknown.json(),
+        json!({"error": {
+            "message": "The model `gpt-4` does not exist.",
+            "type": "NotFoundError",
+            "param": null,
+            "code": 404,
+        }})
+    );
+    // A text prompt needs the tokenizer this server was not given.
+    let text = completion(json!("some text"), json!({}));
+    assert_eq!(post_to(addr, "/v1/completions", &[], &text).status, 400);
+    let options_alone = completion(
+        json!(ids),
+        json!({"stream_options": {"include_usage": true}}),
+    );
+    assert_eq!(
+        post_to(addr, "/v1/completions", &[], &options_alone).status,
+        400
+    );
+    assert_eq!(server.served_per_rank().iter().sum::<u64>(), 5);
+    assert_eq!(server.requests(), 9);
+
+    assert_eq!(get(addr, "/health").status, 200);
+    let models = get(addr, "/v1/models").json();
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(
+        get(addr, "/v1/nothing").json(),
+        json!({"detail": "Not Found"})
+    );
+    // `/health` and `/v1/models` do not replace the last generating request.
+    assert_eq!(
+        &server.last_request().expect("kept").body[..],
+        &options_alone[..]
+    );
+}
+
+#[test]
+fn a_stream_sends_each_event_as_the_engine_makes_it() {
+    let inter_token = Duration::from_millis(60);
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            inter_token,
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let ids = token_prompt(3_000, 20);
+    let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 5, "stream": true});
+    let mut chat_body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    merge(&mut chat_body, json!({"max_tokens": 5, "stream": true}));
+
+    let mut answer = post(addr, "/v1/completions", &[], body.to_string().as_bytes());
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        answer.header("Content-Type"),
+        Some("text/event-stream; charset=utf-8")
+    );
+    let first = answer.next_event().expect("read").expect("a first event");
+    let first_at = Instant::now();
+    // The answer is still being generated when its first event is read.
+    assert_eq!(server.open_streams(), 1);
+    let first: Value = serde_json::from_str(&first).expect("JSON");
+    assert_eq!(first["object"], "text_completion");
+    assert_eq!(first["choices"][0]["finish_reason"], Value::Null);
+    assert_eq!(first["usage"], Value::Null);
+    let rest = answer.events().expect("the rest of the stream");
+    assert!(
+        first_at.elapsed() >= inter_token * 3,
+        "the last token came {:?} after the first",
+        first_at.elapsed()
+    );
+    assert_eq!(rest.len(), 5, "{rest:?}");
+    assert_eq!(rest[3]["choices"][0]["finish_reason"], "length");
+    assert_eq!(rest[4], "[DONE]");
+    wait_for(5, "the stream to close", || {
+        (server.open_streams() == 0).then_some(())
+    });
+    assert_eq!(engine.true_prefix_hit(0, &ids).expect("rank 0"), 1);
+
+    // A chat needs the tokenizer this server was not given.
+    let mut refused = post(
+        addr,
+        "/v1/chat/completions",
+        &[],
+        chat_body.to_string().as_bytes(),
+    );
+    assert_eq!(refused.status, 400);
+    assert!(refused.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("tokenizer")));
+    assert_eq!(server.disconnects(), 0);
+}
+
+#[test]
+fn include_usage_adds_exactly_one_usage_event_before_done() {
+    let dirs = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(dirs.path()).expect("tokenizer directories");
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            tokenizer: Some(dirs.path().join("chatml")),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (_server, addr) = server(&engine);
+    let question = "the cache holds the prefix of this prompt, so the second one is a hit";
+    let streamed = json!({"stream": true, "stream_options": {"include_usage": true}});
+
+    let mut cached = Vec::new();
+    for _ in 0..2 {
+        let events = post(
+            addr,
+            "/v1/chat/completions",
+            &[],
+            &chat(question, streamed.clone()),
+        )
+        .events()
+        .expect("the stream");
+        // Role, three tokens, usage, [DONE].
+        assert_eq!(events.len(), 6, "{events:?}");
+        assert_eq!(events[0]["object"], "chat.completion.chunk");
+        assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+        assert!(events[1]["choices"][0]["delta"]["content"].is_string());
+        assert_eq!(events[3]["choices"][0]["finish_reason"], "length");
+        let usage: Vec<&Value> = events
+            .iter()
+            .filter(|e| e.get("usage").is_some_and(|u| !u.is_null()))
+            .collect();
+        assert_eq!(usage.len(), 1);
+        assert_eq!(events[4]["choices"], json!([]));
+        assert_eq!(events[4]["usage"]["completion_tokens"], 3);
+        assert_eq!(events[5], "[DONE]");
+        cached.push(cached_tokens(&events[4]));
+    }
+    assert_eq!(cached[0], 0);
+    assert!(cached[1] > 0, "{cached:?}");
+
+    // A completion's chunks carry `"usage": null`; without include_usage there is no usage event.
+    let ids = token_prompt(4_000, 40);
+    let events = post(
+        addr,
+        "/v1/completions",
+        &[],
+        &completion(json!(ids), streamed.clone()),
+    )
+    .events()
+    .expect("the stream");
+    assert_eq!(events.len(), 5, "{events:?}");
+    assert!(events[..3]
+        .iter()
+        .all(|e| e["usage"].is_null() && e.get("usage").is_some()));
+    assert_eq!(events[3]["usage"]["prompt_tokens"], 40);
+    let plain = json!({"stream": true});
+    let events = post(addr, "/v1/completions", &[], &completion(json!(ids), plain))
+        .events()
+        .expect("the stream");
+    assert_eq!(events.len(), 4, "{events:?}");
+    assert!(events
+        .iter()
+        .all(|e| e.get("usage").is_none_or(Value::is_null)));
+}
+
+#[test]
+fn a_client_leaving_mid_stream_stops_its_generation() {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            inter_token: Duration::from_millis(20),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    // Twenty seconds of output if nobody left.
+    let body = completion(
+        json!(token_prompt(5_000, 20)),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    let mut answer = post(addr, "/v1/completions", &[], &body);
+    for _ in 0..2 {
+        answer.next_event().expect("read").expect("an event");
+    }
+    assert_eq!(server.open_streams(), 1);
+    drop(answer);
+    wait_for(10, "the generation to stop", || {
+        (server.disconnects() == 1 && server.open_streams() == 0).then_some(())
+    });
+}
+
+#[test]
+fn injected_statuses_stalls_and_breaks() {
+    let engine = engine(1, OpenAiConfig::default());
+    let (server, addr) = server(&engine);
+    let ids = token_prompt(6_000, 20);
+    let whole = completion(json!(ids), json!({}));
+    let streamed = completion(json!(ids), json!({"max_tokens": 6, "stream": true}));
+
+    server.inject(Fault::Status(503), 2);
+    for _ in 0..2 {
+        let mut answer = post(addr, "/v1/completions", &[], &whole);
+        assert_eq!(answer.status, 503);
+        let error = answer.json();
+        assert_eq!(error["error"]["code"], 503);
+        assert_eq!(error["error"]["type"], "InternalServerError");
+    }
+    assert_eq!(post(addr, "/v1/completions", &[], &whole).status, 200);
+    assert_eq!((server.requests(), server.served_per_rank()), (3, vec![1]));
+
+    // A stall: nothing written for its length, then the answer.
+    server.inject(Fault::Stall(Duration::from_millis(300)), 1);
+    let started = Instant::now();
+    let mut stalled = post(addr, "/v1/completions", &[], &streamed);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(stalled.status, 200);
+    assert_eq!(stalled.events().expect("the stream").len(), 7);
+
+    // A break after two events: the connection closes without the stream's end.
+    server.inject(Fault::BreakAfter(2), 1);
+    let mut broken = post(addr, "/v1/completions", &[], &streamed);
+    assert_eq!(broken.status, 200);
+    for _ in 0..2 {
+        broken
+            .next_event()
+            .expect("read")
+            .expect("an event before the break");
+    }
+    assert!(broken.next_event().is_err(), "the stream ends cleanly");
+    // A whole answer breaks halfway through its body.
+    server.inject(Fault::BreakAfter(0), 1);
+    let mut cut = post(addr, "/v1/completions", &[], &whole);
+    assert_eq!(cut.status, 200);
+    let error = cut.body().expect_err("a short body");
+    assert_eq!(error.kind(), ErrorKind::UnexpectedEof, "{error}");
+    wait_for(5, "the answers to close", || {
+        (server.open_streams() == 0).then_some(())
+    });
+    assert_eq!(server.disconnects(), 0);
+
+    // Not even the status line within a client's first-byte timeout.
+    server.inject(Fault::Stall(Duration::from_secs(5)), 1);
+    let timeout = Duration::from_millis(100);
+    let started = Instant::now();
+    let early = send_timed(addr, "/v1/completions", &[], &streamed, timeout);
+    let error = early.err().expect("no head within the timeout");
+    assert!(
+        matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
+        "{error}"
+    );
+    assert!(started.elapsed() >= timeout);
+}
+
+#[test]
+fn a_closed_listener_refuses_connections_and_reopens_on_its_port() {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            inter_token: Duration::from_millis(20),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let body = completion(
+        json!(token_prompt(7_000, 20)),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    let mut open = post(addr, "/v1/completions", &[], &body);
+    open.next_event().expect("read").expect("an event");
+
+    server.stop_listening().expect("close the listener");
+    assert!(!server.listening());
+    let refused = TcpStream::connect(addr).expect_err("refused");
+    assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
+    // The open stream's connection is closed too, as by an engine that died.
+    let ended = loop {
+        match open.next_event() {
+            Ok(Some(_)) => continue,
+            ended => break ended,
+        }
+    };
+    assert!(ended.is_err(), "{ended:?}");
+
+    server.resume_listening().expect("listen again");
+    assert_eq!(server.port(), addr.port());
+    assert_eq!(get(addr, "/health").status, 200);
+    wait_for(5, "the stream to close", || {
+        (server.open_streams() == 0).then_some(())
+    });
+    assert_eq!(server.disconnects(), 0);
+}
