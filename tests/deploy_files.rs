@@ -271,7 +271,9 @@ fn the_demo_engines_serve_where_indexer_demo_toml_subscribes_and_routes() {
     let indexer_mounts = volumes("indexer-demo");
     assert_eq!(engines.len(), 2, "{file}: two engines");
     for (engine, name) in engines.iter().zip(["demo-engine-a", "demo-engine-b"]) {
-        let engine = engine.as_table().unwrap_or_else(|| panic!("{file}: not a table"));
+        let engine = engine
+            .as_table()
+            .unwrap_or_else(|| panic!("{file}: not a table"));
         let demo = service(&compose, name);
         assert_eq!(strings(&demo["profiles"], "profiles"), ["demo"], "{name}");
         let args = strings(&demo["command"], "command");
@@ -325,8 +327,8 @@ fn the_demo_engines_serve_where_indexer_demo_toml_subscribes_and_routes() {
 
 #[test]
 fn deploy_tomls_pass_config_validation() {
-    let config = Config::parse(&read("deploy/indexer.demo.toml"), "demo")
-        .unwrap_or_else(|e| panic!("{e}"));
+    let config =
+        Config::parse(&read("deploy/indexer.demo.toml"), "demo").unwrap_or_else(|e| panic!("{e}"));
     assert!(config.route.is_some() && config.engines.len() == 2);
     for file in ["deploy/indexer.compose.toml", "deploy/indexer.mock.toml"] {
         let config = Config::parse(&read(file), file).unwrap_or_else(|e| panic!("{e}"));

@@ -9,23 +9,24 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_indexer::select::Clock;
-use kv_indexer_sim::fleet::Fleet;
+use kv_indexer_sim::fleet::{Fleet, RankRef};
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
 use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
 use kv_indexer_sim::running::RunningService;
-use kv_indexer_sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::tokenizer_dir;
 use serde_json::{json, Value};
 use support::http_client::{get, metric_value, wait_for, Connection, Reply};
+use support::sse_client::{self, Answer};
 use support::start_service_with_select_clock;
 
 const MODEL: &str = "chatml";
 
-/// Engines `e0`, `e1`, … of `dp_size` ranks each, with OpenAI servers, and an indexer routing
+/// Engines `sim-0`, `sim-1`, … of `dp_size` ranks each, with OpenAI servers, and an indexer routing
 /// to them on a clock the test advances.
 struct Routed {
     running: RunningService,
-    engines: Vec<SimEngine>,
+    fleet: Fleet,
     clock: Clock,
     route: SocketAddr,
     api: SocketAddr,
@@ -36,36 +37,29 @@ fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &st
     let tokenizers = tempfile::tempdir().expect("temp dir");
     tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
     let chatml = tokenizers.path().join(MODEL);
-    let engines: Vec<SimEngine> = (0..engines)
-        .map(|i| {
-            SimEngine::start(SimConfig {
-                dp_size,
-                block_size: 16,
-                capacity_blocks: 4_096,
-                openai_port: Some(0),
-                openai: OpenAiConfig {
-                    model: MODEL.into(),
-                    tokenizer: Some(chatml.clone()),
-                    ..openai.clone()
-                },
-                seed: 0x20 + i as u64,
-                ..SimConfig::default()
-            })
-            .expect("simulated engine")
-        })
-        .collect();
-    let tomls: Vec<EngineToml> = engines
-        .iter()
+    let fleet = Fleet::start_on_consecutive_ports(engines, |i| SimConfig {
+        dp_size,
+        block_size: 16,
+        capacity_blocks: 4_096,
+        openai_port: Some(0),
+        openai: OpenAiConfig {
+            model: MODEL.into(),
+            tokenizer: Some(chatml.clone()),
+            ..openai.clone()
+        },
+        seed: 0x20 + i as u64,
+        ..SimConfig::default()
+    })
+    .expect("simulated engines");
+    let tomls: Vec<EngineToml> = fleet
+        .engine_tomls()
+        .into_iter()
         .enumerate()
-        .map(|(i, engine)| {
-            let rank0 = engine.ports()[0];
-            EngineToml {
-                dp_size: Some(engine.dp_size()),
-                model: Some(MODEL.into()),
-                tokenizer: Some(chatml.display().to_string()),
-                openai_url: engine.openai().map(|server| server.url()),
-                ..EngineToml::new(Fleet::name(i), rank0.publish)
-            }
+        .map(|(i, engine)| EngineToml {
+            model: Some(MODEL.into()),
+            tokenizer: Some(chatml.display().to_string()),
+            openai_url: fleet.engine(RankRef { engine: i, rank: 0 }).openai_url(),
+            ..engine
         })
         .collect();
     let toml = indexer_toml(None, 16, 8, &tomls) + &route_table("127.0.0.1:0", keys);
@@ -78,7 +72,7 @@ fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &st
     });
     Routed {
         running,
-        engines,
+        fleet,
         clock,
         route,
         api,
@@ -88,7 +82,10 @@ fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &st
 
 impl Routed {
     fn server(&self, engine: usize) -> OpenAiServer {
-        self.engines[engine].openai().expect("an OpenAI server")
+        self.fleet
+            .engine(RankRef { engine, rank: 0 })
+            .openai()
+            .expect("an OpenAI server")
     }
 
     /// Serves `body` on `engine`'s rank `rank` directly (not through the front end), and waits
@@ -124,7 +121,11 @@ impl Routed {
             let scores = answer.json()["scores"].as_array()?.clone();
             scores
                 .iter()
-                .any(|s| s["instance"] == instance && s["dp_rank"] == rank && s["matched_blocks"] > 0)
+                .any(|s| {
+                    s["instance"] == instance
+                        && s["dp_rank"] == rank
+                        && s["matched_blocks"].as_u64() > Some(0)
+                })
                 .then_some(())
         });
     }
@@ -142,9 +143,11 @@ impl Routed {
 
     /// Waits until no reservation is open.
     fn all_released(&self, after: &str) {
-        wait_for(10, &format!("reservations to be released after {after}"), || {
-            (self.reservations() == 0).then_some(())
-        });
+        wait_for(
+            10,
+            &format!("reservations to be released after {after}"),
+            || (self.reservations() == 0).then_some(()),
+        );
     }
 
     fn metric(&self, series: &str) -> f64 {
@@ -154,6 +157,11 @@ impl Routed {
     fn send(&self, path: &str, body: &Value) -> Reply {
         Connection::open(self.route).send("POST", path, Some(body.to_string().as_bytes()))
     }
+}
+
+/// How the front end names rank `rank` of engine `engine` (`x-kv-indexer-rank`).
+fn rank_name(engine: usize, rank: u32) -> String {
+    format!("{}/{rank}", Fleet::name(engine))
 }
 
 /// A chat of a few turns long enough to fill several 16-token blocks.
@@ -201,7 +209,10 @@ fn a_chat_and_a_completion_go_to_the_rank_holding_their_prefix_and_its_cache_is_
     let before = routed.server(1).served_per_rank();
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e1/1"));
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(1, 1).as_str())
+    );
     let predicted: u64 = reply
         .header("x-kv-indexer-predicted-cached-tokens")
         .and_then(|n| n.parse().ok())
@@ -209,8 +220,14 @@ fn a_chat_and_a_completion_go_to_the_rank_holding_their_prefix_and_its_cache_is_
     let answer = reply.json();
     assert_eq!(answer["object"], "chat.completion", "{answer}");
     let cached = cached_tokens(&answer);
-    assert!(cached > 0 && predicted > 0, "cached {cached}, predicted {predicted}");
-    assert_eq!(predicted, cached, "the index predicts what the engine finds");
+    assert!(
+        cached > 0 && predicted > 0,
+        "cached {cached}, predicted {predicted}"
+    );
+    assert_eq!(
+        predicted, cached,
+        "the index predicts what the engine finds"
+    );
     let after = routed.server(1).served_per_rank();
     assert_eq!(after[1], before[1] + 1, "{before:?} → {after:?}");
     let seen = routed.server(1).last_request().expect("a request");
@@ -220,20 +237,21 @@ fn a_chat_and_a_completion_go_to_the_rank_holding_their_prefix_and_its_cache_is_
     routed.warm(0, 1, "/v1/completions", &body);
     let reply = routed.send("/v1/completions", &body);
     assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e0/1"));
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(0, 1).as_str())
+    );
     assert!(cached_tokens(&reply.json()) > 0);
     routed.all_released("two answers");
 
     // The engines' reports are the ladder: predicted against reported, per rank.
-    let reported = routed.metric(
-        "kv_indexer_route_reported_cached_tokens_total{instance=\"e1\",dp_rank=\"1\"}",
-    );
-    let predicted_total = routed.metric(
-        "kv_indexer_route_predicted_cached_tokens_total{instance=\"e1\",dp_rank=\"1\"}",
-    );
+    let reported = routed
+        .metric("kv_indexer_route_reported_cached_tokens_total{instance=\"sim-1\",dp_rank=\"1\"}");
+    let predicted_total = routed
+        .metric("kv_indexer_route_predicted_cached_tokens_total{instance=\"sim-1\",dp_rank=\"1\"}");
     assert_eq!(reported, cached as f64);
     assert_eq!(predicted_total, predicted as f64);
-    let ratio = routed.metric("kv_indexer_route_cache_hit_ratio{instance=\"e1\",dp_rank=\"1\"}");
+    let ratio = routed.metric("kv_indexer_route_cache_hit_ratio{instance=\"sim-1\",dp_rank=\"1\"}");
     assert!(ratio > 0.0 && ratio <= 1.0, "{ratio}");
 }
 
@@ -248,37 +266,23 @@ fn a_prompt_without_a_tokenizer_is_routed_by_load_and_says_so() {
     routed.all_released("a load-only request");
 }
 
-/// Reads a streamed reply's head, then its chunks as they come.
-struct Streamed {
-    connection: Connection,
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
+/// A streamed request through the front end, its answer's head read.
+fn stream(addr: SocketAddr, path: &str, body: &Value) -> Answer {
+    sse_client::post(
+        addr,
+        path,
+        &[("Content-Type", "application/json")],
+        body.to_string().as_bytes(),
+    )
 }
 
-impl Streamed {
-    fn open(addr: SocketAddr, path: &str, body: &Value) -> Streamed {
-        let mut connection = Connection::open(addr);
-        let body = body.to_string();
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        connection.write_raw(head.as_bytes());
-        let (status, headers) = connection.read_head();
-        Streamed {
-            connection,
-            status,
-            headers,
-        }
+/// Every event left of `answer`, `[DONE]` included; an error if the stream was cut.
+fn rest(answer: &mut Answer) -> std::io::Result<Vec<String>> {
+    let mut events = Vec::new();
+    while let Some(event) = answer.next_event()? {
+        events.push(event);
     }
-
-    /// The next SSE event's text, `None` at the end of the stream.
-    fn next_chunk(&mut self) -> Option<String> {
-        self.connection
-            .read_chunk()
-            .map(|chunk| String::from_utf8_lossy(&chunk).into_owned())
-    }
+    Ok(events)
 }
 
 #[test]
@@ -290,35 +294,51 @@ fn a_stream_is_passed_on_chunk_by_chunk_and_the_usage_chunk_only_when_asked() {
     let routed = routed(1, 2, slow, &[]);
     let mut body = chat("tides", true);
     body["max_tokens"] = json!(6);
-    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
-    assert_eq!(stream.status, 200);
-    let first = stream.next_chunk().expect("a first chunk");
-    assert!(first.starts_with("data: "), "{first:?}");
+    let mut answer = stream(routed.route, "/v1/chat/completions", &body);
+    assert_eq!(answer.status, 200);
+    let first = answer
+        .next_event()
+        .expect("a stream")
+        .expect("a first event");
+    assert!(first.contains("chat.completion.chunk"), "{first:?}");
     // The client has the first chunk while the engine is still producing the rest.
-    assert_eq!(routed.server(0).open_streams(), 1, "the engine is still streaming");
-    let mut events = vec![first];
-    while let Some(chunk) = stream.next_chunk() {
-        events.push(chunk);
-    }
+    assert_eq!(
+        routed.server(0).open_streams(),
+        1,
+        "the engine is still streaming"
+    );
+    let events = rest(&mut answer).expect("a whole stream");
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(events.len() >= 6, "one event a token: {events:?}");
     let all = events.concat();
-    assert!(all.trim_end().ends_with("data: [DONE]"), "{all}");
-    assert!(!all.contains("\"choices\":[]"), "the injected usage chunk is stripped: {all}");
+    assert!(
+        !all.contains("\"choices\":[]"),
+        "the injected usage chunk is stripped: {all}"
+    );
     let sent = routed.server(0).last_request().expect("a request");
     let sent: Value = serde_json::from_slice(&sent.body).expect("JSON");
-    assert_eq!(sent["stream_options"]["include_usage"], true, "asked of the engine");
+    assert_eq!(
+        sent["stream_options"]["include_usage"], true,
+        "asked of the engine"
+    );
     routed.all_released("a stream");
-    let reported = routed.metric("kv_indexer_route_prompt_tokens_total{instance=\"e0\",dp_rank=\"0\"}")
-        + routed.metric("kv_indexer_route_prompt_tokens_total{instance=\"e0\",dp_rank=\"1\"}");
+    let reported = routed
+        .metric("kv_indexer_route_prompt_tokens_total{instance=\"sim-0\",dp_rank=\"0\"}")
+        + routed.metric("kv_indexer_route_prompt_tokens_total{instance=\"sim-0\",dp_rank=\"1\"}");
     assert!(reported > 0.0, "the usage chunk was read");
 
     // A client that asks for usage gets the chunk.
     body["stream_options"] = json!({ "include_usage": true });
-    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
-    let mut all = String::new();
-    while let Some(chunk) = stream.next_chunk() {
-        all.push_str(&chunk);
-    }
-    assert!(all.contains("\"choices\":[]") && all.contains("cached_tokens"), "{all}");
+    let mut answer = stream(routed.route, "/v1/chat/completions", &body);
+    let all = rest(&mut answer).expect("a whole stream").concat();
+    assert!(
+        all.contains("\"choices\":[]") && all.contains("cached_tokens"),
+        "{all}"
+    );
     routed.all_released("a stream with usage");
 }
 
@@ -334,10 +354,13 @@ fn every_ending_releases_the_reservation() {
     // The client goes away mid-stream: the engine's request is cancelled too.
     let mut body = chat("the client leaves", true);
     body["max_tokens"] = json!(50);
-    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
-    stream.next_chunk().expect("a first chunk");
+    let mut answer = stream(routed.route, "/v1/chat/completions", &body);
+    answer
+        .next_event()
+        .expect("a stream")
+        .expect("a first event");
     let gone_before = server.disconnects();
-    drop(stream);
+    drop(answer);
     wait_for(10, "the engine to see its client go", || {
         (server.disconnects() > gone_before).then_some(())
     });
@@ -345,13 +368,9 @@ fn every_ending_releases_the_reservation() {
 
     // The engine breaks the stream after a few chunks: the client's stream ends as broken.
     server.inject(Fault::BreakAfter(2), 1);
-    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &body);
-    assert_eq!(stream.status, 200);
-    let mut chunks = 0;
-    while stream.next_chunk().is_some() {
-        chunks += 1;
-    }
-    assert!(chunks <= 3, "{chunks} chunks of a broken stream");
+    let mut answer = stream(routed.route, "/v1/chat/completions", &body);
+    assert_eq!(answer.status, 200);
+    assert!(rest(&mut answer).is_err(), "the client sees the stream cut");
     routed.all_released("an upstream error mid-stream");
     assert!(routed.metric("kv_indexer_route_requests_total{outcome=\"cut\"}") >= 1.0);
 
@@ -359,14 +378,23 @@ fn every_ending_releases_the_reservation() {
     server.inject(Fault::Stall(Duration::from_secs(3)), 1);
     let reply = routed.send("/v1/completions", &completion("a stall"));
     assert_eq!(reply.status, 504, "{}", reply.text());
-    assert!(error_message(&reply).contains("first_byte_timeout_s"), "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("first_byte_timeout_s"),
+        "{}",
+        reply.text()
+    );
     routed.all_released("a timeout");
     server.clear_faults();
+    // The rank that timed out is left out for its back-off (1 s): past it, it is chosen again.
+    routed.clock.advance(Duration::from_secs(1));
 
     // Done, whole and streamed.
-    assert_eq!(routed.send("/v1/completions", &completion("done")).status, 200);
-    let mut stream = Streamed::open(routed.route, "/v1/chat/completions", &chat("done", true));
-    while stream.next_chunk().is_some() {}
+    assert_eq!(
+        routed.send("/v1/completions", &completion("done")).status,
+        200
+    );
+    let mut answer = stream(routed.route, "/v1/chat/completions", &chat("done", true));
+    rest(&mut answer).expect("a whole stream");
     routed.all_released("answers that ended");
 }
 
@@ -379,29 +407,40 @@ fn a_failing_rank_is_retried_then_left_out_then_readmitted() {
     routed.server(0).inject(Fault::Status(503), 1);
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e1/0"));
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(1, 0).as_str())
+    );
     assert_eq!(routed.metric("kv_indexer_route_retries_total"), 1.0);
     assert_eq!(
-        routed.metric("kv_indexer_route_rank_excluded{instance=\"e0\",dp_rank=\"0\"}"),
+        routed.metric("kv_indexer_route_rank_excluded{instance=\"sim-0\",dp_rank=\"0\"}"),
         1.0
     );
     let workers = get(routed.api, "/workers").json();
     let e0 = workers
         .as_array()
-        .and_then(|engines| engines.iter().find(|e| e["instance"] == "e0"))
-        .expect("e0 on /workers");
-    let left = e0["listeners"][0]["route_backoff_ms"].as_u64().expect("a back-off");
+        .and_then(|engines| engines.iter().find(|e| e["instance"] == "sim-0"))
+        .expect("sim-0 on /workers");
+    let left = e0["listeners"][0]["route_backoff_ms"]
+        .as_u64()
+        .expect("a back-off");
     assert!(left > 0 && left <= 1_000, "{left}");
     // Left out for its back-off, though it holds the prefix.
     let reply = routed.send("/v1/chat/completions", &body);
-    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e1/0"));
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(1, 0).as_str())
+    );
     // Readmitted once the back-off is over.
     routed.clock.advance(Duration::from_secs(1));
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(reply.header("x-kv-indexer-rank"), Some("e0/0"));
     assert_eq!(
-        routed.metric("kv_indexer_route_rank_excluded{instance=\"e0\",dp_rank=\"0\"}"),
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(0, 0).as_str())
+    );
+    assert_eq!(
+        routed.metric("kv_indexer_route_rank_excluded{instance=\"sim-0\",dp_rank=\"0\"}"),
         0.0
     );
     routed.all_released("retries");
@@ -418,10 +457,18 @@ fn a_failing_rank_is_retried_then_left_out_then_readmitted() {
     routed.clock.advance(Duration::from_secs(60));
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 502, "{}", reply.text());
-    assert!(error_message(&reply).contains("cannot be reached"), "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("cannot be reached"),
+        "{}",
+        reply.text()
+    );
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 503, "{}", reply.text());
-    assert!(error_message(&reply).contains("no connected rank"), "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("no connected rank"),
+        "{}",
+        reply.text()
+    );
     routed.all_released("failures");
 }
 
@@ -453,7 +500,11 @@ fn refusals_are_json_errors_naming_their_cause() {
     assert!(error_message(&reply).contains("Authorization: Bearer"));
     let reply = send("/v1/completions", &authorized, b"{\"prompt\": 3}");
     assert_eq!(reply.status, 400, "{}", reply.text());
-    assert!(error_message(&reply).contains("`prompt`"), "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("`prompt`"),
+        "{}",
+        reply.text()
+    );
     let reply = send("/v1/chat/completions", &authorized, b"not json");
     assert_eq!(reply.status, 400);
     let huge = vec![b' '; (16 << 20) + 1];
@@ -463,25 +514,24 @@ fn refusals_are_json_errors_naming_their_cause() {
     let unknown = json!({ "model": "nobody-serves-it", "prompt": "x" }).to_string();
     let reply = send("/v1/completions", &authorized, unknown.as_bytes());
     assert_eq!(reply.status, 503, "{}", reply.text());
-    assert!(error_message(&reply).contains("nobody-serves-it"), "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("nobody-serves-it"),
+        "{}",
+        reply.text()
+    );
     let models = Connection::open(routed.route).send_with("GET", "/v1/models", &authorized, None);
     assert_eq!(models.json()["data"][0]["id"], MODEL);
 
     // One request in flight (a slow stream): the next is 429.
     let mut stream_body = chat("busy", true);
     stream_body["max_tokens"] = json!(20);
-    let stream_body = stream_body.to_string();
-    let mut streaming = Connection::open(routed.route);
-    streaming.write_raw(
-        format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer s3cret\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{stream_body}",
-            stream_body.len()
-        )
-        .as_bytes(),
+    let streaming = sse_client::post(
+        routed.route,
+        "/v1/chat/completions",
+        &authorized,
+        stream_body.to_string().as_bytes(),
     );
-    let (status, _) = streaming.read_head();
-    assert_eq!(status, 200);
+    assert_eq!(streaming.status, 200);
     let reply = send("/v1/completions", &authorized, body.as_bytes());
     assert_eq!(reply.status, 429, "{}", reply.text());
     assert!(error_message(&reply).contains("max_concurrent_requests"));
@@ -509,11 +559,20 @@ fn hop_by_hop_and_proxy_headers_stay_behind_and_host_is_the_engines() {
     );
     assert_eq!(reply.status, 200, "{}", reply.text());
     let seen = routed.server(0).last_request().expect("a request");
-    for gone in ["x-private", "proxy-authorization", "x-forwarded-for", "connection"] {
+    for gone in [
+        "x-private",
+        "proxy-authorization",
+        "x-forwarded-for",
+        "connection",
+    ] {
         assert_eq!(seen.header(gone), None, "{gone} reached the engine");
     }
     assert_eq!(seen.header("x-custom"), Some("kept"));
-    assert_eq!(seen.header("x-data-parallel-rank"), Some("0"), "the front end's rank");
+    assert_eq!(
+        seen.header("x-data-parallel-rank"),
+        Some("0"),
+        "the front end's rank"
+    );
     let url = routed.server(0).url();
     assert_eq!(seen.header("host"), url.strip_prefix("http://"));
     routed.all_released("one answer");

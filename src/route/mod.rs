@@ -260,7 +260,7 @@ impl RouteFront {
         let tokenizers = self.tokenizers.current();
         let known = match &model {
             Some(model) => tokenizers.models().any(|known| known == model),
-            None => tokenizers.models().next().is_some(),
+            None => !tokenizers.is_empty(),
         };
         if !known {
             let why = match &model {

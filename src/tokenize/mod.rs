@@ -73,6 +73,11 @@ impl Tokenizers {
         self.by_model.keys().map(String::as_str)
     }
 
+    /// Whether no model has a tokenizer.
+    pub fn is_empty(&self) -> bool {
+        self.by_model.is_empty()
+    }
+
     /// The directory each model's tokenizer was read from.
     pub fn dirs(&self) -> impl Iterator<Item = (&str, PathBuf)> {
         self.by_model

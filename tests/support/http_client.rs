@@ -105,36 +105,7 @@ impl Connection {
         }
     }
 
-    /// A whole reply: its head, then its body (by `Content-Length`, or every chunk).
     pub fn read_reply(&mut self) -> Reply {
-        let (status, headers) = self.read_head();
-        let chunked = headers.iter().any(|(n, v)| {
-            n.eq_ignore_ascii_case("Transfer-Encoding") && v.eq_ignore_ascii_case("chunked")
-        });
-        let body = if chunked {
-            let mut body = Vec::new();
-            while let Some(chunk) = self.read_chunk() {
-                body.extend_from_slice(&chunk);
-            }
-            body
-        } else {
-            let length: usize = headers
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case("Content-Length"))
-                .map_or(0, |(_, v)| v.parse().expect("numeric Content-Length"));
-            let mut body = vec![0; length];
-            self.reader.read_exact(&mut body).expect("read body");
-            body
-        };
-        Reply {
-            status,
-            headers,
-            body,
-        }
-    }
-
-    /// A reply's status and headers, the body left to read.
-    pub fn read_head(&mut self) -> (u16, Vec<(String, String)>) {
         let mut line = String::new();
         self.reader.read_line(&mut line).expect("read status line");
         let status = line
@@ -153,27 +124,17 @@ impl Connection {
             let (name, value) = trimmed.split_once(':').expect("header has a colon");
             headers.push((name.trim().to_owned(), value.trim().to_owned()));
         }
-        (status, headers)
-    }
-
-    /// The next chunk of a chunked body as it arrives; `None` at its last chunk, or when the
-    /// connection ends without one (a stream cut short).
-    pub fn read_chunk(&mut self) -> Option<Vec<u8>> {
-        let mut line = String::new();
-        match self.reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return None,
-            Ok(_) => {}
+        let length: usize = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("Content-Length"))
+            .map_or(0, |(_, v)| v.parse().expect("numeric Content-Length"));
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).expect("read body");
+        Reply {
+            status,
+            headers,
+            body,
         }
-        let size = usize::from_str_radix(line.trim_end().split(';').next()?, 16).ok()?;
-        if size == 0 {
-            // The trailers' end.
-            let _ = self.reader.read_line(&mut line);
-            return None;
-        }
-        let mut chunk = vec![0; size + 2];
-        self.reader.read_exact(&mut chunk).ok()?;
-        chunk.truncate(size);
-        Some(chunk)
     }
 }
 
