@@ -486,7 +486,7 @@ fn reload_asks_again_and_a_rank_restarted_on_another_port_is_found_early() {
 
 /// A rank registered through the Dynamo API survives a re-plan driven by the engine's new
 /// answer, as it survives a reload: the discovery threads reach the registry through the same
-/// `RuntimeEngines` road, never by applying the file's plan alone.
+/// `Reconciler` road, never by applying the file's plan alone.
 #[test]
 fn a_rank_registered_at_runtime_survives_a_discovered_engine_scaling() {
     let fleet = Fleet::of(vec![SimEngine::start(sim(1)).expect("sim")]);

@@ -37,6 +37,8 @@ mod directory;
 mod open_files;
 mod parallel;
 mod published;
+mod reconciler;
+pub use reconciler::{EngineChange, Reconciler, Runner};
 mod ranks;
 mod reload;
 

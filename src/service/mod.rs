@@ -12,7 +12,7 @@
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
 //! listeners do), blocks a worker of the runtime (blocking work goes to its blocking pool), or
 //! exits without stopping the HTTP servers and every listener. Every plan goes to the registry
-//! through `RuntimeEngines`, so the file's ranks and those registered at runtime (the Dynamo
+//! through `Reconciler`, so the file's ranks and those registered at runtime (the Dynamo
 //! API's `POST /register`) are applied together, the file's winning a clash.
 
 mod discovery;
@@ -37,13 +37,13 @@ use tokio::sync::Notify;
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
-use crate::http::dynamo::{DynamoApi, Runner, RuntimeEngines};
+use crate::http::dynamo::DynamoApi;
 use crate::http::{Api, BoundHttp, HttpServer, Limits as ServerLimits};
 use crate::index::Index;
 use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan;
-use crate::registry::{self, Registry, ReloadDiff, ShutdownSignal};
+use crate::registry::{self, Reconciler, Registry, ReloadDiff, Runner, ShutdownSignal};
 use crate::route::{RouteFront, RouteParts};
 use crate::select::{Clock, Selector};
 use crate::tokenize::{SharedTokenizers, Tokenizers};
@@ -477,17 +477,14 @@ impl Service {
 
 /// The registry's plans, the file's and the runtime registrations together, at most
 /// `max_runtime_ranks` of the latter.
-fn runtime_engines(
-    registry: &Arc<Mutex<Registry>>,
-    max_runtime_ranks: usize,
-) -> Arc<RuntimeEngines> {
-    Arc::new(RuntimeEngines::new(
+fn runtime_engines(registry: &Arc<Mutex<Registry>>, max_runtime_ranks: usize) -> Arc<Reconciler> {
+    Arc::new(Reconciler::new(
         Box::new(RegistryRunner(registry.clone())),
         max_runtime_ranks,
     ))
 }
 
-/// The registry as `RuntimeEngines` changes it.
+/// The registry as `Reconciler` changes it.
 struct RegistryRunner(Arc<Mutex<Registry>>);
 
 impl Runner for RegistryRunner {

@@ -5,7 +5,7 @@
 //! a restart changes (kept, with a warning), re-reading `auth_token_file` on every reload (the
 //! token it holds then alone is valid; a file that cannot be read rejects the reload), and the
 //! discovery askers and neighbour probes that follow the file. Never: applies a plan other than
-//! through `RuntimeEngines` (so the runtime registrations are applied with it, the file's
+//! through `Reconciler` (so the runtime registrations are applied with it, the file's
 //! winning a clash), or leaves the running configuration half-changed when a file is rejected.
 //! Its calls block (the file, the registry's lock, listener starts): tasks make them on the
 //! runtime's blocking pool.
@@ -21,10 +21,10 @@ use super::load_tokenizers;
 use super::neighbours::NeighbourWatch;
 use crate::config::{self, keep_restart_only, Config, ConfigError};
 use crate::discover::{Board, Discovery, EngineApi};
-use crate::http::dynamo::RuntimeEngines;
 use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
+use crate::registry::Reconciler;
 use crate::registry::ReloadDiff;
 use crate::route::RouteFront;
 use crate::select::Selector;
@@ -46,7 +46,7 @@ pub(super) struct Reloader {
     applied: Mutex<Applied>,
     /// The one road to the registry: every plan, the file's and a discovered engine's new
     /// answer, is applied together with the runtime registrations.
-    engines: Arc<RuntimeEngines>,
+    engines: Arc<Reconciler>,
     metrics: Arc<Metrics>,
     board: Arc<Board>,
     /// `None` only while starting and after shutdown.
@@ -77,7 +77,7 @@ impl Reloader {
     pub(super) fn new(
         config_path: &Path,
         config: Config,
-        engines: Arc<RuntimeEngines>,
+        engines: Arc<Reconciler>,
         metrics: Arc<Metrics>,
         board: Arc<Board>,
         neighbours: NeighbourWatch,
@@ -271,7 +271,7 @@ impl Reloader {
         }
     }
 
-    /// `RuntimeEngines::apply_file_plan` (the plan with the runtime registrations, then
+    /// `Reconciler::apply_file_plan` (the plan with the runtime registrations, then
     /// `Registry::apply`), logged as `what`: the one road from a plan to the listeners.
     fn apply_plan(&self, plan: Vec<ListenerSpec>, what: &str) -> ReloadDiff {
         let diff = self.engines.apply_file_plan(plan);

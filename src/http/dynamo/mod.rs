@@ -4,13 +4,12 @@
 //! Dynamo or Mooncake Conductor use kv-indexer as a drop-in, beside our own API and without
 //! clashing paths.
 //!
-//! Owns: its routes (`routes`), its body parser (`requests`) and the engines registered at
-//! runtime (`engines`). It is served by a second `HttpServer` (`HttpServer::bind(dynamo_listen)`
+//! Owns: its routes (`routes`) and its body parser (`requests`); the engines it registers at
+//! runtime are the registry's `Reconciler`'s. It is served by a second `HttpServer` (`HttpServer::bind(dynamo_listen)`
 //! then `BoundHttp::serve`: the same connection cap, head and body limits and deadlines as our
 //! API). Never: changes the index or starts a listener itself (registrations go through
-//! `RuntimeEngines` to the registry), or panics on a request.
+//! `Reconciler` to the registry), or panics on a request.
 
-mod engines;
 mod requests;
 mod routes;
 
@@ -24,7 +23,7 @@ use crate::index::Index;
 use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
-pub use engines::{EngineChange, Runner, RuntimeEngines};
+use crate::registry::Reconciler;
 pub use routes::{runtime_engine_name, ROUTING_GROUP};
 
 /// What the Dynamo routes read and call.
@@ -32,7 +31,7 @@ pub struct DynamoApi {
     pub index: Arc<Index>,
     pub metrics: Arc<Metrics>,
     pub directory: DirectoryReader,
-    pub engines: Arc<RuntimeEngines>,
+    pub engines: Arc<Reconciler>,
     /// Which endpoints a registration may name (shared with discovery).
     pub endpoints: Arc<EndpointPolicy>,
     /// The secret `/register` and `/unregister` require (they change state), when

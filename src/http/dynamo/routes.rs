@@ -2,7 +2,7 @@
 //!
 //! Owns the API's route table (each path once: method, guard, handler), how `model_name` and `routing_group` select ranks, and
 //! what each answer contains. Never reads a socket (it gets the whole body) and never changes
-//! what runs except through `RuntimeEngines`.
+//! what runs except through `Reconciler`.
 
 use std::collections::BTreeMap;
 
@@ -10,7 +10,6 @@ use crate::http::Request;
 use serde::Serialize;
 use serde_json::json;
 
-use super::engines::EngineChange;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
 use crate::config::MAX_DP_SIZE;
@@ -20,6 +19,7 @@ use crate::http::Reply;
 use crate::index::{keys_of_local_hashes, Prompt, Score};
 use crate::metrics::EndpointSource;
 use crate::plan::{ListenerSpec, WorkerKey};
+use crate::registry::EngineChange;
 use crate::registry::WorkerDirectory;
 
 /// kv-indexer has one routing group: every engine, the file's and the registered, is in it.

@@ -1,4 +1,6 @@
-//! Engines registered at runtime through the Dynamo API's `POST /register`, beside the file's.
+//! The one reconciler of what the registry runs: the file's plan (its fixed ranks and those its
+//! `discover` engines answered, merged by `plan::expand_with`) and the engines registered at
+//! runtime through the Dynamo API's `POST /register`.
 //!
 //! Owns the runtime registrations, their cap (`max_runtime_ranks`) and the one rule for what
 //! the registry runs: the file's plan, then every runtime rank whose key and `(instance_id,
@@ -15,10 +17,10 @@ use std::collections::{BTreeMap, HashMap};
 use log::{info, warn};
 use parking_lot::{Mutex, RwLock};
 
+use super::ReloadDiff;
 use crate::plan::{ListenerSpec, WorkerKey};
-use crate::registry::ReloadDiff;
 
-/// What `RuntimeEngines` asks of the registry.
+/// What `Reconciler` asks of the registry.
 pub trait Runner: Send + Sync {
     /// Makes the registry run exactly `plan` (`Registry::apply`).
     fn apply(&self, plan: Vec<ListenerSpec>) -> ReloadDiff;
@@ -42,7 +44,7 @@ pub enum EngineChange {
 }
 
 /// The file's plan and the runtime registrations, applied together.
-pub struct RuntimeEngines {
+pub struct Reconciler {
     runner: Box<dyn Runner>,
     /// The most runtime ranks at once.
     max_runtime_ranks: usize,
@@ -160,10 +162,10 @@ impl State {
     }
 }
 
-impl RuntimeEngines {
+impl Reconciler {
     /// Engines registered through `runner`, at most `max_runtime_ranks` ranks at once.
-    pub fn new(runner: Box<dyn Runner>, max_runtime_ranks: usize) -> RuntimeEngines {
-        RuntimeEngines {
+    pub fn new(runner: Box<dyn Runner>, max_runtime_ranks: usize) -> Reconciler {
+        Reconciler {
             runner,
             max_runtime_ranks,
             state: Mutex::new(State::default()),
@@ -341,9 +343,9 @@ mod tests {
         }
     }
 
-    fn engines(max_runtime_ranks: usize) -> (RuntimeEngines, Arc<Recorder>) {
+    fn engines(max_runtime_ranks: usize) -> (Reconciler, Arc<Recorder>) {
         let recorder = Arc::new(Recorder::default());
-        let engines = RuntimeEngines::new(Box::new(recorder.clone()), max_runtime_ranks);
+        let engines = Reconciler::new(Box::new(recorder.clone()), max_runtime_ranks);
         (engines, recorder)
     }
 
