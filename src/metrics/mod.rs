@@ -37,7 +37,7 @@
 //! | `select_overpredicted_tokens_total`, `select_underpredicted_tokens_total` | counter | none |
 //! | `select_prediction_error_tokens` | histogram | none |
 //! | `resident_memory_bytes`, `open_fds`, `threads` | gauge | none (the process's, `process`) |
-//! | `threads_by_kind` | gauge | `kind` (`runtime`, `poller`, `recovery`, `zmq`, `other`: `process`) |
+//! | `threads_by_kind` | gauge | `kind` (`runtime`, `blocking`, `poller`, `recovery`, `zmq`, `other`: `process`) |
 //!
 //! The engine-level series (`engines`) are resolved once per engine through [`EngineMetrics`].
 

@@ -15,8 +15,10 @@ type U64Gauge = Gauge<u64, AtomicU64>;
 /// What a thread of the process is, by the name it was given (`/proc/self/task/*/comm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum ThreadKind {
-    /// The tokio runtime's workers and blocking threads (HTTP, routes, background tasks).
+    /// The tokio runtime's workers, one a core (HTTP connections, background tasks).
     Runtime,
+    /// The runtime's blocking threads: routes and blocking jobs; one ends 10 s after its last.
+    Blocking,
     /// The pollers that drain every rank's SUB socket (`kvi-poller-N`).
     Poller,
     /// Recovery workers (`kvi-recovery-N`) and snapshot fetches (`kvi-snapshot`).
@@ -30,8 +32,9 @@ enum ThreadKind {
 }
 
 impl ThreadKind {
-    const ALL: [ThreadKind; 5] = [
+    const ALL: [ThreadKind; 6] = [
         ThreadKind::Runtime,
+        ThreadKind::Blocking,
         ThreadKind::Poller,
         ThreadKind::Recovery,
         ThreadKind::Zmq,
@@ -39,8 +42,10 @@ impl ThreadKind {
     ];
 
     fn of(name: &str) -> ThreadKind {
-        if name.starts_with("kv-runtime") || name.starts_with("kv-blocking") {
+        if name.starts_with("kv-runtime") {
             ThreadKind::Runtime
+        } else if name.starts_with("kv-blocking") {
+            ThreadKind::Blocking
         } else if name.starts_with("kvi-poller") {
             ThreadKind::Poller
         } else if name.starts_with("kvi-recovery") || name.starts_with("kvi-snapshot") {
@@ -55,6 +60,7 @@ impl ThreadKind {
     fn label(self) -> &'static str {
         match self {
             ThreadKind::Runtime => "runtime",
+            ThreadKind::Blocking => "blocking",
             ThreadKind::Poller => "poller",
             ThreadKind::Recovery => "recovery",
             ThreadKind::Zmq => "zmq",
@@ -92,8 +98,8 @@ impl ProcessGauges {
         registry.register("threads", "Threads of the process", self.threads.clone());
         registry.register(
             "threads_by_kind",
-            "Threads of the process by kind: runtime (tokio workers and blocking threads), \
-             poller, recovery, zmq (libzmq's I/O threads), other",
+            "Threads of the process by kind: runtime (tokio workers), blocking (the runtime's \
+             blocking threads), poller, recovery, zmq (libzmq's I/O threads), other",
             self.threads_by_kind.clone(),
         );
     }
@@ -149,7 +155,7 @@ mod tests {
         use super::ThreadKind;
         for (name, kind) in [
             ("kv-runtime", ThreadKind::Runtime),
-            ("kv-blocking", ThreadKind::Runtime),
+            ("kv-blocking", ThreadKind::Blocking),
             ("kvi-poller-1", ThreadKind::Poller),
             ("kvi-recovery-3", ThreadKind::Recovery),
             ("kvi-snapshot", ThreadKind::Recovery),

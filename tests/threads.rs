@@ -1,0 +1,64 @@
+//! The real binary's threads at idle with 16 ranks, by kind, as `/metrics` shows them: each kind
+//! is what docs.md says it is, and they add up to the process's threads.
+
+mod support;
+
+use std::net::SocketAddr;
+
+use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
+use support::fake_engine::FakeRank;
+use support::http_client::{get, metric_value, wait_for};
+use support::start_indexer;
+
+fn threads(addr: SocketAddr, kind: &str) -> f64 {
+    metric_value(
+        addr,
+        &format!("kv_indexer_threads_by_kind{{kind=\"{kind}\"}}"),
+    )
+    .unwrap_or_else(|| panic!("no threads_by_kind {kind}"))
+}
+
+#[test]
+fn sixteen_idle_ranks_run_on_the_pollers_the_runtime_and_libzmq_alone() {
+    let zmq = zmq::Context::new();
+    let ranks: Vec<FakeRank> = (0..16).map(|_| FakeRank::bind(&zmq, 0)).collect();
+    let engines: Vec<EngineToml> = ranks
+        .iter()
+        .enumerate()
+        .map(|(i, rank)| EngineToml::new(format!("engine-{i}"), rank.port))
+        .collect();
+    let indexer = start_indexer(&indexer_toml(None, 16, 8, &engines));
+    let addr = indexer.address;
+    for rank in &ranks {
+        rank.wait_subscribed();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    // Idle: no recovery runs, and what the start-up ran on blocking threads is done.
+    let total = wait_for(20, "the start-up to be done", || {
+        let total = metric_value(addr, "kv_indexer_threads")?;
+        (threads(addr, "recovery") == 0.0).then_some(total)
+    });
+    let kinds = ["runtime", "blocking", "poller", "recovery", "zmq", "other"];
+    let counts: Vec<f64> = kinds.iter().map(|kind| threads(addr, kind)).collect();
+    eprintln!("16 idle ranks, {total} threads: {kinds:?} {counts:?}");
+    assert_eq!(counts.iter().sum::<f64>(), total, "every thread has a kind");
+    let [runtime, blocking, poller, recovery, zmq_threads, other] = counts[..] else {
+        unreachable!("six kinds")
+    };
+    // One runtime worker a core.
+    assert_eq!(runtime, cores);
+    // Blocking threads are those that ran a job in the last 10 s: the scrapes' routes, the
+    // start-up's listeners; never one a rank or a connection.
+    assert!(
+        (1.0..16.0).contains(&blocking),
+        "{blocking} blocking threads"
+    );
+    // One poller a core, at most 4, whatever the number of ranks.
+    assert_eq!(poller, cores.min(4.0));
+    assert_eq!(recovery, 0.0, "no recovery at idle");
+    // The listeners' context and the neighbour probe's: an I/O thread and a reaper each.
+    assert_eq!(zmq_threads, 4.0);
+    // The main thread alone.
+    assert_eq!(other, 1.0);
+    assert_eq!(get(addr, "/health").status, 200);
+}
