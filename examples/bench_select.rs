@@ -1,4 +1,4 @@
-//! `/select` at scale (issue 26's targets, docs/performance.md "Selection"):
+//! `/select` at scale (issue 26's targets, docs/performance.md "Selection at scale: bench_select"):
 //!
 //! 1. Latency: 1,000 ranks (40 simulated engines × 25, the real indexer over ZMQ), an
 //!    8,192-token prompt (512 blocks) held in part by 8 of them, and 10,000 open reservations
@@ -7,8 +7,8 @@
 //!    Target: `/select` p99 within 1.5× of `/query`'s.
 //! 2. Memory: a million reservations created and released (10 rounds of 100,000 opened then
 //!    released), on 8 ranks; the process's RSS before, at each peak and after, each also after
-//!    `malloc_trim(0)` (what the `kv-indexer` binary's trim thread does after a burst; this
-//!    process, the service in-process, has no such thread). Target: after equals before, give
+//!    `malloc_trim(0)` (what the `kv-indexer` binary's trim task does after a burst; this
+//!    process, the service in-process, has no such task). Target: after equals before, give
 //!    or take the allocator.
 //!
 //! `cargo run --release --example bench_select [-- --churn N]`
@@ -220,7 +220,7 @@ fn memory(churn: usize) {
 }
 
 /// What the process holds: its resident set, the same after giving glibc's free pages back to
-/// the kernel (as the binary's trim thread does, `src/main.rs` `return_bursts_to_the_kernel`),
+/// the kernel (as the binary's trim task does, `service::trim`),
 /// and the bytes malloc has handed out and not had back (`mallinfo2`: a leak shows there,
 /// fragmentation only in the resident set).
 struct Held {

@@ -14,8 +14,9 @@
 //!   #3575 describes this hang; its remedy, `zmq_socket_monitor(socket, NULL, 0)`, is what
 //!   `Drop` does by the zmq crate's safe API).
 //!
-//! The 30-minute soak (`examples/soak`) froze every rank of the primary at minutes 8–11 this
-//! way, with a ZMQ I/O thread blocked in `zmq_msg_send` on a monitor.
+//! What either looks like: every rank of a context stops advancing, with a ZMQ I/O thread
+//! blocked in `zmq_msg_send` on a monitor. `examples/soak` churns connections long enough to
+//! show it.
 //!
 //! Owns: the socket, its monitor's reader, the order they are closed in. Never: closes the
 //! reader while the monitor may still send, or waits for an event.

@@ -254,7 +254,7 @@ pub(super) fn check_engines(
         discovered::check_interval_needs_discover(&own, interval_span, &at.label, problems);
         let fields = own.or(defaults);
         // Every check below runs whatever the others found: a missing host or too many ranks
-        // must not hide a port range past 65535 (#13: one edit per round, not one per problem).
+        // must not hide a port range past 65535 (one edit fixes every problem, not one a run).
         let Some(ranks) = check_ranks(&fields, &at, problems) else {
             continue;
         };

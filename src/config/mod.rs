@@ -173,8 +173,9 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub const DEFAULT_SHARDS: usize = 64;
 /// 16 Mi blocks (2^24), far above any real rank: a B200's 192 GB of HBM holds ~16 M tokens at
 /// the 12 KiB a token of a 0.5B model (the bound of a snapshot's size too), ~1 M blocks at 16
-/// tokens a block; with 2 TB of host RAM for CPU offload, ~11 M blocks in all. At the
-/// 64.6 bytes a block of one rank costs the index (`bench_index cap`), one rank holds ~1 GiB.
+/// tokens a block; with 2 TB of host RAM for CPU offload, ~11 M blocks in all. What one rank at
+/// the cap costs the index: docs/performance.md "The rank cap as memory: bench_index cap"
+/// measures it (docs.md quotes it).
 pub const DEFAULT_MAX_BLOCKS_PER_RANK: u64 = 1 << 24;
 pub const DEFAULT_ZMQ_PORT: u16 = 5557;
 pub const DEFAULT_DP_SIZE: u32 = 1;

@@ -76,9 +76,9 @@ pub(crate) fn parse_object<T: Object>(body: &[u8]) -> Result<T, String> {
             err.valid_up_to()
         )
     })?;
-    // Tracking the path more than doubles the cost of a long body (`bench_http` prints a
-    // refusal, which pays both readings, beside a valid body): a valid body is read without
-    // it, and a refused one read again with it, to say where.
+    // Tracking the path costs a long body more than the untracked reading itself
+    // (docs/performance.md "Why one pass, and the path tracked only on a refusal"): a valid
+    // body is read without it, and a refused one read again with it, to say where.
     match serde_json::from_str::<Whole<T>>(body) {
         Ok(whole) => Ok(whole.0),
         Err(untracked) => Err(match tracked::<T>(body) {

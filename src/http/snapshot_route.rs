@@ -70,8 +70,8 @@ pub fn percent_decode(text: &str) -> Option<String> {
     if !escapes_whole {
         return None;
     }
-    // Into a buffer of the text's size: `decode_utf8` grows its own from a few bytes, 2–5 times
-    // the time of one allocation for a short value (docs/performance.md).
+    // Into a buffer of the text's size: `decode_utf8` grows its own from a few bytes, several
+    // allocations for a short value (docs/performance.md "Why the percent-encoding crate").
     let mut decoded = Vec::with_capacity(bytes.len());
     decoded.extend(percent_encoding::percent_decode(bytes));
     String::from_utf8(decoded).ok()

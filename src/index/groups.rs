@@ -9,7 +9,7 @@
 //! index worker of its own (`WorkerStats::group`), created at its first store, keyed like every
 //! block (`tier_blocks`). It never decodes bytes, never scores a prompt (`search` does, by the
 //! published `Layout`), and publishes no layout for a plain rank (group 0 alone, full attention),
-//! so such a rank costs what it did before groups were indexed.
+//! so such a rank pays nothing for groups.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

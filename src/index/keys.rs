@@ -126,7 +126,7 @@ enum Extras<'t> {
 }
 
 /// A chain's extras and the scratch to encode them; boxed, so that a plain chain (the common
-/// case) stays the size it was before extras existed.
+/// case) carries one pointer for them.
 struct ExtrasSource<'t> {
     from: Extras<'t>,
     block_size: usize,

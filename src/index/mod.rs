@@ -13,7 +13,7 @@
 //!   is created with it and its id is the rank's; its CPU and disk workers exist from the tier's
 //!   first store, each with its own map and slots, linked from the GPU worker's stats
 //!   (`WorkerStats::lower`) and counted in `Index::tier_workers`. While that count is 0 a query
-//!   scores GPU alone, as before tiers existed. A lower tier is freed before its rank's GPU
+//!   scores GPU alone, with no probe of a lower tier. A lower tier is freed before its rank's GPU
 //!   worker, whose id it names.
 //! - A block's key is a function of what its engine hash covers that a router can know (`keys`,
 //!   `docs.md` "Block keys"): its tokens, its chain, the LoRA adapter, the cache salt, the
@@ -34,7 +34,7 @@
 //!   is the number of copies after the worker's last applied event.
 //! - `WorkerStats::lookahead` is the lookahead its engine's last store with content showed, kept
 //!   on the rank's GPU worker, and `Index::lookahead_workers` counts the live workers where it is
-//!   not 0: while none, a query hashes one chain of keys, as before lookahead existed.
+//!   not 0: while none, a query hashes one chain of keys, with no lookahead.
 //! - A score's tiers are cumulative: `gpu` is the GPU worker's matched prefix, `cpu` adds the
 //!   CPU worker's run of held keys from position `gpu` on, `disk` the disk worker's run from
 //!   `cpu` on; a rank is listed when any of its workers holds key 0.
@@ -306,8 +306,8 @@ pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> V
 mod tests {
     use super::*;
 
-    /// Keys that share their low bits (what placed them in one shard before the seed) are
-    /// spread over the shards, and two indexes place the same keys differently: which keys
+    /// Keys that share their low bits (what would place them in one shard without the seed)
+    /// are spread over the shards, and two indexes place the same keys differently: which keys
     /// meet in a shard is not a property of the keys.
     #[test]
     fn placement_is_a_secret_of_each_index_not_the_keys_bits() {

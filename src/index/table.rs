@@ -24,10 +24,11 @@ pub(super) unsafe trait Item: Copy {
 }
 
 /// A `Hasher` for the side maps of keys that are already uniform hashes (block keys, xxh3
-/// outputs): one multiply per field instead of SipHash, which took 8 % of the instructions of
-/// `bench_index`'s mixed apply on keys with many holders. Unseeded: its maps hold only the rare
-/// keys with more than four holders or a count above 255, which one hostile engine cannot make
-/// in bulk (the tables, which hold every key, are seeded: `scatter`).
+/// outputs): one multiply per field instead of SipHash, whose rounds show in `bench_index`'s
+/// mixed apply on keys with many holders (docs/performance.md "Why placement by a folded
+/// multiply"). Unseeded: its maps hold only the rare keys with more than four holders or a
+/// count above 255, which one hostile engine cannot make in bulk (the tables, which hold every
+/// key, are seeded: `scatter`).
 #[derive(Default, Clone, Copy)]
 pub(super) struct UniformHasher(u64);
 
@@ -67,10 +68,9 @@ pub(super) fn home(hash: u64, seed: u64, capacity: usize) -> usize {
 /// it, which keys meet is a secret of the process (each table and each index draws its own
 /// seed, `random_seed`). The mix is a folded multiply (the 128-bit product's halves xored, as
 /// foldhash and ahash mix): one multiply, every output bit depending on every input bit, so
-/// neither the shard (low bits) nor the home (high bits) can be chosen without the seed. The
-/// murmur3 finalizer it replaced took two multiplies: `bench_index apply` ran 3.60 G
-/// instructions with it, 3.20 G with this, 3.06 G before placement was seeded (callgrind,
-/// docs/performance.md).
+/// neither the shard (low bits) nor the home (high bits) can be chosen without the seed. One
+/// multiply, not murmur3's finalizer's two: the seed then costs `bench_index apply` a few
+/// percent of its instructions (docs/performance.md "Why placement by a folded multiply").
 pub(super) fn scatter(hash: u64, seed: u64) -> u64 {
     const MULTIPLIER: u64 = 0x9E37_79B9_7F4A_7C15;
     let product = u128::from(hash ^ seed) * u128::from(MULTIPLIER);
@@ -85,9 +85,9 @@ pub(super) fn random_seed() -> u64 {
 }
 
 /// The fullest a table may get, `LOAD_NUMERATOR / LOAD_DENOMINATOR`: every probe must end at a
-/// vacant place, and long runs cost readers cache lines. 9/10 rather than 7/8: 46.6 instead of
-/// 48.9 B per pair in `bench_index` at 10 M pairs, for somewhat longer probes near the top of
-/// the range.
+/// vacant place, and long runs cost readers cache lines. 9/10 rather than 7/8: less memory per
+/// pair, for somewhat longer probes near the top of the range (docs/performance.md "Why tables
+/// grow by half and run to 9/10 full").
 const LOAD_NUMERATOR: usize = 9;
 const LOAD_DENOMINATOR: usize = 10;
 const MIN_CAPACITY: usize = 16;
@@ -213,8 +213,9 @@ impl<T: Item> Table<T> {
         place
     }
 
-    /// Grows by half: the table stays 60–90 % full. (Growing by a quarter, 70–88 %, saved 3.4 B
-    /// per pair in `bench_index` but cost a quarter of the apply rate in moves and page faults.)
+    /// Grows by half: the table stays 60–90 % full. Growing by a quarter (70–88 %) would hold a
+    /// pair in a few bytes less but cost much of the apply rate in moves and page faults
+    /// (docs/performance.md "Why tables grow by half and run to 9/10 full").
     fn grow(&mut self) {
         let capacity = (self.capacity() + self.capacity() / 2).max(MIN_CAPACITY);
         let mut places = Places::zeroed(capacity);

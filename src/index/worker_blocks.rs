@@ -4,8 +4,8 @@
 //! (`tiers`), which KV-cache group an event is about (`groups` keeps groups 1 and up, in GPU),
 //! what a placeholder store is, what a clear clears. Each tier is its own index worker
 //! (`tier_blocks` applies the events), created at the tier's first store, so a rank that never
-//! offloads costs what it did before tiers existed. It never decodes bytes and never touches
-//! another rank's workers.
+//! offloads pays for its GPU worker alone. It never decodes bytes and never touches another
+//! rank's workers.
 
 use super::engine_map::EngineMap;
 use super::groups::{GroupView, Inexact, Learned, RankGroups, RankLayout, MAX_GROUPS};

@@ -9,8 +9,9 @@
 //!
 //! Cost: per block its tokens (4 B × block_size, 64 B at 16) in their own allocation, ~72 B of
 //! map entry (hash, parent, tokens pointer, adapter, extras pointer, copies) and the map's
-//! slack: ~190 B a block (RSS) at block_size 16, measured by `examples/bench_peers.rs`. Hence off
-//! unless `peers` or `serve_snapshots` asks for it.
+//! slack, several times what the index pays for the block (`examples/bench_peers.rs` prints it
+//! per block: docs/performance.md "Replicas: bench_peers"). Hence off unless `peers` or
+//! `serve_snapshots` asks for it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -49,8 +50,8 @@ pub(super) struct Contents {
     hybrid: bool,
 }
 
-/// A rank's snapshot, taken under the lock and encoded (`body`) after it: encoding 20,000
-/// blocks as JSON takes ~100 ms, which the rank's listener need not wait for.
+/// A rank's snapshot, taken under the lock and encoded (`body`) after it: encoding a rank's
+/// blocks as JSON is work per block, which the rank's listener need not wait for.
 pub(super) struct Built {
     seq: u64,
     events: Vec<BlockStored>,

@@ -1,4 +1,4 @@
-//! One listener per data-parallel rank: the fix for indexers that subscribe to rank 0 only.
+//! One listener per data-parallel rank: every rank's cache is indexed, not rank 0's alone.
 //!
 //! Every rank of every engine gets its own `Listener`, and what the rank caches goes into the
 //! index under its own worker, so `/query` sees all of them.
@@ -11,9 +11,10 @@
 //! ranks' `ZMQ_FD`s, no timer while healthy. A hole moves the whole rank to a recovery worker
 //! (`recoveries`, `kvi-recovery-N`, up to 16, started on demand) and back, so a slow replay
 //! holds up nothing else; the workers serve ranks in fair turns, so a stalling peer cannot keep
-//! another rank's repair waiting either (docs/design.md "Fair turns"). A thread per rank cost 288 µs to start and 2,016 threads at 2,000
-//! ranks (`bench_registry 250`); 16 of them competing with the HTTP threads on 2 cores made
-//! `/query` p99 17 ms while ingesting.
+//! another rank's repair waiting either (docs/design.md "Fair turns"). A thread per rank would
+//! cost a thread's start per rank, thousands of threads at 1,000 × 8, and 16 of them competing
+//! with the HTTP threads on 2 cores would stretch `/query`'s tail while ingesting
+//! (docs/performance.md "Why ranks share a few pollers").
 //!
 //! **What a rank costs.** Two ZMQ sockets of ours plus the monitor's own PAIR, each two file
 //! descriptors in this libzmq (its mailboxes are socketpairs), and one TCP socket while
@@ -87,17 +88,19 @@ use stop::{Stop, StopHandle};
 /// Live messages a rank's SUB socket queues in our memory. Past it ZeroMQ stops reading the TCP
 /// connection: the backlog waits in the kernel's socket buffers and the engine's send queue
 /// (vLLM's holds 100,000), and only what overflows *that* is lost (the seq rules notice it).
-/// At ~9 KiB a message, 32 bound a rank's burst to ~300 KiB; 100,000 let 16 ranks hold a whole
-/// 27,000-batch stream, +200 MiB that glibc then kept. Since ranks share a few pollers, 100 let
-/// the burst's peak grow 53–56 MiB, 32 43–46 MiB, at the same ingest time (docs/performance.md).
+/// At ~9 KiB a message, 32 bound a rank's burst to ~300 KiB; 100,000 would let 16 ranks hold a
+/// whole stream's burst in our heap, which glibc then keeps. With ranks sharing a few pollers the
+/// queues stay fuller, and 32 bounds the burst's peak below what 100 lets it reach, at the same
+/// ingest time (docs/performance.md "Why RCVHWM 32 and the malloc trim").
 const RECEIVE_HIGH_WATER_MARK: i32 = 32;
 /// Reconnecting to a rank that is down: first after this many ms, doubling up to the max.
 const RECONNECT_FIRST_MS: i32 = 100;
 const RECONNECT_MAX_MS: i32 = 5_000;
 
-/// File descriptors a running listener holds: 3 ZMQ sockets × 2 and the TCP connection
-/// (`bench_registry` measures 6.03 per rank while engines are down: no connection held between
-/// retries). A replay in progress adds 3 more (its DEALER and connection) for a while.
+/// File descriptors a running listener holds: 3 ZMQ sockets × 2 and the TCP connection (fewer
+/// while engines are down: no connection is held between retries; docs/performance.md
+/// "Registry at scale: bench_registry" measures it). A replay in progress adds 3 more (its
+/// DEALER and connection) for a while.
 pub const FDS_PER_LISTENER: u64 = 7;
 
 /// A listener's counters and state, as `/workers` shows them.

@@ -38,9 +38,8 @@ use super::recovery_order::{Job, Recovery};
 use crate::metrics::FailureReason;
 
 /// Pollers at most, one per core below it. A poller is busy only while decoding and applying
-/// (`bench_stream`: 16 ranks' 27,206 batches, 2.35 M blocks, in 2.8 s on 2 pollers, the
-/// indexer's whole CPU 3.7 s): more pollers than cores only add context switches against the
-/// HTTP threads, and 4 already spread 1,000 × 8 ranks 2,000 to a thread.
+/// (docs/performance.md "Why at most 4 pollers"): more pollers than cores only add context
+/// switches against the HTTP threads, and 4 already spread 1,000 × 8 ranks 2,000 to a thread.
 const MAX_POLLERS: usize = 4;
 /// Readiness events taken per wait.
 const EVENTS_PER_WAIT: usize = 256;
@@ -524,10 +523,10 @@ fn serve_rank(rank: &mut Subscription) -> anyhow::Result<Drained> {
     Ok(Drained::Empty)
 }
 
-/// Niceness of the poller threads: ingestion yields to the HTTP threads on a busy machine.
-/// `bench_stream --burst` (2 cores, load 1.6–3.7), `/query` while 16 ranks ingest: p50/p99
-/// 865/6,911 and 1,056/6,275 µs at 0; 844/5,177 and 842/5,407 µs at 10, ingest unchanged
-/// (2.82 and 2.82 s at 0; 2.76 and 3.30 s at 10).
+/// Niceness of the poller threads: ingestion yields to the HTTP threads on a busy machine, so
+/// `/query`'s tail while ranks ingest shortens and the ingest time stays (docs/performance.md
+/// "Why pollers run at niceness +10"). Niced rather than `SCHED_IDLE`, which a query flood
+/// would starve of ingestion.
 const POLLER_NICENESS: i32 = 10;
 
 /// Lowers this thread's priority by `POLLER_NICENESS` (a thread may lower its own priority

@@ -5,8 +5,9 @@
 //! Why: libzmq allocates every received message with C malloc (most of ours are 8–16 KiB),
 //! which no Rust allocator setting reaches, and glibc keeps freed chunks in its arenas,
 //! fragmented between live ones, for good. `examples/bench_stream --burst` measures what stays
-//! after a burst with and without it (docs/performance.md); the other fix measured there, a
-//! mapping per message (`mallopt(M_MMAP_THRESHOLD)`), costs the burst CPU.
+//! after a burst with and without it (docs/performance.md "Why RCVHWM 32 and the malloc trim");
+//! the other remedy measured there, a mapping per message (`mallopt(M_MMAP_THRESHOLD)`), costs
+//! the burst CPU.
 //!
 //! Owns: when to trim. Never: runs anywhere but glibc on Linux (elsewhere there is no task),
 //! or trims on a worker of the runtime (the read and the trim run on the blocking pool).

@@ -24,8 +24,8 @@ pub use batch::decode_batch;
 /// msgpack and each block hash ≤ 9, and evicts no more blocks than it stores (eviction makes
 /// room for them), ≤ 9 bytes each. At block size 1, the worst, that is 1 Mi × (5 + 9 + 9) =
 /// 23 MiB, plus ≤ 100 bytes of fields per event for at most some thousand sequences a step:
-/// 32 MiB is above every real batch (a 96-block step is some 10 KiB). A 400 MB message took the
-/// RSS to 476 MB before this bound.
+/// 32 MiB is above every real batch (a 96-block step is some 10 KiB). Without a bound, one
+/// message of any size from a broken or hostile peer would be held whole in our memory.
 pub const MAX_MESSAGE_BYTES: i64 = 32 << 20;
 pub use snapshot::{decode_snapshot, encode_snapshot};
 pub use spare::{BatchDecoder, DecodedBatch};

@@ -2,7 +2,8 @@
 //! `Content-Type: application/octet-stream` the body is the prompt's token ids as little-endian
 //! u32 and nothing else, and `model`, `lora_name` and `cache_salt` come from the query string.
 //! A 12,000-token prompt is then 48,000 bytes read by a bounds check and a copy, instead of
-//! ~84 KiB of JSON scanned at ~8 ns a token (docs/performance.md, "Query tail").
+//! ~84 KiB of JSON scanned digit by digit (docs/performance.md "Why a binary `/query` body"
+//! measures both).
 //!
 //! Owns: the byte order, the query-string parameters and every rejection of either. Never:
 //! accepts a length that is not a multiple of 4, a parameter it does not know or a repeated
@@ -13,7 +14,8 @@
 use super::QueryRequest;
 use crate::http::snapshot_route::percent_decode;
 
-/// The media type of the binary body; any other (or none) is JSON, as before it existed.
+/// The media type of the binary body; any other (or none) is JSON, so a client that names no
+/// type keeps the JSON body.
 const OCTET_STREAM: &str = "application/octet-stream";
 /// What a token id takes in the binary body.
 const TOKEN_BYTES: usize = std::mem::size_of::<u32>();

@@ -67,10 +67,10 @@ pub fn parse_query(body: &[u8]) -> Result<QueryRequest, String> {
 }
 
 /// Parses a `/query` request in the form its `Content-Type` names: the binary body for
-/// `application/octet-stream` (options from `query_string`, the URL after `?`), else JSON, as
-/// before the binary form existed (a missing or other type included; the query string is then
-/// ignored). The tokens are read into `tokens`, a connection's vector reused from its last
-/// query; the error is the 400's message.
+/// `application/octet-stream` (options from `query_string`, the URL after `?`), else JSON (a
+/// missing or other type included; the query string is then ignored). The tokens are read
+/// into `tokens`, a connection's vector reused from its last query; the error is the 400's
+/// message.
 pub(super) fn parse_query_request(
     content_type: Option<&str>,
     query_string: Option<&str>,
