@@ -6,9 +6,8 @@
 //! more than once (400) or another coding before it (501), `Expect` values but
 //! `100-continue` (417), `MAX_BODY_BYTES` (413, by the declared length before a byte is read,
 //! or as a chunked body passes it), the body deadline (408), the upload bound (`Limits::uploads`
-//! bodies read at once; one more waits up to `UPLOAD_WAIT` for a place, then is refused 503),
-//! and how much of its buffers a connection keeps between requests (`keep_bounded`). Never:
-//! allocates beyond what it read plus a declared length within the limit, or reads a body it
+//! bodies read at once; one more waits up to `UPLOAD_WAIT` for a place, then is refused 503).
+//! Never: allocates beyond what it read plus a declared length within the limit, or reads a body it
 //! refused (the connection closes after the answer).
 
 use std::sync::Arc;
@@ -29,11 +28,6 @@ const UPLOAD_WAIT: Duration = Duration::from_secs(1);
 /// Bodies up to this size, sent without `Expect`, are read without an upload place: a router's
 /// `/query` is a few hundred bytes, and every open connection's 1 KiB together is small.
 const SMALL_BODY_BYTES: u64 = 1024;
-/// A connection keeps its body buffer and token vector from one request to the next, so that a
-/// keep-alive router's 12,000-token queries stop allocating and faulting in fresh pages each;
-/// a buffer a rare long prompt grew past this is let go instead (256 KiB: a 36,000-token JSON
-/// body, a 64,000-token vector).
-const KEPT_BUFFER_BYTES: usize = 256 << 10;
 
 /// The bodies being read from sockets, at most the server's `Limits::uploads`.
 pub(super) struct Uploads(Arc<Semaphore>, usize);
@@ -87,7 +81,7 @@ fn check_framing(request: &Request) -> Result<(), Reply> {
     }
 }
 
-/// Reads the whole body into `buffer` (cleared first: the connection's, reused), refusing what
+/// Reads the whole body into `buffer` (cleared first), refusing what
 /// the module doc says. hyper sends `100 Continue` when the body is first read, so a client
 /// that expects it is only told to send a body this function will read.
 pub(super) async fn read_body(
@@ -166,13 +160,5 @@ fn body_error(err: &hyper::Error) -> Reply {
     match err.is_incomplete_message() {
         true => Reply::error(400, format!("body ended early: {reason}")),
         false => Reply::error(400, format!("malformed chunked body: {reason}")),
-    }
-}
-
-/// Lets `buffer` go if it holds more than `KEPT_BUFFER_BYTES`, to be kept for the next request
-/// otherwise.
-pub(super) fn keep_bounded<T>(buffer: &mut Vec<T>) {
-    if buffer.capacity() * std::mem::size_of::<T>() > KEPT_BUFFER_BYTES {
-        *buffer = Vec::new();
     }
 }

@@ -155,10 +155,8 @@ pub struct Api {
 pub trait Routes: Send + Sync + 'static {
     /// What the logs and thread names call this API.
     fn name(&self) -> &'static str;
-    /// Answers `request`; a route that reads token ids reads them into `tokens`, the
-    /// connection's vector kept from its last request (`body::keep_bounded`), and leaves them
-    /// there for the next.
-    fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply;
+    /// Answers `request`, whose whole body is `body`.
+    fn route(&self, request: &Request, body: &[u8]) -> Reply;
     fn metrics(&self) -> &Metrics;
 }
 
@@ -167,8 +165,8 @@ impl Routes for Api {
         "HTTP API"
     }
 
-    fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-        table::dispatch(API_ROUTES, self, &self.secret, request, body, tokens)
+    fn route(&self, request: &Request, body: &[u8]) -> Reply {
+        table::dispatch(API_ROUTES, self, &self.secret, request, body)
     }
 
     fn metrics(&self) -> &Metrics {

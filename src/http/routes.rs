@@ -29,14 +29,14 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
         verb: Verb::Post,
         pattern: "/query",
         guard: Guard::Open,
-        handler: |api, call| query(api, call.request, call.body, call.tokens),
+        handler: |api, call| query(api, call.request, call.body),
     },
     Route {
         verb: Verb::Post,
         pattern: "/select",
         // A reserving `/select` needs the secret: its body says so (`select_route`).
         guard: Guard::Open,
-        handler: |api, call| select_route::select(api, call.request, call.body, call.tokens),
+        handler: |api, call| select_route::select(api, call.request, call.body),
     },
     Route {
         verb: Verb::Post,
@@ -147,20 +147,15 @@ impl<T: Copy> From<PerTier<T>> for TiersJson<T> {
     }
 }
 
-/// `POST /query` in either form of the body (`query_body`), its tokens read into the
-/// connection's `tokens` and left there for its next query.
-fn query(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+/// `POST /query` in either form of the body (`query_body`).
+fn query(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let query_string = request.query_string();
     let content_type = request.header("Content-Type");
-    match parse_query_request(content_type, query_string, body, std::mem::take(tokens)) {
-        Ok(mut query) => {
-            let reply = match tokenize_prompt(api, &mut query) {
-                Ok(()) => score(api, &query),
-                Err(refused) => refused,
-            };
-            *tokens = query.token_ids;
-            reply
-        }
+    match parse_query_request(content_type, query_string, body, Vec::new()) {
+        Ok(mut query) => match tokenize_prompt(api, &mut query) {
+            Ok(()) => score(api, &query),
+            Err(refused) => refused,
+        },
         Err(reason) => Reply::error(400, reason),
     }
 }

@@ -61,12 +61,12 @@ impl<'a> CandidateJson<'a> {
     }
 }
 
-/// `POST /select`, the tokens read into the connection's `tokens` and left there.
-pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
+/// `POST /select`.
+pub(super) fn select(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     let (mut query, options) =
-        match parse_select_request(content_type, query_string, body, std::mem::take(tokens)) {
+        match parse_select_request(content_type, query_string, body, Vec::new()) {
             Ok(parsed) => parsed,
             Err(reason) => return Reply::error(400, reason),
         };
@@ -106,7 +106,6 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8], tokens: &mut Vec
             ),
         }
     };
-    *tokens = query.token_ids;
     reply
 }
 

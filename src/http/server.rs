@@ -26,7 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio::sync::{watch, Semaphore};
 
-use super::body::{keep_bounded, read_body, Uploads};
+use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
     error_body, AnswerBody, AsyncRoutes, Limits, Reply, Request, Routes, HEAD_DEADLINE,
@@ -302,13 +302,6 @@ async fn refuse_busy(mut socket: TcpStream, cap: usize) {
     let _ = tokio::time::timeout(Duration::from_millis(100), write).await;
 }
 
-/// What one connection keeps from one request to the next.
-#[derive(Default)]
-struct Buffers {
-    body: Vec<u8>,
-    tokens: Vec<u32>,
-}
-
 async fn serve_connection(
     socket: TcpStream,
     peer: SocketAddr,
@@ -318,14 +311,12 @@ async fn serve_connection(
 ) {
     let link = Arc::new(Link::default());
     let io = TokioIo::new(Guarded::new(socket, Arc::clone(&link)));
-    let buffers = Arc::new(Mutex::new(Buffers::default()));
     let service = {
         let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
         service_fn(move |request| {
-            let (shared, link, buffers) =
-                (Arc::clone(&shared), Arc::clone(&link), Arc::clone(&buffers));
+            let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
             async move {
-                let reply = answer(&shared, &link, &buffers, request, peer).await;
+                let reply = answer(&shared, &link, request, peer).await;
                 Ok::<_, std::convert::Infallible>(reply)
             }
         })
@@ -358,21 +349,20 @@ async fn serve_connection(
     }
 }
 
-/// One request, from its body to its answer.
+/// One request, from its body to its answer. Nothing is kept from one request to the next:
+/// an idle keep-alive connection holds hyper's buffers alone.
 async fn answer(
     shared: &Arc<Shared>,
     link: &Link,
-    buffers: &Arc<Mutex<Buffers>>,
     request: hyper::Request<Incoming>,
     peer: SocketAddr,
 ) -> hyper::Response<AnswerBody> {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
     let request = Request::new(parts, peer);
-    let mut kept = std::mem::take(&mut *buffers.lock());
-    if let Err(refused) = read_body(&request, body, &shared.uploads, &mut kept.body).await {
+    let mut bytes = Vec::new();
+    if let Err(refused) = read_body(&request, body, &shared.uploads, &mut bytes).await {
         shared.answerer.metrics().http_error(refused.status);
-        *buffers.lock() = kept;
         // The body is not read (or not whole): the connection cannot carry another request.
         let mut response = refused.into_response();
         response.headers_mut().insert(
@@ -385,30 +375,15 @@ async fn answer(
     link.expect_head();
     let routes = match &shared.answerer {
         Answerer::Routes(routes) => Arc::clone(routes),
-        Answerer::Streams(routes) => {
-            let body = std::mem::take(&mut kept.body);
-            *buffers.lock() = kept;
-            return Arc::clone(routes).answer(request, body).await;
-        }
+        Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
     };
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
         return Reply::error(503, "the server is stopping").into_response();
     };
-    let answered = tokio::task::spawn_blocking(move || {
-        let reply = routes.route(&request, &kept.body, &mut kept.tokens);
-        keep_bounded(&mut kept.body);
-        keep_bounded(&mut kept.tokens);
-        (reply, kept)
-    })
-    .await;
-    let reply = match answered {
-        Ok((reply, kept)) => {
-            *buffers.lock() = kept;
-            reply
-        }
-        // A route that panicked: a bug, answered as one (the connection's buffers are lost).
-        Err(err) => Reply::error(500, format!("the route failed: {err}")),
-    };
+    let answered = tokio::task::spawn_blocking(move || routes.route(&request, &bytes)).await;
+    // A route that panicked: a bug, answered as one.
+    let reply =
+        answered.unwrap_or_else(|err| Reply::error(500, format!("the route failed: {err}")));
     drop(_place);
     let metrics = shared.answerer.metrics();
     if reply.status >= 400 {

@@ -48,13 +48,11 @@ pub(crate) enum Guard {
     Secret,
 }
 
-/// What a handler is given: the request, its whole body, the connection's token vector (a
-/// route that reads token ids reads them into it and leaves them there for the next request),
-/// and the values of the pattern's `{params}`, in order.
+/// What a handler is given: the request, its whole body, and the values of the pattern's
+/// `{params}`, in order.
 pub(crate) struct Call<'a> {
     pub(super) request: &'a Request,
     pub(super) body: &'a [u8],
-    pub(super) tokens: &'a mut Vec<u32>,
     pub(super) params: Params<'a>,
 }
 
@@ -115,14 +113,12 @@ pub(super) fn dispatch<A>(
     secret: &CurrentSecret,
     request: &Request,
     body: &[u8],
-    tokens: &mut Vec<u32>,
 ) -> Reply {
     match find(table, secret, request) {
         Ok((handler, params)) => {
             let call = Call {
                 request,
                 body,
-                tokens,
                 params,
             };
             handler(api, call)

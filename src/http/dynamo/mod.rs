@@ -44,15 +44,8 @@ impl Routes for DynamoApi {
         "Dynamo API"
     }
 
-    fn route(&self, request: &Request, body: &[u8], tokens: &mut Vec<u32>) -> Reply {
-        crate::http::table::dispatch(
-            routes::DYNAMO_ROUTES,
-            self,
-            &self.secret,
-            request,
-            body,
-            tokens,
-        )
+    fn route(&self, request: &Request, body: &[u8]) -> Reply {
+        crate::http::table::dispatch(routes::DYNAMO_ROUTES, self, &self.secret, request, body)
     }
 
     fn metrics(&self) -> &Metrics {

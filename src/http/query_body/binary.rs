@@ -29,7 +29,7 @@ pub(in crate::http) fn is_binary(content_type: Option<&str>) -> bool {
     })
 }
 
-/// Reads a binary body into `tokens` (cleared first, so a connection's vector is reused) and
+/// Reads a binary body into `tokens` (cleared first) and
 /// its options from `query_string` (the URL after `?`, if any); the error is the 400's message.
 pub(super) fn parse_binary(
     query_string: Option<&str>,

@@ -69,7 +69,7 @@ pub fn parse_query(body: &[u8]) -> Result<QueryRequest, String> {
 /// Parses a `/query` request in the form its `Content-Type` names: the binary body for
 /// `application/octet-stream` (options from `query_string`, the URL after `?`), else JSON (a
 /// missing or other type included; the query string is then ignored). The tokens are read
-/// into `tokens`, a connection's vector reused from its last query; the error is the 400's
+/// into `tokens`, given by the caller (cleared first); the error is the 400's
 /// message.
 pub(super) fn parse_query_request(
     content_type: Option<&str>,

@@ -13,7 +13,7 @@ use crate::index::MmFeature;
 /// objects with exactly `identifier`, a string without escapes, and `offset` and `length`, plain
 /// integers, in any order), each key at most once, in any order, with any JSON whitespace.
 /// `None` for anything else, including every error: the caller then asks serde. The tokens are
-/// read into `tokens`, cleared first (a connection's vector, reused).
+/// read into `tokens`, cleared first.
 pub(super) fn scan_common_shape(body: &[u8], mut tokens: Vec<u32>) -> Option<QueryRequest> {
     let mut scan = Scanner { body, at: 0 };
     let (mut token_ids, mut model, mut lora_name, mut cache_salt) = (None, None, None, None);
