@@ -17,7 +17,7 @@ use kv_indexer_sim::watch::{IndexerView, OverHttp};
 use kv_indexer_sim::workload::Route;
 use serde_json::{json, Value};
 use support::fake_engine::FakeRank;
-use support::http_client::{get, post, wait_for};
+use support::http_client::{get, metric_value, post, wait_for};
 use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
 
 /// For a fleet to settle or a discovery to show; the engines answer in milliseconds.
@@ -134,14 +134,6 @@ fn bound(engine: &SimEngine) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// The value of the series `series` (name and labels as rendered), if it is rendered.
-fn metric(addr: SocketAddr, series: &str) -> Option<f64> {
-    let text = get(addr, "/metrics").text();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-}
-
 /// `(listener field, value)` of `sim-0`'s rank `dp_rank`.
 fn listener_field(addr: SocketAddr, dp_rank: u64, field: &str) -> Value {
     let instance = instance(addr);
@@ -211,9 +203,9 @@ fn two_ranks_on_os_picked_ports_are_discovered_and_indexed_exactly() {
     assert_eq!(discovery["disagreements"], json!([]));
     assert_eq!(get(addr, "/ready").status, 200);
     let ok = r#"kv_indexer_discoveries_total{instance="sim-0",outcome="ok"}"#;
-    assert!(metric(addr, ok).is_some_and(|n| n >= 1.0));
+    assert!(metric_value(addr, ok).is_some_and(|n| n >= 1.0));
     let ranks = r#"kv_indexer_discovered_ranks{instance="sim-0"}"#;
-    assert_eq!(metric(addr, ranks), Some(2.0));
+    assert_eq!(metric_value(addr, ranks), Some(2.0));
 }
 
 #[test]
@@ -275,7 +267,7 @@ fn an_engine_api_down_at_start_is_never_discovered_and_not_ready_until_it_answer
     let addr = indexer.address;
     let unreachable = r#"kv_indexer_discoveries_total{instance="sim-0",outcome="unreachable"}"#;
     wait_for(WAIT_S, "two failed questions", || {
-        metric(addr, unreachable).filter(|&n| n >= 2.0)
+        metric_value(addr, unreachable).filter(|&n| n >= 2.0)
     });
     let instance_now = instance(addr);
     let discovery = &instance_now["discovery"];
@@ -334,7 +326,7 @@ fn bad_answers_keep_the_last_good_ranks_and_their_blocks() {
         let series =
             format!(r#"kv_indexer_discoveries_total{{instance="sim-0",outcome="{outcome}"}}"#);
         wait_for(WAIT_S, outcome, || {
-            metric(addr, &series).filter(|&n| n >= 1.0)
+            metric_value(addr, &series).filter(|&n| n >= 1.0)
         });
         let discovery = instance(addr)["discovery"].clone();
         assert_eq!(discovery["state"], "stale", "{discovery}");
@@ -369,7 +361,7 @@ fn a_dp_size_the_engine_contradicts_is_warned_once_counted_and_shown_and_the_eng
     // Three answers taken: the warning had three chances to repeat.
     let ok = r#"kv_indexer_discoveries_total{instance="sim-0",outcome="ok"}"#;
     wait_for(WAIT_S, "three answers", || {
-        metric(addr, ok).filter(|&n| n >= 3.0)
+        metric_value(addr, ok).filter(|&n| n >= 3.0)
     });
     let warning = "engine sim-0: dp_size = 1 in the file, the engine runs 2 ranks (0, 1); \
                    the engine wins";
@@ -380,9 +372,9 @@ fn a_dp_size_the_engine_contradicts_is_warned_once_counted_and_shown_and_the_eng
         indexer.log()
     );
     let series = r#"kv_indexer_discovery_disagreement{instance="sim-0",key="dp_size"}"#;
-    assert_eq!(metric(addr, series), Some(1.0));
+    assert_eq!(metric_value(addr, series), Some(1.0));
     let other = r#"kv_indexer_discovery_disagreement{instance="sim-0",key="zmq_port"}"#;
-    assert_eq!(metric(addr, other), Some(0.0));
+    assert_eq!(metric_value(addr, other), Some(0.0));
     assert_eq!(
         instance(addr)["discovery"]["disagreements"],
         json!([{"key": "dp_size",
@@ -418,7 +410,7 @@ fn a_fixed_dp_size_too_small_is_warned_with_the_fix_and_the_neighbour_is_never_i
         indexer.log().contains(&warning).then_some(())
     });
     let series = r#"kv_indexer_neighbour_publishers_total{instance="sim-0"}"#;
-    assert_eq!(metric(addr, series), Some(1.0));
+    assert_eq!(metric_value(addr, series), Some(1.0));
     let shown = instance(addr);
     assert_eq!(
         shown["neighbour"],
@@ -576,7 +568,7 @@ fn an_answer_aiming_every_rank_at_our_own_api_is_refused_and_our_api_keeps_answe
     });
     let own = r#"kv_indexer_endpoints_refused_total{source="discovery",reason="own_address"}"#;
     wait_for(WAIT_S, "the hostile answer refused", || {
-        metric(addr, own).filter(|&n| n >= 300.0)
+        metric_value(addr, own).filter(|&n| n >= 300.0)
     });
     let discovery = instance(addr)["discovery"].clone();
     let error = discovery["last_error"].as_str().unwrap_or_default();
@@ -600,7 +592,7 @@ fn an_answer_aiming_every_rank_at_our_own_api_is_refused_and_our_api_keeps_answe
     });
     let duplicate = r#"kv_indexer_endpoints_refused_total{source="discovery",reason="duplicate"}"#;
     wait_for(WAIT_S, "the duplicate refused", || {
-        metric(addr, duplicate).filter(|&n| n >= 1.0)
+        metric_value(addr, duplicate).filter(|&n| n >= 1.0)
     });
     assert_eq!(connected_ranks(addr, 2), Some(endpoints));
 }

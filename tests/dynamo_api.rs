@@ -17,7 +17,7 @@ use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
-use support::http_client::{get, post, wait_for, Connection};
+use support::http_client::{get, metric_value, post, wait_for, Connection};
 use support::start_service;
 
 fn engine(name: &str, port: u16, model: Option<&str>, instance_id: Option<u64>) -> String {
@@ -392,15 +392,11 @@ fn a_registration_aiming_at_our_own_apis_or_naming_an_address_twice_is_refused_a
     );
     let error = refused(dynamo, "/register", &twice, 400);
     assert!(error.contains("named twice"), "{error}");
-    let metrics = get(http, "/metrics").text();
     let count = |reason: &str| {
         let series = format!(
-            "kv_indexer_endpoints_refused_total{{source=\"register\",reason=\"{reason}\"}} "
+            "kv_indexer_endpoints_refused_total{{source=\"register\",reason=\"{reason}\"}}"
         );
-        metrics
-            .lines()
-            .find_map(|line| line.strip_prefix(&series)?.parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+        metric_value(http, &series).unwrap_or_else(|| panic!("no {series}"))
     };
     assert_eq!(count("own_address"), f64::from(own));
     assert_eq!(count("duplicate"), 1.0);

@@ -9,7 +9,7 @@ use std::time::Duration;
 use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
-use support::http_client::{get, post, wait_for};
+use support::http_client::{get, metric_value, post, wait_for};
 use support::start_indexer;
 
 /// How long the indexer may take to exit after a stop signal.
@@ -63,13 +63,6 @@ fn workers(addr: SocketAddr) -> Vec<String> {
         }
     }
     names
-}
-
-fn metric(addr: SocketAddr, series: &str) -> Option<f64> {
-    get(addr, "/metrics")
-        .text()
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
 }
 
 #[test]
@@ -144,7 +137,7 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
         .expect("write config");
     indexer.signal(libc::SIGHUP).expect("signal");
     wait_for(10, "the rejected reload on /metrics", || {
-        (metric(addr, rejected) == Some(1.0)).then_some(())
+        (metric_value(addr, rejected) == Some(1.0)).then_some(())
     });
     let log = indexer.log();
     assert!(
@@ -165,7 +158,7 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
             .any(|p| p.as_str().is_some_and(|p| p.contains("dp_size"))),
         "{body}"
     );
-    assert_eq!(metric(addr, rejected), Some(2.0));
+    assert_eq!(metric_value(addr, rejected), Some(2.0));
     assert_eq!(scores(addr, &tokens), held);
 
     indexer
@@ -347,7 +340,7 @@ fn sighup_rereads_a_rotated_auth_token_file_and_the_old_token_stops_working() {
         .expect("config");
     indexer.signal(libc::SIGHUP).expect("signal");
     wait_for(10, "the rejected reload", || {
-        (metric(addr, rejected) == Some(1.0)).then_some(())
+        (metric_value(addr, rejected) == Some(1.0)).then_some(())
     });
     // Authorized (not 401), and the file on disk is still rejected (400).
     assert_eq!(reload_with_token(addr, "third-secret-token"), 400);

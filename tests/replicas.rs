@@ -14,7 +14,7 @@ use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::watch::{self, IndexerView, OverHttp, RankView};
 use kv_indexer_sim::workload::Route;
-use support::http_client::{get, post, Connection};
+use support::http_client::{get, metric_sum, post, Connection};
 use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
 
 const ENGINES: usize = 2;
@@ -150,13 +150,7 @@ fn caught_up(fleet: &Fleet, indexer: &IndexerProcess) -> Vec<RankView> {
 
 /// The counter `name{labels}` summed over every series that has all of `labels`.
 fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
-    get(indexer.address, "/metrics")
-        .text()
-        .lines()
-        .filter(|line| line.starts_with(&format!("{name}{{")))
-        .filter(|line| labels.iter().all(|label| line.contains(label)))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    metric_sum(indexer.address, name, labels)
 }
 
 /// Two replicas naming each other, started together on a fleet that drops 10% of its batches

@@ -15,7 +15,7 @@ use kv_indexer_sim::indexer_toml::{indexer_toml, replica_keys, select_table, Eng
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
-use support::http_client::{get, post, wait_for, Connection, Reply};
+use support::http_client::{get, metric_value, post, wait_for, Connection, Reply};
 use support::start_service_with_select_clock;
 
 /// Engines `a`, `b`, … (dp_size 1 each) on `ranks`, with `extra` top-level keys first and a
@@ -518,12 +518,7 @@ fn reported_cached_tokens_are_weighed_against_the_prediction() {
     let addr = setup.addr();
     let tokens = prompt(400, 5);
     setup.store(0, &tokens, 4);
-    let metric = |name: &str| -> f64 {
-        let text = get(addr, "/metrics").text();
-        text.lines()
-            .find_map(|line| line.strip_prefix(&format!("{name} ")))
-            .map_or(0.0, |value| value.trim().parse().expect("a number"))
-    };
+    let metric = |name: &str| metric_value(addr, name).unwrap_or(0.0);
     // Predicted: first the 4 matched blocks (64 tokens), then the first reservation's
     // prediction of all 5 (80).
     for (served, over, under) in [(48, 16.0, 0.0), (96, 16.0, 16.0)] {

@@ -157,6 +157,19 @@ pub fn metric_value(addr: SocketAddr, series: &str) -> Option<f64> {
         .map(|n| n.trim().parse().expect("a metric value"))
 }
 
+/// The sum of the series of metric `name` whose labels include each of `labels` (as rendered,
+/// `instance="a"`); 0 when there is none.
+pub fn metric_sum(addr: SocketAddr, name: &str, labels: &[&str]) -> f64 {
+    let prefix = format!("{name}{{");
+    get(addr, "/metrics")
+        .text()
+        .lines()
+        .filter(|line| line.starts_with(&prefix))
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The server's `kv_indexer_http_errors_total{status}` counter (0 before the first such error).
 pub fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
     let series = format!("kv_indexer_http_errors_total{{status=\"{status}\"}}");
