@@ -52,6 +52,10 @@ use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 /// the next-best.
 pub const MAX_TRIES: usize = 2;
 
+/// Prompts tokenized at once: tokenizing is CPU work, and more at once than the API's
+/// `POOL_THREADS` only adds threads on a machine of a few cores.
+const TOKENIZING: usize = crate::http::POOL_THREADS;
+
 /// What the front end's routes do.
 #[derive(Clone, Copy)]
 enum Action {
@@ -100,6 +104,8 @@ pub struct RouteFront {
     upstream: Upstream,
     in_flight: Arc<Semaphore>,
     max_concurrent: usize,
+    /// Places on blocking threads for tokenizing (`TOKENIZING`).
+    tokenizing: Arc<Semaphore>,
 }
 
 /// What the front end reads, handed over by the service.
@@ -131,6 +137,7 @@ impl RouteFront {
             fleet: RwLock::new(Arc::new(Fleet::of(config))),
             upstream: Upstream::new(Settings::of(route)),
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
+            tokenizing: Arc::new(Semaphore::new(TOKENIZING)),
             max_concurrent: route.max_concurrent_requests,
         })
     }
@@ -222,27 +229,39 @@ impl RouteFront {
             Some(changed) => Bytes::from(changed),
             None => Bytes::from(body),
         };
-        let chooser = Arc::clone(&self);
-        let tokenized = tokio::task::spawn_blocking(move || {
-            let tokenized = chooser.tokenize(&parsed);
-            tokenized.map(|tokenized| (parsed, tokenized))
-        })
-        .await;
-        let (parsed, prompt) = match tokenized {
-            Ok(Ok(tokenized)) => tokenized,
-            Ok(Err(why)) => {
-                return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why)
-            }
-            Err(err) => {
-                return self.error(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "server_error",
-                    &err.to_string(),
-                )
-            }
+        let (parsed, prompt) = match self.tokenized(parsed).await {
+            Ok(tokenized) => tokenized,
+            Err(why) => return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why),
         };
         self.send(request, body, kind, parsed, prompt, strip, place)
             .await
+    }
+
+    /// `parsed` and its prompt as routing weighs it. Text and chats are tokenized on a blocking
+    /// thread (a long chat's template and tokenizer take milliseconds), `TOKENIZING` at once:
+    /// beyond, a request waits for a place rather than taking a thread of its own.
+    async fn tokenized(
+        self: &Arc<Self>,
+        parsed: OpenAiRequest,
+    ) -> Result<(OpenAiRequest, Tokenized), String> {
+        if matches!(
+            parsed.prompt,
+            PromptSource::Tokens(_) | PromptSource::Unreadable(_)
+        ) {
+            let tokenized = self.tokenize(&parsed)?;
+            return Ok((parsed, tokenized));
+        }
+        let _place = Arc::clone(&self.tokenizing)
+            .acquire_owned()
+            .await
+            .map_err(|_| "the front end is stopping".to_owned())?;
+        let front = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let tokenized = front.tokenize(&parsed)?;
+            Ok((parsed, tokenized))
+        })
+        .await
+        .map_err(|err| format!("tokenizing failed: {err}"))?
     }
 
     /// The prompt's token ids, or why the request is routed by load alone.
@@ -292,19 +311,15 @@ impl RouteFront {
         let mut last_failure: Option<Failure> = None;
         let mut place = Some(place);
         for attempt in 0..MAX_TRIES {
-            let selection = {
-                let (front, tried, fleet) = (Arc::clone(&self), tried.clone(), Arc::clone(&fleet));
-                let (tokens, model) = (prompt.tokens.clone(), prompt.model.clone());
-                let (salt, output) = (parsed.cache_salt.clone(), parsed.max_tokens.unwrap_or(0));
-                tokio::task::spawn_blocking(move || {
-                    front.choose(&tokens, model.as_deref(), salt.as_deref(), output, &|key| {
-                        tried.contains(key) || fleet.server(&key.engine).is_none()
-                    })
-                })
-                .await
-                .ok()
-                .flatten()
-            };
+            // Inline: a bounded in-memory read of the index and the selector's lock, shorter
+            // than the hop to a blocking thread and back.
+            let selection = self.choose(
+                &prompt.tokens,
+                prompt.model.as_deref(),
+                parsed.cache_salt.as_deref(),
+                parsed.max_tokens.unwrap_or(0),
+                &|key| tried.contains(key) || fleet.server(&key.engine).is_none(),
+            );
             let Some(selection) = selection else {
                 break;
             };

@@ -33,6 +33,8 @@ use crate::metrics::RouteOutcome;
 pub(super) const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// The read buffer of a connection to an engine.
+const ENGINE_READ_BUFFER: usize = 4 << 10;
 /// Idle connections to engines kept per engine server, for the next request.
 const IDLE_PER_ENGINE: usize = 256;
 
@@ -215,6 +217,9 @@ fn client(settings: Settings) -> Client<HttpConnector, Full<Bytes>> {
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(IDLE_PER_ENGINE)
+        // An open stream holds its engine connection's read buffer: SSE chunks are a few
+        // hundred bytes, and hyper's adaptive 8 KiB start doubles what 10,000 streams hold.
+        .http1_read_buf_exact_size(ENGINE_READ_BUFFER)
         .build(connector)
 }
 

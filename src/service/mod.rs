@@ -520,11 +520,15 @@ fn bind_route(config: &Config) -> anyhow::Result<Option<BoundHttp>> {
 }
 
 /// The route front end's connections: every request it admits, and as many idle keep-alive
-/// connections again (a client pool's); its uploads: a chat prompt is often over 1 KiB, and
+/// connections again (a client pool's), at least the API's (a connection a client has closed
+/// still counts while it lingers); its uploads: a chat prompt is often over 1 KiB, and
 /// `MAX_UPLOADS` would refuse a busy router's.
 fn route_limits(route: &crate::config::Route) -> ServerLimits {
     ServerLimits {
-        connections: route.max_concurrent_requests.saturating_mul(2),
+        connections: route
+            .max_concurrent_requests
+            .saturating_mul(2)
+            .max(crate::http::MAX_CONNECTIONS),
         uploads: ROUTE_UPLOADS,
     }
 }
