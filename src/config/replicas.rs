@@ -31,17 +31,30 @@ impl Replicas {
 
     /// The text of `auth_token_file`, when set; the error names the file, never its content.
     pub fn read_auth_token(&self) -> anyhow::Result<Option<String>> {
-        let Some(path) = &self.auth_token_file else {
-            return Ok(None);
-        };
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading auth_token_file {path}"))?;
-        anyhow::ensure!(
-            !text.trim().is_empty(),
-            "auth_token_file {path} is empty: write the shared token in it"
-        );
-        Ok(Some(text))
+        read_token_file(
+            self.auth_token_file.as_deref(),
+            "auth_token_file",
+            "the shared token",
+        )
     }
+}
+
+/// The text of a token file `path` (`key` names it in errors, `what` says what to write in it),
+/// when one is set: never an empty one, and the error names the file, never its content.
+pub(super) fn read_token_file(
+    path: Option<&str>,
+    key: &str,
+    what: &str,
+) -> anyhow::Result<Option<String>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {key} {path}"))?;
+    anyhow::ensure!(
+        !text.trim().is_empty(),
+        "{key} {path} is empty: write {what} in it"
+    );
+    Ok(Some(text))
 }
 
 /// Whether an HTTP `listen` address only accepts connections from this host.

@@ -4,13 +4,13 @@
 //! the API's. Never: decides where a request goes (`route` does) or reads a token file's text
 //! before the service starts (`Route::read_token` does, then).
 
-use anyhow::Context;
 use serde::Deserialize;
 use toml::de::DeValue;
 use toml::Spanned;
 
 use super::diagnostics::Problems;
 use super::keys::{as_table, read_table, Int, SectionChecker};
+use super::replicas::read_token_file;
 use super::validate_listen;
 
 const SECTION: &str = "[route]";
@@ -46,16 +46,11 @@ pub struct Route {
 impl Route {
     /// The text of `auth_token_file`, when set; the error names the file, never its content.
     pub fn read_token(&self) -> anyhow::Result<Option<String>> {
-        let Some(path) = &self.auth_token_file else {
-            return Ok(None);
-        };
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("[route] auth_token_file: reading {path}"))?;
-        anyhow::ensure!(
-            !text.trim().is_empty(),
-            "[route] auth_token_file {path} is empty: write the clients' token in it"
-        );
-        Ok(Some(text))
+        read_token_file(
+            self.auth_token_file.as_deref(),
+            "[route] auth_token_file",
+            "the clients' token",
+        )
     }
 }
 

@@ -407,16 +407,9 @@ impl Selector {
 
     /// The ranks in back-off now.
     fn backed_off(&self) -> Vec<WorkerKey> {
-        let state = self.state.lock();
-        if state.backoffs.is_empty() {
-            return Vec::new();
-        }
-        let now = self.clock.now();
-        state
-            .slots
-            .iter()
-            .filter(|(_, &slot)| state.backoffs.left(slot, now).is_some())
-            .map(|(key, _)| key.clone())
+        self.backoffs()
+            .into_iter()
+            .filter_map(|(key, left)| left.map(|_| key))
             .collect()
     }
 }
