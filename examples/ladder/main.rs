@@ -31,7 +31,13 @@
 //! prompt's prefill there (as it should: the index then speaks for it) but `/select`'s rows
 //! can differ by a few tenths of a point of hit ratio from run to run; the oracle's do not.
 //!
-//! `cargo run --release --example ladder [-- --json] [-- --sweep]`
+//! `--live` (`live`) sends the same workloads as real HTTP requests to mock engines' OpenAI
+//! servers instead: through the route front end, and straight to ranks round robin and at
+//! random, each on a fleet and an indexer of its own, timed on the wall clock.
+//!
+//! `cargo run --release --example ladder [-- --json] [-- --sweep] [-- --live]`
+
+mod live;
 
 use std::cmp::Reverse;
 use std::collections::hash_map::DefaultHasher;
@@ -89,6 +95,21 @@ struct Args {
     /// Only these workloads (`trace`, `burst`), comma-separated.
     #[arg(long, default_value = "trace,burst")]
     workloads: String,
+    /// Real HTTP requests to mock engines' OpenAI servers, on the wall clock (`live`).
+    #[arg(long)]
+    live: bool,
+    /// Live: the trace's arrivals this many times faster than recorded (the burst's as given).
+    #[arg(long, default_value_t = 10.0)]
+    live_speedup: f64,
+    /// Live: requests in flight at most; a request whose arrival finds them all busy waits.
+    #[arg(long, default_value_t = 64)]
+    live_concurrency: usize,
+    /// Live: `max_tokens` of every request (its output's length).
+    #[arg(long, default_value_t = 4)]
+    live_max_tokens: u32,
+    /// Live: the mock engines' prefill time per uncached prompt token, in µs.
+    #[arg(long, default_value_t = 20)]
+    live_prefill_us_per_token: u64,
 }
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -148,6 +169,9 @@ fn main() -> Result<()> {
             "burst" => burst(&args),
             other => anyhow::bail!("unknown workload {other:?}: trace or burst"),
         });
+    }
+    if args.live {
+        return live::run_all(&args, &workloads);
     }
     let defaults = Select::default();
     if !args.json {
