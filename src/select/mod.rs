@@ -45,7 +45,7 @@ pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use clock::Clock;
 use cost::choose;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
-/// the very same cost (`examples/ladder.rs`).
+/// the very same cost (`examples/ladder/main.rs`).
 pub use cost::{best_first, cost, Candidate, Costed, Load};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
