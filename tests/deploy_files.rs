@@ -150,6 +150,22 @@ fn vllm_publishes_where_indexer_compose_toml_subscribes() {
     );
 }
 
+/// A simulated engine's `--dp-size` and ports are the `[[engine]]`'s of `file`.
+fn assert_ports_match(args: &[String], engine: &toml::Table, file: &str, name: &str) {
+    for (flag_name, key) in [
+        ("--dp-size", "dp_size"),
+        ("--port", "zmq_port"),
+        ("--replay-port", "replay_port"),
+        ("--recover-port", "recover_port"),
+    ] {
+        assert_eq!(
+            parse_int(flag(args, flag_name), flag_name),
+            int(engine, key, file),
+            "{name} {flag_name} vs {file} {key}"
+        );
+    }
+}
+
 #[test]
 fn mock_engine_publishes_where_indexer_mock_toml_subscribes() {
     let file = "deploy/indexer.mock.toml";
@@ -165,18 +181,7 @@ fn mock_engine_publishes_where_indexer_mock_toml_subscribes() {
     );
     assert_eq!(text(&engine, "host", file), "mock-engine");
     assert_eq!(flag(&args, "--bind"), Some("0.0.0.0"));
-    for (flag_name, key) in [
-        ("--dp-size", "dp_size"),
-        ("--port", "zmq_port"),
-        ("--replay-port", "replay_port"),
-        ("--recover-port", "recover_port"),
-    ] {
-        assert_eq!(
-            parse_int(flag(&args, flag_name), flag_name),
-            int(&engine, key, file),
-            "mock-engine {flag_name} vs {file} {key}"
-        );
-    }
+    assert_ports_match(&args, &engine, file, "mock-engine");
 }
 
 /// The Dockerfile stage named `name`: its lines from `FROM ... AS name` to the next `FROM`.
@@ -279,18 +284,7 @@ fn the_demo_engines_serve_where_indexer_demo_toml_subscribes_and_routes() {
         let args = strings(&demo["command"], "command");
         assert_eq!(text(engine, "host", file), name);
         assert_eq!(flag(&args, "--bind"), Some("0.0.0.0"));
-        for (flag_name, key) in [
-            ("--dp-size", "dp_size"),
-            ("--port", "zmq_port"),
-            ("--replay-port", "replay_port"),
-            ("--recover-port", "recover_port"),
-        ] {
-            assert_eq!(
-                parse_int(flag(&args, flag_name), flag_name),
-                int(engine, key, file),
-                "{name} {flag_name} vs {file} {key}"
-            );
-        }
+        assert_ports_match(&args, engine, file, name);
         let openai_port = parse_int(flag(&args, "--openai-port"), "--openai-port");
         assert_eq!(
             text(engine, "openai_url", file),
