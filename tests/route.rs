@@ -192,12 +192,18 @@ fn cached_tokens(answer: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no cached_tokens in {answer}"))
 }
 
+/// The message of an OpenAI-shaped error (`{"error": {"message", "type", "code"}}`), whoever
+/// answered it: the front end, the body reader, the head guard.
 fn error_message(reply: &Reply) -> String {
     let body = reply.json();
-    body["error"]["message"]
+    let error = &body["error"];
+    assert!(
+        error["type"].is_string() && error["code"] == json!(reply.status),
+        "not an OpenAI error: {body}"
+    );
+    error["message"]
         .as_str()
-        .or_else(|| body["error"].as_str())
-        .unwrap_or_else(|| panic!("no JSON error in {body}"))
+        .unwrap_or_else(|| panic!("no error message in {body}"))
         .to_owned()
 }
 
@@ -511,6 +517,17 @@ fn refusals_are_json_errors_naming_their_cause() {
     let reply = send("/v1/completions", &authorized, &huge);
     assert_eq!(reply.status, 413, "{}", reply.text());
     assert!(error_message(&reply).contains("limit"), "{}", reply.text());
+    let reply = send("/v1/embeddings", &authorized, body.as_bytes());
+    assert_eq!(reply.status, 404, "{}", reply.text());
+    assert!(error_message(&reply).contains("/v1/embeddings"));
+    let reply =
+        Connection::open(routed.route).send_with("GET", "/v1/completions", &authorized, None);
+    assert_eq!(reply.status, 405, "{}", reply.text());
+    assert!(error_message(&reply).contains("POST"), "{}", reply.text());
+    let long = "x".repeat(20 << 10);
+    let reply = send("/v1/completions", &[("X-Long", &long)], body.as_bytes());
+    assert_eq!(reply.status, 431, "{}", reply.text());
+    error_message(&reply);
     let unknown = json!({ "model": "nobody-serves-it", "prompt": "x" }).to_string();
     let reply = send("/v1/completions", &authorized, unknown.as_bytes());
     assert_eq!(reply.status, 503, "{}", reply.text());

@@ -40,7 +40,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{sleep, Instant, Sleep};
 
-use super::{error_body, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
+use super::{ErrorShape, HEAD_DEADLINE, IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES};
 
 /// Writing to a client that does not read may stall this long before the connection is dropped.
 const WRITE_DEADLINE: Duration = Duration::from_secs(30);
@@ -78,6 +78,8 @@ impl Link {
 pub(super) struct Guarded {
     stream: TcpStream,
     link: Arc<Link>,
+    /// The server's shape of a refusal's JSON.
+    shape: ErrorShape,
     phase: Phase,
     /// The deadline of the phase: idle, head, or linger.
     timer: Pin<Box<Sleep>>,
@@ -102,10 +104,11 @@ enum Phase {
 }
 
 impl Guarded {
-    pub(super) fn new(stream: TcpStream, link: Arc<Link>) -> Guarded {
+    pub(super) fn new(stream: TcpStream, link: Arc<Link>, shape: ErrorShape) -> Guarded {
         Guarded {
             stream,
             link,
+            shape,
             phase: Phase::Head(None),
             timer: Box::pin(sleep(IDLE_TIMEOUT)),
             write_timer: None,
@@ -115,7 +118,7 @@ impl Guarded {
     fn refuse(&mut self, status: u16, reason: &str) {
         self.link.refused.store(status, Ordering::Release);
         self.phase = Phase::Refusing {
-            answer: refusal(status, reason),
+            answer: refusal(status, reason, self.shape),
             written: 0,
         };
     }
@@ -286,8 +289,8 @@ impl AsyncWrite for Guarded {
 }
 
 /// A refusal as a whole HTTP/1.1 answer that closes the connection.
-fn refusal(status: u16, reason: &str) -> Vec<u8> {
-    let body = error_body(reason);
+fn refusal(status: u16, reason: &str, shape: ErrorShape) -> Vec<u8> {
+    let body = shape.body(status, reason);
     let phrase = http::StatusCode::from_u16(status)
         .ok()
         .and_then(|status| status.canonical_reason())

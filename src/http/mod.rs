@@ -118,6 +118,8 @@ pub trait AsyncRoutes: Send + Sync + 'static {
     /// What the logs call this API.
     fn name(&self) -> &'static str;
     fn metrics(&self) -> &Metrics;
+    /// The shape of every error its server answers, its own and the server's.
+    fn error_shape(&self) -> ErrorShape;
     fn answer(
         self: Arc<Self>,
         request: Request,
@@ -276,9 +278,46 @@ impl HttpServer {
     }
 }
 
-/// The JSON body of every error the API answers: `{"error": reason}`.
-fn error_body(reason: &str) -> Vec<u8> {
-    json!({ "error": reason }).to_string().into_bytes()
+/// The JSON shape a server writes its errors in, whoever refuses: a route, the body reader,
+/// the head guard or the connection cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// The API's: `{"error": reason}`.
+    Api,
+    /// OpenAI's, which the front end's clients parse: `{"error": {"message": reason, "type":
+    /// kind, "code": status}}`.
+    OpenAi,
+}
+
+impl ErrorShape {
+    /// The body of an error answered `status` for `reason`.
+    pub(crate) fn body(self, status: u16, reason: &str) -> Vec<u8> {
+        match self {
+            ErrorShape::Api => json!({ "error": reason }).to_string().into_bytes(),
+            ErrorShape::OpenAi => openai_error(status, openai_kind(status), reason),
+        }
+    }
+}
+
+/// An OpenAI-shaped error of `kind`.
+pub(crate) fn openai_error(status: u16, kind: &str, reason: &str) -> Vec<u8> {
+    json!({ "error": { "message": reason, "type": kind, "code": status } })
+        .to_string()
+        .into_bytes()
+}
+
+/// OpenAI's error type for a status, where the front end does not name a more precise one.
+fn openai_kind(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        404 => "not_found_error",
+        408 | 504 => "timeout",
+        429 => "rate_limit_error",
+        502 => "upstream_error",
+        503 => "service_unavailable",
+        500.. => "server_error",
+        _ => "invalid_request_error",
+    }
 }
 
 /// A response.
@@ -290,41 +329,49 @@ pub struct Reply {
     header: Option<(&'static str, &'static str)>,
     /// A `/query` answered (not an error): its latency is observed.
     is_query: bool,
+    /// An error's reason, written in the server's `ErrorShape` when answered.
+    reason: Option<String>,
 }
 
 impl Reply {
     fn json(status: u16, body: &impl Serialize) -> Reply {
         match serde_json::to_vec(body) {
-            Ok(body) => Reply {
-                status,
-                body,
-                content_type: "application/json",
-                header: None,
-                is_query: false,
-            },
+            Ok(body) => Reply::bytes(status, body, "application/json"),
             Err(err) => Reply::error(500, format!("encoding the response: {err}")),
+        }
+    }
+
+    fn bytes(status: u16, body: Vec<u8>, content_type: &'static str) -> Reply {
+        Reply {
+            status,
+            body,
+            content_type,
+            header: None,
+            is_query: false,
+            reason: None,
         }
     }
 
     fn error(status: u16, reason: impl Into<String>) -> Reply {
         Reply {
             status,
-            body: error_body(&reason.into()),
+            body: Vec::new(),
             content_type: "application/json",
             header: None,
             is_query: false,
+            reason: Some(reason.into()),
         }
     }
 
-    /// Its status and body, for a server that writes its own answers (the route front end).
-    pub(crate) fn into_parts(self) -> (u16, Vec<u8>) {
-        (self.status, self.body)
-    }
-
-    /// The response hyper writes: always a Content-Length (hyper's for a whole body), never
-    /// chunked, so every client reads it simply; hyper leaves the body out of a HEAD's answer.
-    fn into_response(self) -> hyper::Response<AnswerBody> {
-        let body = Full::new(Bytes::from(self.body)).map_err(|never| match never {});
+    /// The response hyper writes, an error in `shape`: always a Content-Length (hyper's for a
+    /// whole body), never chunked, so every client reads it simply; hyper leaves the body out
+    /// of a HEAD's answer.
+    pub(crate) fn into_response(self, shape: ErrorShape) -> hyper::Response<AnswerBody> {
+        let bytes = match &self.reason {
+            Some(reason) => shape.body(self.status, reason),
+            None => self.body,
+        };
+        let body = Full::new(Bytes::from(bytes)).map_err(|never| match never {});
         let mut response = hyper::Response::new(UnsyncBoxBody::new(body));
         *response.status_mut() =
             StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

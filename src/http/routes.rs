@@ -101,13 +101,11 @@ fn metrics(api: &Api) -> Reply {
         api.metrics
             .route_rank_excluded(&key.engine, key.dp_rank, left.is_some());
     }
-    Reply {
-        status: 200,
-        body: api.metrics.render().into_bytes(),
-        content_type: crate::metrics::CONTENT_TYPE,
-        header: None,
-        is_query: false,
-    }
+    Reply::bytes(
+        200,
+        api.metrics.render().into_bytes(),
+        crate::metrics::CONTENT_TYPE,
+    )
 }
 
 #[derive(Serialize)]

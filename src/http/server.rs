@@ -29,7 +29,7 @@ use tokio::sync::{watch, Semaphore};
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    error_body, AnswerBody, AsyncRoutes, Limits, Reply, Request, Routes, HEAD_DEADLINE,
+    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, HEAD_DEADLINE,
     IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES, POOL_THREADS,
 };
 use crate::metrics::Metrics;
@@ -65,6 +65,13 @@ impl Answerer {
         match self {
             Answerer::Routes(routes) => routes.metrics(),
             Answerer::Streams(routes) => routes.metrics(),
+        }
+    }
+
+    fn error_shape(&self) -> ErrorShape {
+        match self {
+            Answerer::Routes(_) => ErrorShape::Api,
+            Answerer::Streams(routes) => routes.error_shape(),
         }
     }
 }
@@ -272,7 +279,7 @@ fn admit(
         shared.answerer.metrics().http_error(503);
         refusals
             .warn(|| format!("HTTP connection from {peer} refused: {cap} connections are open"));
-        tokio::spawn(refuse_busy(socket, cap));
+        tokio::spawn(refuse_busy(socket, cap, shared.answerer.error_shape()));
         return;
     };
     tokio::spawn(serve_connection(
@@ -286,8 +293,8 @@ fn admit(
 
 /// Answers 503 on a connection past the cap and closes it. Nothing is read: the answer is in
 /// the socket's empty send buffer before the client has sent its request.
-async fn refuse_busy(mut socket: TcpStream, cap: usize) {
-    let body = error_body(&format!("{cap} connections are open; retry shortly"));
+async fn refuse_busy(mut socket: TcpStream, cap: usize, shape: ErrorShape) {
+    let body = shape.body(503, &format!("{cap} connections are open; retry shortly"));
     let mut reply = format!(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: \
          {}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n",
@@ -310,7 +317,8 @@ async fn serve_connection(
     mut stopping: watch::Receiver<bool>,
 ) {
     let link = Arc::new(Link::default());
-    let io = TokioIo::new(Guarded::new(socket, Arc::clone(&link)));
+    let shape = shared.answerer.error_shape();
+    let io = TokioIo::new(Guarded::new(socket, Arc::clone(&link), shape));
     let service = {
         let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
         service_fn(move |request| {
@@ -358,13 +366,14 @@ async fn answer(
     peer: SocketAddr,
 ) -> hyper::Response<AnswerBody> {
     let started = Instant::now();
+    let shape = shared.answerer.error_shape();
     let (parts, body) = request.into_parts();
     let request = Request::new(parts, peer);
     let mut bytes = Vec::new();
     if let Err(refused) = read_body(&request, body, &shared.uploads, &mut bytes).await {
         shared.answerer.metrics().http_error(refused.status);
         // The body is not read (or not whole): the connection cannot carry another request.
-        let mut response = refused.into_response();
+        let mut response = refused.into_response(shape);
         response.headers_mut().insert(
             http::header::CONNECTION,
             http::HeaderValue::from_static("close"),
@@ -378,7 +387,7 @@ async fn answer(
         Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
     };
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
-        return Reply::error(503, "the server is stopping").into_response();
+        return Reply::error(503, "the server is stopping").into_response(shape);
     };
     let answered = tokio::task::spawn_blocking(move || routes.route(&request, &bytes)).await;
     // A route that panicked: a bug, answered as one.
@@ -392,5 +401,5 @@ async fn answer(
     if reply.is_query {
         metrics.observe_query(started.elapsed().as_secs_f64());
     }
-    reply.into_response()
+    reply.into_response(shape)
 }

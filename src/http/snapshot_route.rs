@@ -33,13 +33,7 @@ pub(super) fn snapshot_route(api: &Api, engine: &str, dp_rank: &str) -> Reply {
                 served.orphans,
                 served.body.len()
             );
-            Reply {
-                status: 200,
-                body: served.body,
-                content_type: "application/json",
-                header: None,
-                is_query: false,
-            }
+            Reply::bytes(200, served.body, "application/json")
         }
         Err(Unservable::NotRetained) => Reply::error(
             409,

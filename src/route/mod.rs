@@ -36,7 +36,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{self, Config};
 use crate::http::table::{find, Guard, Route, Verb};
-use crate::http::{constant_time_eq, AnswerBody, AsyncRoutes, Request};
+use crate::http::{
+    constant_time_eq, openai_error, AnswerBody, AsyncRoutes, ErrorShape, Reply, Request,
+};
 use crate::index::{Index, Prompt};
 use crate::listener::{CurrentSecret, Secret};
 use crate::metrics::{Metrics, RouteOutcome};
@@ -180,7 +182,7 @@ impl RouteFront {
     ) -> Response<AnswerBody> {
         let action = match find(ROUTE_ROUTES, &CurrentSecret::default(), &request) {
             Ok((action, _)) => *action,
-            Err(refused) => return self.refused(refused.into_parts()),
+            Err(refused) => return self.refused(refused),
         };
         match action {
             Action::Health => json_response(StatusCode::OK, &json!({ "status": "ok" })),
@@ -517,12 +519,10 @@ impl RouteFront {
         response.map(|()| boxed(whole))
     }
 
-    fn refused(&self, (status, body): (u16, Vec<u8>)) -> Response<AnswerBody> {
+    /// A path or method no route declares (404, 405 with its `Allow`).
+    fn refused(&self, refused: Reply) -> Response<AnswerBody> {
         self.metrics.route_outcome(RouteOutcome::refused);
-        let mut response = Response::new(boxed(Bytes::from(body)));
-        *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::NOT_FOUND);
-        insert(response.headers_mut(), "content-type", "application/json");
-        response
+        refused.into_response(ErrorShape::OpenAi)
     }
 
     fn error(&self, status: StatusCode, kind: &str, message: &str) -> Response<AnswerBody> {
@@ -540,10 +540,7 @@ impl RouteFront {
     ) -> Response<AnswerBody> {
         self.metrics.http_error(status.as_u16());
         debug!("route: {status}: {message}");
-        let mut response = json_response(
-            status,
-            &json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
-        );
+        let mut response = json_answer(status, openai_error(status.as_u16(), kind, message));
         if let Some(rank) = rank {
             insert(
                 response.headers_mut(),
@@ -590,6 +587,10 @@ impl AsyncRoutes for RouteFront {
         &self.metrics
     }
 
+    fn error_shape(&self) -> ErrorShape {
+        ErrorShape::OpenAi
+    }
+
     fn answer(
         self: Arc<Self>,
         request: Request,
@@ -604,7 +605,11 @@ fn boxed(bytes: Bytes) -> AnswerBody {
 }
 
 fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<AnswerBody> {
-    let mut response = Response::new(boxed(Bytes::from(value.to_string())));
+    json_answer(status, value.to_string().into_bytes())
+}
+
+fn json_answer(status: StatusCode, body: Vec<u8>) -> Response<AnswerBody> {
+    let mut response = Response::new(boxed(Bytes::from(body)));
     *response.status_mut() = status;
     insert(response.headers_mut(), "content-type", "application/json");
     response
