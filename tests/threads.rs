@@ -3,16 +3,14 @@
 
 mod support;
 
-use std::net::SocketAddr;
-
 use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
 use support::fake_engine::FakeRank;
-use support::http_client::{get, metric_value, wait_for};
+use support::http_client::{get, series_value, wait_for};
 use support::start_indexer;
 
-fn threads(addr: SocketAddr, kind: &str) -> f64 {
-    metric_value(
-        addr,
+fn threads(scrape: &str, kind: &str) -> f64 {
+    series_value(
+        scrape,
         &format!("kv_indexer_threads_by_kind{{kind=\"{kind}\"}}"),
     )
     .unwrap_or_else(|| panic!("no threads_by_kind {kind}"))
@@ -33,15 +31,17 @@ fn sixteen_idle_ranks_run_on_the_pollers_the_runtime_and_libzmq_alone() {
         rank.wait_subscribed();
     }
     let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
-    // Idle: no recovery runs, and what the start-up ran on blocking threads is done.
-    let total = wait_for(20, "the start-up to be done", || {
-        let total = metric_value(addr, "kv_indexer_threads")?;
-        (threads(addr, "recovery") == 0.0).then_some(total)
-    });
+    // Idle: no recovery runs, and what the start-up ran on blocking threads is done. The total
+    // and the kinds come from one scrape; a blocking thread may start or end between scrapes.
     let kinds = ["runtime", "blocking", "poller", "recovery", "zmq", "other"];
-    let counts: Vec<f64> = kinds.iter().map(|kind| threads(addr, kind)).collect();
+    let (total, counts) = wait_for(20, "every thread to have a kind, none recovering", || {
+        let scrape = get(addr, "/metrics").text();
+        let total = series_value(&scrape, "kv_indexer_threads")?;
+        let counts: Vec<f64> = kinds.iter().map(|kind| threads(&scrape, kind)).collect();
+        let whole = counts.iter().sum::<f64>() == total;
+        (whole && threads(&scrape, "recovery") == 0.0).then_some((total, counts))
+    });
     eprintln!("16 idle ranks, {total} threads: {kinds:?} {counts:?}");
-    assert_eq!(counts.iter().sum::<f64>(), total, "every thread has a kind");
     let [runtime, blocking, poller, recovery, zmq_threads, other] = counts[..] else {
         unreachable!("six kinds")
     };

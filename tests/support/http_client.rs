@@ -149,9 +149,13 @@ pub fn post(addr: SocketAddr, path: &str, body: &[u8]) -> Reply {
 /// The value of `series` (a metric name with its labels as rendered, `name{a="x"}`) on the
 /// server's `/metrics`; `None` when it is not there.
 pub fn metric_value(addr: SocketAddr, series: &str) -> Option<f64> {
+    series_value(&get(addr, "/metrics").text(), series)
+}
+
+/// The value of one series (name and labels as rendered) in a scrape's text.
+pub fn series_value(scrape: &str, series: &str) -> Option<f64> {
     let wanted = format!("{series} ");
-    get(addr, "/metrics")
-        .text()
+    scrape
         .lines()
         .find_map(|line| line.strip_prefix(&wanted))
         .map(|n| n.trim().parse().expect("a metric value"))
