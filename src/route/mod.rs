@@ -16,6 +16,7 @@
 //! naming the cause). Never: writes the index, changes a body but to ask for the usage chunk,
 //! trusts a client's proxy headers, or holds a request past its timeouts.
 
+mod engine_http;
 mod passing;
 mod request;
 mod upstream;

@@ -17,11 +17,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Body, Frame, SizeHint};
 use serde::Deserialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
+use super::engine_http::EngineBody;
 use crate::http::BodyError;
 use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
@@ -123,7 +124,7 @@ pub(super) fn usage_of(body: &[u8]) -> Option<Usage> {
 
 /// A streamed answer passed on as it arrives.
 pub(super) struct Passing {
-    upstream: Incoming,
+    upstream: EngineBody,
     ticket: Ticket,
     /// Strip the usage chunk: the front end asked for it, not the client.
     strip: bool,
@@ -137,7 +138,7 @@ pub(super) struct Passing {
 impl Passing {
     /// `first_byte_by` bounds the wait for the first chunk; `idle` every wait after it.
     pub(super) fn new(
-        upstream: Incoming,
+        upstream: EngineBody,
         ticket: Ticket,
         strip: bool,
         first_byte_by: Instant,

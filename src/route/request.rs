@@ -127,6 +127,36 @@ fn completion_prompt(prompt: Value) -> Result<PromptSource, String> {
 /// `body` with `stream_options.include_usage` set, the rest as the client wrote it (key order
 /// kept); `None` when the body is not an object (it was parsed as one just before).
 pub(super) fn with_usage(body: &[u8]) -> Option<Vec<u8>> {
+    spliced_usage(body).or_else(|| rewritten_usage(body))
+}
+
+/// The usual case, without parsing the body again: no `stream_options` key anywhere in it, so
+/// the option goes in as the object's first member.
+fn spliced_usage(body: &[u8]) -> Option<Vec<u8>> {
+    if memchr::memmem::find(body, b"\"stream_options\"").is_some() {
+        return None;
+    }
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body[open] != b'{' {
+        return None;
+    }
+    let empty = body[open + 1..]
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|&b| b == b'}');
+    const OPTION: &[u8] = br#""stream_options":{"include_usage":true}"#;
+    let mut spliced = Vec::with_capacity(body.len() + OPTION.len() + 1);
+    spliced.extend_from_slice(&body[..=open]);
+    spliced.extend_from_slice(OPTION);
+    if !empty {
+        spliced.push(b',');
+    }
+    spliced.extend_from_slice(&body[open + 1..]);
+    Some(spliced)
+}
+
+/// A body that has `stream_options`: parsed, the option set, written again.
+fn rewritten_usage(body: &[u8]) -> Option<Vec<u8>> {
     let mut value: Value = serde_json::from_slice(body).ok()?;
     let object = value.as_object_mut()?;
     let options = object
@@ -184,10 +214,21 @@ mod tests {
             changed,
             r#"{"model":"m","stream":true,"stream_options":{"other":1,"include_usage":true},"prompt":"p"}"#
         );
-        let added = with_usage(br#"{"stream":true}"#).expect("object");
+        // Without the key, the client's bytes are kept as they are and the option goes first.
+        let added = with_usage(b" {\n \"stream\": true, \"prompt\":[1, 2]}").expect("object");
         assert_eq!(
-            added,
-            br#"{"stream":true,"stream_options":{"include_usage":true}}"#
+            String::from_utf8_lossy(&added),
+            " {\"stream_options\":{\"include_usage\":true},\n \"stream\": true, \"prompt\":[1, 2]}"
         );
+        let empty = with_usage(b"{ }").expect("object");
+        assert_eq!(empty, br#"{"stream_options":{"include_usage":true} }"#);
+        let null = with_usage(br#"{"stream_options":null,"stream":true}"#).expect("object");
+        assert_eq!(
+            null,
+            br#"{"stream_options":{"include_usage":true},"stream":true}"#
+        );
+        for body in [&b"[1]"[..], b"", b"  "] {
+            assert!(with_usage(body).is_none());
+        }
     }
 }

@@ -1,27 +1,23 @@
 //! The engines' OpenAI servers as the front end reaches them: which server an engine's requests
 //! go to (`Fleet`), and sending one request there (`Upstream`): the client's headers but the
 //! hop-by-hop and proxy ones, `Host` rewritten, `X-data-parallel-rank` set, under the connect
-//! and first-byte timeouts.
+//! and first-byte timeouts, through `engine_http`'s pooled connections.
 //!
-//! Owns: the HTTP client (one pool for every engine, no proxy from the environment), the
-//! headers an engine gets, the timeouts, and what each failure is (retryable or not, and the
-//! status it ends in). Never: chooses a rank, reads a body, or follows a redirect.
+//! Owns: the headers an engine gets, the timeouts, and what each failure is (retryable or not,
+//! and the status it ends in). Never: chooses a rank, reads a body, follows a redirect, or goes
+//! through a proxy.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::header::{HeaderMap, HeaderName, HeaderValue};
-use hyper::{Method, StatusCode};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper::header::{HeaderMap, HeaderName};
+use hyper::StatusCode;
 use parking_lot::RwLock;
 use tokio::time::Instant;
 
+use super::engine_http::{Connections, EngineBody, SendError};
 use super::request::Kind;
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
@@ -33,10 +29,6 @@ use crate::metrics::RouteOutcome;
 pub(super) const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
-/// The read buffer of a connection to an engine.
-const ENGINE_READ_BUFFER: usize = 4 << 10;
-/// Idle connections to engines kept per engine server, for the next request.
-const IDLE_PER_ENGINE: usize = 256;
 
 /// Each engine's OpenAI server and the models the fleet serves, from the file.
 pub(super) struct Fleet {
@@ -106,6 +98,8 @@ pub(super) enum Failure {
     Unreachable(String),
     /// The engine answered 5xx before a byte went to the client.
     Status(StatusCode),
+    /// The engine's answer is not HTTP/1.1 that can be passed on.
+    Malformed(String),
     /// No answer within the first-byte timeout.
     TimedOut(Duration),
     /// The request could not be built (a URL or header the engine's server cannot take).
@@ -132,6 +126,7 @@ impl fmt::Display for Failure {
         match self {
             Failure::Unreachable(why) => write!(f, "cannot be reached: {why}"),
             Failure::Status(status) => write!(f, "answered {status}"),
+            Failure::Malformed(why) => write!(f, "answered unreadably: {why}"),
             Failure::TimedOut(after) => {
                 write!(
                     f,
@@ -147,20 +142,20 @@ impl fmt::Display for Failure {
 /// An answer's head, its body still to come, and when its first byte is due.
 pub(super) struct Sent {
     pub(super) head: hyper::http::response::Parts,
-    pub(super) body: Incoming,
+    pub(super) body: EngineBody,
     pub(super) first_byte_by: Instant,
 }
 
-/// The client every request to an engine goes through.
+/// Every request to an engine goes through here.
 pub(super) struct Upstream {
-    client: RwLock<Arc<Client<HttpConnector, Full<Bytes>>>>,
+    connections: Arc<Connections>,
     settings: RwLock<Settings>,
 }
 
 impl Upstream {
     pub(super) fn new(settings: Settings) -> Upstream {
         Upstream {
-            client: RwLock::new(Arc::new(client(settings))),
+            connections: Arc::default(),
             settings: RwLock::new(settings),
         }
     }
@@ -169,13 +164,9 @@ impl Upstream {
         *self.settings.read()
     }
 
-    /// Takes reloaded timeouts; a new connect timeout means a new pool.
+    /// Takes reloaded timeouts.
     pub(super) fn set(&self, settings: Settings) {
-        let mut current = self.settings.write();
-        if current.connect != settings.connect {
-            *self.client.write() = Arc::new(client(settings));
-        }
-        *current = settings;
+        *self.settings.write() = settings;
     }
 
     /// Sends `body` for rank `dp_rank` to `server`, with `request`'s headers but those that
@@ -190,18 +181,20 @@ impl Upstream {
     ) -> Result<Sent, Failure> {
         let settings = self.settings();
         let first_byte_by = Instant::now() + settings.first_byte;
-        let outgoing = build(server, kind, request, body, dp_rank).map_err(Failure::Request)?;
-        let client = self.client.read().clone();
-        let answered = tokio::time::timeout_at(first_byte_by, client.request(outgoing)).await;
-        let response = match answered {
+        let (authority, head) =
+            build(server, kind, request, body.len(), dp_rank).map_err(Failure::Request)?;
+        let sending = self
+            .connections
+            .send(&authority, settings.connect, &head, &body);
+        let (head, body) = match tokio::time::timeout_at(first_byte_by, sending).await {
             Err(_) => return Err(Failure::TimedOut(settings.first_byte)),
-            Ok(Err(err)) => return Err(Failure::Unreachable(error_chain(&err))),
-            Ok(Ok(response)) => response,
+            Ok(Err(SendError::Unreachable(why))) => return Err(Failure::Unreachable(why)),
+            Ok(Err(SendError::Malformed(why))) => return Err(Failure::Malformed(why)),
+            Ok(Ok(answer)) => answer,
         };
-        if response.status().is_server_error() {
-            return Err(Failure::Status(response.status()));
+        if head.status.is_server_error() {
+            return Err(Failure::Status(head.status));
         }
-        let (head, body) = response.into_parts();
         Ok(Sent {
             head,
             body,
@@ -210,46 +203,29 @@ impl Upstream {
     }
 }
 
-fn client(settings: Settings) -> Client<HttpConnector, Full<Bytes>> {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(settings.connect));
-    // Each chunk of a stream leaves at once, not after the engine's delayed ACK.
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(IDLE_PER_ENGINE)
-        // An open stream holds its engine connection's read buffer: SSE chunks are a few
-        // hundred bytes, and hyper's adaptive 8 KiB start doubles what 10,000 streams hold.
-        .http1_read_buf_exact_size(ENGINE_READ_BUFFER)
-        .build(connector)
-}
-
-/// The request to the engine: `server`'s URL of the route, the client's headers but the
-/// hop-by-hop, proxy and length ones and its rank header, `Host` the engine's, our rank header.
+/// The request's head for the engine, and the `host:port` it goes to: `server`'s URL of the
+/// route, the client's headers but the hop-by-hop, proxy and length ones and its rank header,
+/// `Host` the engine's, our rank header, the body's length.
 fn build(
     server: &BaseUrl,
     kind: Kind,
     request: &Request,
-    body: Bytes,
+    body_len: usize,
     dp_rank: u32,
-) -> Result<hyper::Request<Full<Bytes>>, String> {
+) -> Result<(String, Vec<u8>), String> {
     let url = match request.query_string() {
         Some(query) => format!("{}?{query}", server.join(kind.path())),
         None => server.join(kind.path()),
     };
     let uri: hyper::Uri = url.parse().map_err(|err| format!("{url}: {err}"))?;
-    let authority = uri
-        .authority()
-        .ok_or_else(|| format!("{url}: no host"))?
-        .as_str()
-        .to_owned();
-    let mut outgoing = hyper::Request::new(Full::new(body));
-    *outgoing.method_mut() = Method::POST;
-    *outgoing.uri_mut() = uri;
-    let headers = outgoing.headers_mut();
-    for (name, value) in request.headers() {
-        headers.append(name.clone(), value.clone());
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("{url}: only http:// engine servers are reached"));
     }
-    drop_hop_by_hop(headers);
+    let host = uri.host().ok_or_else(|| format!("{url}: no host"))?;
+    let authority = format!("{host}:{}", uri.port_u16().unwrap_or(80));
+    let target = uri.path_and_query().map_or("/", |target| target.as_str());
+    let mut headers = request.headers().clone();
+    drop_hop_by_hop(&mut headers);
     for name in [
         hyper::header::HOST,
         hyper::header::CONTENT_LENGTH,
@@ -263,10 +239,20 @@ fn build(
     ] {
         headers.remove(name);
     }
-    let host = HeaderValue::from_str(&authority).map_err(|err| format!("{authority}: {err}"))?;
-    headers.insert(hyper::header::HOST, host);
-    headers.insert(DP_RANK_HEADER, HeaderValue::from(dp_rank));
-    Ok(outgoing)
+    let host_header = uri.authority().map_or(host, |authority| authority.as_str());
+    let mut head = format!(
+        "POST {target} HTTP/1.1\r\nhost: {host_header}\r\ncontent-length: {body_len}\r\n{DP_RANK_HEADER}: {dp_rank}\r\n"
+    )
+    .into_bytes();
+    for (name, value) in &headers {
+        // A `HeaderValue` holds no CR or LF: a client's header cannot add a line.
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    Ok((authority, head))
 }
 
 /// Removes the headers that belong to one connection (RFC 9110 section 7.6.1): those the
@@ -297,24 +283,10 @@ pub(super) fn drop_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// An error and its causes, as one line.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(error) = cause {
-        let more = error.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = error.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyper::header::HeaderValue;
 
     #[test]
     fn hop_by_hop_headers_and_those_connection_names_are_dropped() {

@@ -1,0 +1,740 @@
+//! The front end's HTTP/1.1 client to the engines' OpenAI servers: one request on a pooled
+//! keep-alive connection, its answer's head parsed by `httparse`, its body framed (length,
+//! chunked or to the close) and handed on as it arrives.
+//!
+//! Hand-written, on a measurement (docs/performance.md, "Route front end: bench_route"): an
+//! open stream through hyper's client held about 21 KiB of its own (an 8 KiB head buffer, a
+//! read buffer, a request queue of 32 slots) beside the client connection's, and 10,000 open
+//! streams did not fit in 200 MB. Here a connection holds no buffer while it waits: a read
+//! lands in a buffer on the stack and only the bytes of the body leave it, so a stream costs
+//! its socket and a few hundred bytes. `httparse` parses the head and each chunk-size line;
+//! this file only counts bytes.
+//!
+//! Owns: the idle connections (per engine server, at most `IDLE_PER_SERVER`, each checked for
+//! a close before reuse), the head's bound, the body's framing (RFC 9112 section 6.3), and
+//! giving a connection back only when its answer was read whole and may be followed by another.
+//! Never: sends a request twice but on a reused connection that closed before answering a
+//! byte, follows a redirect, reads past its answer, or keeps a connection whose answer was not
+//! read to its end (dropping a body closes its connection: the engine cancels the request).
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use hyper::body::{Body, Frame, SizeHint};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+use hyper::http::response::Parts;
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+
+use crate::http::BodyError;
+
+/// An answer's head larger than this is refused: an engine's is a few hundred bytes.
+const MAX_HEAD_BYTES: usize = 64 << 10;
+/// Header lines in an answer's head.
+const MAX_HEADERS: usize = 100;
+/// A chunk-size line (with its extensions) or a trailer section longer than this is refused.
+const MAX_LINE_BYTES: usize = 4 << 10;
+/// One read of a body: on the stack, only while the read runs.
+const READ_BYTES: usize = 16 << 10;
+/// Idle connections kept per engine server for the next request.
+const IDLE_PER_SERVER: usize = 256;
+/// A request body up to this size is written with its head in one write.
+const COALESCE_BYTES: usize = 64 << 10;
+
+/// Why a request got no answer's head.
+#[derive(Debug)]
+pub(super) enum SendError {
+    /// Refused, reset or closed before a byte of answer: the engine did not answer.
+    Unreachable(String),
+    /// The engine answered something that is not an HTTP/1.1 answer.
+    Malformed(String),
+}
+
+/// Idle keep-alive connections, per engine server (`host:port`).
+#[derive(Default)]
+pub(super) struct Connections {
+    idle: Mutex<HashMap<Arc<str>, Vec<TcpStream>>>,
+}
+
+impl Connections {
+    /// Sends `head` and `body` to `authority` and reads the answer's head; the body follows.
+    /// A reused connection that turns out closed is replaced by a new one, once.
+    pub(super) async fn send(
+        self: &Arc<Self>,
+        authority: &str,
+        connect_timeout: Duration,
+        head: &[u8],
+        body: &Bytes,
+    ) -> Result<(Parts, EngineBody), SendError> {
+        if let Some(stream) = self.take_idle(authority) {
+            match exchange(stream, head, body).await {
+                Ok(answer) => return Ok(self.answer(authority, answer)),
+                // Closed while idle (the engine's keep-alive ran out): nothing was answered.
+                Err(Exchange::Closed(_)) => {}
+                Err(Exchange::Failed(err)) => return Err(err),
+            }
+        }
+        let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(authority))
+            .await
+            .map_err(|_| {
+                SendError::Unreachable(format!(
+                    "no connection within {}s (connect_timeout_s)",
+                    connect_timeout.as_secs()
+                ))
+            })?
+            .map_err(|err| SendError::Unreachable(format!("connect: {err}")))?;
+        // Each chunk of a stream leaves at once, not after the engine's delayed ACK.
+        stream
+            .set_nodelay(true)
+            .map_err(|err| SendError::Unreachable(format!("TCP_NODELAY: {err}")))?;
+        match exchange(stream, head, body).await {
+            Ok(answer) => Ok(self.answer(authority, answer)),
+            Err(Exchange::Closed(why)) => Err(SendError::Unreachable(why)),
+            Err(Exchange::Failed(err)) => Err(err),
+        }
+    }
+
+    fn answer(self: &Arc<Self>, authority: &str, answer: Answer) -> (Parts, EngineBody) {
+        let Answer {
+            parts,
+            framing,
+            stream,
+            rest,
+            reusable,
+        } = answer;
+        let mut body = EngineBody {
+            stream: Some(stream),
+            framing,
+            pending: rest,
+            line: Vec::new(),
+            reusable,
+            home: Some((Arc::clone(self), authority.into())),
+        };
+        if body.framing.is_done() {
+            body.finish();
+        }
+        (parts, body)
+    }
+
+    /// An idle connection to `authority` that has not been closed, if one is kept.
+    fn take_idle(&self, authority: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock();
+        let streams = idle.get_mut(authority)?;
+        while let Some(stream) = streams.pop() {
+            let mut probe = [0u8; 1];
+            // Open and silent is the only state to reuse: a close, an error or unasked bytes
+            // end it.
+            if let Err(err) = stream.try_read(&mut probe) {
+                if err.kind() == io::ErrorKind::WouldBlock {
+                    return Some(stream);
+                }
+            }
+        }
+        None
+    }
+
+    fn give_back(&self, authority: Arc<str>, stream: TcpStream) {
+        let mut idle = self.idle.lock();
+        let streams = idle.entry(authority).or_default();
+        if streams.len() < IDLE_PER_SERVER {
+            streams.push(stream);
+        }
+    }
+}
+
+/// An answer's head, read.
+struct Answer {
+    parts: Parts,
+    framing: Framing,
+    stream: TcpStream,
+    /// Body bytes that came with the head.
+    rest: BytesMut,
+    reusable: bool,
+}
+
+enum Exchange {
+    /// The connection closed or reset before a byte of the answer.
+    Closed(String),
+    Failed(SendError),
+}
+
+/// Writes the request and reads the answer's head (past any 1xx).
+async fn exchange(mut stream: TcpStream, head: &[u8], body: &Bytes) -> Result<Answer, Exchange> {
+    let written = if body.len() <= COALESCE_BYTES {
+        let mut whole = Vec::with_capacity(head.len() + body.len());
+        whole.extend_from_slice(head);
+        whole.extend_from_slice(body);
+        stream.write_all(&whole).await
+    } else {
+        match stream.write_all(head).await {
+            Ok(()) => stream.write_all(body).await,
+            Err(err) => Err(err),
+        }
+    };
+    if let Err(err) = written {
+        return Err(Exchange::Closed(format!("sending the request: {err}")));
+    }
+    let mut read = Vec::with_capacity(1 << 10);
+    loop {
+        if read.len() >= MAX_HEAD_BYTES {
+            return Err(Exchange::Failed(SendError::Malformed(format!(
+                "an answer's head over {MAX_HEAD_BYTES} bytes"
+            ))));
+        }
+        read.reserve(4 << 10);
+        let got = match tokio::io::AsyncReadExt::read_buf(&mut stream, &mut read).await {
+            Ok(got) => got,
+            Err(err) if read.is_empty() => {
+                return Err(Exchange::Closed(format!("reading the answer: {err}")))
+            }
+            Err(err) => {
+                return Err(Exchange::Failed(SendError::Unreachable(format!(
+                    "reading the answer's head: {err}"
+                ))))
+            }
+        };
+        if got == 0 {
+            return Err(match read.is_empty() {
+                true => Exchange::Closed("the connection closed before an answer".into()),
+                false => Exchange::Failed(SendError::Malformed(
+                    "the connection closed within the answer's head".into(),
+                )),
+            });
+        }
+        match parse_head(&read).map_err(Exchange::Failed)? {
+            None => continue,
+            Some((len, None)) => {
+                // An interim answer (100 Continue): the final one follows.
+                read.drain(..len);
+            }
+            Some((len, Some((parts, framing, reusable)))) => {
+                let rest = BytesMut::from(&read[len..]);
+                return Ok(Answer {
+                    parts,
+                    framing,
+                    stream,
+                    rest,
+                    reusable,
+                });
+            }
+        }
+    }
+}
+
+/// A final answer's head: its parts, how its body is framed, and whether its connection may
+/// carry another request.
+type Head = (Parts, Framing, bool);
+
+/// The head at the start of `bytes`: its length and, unless it is an interim 1xx, the head;
+/// `None` while incomplete.
+#[allow(clippy::type_complexity)]
+fn parse_head(bytes: &[u8]) -> Result<Option<(usize, Option<Head>)>, SendError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut headers);
+    let len = match response.parse(bytes) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(err) => return Err(SendError::Malformed(format!("the answer's head: {err}"))),
+    };
+    let code = response.code.unwrap_or_default();
+    if (100..200).contains(&code) && code != 101 {
+        return Ok(Some((len, None)));
+    }
+    let status = hyper::StatusCode::from_u16(code)
+        .map_err(|err| SendError::Malformed(format!("status {code}: {err}")))?;
+    let mut map = HeaderMap::with_capacity(response.headers.len());
+    for header in response.headers.iter() {
+        let name = HeaderName::from_bytes(header.name.as_bytes());
+        let value = HeaderValue::from_bytes(header.value);
+        match (name, value) {
+            (Ok(name), Ok(value)) => {
+                map.append(name, value);
+            }
+            _ => {
+                return Err(SendError::Malformed(format!(
+                    "header {:?} cannot be passed on",
+                    header.name
+                )))
+            }
+        }
+    }
+    let http11 = response.version == Some(1);
+    let framing = framing(status, &map)?;
+    let closes = map
+        .get_all(hyper::header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case("close"));
+    let reusable = http11 && !closes && !matches!(framing, Framing::UntilClose);
+    let mut parts = hyper::Response::new(()).into_parts().0;
+    parts.status = status;
+    parts.version = match http11 {
+        true => hyper::Version::HTTP_11,
+        false => hyper::Version::HTTP_10,
+    };
+    parts.headers = map;
+    Ok(Some((len, Some((parts, framing, reusable)))))
+}
+
+/// How an answer's body ends (RFC 9112 section 6.3).
+#[derive(Debug, PartialEq, Eq)]
+enum Framing {
+    /// `Content-Length`: this many bytes are left.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked(Chunk),
+    /// Neither: the body ends when the engine closes the connection.
+    UntilClose,
+    Done,
+}
+
+/// Where a chunked body is.
+#[derive(Debug, PartialEq, Eq)]
+enum Chunk {
+    /// Reading a chunk-size line (into `EngineBody::line`).
+    Size,
+    /// Inside a chunk: this many data bytes are left.
+    Data(u64),
+    /// After a chunk's data: its CRLF (this many bytes of it seen).
+    DataEnd(u8),
+    /// After the last chunk: trailer lines until an empty one (in `EngineBody::line`).
+    Trailers,
+}
+
+impl Framing {
+    fn is_done(&self) -> bool {
+        matches!(self, Framing::Done)
+    }
+}
+
+fn framing(status: hyper::StatusCode, headers: &HeaderMap) -> Result<Framing, SendError> {
+    if status.is_informational()
+        || status == hyper::StatusCode::NO_CONTENT
+        || status == hyper::StatusCode::NOT_MODIFIED
+    {
+        return Ok(Framing::Done);
+    }
+    if let Some(last) = headers
+        .get_all(hyper::header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+    {
+        let chunked = last
+            .to_str()
+            .ok()
+            .and_then(|codings| codings.rsplit(',').next())
+            .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
+        return Ok(match chunked {
+            true => Framing::Chunked(Chunk::Size),
+            false => Framing::UntilClose,
+        });
+    }
+    let mut lengths = headers.get_all(hyper::header::CONTENT_LENGTH).iter();
+    let Some(first) = lengths.next() else {
+        return Ok(Framing::UntilClose);
+    };
+    let length = |value: &HeaderValue| -> Option<u64> {
+        let text = value.to_str().ok()?.trim();
+        text.bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| text.parse().ok())
+            .flatten()
+    };
+    let Some(length) = length(first) else {
+        return Err(SendError::Malformed(format!(
+            "Content-Length {first:?} is not a length"
+        )));
+    };
+    if lengths.any(|other| length_differs(other, length)) {
+        return Err(SendError::Malformed(
+            "Content-Length headers that disagree".into(),
+        ));
+    }
+    Ok(match length {
+        0 => Framing::Done,
+        n => Framing::Length(n),
+    })
+}
+
+fn length_differs(value: &HeaderValue, length: u64) -> bool {
+    value.to_str().ok().map(str::trim) != Some(length.to_string().as_str())
+}
+
+/// An engine's answer body as it arrives; its connection goes back to the pool once the body
+/// is read whole (when the answer allows), and closes when dropped before.
+pub(super) struct EngineBody {
+    stream: Option<TcpStream>,
+    framing: Framing,
+    /// Bytes read but not yet framed (those that came with the head).
+    pending: BytesMut,
+    /// A chunk-size line or trailer line under way.
+    line: Vec<u8>,
+    reusable: bool,
+    home: Option<(Arc<Connections>, Arc<str>)>,
+}
+
+impl EngineBody {
+    /// The body's end: the connection goes back if it may carry another request.
+    fn finish(&mut self) {
+        self.framing = Framing::Done;
+        let stream = self.stream.take();
+        if let (Some(stream), Some((pool, authority))) = (stream, self.home.take()) {
+            if self.reusable && self.pending.is_empty() {
+                pool.give_back(authority, stream);
+            }
+        }
+    }
+
+    /// Frames `input`: the body's data in it, appended to `out`. Bytes past the body's end
+    /// stay in `input` (they make the connection unfit for reuse).
+    fn frame(&mut self, input: &mut BytesMut, out: &mut BytesMut) -> Result<(), BodyError> {
+        while !input.is_empty() {
+            match &mut self.framing {
+                Framing::Done => return Ok(()),
+                Framing::UntilClose => out.extend_from_slice(&input.split()),
+                Framing::Length(left) => {
+                    let take = (*left).min(input.len() as u64);
+                    out.extend_from_slice(&input.split_to(take as usize));
+                    *left -= take;
+                    if *left == 0 {
+                        self.framing = Framing::Done;
+                    }
+                }
+                Framing::Chunked(chunk) => match chunk {
+                    Chunk::Data(left) => {
+                        let take = (*left).min(input.len() as u64);
+                        out.extend_from_slice(&input.split_to(take as usize));
+                        *left -= take;
+                        if *left == 0 {
+                            *chunk = Chunk::DataEnd(0);
+                        }
+                    }
+                    Chunk::DataEnd(seen) => {
+                        let expected = b"\r\n"[usize::from(*seen)];
+                        if input[0] != expected {
+                            return Err("a chunk's data is not followed by CRLF".into());
+                        }
+                        let _ = input.split_to(1);
+                        *seen += 1;
+                        if *seen == 2 {
+                            *chunk = Chunk::Size;
+                        }
+                    }
+                    Chunk::Size => {
+                        let Some(line) = take_line(&mut self.line, input)? else {
+                            continue;
+                        };
+                        let size = match httparse::parse_chunk_size(&line) {
+                            Ok(httparse::Status::Complete((_, size))) => size,
+                            _ => {
+                                let shown = String::from_utf8_lossy(&line);
+                                return Err(format!("a bad chunk-size line {shown:?}").into());
+                            }
+                        };
+                        *chunk = match size {
+                            0 => Chunk::Trailers,
+                            n => Chunk::Data(n),
+                        };
+                    }
+                    Chunk::Trailers => {
+                        let Some(line) = take_line(&mut self.line, input)? else {
+                            continue;
+                        };
+                        if line == b"\r\n" || line == b"\n" {
+                            self.framing = Framing::Done;
+                        }
+                    }
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Moves `input`'s bytes into `line` up to and with its LF: the whole line once ended.
+fn take_line(line: &mut Vec<u8>, input: &mut BytesMut) -> Result<Option<Vec<u8>>, BodyError> {
+    let end = memchr::memchr(b'\n', input);
+    let take = end.map_or(input.len(), |at| at + 1);
+    line.extend_from_slice(&input.split_to(take));
+    if line.len() > MAX_LINE_BYTES {
+        return Err(format!("a chunk line over {MAX_LINE_BYTES} bytes").into());
+    }
+    Ok(end.map(|_| std::mem::take(line)))
+}
+
+impl Body for EngineBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        let mut out = BytesMut::new();
+        loop {
+            if !this.pending.is_empty() {
+                let mut pending = std::mem::take(&mut this.pending);
+                let framed = this.frame(&mut pending, &mut out);
+                this.pending = pending;
+                if let Err(err) = framed {
+                    this.stream = None;
+                    return Poll::Ready(Some(Err(err)));
+                }
+            }
+            if this.framing.is_done() {
+                this.finish();
+            }
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+            }
+            let Some(stream) = this.stream.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let mut scratch = [0u8; READ_BYTES];
+            let mut read = ReadBuf::new(&mut scratch);
+            match Pin::new(stream).poll_read(cx, &mut read) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(err)) => {
+                    this.stream = None;
+                    return Poll::Ready(Some(Err(format!("reading the answer: {err}").into())));
+                }
+                Poll::Ready(Ok(())) if read.filled().is_empty() => {
+                    this.stream = None;
+                    if this.framing == Framing::UntilClose {
+                        this.framing = Framing::Done;
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Err(
+                        "the engine closed the connection within the answer".into(),
+                    )));
+                }
+                Poll::Ready(Ok(())) => this.pending.extend_from_slice(read.filled()),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.framing.is_done()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(left) if self.pending.is_empty() => SizeHint::with_exact(left),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(framing: Framing) -> EngineBody {
+        EngineBody {
+            stream: None,
+            framing,
+            pending: BytesMut::new(),
+            line: Vec::new(),
+            reusable: true,
+            home: None,
+        }
+    }
+
+    /// Frames `wire` split at every `step` bytes: the data, and whether the body ended.
+    fn framed(framing: Framing, wire: &[u8], step: usize) -> Result<(Vec<u8>, bool), BodyError> {
+        let mut body = body(framing);
+        let mut out = BytesMut::new();
+        for piece in wire.chunks(step) {
+            let mut input = BytesMut::from(piece);
+            body.frame(&mut input, &mut out)?;
+        }
+        Ok((out.to_vec(), body.framing.is_done()))
+    }
+
+    #[test]
+    fn a_chunked_body_is_framed_whatever_its_reads() {
+        let wire =
+            b"6;ext=1\r\ndata: \r\n17\r\n{\"x\":1}\n\ndata: [DONE]\n\n\r\n0\r\nTrailer: t\r\n\r\n";
+        for step in 1..=wire.len() {
+            let (data, done) = framed(Framing::Chunked(Chunk::Size), wire, step).expect("framed");
+            assert_eq!(data, b"data: {\"x\":1}\n\ndata: [DONE]\n\n", "step {step}");
+            assert!(done, "step {step}");
+        }
+    }
+
+    #[test]
+    fn a_length_body_ends_at_its_length_and_leaves_what_follows() {
+        let mut body = body(Framing::Length(5));
+        let (mut input, mut out) = (BytesMut::from(&b"hello, more"[..]), BytesMut::new());
+        body.frame(&mut input, &mut out).expect("framed");
+        assert_eq!((&out[..], &input[..]), (&b"hello"[..], &b", more"[..]));
+        assert!(body.framing.is_done());
+    }
+
+    #[test]
+    fn broken_chunking_is_an_error_not_data() {
+        for wire in [
+            &b"zz\r\ndata\r\n"[..],
+            b"4\r\ndataXX",
+            b"+4\r\ndata\r\n",
+            &[b'1'; MAX_LINE_BYTES + 1],
+        ] {
+            assert!(
+                framed(Framing::Chunked(Chunk::Size), wire, 3).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(wire)
+            );
+        }
+    }
+
+    /// A peer on loopback that answers each request on a connection with `answer`, and closes
+    /// each connection after `per_connection` answers; what it counts.
+    async fn peer(answer: &'static [u8], per_connection: usize) -> (String, Arc<Mutex<usize>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let authority = listener.local_addr().expect("address").to_string();
+        let accepted = Arc::new(Mutex::new(0));
+        let counted = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                *counted.lock() += 1;
+                tokio::spawn(async move {
+                    let mut read = vec![0u8; 4096];
+                    for _ in 0..per_connection {
+                        let mut request = Vec::new();
+                        while memchr::memmem::find(&request, b"\r\n\r\nbody").is_none() {
+                            match tokio::io::AsyncReadExt::read(&mut socket, &mut read).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => request.extend_from_slice(&read[..n]),
+                            }
+                        }
+                        if socket.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (authority, accepted)
+    }
+
+    async fn get(connections: &Arc<Connections>, authority: &str) -> Vec<u8> {
+        let head = format!("POST / HTTP/1.1\r\nhost: {authority}\r\ncontent-length: 4\r\n\r\n");
+        let (parts, body) = connections
+            .send(
+                authority,
+                Duration::from_secs(2),
+                head.as_bytes(),
+                &Bytes::from_static(b"body"),
+            )
+            .await
+            .unwrap_or_else(|err| panic!("{err:?}"));
+        assert_eq!(parts.status, 200);
+        http_body_util::BodyExt::collect(body)
+            .await
+            .expect("the body")
+            .to_bytes()
+            .to_vec()
+    }
+
+    #[tokio::test]
+    async fn a_connection_read_to_its_end_is_reused_and_a_closed_one_replaced() {
+        let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+        let (authority, accepted) = peer(answer, usize::MAX).await;
+        let connections = Arc::new(Connections::default());
+        for _ in 0..3 {
+            assert_eq!(get(&connections, &authority).await, b"ok");
+        }
+        assert_eq!(*accepted.lock(), 1, "one connection carried the three");
+
+        // The peer closes each connection after one answer, as an engine whose keep-alive ran
+        // out: each next request finds its pooled connection closed and takes a new one.
+        let (authority, accepted) =
+            peer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", 1).await;
+        for _ in 0..3 {
+            assert_eq!(get(&connections, &authority).await, b"ok");
+        }
+        assert_eq!(*accepted.lock(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_before_its_end_closes_its_connection() {
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf";
+        let (authority, accepted) = peer(answer, usize::MAX).await;
+        let connections = Arc::new(Connections::default());
+        let head = format!("POST / HTTP/1.1\r\nhost: {authority}\r\ncontent-length: 4\r\n\r\n");
+        for _ in 0..2 {
+            let (_, body) = connections
+                .send(
+                    &authority,
+                    Duration::from_secs(2),
+                    head.as_bytes(),
+                    &Bytes::from_static(b"body"),
+                )
+                .await
+                .unwrap_or_else(|err| panic!("{err:?}"));
+            drop(body);
+        }
+        assert_eq!(
+            *accepted.lock(),
+            2,
+            "an answer not read whole is not reused"
+        );
+    }
+
+    #[test]
+    fn heads_say_how_their_body_ends_and_whether_the_connection_is_kept() {
+        let head = |text: &str| {
+            let wire = text.replace('\n', "\r\n");
+            match parse_head(wire.as_bytes()) {
+                Ok(Some((len, Some((parts, framing, reusable))))) => {
+                    assert_eq!(len, wire.len());
+                    Ok((parts.status.as_u16(), framing, reusable))
+                }
+                Ok(other) => panic!("{text}: {:?}", other.map(|(len, _)| len)),
+                Err(err) => Err(format!("{err:?}")),
+            }
+        };
+        assert_eq!(
+            head("HTTP/1.1 200 OK\nContent-Length: 12\n\n"),
+            Ok((200, Framing::Length(12), true))
+        );
+        assert_eq!(
+            head("HTTP/1.1 200 OK\nTransfer-Encoding: chunked\nConnection: close\n\n"),
+            Ok((200, Framing::Chunked(Chunk::Size), false))
+        );
+        assert_eq!(
+            head("HTTP/1.1 200 OK\n\n"),
+            Ok((200, Framing::UntilClose, false))
+        );
+        assert_eq!(
+            head("HTTP/1.0 503 Busy\nContent-Length: 0\n\n"),
+            Ok((503, Framing::Done, false))
+        );
+        assert_eq!(
+            head("HTTP/1.1 204 No Content\n\n"),
+            Ok((204, Framing::Done, true))
+        );
+        assert!(head("HTTP/1.1 200 OK\nContent-Length: 1\nContent-Length: 2\n\n").is_err());
+        assert!(head("HTTP/1.1 200 OK\nContent-Length: -1\n\n").is_err());
+        let interim = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n";
+        assert!(matches!(
+            parse_head(interim.as_bytes()),
+            Ok(Some((25, None)))
+        ));
+        assert!(matches!(
+            parse_head(b"HTTP/1.1 200 OK\r\nContent-Le"),
+            Ok(None)
+        ));
+        assert!(parse_head(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+    }
+}
