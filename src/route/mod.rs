@@ -58,6 +58,10 @@ pub const MAX_TRIES: usize = 2;
 /// Prompts tokenized at once: tokenizing is CPU work, and more at once than the API's
 /// `POOL_THREADS` only adds threads on a machine of a few cores.
 const TOKENIZING: usize = crate::http::POOL_THREADS;
+/// A text or chat body up to this size is tokenized where it is read, on the runtime's thread:
+/// its template and tokenizer take about as long as the hop to a blocking thread and back
+/// (docs/performance.md "Route front end: bench_route").
+const TOKENIZE_INLINE_BYTES: usize = 8 << 10;
 
 /// What the front end's routes do.
 #[derive(Clone, Copy)]
@@ -232,7 +236,7 @@ impl RouteFront {
             Some(changed) => Bytes::from(changed),
             None => Bytes::from(body),
         };
-        let (parsed, prompt) = match self.tokenized(parsed).await {
+        let (parsed, prompt) = match self.tokenized(parsed, body.len()).await {
             Ok(tokenized) => tokenized,
             Err(why) => return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why),
         };
@@ -240,17 +244,20 @@ impl RouteFront {
             .await
     }
 
-    /// `parsed` and its prompt as routing weighs it. Text and chats are tokenized on a blocking
-    /// thread (a long chat's template and tokenizer take milliseconds), `TOKENIZING` at once:
-    /// beyond, a request waits for a place rather than taking a thread of its own.
+    /// `parsed` (of a `body_len`-byte body) and its prompt as routing weighs it. Text and chats
+    /// of bodies over `TOKENIZE_INLINE_BYTES` are tokenized on a blocking thread (a long chat's
+    /// template and tokenizer take milliseconds), `TOKENIZING` at once: beyond, a request waits
+    /// for a place rather than taking a thread of its own.
     async fn tokenized(
         self: &Arc<Self>,
         parsed: OpenAiRequest,
+        body_len: usize,
     ) -> Result<(OpenAiRequest, Tokenized), String> {
-        if matches!(
+        let needs_no_tokenizer = matches!(
             parsed.prompt,
             PromptSource::Tokens(_) | PromptSource::Unreadable(_)
-        ) {
+        );
+        if needs_no_tokenizer || body_len <= TOKENIZE_INLINE_BYTES {
             let tokenized = self.tokenize(&parsed)?;
             return Ok((parsed, tokenized));
         }

@@ -6,7 +6,8 @@
 //! engine's last chunk says how many tokens it found cached. Never: changes anything else of a
 //! body (the engine gets the client's bytes), or tokenizes.
 
-use serde::Deserialize;
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 /// Which OpenAI route a request came to.
@@ -57,7 +58,7 @@ struct Fields {
     model: Option<String>,
     messages: Option<Value>,
     tools: Option<Value>,
-    prompt: Option<Value>,
+    prompt: Option<PromptField>,
     #[serde(default)]
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
@@ -105,22 +106,146 @@ impl OpenAiRequest {
 }
 
 /// `prompt` as a string, an array of token ids, or (routed by load alone) a batch.
-fn completion_prompt(prompt: Value) -> Result<PromptSource, String> {
+fn completion_prompt(prompt: PromptField) -> Result<PromptSource, String> {
     match prompt {
-        Value::String(text) => Ok(PromptSource::Text(text)),
-        Value::Array(items) => {
-            let ids: Option<Vec<u32>> = items
-                .iter()
-                .map(|item| item.as_u64().and_then(|id| u32::try_from(id).ok()))
-                .collect();
-            Ok(match ids {
-                Some(ids) if !ids.is_empty() => PromptSource::Tokens(ids),
-                _ => PromptSource::Unreadable(
-                    "`prompt` is a batch: each prompt of it may belong elsewhere",
-                ),
-            })
+        PromptField::Text(text) => Ok(PromptSource::Text(text)),
+        PromptField::Ids(ids) if !ids.is_empty() => Ok(PromptSource::Tokens(ids)),
+        PromptField::Ids(_) | PromptField::Batch => Ok(PromptSource::Unreadable(
+            "`prompt` is a batch: each prompt of it may belong elsewhere",
+        )),
+        PromptField::Other => {
+            Err("`prompt` must be a string, an array of token ids, or a batch of them".into())
         }
-        _ => Err("`prompt` must be a string, an array of token ids, or a batch of them".into()),
+    }
+}
+
+/// A completion's `prompt`, read straight from the body: token ids go into a `Vec<u32>`
+/// without a JSON tree of them (a long prompt's ids were half the front end's own CPU time,
+/// docs/performance.md "Route front end: bench_route").
+enum PromptField {
+    Text(String),
+    Ids(Vec<u32>),
+    /// An array with an element that is not a token id: several prompts.
+    Batch,
+    /// Neither a string nor an array.
+    Other,
+}
+
+impl<'de> Deserialize<'de> for PromptField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = PromptField;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, an array of token ids, or a batch of prompts")
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<PromptField, E> {
+        Ok(PromptField::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<PromptField, E> {
+        Ok(PromptField::Text(text))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<PromptField, A::Error> {
+        let mut ids = Vec::with_capacity(items.size_hint().unwrap_or(0));
+        let mut batch = false;
+        while let Some(item) = items.next_element::<TokenId>()? {
+            match item.0 {
+                Some(id) if !batch => ids.push(id),
+                _ => batch = true,
+            }
+        }
+        Ok(if batch {
+            PromptField::Batch
+        } else {
+            PromptField::Ids(ids)
+        })
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PromptField, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(PromptField::Other)
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<PromptField, E> {
+        Ok(PromptField::Other)
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<PromptField, E> {
+        Ok(PromptField::Other)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<PromptField, E> {
+        Ok(PromptField::Other)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<PromptField, E> {
+        Ok(PromptField::Other)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<PromptField, E> {
+        Ok(PromptField::Other)
+    }
+}
+
+/// One element of a prompt array: a token id, or `None` for anything else (skipped unread).
+struct TokenId(Option<u32>);
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(TokenIdVisitor).map(TokenId)
+    }
+}
+
+struct TokenIdVisitor;
+
+impl<'de> Visitor<'de> for TokenIdVisitor {
+    type Value = Option<u32>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a token id or a prompt")
+    }
+
+    fn visit_u64<E: de::Error>(self, id: u64) -> Result<Option<u32>, E> {
+        Ok(u32::try_from(id).ok())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Option<u32>, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Option<u32>, E> {
+        Ok(None)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Option<u32>, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Option<u32>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<u32>, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Option<u32>, A::Error> {
+        while items.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<u32>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
     }
 }
 
@@ -191,9 +316,28 @@ mod tests {
         assert!(matches!(text.prompt, PromptSource::Text(ref t) if t == "hello"));
         let ids = OpenAiRequest::parse(br#"{"prompt": [1, 2, 3]}"#, Kind::Completion).expect("ids");
         assert!(matches!(ids.prompt, PromptSource::Tokens(ref t) if t == &[1, 2, 3]));
-        let batch =
-            OpenAiRequest::parse(br#"{"prompt": ["a", "b"]}"#, Kind::Completion).expect("batch");
-        assert!(matches!(batch.prompt, PromptSource::Unreadable(_)));
+        for batch in [
+            &br#"{"prompt": ["a", "b"]}"#[..],
+            br#"{"prompt": [[1, 2], [3]]}"#,
+            br#"{"prompt": [1, {"a": [1]}, 2]}"#,
+            br#"{"prompt": [1, -2]}"#,
+            br#"{"prompt": [4294967296]}"#,
+            br#"{"prompt": [1.5]}"#,
+            br#"{"prompt": []}"#,
+        ] {
+            let batch = OpenAiRequest::parse(batch, Kind::Completion).expect("batch");
+            assert!(matches!(batch.prompt, PromptSource::Unreadable(_)));
+        }
+        for other in [
+            &br#"{"prompt": {"a": 1}}"#[..],
+            br#"{"prompt": 7}"#,
+            br#"{"prompt": true}"#,
+        ] {
+            let err = OpenAiRequest::parse(other, Kind::Completion).unwrap_err();
+            assert!(err.contains("`prompt` must be"), "{err}");
+        }
+        let err = OpenAiRequest::parse(br#"{"prompt": [1, 2"#, Kind::Completion).unwrap_err();
+        assert!(err.contains("not a JSON object"), "{err}");
     }
 
     #[test]
