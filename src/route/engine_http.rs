@@ -10,8 +10,8 @@
 //! its socket and a few hundred bytes. `httparse` parses the head and each chunk-size line;
 //! this file only counts bytes.
 //!
-//! Owns: the idle connections (per engine server, at most `IDLE_PER_SERVER`, each checked for
-//! a close before reuse), the head's bound, the body's framing (RFC 9112 section 6.3), and
+//! Owns: the idle connections (per engine server, at most `IDLE_PER_SERVER`, closed after
+//! `IDLE_KEEP` unused, each checked for a close before reuse), the head's bound, the body's framing (RFC 9112 section 6.3), and
 //! giving a connection back only when its answer was read whole and may be followed by another.
 //! Never: sends a request twice but on a reused connection that closed before answering a
 //! byte, follows a redirect, reads past its answer, or keeps a connection whose answer was not
@@ -31,6 +31,7 @@ use hyper::http::response::Parts;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use crate::http::BodyError;
 
@@ -44,6 +45,10 @@ const MAX_LINE_BYTES: usize = 4 << 10;
 const READ_BYTES: usize = 16 << 10;
 /// Idle connections kept per engine server for the next request.
 const IDLE_PER_SERVER: usize = 256;
+/// An idle connection unused this long is closed (an engine's server closes its own sooner:
+/// uvicorn's keep-alive is 5 s), so that neither one the engine closed nor one to an engine
+/// gone from the file stays open.
+const IDLE_KEEP: Duration = Duration::from_secs(30);
 /// A request body up to this size is written with its head in one write.
 const COALESCE_BYTES: usize = 64 << 10;
 
@@ -59,8 +64,11 @@ pub(super) enum SendError {
 /// Idle keep-alive connections, per engine server (`host:port`).
 #[derive(Default)]
 pub(super) struct Connections {
-    idle: Mutex<HashMap<Arc<str>, Vec<TcpStream>>>,
+    idle: Mutex<HashMap<Arc<str>, Vec<Idle>>>,
 }
+
+/// A connection, and since when it has been idle (a server's are kept oldest first).
+type Idle = (TcpStream, Instant);
 
 impl Connections {
     /// Sends `head` and `body` to `authority` and reads the answer's head; the body follows.
@@ -126,7 +134,10 @@ impl Connections {
     fn take_idle(&self, authority: &str) -> Option<TcpStream> {
         let mut idle = self.idle.lock();
         let streams = idle.get_mut(authority)?;
-        while let Some(stream) = streams.pop() {
+        while let Some((stream, since)) = streams.pop() {
+            if since.elapsed() >= IDLE_KEEP {
+                continue;
+            }
             let mut probe = [0u8; 1];
             // Open and silent is the only state to reuse: a close, an error or unasked bytes
             // end it.
@@ -139,12 +150,27 @@ impl Connections {
         None
     }
 
+    /// Keeps `stream` for `authority`'s next request, and closes every connection idle past
+    /// `IDLE_KEEP`.
     fn give_back(&self, authority: Arc<str>, stream: TcpStream) {
         let mut idle = self.idle.lock();
+        for streams in idle.values_mut() {
+            let expired = streams
+                .iter()
+                .take_while(|(_, since)| since.elapsed() >= IDLE_KEEP)
+                .count();
+            streams.drain(..expired);
+        }
+        idle.retain(|_, streams| !streams.is_empty());
         let streams = idle.entry(authority).or_default();
         if streams.len() < IDLE_PER_SERVER {
-            streams.push(stream);
+            streams.push((stream, Instant::now()));
         }
+    }
+
+    #[cfg(test)]
+    fn idle_count(&self, authority: &str) -> usize {
+        self.idle.lock().get(authority).map_or(0, Vec::len)
     }
 }
 
@@ -664,6 +690,29 @@ mod tests {
             assert_eq!(get(&connections, &authority).await, b"ok");
         }
         assert_eq!(*accepted.lock(), 3);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_closed_after_idle_keep() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let connections = Connections::default();
+        let mut peers = Vec::new();
+        for authority in ["gone-from-the-file:80", "kept:80"] {
+            let stream = TcpStream::connect(addr).await.expect("connect");
+            peers.push(listener.accept().await.expect("accept"));
+            connections.give_back(authority.into(), stream);
+        }
+        assert_eq!(connections.idle_count("gone-from-the-file:80"), 1);
+        tokio::time::pause();
+        tokio::time::advance(IDLE_KEEP).await;
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        connections.give_back("kept:80".into(), stream);
+        assert_eq!(connections.idle_count("gone-from-the-file:80"), 0);
+        assert_eq!(connections.idle_count("kept:80"), 1, "the new one alone");
+        assert!(connections.take_idle("kept:80").is_some());
     }
 
     #[tokio::test]
