@@ -528,6 +528,13 @@ fn refusals_are_json_errors_naming_their_cause() {
     let reply = send("/v1/completions", &[("X-Long", &long)], body.as_bytes());
     assert_eq!(reply.status, 431, "{}", reply.text());
     error_message(&reply);
+    let reply = send(
+        &format!("/v1/completions?{long}"),
+        &authorized,
+        body.as_bytes(),
+    );
+    assert_eq!(reply.status, 414, "{}", reply.text());
+    error_message(&reply);
     let unknown = json!({ "model": "nobody-serves-it", "prompt": "x" }).to_string();
     let reply = send("/v1/completions", &authorized, unknown.as_bytes());
     assert_eq!(reply.status, 503, "{}", reply.text());
@@ -554,6 +561,33 @@ fn refusals_are_json_errors_naming_their_cause() {
     assert!(error_message(&reply).contains("max_concurrent_requests"));
     drop(streaming);
     routed.all_released("refusals");
+}
+
+#[test]
+fn a_connection_past_the_cap_is_refused_as_an_openai_error() {
+    // 512 held connections are 1,024 descriptors in this process (both ends).
+    kv_indexer::registry::raise_open_files_limit().expect("raising RLIMIT_NOFILE");
+    // The cap is twice max_concurrent_requests, at least the API's 512.
+    let routed = routed(
+        1,
+        1,
+        OpenAiConfig::default(),
+        &[("max_concurrent_requests", "1")],
+    );
+    let held: Vec<Connection> = (0..kv_indexer::http::MAX_CONNECTIONS)
+        .map(|_| Connection::open(routed.route))
+        .collect();
+    // Until the server has admitted every held connection, a probe is answered and closed.
+    let reply = wait_for(60, "a connection past the cap to be refused", || {
+        let reply = Connection::open(routed.route).send_with("GET", "/health", &[], None);
+        (reply.status == 503).then_some(reply)
+    });
+    assert!(
+        error_message(&reply).contains("connections are open"),
+        "{}",
+        reply.text()
+    );
+    drop(held);
 }
 
 #[test]

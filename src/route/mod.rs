@@ -60,7 +60,7 @@ pub const MAX_TRIES: usize = 2;
 const TOKENIZING: usize = crate::http::POOL_THREADS;
 /// A text or chat body up to this size is tokenized where it is read, on the runtime's thread:
 /// its template and tokenizer take about as long as the hop to a blocking thread and back
-/// (docs/performance.md "Route front end: bench_route").
+/// (docs/performance.md "Why a short prompt is tokenized where it is read").
 const TOKENIZE_INLINE_BYTES: usize = 8 << 10;
 
 /// What the front end's routes do.

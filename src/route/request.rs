@@ -120,8 +120,8 @@ fn completion_prompt(prompt: PromptField) -> Result<PromptSource, String> {
 }
 
 /// A completion's `prompt`, read straight from the body: token ids go into a `Vec<u32>`
-/// without a JSON tree of them (a long prompt's ids were half the front end's own CPU time,
-/// docs/performance.md "Route front end: bench_route").
+/// without a JSON tree of them (docs/performance.md "Why token ids are read without a JSON
+/// tree").
 enum PromptField {
     Text(String),
     Ids(Vec<u32>),
