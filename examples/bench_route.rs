@@ -15,8 +15,9 @@
 //!
 //! What it prints:
 //!
-//! 1. `latency …` lines: per case (a completion of 1,024 token ids, or a ~1,000-token chat that
-//!    both the front end and the engine tokenize; `max_tokens` 4), whole answers (time to the
+//! 1. `| latency …` lines (each the closing table's row, then the threads): per case (a
+//!    completion of 1,024 token ids, or a ~1,000-token chat that both the front end and the
+//!    engine tokenize; `max_tokens` 4), whole answers (time to the
 //!    last byte) or streamed (time to the first byte of the body: the first SSE chunk), at 1, 64
 //!    and 512 connections each sending its requests one after another: p50/p99 and requests/s
 //!    sent straight to the engine (with the `X-data-parallel-rank` the front end chose) and
@@ -624,6 +625,21 @@ impl LatencyRow {
         }
     }
 
+    /// The row of the closing table: each way's figures, what the front end adds, the target.
+    fn table_line(&self) -> String {
+        format!(
+            "| latency {}, c={} ({} req a way) | {} | {} | {}{} | {} |",
+            self.label,
+            self.connections,
+            self.route.latencies.len(),
+            self.direct.summary(),
+            self.route.summary(),
+            self.added_text(),
+            self.failures(),
+            self.verdict()
+        )
+    }
+
     fn failures(&self) -> String {
         let failed = self.direct.failures + self.route.failures;
         match (&self.route.first_failure, &self.direct.first_failure) {
@@ -668,16 +684,10 @@ async fn latency(bench: &Bench, case: Case, threads_idle: u64) -> Result<Latency
     row.direct.latencies.sort_unstable();
     row.route.latencies.sort_unstable();
     println!(
-        "latency {:<34} c={:<3} {} req a way | direct {} | route {} | added {} | threads {} → ≤ {}{}",
-        row.label,
-        row.connections,
-        row.route.latencies.len(),
-        row.direct.summary(),
-        row.route.summary(),
-        row.added_text(),
+        "{} threads {} → ≤ {}",
+        row.table_line(),
         row.threads_before,
         row.route.threads_max.max(row.direct.threads_max),
-        row.failures(),
     );
     for (way, measured) in [("direct", &row.direct), ("route", &row.route)] {
         if measured.threads_max > threads_before {
@@ -1215,17 +1225,7 @@ fn main() -> Result<()> {
     println!("| case | direct | through the front end | added (front end's own) | target |");
     println!("|---|---|---|---|---|");
     for row in &rows {
-        println!(
-            "| latency {}, c={} ({} req a way) | {} | {} | {}{} | {} |",
-            row.label,
-            row.connections,
-            row.route.latencies.len(),
-            row.direct.summary(),
-            row.route.summary(),
-            row.added_text(),
-            row.failures(),
-            row.verdict()
-        );
+        println!("{}", row.table_line());
     }
     println!(
         "| streaming throughput, {THROUGHPUT_STREAMS} × {THROUGHPUT_TOKENS} tokens × {THROUGHPUT_ROUNDS} | {:.0} chunks/s ({:.1} µs CPU a chunk) | {:.0} chunks/s ({:.1} µs CPU a chunk) | {:.0}% of direct | |",

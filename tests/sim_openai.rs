@@ -45,6 +45,24 @@ fn server(engine: &SimEngine) -> (OpenAiServer, SocketAddr) {
     (server, addr)
 }
 
+/// A one-rank engine a token every 20 ms, and the body of a streamed completion of the prompt
+/// from token `first` that would run twenty seconds if nobody left.
+fn long_stream(first: u32) -> (SimEngine, OpenAiServer, SocketAddr, Vec<u8>) {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            inter_token: Duration::from_millis(20),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let body = completion(
+        json!(token_prompt(first, 20)),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    (engine, server, addr, body)
+}
+
 /// `count` token ids unlike any other test's.
 fn token_prompt(first: u32, count: u32) -> Vec<u32> {
     (first..first + count).collect()
@@ -417,19 +435,7 @@ fn include_usage_adds_exactly_one_usage_event_before_done() {
 
 #[test]
 fn a_client_leaving_mid_stream_stops_its_generation() {
-    let engine = engine(
-        1,
-        OpenAiConfig {
-            inter_token: Duration::from_millis(20),
-            ..OpenAiConfig::default()
-        },
-    );
-    let (server, addr) = server(&engine);
-    // Twenty seconds of output if nobody left.
-    let body = completion(
-        json!(token_prompt(5_000, 20)),
-        json!({"max_tokens": 1000, "stream": true}),
-    );
+    let (_engine, server, addr, body) = long_stream(5_000);
     let mut answer = post(addr, "/v1/completions", &[], &body);
     for _ in 0..2 {
         answer.next_event().expect("read").expect("an event");
@@ -505,18 +511,7 @@ fn injected_statuses_stalls_and_breaks() {
 
 #[test]
 fn a_closed_listener_refuses_connections_and_reopens_on_its_port() {
-    let engine = engine(
-        1,
-        OpenAiConfig {
-            inter_token: Duration::from_millis(20),
-            ..OpenAiConfig::default()
-        },
-    );
-    let (server, addr) = server(&engine);
-    let body = completion(
-        json!(token_prompt(7_000, 20)),
-        json!({"max_tokens": 1000, "stream": true}),
-    );
+    let (_engine, server, addr, body) = long_stream(7_000);
     let mut open = post(addr, "/v1/completions", &[], &body);
     open.next_event().expect("read").expect("an event");
 

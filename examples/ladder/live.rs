@@ -39,7 +39,7 @@ use kv_indexer_sim::watch::{warm_up, OverHttp};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::{print_bounds, Args, Workload, DEADLINE};
+use crate::{engine_config, print_bounds, Args, Workload, DEADLINE};
 
 /// The model the mock engines serve and the requests name.
 const MODEL: &str = "sim-model";
@@ -357,11 +357,6 @@ fn print_details(row: &LiveRow) {
 impl LiveFleet {
     fn start(args: &Args) -> Result<LiveFleet> {
         let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
-            dp_size: args.dp_size,
-            replay_port: Some(0),
-            recover_port: None,
-            block_size: BLOCK_SIZE,
-            capacity_blocks: args.capacity_blocks,
             openai_port: Some(0),
             openai: OpenAiConfig {
                 model: MODEL.into(),
@@ -371,8 +366,7 @@ impl LiveFleet {
                 max_model_len: 1 << 20,
                 ..OpenAiConfig::default()
             },
-            seed: 0x1ADD + i as u64,
-            ..SimConfig::default()
+            ..engine_config(args, i)
         })?;
         let tomls: Vec<EngineToml> = fleet
             .engine_tomls()

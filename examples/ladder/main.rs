@@ -368,8 +368,9 @@ struct Run<'a> {
     agreed: usize,
 }
 
-fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Result<Row> {
-    let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
+/// Engine `i` of the fleet: its ranks, cache and seed, the same in every run and policy.
+fn engine_config(args: &Args, i: usize) -> SimConfig {
+    SimConfig {
         dp_size: args.dp_size,
         replay_port: Some(0),
         recover_port: None,
@@ -377,7 +378,11 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         capacity_blocks: args.capacity_blocks,
         seed: 0x1ADD + i as u64,
         ..SimConfig::default()
-    })?;
+    }
+}
+
+fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Result<Row> {
+    let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| engine_config(args, i))?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("indexer.toml");
     let knobs = [

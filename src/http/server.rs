@@ -324,7 +324,7 @@ async fn serve_connection(
         service_fn(move |request| {
             let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
             async move {
-                let reply = answer(&shared, &link, request, peer).await;
+                let reply = answer(&shared, &link, shape, request, peer).await;
                 Ok::<_, std::convert::Infallible>(reply)
             }
         })
@@ -362,11 +362,11 @@ async fn serve_connection(
 async fn answer(
     shared: &Arc<Shared>,
     link: &Link,
+    shape: ErrorShape,
     request: hyper::Request<Incoming>,
     peer: SocketAddr,
 ) -> hyper::Response<AnswerBody> {
     let started = Instant::now();
-    let shape = shared.answerer.error_shape();
     let (parts, body) = request.into_parts();
     let request = Request::new(parts, peer);
     let mut bytes = Vec::new();
