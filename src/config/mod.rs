@@ -31,6 +31,7 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
+use anyhow::Context as _;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use toml::de::DeTable;
@@ -268,6 +269,20 @@ impl Config {
             _ => Err(problems.into_error()),
         }
     }
+}
+
+/// The text of a token file `path` (`key` names it in errors, `what` says what to write in it),
+/// when one is set: never an empty one, and the error names the file, never its content.
+fn read_token_file(path: Option<&str>, key: &str, what: &str) -> anyhow::Result<Option<String>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {key} {path}"))?;
+    anyhow::ensure!(
+        !text.trim().is_empty(),
+        "{key} {path} is empty: write {what} in it"
+    );
+    Ok(Some(text))
 }
 
 /// Checks an HTTP listen address: `IP:port` (IPv6 in brackets) or `hostname:port`.

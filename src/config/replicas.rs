@@ -5,10 +5,10 @@
 //! path, read at start (`read_auth_token`; a check never touches the file system). It never
 //! opens a socket and never puts a token in a message.
 
-use anyhow::Context as _;
 use toml::Spanned;
 
 use super::diagnostics::Problems;
+use super::read_token_file;
 
 /// The replica keys, validated.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -37,24 +37,6 @@ impl Replicas {
             "the shared token",
         )
     }
-}
-
-/// The text of a token file `path` (`key` names it in errors, `what` says what to write in it),
-/// when one is set: never an empty one, and the error names the file, never its content.
-pub(super) fn read_token_file(
-    path: Option<&str>,
-    key: &str,
-    what: &str,
-) -> anyhow::Result<Option<String>> {
-    let Some(path) = path else {
-        return Ok(None);
-    };
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {key} {path}"))?;
-    anyhow::ensure!(
-        !text.trim().is_empty(),
-        "{key} {path} is empty: write {what} in it"
-    );
-    Ok(Some(text))
 }
 
 /// Whether an HTTP `listen` address only accepts connections from this host.

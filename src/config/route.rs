@@ -10,7 +10,7 @@ use toml::Spanned;
 
 use super::diagnostics::Problems;
 use super::keys::{as_table, read_table, Int, SectionChecker};
-use super::replicas::read_token_file;
+use super::read_token_file;
 use super::validate_listen;
 
 const SECTION: &str = "[route]";
