@@ -369,7 +369,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn idle_connections_are_closed_after_idle_keep() {
+    async fn idle_connections_are_closed_after_idle_keep_and_past_idle_per_server() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -389,6 +389,14 @@ mod tests {
         assert_eq!(connections.idle_count("gone-from-the-file:80"), 0);
         assert_eq!(connections.idle_count("kept:80"), 1, "the new one alone");
         assert!(connections.take_idle("kept:80").is_some());
+
+        // At most `IDLE_PER_SERVER` are kept for one server; one more is closed.
+        for _ in 0..=IDLE_PER_SERVER {
+            let stream = TcpStream::connect(addr).await.expect("connect");
+            peers.push(listener.accept().await.expect("accept"));
+            connections.give_back("busy:80".into(), stream);
+        }
+        assert_eq!(connections.idle_count("busy:80"), IDLE_PER_SERVER);
     }
 
     #[tokio::test]
