@@ -38,5 +38,6 @@ pub mod route;
 pub mod select;
 pub mod service;
 pub mod socket_monitor;
+pub mod state;
 pub mod tokenize;
 pub mod wire;

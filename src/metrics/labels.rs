@@ -12,6 +12,9 @@ use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 pub enum ListenerState {
     Connecting,
     Active,
+    /// Joined mid-stream with the history before the join lost: every store and removal since
+    /// is known, so it is scored on those (a miss for anything older, never a false hit).
+    Partial,
     Recovering,
     Degraded,
     /// Dropped without being asked to stop ([`FailureReason`]): restarted by the registry.
@@ -20,9 +23,10 @@ pub enum ListenerState {
 }
 
 impl ListenerState {
-    pub const ALL: [ListenerState; 6] = [
+    pub const ALL: [ListenerState; 7] = [
         ListenerState::Connecting,
         ListenerState::Active,
+        ListenerState::Partial,
         ListenerState::Recovering,
         ListenerState::Degraded,
         ListenerState::Failed,
@@ -33,11 +37,19 @@ impl ListenerState {
         match self {
             ListenerState::Connecting => "connecting",
             ListenerState::Active => "active",
+            ListenerState::Partial => "partial",
             ListenerState::Recovering => "recovering",
             ListenerState::Degraded => "degraded",
             ListenerState::Failed => "failed",
             ListenerState::Stopped => "stopped",
         }
+    }
+
+    /// Whether a query scores the rank's blocks: everything it holds is held by its engine
+    /// (`active`: all of it; `partial`: all it saw since it joined). Any other state may hold
+    /// blocks the engine has evicted, so it is answered as a miss.
+    pub fn is_scored(self) -> bool {
+        matches!(self, ListenerState::Active | ListenerState::Partial)
     }
 }
 

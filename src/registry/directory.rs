@@ -7,7 +7,7 @@
 use rpds::RedBlackTreeMapSync;
 
 use crate::index::WorkerId;
-use crate::listener::{State, StatusHandle};
+use crate::listener::StatusHandle;
 
 use super::published::Published;
 
@@ -24,12 +24,12 @@ pub struct WorkerInfo {
 }
 
 impl WorkerInfo {
-    /// Whether a query may score the rank's blocks: only while it is `active`. A rank that is
-    /// connecting, recovering, degraded, failed or stopped may hold blocks its engine has
-    /// evicted (a lost or unapplied removal), so it is answered as a miss (docs.md "Recovery
-    /// and the `degraded` state").
+    /// Whether a query may score the rank's blocks: only while it is `active` or `partial`
+    /// (`State::is_scored`). A rank that is connecting, recovering, degraded, failed or stopped
+    /// may hold blocks its engine has evicted (a lost or unapplied removal), so it is answered as
+    /// a miss (docs.md "Recovery and the `degraded` state").
     pub fn is_trusted(&self) -> bool {
-        self.status.state() == State::Active
+        self.status.state().is_scored()
     }
 }
 

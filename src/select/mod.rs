@@ -36,7 +36,6 @@ use rand::SeedableRng;
 
 use crate::config::Select;
 use crate::index::{prompt_keys, Index, PerTier, Prompt, Score, WorkerId};
-use crate::listener::State;
 use crate::metrics::Metrics;
 use crate::plan::WorkerKey;
 use crate::registry::RankBoard;
@@ -184,11 +183,10 @@ impl Selector {
         if ranks.is_empty() {
             return None;
         }
-        // The index is read only for ranks whose index is whole (`active`).
+        // The index is read only for ranks whose every held block is held by the engine
+        // (`active`, `partial`).
         let mut trusted = Vec::new();
-        for rank in ranks
-            .iter()
-            .filter(|rank| rank.status.state == State::Active)
+        for rank in ranks.iter().filter(|rank| rank.status.state.is_scored())
         {
             let at = rank.worker as usize;
             if trusted.len() <= at {
@@ -207,7 +205,7 @@ impl Selector {
             .map(|rank| Gathered {
                 key: &rank.spec.key,
                 instance_id: rank.spec.instance_id,
-                trusted: rank.status.state == State::Active,
+                trusted: rank.status.state.is_scored(),
                 score: scores.remove(&rank.worker),
             })
             .collect();

@@ -1,0 +1,1 @@
+//! Placeholder: the state files (filled in by the state-file work).
