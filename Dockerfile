@@ -26,7 +26,8 @@ FROM debian:bookworm-slim AS runtime-base
 RUN apt-get update \
  && apt-get install -y --no-install-recommends curl \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kv-indexer
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kv-indexer \
+ && install -d -o kv-indexer -g kv-indexer -m 0700 /var/lib/kv-indexer
 ENV RUST_LOG=info
 USER kv-indexer
 

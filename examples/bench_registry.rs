@@ -55,6 +55,7 @@ fn config(engines: u32) -> Config {
         replicas: Default::default(),
         select: Default::default(),
         route: None,
+        state: Default::default(),
     }
 }
 

@@ -283,6 +283,7 @@ mod tests {
             replicas: Default::default(),
             select: Default::default(),
             route: None,
+            state: Default::default(),
         }
     }
 

@@ -260,10 +260,19 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
 #[test]
 fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     let zmq = zmq::Context::new();
-    let rank = FakeRank::bind(&zmq, 0);
+    let mut rank = FakeRank::bind(&zmq, 0);
     let running = start_service(&config(&[engine("e", rank.port, None)]));
     let addr = running.http_addr();
     rank.wait_subscribed();
+    // Connected, but what the engine holds is unknown (no replay to ask) until its first
+    // batch: partial, and not ready.
+    let not_yet = wait_for(10, "the rank connected", || {
+        let reply = get(addr, "/ready");
+        let text = reply.text();
+        text.contains("partial").then_some(reply)
+    });
+    assert_eq!(not_yet.status, 503, "{}", not_yet.text());
+    rank.store(&[1], None, &[7; 16]);
     let ready = wait_for(10, "/ready to turn 200", || {
         let reply = get(addr, "/ready");
         (reply.status == 200).then_some(reply)
@@ -679,8 +688,8 @@ fn a_port_that_accepts_but_never_speaks_zmq_stays_connecting() {
             .find(|engine| engine["instance"] == name);
         engine.map_or(Value::Null, |engine| engine["listeners"][0].clone())
     };
-    wait_for(10, "the real rank active", || {
-        (state("real")["state"] == "active").then_some(())
+    wait_for(10, "the real rank connected", || {
+        (state("real")["connected"] == true).then_some(())
     });
     on_accept
         .recv_timeout(std::time::Duration::from_secs(10))

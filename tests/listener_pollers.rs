@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use kv_indexer::listener::{Listener, Pollers, State};
 use kv_indexer::registry::raise_open_files_limit;
-use kv_indexer_sim::encode::{message_frames, replay_frames};
+use kv_indexer_sim::encode::{message_frames, replay_end_frames, replay_frames};
 use kv_indexer_sim::procfs::Proc;
 use support::fake_engine::{payload, FakeRank};
 use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
@@ -76,6 +76,15 @@ fn a_rank_in_a_slow_replay_holds_up_no_other_rank_of_its_poller_and_stops_prompt
     let (router, replay) = stalling_replay(&fixture.context);
     let slow_listener = fixture.listen_on(&pollers, &fixture.context, &slow, "slow", Some(&replay));
     let other_listener = fixture.listen_on(&pollers, &fixture.context, &other, "other", None);
+    // As its link comes up the rank asks for the history it missed: none yet.
+    let join = router.recv_multipart(0).expect("the join's replay request");
+    assert_eq!(
+        join.get(2).map(Vec::as_slice),
+        Some(&0u64.to_be_bytes()[..])
+    );
+    let mut nothing = vec![join[0].clone()];
+    nothing.extend(replay_end_frames(Some(b"")));
+    router.send_multipart(nothing, 0).expect("replay end");
 
     slow.publish(vec![store(1, 0, 1)]);
     applied_through(&slow_listener, 0);

@@ -230,7 +230,7 @@ fn a_replica_joining_or_restarted_recovers_from_its_peer_and_one_without_peers_d
     );
 
     let views = caught_up(&fleet, &alone);
-    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     let accuracy = watch::compare(
         &fleet,
         &mut OverHttp::new(alone.address),
@@ -251,24 +251,24 @@ fn a_replica_joining_or_restarted_recovers_from_its_peer_and_one_without_peers_d
     assert_settled_exact(&fleet, &restarted, &prompts);
 }
 
-/// A peer whose rank is degraded answers 503 and is not used: the asking replica stays
-/// degraded rather than copying a partial state.
+/// A peer whose rank is partial (it joined mid-stream and holds only what it saw since) answers
+/// 503 and is not used: the asking replica stays partial rather than copying part of a state.
 #[test]
-fn a_degraded_peer_is_not_used() {
+fn a_partial_peer_is_not_used() {
     let fleet = fleet(false, 0.0, ROOMY);
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS / 2);
     serve(&fleet, &prompts);
-    // Joins after the prompts: it misses their history and is degraded, yet would serve.
-    let degraded = start_indexer(&config(&fleet, &[], true, None));
-    let views = caught_up(&fleet, &degraded);
-    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
-    let reply = get(degraded.address, "/snapshot/sim-0/0");
+    // Joins after the prompts: it misses their history and is partial, yet would serve.
+    let partial = start_indexer(&config(&fleet, &[], true, None));
+    let views = caught_up(&fleet, &partial);
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
+    let reply = get(partial.address, "/snapshot/sim-0/0");
     assert_eq!(reply.status, 503, "{}", reply.text());
-    assert!(reply.text().contains("degraded"), "{}", reply.text());
+    assert!(reply.text().contains("partial"), "{}", reply.text());
 
-    let asking = start_indexer(&config(&fleet, &[degraded.address], false, None));
+    let asking = start_indexer(&config(&fleet, &[partial.address], false, None));
     let views = caught_up(&fleet, &asking);
-    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert!(
         metric(
             &asking,
@@ -288,7 +288,7 @@ fn a_degraded_peer_is_not_used() {
     asking
         .write_config(&config(
             &fleet,
-            &[degraded.address, free_addr()],
+            &[partial.address, free_addr()],
             false,
             None,
         ))
@@ -302,7 +302,7 @@ fn a_degraded_peer_is_not_used() {
     let reply = get(plain.address, "/snapshot/sim-0/0");
     assert_eq!(reply.status, 409, "{}", reply.text());
     assert!(reply.text().contains("serve_snapshots"), "{}", reply.text());
-    assert_eq!(get(degraded.address, "/snapshot/sim-9/0").status, 404);
+    assert_eq!(get(partial.address, "/snapshot/sim-9/0").status, 404);
 }
 
 /// With `auth_token_file`, the snapshot and reload routes want the token (401 otherwise,
@@ -386,7 +386,7 @@ fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
     assert_settled_exact(&fleet, &holder, &prompts);
     let stranger = start_indexer(&config(&fleet, &[guarded.address], false, None));
     let views = caught_up(&fleet, &stranger);
-    assert!(views.iter().all(|v| v.state == "degraded"), "{views:#?}");
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert!(stranger.log().contains("401"), "{}", stranger.log());
 }
 

@@ -53,7 +53,8 @@ impl Setup {
             clock,
         };
         let addr = setup.addr();
-        wait_for(10, "every rank connected and active", || {
+        // Connected, nothing published yet: partial (scored on what they will send).
+        wait_for(10, "every rank connected and scored", || {
             let workers = get(addr, "/workers").json();
             let listeners: Vec<&Value> = workers
                 .as_array()?
@@ -63,7 +64,7 @@ impl Setup {
             let ready = listeners.len() == engines
                 && listeners
                     .iter()
-                    .all(|l| l["connected"] == true && l["state"] == "active");
+                    .all(|l| l["connected"] == true && l["state"] == "partial");
             ready.then_some(())
         });
         setup
@@ -402,13 +403,14 @@ fn a_degraded_rank_is_a_candidate_with_nothing_matched() {
     let mut setup = Setup::start(2, "", &[]);
     let addr = setup.addr();
     let tokens = prompt(900, 3);
-    // b joins mid-stream (its first batch is seq 5) without replay: degraded, still indexed
-    // (but not trusted: `/query` would not list it).
+    // b loses batches 1..=4 and has no replay to ask: degraded, still indexed (but not
+    // trusted: `/query` would not list it).
+    setup.ranks[1].store(&[2001], None, &prompt(901, 1));
     setup.ranks[1].next_seq = 5;
     setup.ranks[1].store(&[1001, 1002, 1003], None, &tokens);
     wait_for(10, "b degraded with its blocks", || {
         let b = &get(addr, "/workers").json()[1]["listeners"][0];
-        (b["state"] == "degraded" && b["blocks"] == 3).then_some(())
+        (b["state"] == "degraded" && b["blocks"] == 4).then_some(())
     });
     let answer = select(addr, json!({ "token_ids": tokens }));
     assert_eq!(candidate(&answer, "b")["matched_blocks"], 0);

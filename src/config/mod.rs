@@ -79,6 +79,27 @@ pub struct Config {
     pub select: Select,
     /// The OpenAI-compatible front end (`[route]`), when the file has the table.
     pub route: Option<Route>,
+    /// Where and how often the index is saved (`state_dir`, `state_interval_s`).
+    pub state: StateSettings,
+}
+
+/// Saving every rank's state to disk, so that a restart of this indexer loses nothing
+/// (docs.md "Restarts").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateSettings {
+    /// `state_dir`: off when absent.
+    pub dir: Option<std::path::PathBuf>,
+    /// Seconds between two saves (and one more at a stop).
+    pub interval_s: u32,
+}
+
+impl Default for StateSettings {
+    fn default() -> StateSettings {
+        StateSettings {
+            dir: None,
+            interval_s: DEFAULT_STATE_INTERVAL_S,
+        }
+    }
 }
 
 /// One `[[engine]]` with defaults applied.
@@ -178,6 +199,11 @@ pub const DEFAULT_SHARDS: usize = 64;
 /// the cap costs the index: docs/performance.md "The rank cap as memory: bench_index cap"
 /// measures it (docs.md quotes it).
 pub const DEFAULT_MAX_BLOCKS_PER_RANK: u64 = 1 << 24;
+/// Seconds between two saves of the index: what a crash (not a stop, which saves) loses is at
+/// most this much history, which the engine's replay (10,000 batches, minutes of traffic) then
+/// gives back.
+pub const DEFAULT_STATE_INTERVAL_S: u32 = 30;
+pub const MAX_STATE_INTERVAL_S: u32 = 86_400;
 pub const DEFAULT_ZMQ_PORT: u16 = 5557;
 pub const DEFAULT_DP_SIZE: u32 = 1;
 pub const DEFAULT_DP_RANK_START: u32 = 0;
@@ -265,6 +291,7 @@ impl Config {
                 replicas: top.replicas,
                 select,
                 route,
+                state: top.state,
             }),
             _ => Err(problems.into_error()),
         }
@@ -334,6 +361,8 @@ struct RawTop {
     peers: Option<Spanned<Vec<Spanned<String>>>>,
     serve_snapshots: Option<Spanned<bool>>,
     auth_token_file: Option<Spanned<String>>,
+    state_dir: Option<Spanned<String>>,
+    state_interval_s: Option<Spanned<Int>>,
     #[serde(rename = "defaults")]
     _defaults: Option<IgnoredAny>,
     #[serde(rename = "engine")]
@@ -352,6 +381,7 @@ struct Top {
     shards: usize,
     max_blocks_per_rank: u64,
     replicas: Replicas,
+    state: StateSettings,
 }
 
 fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option<Top> {
@@ -404,6 +434,21 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
         "1..=9223372036854775807",
         |n| u64::try_from(n).ok().filter(|&n| n > 0),
     );
+    let state_dir = checker.text("state_dir", raw.state_dir, |dir| {
+        dir.trim()
+            .is_empty()
+            .then(|| "is empty: write the directory the index is saved in".to_string())
+    });
+    let state_interval_s = checker.int(
+        "state_interval_s",
+        raw.state_interval_s,
+        &format!("1..={MAX_STATE_INTERVAL_S}"),
+        |n| {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| (1..=MAX_STATE_INTERVAL_S).contains(&n))
+        },
+    );
     let replicas = check_replicas(
         raw.peers,
         raw.serve_snapshots,
@@ -419,6 +464,10 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
         shards: shards.or_default_to(DEFAULT_SHARDS)?,
         max_blocks_per_rank: max_blocks_per_rank.or_default_to(DEFAULT_MAX_BLOCKS_PER_RANK)?,
         replicas: replicas?,
+        state: StateSettings {
+            dir: state_dir.optional()?.map(std::path::PathBuf::from),
+            interval_s: state_interval_s.or_default_to(DEFAULT_STATE_INTERVAL_S)?,
+        },
     })
 }
 
@@ -469,6 +518,7 @@ mod tests {
                 block_size: 16,
                 shards: 64,
                 max_blocks_per_rank: DEFAULT_MAX_BLOCKS_PER_RANK,
+                state: StateSettings::default(),
                 engines: vec![EngineConfig {
                     name: "local".into(),
                     host: Host::Ip([127, 0, 0, 1].into()),

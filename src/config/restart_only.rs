@@ -21,7 +21,7 @@ pub struct RestartOnlyKey {
 
 /// Every top-level key a reload cannot apply: what it sets is built once, at start (a bound
 /// socket, the index's shape and cap, the Dynamo API's limit, whether ranks keep contents).
-pub const RESTART_ONLY: [RestartOnlyKey; 7] = [
+pub const RESTART_ONLY: [RestartOnlyKey; 9] = [
     RestartOnlyKey {
         key: "listen",
         shown: |config| config.listen.clone(),
@@ -59,6 +59,19 @@ pub const RESTART_ONLY: [RestartOnlyKey; 7] = [
         key: "serve_snapshots",
         shown: |config| config.replicas.serve_snapshots.to_string(),
         keep: |into, running| into.replicas.serve_snapshots = running.replicas.serve_snapshots,
+    },
+    RestartOnlyKey {
+        key: "state_dir",
+        shown: |config| {
+            let dir = config.state.dir.as_deref();
+            dir.map_or_else(|| "(none)".to_string(), |dir| dir.display().to_string())
+        },
+        keep: |into, running| into.state.dir.clone_from(&running.state.dir),
+    },
+    RestartOnlyKey {
+        key: "state_interval_s",
+        shown: |config| config.state.interval_s.to_string(),
+        keep: |into, running| into.state.interval_s = running.state.interval_s,
     },
 ];
 
@@ -110,14 +123,14 @@ pub fn keep_restart_only(new: &mut Config, running: &Config) -> Vec<RestartPendi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Replicas, Select};
+    use crate::config::{Replicas, Select, StateSettings};
 
     fn parse(text: &str) -> Config {
         Config::parse(text, "indexer.toml").unwrap_or_else(|err| panic!("{err}"))
     }
 
     /// Each restart-only key with a value other than its default.
-    const CHANGED: [(&str, &str, &str); 7] = [
+    const CHANGED: [(&str, &str, &str); 9] = [
         ("listen", "\"127.0.0.1:9000\"", "127.0.0.1:9000"),
         ("dynamo_listen", "\"127.0.0.1:9001\"", "127.0.0.1:9001"),
         ("max_runtime_ranks", "8", "8"),
@@ -125,6 +138,12 @@ mod tests {
         ("shards", "8", "8"),
         ("max_blocks_per_rank", "1000", "1000"),
         ("serve_snapshots", "true", "true"),
+        (
+            "state_dir",
+            "\"/var/lib/kv-indexer\"",
+            "/var/lib/kv-indexer",
+        ),
+        ("state_interval_s", "5", "5"),
     ];
 
     #[test]
@@ -153,6 +172,7 @@ mod tests {
             // `[route]`: reloaded by the front end, but for `listen` and
             // `max_concurrent_requests` (`service::reload`'s `warn_route_restart`).
             route: _,
+            state: StateSettings { .. },
         } = &running;
         for (key, value, shown) in CHANGED {
             let mut new = parse(&format!("{key} = {value}\n"));

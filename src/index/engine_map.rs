@@ -165,6 +165,36 @@ impl EngineMap {
         Some(key)
     }
 
+    /// Every held engine hash with its key and its copies, in no particular order.
+    pub(super) fn blocks(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+        let held = self.table.iter().map(|b| (b.engine_hash, b.key));
+        held.chain(self.zero.map(|key| (0, key)))
+            .map(|(engine_hash, key)| {
+                // Checked for emptiness first, as in `remove_copy`.
+                let extra = if self.extra_copies.is_empty() {
+                    0
+                } else {
+                    self.extra_copies.get(&engine_hash).copied().unwrap_or(0)
+                };
+                (engine_hash, key, extra.saturating_add(1))
+            })
+    }
+
+    /// Adds `engine_hash`, carrying `key`, with `copies` physical copies (at least 1), as a saved
+    /// rank is loaded; false, changing nothing, when the hash is already held.
+    pub(super) fn load(&mut self, engine_hash: u64, key: u64, copies: u32) -> bool {
+        let found = self.lookup(engine_hash);
+        if found.key.is_some() {
+            return false;
+        }
+        self.insert(found, key);
+        if let Some(extra) = copies.checked_sub(1).filter(|&extra| extra > 0) {
+            self.extra_copies.insert(engine_hash, extra);
+            self.extra_total += u64::from(extra);
+        }
+        true
+    }
+
     /// The key of every block (a key once per engine hash carrying it).
     pub(super) fn keys(&self) -> impl Iterator<Item = u64> + '_ {
         self.table.iter().map(|b| b.key).chain(self.zero)

@@ -219,6 +219,32 @@ impl RankGroups {
         self.specs.clear();
     }
 
+    /// What each group's stores said, by group index.
+    pub(super) fn specs(&self) -> &[Option<GroupSpec>] {
+        &self.specs
+    }
+
+    /// Takes `specs` as what the groups' stores said (a saved rank's); the caller publishes.
+    pub(super) fn load_specs(&mut self, specs: Vec<Option<GroupSpec>>) {
+        self.specs = specs;
+    }
+
+    /// The writers of groups 1 and up, by group.
+    pub(super) fn writers(&self) -> impl Iterator<Item = (u32, &TierBlocks)> {
+        (1..)
+            .zip(&self.workers)
+            .filter_map(|(group, worker)| Some((group, worker.as_ref()?)))
+    }
+
+    /// The writer of group `group` (1 and up), created if the rank has none yet.
+    pub(super) fn writer(&mut self, group: u32, gpu: &TierBlocks) -> &mut TierBlocks {
+        let slot = group as usize - 1;
+        if self.workers.len() <= slot {
+            self.workers.resize_with(slot + 1, || None);
+        }
+        self.workers[slot].get_or_insert_with(|| gpu.index().add_group_worker(gpu.id(), group))
+    }
+
     /// Stores into group `group` (1 and up), creating its worker at its first store; a parent
     /// is found in the group's own map or in `also` (group 0's, then the others'): the groups
     /// share engine hashes, and a sliding-window group often no longer holds the parent.

@@ -79,7 +79,7 @@ pub use groups::{GroupSpec, GroupView, Inexact, MAX_GROUPS};
 pub use keys::{MmFeature, Prompt};
 pub use local_hashes::keys_of_local_hashes;
 pub use query::Score;
-pub use saved::{SavedBlock, SavedBlocks, SavedGroupSpec, SavedWriter, KEY_SCHEME};
+pub use saved::{ImportError, SavedBlock, SavedBlocks, SavedGroupSpec, SavedWriter, KEY_SCHEME};
 pub use tiers::{PerTier, Tier};
 pub use worker_blocks::{ApplyOutcome, WorkerBlocks};
 

@@ -502,6 +502,13 @@ impl Shard {
         Some(self.changed(before, after, others_hold, parent))
     }
 
+    /// The key `key` chains from, as its entry was created with: `None` for a chain's first
+    /// block, or a key without an entry (one no worker holds or counts children on).
+    pub(super) fn parent(&self, key: u64) -> Option<u64> {
+        self.find(key)
+            .and_then(|place| self.table.get(place).parent())
+    }
+
     /// Appends the workers holding `key` to `out`.
     pub(super) fn holders(&self, key: u64, out: &mut Vec<WorkerId>) {
         let Some(place) = self.find(key) else {

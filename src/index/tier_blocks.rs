@@ -29,12 +29,14 @@ pub(super) struct TierBlocks {
 /// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
 const CLEAR_CHUNK: usize = 4096;
 
-/// How many blocks ahead of its use an event's cache misses are started: enough to cover a
-/// miss's latency, few enough that the CPU keeps every one in flight.
-const AHEAD: usize = 4;
+/// How many blocks ahead of its use an event's cache misses are started (and a saved rank's,
+/// `saved`): enough to cover a miss's latency, few enough that the CPU keeps every one in
+/// flight.
+pub(super) const AHEAD: usize = 4;
 
-/// A worker's orphan count while it is being cleared: non-zero, for readers.
-const CLEARING: i64 = i64::MIN;
+/// A worker's orphan count while it is being cleared or loaded: non-zero, for readers (they then
+/// check it block by block).
+pub(super) const UNSETTLED: i64 = i64::MIN;
 
 impl TierBlocks {
     pub(super) fn new(index: Arc<Index>, id: WorkerId, stats: Arc<WorkerStats>) -> Self {
@@ -85,7 +87,7 @@ impl TierBlocks {
         }
         // Slots on keys the worker does not hold exist only while it has orphans (such a slot
         // counts children and nothing else): they are on parents of held keys.
-        let had_orphans = self.stats.orphans.swap(CLEARING, Ordering::Relaxed) != 0;
+        let had_orphans = self.stats.orphans.swap(UNSETTLED, Ordering::Relaxed) != 0;
         let mut parents = Vec::new();
         self.forget(blocks.keys(), |parent| {
             if had_orphans {
@@ -117,6 +119,12 @@ impl TierBlocks {
                 });
             }
         }
+    }
+
+    /// Takes `blocks` as the map of a worker that holds nothing: a saved rank's, whose shard
+    /// slots and stats `saved` sets.
+    pub(super) fn load(&mut self, blocks: EngineMap) {
+        self.blocks = blocks;
     }
 
     /// Blocks (physical copies) the worker holds.
@@ -323,6 +331,11 @@ impl TierBlocks {
         let lookahead = stored.extras.first().map_or(0, |extras| {
             u32::try_from(extras.lookahead.len()).unwrap_or(u32::MAX)
         });
+        self.set_lookahead(lookahead);
+    }
+
+    /// Scores the rank as an engine hashing `lookahead` following tokens, on its GPU worker.
+    pub(super) fn set_lookahead(&mut self, lookahead: u32) {
         let before = self.stats.lookahead.swap(lookahead, Ordering::Relaxed);
         match (before > 0, lookahead > 0) {
             (false, true) => self.index.lookahead_workers.fetch_add(1, Ordering::Relaxed),

@@ -7,8 +7,10 @@
 //! offloads pays for its GPU worker alone. It never decodes bytes and never touches another
 //! rank's workers.
 
+use std::sync::atomic::Ordering;
+
 use super::engine_map::EngineMap;
-use super::groups::{GroupView, Inexact, Learned, RankGroups, RankLayout, MAX_GROUPS};
+use super::groups::{GroupSpec, GroupView, Inexact, Learned, RankGroups, RankLayout, MAX_GROUPS};
 use super::tier_blocks::TierBlocks;
 use super::{PerTier, Tier, WorkerId};
 use crate::wire::{BlockStored, Event};
@@ -200,6 +202,62 @@ impl WorkerBlocks {
         self.groups.forget_specs();
         self.groups
             .publish(self.gpu.index(), self.gpu.id(), self.gpu.stats());
+    }
+
+    /// Makes the rank as a new one is: no block, no group, no CPU or disk tier, no lookahead.
+    pub(super) fn reset(&mut self) {
+        self.clear();
+        self.lower = [None, None];
+        self.groups.drop_workers();
+        self.gpu.set_lookahead(0);
+    }
+
+    /// The rank's writers as (tier, group, writer): GPU group 0, GPU groups 1 and up, CPU, disk.
+    pub(super) fn writers(&self) -> impl Iterator<Item = (Tier, u32, &TierBlocks)> {
+        let groups = self
+            .groups
+            .writers()
+            .map(|(group, writer)| (Tier::Gpu, group, writer));
+        let lower = [Tier::Cpu, Tier::Disk]
+            .into_iter()
+            .zip(&self.lower)
+            .filter_map(|(tier, writer)| Some((tier, 0, writer.as_ref()?)));
+        std::iter::once((Tier::Gpu, 0, &self.gpu))
+            .chain(groups)
+            .chain(lower)
+    }
+
+    /// The writer of `tier` and KV-cache group `group` (beyond 0 in GPU only), created if the
+    /// rank has none yet.
+    pub(super) fn writer(&mut self, tier: Tier, group: u32) -> &mut TierBlocks {
+        match tier {
+            Tier::Gpu if group == 0 => &mut self.gpu,
+            Tier::Gpu => self.groups.writer(group, &self.gpu),
+            lower => {
+                let (index, rank) = (self.gpu.index(), self.gpu.id());
+                self.lower[lower as usize - 1]
+                    .get_or_insert_with(|| index.add_tier_worker(lower, Some(rank)))
+            }
+        }
+    }
+
+    /// What the rank's groups said, by group index.
+    pub(super) fn group_specs(&self) -> &[Option<GroupSpec>] {
+        self.groups.specs()
+    }
+
+    /// Tokens after a block that the rank's engine hashes with it.
+    pub(super) fn lookahead(&self) -> u32 {
+        self.gpu.stats().lookahead.load(Ordering::Relaxed)
+    }
+
+    /// Takes what a saved rank's groups said and the lookahead its engine hashes, and publishes
+    /// them for readers.
+    pub(super) fn load_groups(&mut self, specs: Vec<Option<GroupSpec>>, lookahead: u32) {
+        self.groups.load_specs(specs);
+        self.groups
+            .publish(self.gpu.index(), self.gpu.id(), self.gpu.stats());
+        self.gpu.set_lookahead(lookahead);
     }
 
     fn clear_blocks(&mut self) {

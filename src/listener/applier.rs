@@ -10,9 +10,11 @@ use parking_lot::Mutex;
 
 use super::contents::Contents;
 use super::status::StatusCell;
-use crate::index::{ApplyOutcome, Index, WorkerBlocks};
+use super::State;
+use crate::index::{ApplyOutcome, Index, WorkerBlocks, KEY_SCHEME};
 use crate::metrics::MalformedReason;
 use crate::plan::ListenerSpec;
+use crate::state::{RankIdentity, RankState};
 use crate::wire::{self, BatchDecoder, DecodedBatch, Event, EventBatch, Snapshot};
 
 /// Applies batches and snapshots to the rank's worker, counting what happened.
@@ -30,6 +32,10 @@ pub(super) struct Applier {
     pub(super) contents: Option<Arc<Mutex<Contents>>>,
     /// Keeps the buffers of applied batches for the next ones.
     pub(super) decoder: BatchDecoder,
+    /// The last batch applied and its payload's digest (`wire::payload_digest`), while the
+    /// rank's state is that batch's: what a saved state is confirmed by after a restart.
+    /// `None` after a snapshot or a clear, until the next batch.
+    pub(super) last_applied: Option<(u64, u64)>,
 }
 
 impl Applier {
@@ -50,7 +56,9 @@ impl Applier {
         }
     }
 
-    pub(super) fn apply_batch(&mut self, seq: u64, batch: &EventBatch) {
+    /// Applies the batch `seq`, whose payload digests to `digest`.
+    pub(super) fn apply_batch(&mut self, seq: u64, digest: u64, batch: &EventBatch) {
+        self.last_applied = Some((seq, digest));
         if let Some(payload_rank) = batch.dp_rank.filter(|&rank| rank != self.spec.key.dp_rank) {
             if !self.warned_dp_rank {
                 self.warned_dp_rank = true;
@@ -156,6 +164,7 @@ impl Applier {
     }
 
     pub(super) fn clear(&mut self) {
+        self.last_applied = None;
         if let Some(contents) = &self.contents {
             contents.lock().clear();
         }
@@ -163,6 +172,59 @@ impl Applier {
         self.status.set_blocks(self.blocks.tier_blocks());
         self.status.under_cap();
         self.note_groups(&ApplyOutcome::default());
+    }
+
+    /// Who the rank is and what its keys assume, as a state file records it.
+    pub(super) fn identity(&self) -> RankIdentity {
+        RankIdentity {
+            engine: self.spec.key.engine.clone(),
+            dp_rank: self.spec.key.dp_rank,
+            endpoint: self.spec.endpoint.to_string(),
+            model: self.spec.model.clone(),
+            block_size: self.index.block_size(),
+            key_scheme: KEY_SCHEME,
+        }
+    }
+
+    /// The rank's state to save, while it is exact (`active`) at a batch whose digest is known:
+    /// a rank that is partial, recovering or degraded, or just rebuilt from a snapshot, keeps
+    /// the file it has.
+    pub(super) fn saved_state(&self) -> Option<RankState> {
+        let (last_seq, last_digest) = self.last_applied?;
+        if self.status.state() != State::Active {
+            return None;
+        }
+        let saved_at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| {
+                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+            });
+        Some(RankState {
+            identity: self.identity(),
+            last_seq,
+            last_digest,
+            saved_at_ms,
+            blocks: self.blocks.export(),
+        })
+    }
+
+    /// Makes a saved state the rank's whole state, once the engine's replay of its last batch
+    /// confirmed it is the same publisher run. A state that does not load leaves the rank
+    /// empty.
+    pub(super) fn restore(&mut self, saved: &RankState) -> anyhow::Result<()> {
+        self.clear();
+        self.blocks
+            .import(&saved.blocks)
+            .context("loading the saved blocks into the index")?;
+        if let Some(contents) = &self.contents {
+            // The saved state carries keys, not the token ids a peer's snapshot is built from.
+            contents.lock().unservable_until_clear();
+        }
+        self.last_applied = Some((saved.last_seq, saved.last_digest));
+        self.status
+            .state_restored(saved.last_seq, self.blocks.tier_blocks());
+        self.note_groups(&ApplyOutcome::default());
+        Ok(())
     }
 
     /// Whether `event` may be applied: a store that would take the rank past

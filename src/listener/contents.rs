@@ -48,6 +48,9 @@ pub(super) struct Contents {
     /// The rank stored into a KV-cache group beyond 0 since the last clear: a snapshot of group
     /// 0 alone would make a peer score it as a plain rank (false hits), so none is served.
     hybrid: bool,
+    /// The rank's blocks came from a saved state, which holds keys and no token ids: these
+    /// contents miss them, so nothing is served until the next clear.
+    restored: bool,
 }
 
 /// A rank's snapshot, taken under the lock and encoded (`body`) after it: encoding a rank's
@@ -120,6 +123,12 @@ impl Contents {
         self.blocks.clear();
         self.seq = None;
         self.hybrid = false;
+        self.restored = false;
+    }
+
+    /// The rank was loaded from a saved state: serve nothing until its next clear.
+    pub(super) fn unservable_until_clear(&mut self) {
+        self.restored = true;
     }
 
     fn store(&mut self, stored: &BlockStored) {
@@ -157,9 +166,9 @@ impl Contents {
 
     /// The rank's snapshot events (docs/design.md "Snapshot endpoint"): one event per
     /// unbranched run, parents first, each further copy of a block as one more store of it;
-    /// `None` when nothing was applied since the last clear, or the rank is hybrid.
+    /// `None` when nothing was applied since the last clear, or the rank is hybrid or restored.
     pub(super) fn build(&self, block_size: u32) -> Option<Built> {
-        if self.hybrid {
+        if self.hybrid || self.restored {
             return None;
         }
         let seq = self.seq?;

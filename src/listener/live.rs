@@ -22,7 +22,8 @@ use super::sequence::{Sequence, Step};
 use super::stop::Stop;
 use crate::metrics::MalformedReason;
 use crate::socket_monitor::Monitored;
-use crate::wire;
+use crate::state::RankState;
+use crate::wire::{self, EventBatch};
 
 /// Live messages taken from one rank before its poller serves the others: one busy rank
 /// cannot starve the rest of its poller.
@@ -52,8 +53,12 @@ pub(super) struct Subscription {
     pub(super) sequence: Sequence,
     /// What the rank lost and has not repaired, for `recovery_order`.
     pub(super) lost: LostHistory,
+    /// The rank's state saved by this indexer before its restart, until the engine's replay
+    /// confirms it (then it is loaded) or refutes it (`recovery_order`'s join).
+    pub(super) saved: Option<RankState>,
+
     /// Reused for every live message.
-    live_frames: Frames,
+    pub(super) live_frames: Frames,
     /// Until the first connection: when to log what to check (once).
     never_connected_hint: Option<Instant>,
     /// After a disconnect, when to connect anew if ZMQ has not reconnected by itself.
@@ -98,6 +103,7 @@ impl Subscription {
             stop,
             sequence: Sequence::new(),
             lost: LostHistory::default(),
+            saved: None,
             live_frames: Frames::default(),
             never_connected_hint: Some(Instant::now() + NEVER_CONNECTED_HINT),
             revive_at: None,
@@ -106,6 +112,12 @@ impl Subscription {
             failure,
             _gone: gone,
         }
+    }
+
+    /// The rank's state saved before this indexer restarted, to be confirmed by its join.
+    pub(super) fn with_saved(mut self, saved: Option<RankState>) -> Subscription {
+        self.saved = saved;
+        self
     }
 
     pub(super) fn who(&self) -> String {
@@ -181,18 +193,23 @@ impl Subscription {
         }
     }
 
-    /// Takes every monitor event waiting (a few per connection change: no budget needed).
-    pub(super) fn drain_monitor(&mut self) -> anyhow::Result<()> {
+    /// Takes every monitor event waiting (a few per connection change: no budget needed). A
+    /// rank that holds none of its publisher's history asks for it as its link comes up, not at
+    /// the first batch, which an idle engine may not send for hours: the join it needs.
+    pub(super) fn drain_monitor(&mut self) -> anyhow::Result<Option<Job>> {
+        let mut joins = false;
         while let Some(event) = self.sub.next_event()? {
             if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
                 self.applier.status.set_connected(true);
                 self.never_connected_hint = None;
+                joins = self.sequence.next().is_none() && self.applier.spec.replay.is_some();
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.applier.status.set_connected(false);
                 self.revive_at = Some(Instant::now() + REVIVE_AFTER);
+                joins = false;
             }
         }
-        Ok(())
+        Ok(joins.then(|| self.join_job(None, None)))
     }
 
     /// Takes up to `DRAIN_BATCH` live messages, stopping early at a hole.
@@ -241,12 +258,13 @@ impl Subscription {
             }
         };
         let seq = message.seq;
+        let digest = wire::payload_digest(message.payload);
         let (restart, join, missing) = match self.sequence.observe(seq) {
             Step::Duplicate => return None,
             Step::Apply => {
                 return match self.applier.decode(message.payload) {
                     Some(batch) => {
-                        self.applier.apply_batch(seq, &batch);
+                        self.applier.apply_batch(seq, digest, &batch);
                         None
                     }
                     None => {
@@ -280,19 +298,109 @@ impl Subscription {
                 missing.end - 1
             );
         }
+        // Missing from seq 0 (a join, or a restart seen late): the rank holds none of this
+        // publisher's history, and joins it; else a hole in a history it holds.
+        let joins = missing.start == 0;
         match self.applier.decode(message.payload) {
             Some(batch) if missing.is_empty() => {
-                self.applier.apply_batch(seq, &batch);
+                self.applier.apply_batch(seq, digest, &batch);
                 None
             }
-            Some(batch) => Some(self.hole(
-                missing.start..=missing.end - 1,
-                Some(Pending {
+            Some(batch) => {
+                let pending = Some(Pending {
                     seq,
+                    digest,
                     batch: batch.into_batch(),
-                }),
-            )),
+                });
+                Some(if joins {
+                    self.join_job(Some(missing.end - 1), pending)
+                } else {
+                    self.hole(missing.start..=missing.end - 1, pending)
+                })
+            }
+            None if joins => Some(self.join_job(Some(seq), None)),
             None => Some(self.hole(missing.start..=seq, None)),
         }
+    }
+}
+
+/// While a join replays the history of a rank that has seen no live message (at connect), the
+/// first live message that arrives bounds that history: the replay is read no further than the
+/// seq before it, so a reply that runs on (a broken or hostile replay socket, or one ahead of
+/// the live stream) is never taken for history. The message is kept, and applied after the
+/// join. Batches the join applied just before it are remembered, so a live batch the replay
+/// already gave (its reply raced ahead of the live stream) is told from one that contradicts it.
+pub(super) struct FirstLive<'a> {
+    sub: &'a Monitored,
+    frames: &'a mut Frames,
+    /// The first live message: its seq, and its batch with the payload's digest (`None`: it
+    /// did not decode, a lost batch).
+    pub(super) message: Option<(u64, Option<(u64, EventBatch)>)>,
+    /// (seq, digest) of the last batches the join applied, newest last.
+    recent: std::collections::VecDeque<(u64, u64)>,
+}
+
+/// Applied batches `FirstLive` remembers: a replay rarely races a live batch by more than a few.
+const RECENT_APPLIED: usize = 64;
+
+impl<'a> FirstLive<'a> {
+    pub(super) fn new(sub: &'a Monitored, frames: &'a mut Frames) -> FirstLive<'a> {
+        FirstLive {
+            sub,
+            frames,
+            message: None,
+            recent: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The first seq the history may not reach, once a live message has come: takes one from
+    /// the socket if none was taken yet.
+    pub(super) fn bound(&mut self, applier: &Applier) -> Option<u64> {
+        if self.message.is_none() {
+            self.take(applier);
+        }
+        self.message.as_ref().map(|(seq, _)| *seq)
+    }
+
+    /// The join applied the batch `seq` whose payload digests to `digest`.
+    pub(super) fn applied(&mut self, seq: u64, digest: u64) {
+        if self.recent.len() == RECENT_APPLIED {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, digest));
+    }
+
+    /// Whether the join applied the live message's own batch, the same payload: then the
+    /// message is a duplicate, and what the join applied after it is history too.
+    pub(super) fn already_applied(&self) -> bool {
+        match &self.message {
+            Some((seq, Some((digest, _)))) => self.recent.contains(&(*seq, *digest)),
+            _ => false,
+        }
+    }
+
+    fn take(&mut self, applier: &Applier) {
+        match self.frames.receive(self.sub.socket()) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(error) => {
+                // The poller meets the same error when the rank is back, and fails it.
+                log::debug!("{}: receiving during a join: {error:#}", applier.who());
+                return;
+            }
+        }
+        let frames = self.frames.as_slice();
+        let Ok(message) = wire::parse_message(frames) else {
+            applier.status.malformed(if frames.len() == 3 {
+                MalformedReason::Seq
+            } else {
+                MalformedReason::Frames
+            });
+            return;
+        };
+        let decoded = applier
+            .decode(message.payload)
+            .map(|batch| (wire::payload_digest(message.payload), batch.into_batch()));
+        self.message = Some((message.seq, decoded));
     }
 }

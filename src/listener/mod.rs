@@ -153,6 +153,8 @@ pub enum RecoveredBy {
     Peer(String),
     /// The engine's `/kv_recover`.
     EngineSnapshot,
+    /// This indexer's own saved state, confirmed by the engine's replay.
+    SavedState,
 }
 
 impl std::fmt::Display for RecoveredBy {
@@ -161,6 +163,7 @@ impl std::fmt::Display for RecoveredBy {
             RecoveredBy::Replay => f.write_str("replay"),
             RecoveredBy::Peer(url) => write!(f, "peer {url}"),
             RecoveredBy::EngineSnapshot => f.write_str("engine snapshot"),
+            RecoveredBy::SavedState => f.write_str("saved state"),
         }
     }
 }
@@ -304,7 +307,11 @@ impl Listener {
             shows_groups: false,
             contents: contents.clone(),
             decoder: Default::default(),
+            last_applied: None,
         };
+        let saved = replication
+            .state_dir()
+            .and_then(|dir| saved_state(dir, &applier));
         let (stop, stop_handle) = Stop::new();
         let (gone_sender, gone) = mpsc::sync_channel(0);
         let rank = Subscription::new(
@@ -315,7 +322,8 @@ impl Listener {
             Arc::clone(replication),
             stop,
             gone_sender,
-        );
+        )
+        .with_saved(saved);
         let placed = pollers.least_loaded().map(Arc::clone).and_then(|poller| {
             match poller.add(Box::new(rank)) {
                 Ok(()) => Ok(poller),
@@ -393,6 +401,27 @@ impl Drop for Listener {
         self.status.stopped();
         self.metrics
             .forget_rank(&self.spec.key.engine, self.spec.key.dp_rank);
+    }
+}
+
+/// The rank's state this indexer saved before it restarted, to be confirmed by the engine's
+/// replay before anything of it is loaded; none when there is no file, or it cannot be used
+/// (logged, and counted in `state_loads_total`).
+fn saved_state(dir: &std::path::Path, applier: &Applier) -> Option<crate::state::RankState> {
+    let refuse = |outcome: &'static str, why: &dyn std::fmt::Display| {
+        log::warn!("{}: saved state not used ({outcome}): {why}", applier.who());
+        applier.status.state_load(outcome);
+        None
+    };
+    match crate::state::read(dir, &applier.identity()) {
+        Ok(None) => None,
+        Ok(Some(_)) if applier.spec.replay.is_none() => refuse(
+            "no_replay",
+            &"the rank has no replay_port, so the engine cannot confirm the state is of its \
+              current run; set replay_port",
+        ),
+        Ok(Some(saved)) => Some(saved),
+        Err(error) => refuse(error.reason(), &error),
     }
 }
 

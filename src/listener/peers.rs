@@ -63,17 +63,34 @@ pub struct Replication {
     peers: RwLock<Arc<[String]>>,
     secret: Arc<CurrentSecret>,
     retain: bool,
+    /// Where this indexer saves its ranks' states (`state_dir`), read when a rank starts.
+    state_dir: Option<std::path::PathBuf>,
 }
 
 impl Replication {
     /// `peers` are base URLs (`http://host:port`); `retain`: whether ranks keep their block
     /// contents (decided at start: a rank cannot serve what it did not keep).
     pub fn new(peers: Vec<String>, secret: Option<Secret>, retain: bool) -> Arc<Replication> {
+        Replication::with_state_dir(peers, secret, retain, None)
+    }
+
+    /// `new`, for an indexer that saves its ranks' states in `state_dir`.
+    pub fn with_state_dir(
+        peers: Vec<String>,
+        secret: Option<Secret>,
+        retain: bool,
+        state_dir: Option<std::path::PathBuf>,
+    ) -> Arc<Replication> {
         Arc::new(Replication {
             peers: RwLock::new(peers.into()),
             secret: Arc::new(CurrentSecret(RwLock::new(secret))),
             retain,
+            state_dir,
         })
+    }
+
+    pub fn state_dir(&self) -> Option<&std::path::Path> {
+        self.state_dir.as_deref()
     }
 
     /// No peers, no secret, nothing retained: a lone indexer.

@@ -36,6 +36,7 @@ use super::live::{Drained, Subscription};
 use super::recoveries::{Handoff, Recoveries};
 use super::recovery_order::{Job, Recovery};
 use crate::metrics::FailureReason;
+use crate::state::RankState;
 
 /// Pollers at most, one per core below it. A poller is busy only while decoding and applying
 /// (docs/performance.md "Why at most 4 pollers"): more pollers than cores only add context
@@ -54,6 +55,8 @@ pub(super) enum Command {
     Back(Box<Subscription>),
     /// Drop this rank (its stop flag is raised).
     Remove(u64),
+    /// Send the state of every rank here that is exact (`Applier::saved_state`).
+    Save(mpsc::Sender<RankState>),
     /// The last handle is gone.
     Exit,
 }
@@ -226,6 +229,27 @@ impl Pollers {
         Ok(SHARED.get_or_init(|| pollers).clone())
     }
 
+    /// The state of every rank that is exact now, each taken by its poller between two of its
+    /// batches; a rank on a recovery worker is not exact and keeps its last file. Waits for
+    /// every poller, at most `within`.
+    pub fn saved_states(&self, within: Duration) -> Vec<RankState> {
+        let (sender, states) = mpsc::channel();
+        for mailbox in self.0.iter() {
+            if mailbox.commands.send(Command::Save(sender.clone())).is_ok() {
+                mailbox.ring();
+            }
+        }
+        drop(sender);
+        let deadline = Instant::now() + within;
+        let mut saved = Vec::new();
+        while let Ok(state) =
+            states.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            saved.push(state);
+        }
+        saved
+    }
+
     /// The least loaded poller whose thread still runs.
     pub(super) fn least_loaded(&self) -> anyhow::Result<&Arc<Mailbox>> {
         self.0
@@ -377,6 +401,14 @@ impl Poller {
                     // Queued for a recovery by this thread after its Listener looked there.
                     None => self.recoveries.drop_stopped(),
                 },
+                Ok(Command::Save(states)) => {
+                    for rank in self.ranks.values() {
+                        if let Some(state) = rank.applier.saved_state() {
+                            // The saver gave up waiting: nothing to send to.
+                            let _ = states.send(state);
+                        }
+                    }
+                }
                 Ok(Command::Exit) | Err(mpsc::TryRecvError::Disconnected) => return false,
                 Err(mpsc::TryRecvError::Empty) => return true,
             }
@@ -506,7 +538,9 @@ impl Poller {
 /// Drains the rank's monitor, then up to a budget of its live messages. Drained empty, the
 /// sockets are asked again: a recv may have consumed the signal of a message that came after.
 fn serve_rank(rank: &mut Subscription) -> anyhow::Result<Drained> {
-    rank.drain_monitor()?;
+    if let Some(join) = rank.drain_monitor()? {
+        return Ok(Drained::Recover(join));
+    }
     let drained = rank.drain_live()?;
     if !matches!(drained, Drained::Empty) {
         return Ok(drained);

@@ -103,10 +103,21 @@ impl Turn {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Replayed {
     /// The highest seq applied contiguously from the start (`None`: nothing usable); never
-    /// past the seq asked for.
-    Covered { through: Option<u64> },
+    /// past the seq asked for. `ended`: the engine's end marker came, so the reply held all
+    /// it keeps from the start asked for (nothing at all when `through` is `None`).
+    Covered { through: Option<u64>, ended: bool },
     /// Cut short, having applied up to `through`.
     Interrupted { by: Interrupt, through: Option<u64> },
+}
+
+/// Where a reply may start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ReplayStart {
+    /// At the seq asked for, or it covers nothing: a hole's history.
+    Exactly,
+    /// At the first batch the engine still keeps from the seq asked for on: a joining rank's
+    /// history, whatever of it is left.
+    FirstKept,
 }
 
 /// The pure bookkeeping of one replay reply: contiguity from `start`.
@@ -114,22 +125,33 @@ pub(super) enum Replayed {
 pub(super) struct ReplayProgress {
     start: u64,
     next: u64,
+    /// `FirstKept`: the first batch moves `start` to itself.
+    floating: bool,
 }
 
 impl ReplayProgress {
-    pub(super) fn new(start: u64) -> ReplayProgress {
-        ReplayProgress { start, next: start }
+    pub(super) fn new(start: u64, from: ReplayStart) -> ReplayProgress {
+        ReplayProgress {
+            start,
+            next: start,
+            floating: from == ReplayStart::FirstKept,
+        }
     }
 
     /// Whether `seq` continues the reply. Anything else ends it: a reply that does not start
-    /// at `start` means the history is not available, a hole inside it ends what it covers.
+    /// at `start` (or, `FirstKept`, before it) means the history is not available, a hole
+    /// inside it ends what it covers.
     pub(super) fn continues_with(&self, seq: u64) -> bool {
-        seq == self.next
+        seq == self.next || (self.floating && seq > self.next)
     }
 
-    /// The batch `continues_with` approved was applied.
-    pub(super) fn accepted(&mut self) {
-        self.next = self.next.saturating_add(1);
+    /// The batch `seq`, which `continues_with` approved, was applied.
+    pub(super) fn accepted(&mut self, seq: u64) {
+        if self.floating {
+            self.floating = false;
+            self.start = seq;
+        }
+        self.next = seq.saturating_add(1);
     }
 
     /// The highest seq covered, if any.
@@ -153,6 +175,7 @@ pub(super) fn replay(
     context: &zmq::Context,
     endpoint: &str,
     (start, through): (u64, u64),
+    from: ReplayStart,
     (stop, turn): (&Stop, &Turn),
     apply: &mut dyn FnMut(u64, &[u8]) -> bool,
 ) -> anyhow::Result<Replayed> {
@@ -173,8 +196,9 @@ pub(super) fn replay(
         .with_context(|| format!("sending the replay request to {endpoint}"))?;
 
     let begun = Instant::now();
-    let mut progress = ReplayProgress::new(start);
+    let mut progress = ReplayProgress::new(start, from);
     let mut answered = false;
+    let mut ended = false;
     loop {
         let deadline =
             (begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY }).min(turn.deadline);
@@ -201,12 +225,15 @@ pub(super) fn replay(
             .context("receiving a replay reply")?;
         answered = true;
         match wire::parse_replay_reply(&frames) {
-            Ok(ReplayItem::End) => break,
+            Ok(ReplayItem::End) => {
+                ended = true;
+                break;
+            }
             Ok(ReplayItem::Batch(message)) => {
                 if !progress.continues_with(message.seq) || !apply(message.seq, message.payload) {
                     break;
                 }
-                progress.accepted();
+                progress.accepted(message.seq);
                 if progress.covers(through) {
                     break;
                 }
@@ -219,6 +246,7 @@ pub(super) fn replay(
     }
     Ok(Replayed::Covered {
         through: progress.through(),
+        ended,
     })
 }
 
@@ -349,11 +377,11 @@ mod tests {
 
     #[test]
     fn replay_progress_is_contiguous_from_start() {
-        let mut progress = ReplayProgress::new(3);
+        let mut progress = ReplayProgress::new(3, ReplayStart::Exactly);
         assert_eq!(progress.through(), None);
         for seq in [3, 4] {
             assert!(progress.continues_with(seq));
-            progress.accepted();
+            progress.accepted(seq);
         }
         assert_eq!(progress.through(), Some(4));
         assert!(progress.covers(4));
@@ -428,9 +456,25 @@ mod tests {
 
     #[test]
     fn reply_not_starting_at_start_covers_nothing() {
-        let progress = ReplayProgress::new(3);
+        let progress = ReplayProgress::new(3, ReplayStart::Exactly);
         assert!(!progress.continues_with(7));
         assert_eq!(progress.through(), None);
         assert!(!progress.covers(3));
+    }
+
+    /// A joining rank takes whatever the engine still keeps: the first batch at or after the
+    /// seq asked for starts the reply, and from it on the reply must be contiguous.
+    #[test]
+    fn a_reply_from_the_first_kept_batch_starts_where_the_engine_kept_history() {
+        let mut progress = ReplayProgress::new(0, ReplayStart::FirstKept);
+        assert!(progress.continues_with(7));
+        progress.accepted(7);
+        assert!(progress.continues_with(8));
+        assert!(
+            !progress.continues_with(10),
+            "a hole after the start ends it"
+        );
+        progress.accepted(8);
+        assert_eq!(progress.through(), Some(8));
     }
 }

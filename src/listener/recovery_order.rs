@@ -13,12 +13,15 @@ use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::live::Subscription;
+use super::applier::Applier;
+use super::live::{FirstLive, Subscription};
 use super::peers::snapshot_url;
-use super::recovery::{self, Fetched, Interrupt, Replayed, Turn};
+use super::recovery::{self, Fetched, Interrupt, ReplayStart, Replayed, Turn};
 use super::sequence::MAX_PLAUSIBLE_GAP;
+use super::stop::Stop;
 use super::RecoveredBy;
 use crate::metrics::RecoveryMethod;
+use crate::state::RankState;
 use crate::wire::{self, EventBatch};
 
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
@@ -62,12 +65,15 @@ impl LostHistory {
 /// The message that revealed a hole, applied after the recovery unless it went past it.
 pub(super) struct Pending {
     pub(super) seq: u64,
+    pub(super) digest: u64,
     pub(super) batch: EventBatch,
 }
 
 /// A recovery the rank needs, run off its poller.
 pub(super) enum Job {
-    Hole(Hole),
+    Hole(Box<Hole>),
+    /// The rank holds none of the publisher's history: it joins it.
+    Join(Box<Join>),
     /// Lost history may be repaired by a snapshot now. `place`: as a hole's, the rank's
     /// failures in a row (at least the one that made it degraded).
     SnapshotRetry {
@@ -85,13 +91,48 @@ pub(super) struct Hole {
     place: u32,
 }
 
+/// The history a rank that holds none of it (just connected, or emptied by a publisher restart
+/// seen past seq 0) gets: its saved state once the engine's replay confirms it, else whatever
+/// the replay still keeps, else a snapshot; what none of them gives leaves the rank `partial`
+/// (docs/design.md "Joining a publisher").
+pub(super) struct Join {
+    /// The newest seq the history may reach: the one before `pending`, or unbounded at connect
+    /// (the replay's end marker ends it).
+    through: u64,
+    pending: Option<Pending>,
+    /// The newest seq this join applied, for a turn that resumes it.
+    reached: Option<u64>,
+    found: Instant,
+    place: u32,
+}
+
+/// `Join::through` at connect: no live message bounds the history yet.
+const UNBOUNDED: u64 = u64::MAX - 1;
+
+/// What the engine's replay said of a saved state.
+enum Confirmation {
+    /// The replay of its last batch digested the same: the state is loaded, and the replay
+    /// went on to `reached`.
+    Confirmed {
+        reached: u64,
+        ended: bool,
+        cut: Option<Interrupt>,
+    },
+    /// Discarded, for this reason (a `state_loads_total` outcome).
+    Refused(&'static str),
+    /// Cut short before the replay said anything of it.
+    Cut(Interrupt),
+}
+
 impl Job {
     /// Lower goes first: a fresh hole of a rank that has not been failing before a hole that
     /// already had turns, or of a rank that keeps failing (a snapshot retry's rank failed at
     /// least once, and applies live meanwhile).
     pub(super) fn priority(&self) -> u32 {
         match self {
-            Job::Hole(Hole { place, .. }) | Job::SnapshotRetry { place } => *place,
+            Job::Hole(hole) => hole.place,
+            Job::Join(join) => join.place,
+            Job::SnapshotRetry { place } => *place,
         }
     }
 }
@@ -145,21 +186,219 @@ impl Subscription {
     /// another rank's turn has come.
     pub(super) fn take_turn(&mut self, job: Job, turn: &Turn) -> TurnEnd {
         match job {
-            Job::Hole(hole) => self.recover(hole, turn),
+            Job::Hole(hole) => self.recover(*hole, turn),
+            Job::Join(join) => self.join(*join, turn),
             Job::SnapshotRetry { .. } => TurnEnd::Finished(self.retry_snapshot(turn)),
         }
+    }
+
+    /// A join of the history through `through` (`None`: at connect, unbounded), then
+    /// `pending`. The rank shows `recovering` meanwhile.
+    pub(super) fn join_job(&self, through: Option<u64>, pending: Option<Pending>) -> Job {
+        self.applier.status.set_recovering(true);
+        Job::Join(Box::new(Join {
+            through: through.unwrap_or(UNBOUNDED),
+            pending,
+            reached: None,
+            found: Instant::now(),
+            place: self.lost.failures,
+        }))
+    }
+
+    /// One turn of a join: the saved state confirmed by the replay, else the replay from the
+    /// first batch the engine keeps (whole when that is seq 0), else a snapshot; then
+    /// `pending`. A turn cut short for a waiting rank resumes the replay where it stopped. A
+    /// join at connect reads no further than the first live message (`FirstLive`).
+    fn join(&mut self, join: Join, turn: &Turn) -> TurnEnd {
+        let Join {
+            mut through,
+            mut pending,
+            mut reached,
+            found,
+            place,
+        } = join;
+        let turn = &turn.ending_by(found + HOLE_BUDGET);
+        let status = Arc::clone(&self.applier.status);
+        let mut cut = None;
+        let mut ended = false;
+        let mut how = RecoveredBy::Replay;
+        // The first live message a join at connect took: (seq, its batch if it decoded,
+        // whether the join had applied that very batch).
+        let mut first_live = None;
+        if let Some(endpoint) = self.applier.spec.replay.as_ref().map(ToString::to_string) {
+            let Subscription {
+                sub,
+                live_frames,
+                saved,
+                applier,
+                context,
+                stop,
+                ..
+            } = self;
+            let mut live = pending.is_none().then(|| FirstLive::new(sub, live_frames));
+            let mut confirmed = false;
+            if let Some(state) = saved.take().filter(|_| reached.is_none()) {
+                match confirm_saved(
+                    (applier, context, stop),
+                    &endpoint,
+                    &state,
+                    through,
+                    live.as_mut(),
+                    turn,
+                ) {
+                    Confirmation::Confirmed {
+                        reached: through_seq,
+                        ended: heard_end,
+                        cut: interrupt,
+                    } => {
+                        confirmed = true;
+                        reached = Some(through_seq);
+                        ended = heard_end;
+                        cut = interrupt;
+                        how = RecoveredBy::SavedState;
+                        status.state_load("restored");
+                        log::info!(
+                            "{}: restored {} blocks saved at seq {}, confirmed by the engine's \
+                             replay; replayed through {through_seq}",
+                            applier.who(),
+                            state.blocks.blocks(),
+                            state.last_seq
+                        );
+                    }
+                    Confirmation::Refused(reason) => {
+                        status.state_load(reason);
+                        log::warn!(
+                            "{}: saved state at seq {} discarded ({reason}): {}",
+                            applier.who(),
+                            state.last_seq,
+                            refusal_explained(reason)
+                        );
+                    }
+                    Confirmation::Cut(by) => {
+                        *saved = Some(state);
+                        cut = Some(by);
+                    }
+                }
+            }
+            if cut.is_none() && !confirmed {
+                let (from, start) = match reached {
+                    Some(seq) => (seq.saturating_add(1), ReplayStart::Exactly),
+                    None => (0, ReplayStart::FirstKept),
+                };
+                let (applied, interrupt, heard_end) = replay_into(
+                    (applier, context, stop),
+                    &endpoint,
+                    (from, through),
+                    start,
+                    None,
+                    live.as_mut(),
+                    turn,
+                );
+                reached = applied.or(reached);
+                cut = interrupt;
+                ended = heard_end;
+            }
+            if let Some(live) = live {
+                let duplicate = live.already_applied();
+                if let Some((seq, batch)) = live.message {
+                    through = seq.saturating_sub(1);
+                    if reached.is_some_and(|r| r >= seq) && !duplicate {
+                        // Ahead of the live stream and contradicting it: not this publisher's
+                        // history. The rank starts again from the live message.
+                        log::warn!(
+                            "{}: the replay went past live seq {seq} with other batches: what \
+                             it gave is dropped",
+                            applier.who()
+                        );
+                        applier.clear();
+                        status.emptied();
+                        reached = None;
+                    }
+                    first_live = Some((seq, batch, duplicate));
+                }
+            }
+        }
+        if let Some((seq, ..)) = &first_live {
+            // The rank's first live message: the sequence rules see it as any.
+            let _ = self.sequence.observe(*seq);
+        }
+        match cut {
+            Some(Interrupt::Stopped) => return TurnEnd::Finished(Recovery::Stopped),
+            Some(Interrupt::Yield) if found.elapsed() < HOLE_BUDGET && first_live.is_none() => {
+                return TurnEnd::Yielded(Job::Join(Box::new(Join {
+                    through,
+                    pending,
+                    reached,
+                    found,
+                    place: place.saturating_add(1),
+                })));
+            }
+            _ => {}
+        }
+        let mut lost_live = None;
+        match first_live {
+            Some((seq, Some((digest, batch)), false)) => {
+                pending = Some(Pending { seq, digest, batch });
+            }
+            Some((seq, None, false)) => lost_live = Some(seq),
+            Some((_, _, true)) | None => {}
+        }
+        if !status.whole() {
+            let bounded = through != UNBOUNDED;
+            if reached.is_none() && ended && !bounded {
+                status.nothing_published();
+            } else if bounded {
+                // A snapshot replaces what the replay applied: it is the whole state.
+                let newest = pending.as_ref().map_or(through, |pending| pending.seq);
+                if let SnapshotAttempt::Covered(seq, by) =
+                    self.whole_state_snapshot(through, newest, turn)
+                {
+                    reached = Some(seq);
+                    how = by;
+                }
+            }
+        }
+        if let Some(seq) = reached {
+            self.sequence.covered_through(seq);
+        }
+        let whole = status.whole();
+        if reached.is_some() {
+            status.recovered(how, whole);
+        }
+        if !whole {
+            log::warn!(
+                "{}: joined mid-stream{}: the history before is unknown, so the rank is \
+                 partial: scored on the blocks stored since (misses possible, never a false \
+                 hit) until a snapshot or the engine's restart makes it whole",
+                self.applier.who(),
+                reached.map_or_else(String::new, |seq| format!(", replayed through seq {seq}"))
+            );
+        }
+        status.set_recovering(false);
+        if let Some(pending) = pending {
+            if reached.is_none_or(|seq| seq < pending.seq) {
+                self.applier
+                    .apply_batch(pending.seq, pending.digest, &pending.batch);
+            }
+        }
+        if let Some(seq) = lost_live {
+            // The first live message did not decode: a lost batch, as a hole given up.
+            status.gap(false);
+            return self.settle(seq..=seq, None, RecoveredBy::Replay, None);
+        }
+        TurnEnd::Finished(Recovery::Done)
     }
 
     /// A hole of `range`, queued behind those of ranks failing less. The rank shows
     /// `recovering` from now: its newer batches wait until the hole is dealt with.
     pub(super) fn hole(&self, range: RangeInclusive<u64>, pending: Option<Pending>) -> Job {
         self.applier.status.set_recovering(true);
-        Job::Hole(Hole {
+        Job::Hole(Box::new(Hole {
             range,
             pending,
             found: Instant::now(),
             place: self.lost.failures,
-        })
+        }))
     }
 
     /// One turn of recovering `hole` (docs/design.md "Recovery": replay, snapshot, else
@@ -230,12 +469,12 @@ impl Subscription {
         match cut {
             Some(Interrupt::Stopped) => return TurnEnd::Finished(Recovery::Stopped),
             Some(Interrupt::Yield) if found.elapsed() < HOLE_BUDGET => {
-                return TurnEnd::Yielded(Job::Hole(Hole {
+                return TurnEnd::Yielded(Job::Hole(Box::new(Hole {
                     range: from..=through,
                     pending,
                     found,
                     place: place.saturating_add(1),
-                }));
+                })));
             }
             _ => {}
         }
@@ -288,7 +527,8 @@ impl Subscription {
         status.set_recovering(false);
         if let Some(pending) = pending {
             if reached.is_none_or(|c| c < pending.seq) {
-                self.applier.apply_batch(pending.seq, &pending.batch);
+                self.applier
+                    .apply_batch(pending.seq, pending.digest, &pending.batch);
             }
         }
         TurnEnd::Finished(Recovery::Done)
@@ -304,41 +544,16 @@ impl Subscription {
         into_empty: bool,
         turn: &Turn,
     ) -> (Option<u64>, Option<Interrupt>) {
-        let applier = &mut self.applier;
-        let mut emptied = !into_empty;
-        let result = recovery::replay(
-            &self.context,
+        let (applied, interrupt, _) = replay_into(
+            (&mut self.applier, &self.context, &self.stop),
             endpoint,
             (from, through),
-            (&self.stop, turn),
-            &mut |seq, payload| match applier.decode(payload) {
-                Some(batch) => {
-                    if !emptied {
-                        applier.clear();
-                        emptied = true;
-                    }
-                    applier.apply_batch(seq, &batch);
-                    true
-                }
-                None => false,
-            },
+            ReplayStart::Exactly,
+            into_empty.then_some(EmptyFirst),
+            None,
+            turn,
         );
-        match result {
-            Ok(Replayed::Interrupted { by, through }) => (through, Some(by)),
-            Ok(Replayed::Covered { through }) => {
-                let covered =
-                    through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
-                log::info!(
-                    "{}: replay from {from} covered {covered}",
-                    self.applier.who()
-                );
-                (through, None)
-            }
-            Err(error) => {
-                log::warn!("{}: replay failed: {error:#}", self.applier.who());
-                (None, None)
-            }
-        }
+        (applied, interrupt)
     }
 
     /// A snapshot with a seq in `need..=newest` from the best peer, else one covering `need`
@@ -469,6 +684,156 @@ impl Subscription {
             }
         }
         Recovery::Done
+    }
+}
+
+/// The rank is emptied before the first replayed batch applies.
+struct EmptyFirst;
+
+/// What a replay applies to, and the signal it watches.
+type ReplayParts<'a> = (&'a mut Applier, &'a zmq::Context, &'a Stop);
+
+/// Replays `from..=through` from `start`, applying each contiguous batch (into an emptied rank
+/// first, with `EmptyFirst`), no further than the first live message `live` takes. The highest
+/// seq applied, what cut the replay short, and whether the engine's end marker came.
+fn replay_into(
+    (applier, context, stop): ReplayParts<'_>,
+    endpoint: &str,
+    (from, through): (u64, u64),
+    start: ReplayStart,
+    mut empty_first: Option<EmptyFirst>,
+    mut live: Option<&mut FirstLive<'_>>,
+    turn: &Turn,
+) -> (Option<u64>, Option<Interrupt>, bool) {
+    let result = recovery::replay(
+        context,
+        endpoint,
+        (from, through),
+        start,
+        (stop, turn),
+        &mut |seq, payload| {
+            if let Some(live) = live.as_deref_mut() {
+                if live.bound(applier).is_some_and(|bound| seq >= bound) {
+                    return false;
+                }
+            }
+            let Some(batch) = applier.decode(payload) else {
+                return false;
+            };
+            if empty_first.take().is_some() {
+                applier.clear();
+            }
+            let digest = wire::payload_digest(payload);
+            applier.apply_batch(seq, digest, &batch);
+            if let Some(live) = live.as_deref_mut() {
+                live.applied(seq, digest);
+            }
+            true
+        },
+    );
+    match result {
+        Ok(Replayed::Interrupted { by, through }) => (through, Some(by), false),
+        Ok(Replayed::Covered { through, ended }) => {
+            let covered =
+                through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
+            log::info!("{}: replay from {from} covered {covered}", applier.who());
+            (through, None, ended)
+        }
+        Err(error) => {
+            log::warn!("{}: replay failed: {error:#}", applier.who());
+            (None, None, false)
+        }
+    }
+}
+
+/// Asks the replay for the saved state's last batch: only the same payload (the same publisher
+/// run) loads the state, and the replay goes on from there through `through`, no further than
+/// the first live message `live` takes.
+fn confirm_saved(
+    (applier, context, stop): ReplayParts<'_>,
+    endpoint: &str,
+    saved: &RankState,
+    through: u64,
+    mut live: Option<&mut FirstLive<'_>>,
+    turn: &Turn,
+) -> Confirmation {
+    let (seq, digest) = (saved.last_seq, saved.last_digest);
+    if seq > through {
+        return Confirmation::Refused("restarted");
+    }
+    let mut refused = None;
+    let mut loaded = false;
+    let result = recovery::replay(
+        context,
+        endpoint,
+        (seq, through),
+        ReplayStart::FirstKept,
+        (stop, turn),
+        &mut |replayed, payload| {
+            if let Some(bound) = live.as_deref_mut().and_then(|live| live.bound(applier)) {
+                if replayed >= bound {
+                    if !loaded && bound <= seq {
+                        refused = Some("restarted");
+                    }
+                    return false;
+                }
+            }
+            let payload_digest = wire::payload_digest(payload);
+            if loaded {
+                let Some(batch) = applier.decode(payload) else {
+                    return false;
+                };
+                applier.apply_batch(replayed, payload_digest, &batch);
+            } else if replayed != seq {
+                refused = Some("not_in_replay");
+                return false;
+            } else if payload_digest != digest {
+                refused = Some("restarted");
+                return false;
+            } else if let Err(error) = applier.restore(saved) {
+                log::warn!("{}: {error:#}", applier.who());
+                refused = Some("unloadable");
+                return false;
+            } else {
+                loaded = true;
+            }
+            if let Some(live) = live.as_deref_mut() {
+                live.applied(replayed, payload_digest);
+            }
+            true
+        },
+    );
+    match result {
+        Ok(Replayed::Covered { through, ended }) if loaded => Confirmation::Confirmed {
+            reached: through.unwrap_or(seq),
+            ended,
+            cut: None,
+        },
+        Ok(Replayed::Interrupted { by, through }) if loaded => Confirmation::Confirmed {
+            reached: through.unwrap_or(seq),
+            ended: false,
+            cut: Some(by),
+        },
+        Ok(Replayed::Interrupted { by, .. }) if refused.is_none() => Confirmation::Cut(by),
+        // Nothing at or after the saved seq: a publisher run that has not reached it.
+        Ok(Replayed::Covered { ended: true, .. }) => {
+            Confirmation::Refused(refused.unwrap_or("restarted"))
+        }
+        Ok(_) => Confirmation::Refused(refused.unwrap_or("replay_failed")),
+        Err(error) => {
+            log::warn!("{}: replay failed: {error:#}", applier.who());
+            Confirmation::Refused("replay_failed")
+        }
+    }
+}
+
+/// What a discarded saved state's reason means, for the log line.
+fn refusal_explained(reason: &str) -> &'static str {
+    match reason {
+        "restarted" => "the engine restarted since (its replay of that seq differs, or it has not published that far): nothing of it is used",
+        "not_in_replay" => "the engine's replay no longer holds that batch (the downtime outlasted its buffer), so the state cannot be confirmed",
+        "unloadable" => "its blocks do not load into the index",
+        _ => "the engine's replay did not answer, so the state cannot be confirmed",
     }
 }
 

@@ -51,6 +51,10 @@ struct Facts {
     failed: Option<Failed>,
     /// A hole in the rank's history was given up on and not repaired since.
     history_lost: bool,
+    /// The rank holds the publisher's whole history: seen from its seq 0, or made whole by a
+    /// snapshot, a confirmed saved state or an empty replay. Else it joined mid-stream and
+    /// holds what it saw since (`partial`).
+    whole: bool,
     /// A store with a block size other than the index's was seen.
     block_size_mismatch: bool,
     /// Stores past `max_blocks_per_rank` were dropped since the rank's state was last whole:
@@ -80,6 +84,8 @@ impl Facts {
             State::Connecting
         } else if self.history_lost || self.block_size_mismatch || self.over_cap.is_some() {
             State::Degraded
+        } else if !self.whole {
+            State::Partial
         } else {
             State::Active
         }
@@ -129,7 +135,9 @@ impl StatusCell {
         }
     }
 
-    /// A batch was applied (live or replayed).
+    /// A batch was applied (live or replayed). Seq 0 is the publisher's first: a rank that
+    /// applies it (into an empty rank: a join, a restart, a whole-history replay) has seen the
+    /// whole history.
     pub(super) fn applied(
         &self,
         seq: u64,
@@ -140,6 +148,9 @@ impl StatusCell {
         self.count_batch(outcome, skipped);
         self.metrics
             .set_blocks([blocks.gpu, blocks.cpu, blocks.disk]);
+        if seq == 0 {
+            self.update(|facts| facts.whole = true);
+        }
         let mut facts = self.lock();
         facts.last_seq = Some(seq);
         facts.batches += 1;
@@ -151,12 +162,31 @@ impl StatusCell {
     /// A snapshot covering up to `seq` became the rank's whole state.
     pub(super) fn snapshot_applied(&self, seq: u64, outcome: &ApplyOutcome, blocks: PerTier<u64>) {
         self.count_batch(outcome, 0);
+        self.lock().parent_missing += outcome.parent_missing;
+        self.state_restored(seq, blocks);
+    }
+
+    /// The rank's whole state through `seq` was loaded (a snapshot, a confirmed saved state).
+    pub(super) fn state_restored(&self, seq: u64, blocks: PerTier<u64>) {
+        self.metrics
+            .set_blocks([blocks.gpu, blocks.cpu, blocks.disk]);
         self.update(|facts| {
+            facts.whole = true;
             facts.last_seq = Some(seq);
             facts.blocks = blocks;
-            facts.parent_missing += outcome.parent_missing;
             facts.last_event = Some(Instant::now());
         });
+    }
+
+    /// The rank was emptied of what a join applied: its history is unknown again.
+    pub(super) fn emptied(&self) {
+        self.update(|facts| facts.whole = false);
+    }
+
+    /// The engine's replay holds nothing: it has published nothing, so the empty rank holds
+    /// its whole history.
+    pub(super) fn nothing_published(&self) {
+        self.update(|facts| facts.whole = true);
     }
 
     pub(super) fn set_blocks(&self, blocks: PerTier<u64>) {
@@ -188,10 +218,12 @@ impl StatusCell {
     }
 
     /// The publisher restarted: what was lost of the old process no longer matters. Seen from
-    /// seq 0, the new process is entirely known, block-size trouble included.
+    /// seq 0, the new process is entirely known, block-size trouble included; seen later, its
+    /// start is unknown until recovered (`partial` meanwhile).
     pub(super) fn restarted(&self, from_zero: bool) {
         self.update(|facts| {
             facts.history_lost = false;
+            facts.whole = from_zero;
             if from_zero {
                 facts.block_size_mismatch = false;
             }
@@ -222,6 +254,16 @@ impl StatusCell {
                 facts.history_lost = false;
             }
         });
+    }
+
+    /// What became of the rank's saved state: `restored`, or why it was discarded.
+    pub(super) fn state_load(&self, outcome: &'static str) {
+        self.metrics.state_load(outcome);
+    }
+
+    /// Whether the rank holds its publisher's whole history (else it is `partial`).
+    pub(super) fn whole(&self) -> bool {
+        self.lock().whole
     }
 
     /// A live message dropped as malformed.

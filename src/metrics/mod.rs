@@ -29,6 +29,8 @@
 //! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
 //! | `http_errors_total` | counter | `status` only |
 //! | `config_reloads_total` | counter | `outcome` only (`applied`, `rejected`) |
+//! | `state_writes_total` | counter | `outcome` only (`ok`, `failed`) |
+//! | `state_loads_total` | counter | `outcome` only (`restored`, or why the saved state was discarded) |
 //! | `discoveries_total` | counter | `instance`, `outcome` ([`DiscoveryOutcome`]) |
 //! | `discovered_ranks` | gauge | `instance` |
 //! | `discovery_disagreement` | gauge | `instance`, `key` ([`LayoutKey`]) |
@@ -62,8 +64,8 @@ use engines::EngineFamilies;
 pub use engines::EngineMetrics;
 use labels::{
     event_labels, failure_labels, reason_labels, recovery_labels, state_labels, EventLabels,
-    InexactLabels, RankLabels, ReasonLabels, RecoveryLabels, RefusalLabels, ReloadLabels,
-    ReloadOutcome, StateLabels, StatusLabels, TierLabels, TIERS,
+    InexactLabels, OutcomeLabels, RankLabels, ReasonLabels, RecoveryLabels, RefusalLabels,
+    ReloadLabels, ReloadOutcome, StateLabels, StatusLabels, TierLabels, TIERS,
 };
 pub use labels::{
     DiscoveryOutcome, EndpointRefusal, EndpointSource, EventSeries, FailureReason, LayoutKey,
@@ -119,6 +121,8 @@ pub struct Metrics {
     http_errors: Family<StatusLabels, Counter>,
     reloads_applied: Counter,
     reloads_rejected: Counter,
+    state_writes: Family<OutcomeLabels, Counter>,
+    state_loads: Family<OutcomeLabels, Counter>,
     endpoints_refused: Family<RefusalLabels, Counter>,
     overpredicted_tokens: Counter,
     underpredicted_tokens: Counter,
@@ -161,6 +165,8 @@ impl Metrics {
             reloads_rejected: reloads.get_or_create_owned(&ReloadLabels {
                 outcome: ReloadOutcome::rejected,
             }),
+            state_writes: Family::default(),
+            state_loads: Family::default(),
             endpoints_refused: Family::default(),
             overpredicted_tokens: Counter::default(),
             underpredicted_tokens: Counter::default(),
@@ -181,6 +187,16 @@ impl Metrics {
                 );
             }
         }
+        for outcome in ["ok", "failed"] {
+            drop(
+                metrics
+                    .state_writes
+                    .get_or_create(&OutcomeLabels { outcome }),
+            );
+        }
+        drop(metrics.state_loads.get_or_create(&OutcomeLabels {
+            outcome: "restored",
+        }));
         for reason in INEXACT_REASONS_NOT_KINDS {
             drop(
                 metrics
@@ -315,6 +331,16 @@ impl Metrics {
             reloads,
         );
         r.register(
+            "state_writes",
+            "Rank state files written to state_dir, by outcome (ok, failed)",
+            self.state_writes.clone(),
+        );
+        r.register(
+            "state_loads",
+            "Saved rank states at start, by outcome: restored, or why it was discarded",
+            self.state_loads.clone(),
+        );
+        r.register(
             "select_overpredicted_tokens",
             "Cached tokens /select predicted beyond what the engine reported at prefill_complete",
             self.overpredicted_tokens.clone(),
@@ -390,6 +416,7 @@ impl Metrics {
                 })
             }),
             inexact_ranks: self.inexact_ranks.clone(),
+            state_loads: self.state_loads.clone(),
         }
     }
 
@@ -489,6 +516,14 @@ impl Metrics {
         }
     }
 
+    /// A rank's state file written (`ok`) or not (`failed`).
+    pub fn state_write(&self, ok: bool) {
+        let outcome = if ok { "ok" } else { "failed" };
+        self.state_writes
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
     /// The index's distinct key count, for `index_keys`: set by whoever renders, just before.
     pub fn set_index_keys(&self, keys: u64) {
         self.index_keys.set(keys);
@@ -541,6 +576,8 @@ pub struct RankMetrics {
     worker_tier_blocks: [U64Gauge; 3],
     /// The process-wide family: a rank moves its count from one reason to another.
     inexact_ranks: Family<InexactLabels, Gauge>,
+    /// The process-wide family: what became of the rank's saved state.
+    state_loads: Family<OutcomeLabels, Counter>,
 }
 
 impl RankMetrics {
@@ -612,6 +649,13 @@ impl RankMetrics {
         for (s, gauge) in ListenerState::ALL.iter().zip(&self.listener_state) {
             gauge.set(i64::from(*s == state));
         }
+    }
+
+    /// What became of the rank's saved state at start: `restored`, or why it was discarded.
+    pub fn state_load(&self, outcome: &'static str) {
+        self.state_loads
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 
     /// The rank is answered 0 for `to` (none: scored exactly) instead of `from`: moves its

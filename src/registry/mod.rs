@@ -279,7 +279,7 @@ impl Registry {
     }
 
     /// The registry's pollers, started on first use.
-    fn pollers(&self) -> anyhow::Result<Pollers> {
+    pub fn pollers(&self) -> anyhow::Result<Pollers> {
         let mut pollers = self.pollers.lock();
         if let Some(pollers) = pollers.as_ref() {
             return Ok(pollers.clone());

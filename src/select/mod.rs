@@ -186,8 +186,7 @@ impl Selector {
         // The index is read only for ranks whose every held block is held by the engine
         // (`active`, `partial`).
         let mut trusted = Vec::new();
-        for rank in ranks.iter().filter(|rank| rank.status.state.is_scored())
-        {
+        for rank in ranks.iter().filter(|rank| rank.status.state.is_scored()) {
             let at = rank.worker as usize;
             if trusted.len() <= at {
                 trusted.resize(at + 1, false);

@@ -19,6 +19,7 @@ mod discovery;
 mod neighbours;
 mod reload;
 mod retry;
+mod saver;
 mod tasks;
 #[cfg(test)]
 mod tests;
@@ -27,6 +28,7 @@ mod trim;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use log::{info, warn};
@@ -51,6 +53,7 @@ use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
 use reload::{board_engines, Followers, Reloader};
 use retry::Retry;
+use saver::{Saver, Saving};
 pub use tasks::build_runtime;
 use tasks::{blocking, Task};
 
@@ -196,6 +199,8 @@ pub struct Service {
     reloader: Arc<Reloader>,
     retry: Retry,
     rank_watch: RankWatch,
+    /// The periodic save of every rank's state, when `state_dir` is set; and what a stop saves.
+    saver: Option<(Saver, Saving)>,
     /// Where every task of the service runs.
     runtime: Handle,
     /// Declared last, dropped last: the runtime `Service::start` built, after everything on it
@@ -384,6 +389,7 @@ impl Service {
             endpoints,
             secret: replication.secret().clone(),
         };
+        let metrics_for_saving = metrics.clone();
         let api = Arc::new(Api {
             index,
             metrics,
@@ -407,6 +413,18 @@ impl Service {
         };
         let retrying = registry.clone();
         let retry = Retry::spawn(&runtime, move || retry::restart_failed(&retrying));
+        let saver = match &config.state.dir {
+            Some(dir) => {
+                let saving = Saving {
+                    pollers: registry.lock().pollers()?,
+                    dir: dir.clone(),
+                    metrics: metrics_for_saving,
+                };
+                let every = Duration::from_secs(u64::from(config.state.interval_s));
+                Some((Saver::spawn(&runtime, saving.clone(), every), saving))
+            }
+            None => None,
+        };
         Ok(Service {
             http,
             dynamo,
@@ -416,6 +434,7 @@ impl Service {
             reloader,
             retry,
             rank_watch,
+            saver,
             runtime,
             owned_runtime: OwnedRuntime(None),
         })
@@ -467,6 +486,11 @@ impl Service {
             // starts nothing for it.
             reloader.stop_watchers().await;
         });
+        // Saved while every listener still holds its rank: a restart then loses nothing.
+        if let Some((saver, saving)) = self.saver {
+            self.runtime.block_on(saver.stop());
+            saving.save_all();
+        }
         let mut registry = self.registry.lock();
         let ranks = registry.running_count();
         registry.stop_all();
@@ -576,10 +600,20 @@ fn start_replication(config: &Config, listen: &str) -> anyhow::Result<Arc<Replic
             replicas.peers.len()
         );
     }
-    Ok(Replication::new(
+    if let Some(dir) = &config.state.dir {
+        crate::state::remove_stale_temporaries(dir);
+        info!(
+            "state: every rank's index saved to {} every {}s and at a stop, and loaded at \
+             start once each engine's replay confirms it",
+            dir.display(),
+            config.state.interval_s
+        );
+    }
+    Ok(Replication::with_state_dir(
         replicas.peers.clone(),
         secret,
         replicas.retains_contents(),
+        config.state.dir.clone(),
     ))
 }
 

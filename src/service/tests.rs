@@ -91,9 +91,12 @@ fn a_failed_rank_shows_failed_with_its_reason_holds_nothing_is_not_ready_and_is_
 
     engine.set_rcvtimeo(10_000).expect("RCVTIMEO");
     engine.recv_bytes(0).expect("the listener's subscription");
-    wait_for_rank(addr, "active", |rank| {
-        rank["state"] == "active" && rank["connected"] == true
+    // Connected, but nothing says what the engine holds (no batch, no replay): partial, and not
+    // ready, until its first batch, at seq 0, shows it knows the whole history.
+    wait_for_rank(addr, "partial", |rank| {
+        rank["state"] == "partial" && rank["connected"] == true
     });
+    assert_eq!(get(addr, "/ready").0, 503);
     let seq = 0u64.to_be_bytes();
     engine
         .send_multipart([&b""[..], &seq[..], &payload()[..]], 0)
@@ -125,9 +128,15 @@ fn a_failed_rank_shows_failed_with_its_reason_holds_nothing_is_not_ready_and_is_
     engine
         .recv_bytes(0)
         .expect("the restarted listener's subscription");
-    wait_for_rank(addr, "active again", |rank| {
-        rank["state"] == "active" && rank["connected"] == true && rank["reason"].is_null()
+    // A new listener: it has seen nothing of the engine's history, so it joins as partial.
+    wait_for_rank(addr, "connected again", |rank| {
+        rank["state"] == "partial" && rank["connected"] == true && rank["reason"].is_null()
     });
-    assert_eq!(get(addr, "/ready").0, 200);
+    let seq = 1u64.to_be_bytes();
+    engine
+        .send_multipart([&b""[..], &seq[..], &payload()[..]], 0)
+        .expect("publish");
+    wait_for_rank(addr, "its blocks again", |rank| rank["blocks"] == 2);
+    assert_eq!(matched(addr), 2, "a partial rank scores what it saw");
     service.shutdown();
 }

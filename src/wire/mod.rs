@@ -226,6 +226,13 @@ pub struct Snapshot {
 /// The seq of the replay end marker.
 const END_SEQ: u64 = u64::MAX;
 
+/// A batch's identity across the engine's live stream and its replay, which send the same
+/// payload bytes for one seq: a saved rank is trusted only once the replay of its last batch
+/// digests the same (docs/design.md "Restart").
+pub fn payload_digest(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
+}
+
 /// Splits a live message: exactly 3 frames, the seq frame 8 bytes big-endian. The frames may be
 /// owned bytes or ZMQ messages received in place.
 pub fn parse_message<F: std::ops::Deref<Target = [u8]>>(

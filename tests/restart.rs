@@ -1,0 +1,341 @@
+//! Restarts of the indexer (docs.md "Restarts"): with `state_dir`, a restart in front of engines
+//! that ran for a while loses nothing; without what the engine can confirm, a rank joins as
+//! `partial` and never scores more than the engine holds. Real processes, signals, sockets and
+//! HTTP on 127.0.0.1; the simulated engines' caches are the ground truth.
+
+mod support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{self, Accuracy, IndexerView, OverHttp, RankView};
+use kv_indexer_sim::workload::Route;
+use support::http_client::{get, metric_sum};
+use support::{assert_exact, settle, start_indexer, trace_prompts, warm_up};
+
+const ENGINES: usize = 2;
+const DP_SIZE: u32 = 2;
+const RANKS: f64 = (ENGINES as u32 * DP_SIZE) as f64;
+/// Batches each rank's replay keeps: far fewer than the first half of the trace publishes, so
+/// an indexer that joins later cannot rebuild a rank from the replay alone.
+const REPLAY_BUFFER: usize = 16;
+/// Below what the trace stores on a rank: ranks evict, and a saved state must follow removals.
+const EVICTING: usize = 2_500;
+/// Above what the trace stores on a rank: what an indexer missed is still cached, so missing
+/// it shows.
+const ROOMY: usize = 20_000;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn fleet() -> Fleet {
+    fleet_caching(EVICTING)
+}
+
+fn fleet_caching(capacity_blocks: usize) -> Fleet {
+    let _ = env_logger::builder().is_test(true).try_init();
+    Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
+        dp_size: DP_SIZE,
+        replay_port: Some(0),
+        replay_buffer: REPLAY_BUFFER,
+        recover_port: None,
+        block_size: BLOCK_SIZE,
+        capacity_blocks,
+        seed: 0x5A7E + i as u64,
+        ..SimConfig::default()
+    })
+    .expect("fleet")
+}
+
+fn config(fleet: &Fleet, state_dir: &Path, interval_s: u32) -> String {
+    format!(
+        "state_dir = {:?}\nstate_interval_s = {interval_s}\n{}",
+        state_dir.display().to_string(),
+        fleet.indexer_config()
+    )
+}
+
+fn serve(fleet: &Fleet, prompts: &[Vec<u32>]) -> Vec<RankRef> {
+    let mut router = fleet.router(Route::Sticky);
+    fleet.serve_all(&mut router, prompts).expect("serve")
+}
+
+/// Waits until `indexer` has applied every rank's last batch and nothing is recovering;
+/// returns the ranks as `/workers` shows them.
+fn caught_up(fleet: &Fleet, indexer: &IndexerProcess) -> Vec<RankView> {
+    let mut view = OverHttp::new(indexer.address);
+    let started = Instant::now();
+    loop {
+        let views = view.ranks().expect("ranks");
+        let behind = fleet.ranks().into_iter().any(|at| {
+            let published = fleet.engine(at).last_seq(at.rank).expect("rank");
+            !views.iter().any(|v| {
+                v.engine == Fleet::name(at.engine)
+                    && v.dp_rank == at.rank
+                    && v.last_seq == published
+            })
+        });
+        if !behind && views.iter().all(|v| v.state != "recovering") {
+            return views;
+        }
+        assert!(started.elapsed() < DEADLINE, "not caught up: {views:#?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn compare(fleet: &Fleet, indexer: &IndexerProcess, prompts: &[Vec<u32>]) -> Accuracy {
+    let views = caught_up(fleet, indexer);
+    watch::compare(
+        fleet,
+        &mut OverHttp::new(indexer.address),
+        &views,
+        prompts,
+        &[],
+    )
+    .expect("compare")
+}
+
+fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
+    metric_sum(indexer.address, name, labels)
+}
+
+fn recovered_by(indexer: &IndexerProcess) -> Vec<String> {
+    let reply = get(indexer.address, "/workers");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let mut found = Vec::new();
+    for instance in reply.json().as_array().expect("an array") {
+        for listener in instance["listeners"].as_array().expect("listeners") {
+            found.push(listener["recovered_by"].as_str().unwrap_or("none").into());
+        }
+    }
+    found
+}
+
+/// Stops `indexer` with `signal` and waits for it to exit.
+fn stop(mut indexer: IndexerProcess, signal: libc::c_int) {
+    indexer.signal(signal).expect("signal");
+    indexer.wait_exit(DEADLINE).expect("exit");
+}
+
+/// An indexer that saved its state (at SIGTERM, or periodically before a SIGKILL) and comes
+/// back while the engines' replays still hold its last batch: every rank is exact again from
+/// the saved state and the replay of what it missed, though the replays no longer hold seq 0
+/// (a fresh indexer would only be partial).
+#[test]
+fn a_restart_within_the_replay_buffer_comes_back_exact_after_sigterm_and_sigkill() {
+    let fleet = fleet();
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 200);
+    let state = tempfile::tempdir().expect("tempdir");
+    let toml = config(&fleet, state.path(), 1);
+    let first = start_indexer(&toml);
+    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    serve(&fleet, &prompts[..120]);
+    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    stop(first, libc::SIGTERM);
+    assert!(fleet.ranks().iter().all(|&at| {
+        fleet
+            .engine(at)
+            .last_seq(at.rank)
+            .expect("rank")
+            .unwrap_or(0)
+            > REPLAY_BUFFER as u64
+    }));
+
+    // Down while a few batches go by: the replay gives them back.
+    serve(&fleet, &prompts[120..130]);
+    let second = start_indexer(&toml);
+    let mut view = OverHttp::new(second.address);
+    let views = settle(&fleet, &mut view, DEADLINE);
+    assert_exact(&fleet, &mut view, &views, &prompts[..130], &[]);
+    assert!(
+        recovered_by(&second).iter().all(|by| by == "saved state"),
+        "{:?}",
+        recovered_by(&second)
+    );
+    assert_eq!(
+        metric(
+            &second,
+            "kv_indexer_state_loads_total",
+            &["outcome=\"restored\""]
+        ),
+        RANKS
+    );
+
+    // Killed without a chance to save: the last periodic save (every second) and the replay.
+    serve(&fleet, &prompts[130..160]);
+    settle(&fleet, &mut OverHttp::new(second.address), DEADLINE);
+    let saved_after = Instant::now();
+    while metric(
+        &second,
+        "kv_indexer_state_writes_total",
+        &["outcome=\"ok\""],
+    ) < 2.0 * RANKS
+        || saved_after.elapsed() < Duration::from_millis(1_500)
+    {
+        assert!(saved_after.elapsed() < DEADLINE, "no periodic save");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop(second, libc::SIGKILL);
+    serve(&fleet, &prompts[160..170]);
+    let third = start_indexer(&toml);
+    let mut view = OverHttp::new(third.address);
+    let views = settle(&fleet, &mut view, DEADLINE);
+    assert_exact(&fleet, &mut view, &views, &prompts[..170], &[]);
+    assert_eq!(
+        metric(
+            &third,
+            "kv_indexer_state_loads_total",
+            &["outcome=\"restored\""]
+        ),
+        RANKS
+    );
+    assert!(!third.log().contains("panicked"), "{}", third.log());
+}
+
+/// Down longer than the replays keep: the saved state cannot be confirmed and is discarded,
+/// each rank joins as `partial`, never scores more than the engine holds, and scores what it
+/// saw stored since.
+#[test]
+fn a_restart_beyond_the_replay_buffer_comes_back_partial_without_a_false_hit() {
+    let fleet = fleet_caching(ROOMY);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 260);
+    let state = tempfile::tempdir().expect("tempdir");
+    let toml = config(&fleet, state.path(), 30);
+    let first = start_indexer(&toml);
+    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    serve(&fleet, &prompts[..100]);
+    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    stop(first, libc::SIGTERM);
+
+    serve(&fleet, &prompts[100..200]);
+    let second = start_indexer(&toml);
+    let views = caught_up(&fleet, &second);
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
+    assert_eq!(
+        metric(
+            &second,
+            "kv_indexer_state_loads_total",
+            &["outcome=\"not_in_replay\""]
+        ),
+        RANKS
+    );
+    let before = compare(&fleet, &second, &prompts[..200]);
+    assert_eq!(before.false_hits, 0, "{before:#?}");
+    assert!(
+        before.exact < before.pairs,
+        "it cannot know what it missed: {before:#?}"
+    );
+
+    // What it sees stored from now on, it scores.
+    serve(&fleet, &prompts[200..]);
+    let after = compare(&fleet, &second, &prompts);
+    assert_eq!(after.false_hits, 0, "{after:#?}");
+    let mut view = OverHttp::new(second.address);
+    let scored: u32 = prompts[200..]
+        .iter()
+        .map(|prompt| view.matched(prompt).expect("query").values().sum::<u32>())
+        .sum();
+    assert!(
+        scored > 0,
+        "a partial rank scores the blocks stored since it joined"
+    );
+    let reply = get(second.address, "/ready");
+    assert_eq!(
+        reply.status,
+        503,
+        "partial ranks are not ready: {}",
+        reply.text()
+    );
+    assert!(reply.text().contains("partial"), "{}", reply.text());
+}
+
+/// Engines restarted (empty caches) while the indexer was down: the saved state is of their
+/// previous run and is refused, whatever seq the new run has reached; nothing of it scores.
+#[test]
+fn a_fresh_engine_behind_an_old_state_gives_no_false_hit() {
+    let fleet = fleet();
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 120);
+    let state = tempfile::tempdir().expect("tempdir");
+    let toml = config(&fleet, state.path(), 30);
+    let first = start_indexer(&toml);
+    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    serve(&fleet, &prompts[..80]);
+    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    stop(first, libc::SIGTERM);
+
+    for at in fleet.ranks() {
+        fleet.engine(at).restart_rank(at.rank).expect("restart");
+    }
+    // The new runs publish a little: fewer batches than the saved seq on some ranks.
+    serve(&fleet, &prompts[80..90]);
+    let second = start_indexer(&toml);
+    let mut view = OverHttp::new(second.address);
+    let views = settle(&fleet, &mut view, DEADLINE);
+    let accuracy = assert_exact(&fleet, &mut view, &views, &prompts[..90], &[]);
+    assert_eq!(accuracy.false_hits, 0);
+    assert_eq!(
+        metric(
+            &second,
+            "kv_indexer_state_loads_total",
+            &["outcome=\"restarted\""]
+        ),
+        RANKS
+    );
+}
+
+/// A state directory holding files that are truncated, garbled, of another format version or
+/// not state files at all: each is refused with its reason, nothing crashes, and every rank
+/// joins as if it had none.
+#[test]
+fn broken_state_files_are_refused_without_a_crash_or_a_false_hit() {
+    let fleet = fleet();
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 100);
+    let state = tempfile::tempdir().expect("tempdir");
+    let toml = config(&fleet, state.path(), 30);
+    let first = start_indexer(&toml);
+    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    serve(&fleet, &prompts[..60]);
+    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
+    stop(first, libc::SIGTERM);
+
+    let mut files: Vec<_> = std::fs::read_dir(state.path())
+        .expect("state dir")
+        .map(|entry| entry.expect("entry").path())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), RANKS as usize, "{files:?}");
+    let bytes = std::fs::read(&files[0]).expect("read");
+    std::fs::write(&files[0], &bytes[..bytes.len() / 2]).expect("truncate");
+    let mut garbled = std::fs::read(&files[1]).expect("read");
+    let middle = garbled.len() / 2;
+    garbled[middle] ^= 0x40;
+    std::fs::write(&files[1], garbled).expect("garble");
+    std::fs::write(&files[2], b"# not a state file\n").expect("overwrite");
+    std::fs::write(&files[3], []).expect("empty");
+
+    serve(&fleet, &prompts[60..]);
+    let second = start_indexer(&toml);
+    let accuracy = compare(&fleet, &second, &prompts);
+    assert_eq!(accuracy.false_hits, 0, "{accuracy:#?}");
+    assert_eq!(
+        metric(
+            &second,
+            "kv_indexer_state_loads_total",
+            &["outcome=\"restored\""]
+        ),
+        0.0
+    );
+    let refused: f64 = ["truncated", "corrupt", "not_a_state_file"]
+        .iter()
+        .map(|reason| {
+            metric(
+                &second,
+                "kv_indexer_state_loads_total",
+                &[&format!("outcome=\"{reason}\"")],
+            )
+        })
+        .sum();
+    assert_eq!(refused, RANKS, "{}", second.log());
+    assert!(!second.log().contains("panicked"), "{}", second.log());
+}
