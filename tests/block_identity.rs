@@ -32,8 +32,14 @@ fn hex(text: &str) -> Vec<u8> {
 
 /// Applies every run of `case` (its real payloads) to `worker`.
 fn apply_runs(case: &Value, worker: &mut WorkerBlocks) -> ApplyOutcome {
+    apply_runs_from(case, 0, worker)
+}
+
+/// Applies the runs of `case` from the `first` on: a rank that joined the engine after the
+/// runs before it (`partial`), their events never seen.
+fn apply_runs_from(case: &Value, first: usize, worker: &mut WorkerBlocks) -> ApplyOutcome {
     let mut outcome = ApplyOutcome::default();
-    for run in case["runs"].as_array().expect("runs") {
+    for run in case["runs"].as_array().expect("runs").iter().skip(first) {
         let payload = hex(run["payload_hex"].as_str().expect("payload_hex"));
         let batch = decode_batch(&payload).expect("a real payload decodes");
         assert_eq!(batch.skipped, 0, "case {}", case["name"]);
@@ -88,6 +94,41 @@ fn every_probe_matches_what_the_rank_truly_holds() {
         }
     }
     assert_eq!(probes, 17);
+}
+
+/// A rank that joined after any number of the engine's runs (their events lost: `partial`)
+/// scores every probe at most what the engine's own prefix cache holds: misses, never a false
+/// hit, whatever the block identity (salt, multimodal, LoRA, lookahead, second copies).
+#[test]
+fn a_rank_joining_mid_stream_never_scores_more_than_vllm_holds() {
+    let vectors = vectors();
+    let block_size = vectors["block_size"].as_u64().expect("block_size") as u32;
+    let (mut checked, mut missed) = (0, 0);
+    for case in vectors["cases"].as_array().expect("cases") {
+        let runs = case["runs"].as_array().expect("runs").len();
+        for joined_after in 0..=runs {
+            let index = Index::new(block_size, 4);
+            let mut worker = index.add_worker();
+            apply_runs_from(case, joined_after, &mut worker);
+            for probe in case["probes"].as_array().expect("probes") {
+                let holds = probe["holds"].as_u64().expect("holds") as u32;
+                let scored = matched(&index, worker.id(), &probe["query"]);
+                assert!(
+                    scored <= holds,
+                    "case {} joined after {joined_after} runs: probe {} scored {scored}, vLLM \
+                     holds {holds}",
+                    case["name"],
+                    probe["query"]
+                );
+                checked += 1;
+                missed += u32::from(scored < holds);
+            }
+        }
+    }
+    assert!(
+        checked > 17 && missed > 0,
+        "{checked} probes, {missed} missed"
+    );
 }
 
 /// One rank hashing a lookahead token, one not, the same prompt cached on both: each is scored

@@ -339,3 +339,41 @@ fn broken_state_files_are_refused_without_a_crash_or_a_false_hit() {
     assert_eq!(refused, RANKS, "{}", second.log());
     assert!(!second.log().contains("panicked"), "{}", second.log());
 }
+
+/// An indexer started long after its engines, with no saved state and replays that keep only
+/// their last batches: every rank is partial, and through a long workload whose caches evict it
+/// never scores more than a rank holds.
+#[test]
+fn a_partial_rank_has_no_false_hit_across_a_long_workload_with_evictions() {
+    let fleet = fleet();
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 300);
+    let mut placed = serve(&fleet, &prompts[..100]);
+    let indexer = start_indexer(&fleet.indexer_config());
+    let views = caught_up(&fleet, &indexer);
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
+    let mut evicted = 0;
+    for (at, chunk) in prompts.chunks(50).enumerate().skip(2) {
+        placed.extend(serve(&fleet, chunk));
+        let served = &prompts[..(at + 1) * 50];
+        let views = caught_up(&fleet, &indexer);
+        let accuracy = watch::compare(
+            &fleet,
+            &mut OverHttp::new(indexer.address),
+            &views,
+            served,
+            &placed,
+        )
+        .expect("compare");
+        assert_eq!(
+            accuracy.false_hits,
+            0,
+            "after {} prompts: {accuracy:#?}",
+            served.len()
+        );
+        evicted = accuracy.evicted;
+    }
+    assert!(
+        evicted > 0,
+        "the caches evicted nothing: the test proves less than it says"
+    );
+}

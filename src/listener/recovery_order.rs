@@ -373,6 +373,8 @@ impl Subscription {
                 self.applier.who(),
                 reached.map_or_else(String::new, |seq| format!(", replayed through seq {seq}"))
             );
+            // A peer a few batches ahead now may agree later; a reload may add peers.
+            self.schedule_snapshot_retry();
         }
         status.set_recovering(false);
         if let Some(pending) = pending {
