@@ -15,7 +15,9 @@ use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::watch::{self, IndexerView, OverHttp, RankView};
 use kv_indexer_sim::workload::Route;
 use support::http_client::{get, metric_sum, post, Connection};
-use support::{assert_exact, free_port, settle, start_indexer, trace_prompts, warm_up};
+use support::{
+    assert_exact, free_port, recovered_by, settle, start_indexer, trace_prompts, warm_up,
+};
 
 const ENGINES: usize = 2;
 const DP_SIZE: u32 = 2;
@@ -106,48 +108,6 @@ fn subscribed(fleet: &Fleet, indexer: &IndexerProcess) {
     }
 }
 
-/// Every listener's `recovered_by`.
-fn recovered_by(indexer: &IndexerProcess) -> Vec<String> {
-    let workers = workers(indexer);
-    let mut found = Vec::new();
-    for instance in workers.as_array().expect("an array") {
-        for listener in instance["listeners"].as_array().expect("listeners") {
-            found.push(
-                listener["recovered_by"]
-                    .as_str()
-                    .unwrap_or("none")
-                    .to_owned(),
-            );
-        }
-    }
-    found
-}
-
-/// Waits until `indexer` has seen every rank's last batch, whatever its state; returns views.
-fn caught_up(fleet: &Fleet, indexer: &IndexerProcess) -> Vec<RankView> {
-    let mut view = OverHttp::new(indexer.address);
-    let started = Instant::now();
-    loop {
-        let views = view.ranks().expect("ranks");
-        let behind = fleet.ranks().into_iter().any(|at| {
-            let published = fleet.engine(at).last_seq(at.rank).expect("rank");
-            !views.iter().any(|v| {
-                v.engine == Fleet::name(at.engine)
-                    && v.dp_rank == at.rank
-                    && v.last_seq == published
-            })
-        });
-        if !behind && views.iter().all(|v| v.state != "recovering") {
-            return views;
-        }
-        assert!(started.elapsed() < DEADLINE, "not caught up: {views:#?}");
-        for at in fleet.ranks() {
-            fleet.nudge(at).expect("nudge");
-        }
-        std::thread::sleep(Duration::from_millis(300));
-    }
-}
-
 /// The counter `name{labels}` summed over every series that has all of `labels`.
 fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
     metric_sum(indexer.address, name, labels)
@@ -229,7 +189,7 @@ fn a_replica_joining_or_restarted_recovers_from_its_peer_and_one_without_peers_d
         ) >= 4.0
     );
 
-    let views = caught_up(&fleet, &alone);
+    let views = support::caught_up(&fleet, &alone, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     let accuracy = watch::compare(
         &fleet,
@@ -260,14 +220,14 @@ fn a_partial_peer_is_not_used() {
     serve(&fleet, &prompts);
     // Joins after the prompts: it misses their history and is partial, yet would serve.
     let partial = start_indexer(&config(&fleet, &[], true, None));
-    let views = caught_up(&fleet, &partial);
+    let views = support::caught_up(&fleet, &partial, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     let reply = get(partial.address, "/snapshot/sim-0/0");
     assert_eq!(reply.status, 503, "{}", reply.text());
     assert!(reply.text().contains("partial"), "{}", reply.text());
 
     let asking = start_indexer(&config(&fleet, &[partial.address], false, None));
-    let views = caught_up(&fleet, &asking);
+    let views = support::caught_up(&fleet, &asking, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert!(
         metric(
@@ -385,7 +345,7 @@ fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
     ));
     assert_settled_exact(&fleet, &holder, &prompts);
     let stranger = start_indexer(&config(&fleet, &[guarded.address], false, None));
-    let views = caught_up(&fleet, &stranger);
+    let views = support::caught_up(&fleet, &stranger, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert!(stranger.log().contains("401"), "{}", stranger.log());
 }
@@ -493,6 +453,6 @@ fn peer_fetches_never_go_through_a_proxy_from_the_environment() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    caught_up(&fleet, &indexer);
+    support::caught_up(&fleet, &indexer, DEADLINE);
     assert_eq!(proxy.connections(), 0, "{}", indexer.log());
 }

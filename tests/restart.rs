@@ -5,16 +5,20 @@
 
 mod support;
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::indexer_toml::replica_keys;
 use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::server::SimConfig;
-use kv_indexer_sim::watch::{self, Accuracy, IndexerView, OverHttp, RankView};
+use kv_indexer_sim::watch::{self, Accuracy, IndexerView, OverHttp};
 use kv_indexer_sim::workload::Route;
 use support::http_client::{get, metric_sum};
-use support::{assert_exact, settle, start_indexer, trace_prompts, warm_up};
+use support::{
+    assert_exact, free_port, recovered_by, settle, start_indexer, trace_prompts, warm_up,
+};
 
 const ENGINES: usize = 2;
 const DP_SIZE: u32 = 2;
@@ -61,31 +65,8 @@ fn serve(fleet: &Fleet, prompts: &[Vec<u32>]) -> Vec<RankRef> {
     fleet.serve_all(&mut router, prompts).expect("serve")
 }
 
-/// Waits until `indexer` has applied every rank's last batch and nothing is recovering;
-/// returns the ranks as `/workers` shows them.
-fn caught_up(fleet: &Fleet, indexer: &IndexerProcess) -> Vec<RankView> {
-    let mut view = OverHttp::new(indexer.address);
-    let started = Instant::now();
-    loop {
-        let views = view.ranks().expect("ranks");
-        let behind = fleet.ranks().into_iter().any(|at| {
-            let published = fleet.engine(at).last_seq(at.rank).expect("rank");
-            !views.iter().any(|v| {
-                v.engine == Fleet::name(at.engine)
-                    && v.dp_rank == at.rank
-                    && v.last_seq == published
-            })
-        });
-        if !behind && views.iter().all(|v| v.state != "recovering") {
-            return views;
-        }
-        assert!(started.elapsed() < DEADLINE, "not caught up: {views:#?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn compare(fleet: &Fleet, indexer: &IndexerProcess, prompts: &[Vec<u32>]) -> Accuracy {
-    let views = caught_up(fleet, indexer);
+    let views = support::caught_up(fleet, indexer, DEADLINE);
     watch::compare(
         fleet,
         &mut OverHttp::new(indexer.address),
@@ -96,20 +77,22 @@ fn compare(fleet: &Fleet, indexer: &IndexerProcess, prompts: &[Vec<u32>]) -> Acc
     .expect("compare")
 }
 
+fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
 fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
     metric_sum(indexer.address, name, labels)
 }
 
-fn recovered_by(indexer: &IndexerProcess) -> Vec<String> {
-    let reply = get(indexer.address, "/workers");
-    assert_eq!(reply.status, 200, "{}", reply.text());
-    let mut found = Vec::new();
-    for instance in reply.json().as_array().expect("an array") {
-        for listener in instance["listeners"].as_array().expect("listeners") {
-            found.push(listener["recovered_by"].as_str().unwrap_or("none").into());
-        }
-    }
-    found
+/// An indexer of `toml` that sees `prompts` served, settles, and is stopped with SIGTERM: an
+/// indexer that ran in front of the fleet for a while.
+fn serve_then_stop(fleet: &Fleet, toml: &str, prompts: &[Vec<u32>]) {
+    let indexer = start_indexer(toml);
+    warm_up(fleet, &mut OverHttp::new(indexer.address), DEADLINE);
+    serve(fleet, prompts);
+    settle(fleet, &mut OverHttp::new(indexer.address), DEADLINE);
+    stop(indexer, libc::SIGTERM);
 }
 
 /// Stops `indexer` with `signal` and waits for it to exit.
@@ -128,11 +111,7 @@ fn a_restart_within_the_replay_buffer_comes_back_exact_after_sigterm_and_sigkill
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 200);
     let state = tempfile::tempdir().expect("tempdir");
     let toml = config(&fleet, state.path(), 1);
-    let first = start_indexer(&toml);
-    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    serve(&fleet, &prompts[..120]);
-    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    stop(first, libc::SIGTERM);
+    serve_then_stop(&fleet, &toml, &prompts[..120]);
     assert!(fleet.ranks().iter().all(|&at| {
         fleet
             .engine(at)
@@ -202,15 +181,11 @@ fn a_restart_beyond_the_replay_buffer_comes_back_partial_without_a_false_hit() {
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 260);
     let state = tempfile::tempdir().expect("tempdir");
     let toml = config(&fleet, state.path(), 30);
-    let first = start_indexer(&toml);
-    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    serve(&fleet, &prompts[..100]);
-    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    stop(first, libc::SIGTERM);
+    serve_then_stop(&fleet, &toml, &prompts[..100]);
 
     serve(&fleet, &prompts[100..200]);
     let second = start_indexer(&toml);
-    let views = caught_up(&fleet, &second);
+    let views = support::caught_up(&fleet, &second, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert_eq!(
         metric(
@@ -258,11 +233,7 @@ fn a_fresh_engine_behind_an_old_state_gives_no_false_hit() {
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 120);
     let state = tempfile::tempdir().expect("tempdir");
     let toml = config(&fleet, state.path(), 30);
-    let first = start_indexer(&toml);
-    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    serve(&fleet, &prompts[..80]);
-    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    stop(first, libc::SIGTERM);
+    serve_then_stop(&fleet, &toml, &prompts[..80]);
 
     for at in fleet.ranks() {
         fleet.engine(at).restart_rank(at.rank).expect("restart");
@@ -293,11 +264,7 @@ fn broken_state_files_are_refused_without_a_crash_or_a_false_hit() {
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 100);
     let state = tempfile::tempdir().expect("tempdir");
     let toml = config(&fleet, state.path(), 30);
-    let first = start_indexer(&toml);
-    warm_up(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    serve(&fleet, &prompts[..60]);
-    settle(&fleet, &mut OverHttp::new(first.address), DEADLINE);
-    stop(first, libc::SIGTERM);
+    serve_then_stop(&fleet, &toml, &prompts[..60]);
 
     let mut files: Vec<_> = std::fs::read_dir(state.path())
         .expect("state dir")
@@ -349,13 +316,13 @@ fn a_partial_rank_has_no_false_hit_across_a_long_workload_with_evictions() {
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 300);
     let mut placed = serve(&fleet, &prompts[..100]);
     let indexer = start_indexer(&fleet.indexer_config());
-    let views = caught_up(&fleet, &indexer);
+    let views = support::caught_up(&fleet, &indexer, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     let mut evicted = 0;
     for (at, chunk) in prompts.chunks(50).enumerate().skip(2) {
         placed.extend(serve(&fleet, chunk));
         let served = &prompts[..(at + 1) * 50];
-        let views = caught_up(&fleet, &indexer);
+        let views = support::caught_up(&fleet, &indexer, DEADLINE);
         let accuracy = watch::compare(
             &fleet,
             &mut OverHttp::new(indexer.address),
@@ -375,5 +342,75 @@ fn a_partial_rank_has_no_false_hit_across_a_long_workload_with_evictions() {
     assert!(
         evicted > 0,
         "the caches evicted nothing: the test proves less than it says"
+    );
+}
+
+/// Two replicas, each with `peers` and its own `state_dir`: one restarted while the engines'
+/// replays still hold its last batch takes its own saved state; restarted after they moved on,
+/// its state cannot be confirmed and it takes its peer's snapshot. Either way it is exact.
+#[test]
+fn a_replica_with_peers_and_state_takes_whichever_is_exact() {
+    let fleet = fleet_caching(ROOMY);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 170);
+    let (a_addr, b_addr) = (free_addr(), free_addr());
+    let (a_state, b_state) = (
+        tempfile::tempdir().expect("a"),
+        tempfile::tempdir().expect("b"),
+    );
+    let toml = |peer: SocketAddr, state: &Path| {
+        format!(
+            "{}{}",
+            replica_keys(&[peer], true, None),
+            config(&fleet, state, 30)
+        )
+    };
+    let start = |own: SocketAddr, toml: &str| {
+        IndexerProcess::launch(support::indexer_binary(), toml)
+            .address(own)
+            .log_filter("info")
+            .start(DEADLINE)
+            .unwrap_or_else(|error| panic!("{error:#}"))
+    };
+    let b_toml = toml(a_addr, b_state.path());
+    let a = start(a_addr, &toml(b_addr, a_state.path()));
+    let b = start(b_addr, &b_toml);
+    for indexer in [&a, &b] {
+        warm_up(&fleet, &mut OverHttp::new(indexer.address), DEADLINE);
+    }
+    serve(&fleet, &prompts[..60]);
+    settle(&fleet, &mut OverHttp::new(b.address), DEADLINE);
+    stop(b, libc::SIGTERM);
+
+    serve(&fleet, &prompts[60..64]);
+    let b = start(b_addr, &b_toml);
+    let mut view = OverHttp::new(b.address);
+    let views = settle(&fleet, &mut view, DEADLINE);
+    assert_exact(&fleet, &mut view, &views, &prompts[..64], &[]);
+    assert!(
+        recovered_by(&b).iter().all(|by| by == "saved state"),
+        "{:?}",
+        recovered_by(&b)
+    );
+    stop(b, libc::SIGTERM);
+
+    serve(&fleet, &prompts[64..]);
+    settle(&fleet, &mut OverHttp::new(a.address), DEADLINE);
+    let b = start(b_addr, &b_toml);
+    let mut view = OverHttp::new(b.address);
+    let views = settle(&fleet, &mut view, DEADLINE);
+    assert_exact(&fleet, &mut view, &views, &prompts, &[]);
+    let from_peer = format!("peer http://{a_addr}");
+    assert!(
+        recovered_by(&b).iter().all(|by| by == &from_peer),
+        "{:?}",
+        recovered_by(&b)
+    );
+    assert_eq!(
+        metric(
+            &b,
+            "kv_indexer_state_loads_total",
+            &["outcome=\"not_in_replay\""]
+        ),
+        RANKS
     );
 }

@@ -96,6 +96,45 @@ pub fn settle(fleet: &Fleet, indexer: &mut dyn IndexerView, deadline: Duration) 
     watch::settle(fleet, indexer, deadline).unwrap_or_else(|error| panic!("{error:#}"))
 }
 
+/// Waits until `indexer` has applied every rank's last batch, whatever its state, and nothing
+/// is recovering; returns the ranks as `/workers` shows them.
+pub fn caught_up(fleet: &Fleet, indexer: &IndexerProcess, deadline: Duration) -> Vec<RankView> {
+    let mut view = watch::OverHttp::new(indexer.address);
+    let started = std::time::Instant::now();
+    loop {
+        let views = view.ranks().expect("ranks");
+        let behind = fleet.ranks().into_iter().any(|at| {
+            let published = fleet.engine(at).last_seq(at.rank).expect("rank");
+            !views.iter().any(|v| {
+                v.engine == Fleet::name(at.engine)
+                    && v.dp_rank == at.rank
+                    && v.last_seq == published
+            })
+        });
+        if !behind && views.iter().all(|v| v.state != "recovering") {
+            return views;
+        }
+        assert!(started.elapsed() < deadline, "not caught up: {views:#?}");
+        for at in fleet.ranks() {
+            fleet.nudge(at).expect("nudge");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// Every listener's `recovered_by` on `/workers` (`none` for a rank that recovered nothing).
+pub fn recovered_by(indexer: &IndexerProcess) -> Vec<String> {
+    let reply = http_client::get(indexer.address, "/workers");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let mut found = Vec::new();
+    for instance in reply.json().as_array().expect("an array") {
+        for listener in instance["listeners"].as_array().expect("listeners") {
+            found.push(listener["recovered_by"].as_str().unwrap_or("none").into());
+        }
+    }
+    found
+}
+
 /// `watch::warm_up`, failing the test when the fleet does not settle in time.
 pub fn warm_up(fleet: &Fleet, indexer: &mut dyn IndexerView, deadline: Duration) -> Vec<RankView> {
     watch::warm_up(fleet, indexer, deadline).unwrap_or_else(|error| panic!("{error:#}"))
