@@ -629,3 +629,47 @@ fn hop_by_hop_and_proxy_headers_stay_behind_and_host_is_the_engines() {
     routed.all_released("one answer");
     drop(routed.running);
 }
+
+/// Answers that outlast the server's 30 s idle timeout (`http::IDLE_TIMEOUT`) arrive whole: a
+/// stream of 36 tokens a second apart, and a whole answer whose engine takes 35 s to its first
+/// token. The idle deadline is for a connection waiting for its next request, never for one
+/// whose answer is being produced or written.
+#[test]
+fn answers_that_outlast_the_idle_timeout_arrive_whole() {
+    let streaming = std::thread::spawn(|| {
+        let slow = OpenAiConfig {
+            inter_token: Duration::from_secs(1),
+            ..OpenAiConfig::default()
+        };
+        let routed = routed(1, 1, slow, &[]);
+        let mut body = chat("a long story", true);
+        body["max_tokens"] = json!(36);
+        let mut answer = stream(routed.route, "/v1/chat/completions", &body);
+        assert_eq!(answer.status, 200);
+        let events = rest(&mut answer).expect("the whole stream, not a cut one");
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{events:?}"
+        );
+        assert!(events.len() >= 36, "one event a token: {events:?}");
+    });
+    let thinking = OpenAiConfig {
+        first_token_floor: Duration::from_secs(35),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(1, 1, thinking, &[]);
+    let body = chat("a hard question", false);
+    let mut answer = sse_client::send_timed(
+        routed.route,
+        "/v1/chat/completions",
+        &[],
+        body.to_string().as_bytes(),
+        Duration::from_secs(60),
+    )
+    .expect("an answer after 35 s, not a closed connection");
+    assert_eq!(answer.status, 200);
+    let answer = answer.json();
+    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    streaming.join().expect("the stream arrived whole");
+}

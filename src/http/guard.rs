@@ -13,7 +13,10 @@
 //! - a head is at most `MAX_HEAD_BYTES` (414 while still on the request line, else 431) and
 //!   `MAX_HEADERS` header lines (431);
 //! - a connection waits at most `IDLE_TIMEOUT` for the first byte of its next request (then
-//!   closes quietly), and a head that has begun must end within `HEAD_DEADLINE` (408);
+//!   closes quietly), counted from the end of the last answer: while a request's answer is
+//!   produced or written (`Link::answer_begun` to `Link::answer_done`) no idle deadline runs,
+//!   so an answer lives as long as it takes (the routes bound their own work); a head that has
+//!   begun must end within `HEAD_DEADLINE` (408);
 //! - a write that makes no progress for `WRITE_DEADLINE` fails the connection;
 //! - closing shuts the write side, then reads and drops what the client still sends for up to
 //!   `LINGER_DEADLINE` (or `LINGER_LIMIT` bytes), so the client reads the answer, not a reset.
@@ -33,9 +36,10 @@ use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
+use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{sleep, Instant, Sleep};
@@ -58,11 +62,40 @@ pub(super) struct Link {
     head_expected: AtomicBool,
     /// The status the guard refused a head with (0: none), for the error counter.
     refused: AtomicU16,
+    /// Whether a request's answer is being produced or written, and the guard's read waiting
+    /// for it to end (woken then, to start the idle deadline).
+    answering: Mutex<(bool, Option<Waker>)>,
 }
 
 impl Link {
     pub(super) fn expect_head(&self) {
         self.head_expected.store(true, Ordering::Release);
+    }
+
+    /// A request's answer is being produced: no idle deadline until `answer_done`.
+    pub(super) fn answer_begun(&self) {
+        self.answering.lock().0 = true;
+    }
+
+    /// The answer was written whole, or given up: the idle deadline starts again.
+    pub(super) fn answer_done(&self) {
+        let waiting = {
+            let mut answering = self.answering.lock();
+            answering.0 = false;
+            answering.1.take()
+        };
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
+    }
+
+    /// Whether an answer is in flight; if so `waker` is woken when it ends.
+    fn answer_in_flight(&self, waker: &Waker) -> bool {
+        let mut answering = self.answering.lock();
+        if answering.0 {
+            answering.1 = Some(waker.clone());
+        }
+        answering.0
     }
 
     /// The status of the refusal the guard wrote, if it wrote one.
@@ -85,6 +118,8 @@ pub(super) struct Guarded {
     timer: Pin<Box<Sleep>>,
     /// Armed while a write waits for the client.
     write_timer: Option<Pin<Box<Sleep>>>,
+    /// An answer was in flight at the last read: the idle deadline starts when it ends.
+    after_answer: bool,
 }
 
 enum Phase {
@@ -112,6 +147,7 @@ impl Guarded {
             phase: Phase::Head(None),
             timer: Box::pin(sleep(IDLE_TIMEOUT)),
             write_timer: None,
+            after_answer: false,
         }
     }
 
@@ -198,7 +234,13 @@ impl AsyncRead for Guarded {
                 Phase::Body => return Pin::new(&mut this.stream).poll_read(cx, buf),
                 Phase::Head(scan) => {
                     let begun = scan.is_some();
-                    if this.timer.as_mut().poll(cx).is_ready() {
+                    if !begun && this.link.answer_in_flight(cx.waker()) {
+                        // hyper reads on while it answers: no idle deadline meanwhile.
+                        this.after_answer = true;
+                    } else if std::mem::take(&mut this.after_answer) {
+                        this.timer.as_mut().reset(Instant::now() + IDLE_TIMEOUT);
+                    }
+                    if !this.after_answer && this.timer.as_mut().poll(cx).is_ready() {
                         if !begun {
                             // Idle past the timeout: closed without an answer.
                             this.phase = Phase::Closed;
@@ -434,6 +476,49 @@ fn too_large(status: u16, what: &str) -> Scanned {
 #[cfg(test)]
 mod tests {
     use super::{HeadScan, Scanned};
+
+    /// A request's answer may take any time: the idle deadline waits for it to be written,
+    /// then closes a connection that sends nothing more within `IDLE_TIMEOUT`.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_deadline_waits_for_the_answer_then_closes_an_idle_connection() {
+        use std::sync::Arc;
+
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::time::{timeout, Instant};
+
+        use super::{Guarded, Link, IDLE_TIMEOUT};
+        use crate::http::ErrorShape;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let link = Arc::new(Link::default());
+        let mut guarded = Guarded::new(server, Arc::clone(&link), ErrorShape::Api);
+        client
+            .write_all(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = [0u8; 1024];
+        assert!(guarded.read(&mut buf).await.expect("the head") > 0);
+        link.answer_begun();
+        link.expect_head();
+
+        let producing = timeout(IDLE_TIMEOUT * 4, guarded.read(&mut buf)).await;
+        assert!(producing.is_err(), "closed while its answer was produced");
+        link.answer_done();
+        let idle_from = Instant::now();
+        let read = guarded.read(&mut buf).await.expect("a quiet close");
+        assert_eq!(read, 0, "the end of the stream");
+        assert!(
+            idle_from.elapsed() >= IDLE_TIMEOUT,
+            "{:?}",
+            idle_from.elapsed()
+        );
+    }
 
     fn scan(head: &[u8]) -> Result<bool, (u16, String)> {
         let mut scan = HeadScan::default();

@@ -325,6 +325,8 @@ async fn serve_connection(
             let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
             async move {
                 let reply = answer(&shared, &link, shape, request, peer).await;
+                // The guard's idle deadline waits until this answer is written or dropped.
+                let reply = reply.map(|body| AnswerBody::new(Answered { body, link }));
                 Ok::<_, std::convert::Infallible>(reply)
             }
         })
@@ -357,6 +359,39 @@ async fn serve_connection(
     }
 }
 
+/// An answer's body, telling the connection's guard when it is written whole or given up
+/// (hyper drops it then): the connection's idle deadline starts from there.
+struct Answered {
+    body: AnswerBody,
+    link: Arc<Link>,
+}
+
+impl hyper::body::Body for Answered {
+    type Data = bytes::Bytes;
+    type Error = super::BodyError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Answered {
+    fn drop(&mut self) {
+        self.link.answer_done();
+    }
+}
+
 /// One request, from its body to its answer. Nothing is kept from one request to the next:
 /// an idle keep-alive connection holds hyper's buffers alone.
 async fn answer(
@@ -380,7 +415,8 @@ async fn answer(
         );
         return response;
     }
-    // The body is read whole: what the connection sends next is a head.
+    // The body is read whole: what the connection sends next is a head, after this answer.
+    link.answer_begun();
     link.expect_head();
     let routes = match &shared.answerer {
         Answerer::Routes(routes) => Arc::clone(routes),
