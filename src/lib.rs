@@ -18,6 +18,7 @@
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
 //! endpoint is a leaf: the typed `tcp://host:port` that config, discover, plan and http share.
 //! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
+//! state is beside index: a rank's saved state as a file (the listener saves and loads it).
 //! ```
 //!
 //! `service` is on top: it wires these together, handles signals and reloads. The simulated

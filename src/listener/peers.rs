@@ -1,6 +1,7 @@
 //! The other indexers a rank may recover from (docs/design.md "Recovery from a peer"): the
 //! reloadable `peers` list, the shared secret sent to them, and whether ranks keep the block
-//! contents a snapshot needs. Shared by every listener (and read by the HTTP APIs for the
+//! contents a snapshot needs; and where this indexer's own saved states are (`state_dir`,
+//! docs/design.md "Saved state"). Shared by every listener (and read by the HTTP APIs for the
 //! secret, `CurrentSecret`); a reload swaps the list and the secret without touching any
 //! listener.
 //!

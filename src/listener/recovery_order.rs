@@ -1,13 +1,17 @@
-//! One rank's recoveries: what a hole in its history gets, in which order, and what is tried
-//! later when history stayed lost (docs/design.md "Recovery"). A recovery runs on a recovery
-//! worker in fair turns (`recoveries`), or on the poller when it cannot wait on the network.
+//! One rank's recoveries: what a hole in its history gets, in which order, what a rank that
+//! holds none of its publisher's history gets when it joins (docs/design.md "Joining a
+//! publisher"), and what is tried later when history stayed lost (docs/design.md "Recovery").
+//! A recovery runs on a recovery worker in fair turns (`recoveries`), or on the poller when it
+//! cannot wait on the network.
 //!
 //! Owns: the recovery order (replay, else a peer's snapshot, else the engine's, else the loss
-//! counted and the rank `degraded`), the hole's budget and its turns, the rank's lost history
-//! (since which seq, how many recoveries in a row were given up) and the snapshot retry with its
-//! backoff. Never: touches a socket but through `recovery` (the replay client and the snapshot
-//! fetch), waits past its turn or the stop flag, or reads a live message (the rank is off its
-//! poller meanwhile; its live messages wait in the SUB socket's queue).
+//! counted and the rank `degraded`), a join's (a saved state the replay confirms, else the
+//! replay from the first batch kept, else a snapshot, else `partial`), the hole's budget and its
+//! turns, the rank's lost history (since which seq, how many recoveries in a row were given up)
+//! and the snapshot retry with its backoff. Never: touches a socket but through `recovery` (the
+//! replay client and the snapshot fetch), waits past its turn or the stop flag, or reads a live
+//! message (the rank is off its poller meanwhile; its live messages wait in the SUB socket's
+//! queue) but the first one that bounds a join at connect (`live::FirstLive`).
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
@@ -345,13 +349,23 @@ impl Subscription {
         }
         if !status.whole() {
             let bounded = through != UNBOUNDED;
+            // The seqs a snapshot must lie between: from the end of the history (the live
+            // message before which it ends, else what the replay reached: the publisher's own
+            // word on where its history is) to the newest seq seen.
+            let window = if bounded {
+                Some((
+                    through,
+                    pending.as_ref().map_or(through, |pending| pending.seq),
+                ))
+            } else {
+                reached.map(|seq| (seq, seq))
+            };
             if reached.is_none() && ended && !bounded {
                 status.nothing_published();
-            } else if bounded {
+            } else if let Some((need, newest)) = window {
                 // A snapshot replaces what the replay applied: it is the whole state.
-                let newest = pending.as_ref().map_or(through, |pending| pending.seq);
                 if let SnapshotAttempt::Covered(seq, by) =
-                    self.whole_state_snapshot(through, newest, turn)
+                    self.whole_state_snapshot(need, newest, turn)
                 {
                     reached = Some(seq);
                     how = by;
