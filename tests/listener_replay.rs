@@ -305,3 +305,62 @@ fn stop_during_a_recovery_does_not_wait_for_it() {
     // A recovery looks at the stop flag every 20 ms; the rest is slack for a loaded machine.
     assert!(took < Duration::from_secs(1), "stop took {took:?}");
 }
+
+/// An engine restarted while the link was down, and idle since: at the reconnect the rank asks
+/// the replay for its last batch again; the new process has none, so the rank's blocks are
+/// dropped then, not at the new process's first batch, which may come hours later.
+#[test]
+fn a_publisher_restarted_while_the_link_was_down_is_found_at_the_reconnect() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+    for prompt in 1..4 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 2);
+    assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 1);
+
+    rank.restart();
+    rank.rebind(&fixture.context);
+    rank.wait_subscribed();
+    wait_for(&listener, "the old process's blocks dropped", |status| {
+        status.connected && status.blocks == 0 && status.gaps == 1
+    });
+    let status = listener.status();
+    assert_eq!(
+        status.state,
+        State::Active,
+        "nothing published: all is known"
+    );
+    assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 0);
+}
+
+/// The same publisher after a broken link: the batches it published meanwhile come from its
+/// replay, confirmed by the last batch the rank applied; nothing is dropped or applied twice.
+#[test]
+fn a_reconnect_to_the_same_publisher_replays_what_the_link_missed() {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+    for prompt in 1..4 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 2);
+
+    rank.rebind(&fixture.context);
+    for prompt in 4..6 {
+        rank.lose(vec![store(prompt, 0, 1)]);
+    }
+    rank.wait_subscribed();
+    applied_through(&listener, 4);
+    let status = listener.status();
+    assert_eq!(status.state, State::Active);
+    assert_eq!((status.gaps, status.lost_batches, status.blocks), (0, 0, 5));
+    for prompt in 1..6 {
+        assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
+    }
+}

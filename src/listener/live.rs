@@ -193,16 +193,21 @@ impl Subscription {
         }
     }
 
-    /// Takes every monitor event waiting (a few per connection change: no budget needed). A
-    /// rank that holds none of its publisher's history asks for it as its link comes up, not at
-    /// the first batch, which an idle engine may not send for hours: the join it needs.
+    /// Takes every monitor event waiting (a few per connection change: no budget needed). As
+    /// its link comes up a rank asks the replay for what it lacks (not at the first batch,
+    /// which an idle engine may not send for hours): the whole history when it holds none, or,
+    /// at a reconnect, its last batch again, to learn whether the publisher restarted.
     pub(super) fn drain_monitor(&mut self) -> anyhow::Result<Option<Job>> {
         let mut joins = false;
         while let Some(event) = self.sub.next_event()? {
             if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
                 self.applier.status.set_connected(true);
                 self.never_connected_hint = None;
-                joins = self.sequence.next().is_none() && self.applier.spec.replay.is_some();
+                // Joins the history it lacks, or confirms at a reconnect that the publisher is
+                // still the run it holds (one restarted meanwhile may stay idle for hours).
+                let unconfirmed =
+                    self.sequence.next().is_none() || self.applier.last_applied.is_some();
+                joins = unconfirmed && self.applier.spec.replay.is_some();
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.applier.status.set_connected(false);
                 self.revive_at = Some(Instant::now() + REVIVE_AFTER);

@@ -21,11 +21,11 @@ use super::applier::Applier;
 use super::live::{FirstLive, Subscription};
 use super::peers::snapshot_url;
 use super::recovery::{self, Fetched, Interrupt, ReplayStart, Replayed, Turn};
+use super::sequence::Sequence;
 use super::sequence::MAX_PLAUSIBLE_GAP;
 use super::stop::Stop;
 use super::RecoveredBy;
 use crate::metrics::RecoveryMethod;
-use crate::state::RankState;
 use crate::wire::{self, EventBatch};
 
 const SNAPSHOT_RETRY_FIRST: Duration = Duration::from_millis(250);
@@ -229,7 +229,14 @@ impl Subscription {
         // The first live message a join at connect took: (seq, its batch if it decoded,
         // whether the join had applied that very batch).
         let mut first_live = None;
+        // The newest seq of a history the rank kept unconfirmed at a reconnect.
+        let mut kept = None;
         if let Some(endpoint) = self.applier.spec.replay.as_ref().map(ToString::to_string) {
+            // At a reconnect: the run the rank holds, which a publisher restarted while the
+            // link was down (and idle since) would never refute by itself.
+            let held = (pending.is_none() && reached.is_none() && self.sequence.next().is_some())
+                .then_some(self.applier.last_applied)
+                .flatten();
             let Subscription {
                 sub,
                 live_frames,
@@ -237,15 +244,25 @@ impl Subscription {
                 applier,
                 context,
                 stop,
+                sequence,
+                lost,
                 ..
             } = self;
             let mut live = pending.is_none().then(|| FirstLive::new(sub, live_frames));
             let mut confirmed = false;
             if let Some(state) = saved.take().filter(|_| reached.is_none()) {
-                match confirm_saved(
+                let mut load = |applier: &mut Applier| match applier.restore(&state) {
+                    Ok(()) => true,
+                    Err(error) => {
+                        log::warn!("{}: {error:#}", applier.who());
+                        false
+                    }
+                };
+                match confirm(
                     (applier, context, stop),
                     &endpoint,
-                    &state,
+                    (state.last_seq, state.last_digest),
+                    &mut load,
                     through,
                     live.as_mut(),
                     turn,
@@ -282,6 +299,46 @@ impl Subscription {
                         *saved = Some(state);
                         cut = Some(by);
                     }
+                }
+            } else if let Some((seq, digest)) = held {
+                match confirm(
+                    (applier, context, stop),
+                    &endpoint,
+                    (seq, digest),
+                    &mut |_| true,
+                    through,
+                    live.as_mut(),
+                    turn,
+                ) {
+                    Confirmation::Confirmed {
+                        reached: through_seq,
+                        ended: heard_end,
+                        cut: interrupt,
+                    } => {
+                        confirmed = true;
+                        reached = Some(through_seq);
+                        ended = heard_end;
+                        cut = interrupt;
+                    }
+                    Confirmation::Refused("restarted") => {
+                        log::warn!(
+                            "{}: the publisher restarted while the link was down (its replay \
+                             of seq {seq} differs or is gone); dropping the rank's blocks",
+                            applier.who()
+                        );
+                        applier.clear();
+                        status.gap(true);
+                        status.restarted(false);
+                        lost.publisher_restarted();
+                        *sequence = Sequence::new();
+                    }
+                    Confirmation::Refused(_) => {
+                        // Neither confirmed nor refuted: the live seqs will tell (a gap from
+                        // `seq + 1`, or a restart).
+                        confirmed = true;
+                        kept = Some(seq);
+                    }
+                    Confirmation::Cut(by) => cut = Some(by),
                 }
             }
             if cut.is_none() && !confirmed {
@@ -389,6 +446,17 @@ impl Subscription {
             );
             // A peer a few batches ahead now may agree later; a reload may add peers.
             self.schedule_snapshot_retry();
+        }
+        // The replay ended short of the live message (or applied nothing after what the rank
+        // kept): what lies between is a hole, recovered as any.
+        let covered = reached.or(kept);
+        let next_live = pending.as_ref().map(|pending| pending.seq).or(lost_live);
+        if let (Some(covered), Some(live)) = (covered, next_live) {
+            if covered.saturating_add(1) < live {
+                let missing = covered + 1..=live - u64::from(pending.is_some());
+                status.gap(false);
+                return TurnEnd::Yielded(self.hole(missing, pending));
+            }
         }
         status.set_recovering(false);
         if let Some(pending) = pending {
@@ -762,18 +830,19 @@ fn replay_into(
     }
 }
 
-/// Asks the replay for the saved state's last batch: only the same payload (the same publisher
-/// run) loads the state, and the replay goes on from there through `through`, no further than
-/// the first live message `live` takes.
-fn confirm_saved(
+/// Asks the replay for the batch `seq`: only the same payload (`digest`: the same publisher
+/// run) confirms what the rank is to hold, which `load` then loads (a saved state; nothing at a
+/// reconnect, the rank holds it), and the replay goes on from there through `through`, no
+/// further than the first live message `live` takes.
+fn confirm(
     (applier, context, stop): ReplayParts<'_>,
     endpoint: &str,
-    saved: &RankState,
+    (seq, digest): (u64, u64),
+    load: &mut dyn FnMut(&mut Applier) -> bool,
     through: u64,
     mut live: Option<&mut FirstLive<'_>>,
     turn: &Turn,
 ) -> Confirmation {
-    let (seq, digest) = (saved.last_seq, saved.last_digest);
     if seq > through {
         return Confirmation::Refused("restarted");
     }
@@ -806,8 +875,7 @@ fn confirm_saved(
             } else if payload_digest != digest {
                 refused = Some("restarted");
                 return false;
-            } else if let Err(error) = applier.restore(saved) {
-                log::warn!("{}: {error:#}", applier.who());
+            } else if !load(applier) {
                 refused = Some("unloadable");
                 return false;
             } else {

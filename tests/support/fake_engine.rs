@@ -116,6 +116,31 @@ impl FakeRank {
         self.history.lock().clear();
     }
 
+    /// The publisher's socket closed and bound again on the same port: its subscribers lose
+    /// their connection and make a new one (wait for it with `wait_subscribed`). Its seq and
+    /// history go on, as a link that broke; `restart` too for a new process.
+    pub fn rebind(&mut self, zmq: &zmq::Context) {
+        let started = std::time::Instant::now();
+        let socket = loop {
+            let socket = zmq.socket(zmq::XPUB).expect("XPUB");
+            socket.set_linger(0).expect("LINGER");
+            socket.set_sndhwm(0).expect("SNDHWM");
+            // Closed first, so that the port is free to bind again.
+            let old = std::mem::replace(&mut self.socket, socket);
+            drop(old);
+            match self.socket.bind(&self.endpoint) {
+                Ok(()) => break None,
+                Err(_) if started.elapsed() < SUBSCRIBE_DEADLINE => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(error) => break Some(error),
+            }
+        };
+        if let Some(error) = socket {
+            panic!("binding {} again: {error}", self.endpoint);
+        }
+    }
+
     fn record(&mut self, events: Vec<Event>) -> (u64, Arc<[u8]>) {
         let seq = self.next_seq;
         self.next_seq += 1;
