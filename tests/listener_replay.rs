@@ -159,16 +159,14 @@ fn an_endless_replay_applies_only_the_hole_and_the_live_batches_after_it() {
     }
     applied_through(&listener, 43);
 
+    // What the join at connect took from the endless reply before the first live batch showed
+    // it runs ahead of the publisher was dropped then (the rank was `recovering`, never scored
+    // meanwhile): the rank holds the live batches and the hole alone.
     let status = listener.status();
     assert_eq!(status.state, State::Active);
     assert_eq!(
-        (
-            status.batches,
-            status.gaps,
-            status.lost_batches,
-            status.blocks
-        ),
-        (44, 1, 0, 44)
+        (status.gaps, status.lost_batches, status.blocks),
+        (1, 0, 44)
     );
     for prompt in 0..44 {
         assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
