@@ -21,6 +21,10 @@ use crate::wire::{self, ReplayItem};
 
 /// How long the first reply frame may take (docs/protocol.md "How a reply is read").
 const FIRST_REPLY: Duration = Duration::from_secs(1);
+/// The same for a join (`ReplayStart::FirstKept`): asked once per connection, and what it
+/// answers decides whether a saved state is loaded or a restarted publisher is found, so a busy
+/// engine gets longer to answer.
+const JOIN_FIRST_REPLY: Duration = Duration::from_secs(5);
 /// A whole replay's limit.
 const WHOLE_REPLAY: Duration = Duration::from_secs(10);
 
@@ -196,12 +200,16 @@ pub(super) fn replay(
         .with_context(|| format!("sending the replay request to {endpoint}"))?;
 
     let begun = Instant::now();
+    let first_reply = match from {
+        ReplayStart::Exactly => FIRST_REPLY,
+        ReplayStart::FirstKept => JOIN_FIRST_REPLY,
+    };
     let mut progress = ReplayProgress::new(start, from);
     let mut answered = false;
     let mut ended = false;
     loop {
         let deadline =
-            (begun + if answered { WHOLE_REPLAY } else { FIRST_REPLY }).min(turn.deadline);
+            (begun + if answered { WHOLE_REPLAY } else { first_reply }).min(turn.deadline);
         let now = Instant::now();
         if now >= deadline {
             break;
