@@ -76,6 +76,12 @@ impl FakeRank {
         })
     }
 
+    /// Every subscription reaches `wait_subscribed`, a repeated one too (the one a listener
+    /// sends again when it reconnects, which the publisher may still count as held).
+    pub fn report_every_subscription(&self) {
+        self.socket.set_xpub_verbose(true).expect("XPUB_VERBOSE");
+    }
+
     /// Waits (at most 15 s) for a listener's subscription to reach the publisher.
     pub fn wait_subscribed(&self) {
         let ready = self
