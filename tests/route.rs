@@ -535,11 +535,20 @@ fn refusals_are_json_errors_naming_their_cause() {
     );
     assert_eq!(reply.status, 414, "{}", reply.text());
     error_message(&reply);
+    // A model no engine serves is the client's mistake: 404 `model_not_found`, not a 5xx it
+    // would retry.
     let unknown = json!({ "model": "nobody-serves-it", "prompt": "x" }).to_string();
     let reply = send("/v1/completions", &authorized, unknown.as_bytes());
-    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert_eq!(reply.status, 404, "{}", reply.text());
+    let error = &reply.json()["error"];
+    assert_eq!(
+        (&error["code"], &error["type"]),
+        (&json!("model_not_found"), &json!("invalid_request_error"))
+    );
     assert!(
-        error_message(&reply).contains("nobody-serves-it"),
+        error["message"]
+            .as_str()
+            .is_some_and(|message| message.contains("nobody-serves-it")),
         "{}",
         reply.text()
     );

@@ -398,6 +398,12 @@ impl RouteFront {
                 self.error_with(status, "upstream_error", &failure.to_string(), None)
             }
             None => {
+                if let Some(model) = prompt.model.as_deref().filter(|&m| !self.serves(m)) {
+                    // A typo, not an outage: 404, so that clients do not retry it and 5xx
+                    // alerts stay quiet.
+                    self.metrics.route_outcome(RouteOutcome::refused);
+                    return self.model_not_found(model);
+                }
                 self.metrics.route_outcome(RouteOutcome::no_rank);
                 let why = match &prompt.model {
                     Some(model) => {
@@ -413,6 +419,30 @@ impl RouteFront {
                 )
             }
         }
+    }
+
+    /// Whether a configured rank (whatever its state) serves `model`: one that names it, or
+    /// one that names none.
+    fn serves(&self, model: &str) -> bool {
+        self.ranks.current().views().iter().any(|rank| {
+            rank.spec
+                .model
+                .as_deref()
+                .is_none_or(|served| served == model)
+        })
+    }
+
+    /// OpenAI's answer to a model nobody serves: 404, `code` `model_not_found`.
+    fn model_not_found(&self, model: &str) -> Response<AnswerBody> {
+        let status = StatusCode::NOT_FOUND;
+        self.metrics.http_error(status.as_u16());
+        let body = serde_json::json!({ "error": {
+            "message": format!("The model `{model}` does not exist: no engine in the configuration serves it."),
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }});
+        json_answer(status, body.to_string().into_bytes())
     }
 
     /// Chooses and reserves a rank for `tokens`, leaving out what `excluded` says.
