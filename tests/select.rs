@@ -265,9 +265,10 @@ fn the_worked_example_reservation_load_and_prediction() {
     );
 }
 
-/// Equal costs go to fewer reservations, then the larger overlap, then `/workers` order.
+/// Equal costs go to fewer reservations, then the larger overlap, then a rotation of the
+/// `/workers` order that starts one rank further at each selection.
 #[test]
-fn ties_go_to_fewer_reservations_then_overlap_then_workers_order() {
+fn ties_go_to_fewer_reservations_then_overlap_then_a_rotation() {
     let weights = [("prefill_weight", "0"), ("decode_weight", "0")];
     let mut setup = Setup::start(3, "", &weights);
     let addr = setup.addr();
@@ -284,9 +285,37 @@ fn ties_go_to_fewer_reservations_then_overlap_then_workers_order() {
         );
         chosen.push(answer["instance"].as_str().expect("instance").to_owned());
     }
-    // b and c overlap 2 (b first on /workers), then a with none but no reservation; then all
-    // hold one reservation and the prompt predicted (overlap 4): the first on /workers.
+    // b and c overlap 2 (b first in the first round), then a with none but no reservation;
+    // then all hold one reservation and the prompt predicted (overlap 4): the fourth round
+    // starts at a again (4 selections, 3 ranks).
     assert_eq!(chosen, ["b", "c", "a", "a"]);
+}
+
+/// Cold prompts sent one after another, each answered (its reservation released) before the
+/// next: every rank is idle and none holds anything, and they take turns, never the first of
+/// the file every time.
+#[test]
+fn cold_prompts_one_after_another_spread_over_idle_ranks() {
+    let setup = Setup::start(4, "", &[]);
+    let addr = setup.addr();
+    let mut chosen = Vec::new();
+    for cold in 0..8 {
+        let answer = select(
+            addr,
+            json!({ "token_ids": prompt(3_000 + cold, 4), "reserve": true }),
+        );
+        chosen.push(answer["instance"].as_str().expect("instance").to_owned());
+        let id = answer["reservation_id"].as_u64().expect("an id");
+        let release = format!("/reservations/{id}");
+        assert_eq!(send(addr, "DELETE", &release, None, b"").status, 200);
+    }
+    let mut spread = chosen.clone();
+    spread.sort();
+    assert_eq!(
+        spread,
+        ["a", "a", "b", "b", "c", "c", "d", "d"],
+        "{chosen:?}"
+    );
 }
 
 /// A prediction lasts exactly `predicted_ttl_s` and a reservation `reservation_ttl_s` on the

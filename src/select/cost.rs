@@ -1,7 +1,7 @@
 //! The cost of sending a prompt to a rank, and the choice among ranks (docs.md "Selection").
 //!
 //! Owns the formula, the order of candidates (cost, then fewer reservations, then the larger
-//! overlap, then the rank's place on the board) and the softmax draw. Never: reads the index,
+//! overlap, then a rotation over the board) and the softmax draw. Never: reads the index,
 //! the clock or a lock; everything it weighs is given.
 
 use std::cmp::Ordering;
@@ -24,8 +24,12 @@ pub struct Load {
 /// One rank as the cost sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
-    /// Its place on the board (`/workers` order): the last tie-break.
+    /// Its place on the board (`/workers` order).
     pub position: usize,
+    /// Its place in this selection's rotation of the board: the last tie-break, so that equal
+    /// ranks take turns (cold prompts spread over idle ranks) instead of the first always
+    /// winning.
+    pub turn: usize,
     /// As `/query`: GPU blocks from the first; 0 for a rank whose index is not trusted.
     pub matched_blocks: u32,
     /// The prefix as `/query`'s `tiers` shows it (cumulative: gpu ≤ cpu ≤ disk).
@@ -71,7 +75,7 @@ pub fn cost(query_blocks: u32, candidate: Candidate, weights: &Select) -> Costed
 }
 
 /// The answer's order, best first: the lowest cost, then fewer unreleased reservations, then
-/// the larger overlap, then the board's order.
+/// the larger overlap, then the rotation (`Candidate::turn`).
 pub fn best_first(a: &Costed, b: &Costed) -> Ordering {
     a.cost
         .total_cmp(&b.cost)
@@ -82,7 +86,7 @@ pub fn best_first(a: &Costed, b: &Costed) -> Ordering {
                 .cmp(&b.candidate.load.reservations),
         )
         .then(b.overlap_blocks.total_cmp(&a.overlap_blocks))
-        .then(a.candidate.position.cmp(&b.candidate.position))
+        .then(a.candidate.turn.cmp(&b.candidate.turn))
 }
 
 /// Which of `sorted` (in `best_first` order, not empty) is chosen: the first at temperature 0,
@@ -116,6 +120,7 @@ mod tests {
     fn candidate(position: usize, matched: u32, cpu: u32, disk: u32) -> Candidate {
         Candidate {
             position,
+            turn: position,
             matched_blocks: matched,
             tiers: PerTier {
                 gpu: matched,
@@ -168,7 +173,7 @@ mod tests {
     }
 
     #[test]
-    fn ties_go_to_fewer_reservations_then_overlap_then_the_board() {
+    fn ties_go_to_fewer_reservations_then_overlap_then_the_rotation() {
         let weights = Select {
             decode_weight: 0.0,
             ..Select::default()

@@ -109,6 +109,8 @@ struct SelectState {
     reservations: Reservations,
     predictions: Predictions,
     backoffs: Backoffs,
+    /// Selections made: where this one's rotation of the board starts.
+    rotation: usize,
 }
 
 /// A ranks's inputs, gathered before the lock.
@@ -130,6 +132,7 @@ impl Selector {
                 reservations: Reservations::default(),
                 predictions: Predictions::default(),
                 backoffs: Backoffs::default(),
+                rotation: 0,
             }),
             metrics,
             clock,
@@ -224,6 +227,9 @@ impl Selector {
         let predicted: HashMap<RankSlot, u32> =
             state.predictions.covered(&keys).into_iter().collect();
         let mut costed: Vec<Costed> = Vec::with_capacity(gathered.len());
+        let ranks = gathered.len();
+        let first_turn = state.rotation % ranks;
+        state.rotation = state.rotation.wrapping_add(1);
         for (position, rank) in gathered.iter().enumerate() {
             let slot = state.slots.get(rank.key).copied();
             let (matched_blocks, tiers) = match (&rank.score, rank.trusted) {
@@ -239,6 +245,7 @@ impl Selector {
             }
             let candidate = Candidate {
                 position,
+                turn: (position + ranks - first_turn) % ranks,
                 matched_blocks,
                 tiers,
                 predicted_blocks,
