@@ -609,6 +609,7 @@ impl Run<'_> {
                 .unwrap_or(0);
             let candidate = Candidate {
                 position: rank,
+                turn: rank,
                 matched_blocks: matched,
                 tiers: PerTier {
                     gpu: matched,
