@@ -58,16 +58,7 @@ fn gap_is_repaired_by_replay_old_layout() {
 
 #[test]
 fn restart_seen_mid_stream_drops_old_blocks_and_replays_the_new_process() {
-    let fixture = Fixture::new();
-    let mut rank = FakeRank::bind(&fixture.context, 0);
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
-        .expect("replay server");
-    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
-
-    for prompt in 1..4 {
-        rank.publish(vec![store(prompt, 0, 1)]);
-    }
-    applied_through(&listener, 2);
+    let (fixture, mut rank, _replay, listener) = three_batches_with_replay();
 
     rank.restart();
     rank.lose(vec![store(7, 0, 1)]);
@@ -309,15 +300,7 @@ fn stop_during_a_recovery_does_not_wait_for_it() {
 /// dropped then, not at the new process's first batch, which may come hours later.
 #[test]
 fn a_publisher_restarted_while_the_link_was_down_is_found_at_the_reconnect() {
-    let fixture = Fixture::new();
-    let mut rank = FakeRank::bind(&fixture.context, 0);
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
-        .expect("replay server");
-    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
-    for prompt in 1..4 {
-        rank.publish(vec![store(prompt, 0, 1)]);
-    }
-    applied_through(&listener, 2);
+    let (fixture, mut rank, _replay, listener) = three_batches_with_replay();
     assert_eq!(fixture.matched(listener.worker(), &tokens(1, 1)), 1);
 
     rank.restart();
@@ -339,15 +322,7 @@ fn a_publisher_restarted_while_the_link_was_down_is_found_at_the_reconnect() {
 /// replay, confirmed by the last batch the rank applied; nothing is dropped or applied twice.
 #[test]
 fn a_reconnect_to_the_same_publisher_replays_what_the_link_missed() {
-    let fixture = Fixture::new();
-    let mut rank = FakeRank::bind(&fixture.context, 0);
-    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
-        .expect("replay server");
-    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
-    for prompt in 1..4 {
-        rank.publish(vec![store(prompt, 0, 1)]);
-    }
-    applied_through(&listener, 2);
+    let (fixture, mut rank, _replay, listener) = three_batches_with_replay();
 
     rank.rebind(&fixture.context);
     for prompt in 4..6 {
@@ -361,4 +336,19 @@ fn a_reconnect_to_the_same_publisher_replays_what_the_link_missed() {
     for prompt in 1..6 {
         assert_eq!(fixture.matched(listener.worker(), &tokens(prompt, 1)), 1);
     }
+}
+
+/// A rank with a replay socket, and its listener having applied its first three batches (seqs
+/// 0..=2, prompts 1..4).
+fn three_batches_with_replay() -> (Fixture, FakeRank, ReplayServer, Listener) {
+    let fixture = Fixture::new();
+    let mut rank = FakeRank::bind(&fixture.context, 0);
+    let replay = ReplayServer::start(&fixture.context, Arc::clone(&rank.history), Layout::New)
+        .expect("replay server");
+    let listener = fixture.listen(&rank, Some(&replay.endpoint), None);
+    for prompt in 1..4 {
+        rank.publish(vec![store(prompt, 0, 1)]);
+    }
+    applied_through(&listener, 2);
+    (fixture, rank, replay, listener)
 }

@@ -250,77 +250,68 @@ impl Subscription {
             } = self;
             let mut live = pending.is_none().then(|| FirstLive::new(sub, live_frames));
             let mut confirmed = false;
-            if let Some(state) = saved.take().filter(|_| reached.is_none()) {
-                let mut load = |applier: &mut Applier| match applier.restore(&state) {
-                    Ok(()) => true,
-                    Err(error) => {
-                        log::warn!("{}: {error:#}", applier.who());
-                        false
-                    }
+            let confirming = match saved.take().filter(|_| reached.is_none()) {
+                Some(state) => Some(((state.last_seq, state.last_digest), Some(state))),
+                None => held.map(|held| (held, None)),
+            };
+            if let Some(((seq, digest), state)) = confirming {
+                // A saved state is loaded once confirmed; a held run is there already.
+                let mut load = |applier: &mut Applier| match &state {
+                    Some(state) => match applier.restore(state) {
+                        Ok(()) => true,
+                        Err(error) => {
+                            log::warn!("{}: {error:#}", applier.who());
+                            false
+                        }
+                    },
+                    None => true,
                 };
-                match confirm(
+                let outcome = confirm(
                     (applier, context, stop),
                     &endpoint,
-                    (state.last_seq, state.last_digest),
+                    (seq, digest),
                     &mut load,
                     through,
                     live.as_mut(),
                     turn,
-                ) {
-                    Confirmation::Confirmed {
-                        reached: through_seq,
-                        ended: heard_end,
-                        cut: interrupt,
-                    } => {
+                );
+                match (outcome, state) {
+                    (
+                        Confirmation::Confirmed {
+                            reached: through_seq,
+                            ended: heard_end,
+                            cut: interrupt,
+                        },
+                        state,
+                    ) => {
                         confirmed = true;
                         reached = Some(through_seq);
                         ended = heard_end;
                         cut = interrupt;
-                        how = RecoveredBy::SavedState;
-                        status.state_load("restored");
-                        log::info!(
-                            "{}: restored {} blocks saved at seq {}, confirmed by the engine's \
-                             replay; replayed through {through_seq}",
-                            applier.who(),
-                            state.blocks.blocks(),
-                            state.last_seq
-                        );
+                        if let Some(state) = state {
+                            how = RecoveredBy::SavedState;
+                            status.state_load("restored");
+                            log::info!(
+                                "{}: restored {} blocks saved at seq {seq}, confirmed by the \
+                                 engine's replay; replayed through {through_seq}",
+                                applier.who(),
+                                state.blocks.blocks()
+                            );
+                        }
                     }
-                    Confirmation::Refused(reason) => {
+                    (Confirmation::Cut(by), state) => {
+                        *saved = state;
+                        cut = Some(by);
+                    }
+                    (Confirmation::Refused(reason), Some(_)) => {
                         status.state_load(reason);
                         log::warn!(
-                            "{}: saved state at seq {} discarded ({reason}): {}",
+                            "{}: saved state at seq {seq} discarded ({reason}): {}",
                             applier.who(),
-                            state.last_seq,
                             refusal_explained(reason)
                         );
                     }
-                    Confirmation::Cut(by) => {
-                        *saved = Some(state);
-                        cut = Some(by);
-                    }
-                }
-            } else if let Some((seq, digest)) = held {
-                match confirm(
-                    (applier, context, stop),
-                    &endpoint,
-                    (seq, digest),
-                    &mut |_| true,
-                    through,
-                    live.as_mut(),
-                    turn,
-                ) {
-                    Confirmation::Confirmed {
-                        reached: through_seq,
-                        ended: heard_end,
-                        cut: interrupt,
-                    } => {
-                        confirmed = true;
-                        reached = Some(through_seq);
-                        ended = heard_end;
-                        cut = interrupt;
-                    }
-                    Confirmation::Refused("restarted") => {
+                    (Confirmation::Refused("restarted"), None) => {
                         log::warn!(
                             "{}: the publisher restarted while the link was down (its replay \
                              of seq {seq} differs or is gone); dropping the rank's blocks",
@@ -332,13 +323,12 @@ impl Subscription {
                         lost.publisher_restarted();
                         *sequence = Sequence::new();
                     }
-                    Confirmation::Refused(_) => {
+                    (Confirmation::Refused(_), None) => {
                         // Neither confirmed nor refuted: the live seqs will tell (a gap from
                         // `seq + 1`, or a restart).
                         confirmed = true;
                         kept = Some(seq);
                     }
-                    Confirmation::Cut(by) => cut = Some(by),
                 }
             }
             if cut.is_none() && !confirmed {
