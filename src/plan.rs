@@ -43,6 +43,8 @@ pub struct ListenerSpec {
     /// Added through the Dynamo API's `POST /register`, not by the file: it survives a reload
     /// and is gone after a restart.
     pub registered_at_runtime: bool,
+    /// The engine announces the blocks a request reuses again (`kv_cache_report_mode`).
+    pub reports_reused: bool,
 }
 
 impl fmt::Display for WorkerKey {
@@ -69,6 +71,7 @@ impl ListenerSpec {
             model: None,
             instance_id: 0,
             registered_at_runtime: false,
+            reports_reused: false,
         }
     }
 
@@ -121,6 +124,7 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
         model: engine.model.clone(),
         instance_id: engine.instance_id,
         registered_at_runtime: false,
+        reports_reused: engine.reports_reused,
     };
     match &engine.ranks {
         Ranks::Fixed(fixed) => {
@@ -268,6 +272,7 @@ mod tests {
             instance_id: crate::config::derived_instance_id(name),
             tokenizer: None,
             openai_url: None,
+            reports_reused: false,
         }
     }
 
@@ -304,6 +309,7 @@ mod tests {
                 model: None,
                 instance_id: crate::config::derived_instance_id("local"),
                 registered_at_runtime: false,
+                reports_reused: false,
             }]
         );
     }
@@ -545,6 +551,7 @@ mod tests {
                 model: Some("m".into()),
                 instance_id: crate::config::derived_instance_id("asked"),
                 registered_at_runtime: false,
+                reports_reused: false,
             }
         );
         assert_eq!(

@@ -38,8 +38,14 @@ fn fleet() -> Fleet {
 }
 
 fn fleet_caching(capacity_blocks: usize) -> Fleet {
+    fleet_of(capacity_blocks, false)
+}
+
+/// `report_reused_blocks`: the engines announce the blocks a request reuses again.
+fn fleet_of(capacity_blocks: usize, report_reused_blocks: bool) -> Fleet {
     let _ = env_logger::builder().is_test(true).try_init();
     Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
+        report_reused_blocks,
         dp_size: DP_SIZE,
         replay_port: Some(0),
         replay_buffer: REPLAY_BUFFER,
@@ -412,5 +418,53 @@ fn a_replica_with_peers_and_state_takes_whichever_is_exact() {
             &["outcome=\"not_in_replay\""]
         ),
         RANKS
+    );
+}
+
+/// Engines that announce again the blocks a request reuses (`kv_cache_report_mode = "full"`):
+/// an indexer that joined late (partial) relearns the old prefixes its traffic reuses, and
+/// through a long evicting workload an announcement never becomes a copy that outlives the
+/// engine's: no false hit.
+#[test]
+fn reused_blocks_announced_again_are_relearned_without_a_false_hit() {
+    let fleet = fleet_of(8_000, true);
+    let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), 300);
+    let mut placed = serve(&fleet, &prompts[..100]);
+    let full = fleet.indexer_config().replace(
+        "[[engine]]\n",
+        "[[engine]]\nkv_cache_report_mode = \"full\"\n",
+    );
+    let indexer = start_indexer(&full);
+    let views = support::caught_up(&fleet, &indexer, DEADLINE);
+    assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
+    let before = compare(&fleet, &indexer, &prompts[..100]);
+
+    // The same prompts again: what the engines still hold of them is announced again.
+    placed.extend(serve(&fleet, &prompts[..100]));
+    let again = compare(&fleet, &indexer, &prompts[..100]);
+    assert_eq!(again.false_hits, 0, "{again:#?}");
+    assert!(
+        again.exact > before.exact,
+        "relearned nothing: {before:#?} then {again:#?}"
+    );
+    let mut evicted = 0;
+    for chunk in prompts[100..].chunks(50) {
+        placed.extend(serve(&fleet, chunk));
+        let served = &prompts[..placed.len() - 100];
+        let views = support::caught_up(&fleet, &indexer, DEADLINE);
+        let accuracy = watch::compare(
+            &fleet,
+            &mut OverHttp::new(indexer.address),
+            &views,
+            served,
+            &placed[100..],
+        )
+        .expect("compare");
+        assert_eq!(accuracy.false_hits, 0, "{accuracy:#?}");
+        evicted = accuracy.evicted;
+    }
+    assert!(
+        evicted > 0,
+        "the caches evicted nothing: the test proves less than it says"
     );
 }

@@ -140,6 +140,9 @@ pub struct RankCache {
     cpu: Option<CpuTier>,
     /// A hybrid rank's sliding-window group; its blocks count against `capacity` too.
     window: Option<Window>,
+    /// Every prompt's cached prefix is announced again (`BlockStored` of the blocks it reused),
+    /// as an engine reporting reused blocks does (docs.md "Restarts").
+    reports_reused: bool,
 }
 
 impl RankCache {
@@ -155,6 +158,7 @@ impl RankCache {
             tick: 0,
             cpu: None,
             window: None,
+            reports_reused: false,
         }
     }
 
@@ -168,6 +172,12 @@ impl RankCache {
     /// Blocks of the sliding-window group (0 without one).
     pub fn window_len(&self) -> usize {
         self.window.as_ref().map_or(0, Window::len)
+    }
+
+    /// The same cache announcing every prompt's reused prefix again (plain ranks).
+    pub fn reporting_reused(mut self) -> Self {
+        self.reports_reused = true;
+        self
     }
 
     /// The same cache with a CPU tier of `capacity` blocks that GPU offloads to.
@@ -228,7 +238,11 @@ impl RankCache {
                 parent = Some(hash);
             }
         }
-        let mut events = self.evict(new_blocks.len());
+        let mut events = Vec::new();
+        if self.reports_reused && hit_blocks > 0 {
+            events.push(Event::Stored(self.reused_event(&cacheable[..hit_blocks])));
+        }
+        events.extend(self.evict(new_blocks.len()));
         if !new_blocks.is_empty() {
             events.push(Event::Stored(self.store(parent, hit_blocks, new_blocks)));
         }
@@ -236,6 +250,20 @@ impl RankCache {
             hit_blocks: hit_blocks as u32,
             events,
         }
+    }
+
+    /// The store event that announces `reused`, a prompt's cached prefix, again.
+    fn reused_event(&self, reused: &[Block]) -> BlockStored {
+        let mut event = self.stored_event(None);
+        let mut parent = None;
+        for block in reused {
+            let hash = self.block_hash(parent, block);
+            event.block_hashes.push(hash);
+            event.token_ids.extend_from_slice(block.tokens);
+            event.extras.push(block.extras.clone());
+            parent = Some(hash);
+        }
+        plain_unless_extras(event)
     }
 
     /// A hybrid rank's `serve`: group 0's run is reused and its other blocks computed as on a

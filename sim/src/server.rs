@@ -67,6 +67,8 @@ pub struct SimConfig {
     pub replay_buffer: usize,
     /// Answer replays in the 2-frame layout of vLLM < 0.26.
     pub old_replay_layout: bool,
+    /// Announce every prompt's reused prefix again (`cache::RankCache::reporting_reused`).
+    pub report_reused_blocks: bool,
     /// Fraction of batches not sent on PUB (they still take a seq and enter the replay history).
     pub drop_fraction: f64,
     /// Derives every rank's engine-hash seed and the drop pattern.
@@ -93,6 +95,7 @@ impl Default for SimConfig {
             form: Form::Map,
             replay_buffer: 10_000,
             old_replay_layout: false,
+            report_reused_blocks: false,
             drop_fraction: 0.0,
             seed: 0,
         }

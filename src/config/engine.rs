@@ -44,6 +44,7 @@ struct RawEngine {
     instance_id: Option<Spanned<Int>>,
     tokenizer: Option<Spanned<String>>,
     openai_url: Option<Spanned<String>>,
+    kv_cache_report_mode: Option<Spanned<String>>,
 }
 
 /// The per-engine keys, after their own checks; `[defaults]` leaves `name` and `host` absent.
@@ -63,6 +64,8 @@ pub(super) struct EngineFields {
     pub(super) instance_id: Checked<u64>,
     pub(super) tokenizer: Checked<String>,
     pub(super) openai_url: Checked<String>,
+    /// `kv_cache_report_mode = "full"`: the engine announces the blocks it reuses again.
+    pub(super) reports_reused: Checked<bool>,
 }
 
 impl EngineFields {
@@ -137,6 +140,19 @@ impl EngineFields {
                     .err()
                     .map(|why| format!("is invalid: {why}"))
             }),
+            reports_reused: checker.parsed(
+                "kv_cache_report_mode",
+                raw.kv_cache_report_mode,
+                |mode| match mode {
+                    "new" => Ok(false),
+                    "full" => Ok(true),
+                    other => Err(format!(
+                        "is {other:?}: expected \"new\" (the engine announces a block when it \
+                         caches it, vLLM's default) or \"full\" (it also announces the blocks \
+                         a request reuses)"
+                    )),
+                },
+            ),
         }
     }
 
@@ -165,6 +181,7 @@ impl EngineFields {
             tokenizer: self.tokenizer.or(&defaults.tokenizer),
             // Each engine's own server: a default would send every engine's requests to one.
             openai_url: self.openai_url.clone(),
+            reports_reused: self.reports_reused.or(&defaults.reports_reused),
         }
     }
 
@@ -437,6 +454,7 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         topic: fields.topic.or_default_to(String::new())?,
         tokenizer: fields.tokenizer.optional()?,
         openai_url,
+        reports_reused: fields.reports_reused.or_default_to(false)?,
     })
 }
 

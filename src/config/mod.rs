@@ -124,6 +124,9 @@ pub struct EngineConfig {
     /// The engine's OpenAI-compatible server, where the front end (`[route]`) sends requests:
     /// `openai_url` as written, else the `discover` URL.
     pub openai_url: Option<BaseUrl>,
+    /// `kv_cache_report_mode = "full"`: the engine announces the blocks a request reuses again,
+    /// which a rank then takes for announcements, not copies (docs.md "Restarts").
+    pub reports_reused: bool,
 }
 
 /// Where an engine's ranks come from.
@@ -534,6 +537,7 @@ mod tests {
                     instance_id: derived_instance_id("local"),
                     tokenizer: None,
                     openai_url: None,
+                    reports_reused: false,
                 }],
                 replicas: Replicas::default(),
                 select: Select::default(),

@@ -242,7 +242,11 @@ impl RankGroups {
         if self.workers.len() <= slot {
             self.workers.resize_with(slot + 1, || None);
         }
-        self.workers[slot].get_or_insert_with(|| gpu.index().add_group_worker(gpu.id(), group))
+        self.workers[slot].get_or_insert_with(|| {
+            gpu.index()
+                .add_group_worker(gpu.id(), group)
+                .rereporting(gpu.rereports())
+        })
     }
 
     /// Stores into group `group` (1 and up), creating its worker at its first store; a parent
@@ -270,7 +274,11 @@ impl RankGroups {
                 .flatten()
                 .map(TierBlocks::map),
         );
-        let this = this.get_or_insert_with(|| gpu.index().add_group_worker(rank, group));
+        let this = this.get_or_insert_with(|| {
+            gpu.index()
+                .add_group_worker(rank, group)
+                .rereporting(gpu.rereports())
+        });
         this.store(stored, &also, outcome);
         this.publish_blocks();
     }

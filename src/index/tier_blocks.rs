@@ -24,6 +24,9 @@ pub(super) struct TierBlocks {
     blocks: EngineMap,
     /// Scratch: the keys of the event being applied.
     keys: Vec<u64>,
+    /// The engine announces reused blocks again: a store of a held engine hash with the same
+    /// key is that announcement, not a second physical copy (`WorkerBlocks::reports_reused`).
+    rereports: bool,
 }
 
 /// Removals done under one shard lock at most, in a bulk clear: ~1 ms of work.
@@ -46,7 +49,23 @@ impl TierBlocks {
             stats,
             blocks: EngineMap::default(),
             keys: Vec::new(),
+            rereports: false,
         }
+    }
+
+    /// The same writer, taking a re-store of a held block as an announcement when `rereports`
+    /// (the rank's GPU writer's setting, which every writer of the rank follows).
+    pub(super) fn rereporting(mut self, rereports: bool) -> Self {
+        self.set_rereports(rereports);
+        self
+    }
+
+    pub(super) fn set_rereports(&mut self, rereports: bool) {
+        self.rereports = rereports;
+    }
+
+    pub(super) fn rereports(&self) -> bool {
+        self.rereports
     }
 
     pub(super) fn id(&self) -> WorkerId {
@@ -206,6 +225,9 @@ impl TierBlocks {
             }
             let found = next.unwrap_or_else(|| self.blocks.lookup(hash));
             let holding = match found.key {
+                // Announced again by an engine that reports reused blocks: nothing changes, so
+                // that no later removal leaves a copy the engine does not hold.
+                Some(held) if held == key && self.rereports => 0,
                 Some(held) if held == key => {
                     self.blocks.add_copy(hash);
                     added += 1;
@@ -262,7 +284,9 @@ impl TierBlocks {
             let found = self.blocks.lookup(hash);
             match found.key {
                 Some(held) if held == key => {
-                    self.blocks.add_copy(hash);
+                    if !self.rereports {
+                        self.blocks.add_copy(hash);
+                    }
                     continue;
                 }
                 Some(replaced) => self.drop_holding(replaced),

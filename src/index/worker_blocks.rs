@@ -94,6 +94,19 @@ impl WorkerBlocks {
         }
     }
 
+    /// The rank's engine announces blocks it reuses from its prefix cache again (vLLM's
+    /// `kv_cache_report_mode = "full"`): a store of a block the rank holds, with the same key,
+    /// is such an announcement and changes nothing; a real second copy of a block is then
+    /// undercounted (a miss once one copy is evicted, never a false hit). Set before any event.
+    pub fn reports_reused(&mut self) {
+        self.gpu.set_rereports(true);
+    }
+
+    /// Whether `reports_reused` was set.
+    pub fn treats_restores_as_reports(&self) -> bool {
+        self.gpu.rereports()
+    }
+
     /// The rank's id: what queries name it by.
     pub fn id(&self) -> WorkerId {
         self.gpu.id()
@@ -118,8 +131,11 @@ impl WorkerBlocks {
                 } else {
                     (disk, &*cpu)
                 };
-                let this =
-                    this.get_or_insert_with(|| index.add_tier_worker(tier, Some(self.gpu.id())));
+                let this = this.get_or_insert_with(|| {
+                    index
+                        .add_tier_worker(tier, Some(self.gpu.id()))
+                        .rereporting(self.gpu.rereports())
+                });
                 if is_placeholder(stored) {
                     this.store_placeholder(stored, self.gpu.map(), outcome);
                 } else {
@@ -235,8 +251,12 @@ impl WorkerBlocks {
             Tier::Gpu => self.groups.writer(group, &self.gpu),
             lower => {
                 let (index, rank) = (self.gpu.index(), self.gpu.id());
-                self.lower[lower as usize - 1]
-                    .get_or_insert_with(|| index.add_tier_worker(lower, Some(rank)))
+                let rereports = self.gpu.rereports();
+                self.lower[lower as usize - 1].get_or_insert_with(|| {
+                    index
+                        .add_tier_worker(lower, Some(rank))
+                        .rereporting(rereports)
+                })
             }
         }
     }

@@ -94,7 +94,9 @@ impl Contents {
             {
                 self.hybrid = true;
             }
-            Event::Stored(stored) if applied && gpu(&stored.medium) => self.store(stored),
+            Event::Stored(stored) if applied && gpu(&stored.medium) => {
+                self.store(stored, blocks.treats_restores_as_reports())
+            }
             Event::Removed(removed)
                 if applied && gpu(&removed.medium) && group_0(removed.group_idx) =>
             {
@@ -131,7 +133,9 @@ impl Contents {
         self.restored = true;
     }
 
-    fn store(&mut self, stored: &BlockStored) {
+    /// Follows a store the index applied; `rereports`: a held block stored again is announced
+    /// again, not copied (`WorkerBlocks::reports_reused`).
+    fn store(&mut self, stored: &BlockStored, rereports: bool) {
         let block_size = stored.block_size as usize;
         let lora: Option<Arc<str>> = stored.lora_name.as_deref().map(Arc::from);
         let mut parent = stored.parent;
@@ -154,7 +158,11 @@ impl Contents {
                 copies: 1,
             };
             match self.blocks.get_mut(&hash) {
-                Some(held) if held.same_content(&new) => held.copies += 1,
+                Some(held) if held.same_content(&new) => {
+                    if !rereports {
+                        held.copies += 1;
+                    }
+                }
                 Some(held) => *held = new,
                 None => {
                     self.blocks.insert(hash, new);

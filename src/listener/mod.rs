@@ -289,7 +289,10 @@ impl Listener {
         );
         let (sockets, token) =
             open_sockets(&spec, zmq).with_context(|| format!("starting the listener of {what}"))?;
-        let blocks = index.add_worker();
+        let mut blocks = index.add_worker();
+        if spec.reports_reused {
+            blocks.reports_reused();
+        }
         let worker = blocks.id();
         let status = Arc::new(StatusCell::new(
             metrics.rank(&spec.key.engine, spec.key.dp_rank),

@@ -314,6 +314,7 @@ mod tests {
             model: model.map(str::to_owned),
             instance_id,
             registered_at_runtime: runtime,
+            reports_reused: false,
         }
     }
 

@@ -105,10 +105,15 @@ impl RankRuntime {
                     cache: {
                         let cache =
                             RankCache::new(config.block_size, config.capacity_blocks, rank_seed);
-                        match (config.cpu_capacity_blocks, config.sliding_window) {
+                        let cache = match (config.cpu_capacity_blocks, config.sliding_window) {
                             (_, Some(window)) => cache.with_sliding_window(window),
                             (0, None) => cache,
                             (cpu, None) => cache.with_cpu_tier(cpu),
+                        };
+                        if config.report_reused_blocks {
+                            cache.reporting_reused()
+                        } else {
+                            cache
                         }
                     },
                     publisher,

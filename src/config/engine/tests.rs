@@ -264,3 +264,16 @@ zmq_port = 6010
     );
     assert_eq!(found.len(), 2, "{found:#?}");
 }
+
+#[test]
+fn kv_cache_report_mode_is_new_or_full_from_the_engine_else_defaults() {
+    let text = "[defaults]\nkv_cache_report_mode = \"full\"\n\n[[engine]]\nname = \"a\"\nhost = \"h\"\n\n[[engine]]\nname = \"b\"\nhost = \"h\"\nzmq_port = 6000\nkv_cache_report_mode = \"new\"\n";
+    let config = Config::parse(text, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+    let reports: Vec<bool> = config.engines.iter().map(|e| e.reports_reused).collect();
+    assert_eq!(reports, [true, false]);
+    let plain = Config::parse(ENGINE_A, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+    assert!(!plain.engines[0].reports_reused, "\"new\" by default");
+    let problems = problems(&format!("{ENGINE_A}kv_cache_report_mode = \"all\"\n"));
+    let problem = find(&problems, &["kv_cache_report_mode", "\"all\"", "\"full\""]);
+    assert!(problem.contains("engine \"a\""), "{problem}");
+}

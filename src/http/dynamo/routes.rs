@@ -332,6 +332,7 @@ fn register(api: &DynamoApi, request: &Request, body: DynamoBody) -> Answer {
         model: Some(model),
         instance_id,
         registered_at_runtime: true,
+        reports_reused: false,
     };
     Ok(match api.engines.register(vec![spec]) {
         Ok(()) => Reply::json(201, &json!({ "status": "ok" })),
