@@ -376,3 +376,38 @@ fn systemd_unit_runs_the_installed_binary_and_reloads_with_sighup() {
     }
     assert_eq!(value("ProtectSystem"), "strict");
 }
+
+/// docs.md "Restarts": the systemd unit gives the service `/var/lib/kv-indexer`
+/// (`StateDirectory=`, a stop long enough to save), and the compose indexer keeps its
+/// `state_dir` on a named volume, in a directory the image's user owns.
+#[test]
+fn the_state_dir_survives_a_restart_under_systemd_and_compose() {
+    let unit = read("deploy/kv-indexer.service");
+    let service_keys: Vec<&str> = unit
+        .lines()
+        .skip_while(|l| l.trim() != "[Service]")
+        .filter(|l| !l.starts_with('#'))
+        .collect();
+    assert!(
+        service_keys.contains(&"StateDirectory=kv-indexer"),
+        "{service_keys:?}"
+    );
+    let dockerfile = read("Dockerfile");
+    assert!(
+        dockerfile.contains("install -d -o kv-indexer -g kv-indexer -m 0700 /var/lib/kv-indexer"),
+        "the image's user owns the state directory"
+    );
+    let (top, _) = only_engine("deploy/indexer.compose.toml");
+    let state_dir = text(&top, "state_dir", "deploy/indexer.compose.toml");
+    assert_eq!(state_dir, "/var/lib/kv-indexer");
+    let compose = compose();
+    let mounts = strings(&service(&compose, "indexer")["volumes"], "volumes");
+    let volume = mounts
+        .iter()
+        .find_map(|m| m.strip_suffix(&format!(":{state_dir}")))
+        .unwrap_or_else(|| panic!("no volume at {state_dir}: {mounts:?}"));
+    assert!(
+        !compose["volumes"][volume].is_badvalue(),
+        "{volume} is a named volume"
+    );
+}
