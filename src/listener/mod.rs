@@ -52,6 +52,7 @@ mod applier;
 mod contents;
 mod failure;
 mod frames;
+mod join;
 mod live;
 mod peers;
 mod poller;

@@ -1,27 +1,26 @@
-//! One rank's recoveries: what a hole in its history gets, in which order, what a rank that
-//! holds none of its publisher's history gets when it joins (docs/design.md "Joining a
-//! publisher"), and what is tried later when history stayed lost (docs/design.md "Recovery").
-//! A recovery runs on a recovery worker in fair turns (`recoveries`), or on the poller when it
-//! cannot wait on the network.
+//! One rank's recoveries: what a hole in its history gets, in which order, and what is tried
+//! later when history stayed lost (docs/design.md "Recovery"); a rank joining its publisher's
+//! history is `join`'s. A recovery runs on a recovery worker in fair turns (`recoveries`), or on
+//! the poller when it cannot wait on the network.
 //!
-//! Owns: the recovery order (replay, else a peer's snapshot, else the engine's, else the loss
-//! counted and the rank `degraded`), a join's (a saved state the replay confirms, else the
-//! replay from the first batch kept, else a snapshot, else `partial`), the hole's budget and its
-//! turns, the rank's lost history (since which seq, how many recoveries in a row were given up)
-//! and the snapshot retry with its backoff. Never: touches a socket but through `recovery` (the
-//! replay client and the snapshot fetch), waits past its turn or the stop flag, or reads a live
-//! message (the rank is off its poller meanwhile; its live messages wait in the SUB socket's
-//! queue) but the first one that bounds a join at connect (`live::FirstLive`).
+//! Owns: the jobs a rank's recoveries are (a hole, a join, a snapshot retry) and their
+//! priority, the recovery order (replay, else a peer's snapshot, else the engine's, else the
+//! loss counted and the rank `degraded`), the hole's budget and its turns, the rank's lost
+//! history (since which seq, how many recoveries in a row were given up), the snapshot retry
+//! with its backoff, and the replay that applies what it gets. Never: touches a socket but
+//! through `recovery` (the replay client and the snapshot fetch), waits past its turn or the
+//! stop flag, or reads a live message (the rank is off its poller meanwhile; its live messages
+//! wait in the SUB socket's queue) but the first one that bounds a join (`live::FirstLive`).
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::applier::Applier;
+use super::join::Join;
 use super::live::{FirstLive, Subscription};
 use super::peers::snapshot_url;
 use super::recovery::{self, Fetched, Interrupt, ReplayStart, Replayed, Turn};
-use super::sequence::Sequence;
 use super::sequence::MAX_PLAUSIBLE_GAP;
 use super::stop::Stop;
 use super::RecoveredBy;
@@ -34,7 +33,7 @@ const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(30);
 /// (or, when it waited longer for its first turn, for that turn's share); then it is given up.
 /// It bounds how long a rank shows `recovering` with its live batches waiting: the staleness
 /// one rank's recovery can cause.
-const HOLE_BUDGET: Duration = Duration::from_secs(30);
+pub(super) const HOLE_BUDGET: Duration = Duration::from_secs(30);
 
 /// What a rank lost and has not repaired.
 #[derive(Default)]
@@ -46,7 +45,7 @@ pub(super) struct LostHistory {
     since: Option<u64>,
     /// Recoveries given up in a row: the rank's holes queue behind those of ranks that failed
     /// less (`Job::priority`).
-    failures: u32,
+    pub(super) failures: u32,
     /// While lost history may still be repaired by a snapshot: the next attempt and the
     /// backoff after it.
     snapshot_retry: Option<(Instant, Duration)>,
@@ -95,39 +94,6 @@ pub(super) struct Hole {
     place: u32,
 }
 
-/// The history a rank that holds none of it (just connected, or emptied by a publisher restart
-/// seen past seq 0) gets: its saved state once the engine's replay confirms it, else whatever
-/// the replay still keeps, else a snapshot; what none of them gives leaves the rank `partial`
-/// (docs/design.md "Joining a publisher").
-pub(super) struct Join {
-    /// The newest seq the history may reach: the one before `pending`, or unbounded at connect
-    /// (the replay's end marker ends it).
-    through: u64,
-    pending: Option<Pending>,
-    /// The newest seq this join applied, for a turn that resumes it.
-    reached: Option<u64>,
-    found: Instant,
-    place: u32,
-}
-
-/// `Join::through` at connect: no live message bounds the history yet.
-const UNBOUNDED: u64 = u64::MAX - 1;
-
-/// What the engine's replay said of a saved state.
-enum Confirmation {
-    /// The replay of its last batch digested the same: the state is loaded, and the replay
-    /// went on to `reached`.
-    Confirmed {
-        reached: u64,
-        ended: bool,
-        cut: Option<Interrupt>,
-    },
-    /// Discarded, for this reason (a `state_loads_total` outcome).
-    Refused(&'static str),
-    /// Cut short before the replay said anything of it.
-    Cut(Interrupt),
-}
-
 impl Job {
     /// Lower goes first: a fresh hole of a rank that has not been failing before a hole that
     /// already had turns, or of a rank that keeps failing (a snapshot retry's rank failed at
@@ -135,7 +101,7 @@ impl Job {
     pub(super) fn priority(&self) -> u32 {
         match self {
             Job::Hole(hole) => hole.place,
-            Job::Join(join) => join.place,
+            Job::Join(join) => join.priority(),
             Job::SnapshotRetry { place } => *place,
         }
     }
@@ -194,273 +160,6 @@ impl Subscription {
             Job::Join(join) => self.join(*join, turn),
             Job::SnapshotRetry { .. } => TurnEnd::Finished(self.retry_snapshot(turn)),
         }
-    }
-
-    /// A join of the history through `through` (`None`: at connect, unbounded), then
-    /// `pending`. The rank shows `recovering` meanwhile.
-    pub(super) fn join_job(&self, through: Option<u64>, pending: Option<Pending>) -> Job {
-        self.applier.status.set_recovering(true);
-        Job::Join(Box::new(Join {
-            through: through.unwrap_or(UNBOUNDED),
-            pending,
-            reached: None,
-            found: Instant::now(),
-            place: self.lost.failures,
-        }))
-    }
-
-    /// One turn of a join: the saved state confirmed by the replay, else the replay from the
-    /// first batch the engine keeps (whole when that is seq 0), else a snapshot; then
-    /// `pending`. A turn cut short for a waiting rank resumes the replay where it stopped. A
-    /// join at connect reads no further than the first live message (`FirstLive`).
-    fn join(&mut self, join: Join, turn: &Turn) -> TurnEnd {
-        let Join {
-            mut through,
-            mut pending,
-            mut reached,
-            found,
-            place,
-        } = join;
-        let turn = &turn.ending_by(found + HOLE_BUDGET);
-        let status = Arc::clone(&self.applier.status);
-        let mut cut = None;
-        let mut ended = false;
-        let mut how = RecoveredBy::Replay;
-        // The first live message a join at connect took: (seq, its batch if it decoded,
-        // whether the join had applied that very batch).
-        let mut first_live = None;
-        // The newest seq of a history the rank kept unconfirmed at a reconnect.
-        let mut kept = None;
-        if let Some(endpoint) = self.applier.spec.replay.as_ref().map(ToString::to_string) {
-            // At a reconnect: the run the rank holds, which a publisher restarted while the
-            // link was down (and idle since) would never refute by itself.
-            let held = (pending.is_none() && reached.is_none() && self.sequence.next().is_some())
-                .then_some(self.applier.last_applied)
-                .flatten();
-            let Subscription {
-                sub,
-                live_frames,
-                saved,
-                applier,
-                context,
-                stop,
-                sequence,
-                lost,
-                ..
-            } = self;
-            let mut live = pending.is_none().then(|| FirstLive::new(sub, live_frames));
-            let mut confirmed = false;
-            let confirming = match saved.take().filter(|_| reached.is_none()) {
-                Some(state) => Some(((state.last_seq, state.last_digest), Some(state))),
-                None => held.map(|held| (held, None)),
-            };
-            if let Some(((seq, digest), state)) = confirming {
-                // A saved state is loaded once confirmed; a held run is there already.
-                let mut load = |applier: &mut Applier| match &state {
-                    Some(state) => match applier.restore(state) {
-                        Ok(()) => true,
-                        Err(error) => {
-                            log::warn!("{}: {error:#}", applier.who());
-                            false
-                        }
-                    },
-                    None => true,
-                };
-                let outcome = confirm(
-                    (applier, context, stop),
-                    &endpoint,
-                    (seq, digest),
-                    &mut load,
-                    through,
-                    live.as_mut(),
-                    turn,
-                );
-                match (outcome, state) {
-                    (
-                        Confirmation::Confirmed {
-                            reached: through_seq,
-                            ended: heard_end,
-                            cut: interrupt,
-                        },
-                        state,
-                    ) => {
-                        confirmed = true;
-                        reached = Some(through_seq);
-                        ended = heard_end;
-                        cut = interrupt;
-                        if let Some(state) = state {
-                            how = RecoveredBy::SavedState;
-                            status.state_load("restored");
-                            log::info!(
-                                "{}: restored {} blocks saved at seq {seq}, confirmed by the \
-                                 engine's replay; replayed through {through_seq}",
-                                applier.who(),
-                                state.blocks.blocks()
-                            );
-                        }
-                    }
-                    (Confirmation::Cut(by), state) => {
-                        *saved = state;
-                        cut = Some(by);
-                    }
-                    (Confirmation::Refused(reason), Some(_)) => {
-                        status.state_load(reason);
-                        log::warn!(
-                            "{}: saved state at seq {seq} discarded ({reason}): {}",
-                            applier.who(),
-                            refusal_explained(reason)
-                        );
-                    }
-                    (Confirmation::Refused("restarted"), None) => {
-                        log::warn!(
-                            "{}: the publisher restarted while the link was down (its replay \
-                             of seq {seq} differs or is gone); dropping the rank's blocks",
-                            applier.who()
-                        );
-                        applier.clear();
-                        status.gap(true);
-                        status.restarted(false);
-                        lost.publisher_restarted();
-                        *sequence = Sequence::new();
-                    }
-                    (Confirmation::Refused(_), None) => {
-                        // Neither confirmed nor refuted: the live seqs will tell (a gap from
-                        // `seq + 1`, or a restart).
-                        confirmed = true;
-                        kept = Some(seq);
-                    }
-                }
-            }
-            if cut.is_none() && !confirmed {
-                let (from, start) = match reached {
-                    Some(seq) => (seq.saturating_add(1), ReplayStart::Exactly),
-                    None => (0, ReplayStart::FirstKept),
-                };
-                let (applied, interrupt, heard_end) = replay_into(
-                    (applier, context, stop),
-                    &endpoint,
-                    (from, through),
-                    start,
-                    None,
-                    live.as_mut(),
-                    turn,
-                );
-                reached = applied.or(reached);
-                cut = interrupt;
-                ended = heard_end;
-            }
-            if let Some(live) = live {
-                let duplicate = live.already_applied();
-                if let Some((seq, batch)) = live.message {
-                    through = seq.saturating_sub(1);
-                    if reached.is_some_and(|r| r >= seq) && !duplicate {
-                        // Ahead of the live stream and contradicting it: not this publisher's
-                        // history. The rank starts again from the live message.
-                        log::warn!(
-                            "{}: the replay went past live seq {seq} with other batches: what \
-                             it gave is dropped",
-                            applier.who()
-                        );
-                        applier.clear();
-                        status.emptied();
-                        reached = None;
-                    }
-                    first_live = Some((seq, batch, duplicate));
-                }
-            }
-        }
-        if let Some((seq, ..)) = &first_live {
-            // The rank's first live message: the sequence rules see it as any.
-            let _ = self.sequence.observe(*seq);
-        }
-        match cut {
-            Some(Interrupt::Stopped) => return TurnEnd::Finished(Recovery::Stopped),
-            Some(Interrupt::Yield) if found.elapsed() < HOLE_BUDGET && first_live.is_none() => {
-                return TurnEnd::Yielded(Job::Join(Box::new(Join {
-                    through,
-                    pending,
-                    reached,
-                    found,
-                    place: place.saturating_add(1),
-                })));
-            }
-            _ => {}
-        }
-        let mut lost_live = None;
-        match first_live {
-            Some((seq, Some((digest, batch)), false)) => {
-                pending = Some(Pending { seq, digest, batch });
-            }
-            Some((seq, None, false)) => lost_live = Some(seq),
-            Some((_, _, true)) | None => {}
-        }
-        if !status.whole() {
-            let bounded = through != UNBOUNDED;
-            // The seqs a snapshot must lie between: from the end of the history (the live
-            // message before which it ends, else what the replay reached: the publisher's own
-            // word on where its history is) to the newest seq seen.
-            let window = if bounded {
-                Some((
-                    through,
-                    pending.as_ref().map_or(through, |pending| pending.seq),
-                ))
-            } else {
-                reached.map(|seq| (seq, seq))
-            };
-            if reached.is_none() && ended && !bounded {
-                status.nothing_published();
-            } else if let Some((need, newest)) = window {
-                // A snapshot replaces what the replay applied: it is the whole state.
-                if let SnapshotAttempt::Covered(seq, by) =
-                    self.whole_state_snapshot(need, newest, turn)
-                {
-                    reached = Some(seq);
-                    how = by;
-                }
-            }
-        }
-        if let Some(seq) = reached {
-            self.sequence.covered_through(seq);
-        }
-        let whole = status.whole();
-        if reached.is_some() {
-            status.recovered(how, whole);
-        }
-        if !whole {
-            log::warn!(
-                "{}: joined mid-stream{}: the history before is unknown, so the rank is \
-                 partial: scored on the blocks stored since (misses possible, never a false \
-                 hit) until a snapshot or the engine's restart makes it whole",
-                self.applier.who(),
-                reached.map_or_else(String::new, |seq| format!(", replayed through seq {seq}"))
-            );
-            // A peer a few batches ahead now may agree later; a reload may add peers.
-            self.schedule_snapshot_retry();
-        }
-        // The replay ended short of the live message (or applied nothing after what the rank
-        // kept): what lies between is a hole, recovered as any.
-        let covered = reached.or(kept);
-        let next_live = pending.as_ref().map(|pending| pending.seq).or(lost_live);
-        if let (Some(covered), Some(live)) = (covered, next_live) {
-            if covered.saturating_add(1) < live {
-                let missing = covered + 1..=live - u64::from(pending.is_some());
-                status.gap(false);
-                return TurnEnd::Yielded(self.hole(missing, pending));
-            }
-        }
-        status.set_recovering(false);
-        if let Some(pending) = pending {
-            if reached.is_none_or(|seq| seq < pending.seq) {
-                self.applier
-                    .apply_batch(pending.seq, pending.digest, &pending.batch);
-            }
-        }
-        if let Some(seq) = lost_live {
-            // The first live message did not decode: a lost batch, as a hole given up.
-            status.gap(false);
-            return self.settle(seq..=seq, None, RecoveredBy::Replay, None);
-        }
-        TurnEnd::Finished(Recovery::Done)
     }
 
     /// A hole of `range`, queued behind those of ranks failing less. The rank shows
@@ -557,7 +256,7 @@ impl Subscription {
 
     /// Ends a recovery whose open part is `open`: covered when `reached` got to its end, else
     /// given up (counted lost, the rank `degraded`, a snapshot retry scheduled).
-    fn settle(
+    pub(super) fn settle(
         &mut self,
         open: RangeInclusive<u64>,
         reached: Option<u64>,
@@ -632,7 +331,12 @@ impl Subscription {
 
     /// A snapshot with a seq in `need..=newest` from the best peer, else one covering `need`
     /// from the engine (docs/design.md "Recovery"), made the rank's whole state.
-    fn whole_state_snapshot(&mut self, need: u64, newest: u64, turn: &Turn) -> SnapshotAttempt {
+    pub(super) fn whole_state_snapshot(
+        &mut self,
+        need: u64,
+        newest: u64,
+        turn: &Turn,
+    ) -> SnapshotAttempt {
         match self.peer_snapshot(need, newest, turn) {
             SnapshotAttempt::Unusable => {}
             done => return done,
@@ -715,7 +419,7 @@ impl Subscription {
     /// After history was lost: try a snapshot again later, from the peers or the engine. Even
     /// with neither configured now: a reload may add peers (a retry that finds none costs one
     /// wake-up, at most every 30 s).
-    fn schedule_snapshot_retry(&mut self) {
+    pub(super) fn schedule_snapshot_retry(&mut self) {
         let backoff = self
             .lost
             .snapshot_retry
@@ -762,15 +466,15 @@ impl Subscription {
 }
 
 /// The rank is emptied before the first replayed batch applies.
-struct EmptyFirst;
+pub(super) struct EmptyFirst;
 
 /// What a replay applies to, and the signal it watches.
-type ReplayParts<'a> = (&'a mut Applier, &'a zmq::Context, &'a Stop);
+pub(super) type ReplayParts<'a> = (&'a mut Applier, &'a zmq::Context, &'a Stop);
 
 /// Replays `from..=through` from `start`, applying each contiguous batch (into an emptied rank
 /// first, with `EmptyFirst`), no further than the first live message `live` takes. The highest
 /// seq applied, what cut the replay short, and whether the engine's end marker came.
-fn replay_into(
+pub(super) fn replay_into(
     (applier, context, stop): ReplayParts<'_>,
     endpoint: &str,
     (from, through): (u64, u64),
@@ -820,99 +524,8 @@ fn replay_into(
     }
 }
 
-/// Asks the replay for the batch `seq`: only the same payload (`digest`: the same publisher
-/// run) confirms what the rank is to hold, which `load` then loads (a saved state; nothing at a
-/// reconnect, the rank holds it), and the replay goes on from there through `through`, no
-/// further than the first live message `live` takes.
-fn confirm(
-    (applier, context, stop): ReplayParts<'_>,
-    endpoint: &str,
-    (seq, digest): (u64, u64),
-    load: &mut dyn FnMut(&mut Applier) -> bool,
-    through: u64,
-    mut live: Option<&mut FirstLive<'_>>,
-    turn: &Turn,
-) -> Confirmation {
-    if seq > through {
-        return Confirmation::Refused("restarted");
-    }
-    let mut refused = None;
-    let mut loaded = false;
-    let result = recovery::replay(
-        context,
-        endpoint,
-        (seq, through),
-        ReplayStart::FirstKept,
-        (stop, turn),
-        &mut |replayed, payload| {
-            if let Some(bound) = live.as_deref_mut().and_then(|live| live.bound(applier)) {
-                if replayed >= bound {
-                    if !loaded && bound <= seq {
-                        refused = Some("restarted");
-                    }
-                    return false;
-                }
-            }
-            let payload_digest = wire::payload_digest(payload);
-            if loaded {
-                let Some(batch) = applier.decode(payload) else {
-                    return false;
-                };
-                applier.apply_batch(replayed, payload_digest, &batch);
-            } else if replayed != seq {
-                refused = Some("not_in_replay");
-                return false;
-            } else if payload_digest != digest {
-                refused = Some("restarted");
-                return false;
-            } else if !load(applier) {
-                refused = Some("unloadable");
-                return false;
-            } else {
-                loaded = true;
-            }
-            if let Some(live) = live.as_deref_mut() {
-                live.applied(replayed, payload_digest);
-            }
-            true
-        },
-    );
-    match result {
-        Ok(Replayed::Covered { through, ended }) if loaded => Confirmation::Confirmed {
-            reached: through.unwrap_or(seq),
-            ended,
-            cut: None,
-        },
-        Ok(Replayed::Interrupted { by, through }) if loaded => Confirmation::Confirmed {
-            reached: through.unwrap_or(seq),
-            ended: false,
-            cut: Some(by),
-        },
-        Ok(Replayed::Interrupted { by, .. }) if refused.is_none() => Confirmation::Cut(by),
-        // Nothing at or after the saved seq: a publisher run that has not reached it.
-        Ok(Replayed::Covered { ended: true, .. }) => {
-            Confirmation::Refused(refused.unwrap_or("restarted"))
-        }
-        Ok(_) => Confirmation::Refused(refused.unwrap_or("replay_failed")),
-        Err(error) => {
-            log::warn!("{}: replay failed: {error:#}", applier.who());
-            Confirmation::Refused("replay_failed")
-        }
-    }
-}
-
-/// What a discarded saved state's reason means, for the log line.
-fn refusal_explained(reason: &str) -> &'static str {
-    match reason {
-        "restarted" => "the engine restarted since (its replay of that seq differs, or it has not published that far): nothing of it is used",
-        "not_in_replay" => "the engine's replay no longer holds that batch (the downtime outlasted its buffer), so the state cannot be confirmed",
-        "unloadable" => "its blocks do not load into the index",
-        _ => "the engine's replay did not answer, so the state cannot be confirmed",
-    }
-}
-
 /// How a snapshot attempt ended.
-enum SnapshotAttempt {
+pub(super) enum SnapshotAttempt {
     /// Applied; it covers up to this seq, and came from there.
     Covered(u64, RecoveredBy),
     Unusable,
