@@ -569,3 +569,21 @@ fn reported_cached_tokens_are_weighed_against_the_prediction() {
         2.0
     );
 }
+
+/// A client that expects more output than any model can give (2^64 - 1 tokens, twice) weighs
+/// as much as a model's whole context (`select::MAX_CONTEXT_TOKENS`) each: no load overflows or
+/// is poisoned for every later choice.
+#[test]
+fn an_absurd_expected_output_is_clamped_before_it_enters_a_load() {
+    let setup = Setup::start(1, "", &[]);
+    let addr = setup.addr();
+    let tokens = prompt(4_000, 4);
+    for _ in 0..2 {
+        select(
+            addr,
+            json!({ "token_ids": tokens, "reserve": true, "expected_output_tokens": u64::MAX }),
+        );
+    }
+    let most = 2 * (kv_indexer::select::MAX_CONTEXT_TOKENS / u64::from(BLOCK_SIZE) + 4);
+    assert_eq!(loads(addr, "a")["active_decode_blocks"], most);
+}

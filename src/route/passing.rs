@@ -26,7 +26,7 @@ use super::engine_http::EngineBody;
 use crate::http::BodyError;
 use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
-use crate::select::Selector;
+use crate::select::{Selector, MAX_CONTEXT_TOKENS};
 
 /// An event longer than this is passed on unscanned: no usage chunk is anywhere near it.
 const MAX_EVENT_BYTES: usize = 1 << 20;
@@ -62,6 +62,18 @@ impl Ticket {
         let Some(cached) = usage.cached_tokens() else {
             return;
         };
+        if usage.prompt_tokens > MAX_CONTEXT_TOKENS {
+            // No engine's prompt is that long: a peer that lies poisons no load or metric.
+            log::debug!(
+                "route: {}/{} reported {} prompt tokens: ignored",
+                self.key.engine,
+                self.key.dp_rank,
+                usage.prompt_tokens
+            );
+            return;
+        }
+        // More cached tokens than the prompt has is a lie too: at most the prompt.
+        let cached = cached.min(usage.prompt_tokens);
         if std::mem::replace(&mut self.reported, true) {
             return;
         }
@@ -318,6 +330,61 @@ mod tests {
         assert_eq!(sse_data(b"data: {\"a\":1}\n\n"), Some(&b"{\"a\":1}"[..]));
         assert_eq!(sse_data(b"data: [DONE]\n\n"), None);
         assert_eq!(sse_data(b": comment\n\n"), None);
+    }
+
+    /// What an engine (or anything answering for it) reports cannot poison a metric: cached
+    /// tokens above the prompt's count as the prompt, a prompt past any model's length is
+    /// ignored, and the hit ratio never passes 1.
+    #[test]
+    fn reported_numbers_that_lie_are_clamped_or_ignored() {
+        use crate::config::Select;
+        use crate::select::Clock;
+
+        let metrics = Arc::new(Metrics::new());
+        let selector = Arc::new(Selector::new(
+            Select::default(),
+            Arc::clone(&metrics),
+            Clock::manual(),
+        ));
+        let reported = |body: &[u8]| {
+            let mut ticket = Ticket {
+                selector: Arc::clone(&selector),
+                metrics: Arc::clone(&metrics),
+                key: WorkerKey {
+                    engine: "e".into(),
+                    dp_rank: 0,
+                },
+                reservation: None,
+                predicted_tokens: 0,
+                prefilled: false,
+                reported: false,
+                place: None,
+            };
+            ticket.usage(&usage_of(body).expect("usage"));
+        };
+        reported(br#"{"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":18446744073709551615}}}"#);
+        reported(br#"{"usage":{"prompt_tokens":18446744073709551615,"prompt_tokens_details":{"cached_tokens":5}}}"#);
+        let text = metrics.render();
+        let value = |series: &str| -> f64 {
+            text.lines()
+                .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+        };
+        let labels = "{instance=\"e\",dp_rank=\"0\"}";
+        assert_eq!(
+            value(&format!(
+                "kv_indexer_route_reported_cached_tokens_total{labels}"
+            )),
+            100.0
+        );
+        assert_eq!(
+            value(&format!("kv_indexer_route_prompt_tokens_total{labels}")),
+            100.0
+        );
+        assert_eq!(
+            value(&format!("kv_indexer_route_cache_hit_ratio{labels}")),
+            1.0
+        );
     }
 
     #[test]

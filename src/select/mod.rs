@@ -53,6 +53,11 @@ use reservations::{Reservation, Reservations};
 /// number, not a name. Bounded by the ranks ever seen.
 type RankSlot = u32;
 
+/// The most tokens a request's context counts, above any model's context length: a larger
+/// `expected_output_tokens` (or `max_tokens`), or a larger count an engine reports, is a client
+/// or a peer that lies, and is clamped to it (or ignored) before it enters a load or a metric.
+pub const MAX_CONTEXT_TOKENS: u64 = 1 << 24;
+
 /// What a `/select` asks beyond the prompt.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Options {
@@ -275,6 +280,7 @@ impl Selector {
             let slot = state.slot(gathered[candidate.position].key);
             let output_blocks = options
                 .expected_output_tokens
+                .min(MAX_CONTEXT_TOKENS)
                 .div_ceil(u64::from(block_size.max(1)));
             let config = &state.config;
             state.predictions.record(
