@@ -422,6 +422,13 @@ fn placed(host: &Host, at: &EngineAt, range: PortRange) -> Placed {
     }
 }
 
+/// An `openai_url` as the server's base: one written as the API's base (`http://h:8000/v1`, what
+/// an OpenAI client is given) loses its `/v1`, which every routed path begins with.
+fn openai_base(url: &str) -> &str {
+    let url = url.trim_end_matches('/');
+    url.strip_suffix("/v1").unwrap_or(url)
+}
+
 /// The engine with defaults applied, when every key of it is valid.
 fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig> {
     let host = discovered::node_host(&fields)?;
@@ -435,7 +442,7 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         }),
     };
     let openai_url = match (fields.openai_url.optional()?, &source) {
-        (Some(url), _) => BaseUrl::parse(&url).ok(),
+        (Some(url), _) => BaseUrl::parse(openai_base(&url)).ok(),
         (None, Ranks::Discovered(discover)) => Some(discover.api.url.clone()),
         (None, Ranks::Fixed(_)) => None,
     };

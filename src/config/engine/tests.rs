@@ -277,3 +277,25 @@ fn kv_cache_report_mode_is_new_or_full_from_the_engine_else_defaults() {
     let problem = find(&problems, &["kv_cache_report_mode", "\"all\"", "\"full\""]);
     assert!(problem.contains("engine \"a\""), "{problem}");
 }
+
+#[test]
+fn an_openai_url_written_as_the_apis_base_is_the_servers() {
+    for written in [
+        "http://h:8000",
+        "http://h:8000/",
+        "http://h:8000/v1",
+        "http://h:8000/v1/",
+    ] {
+        let text = format!("{ENGINE_A}openai_url = \"{written}\"\n");
+        let config = Config::parse(&text, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+        let url = config.engines[0]
+            .openai_url
+            .as_ref()
+            .expect("an openai_url");
+        assert_eq!(
+            url.join("/v1/chat/completions"),
+            "http://h:8000/v1/chat/completions",
+            "{written}"
+        );
+    }
+}
