@@ -47,7 +47,7 @@ use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector};
 use crate::tokenize::{self, SharedTokenizers};
-use passing::{usage_of, Passing, Ticket};
+use passing::{usage_of, Passing, ReportingEngines, Ticket};
 use request::{with_usage, Kind, OpenAiRequest, PromptSource};
 use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 
@@ -113,6 +113,8 @@ pub struct RouteFront {
     max_concurrent: usize,
     /// Places on blocking threads for tokenizing (`TOKENIZING`).
     tokenizing: Arc<Semaphore>,
+    /// Which engines report their cached tokens, so that an answer without them counts.
+    reporting: Arc<ReportingEngines>,
 }
 
 /// What the front end reads, handed over by the service.
@@ -146,6 +148,7 @@ impl RouteFront {
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
             tokenizing: Arc::new(Semaphore::new(TOKENIZING)),
             max_concurrent: route.max_concurrent_requests,
+            reporting: Arc::default(),
         })
     }
 
@@ -344,6 +347,7 @@ impl RouteFront {
             let mut ticket = Ticket {
                 selector: Arc::clone(&self.selector),
                 metrics: Arc::clone(&self.metrics),
+                reporting: Arc::clone(&self.reporting),
                 key: key.clone(),
                 reservation: selection.reservation_id,
                 predicted_tokens: selection.predicted_cached_tokens,

@@ -31,10 +31,34 @@ use crate::select::{Selector, MAX_CONTEXT_TOKENS};
 /// An event longer than this is passed on unscanned: no usage chunk is anywhere near it.
 const MAX_EVENT_BYTES: usize = 1 << 20;
 
+/// The engines that have reported `usage.prompt_tokens_details` at least once. vLLM before
+/// 0.33 leaves the details out of an answer when nothing was cached: from such an engine an
+/// answer without them reports 0 cached tokens. One that never sent them (vLLM without
+/// `--enable-prompt-tokens-details`) reports nothing, and its answers are left out.
+#[derive(Default)]
+pub(super) struct ReportingEngines(parking_lot::Mutex<std::collections::HashSet<String>>);
+
+impl ReportingEngines {
+    /// The cached tokens of an answer of `engine`, as that engine reports them.
+    fn cached_tokens(&self, engine: &str, usage: &Usage) -> Option<u64> {
+        let mut reporting = self.0.lock();
+        match usage.cached_tokens() {
+            Some(cached) => {
+                if !reporting.contains(engine) {
+                    reporting.insert(engine.to_owned());
+                }
+                Some(cached)
+            }
+            None => reporting.contains(engine).then_some(0),
+        }
+    }
+}
+
 /// The reservation of one routed request on its rank, released when dropped.
 pub(super) struct Ticket {
     pub(super) selector: Arc<Selector>,
     pub(super) metrics: Arc<Metrics>,
+    pub(super) reporting: Arc<ReportingEngines>,
     pub(super) key: WorkerKey,
     pub(super) reservation: Option<u64>,
     pub(super) predicted_tokens: u64,
@@ -59,7 +83,7 @@ impl Ticket {
 
     /// What the engine reported of the prompt: weighed against the prediction, once.
     pub(super) fn usage(&mut self, usage: &Usage) {
-        let Some(cached) = usage.cached_tokens() else {
+        let Some(cached) = self.reporting.cached_tokens(&self.key.engine, usage) else {
             return;
         };
         if usage.prompt_tokens > MAX_CONTEXT_TOKENS {
@@ -350,6 +374,7 @@ mod tests {
             let mut ticket = Ticket {
                 selector: Arc::clone(&selector),
                 metrics: Arc::clone(&metrics),
+                reporting: Arc::default(),
                 key: WorkerKey {
                     engine: "e".into(),
                     dp_rank: 0,
@@ -385,6 +410,61 @@ mod tests {
             value(&format!("kv_indexer_route_cache_hit_ratio{labels}")),
             1.0
         );
+    }
+
+    /// An engine that has reported its cached tokens once reports 0 when it leaves them out
+    /// (vLLM before 0.33, when nothing was cached); one that never has is left out, not taken
+    /// for all misses or all hits.
+    #[test]
+    fn an_answer_without_cached_tokens_counts_as_0_from_an_engine_that_reports_them() {
+        use crate::config::Select;
+        use crate::select::Clock;
+
+        let metrics = Arc::new(Metrics::new());
+        let selector = Arc::new(Selector::new(
+            Select::default(),
+            Arc::clone(&metrics),
+            Clock::manual(),
+        ));
+        let reporting = Arc::new(ReportingEngines::default());
+        let answered = |engine: &str, body: &[u8]| {
+            let mut ticket = Ticket {
+                selector: Arc::clone(&selector),
+                metrics: Arc::clone(&metrics),
+                reporting: Arc::clone(&reporting),
+                key: WorkerKey {
+                    engine: engine.into(),
+                    dp_rank: 0,
+                },
+                reservation: None,
+                predicted_tokens: 0,
+                prefilled: false,
+                reported: false,
+                place: None,
+            };
+            ticket.usage(&usage_of(body).expect("usage"));
+        };
+        let hit = br#"{"usage":{"prompt_tokens":48,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        let omitted = br#"{"usage":{"prompt_tokens":100}}"#;
+        answered("reports", omitted);
+        answered("reports", hit);
+        answered("reports", omitted);
+        answered("silent", omitted);
+        let text = metrics.render();
+        let value = |series: &str| -> Option<f64> {
+            text.lines()
+                .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        };
+        let of = |name: &str, engine: &str| {
+            value(&format!(
+                "kv_indexer_route_{name}{{instance=\"{engine}\",dp_rank=\"0\"}}"
+            ))
+        };
+        // The first omission came before the engine was known to report: left out.
+        assert_eq!(of("prompt_tokens_total", "reports"), Some(148.0));
+        assert_eq!(of("reported_cached_tokens_total", "reports"), Some(32.0));
+        assert_eq!(of("cache_hit_ratio", "reports"), Some(32.0 / 148.0));
+        assert_eq!(of("prompt_tokens_total", "silent"), None, "{text}");
     }
 
     #[test]
