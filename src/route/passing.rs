@@ -356,82 +356,34 @@ mod tests {
         assert_eq!(sse_data(b": comment\n\n"), None);
     }
 
-    /// What an engine (or anything answering for it) reports cannot poison a metric: cached
-    /// tokens above the prompt's count as the prompt, a prompt past any model's length is
-    /// ignored, and the hit ratio never passes 1.
-    #[test]
-    fn reported_numbers_that_lie_are_clamped_or_ignored() {
-        use crate::config::Select;
-        use crate::select::Clock;
-
-        let metrics = Arc::new(Metrics::new());
-        let selector = Arc::new(Selector::new(
-            Select::default(),
-            Arc::clone(&metrics),
-            Clock::manual(),
-        ));
-        let reported = |body: &[u8]| {
-            let mut ticket = Ticket {
-                selector: Arc::clone(&selector),
-                metrics: Arc::clone(&metrics),
-                reporting: Arc::default(),
-                key: WorkerKey {
-                    engine: "e".into(),
-                    dp_rank: 0,
-                },
-                reservation: None,
-                predicted_tokens: 0,
-                prefilled: false,
-                reported: false,
-                place: None,
-            };
-            ticket.usage(&usage_of(body).expect("usage"));
-        };
-        reported(br#"{"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":18446744073709551615}}}"#);
-        reported(br#"{"usage":{"prompt_tokens":18446744073709551615,"prompt_tokens_details":{"cached_tokens":5}}}"#);
-        let text = metrics.render();
-        let value = |series: &str| -> f64 {
-            text.lines()
-                .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-                .unwrap_or_else(|| panic!("no {series} in\n{text}"))
-        };
-        let labels = "{instance=\"e\",dp_rank=\"0\"}";
-        assert_eq!(
-            value(&format!(
-                "kv_indexer_route_reported_cached_tokens_total{labels}"
-            )),
-            100.0
-        );
-        assert_eq!(
-            value(&format!("kv_indexer_route_prompt_tokens_total{labels}")),
-            100.0
-        );
-        assert_eq!(
-            value(&format!("kv_indexer_route_cache_hit_ratio{labels}")),
-            1.0
-        );
+    /// What `Ticket::usage` counts of answers, without a front end around it.
+    struct Answers {
+        metrics: Arc<Metrics>,
+        selector: Arc<Selector>,
+        reporting: Arc<ReportingEngines>,
     }
 
-    /// An engine that has reported its cached tokens once reports 0 when it leaves them out
-    /// (vLLM before 0.33, when nothing was cached); one that never has is left out, not taken
-    /// for all misses or all hits.
-    #[test]
-    fn an_answer_without_cached_tokens_counts_as_0_from_an_engine_that_reports_them() {
-        use crate::config::Select;
-        use crate::select::Clock;
+    impl Answers {
+        fn new() -> Answers {
+            let metrics = Arc::new(Metrics::new());
+            let selector = Arc::new(Selector::new(
+                crate::config::Select::default(),
+                Arc::clone(&metrics),
+                crate::select::Clock::manual(),
+            ));
+            Answers {
+                metrics,
+                selector,
+                reporting: Arc::default(),
+            }
+        }
 
-        let metrics = Arc::new(Metrics::new());
-        let selector = Arc::new(Selector::new(
-            Select::default(),
-            Arc::clone(&metrics),
-            Clock::manual(),
-        ));
-        let reporting = Arc::new(ReportingEngines::default());
-        let answered = |engine: &str, body: &[u8]| {
+        /// An answer of `engine`'s rank 0 whose body is `body`.
+        fn answered(&self, engine: &str, body: &[u8]) {
             let mut ticket = Ticket {
-                selector: Arc::clone(&selector),
-                metrics: Arc::clone(&metrics),
-                reporting: Arc::clone(&reporting),
+                selector: Arc::clone(&self.selector),
+                metrics: Arc::clone(&self.metrics),
+                reporting: Arc::clone(&self.reporting),
                 key: WorkerKey {
                     engine: engine.into(),
                     dp_rank: 0,
@@ -443,28 +395,63 @@ mod tests {
                 place: None,
             };
             ticket.usage(&usage_of(body).expect("usage"));
-        };
+        }
+
+        /// `kv_indexer_route_{name}` of `engine`'s rank 0, if it has the series.
+        fn value(&self, name: &str, engine: &str) -> Option<f64> {
+            let series = format!("kv_indexer_route_{name}{{instance=\"{engine}\",dp_rank=\"0\"}}");
+            self.metrics
+                .render()
+                .lines()
+                .find_map(|line| line.strip_prefix(series.as_str())?.trim().parse().ok())
+        }
+    }
+
+    /// What an engine (or anything answering for it) reports cannot poison a metric: cached
+    /// tokens above the prompt's count as the prompt, a prompt past any model's length is
+    /// ignored, and the hit ratio never passes 1.
+    #[test]
+    fn reported_numbers_that_lie_are_clamped_or_ignored() {
+        let answers = Answers::new();
+        answers.answered(
+            "e",
+            br#"{"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":18446744073709551615}}}"#,
+        );
+        answers.answered(
+            "e",
+            br#"{"usage":{"prompt_tokens":18446744073709551615,"prompt_tokens_details":{"cached_tokens":5}}}"#,
+        );
+        assert_eq!(
+            answers.value("reported_cached_tokens_total", "e"),
+            Some(100.0)
+        );
+        assert_eq!(answers.value("prompt_tokens_total", "e"), Some(100.0));
+        assert_eq!(answers.value("cache_hit_ratio", "e"), Some(1.0));
+    }
+
+    /// An engine that has reported its cached tokens once reports 0 when it leaves them out
+    /// (vLLM before 0.33, when nothing was cached); one that never has is left out, not taken
+    /// for all misses or all hits.
+    #[test]
+    fn an_answer_without_cached_tokens_counts_as_0_from_an_engine_that_reports_them() {
+        let answers = Answers::new();
         let hit = br#"{"usage":{"prompt_tokens":48,"prompt_tokens_details":{"cached_tokens":32}}}"#;
         let omitted = br#"{"usage":{"prompt_tokens":100}}"#;
-        answered("reports", omitted);
-        answered("reports", hit);
-        answered("reports", omitted);
-        answered("silent", omitted);
-        let text = metrics.render();
-        let value = |series: &str| -> Option<f64> {
-            text.lines()
-                .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        };
-        let of = |name: &str, engine: &str| {
-            value(&format!(
-                "kv_indexer_route_{name}{{instance=\"{engine}\",dp_rank=\"0\"}}"
-            ))
-        };
+        answers.answered("reports", omitted);
+        answers.answered("reports", hit);
+        answers.answered("reports", omitted);
+        answers.answered("silent", omitted);
         // The first omission came before the engine was known to report: left out.
-        assert_eq!(of("prompt_tokens_total", "reports"), Some(148.0));
-        assert_eq!(of("reported_cached_tokens_total", "reports"), Some(32.0));
-        assert_eq!(of("cache_hit_ratio", "reports"), Some(32.0 / 148.0));
-        assert_eq!(of("prompt_tokens_total", "silent"), None, "{text}");
+        assert_eq!(answers.value("prompt_tokens_total", "reports"), Some(148.0));
+        assert_eq!(
+            answers.value("reported_cached_tokens_total", "reports"),
+            Some(32.0)
+        );
+        assert_eq!(
+            answers.value("cache_hit_ratio", "reports"),
+            Some(32.0 / 148.0)
+        );
+        assert_eq!(answers.value("prompt_tokens_total", "silent"), None);
     }
 
     #[test]
