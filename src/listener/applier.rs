@@ -194,16 +194,11 @@ impl Applier {
         if self.status.state() != State::Active {
             return None;
         }
-        let saved_at_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| {
-                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-            });
         Some(RankState {
             identity: self.identity(),
             last_seq,
             last_digest,
-            saved_at_ms,
+            saved_at_ms: crate::state::unix_ms(),
             blocks: self.blocks.export(),
         })
     }

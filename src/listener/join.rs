@@ -159,10 +159,11 @@ impl Subscription {
                             how = RecoveredBy::SavedState;
                             status.state_load("restored");
                             log::info!(
-                                "{}: restored {} blocks saved at seq {seq}, confirmed by the \
-                                 engine's replay; replayed through {through_seq}",
+                                "{}: restored {} blocks saved at seq {seq} {}s ago, confirmed \
+                                 by the engine's replay; replayed through {through_seq}",
                                 applier.who(),
-                                state.blocks.blocks()
+                                state.blocks.blocks(),
+                                state.age().as_secs()
                             );
                         }
                     }

@@ -92,9 +92,25 @@ pub struct RankState {
     /// engine's replay of that seq must match before anything saved is trusted.
     pub last_seq: u64,
     pub last_digest: u64,
-    /// Milliseconds since the Unix epoch when it was taken.
+    /// Milliseconds since the Unix epoch when it was taken (`unix_ms`).
     pub saved_at_ms: u64,
     pub blocks: SavedBlocks,
+}
+
+impl RankState {
+    /// How long ago it was taken, by the wall clock (zero for a clock that went back).
+    pub fn age(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(unix_ms().saturating_sub(self.saved_at_ms))
+    }
+}
+
+/// Milliseconds since the Unix epoch now: when a state is taken.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
 }
 
 /// A state written in place.
@@ -467,17 +483,6 @@ fn is_temporary(name: &str) -> bool {
                     .split_once('-')
                     .is_some_and(|(pid, counter)| digits(pid) && digits(counter))
         })
-}
-
-/// Deletes the file of a rank gone from the configuration; none is fine.
-pub fn remove(dir: &Path, engine: &str, dp_rank: u32) -> Result<(), StateError> {
-    let path = file_path(dir, engine, dp_rank);
-    match fs::remove_file(&path) {
-        Err(error) if error.kind() != io::ErrorKind::NotFound => {
-            Err(io_error(&path, "remove it")(error))
-        }
-        _ => Ok(()),
-    }
 }
 
 fn io_error<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> StateError + 'a {

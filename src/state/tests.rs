@@ -406,13 +406,3 @@ fn stale_temporaries_of_ours_are_removed_and_nothing_else() {
 
     remove_stale_temporaries(&dir.path().join("absent"));
 }
-
-#[test]
-fn a_removed_rank_has_no_file() {
-    let dir = tempfile::tempdir().unwrap();
-    write(dir.path(), &state()).unwrap();
-    remove(dir.path(), "vllm-a", 3).unwrap();
-    assert_eq!(read(dir.path(), &identity()).unwrap(), None);
-    remove(dir.path(), "vllm-a", 3).unwrap();
-    assert!(names(dir.path()).is_empty());
-}
