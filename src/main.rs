@@ -34,8 +34,9 @@ struct Args {
     discover: bool,
 }
 
-/// `--check`'s route plan: where the front end listens and each engine's OpenAI server.
-fn route_plan(config: &Config, route: &config::Route) -> String {
+/// `--check`'s route plan: where the front end listens and each engine's OpenAI server; the
+/// error when a file it reads (an engine's `api_key_file`) cannot be read.
+fn route_plan(config: &Config, route: &config::Route) -> anyhow::Result<String> {
     let mut text =
         format!(
         "route: listen {}, up to {} requests at once, first byte within {}s, idle {}s, token {}\n",
@@ -45,7 +46,7 @@ fn route_plan(config: &Config, route: &config::Route) -> String {
         route.idle_timeout_s,
         if route.auth_token_file.is_some() { "required" } else { "none" },
     );
-    for (engine, server) in RouteFront::plan(config) {
+    for (engine, server) in RouteFront::plan(config)? {
         match server {
             Some(url) => text.push_str(&format!("  {engine} -> {url}\n")),
             None => text.push_str(&format!(
@@ -53,7 +54,7 @@ fn route_plan(config: &Config, route: &config::Route) -> String {
             )),
         }
     }
-    text
+    Ok(text)
 }
 
 fn main() -> ExitCode {
@@ -89,7 +90,13 @@ fn main() -> ExitCode {
             config.shards
         );
         if let Some(route) = &config.route {
-            print!("{}", route_plan(&config, route));
+            match route_plan(&config, route) {
+                Ok(text) => print!("{text}"),
+                Err(error) => {
+                    eprintln!("{}: {error:#}", args.config.display());
+                    return ExitCode::FAILURE;
+                }
+            }
         }
         if failed.is_empty() {
             return ExitCode::SUCCESS;

@@ -34,6 +34,26 @@ struct Routed {
 }
 
 fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &str)]) -> Routed {
+    routed_with(
+        engines,
+        dp_size,
+        openai,
+        keys,
+        &|_, engine| engine,
+        "/ready",
+    )
+}
+
+/// `routed`, each engine's table as `edit` makes it, ready when `GET ready_path` on the API
+/// answers 200.
+fn routed_with(
+    engines: usize,
+    dp_size: u32,
+    openai: OpenAiConfig,
+    keys: &[(&str, &str)],
+    edit: &dyn Fn(usize, EngineToml) -> EngineToml,
+    ready_path: &str,
+) -> Routed {
     let tokenizers = tempfile::tempdir().expect("temp dir");
     tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
     let chatml = tokenizers.path().join(MODEL);
@@ -61,14 +81,16 @@ fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &st
             openai_url: fleet.engine(RankRef { engine: i, rank: 0 }).openai_url(),
             ..engine
         })
+        .enumerate()
+        .map(|(i, engine)| edit(i, engine))
         .collect();
     let toml = indexer_toml(None, 16, 8, &tomls) + &route_table("127.0.0.1:0", keys);
     let clock = Clock::manual();
     let running = start_service_with_select_clock(&toml, clock.clone());
     let api = running.http_addr();
     let route = running.route_addr().expect("[route] is set");
-    wait_for(30, "every rank to be active", || {
-        (get(api, "/ready").status == 200).then_some(())
+    wait_for(30, &format!("{ready_path} to answer 200"), || {
+        (get(api, ready_path).status == 200).then_some(())
     });
     Routed {
         running,
@@ -404,66 +426,112 @@ fn every_ending_releases_the_reservation() {
     routed.all_released("answers that ended");
 }
 
+/// The `kv_indexer_route_rank_excluded` gauge of `engine`'s rank `rank`.
+fn excluded(routed: &Routed, engine: usize, rank: u32) -> f64 {
+    routed.metric(&format!(
+        "kv_indexer_route_rank_excluded{{instance=\"{}\",dp_rank=\"{rank}\"}}",
+        Fleet::name(engine)
+    ))
+}
+
 #[test]
-fn a_failing_rank_is_retried_then_left_out_then_readmitted() {
-    let routed = routed(2, 1, OpenAiConfig::default(), &[]);
+fn a_server_that_cannot_be_reached_takes_out_every_rank_behind_it_until_it_passes_a_check() {
+    let routed = routed(2, 2, OpenAiConfig::default(), &[("health_interval_s", "1")]);
     let body = chat("harbours", false);
     routed.warm(0, 0, "/v1/chat/completions", &body);
-    // e0 holds the prefix, and fails once: the request is retried on e1 and answered.
-    routed.server(0).inject(Fault::Status(503), 1);
+    // sim-0 holds the prefix, and its server is gone: the retry goes to the other server,
+    // not to sim-0's other rank.
+    routed.server(0).stop_listening().expect("stop listening");
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 200, "{}", reply.text());
-    assert_eq!(
-        reply.header("x-kv-indexer-rank"),
-        Some(rank_name(1, 0).as_str())
-    );
+    let chosen = reply.header("x-kv-indexer-rank").unwrap_or_default();
+    assert!(chosen.starts_with("sim-1/"), "{chosen}");
     assert_eq!(routed.metric("kv_indexer_route_retries_total"), 1.0);
     assert_eq!(
-        routed.metric("kv_indexer_route_rank_excluded{instance=\"sim-0\",dp_rank=\"0\"}"),
-        1.0
+        (excluded(&routed, 0, 0), excluded(&routed, 0, 1)),
+        (1.0, 1.0)
+    );
+    assert_eq!(
+        (excluded(&routed, 1, 0), excluded(&routed, 1, 1)),
+        (0.0, 0.0)
     );
     let workers = get(routed.api, "/workers").json();
     let e0 = workers
         .as_array()
         .and_then(|engines| engines.iter().find(|e| e["instance"] == "sim-0"))
         .expect("sim-0 on /workers");
-    let left = e0["listeners"][0]["route_backoff_ms"]
-        .as_u64()
-        .expect("a back-off");
-    assert!(left > 0 && left <= 1_000, "{left}");
-    // Left out for its back-off, though it holds the prefix.
+    for rank in 0..2 {
+        let left = e0["listeners"][rank]["route_backoff_ms"]
+            .as_u64()
+            .expect("a back-off");
+        assert!(left > 0 && left <= 1_000, "{left}");
+    }
+    // Left out, so no request tries it again.
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 1.0);
+    // Its health checks fail meanwhile, and its first passing one readmits every rank behind
+    // it (the selection's clock stands still: only the check can).
+    routed.server(0).resume_listening().expect("listen again");
+    wait_for(
+        10,
+        "sim-0's ranks to be readmitted by a health check",
+        || (excluded(&routed, 0, 0) == 0.0 && excluded(&routed, 0, 1) == 0.0).then_some(()),
+    );
+    let served_before = routed.server(0).requests();
+    for topic in ["north", "south", "east", "west"] {
+        let reply = routed.send("/v1/completions", &completion(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    assert!(
+        routed.server(0).requests() > served_before,
+        "sim-0 is routed again"
+    );
+    routed.all_released("retries");
+}
+
+#[test]
+fn an_engines_5xx_is_passed_on_never_sent_again_and_a_502_or_503_backs_off_its_server() {
+    let routed = routed(2, 1, OpenAiConfig::default(), &[("health_interval_s", "0")]);
+    let body = chat("harbours", false);
+    routed.warm(0, 0, "/v1/chat/completions", &body);
+    let served = |engine| routed.server(engine).requests();
+    let before = (served(0), served(1));
+    // Delivered, so never sent again: the engine's own answer reaches the client.
+    routed.server(0).inject(Fault::Status(503), 1);
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(0, 0).as_str())
+    );
+    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 0.0);
+    assert_eq!((served(0), served(1)), (before.0 + 1, before.1));
+    assert_eq!(excluded(&routed, 0, 0), 1.0, "a 503 backs its server off");
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(
         reply.header("x-kv-indexer-rank"),
-        Some(rank_name(1, 0).as_str())
+        Some(rank_name(1, 0).as_str()),
+        "left out though it holds the prefix"
     );
-    // Readmitted once the back-off is over: e0 and e1 both hold the prefix now, and take
-    // turns.
+    // Readmitted once its back-off is over.
     routed.clock.advance(Duration::from_secs(1));
-    let chosen: Vec<String> = (0..2)
-        .map(|_| {
-            let reply = routed.send("/v1/chat/completions", &body);
-            assert_eq!(reply.status, 200, "{}", reply.text());
-            reply
-                .header("x-kv-indexer-rank")
-                .unwrap_or_default()
-                .to_owned()
-        })
-        .collect();
-    assert!(chosen.contains(&rank_name(0, 0)), "{chosen:?}");
-    assert_eq!(
-        routed.metric("kv_indexer_route_rank_excluded{instance=\"sim-0\",dp_rank=\"0\"}"),
-        0.0
-    );
-    routed.all_released("retries");
-
-    // Both ranks fail: two tries, then 502 naming the engine's answer.
     routed.server(0).inject(Fault::Status(500), 1);
     routed.server(1).inject(Fault::Status(500), 1);
     let reply = routed.send("/v1/chat/completions", &body);
-    assert_eq!(reply.status, 502, "{}", reply.text());
-    assert!(error_message(&reply).contains("500"), "{}", reply.text());
-    // Refused connections count as failures too; with every rank out, 503.
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 0.0);
+    let chosen = reply.header("x-kv-indexer-rank").unwrap_or_default();
+    let engine = usize::from(chosen == rank_name(1, 0));
+    assert_eq!(
+        excluded(&routed, engine, 0),
+        0.0,
+        "a 500 is the request's, not the server's"
+    );
+    routed.server(0).clear_faults();
+    routed.server(1).clear_faults();
+    // Both servers refuse: the request goes to each once (never delivered), then 502; with
+    // both out, 503.
     routed.server(0).stop_listening().expect("stop listening");
     routed.server(1).stop_listening().expect("stop listening");
     routed.clock.advance(Duration::from_secs(60));
@@ -474,14 +542,73 @@ fn a_failing_rank_is_retried_then_left_out_then_readmitted() {
         "{}",
         reply.text()
     );
+    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 1.0);
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 503, "{}", reply.text());
     assert!(
-        error_message(&reply).contains("no connected rank"),
+        error_message(&reply).contains("no engine server can take"),
         "{}",
         reply.text()
     );
     routed.all_released("failures");
+}
+
+#[test]
+fn a_rank_whose_event_link_is_down_is_routed_by_load_alone_and_says_so() {
+    // sim-1's events are looked for where nothing publishes; its OpenAI server answers.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let dead_port = nobody.local_addr().expect("its address").port();
+    drop(nobody);
+    let routed = routed_with(
+        2,
+        1,
+        OpenAiConfig::default(),
+        &[],
+        &|i, engine| match i {
+            1 => EngineToml {
+                zmq_port: dead_port,
+                ..engine
+            },
+            _ => engine,
+        },
+        "/health",
+    );
+    wait_for(30, "sim-0 to be active", || {
+        let workers = get(routed.api, "/workers").json();
+        let e0 = workers
+            .as_array()?
+            .iter()
+            .find(|e| e["instance"] == "sim-0")?
+            .clone();
+        (e0["listeners"][0]["state"] == "active").then_some(())
+    });
+    assert_eq!(
+        get(routed.api, "/ready").status,
+        503,
+        "sim-1 is not indexed"
+    );
+    let mut reasons = Vec::new();
+    for topic in ["one", "two", "three", "four"] {
+        let reply = routed.send("/v1/completions", &completion(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        if reply.header("x-kv-indexer-rank") == Some(rank_name(1, 0).as_str()) {
+            reasons.push(
+                reply
+                    .header("x-kv-indexer-routing")
+                    .unwrap_or_default()
+                    .to_owned(),
+            );
+        }
+    }
+    assert!(!reasons.is_empty(), "cold prompts spread over both ranks");
+    for reason in &reasons {
+        assert_eq!(reason, "load only: rank sim-1/0: its event link is down");
+    }
+    assert_eq!(
+        routed.metric("kv_indexer_route_load_only_total{reason=\"event_link_down\"}"),
+        reasons.len() as f64
+    );
+    routed.all_released("answers");
 }
 
 #[test]
@@ -619,6 +746,7 @@ fn hop_by_hop_and_proxy_headers_stay_behind_and_host_is_the_engines() {
             ("Proxy-Authorization", "Basic eA=="),
             ("X-Forwarded-For", "10.1.2.3"),
             ("X-data-parallel-rank", "7"),
+            ("Authorization", "Bearer the-clients-own"),
             ("X-Custom", "kept"),
         ],
         Some(body.as_bytes()),
@@ -630,6 +758,7 @@ fn hop_by_hop_and_proxy_headers_stay_behind_and_host_is_the_engines() {
         "proxy-authorization",
         "x-forwarded-for",
         "connection",
+        "authorization",
     ] {
         assert_eq!(seen.header(gone), None, "{gone} reached the engine");
     }
@@ -687,4 +816,57 @@ fn answers_that_outlast_the_idle_timeout_arrive_whole() {
     let answer = answer.json();
     assert_eq!(answer["object"], "chat.completion", "{answer}");
     streaming.join().expect("the stream arrived whole");
+}
+
+#[test]
+fn an_engine_gets_its_own_api_key_rotated_on_reload_and_never_the_clients_token() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token = dir.path().join("route-token");
+    std::fs::write(&token, "clients-token\n").expect("write the token");
+    let key = dir.path().join("engine-key");
+    std::fs::write(&key, "engine-key-1\n").expect("write the key");
+    let key_path = key.display().to_string();
+    let token_value = format!("{:?}", token.display().to_string());
+    let routed = routed_with(
+        1,
+        1,
+        OpenAiConfig::default(),
+        &[("auth_token_file", &token_value)],
+        &|_, engine| EngineToml {
+            api_key_file: Some(key_path.clone()),
+            ..engine
+        },
+        "/ready",
+    );
+    let send = || {
+        Connection::open(routed.route).send_with(
+            "POST",
+            "/v1/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("Authorization", "Bearer clients-token"),
+            ],
+            Some(completion("keys").to_string().as_bytes()),
+        )
+    };
+    let reply = send();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen = routed.server(0).last_request().expect("a request");
+    assert_eq!(seen.header("authorization"), Some("Bearer engine-key-1"));
+    // Rotated: the next request after a reload carries the new key.
+    std::fs::write(&key, "engine-key-2\n").expect("rotate the key");
+    let reload = Connection::open(routed.api).send("POST", "/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    assert_eq!(send().status, 200);
+    let seen = routed.server(0).last_request().expect("a request");
+    assert_eq!(seen.header("authorization"), Some("Bearer engine-key-2"));
+    // A key file that cannot be read refuses the reload whole; the key in effect stays.
+    std::fs::remove_file(&key).expect("remove the key");
+    let reload = Connection::open(routed.api).send("POST", "/reload", None);
+    assert_ne!(reload.status, 200, "{}", reload.text());
+    assert!(reload.text().contains("api_key_file"), "{}", reload.text());
+    assert_eq!(send().status, 200);
+    let seen = routed.server(0).last_request().expect("a request");
+    assert_eq!(seen.header("authorization"), Some("Bearer engine-key-2"));
+    routed.all_released("answers");
 }

@@ -26,6 +26,8 @@ pub struct EngineToml {
     pub discover_interval_s: Option<u32>,
     /// The engine's OpenAI server, where a `[route]` front end sends its requests.
     pub openai_url: Option<String>,
+    /// The file holding the key its OpenAI server wants (vLLM's `--api-key`).
+    pub api_key_file: Option<String>,
 }
 
 impl EngineToml {
@@ -82,6 +84,9 @@ impl fmt::Display for EngineToml {
         }
         if let Some(url) = &self.openai_url {
             writeln!(f, "openai_url = \"{url}\"")?;
+        }
+        if let Some(path) = &self.api_key_file {
+            writeln!(f, "api_key_file = '{path}'")?;
         }
         Ok(())
     }

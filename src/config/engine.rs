@@ -44,6 +44,7 @@ struct RawEngine {
     instance_id: Option<Spanned<Int>>,
     tokenizer: Option<Spanned<String>>,
     openai_url: Option<Spanned<String>>,
+    api_key_file: Option<Spanned<String>>,
     kv_cache_report_mode: Option<Spanned<String>>,
 }
 
@@ -64,6 +65,7 @@ pub(super) struct EngineFields {
     pub(super) instance_id: Checked<u64>,
     pub(super) tokenizer: Checked<String>,
     pub(super) openai_url: Checked<String>,
+    pub(super) api_key_file: Checked<String>,
     /// `kv_cache_report_mode = "full"`: the engine announces the blocks it reuses again.
     pub(super) reports_reused: Checked<bool>,
 }
@@ -140,6 +142,9 @@ impl EngineFields {
                     .err()
                     .map(|why| format!("is invalid: {why}"))
             }),
+            api_key_file: checker.text("api_key_file", raw.api_key_file, |path| {
+                path.trim().is_empty().then(|| "is empty".to_string())
+            }),
             reports_reused: checker.parsed(
                 "kv_cache_report_mode",
                 raw.kv_cache_report_mode,
@@ -181,6 +186,7 @@ impl EngineFields {
             tokenizer: self.tokenizer.or(&defaults.tokenizer),
             // Each engine's own server: a default would send every engine's requests to one.
             openai_url: self.openai_url.clone(),
+            api_key_file: self.api_key_file.or(&defaults.api_key_file),
             reports_reused: self.reports_reused.or(&defaults.reports_reused),
         }
     }
@@ -461,6 +467,7 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         topic: fields.topic.or_default_to(String::new())?,
         tokenizer: fields.tokenizer.optional()?,
         openai_url,
+        api_key_file: fields.api_key_file.optional()?,
         reports_reused: fields.reports_reused.or_default_to(false)?,
     })
 }

@@ -124,6 +124,9 @@ pub struct EngineConfig {
     /// The engine's OpenAI-compatible server, where the front end (`[route]`) sends requests:
     /// `openai_url` as written, else the `discover` URL.
     pub openai_url: Option<BaseUrl>,
+    /// The file holding the key the engine's server was started with (vLLM's `--api-key`),
+    /// sent as `Authorization: Bearer` with every routed request; re-read on SIGHUP.
+    pub api_key_file: Option<String>,
     /// `kv_cache_report_mode = "full"`: the engine announces the blocks a request reuses again,
     /// which a rank then takes for announcements, not copies (docs.md "Restarts").
     pub reports_reused: bool,
@@ -537,6 +540,7 @@ mod tests {
                     instance_id: derived_instance_id("local"),
                     tokenizer: None,
                     openai_url: None,
+                    api_key_file: None,
                     reports_reused: false,
                 }],
                 replicas: Replicas::default(),

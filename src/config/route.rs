@@ -28,6 +28,17 @@ pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 60;
 pub const DEFAULT_CONNECT_TIMEOUT_S: u32 = 2;
 /// The longest any of the timeouts may be: a day.
 pub const MAX_TIMEOUT_S: u32 = 86_400;
+/// How often each engine server's `GET /health` is asked: a server that dies is out within
+/// `unhealthy_threshold` of these, one that comes back is in within `healthy_threshold`.
+pub const DEFAULT_HEALTH_INTERVAL_S: u32 = 5;
+/// How long a health check may take: a server up answers `/health` in milliseconds.
+pub const DEFAULT_HEALTH_TIMEOUT_S: u32 = 2;
+/// Failed checks in a row that take a server out: one lost check is not an outage.
+pub const DEFAULT_UNHEALTHY_THRESHOLD: u32 = 2;
+/// Passing checks in a row that bring it back.
+pub const DEFAULT_HEALTHY_THRESHOLD: u32 = 1;
+/// The most checks in a row a threshold may ask.
+pub const MAX_THRESHOLD: u32 = 100;
 
 /// The `[route]` table, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +52,11 @@ pub struct Route {
     pub first_byte_timeout_s: u32,
     pub idle_timeout_s: u32,
     pub connect_timeout_s: u32,
+    /// Seconds between two health checks of each engine server; 0 turns them off.
+    pub health_interval_s: u32,
+    pub health_timeout_s: u32,
+    pub unhealthy_threshold: u32,
+    pub healthy_threshold: u32,
 }
 
 impl Route {
@@ -63,6 +79,10 @@ struct RawRoute {
     first_byte_timeout_s: Option<Spanned<Int>>,
     idle_timeout_s: Option<Spanned<Int>>,
     connect_timeout_s: Option<Spanned<Int>>,
+    health_interval_s: Option<Spanned<Int>>,
+    health_timeout_s: Option<Spanned<Int>>,
+    unhealthy_threshold: Option<Spanned<Int>>,
+    healthy_threshold: Option<Spanned<Int>>,
 }
 
 /// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
@@ -118,6 +138,31 @@ pub(super) fn check_route(
         &seconds,
         timeout,
     );
+    let health_interval_s = checker.int(
+        "health_interval_s",
+        raw.health_interval_s,
+        &format!("0..={MAX_TIMEOUT_S} (seconds; 0 turns the checks off)"),
+        |n| u32::try_from(n).ok().filter(|s| *s <= MAX_TIMEOUT_S),
+    );
+    let health_timeout_s = checker.int("health_timeout_s", raw.health_timeout_s, &seconds, timeout);
+    let checks = format!("1..={MAX_THRESHOLD} (checks in a row)");
+    let threshold = |n: i64| {
+        u32::try_from(n)
+            .ok()
+            .filter(|n| (1..=MAX_THRESHOLD).contains(n))
+    };
+    let unhealthy_threshold = checker.int(
+        "unhealthy_threshold",
+        raw.unhealthy_threshold,
+        &checks,
+        threshold,
+    );
+    let healthy_threshold = checker.int(
+        "healthy_threshold",
+        raw.healthy_threshold,
+        &checks,
+        threshold,
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {
@@ -134,5 +179,9 @@ pub(super) fn check_route(
         first_byte_timeout_s: first_byte_timeout_s.or_default_to(DEFAULT_FIRST_BYTE_TIMEOUT_S)?,
         idle_timeout_s: idle_timeout_s.or_default_to(DEFAULT_IDLE_TIMEOUT_S)?,
         connect_timeout_s: connect_timeout_s.or_default_to(DEFAULT_CONNECT_TIMEOUT_S)?,
+        health_interval_s: health_interval_s.or_default_to(DEFAULT_HEALTH_INTERVAL_S)?,
+        health_timeout_s: health_timeout_s.or_default_to(DEFAULT_HEALTH_TIMEOUT_S)?,
+        unhealthy_threshold: unhealthy_threshold.or_default_to(DEFAULT_UNHEALTHY_THRESHOLD)?,
+        healthy_threshold: healthy_threshold.or_default_to(DEFAULT_HEALTHY_THRESHOLD)?,
     })
 }

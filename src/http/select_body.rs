@@ -76,6 +76,7 @@ fn json_options(body: &[u8]) -> Result<Options, String> {
     Ok(Options {
         reserve: read.reserve.unwrap_or(false),
         expected_output_tokens: read.expected_output_tokens.unwrap_or(0),
+        unlinked: false,
     })
 }
 
@@ -171,7 +172,8 @@ mod tests {
             json(r#"{"token_ids": [1], "reserve": true, "expected_output_tokens": 300}"#),
             Ok(Options {
                 reserve: true,
-                expected_output_tokens: 300
+                expected_output_tokens: 300,
+                unlinked: false,
             })
         );
         // An escaped name is the same name.
@@ -227,7 +229,8 @@ mod tests {
             options,
             Options {
                 reserve: true,
-                expected_output_tokens: 17
+                expected_output_tokens: 17,
+                unlinked: false,
             }
         );
         for (query_string, reason) in [

@@ -52,9 +52,38 @@ impl RouteOutcome {
     ];
 }
 
+/// Why a routed request was weighed by load alone, not by its prefix.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum LoadOnly {
+    /// No tokenizer for its model.
+    no_tokenizer,
+    /// Its prompt cannot be tokenized as the engine would (a part or turn the front end does
+    /// not render).
+    prompt_not_tokenized,
+    /// The chosen rank's event link is down.
+    event_link_down,
+    /// The chosen rank's index is not `active` or `partial`.
+    index_not_ready,
+}
+
+impl LoadOnly {
+    pub const ALL: [LoadOnly; 4] = [
+        LoadOnly::no_tokenizer,
+        LoadOnly::prompt_not_tokenized,
+        LoadOnly::event_link_down,
+        LoadOnly::index_not_ready,
+    ];
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: RouteOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LoadOnlyLabels {
+    reason: LoadOnly,
 }
 
 /// Seconds from sending a request to the engine's first byte: 1 ms to 10 min.
@@ -64,11 +93,13 @@ const FIRST_BYTE_BUCKETS: [f64; 12] = [
 
 pub(super) struct RouteFamilies {
     requests: Family<OutcomeLabels, Counter>,
+    load_only: Family<LoadOnlyLabels, Counter>,
     retries: Counter,
     first_byte: Histogram,
     open_streams: U64Gauge,
     rank_failures: Family<RankLabels, Counter>,
     rank_excluded: Family<RankLabels, Gauge>,
+    engine_not_found: Family<RankLabels, Counter>,
     predicted_cached: Family<RankLabels, Counter>,
     reported_cached: Family<RankLabels, Counter>,
     prompt_tokens: Family<RankLabels, Counter>,
@@ -79,11 +110,13 @@ impl Default for RouteFamilies {
     fn default() -> RouteFamilies {
         let families = RouteFamilies {
             requests: Family::default(),
+            load_only: Family::default(),
             retries: Counter::default(),
             first_byte: Histogram::new(FIRST_BYTE_BUCKETS),
             open_streams: U64Gauge::default(),
             rank_failures: Family::default(),
             rank_excluded: Family::default(),
+            engine_not_found: Family::default(),
             predicted_cached: Family::default(),
             reported_cached: Family::default(),
             prompt_tokens: Family::default(),
@@ -92,6 +125,9 @@ impl Default for RouteFamilies {
         // Every outcome from the start, so that the first failure is an increase.
         for outcome in RouteOutcome::ALL {
             let _ = families.requests.get_or_create(&OutcomeLabels { outcome });
+        }
+        for reason in LoadOnly::ALL {
+            let _ = families.load_only.get_or_create(&LoadOnlyLabels { reason });
         }
         families
     }
@@ -103,6 +139,11 @@ impl RouteFamilies {
             "route_requests",
             "Requests the route front end took, by how they ended",
             self.requests.clone(),
+        );
+        r.register(
+            "route_load_only",
+            "Requests routed by load alone, as a miss, by why their prefix was not weighed",
+            self.load_only.clone(),
         );
         r.register(
             "route_retries",
@@ -122,13 +163,18 @@ impl RouteFamilies {
         );
         r.register(
             "route_rank_failures",
-            "Requests a rank failed before the first byte (refused, 5xx, timed out)",
+            "Requests a rank failed before the first byte (not delivered, 502/503, timed out)",
             self.rank_failures.clone(),
         );
         r.register(
             "route_rank_excluded",
-            "1 while a rank is left out of routing after a failure (its back-off)",
+            "1 while a rank is left out of routing: its server failed a request or its checks",
             self.rank_excluded.clone(),
+        );
+        r.register(
+            "route_engine_not_found",
+            "Routed requests the engine answered 404: its openai_url or model is misconfigured",
+            self.engine_not_found.clone(),
         );
         r.register(
             "route_predicted_cached_tokens",
@@ -157,6 +203,7 @@ impl RouteFamilies {
     pub(super) fn create_rank(&self, rank: &RankLabels) {
         let _ = self.rank_failures.get_or_create(rank);
         let _ = self.rank_excluded.get_or_create(rank);
+        let _ = self.engine_not_found.get_or_create(rank);
         let _ = self.predicted_cached.get_or_create(rank);
         let _ = self.reported_cached.get_or_create(rank);
         let _ = self.prompt_tokens.get_or_create(rank);
@@ -166,6 +213,7 @@ impl RouteFamilies {
     pub(super) fn forget(&self, rank: &RankLabels) {
         self.rank_failures.remove(rank);
         self.rank_excluded.remove(rank);
+        self.engine_not_found.remove(rank);
         self.predicted_cached.remove(rank);
         self.reported_cached.remove(rank);
         self.prompt_tokens.remove(rank);
@@ -175,6 +223,12 @@ impl RouteFamilies {
     pub(super) fn outcome(&self, outcome: RouteOutcome) {
         self.requests
             .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    pub(super) fn load_only(&self, reason: LoadOnly) {
+        self.load_only
+            .get_or_create(&LoadOnlyLabels { reason })
             .inc();
     }
 
@@ -196,6 +250,10 @@ impl RouteFamilies {
 
     pub(super) fn rank_failed(&self, rank: &RankLabels) {
         self.rank_failures.get_or_create(rank).inc();
+    }
+
+    pub(super) fn engine_not_found(&self, rank: &RankLabels) {
+        self.engine_not_found.get_or_create(rank).inc();
     }
 
     pub(super) fn rank_excluded(&self, rank: &RankLabels, excluded: bool) {
@@ -239,6 +297,10 @@ impl super::Metrics {
         self.route.outcome(outcome);
     }
 
+    pub fn route_load_only(&self, reason: LoadOnly) {
+        self.route.load_only(reason);
+    }
+
     pub fn route_retry(&self) {
         self.route.retry();
     }
@@ -257,6 +319,10 @@ impl super::Metrics {
 
     pub fn route_rank_failed(&self, instance: &str, dp_rank: u32) {
         self.route.rank_failed(&rank_labels(instance, dp_rank));
+    }
+
+    pub fn route_engine_not_found(&self, instance: &str, dp_rank: u32) {
+        self.route.engine_not_found(&rank_labels(instance, dp_rank));
     }
 
     pub fn route_rank_excluded(&self, instance: &str, dp_rank: u32, excluded: bool) {

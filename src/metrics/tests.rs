@@ -105,7 +105,7 @@ fn a_fresh_registry_renders_valid_exposition_with_every_rank_series_at_zero() {
         + ListenerState::ALL.len()
         + 1 // worker_blocks
         + 3 // worker_tier_blocks
-        + 6; // route: failures, excluded, predicted, reported, prompt tokens, hit ratio
+        + 7; // route: failures, excluded, not found, predicted, reported, prompt tokens, ratio
     assert_eq!(per_rank, expected);
     // The process's own figures are its figures, never 0 (but a kind of thread this test
     // process has none of); every other series starts at 0.

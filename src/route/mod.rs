@@ -7,18 +7,21 @@
 //! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
 //! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
 //! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
-//! and the reservation is released however the answer ends. A rank that refuses the connection
-//! or answers 5xx before a byte reached the client is left out for a back-off and the next-best
-//! rank is tried, at most `MAX_TRIES` in all.
+//! and the reservation is released however the answer ends. The failure domain is the engine's
+//! server (`servers`): one that cannot be reached, answers 502/503 or fails its health checks
+//! takes every rank behind it out. A request goes to another server only when it provably
+//! never reached the first, at most `MAX_TRIES` in all. A rank whose event link is down or
+//! whose index is not trusted is still routed, by load alone, and the answer says so.
 //!
 //! Owns: the front end's routes, its admission bound (`max_concurrent_requests`, 429 beyond),
-//! its token, and every status it answers (400, 401, 429, 502, 503, 504, each a JSON error
+//! its token, the engine servers' health checks, and every status it answers (400, 401, 429, 502, 503, 504, each a JSON error
 //! naming the cause). Never: writes the index, changes a body but to ask for the usage chunk,
 //! trusts a client's proxy headers, or holds a request past its timeouts.
 
 mod engine_http;
 mod passing;
 mod request;
+mod servers;
 mod upstream;
 
 use std::future::Future;
@@ -30,7 +33,7 @@ use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode};
-use log::{debug, warn};
+use log::{debug, info, warn};
 use parking_lot::RwLock;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -42,18 +45,22 @@ use crate::http::{
 };
 use crate::index::{Index, Prompt};
 use crate::listener::{CurrentSecret, Secret};
-use crate::metrics::{Metrics, RouteOutcome};
+use crate::metrics::{LoadOnly, Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
-use crate::select::{Options, Selection, Selector};
+use crate::select::{Options, Selection, Selector, Unindexed};
 use crate::tokenize::{self, SharedTokenizers};
 use passing::{usage_of, Passing, ReportingEngines, Ticket};
 use request::{with_usage, Kind, OpenAiRequest, PromptSource};
-use upstream::{Failure, Fleet, Sent, Settings, Upstream};
+use servers::{Change, Servers};
+use upstream::{Failure, Fleet, Sent, Server, Settings, Upstream};
 
-/// Ranks a request is sent to at most: the chosen one and, if it fails before the first byte,
-/// the next-best.
+/// Servers a request is sent to at most: the chosen rank's and, if it never reached that one,
+/// the best rank's on another.
 pub const MAX_TRIES: usize = 2;
+
+/// How often checks turned off (`health_interval_s = 0`) look whether a reload turned them on.
+const HEALTH_PAUSED_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Prompts tokenized at once: tokenizing is CPU work, and more at once than the API's
 /// `POOL_THREADS` only adds threads on a machine of a few cores.
@@ -108,6 +115,8 @@ pub struct RouteFront {
     /// The clients' token (`[route] auth_token_file`), apart from the admin one.
     token: CurrentSecret,
     fleet: RwLock<Arc<Fleet>>,
+    /// The engines' servers' health: a server down takes every rank behind it out.
+    servers: Servers,
     upstream: Upstream,
     in_flight: Arc<Semaphore>,
     max_concurrent: usize,
@@ -143,7 +152,8 @@ impl RouteFront {
             tokenizers: parts.tokenizers,
             metrics: parts.metrics,
             token,
-            fleet: RwLock::new(Arc::new(Fleet::of(config))),
+            fleet: RwLock::new(Arc::new(Fleet::of(config)?)),
+            servers: Servers::default(),
             upstream: Upstream::new(Settings::of(route)),
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
             tokenizing: Arc::new(Semaphore::new(TOKENIZING)),
@@ -152,23 +162,37 @@ impl RouteFront {
         })
     }
 
-    /// Applies a reloaded file: its engines' servers, models, timeouts and token (`listen`
-    /// and `max_concurrent_requests` take effect at restart).
+    /// Applies a reloaded file: its engines' servers, keys and models, the timeouts, health
+    /// checks and token (`listen` and `max_concurrent_requests` take effect at restart).
     pub fn reload(&self, config: &Config) -> anyhow::Result<()> {
         let Some(route) = &config.route else {
             return Ok(());
         };
         let token = route.read_token()?;
+        let fleet = Fleet::of(config)?;
         self.token
             .set(token.as_deref().and_then(Secret::from_file_text));
-        *self.fleet.write() = Arc::new(Fleet::of(config));
+        let bases: Vec<String> = fleet
+            .servers()
+            .iter()
+            .map(|(server, _)| server.url.base.clone())
+            .collect();
+        self.servers
+            .retain(&bases.iter().map(String::as_str).collect::<Vec<_>>());
+        *self.fleet.write() = Arc::new(fleet);
         self.upstream.set(Settings::of(route));
         Ok(())
     }
 
+    /// Reads what the front end of `config` reads from files (the engines' `api_key_file`s),
+    /// so that a reload that cannot be applied whole is refused before anything changes.
+    pub fn check_files(config: &Config) -> anyhow::Result<()> {
+        Fleet::of(config).map(drop)
+    }
+
     /// The engine servers each engine's requests go to (for `--check` and the logs).
-    pub fn plan(config: &Config) -> Vec<(String, Option<String>)> {
-        Fleet::of(config).describe()
+    pub fn plan(config: &Config) -> anyhow::Result<Vec<(String, Option<String>)>> {
+        Ok(Fleet::of(config)?.describe())
     }
 
     fn authorized(&self, request: &Request) -> bool {
@@ -282,7 +306,13 @@ impl RouteFront {
         let model = parsed.model.clone();
         let text = match &parsed.prompt {
             PromptSource::Tokens(tokens) => return Ok(Tokenized::ids(tokens.clone(), model)),
-            PromptSource::Unreadable(why) => return Ok(Tokenized::load_only((*why).into(), model)),
+            PromptSource::Unreadable(why) => {
+                return Ok(Tokenized::load_only(
+                    LoadOnly::prompt_not_tokenized,
+                    (*why).into(),
+                    model,
+                ))
+            }
             PromptSource::Text(text) => tokenize::Prompt::Text(text),
             PromptSource::Chat { messages, tools } => tokenize::Prompt::Chat {
                 messages,
@@ -299,7 +329,7 @@ impl RouteFront {
                 Some(model) => format!("no tokenizer for model {model:?}"),
                 None => "no tokenizer in the configuration".to_owned(),
             };
-            return Ok(Tokenized::load_only(why, model));
+            return Ok(Tokenized::load_only(LoadOnly::no_tokenizer, why, model));
         }
         let mut ids = Vec::new();
         match tokenizers.encode(model.as_deref(), &text, &mut ids) {
@@ -320,7 +350,9 @@ impl RouteFront {
         place: OwnedSemaphorePermit,
     ) -> Response<AnswerBody> {
         let fleet = self.fleet.read().clone();
-        let mut tried: Vec<WorkerKey> = Vec::with_capacity(MAX_TRIES);
+        // The servers tried: a retry goes to another one, never to a sibling rank behind the
+        // server that just failed.
+        let mut tried: Vec<String> = Vec::with_capacity(MAX_TRIES);
         let mut last_failure: Option<Failure> = None;
         let mut place = Some(place);
         for attempt in 0..MAX_TRIES {
@@ -331,19 +363,25 @@ impl RouteFront {
                 prompt.model.as_deref(),
                 parsed.cache_salt.as_deref(),
                 parsed.max_tokens.unwrap_or(0),
-                &|key| tried.contains(key) || fleet.server(&key.engine).is_none(),
+                &|key| match fleet.server(&key.engine) {
+                    Some(server) => {
+                        let base = &server.url.base;
+                        tried.contains(base) || self.servers.is_unhealthy(base)
+                    }
+                    None => true,
+                },
             );
             let Some(selection) = selection else {
                 break;
             };
             let key = selection.chosen.key.clone();
-            let Some(server) = fleet.server(&key.engine) else {
+            let Some(server) = fleet.server(&key.engine).cloned() else {
                 break;
             };
             if attempt > 0 {
                 self.metrics.route_retry();
             }
-            tried.push(key.clone());
+            tried.push(server.url.base.clone());
             let mut ticket = Ticket {
                 selector: Arc::clone(&self.selector),
                 metrics: Arc::clone(&self.metrics),
@@ -358,35 +396,29 @@ impl RouteFront {
             let started = Instant::now();
             match self
                 .upstream
-                .send(server, kind, &request, body.clone(), key.dp_rank)
+                .send(&server, kind, &request, body.clone(), key.dp_rank)
                 .await
             {
                 Ok(sent) => {
                     ticket.place = place.take();
                     self.metrics
                         .route_first_byte(started.elapsed().as_secs_f64());
-                    if self.selector.rank_answered(&key) {
-                        self.metrics
-                            .route_rank_excluded(&key.engine, key.dp_rank, false);
-                    }
+                    self.answered(&fleet, &server, &key, sent.head.status);
                     return self
                         .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                         .await;
                 }
                 Err(failure) => {
                     // The ticket is dropped here: the reservation is released.
-                    let back_off = self.selector.rank_failed(&key);
-                    self.metrics.route_rank_failed(&key.engine, key.dp_rank);
-                    self.metrics
-                        .route_rank_excluded(&key.engine, key.dp_rank, true);
-                    warn!(
-                        "route: {}/{} at {}: {failure}; left out for {}s",
-                        key.engine,
-                        key.dp_rank,
-                        server.base,
-                        back_off.as_secs()
-                    );
                     drop(ticket);
+                    self.metrics.route_rank_failed(&key.engine, key.dp_rank);
+                    match failure.server_down() {
+                        true => self.server_down(&fleet, &server, &failure.to_string()),
+                        false => warn!(
+                            "route: {}/{} at {}: {failure}",
+                            key.engine, key.dp_rank, server.url.base
+                        ),
+                    }
                     let retry = failure.retryable();
                     last_failure = Some(failure);
                     if !retry {
@@ -410,10 +442,13 @@ impl RouteFront {
                 }
                 self.metrics.route_outcome(RouteOutcome::no_rank);
                 let why = match &prompt.model {
-                    Some(model) => {
-                        format!("no connected rank with an openai_url serves model {model:?}")
-                    }
-                    None => "no connected rank with an openai_url to route to".to_owned(),
+                    Some(model) => format!(
+                        "no engine server can take model {model:?} now: every one serving it \
+                         is down or has no openai_url"
+                    ),
+                    None => "no engine server can take a request now: every one is down or \
+                             has no openai_url"
+                        .to_owned(),
                 };
                 self.error_with(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -422,6 +457,152 @@ impl RouteFront {
                     None,
                 )
             }
+        }
+    }
+
+    /// Rank `key` behind `server` answered `status`: a 502 or 503 says the server cannot take
+    /// requests (the answer is still passed on: the request was delivered), a 404 that the
+    /// engine does not serve the routed path; any other ends the rank's back-off.
+    fn answered(&self, fleet: &Fleet, server: &Server, key: &WorkerKey, status: StatusCode) {
+        if matches!(
+            status,
+            StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            self.metrics.route_rank_failed(&key.engine, key.dp_rank);
+            self.server_down(fleet, server, &format!("answered {status}"));
+            return;
+        }
+        if status == StatusCode::NOT_FOUND {
+            self.metrics
+                .route_engine_not_found(&key.engine, key.dp_rank);
+            if self.servers.not_found(&server.url.base) {
+                warn!(
+                    "route: engine {} at {} answers 404 to the routed path: is openai_url the \
+                     engine's OpenAI server (vLLM's `vllm serve` port), and its model {:?}?",
+                    key.engine,
+                    server.url.base,
+                    self.ranks
+                        .current()
+                        .views()
+                        .iter()
+                        .find(|rank| rank.spec.key == *key)
+                        .and_then(|rank| rank.spec.model.clone())
+                );
+            }
+        } else {
+            self.servers.found(&server.url.base);
+        }
+        if self.selector.rank_answered(key) {
+            self.metrics
+                .route_rank_excluded(&key.engine, key.dp_rank, false);
+        }
+    }
+
+    /// `server` failed a request (`why`): every rank behind it is left out for its back-off,
+    /// and its next passing health check readmits them.
+    fn server_down(&self, fleet: &Fleet, server: &Server, why: &str) {
+        let base = &server.url.base;
+        self.servers.request_failed(base);
+        let engines: Vec<&str> = fleet.engines_at(base).collect();
+        let mut left_out = 0;
+        let mut back_off = std::time::Duration::ZERO;
+        for rank in self.ranks.current().views() {
+            let key = &rank.spec.key;
+            if engines.contains(&key.engine.as_str()) {
+                back_off = back_off.max(self.selector.rank_failed(key));
+                self.metrics
+                    .route_rank_excluded(&key.engine, key.dp_rank, true);
+                left_out += 1;
+            }
+        }
+        warn!(
+            "route: engine server {base} ({}) {why}: its {left_out} ranks are left out for {}s, \
+             or until it passes a health check",
+            engines.join(", "),
+            back_off.as_secs()
+        );
+    }
+
+    /// Takes `server`'s ranks out or back in after a health check that ended with `result`.
+    fn health_checked(
+        &self,
+        fleet: &Fleet,
+        server: &Server,
+        result: Result<StatusCode, String>,
+        settings: &Settings,
+    ) {
+        let base = &server.url.base;
+        let change = self.servers.checked(base, &result, settings.thresholds);
+        let engines: Vec<&str> = fleet.engines_at(base).collect();
+        let ranks: Vec<WorkerKey> = self
+            .ranks
+            .current()
+            .views()
+            .into_iter()
+            .map(|rank| rank.spec.key)
+            .filter(|key| engines.contains(&key.engine.as_str()))
+            .collect();
+        let outcome = match &result {
+            Ok(status) => format!("answered {status}"),
+            Err(why) => why.clone(),
+        };
+        match change {
+            Change::None => {}
+            Change::WentDown | Change::StillDown => {
+                for key in &ranks {
+                    self.selector.rank_failed(key);
+                    self.metrics
+                        .route_rank_excluded(&key.engine, key.dp_rank, true);
+                }
+                if change == Change::WentDown {
+                    warn!(
+                        "route: engine server {base} ({}) failed {} health checks in a row \
+                         (GET /health: {outcome}): its {} ranks are left out until it passes",
+                        engines.join(", "),
+                        settings.thresholds.unhealthy,
+                        ranks.len()
+                    );
+                }
+            }
+            Change::Readmitted => {
+                for key in &ranks {
+                    self.selector.rank_answered(key);
+                    self.metrics
+                        .route_rank_excluded(&key.engine, key.dp_rank, false);
+                }
+                info!(
+                    "route: engine server {base} ({}) passes its health check (GET /health: \
+                     {outcome}): its {} ranks are routed again",
+                    engines.join(", "),
+                    ranks.len()
+                );
+            }
+        }
+    }
+
+    /// Checks every engine server's health every `health_interval_s` (reloadable; 0 pauses the
+    /// checks), until the returned future is dropped.
+    pub async fn check_health(self: Arc<Self>) {
+        let mut checks = tokio::task::JoinSet::new();
+        loop {
+            let settings = self.upstream.settings();
+            let interval = settings.health_interval;
+            if interval.is_zero() {
+                tokio::time::sleep(HEALTH_PAUSED_POLL).await;
+                continue;
+            }
+            let fleet = self.fleet.read().clone();
+            for (server, _) in fleet.servers() {
+                let front = Arc::clone(&self);
+                let fleet = Arc::clone(&fleet);
+                checks.spawn(async move {
+                    let result = front.upstream.check(&server, settings.health_timeout).await;
+                    front.health_checked(&fleet, &server, result, &settings);
+                });
+            }
+            // Every check is bounded by its timeout: a round ends within it.
+            while checks.join_next().await.is_some() {}
+            tokio::time::sleep(interval).await;
         }
     }
 
@@ -462,6 +643,8 @@ impl RouteFront {
         let options = Options {
             reserve: true,
             expected_output_tokens: output_tokens,
+            // An engine's server may answer whatever its event link does.
+            unlinked: true,
         };
         let prompt = Prompt {
             tokens,
@@ -503,7 +686,19 @@ impl RouteFront {
             "x-kv-indexer-predicted-cached-tokens",
             &selection.predicted_cached_tokens.to_string(),
         );
-        if let Some(why) = &prompt.load_only {
+        let load_only = match (&prompt.load_only, selection.unindexed) {
+            (Some((reason, why)), _) => Some((*reason, why.clone())),
+            (None, Some(unindexed)) => Some((
+                match unindexed {
+                    Unindexed::LinkDown => LoadOnly::event_link_down,
+                    Unindexed::NotScored(_) => LoadOnly::index_not_ready,
+                },
+                format!("rank {}/{}: {unindexed}", chosen.engine, chosen.dp_rank),
+            )),
+            (None, None) => None,
+        };
+        if let Some((reason, why)) = load_only {
+            self.metrics.route_load_only(reason);
             insert(
                 headers,
                 "x-kv-indexer-routing",
@@ -599,7 +794,7 @@ struct Tokenized {
     tokens: Vec<u32>,
     model: Option<String>,
     /// Why it is routed by load alone (no tokens).
-    load_only: Option<String>,
+    load_only: Option<(LoadOnly, String)>,
 }
 
 impl Tokenized {
@@ -611,11 +806,11 @@ impl Tokenized {
         }
     }
 
-    fn load_only(why: String, model: Option<String>) -> Tokenized {
+    fn load_only(reason: LoadOnly, why: String, model: Option<String>) -> Tokenized {
         Tokenized {
             tokens: Vec::new(),
             model,
-            load_only: Some(why),
+            load_only: Some((reason, why)),
         }
     }
 }

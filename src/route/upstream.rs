@@ -1,10 +1,11 @@
 //! The engines' OpenAI servers as the front end reaches them: which server an engine's requests
-//! go to (`Fleet`), and sending one request there (`Upstream`): the client's headers but the
-//! hop-by-hop and proxy ones, `Host` rewritten, `X-data-parallel-rank` set, under the connect
-//! and first-byte timeouts, through `engine_http`'s pooled connections.
+//! go to (`Fleet`, with each engine's key), and sending one request there (`Upstream`): the
+//! client's headers but the hop-by-hop, proxy and `Authorization` ones, `Host` rewritten, the
+//! engine's own key and `X-data-parallel-rank` set, under the connect and first-byte timeouts,
+//! through `engine_http`'s pooled connections; and a server's `GET /health`.
 //!
-//! Owns: the headers an engine gets, the timeouts, and what each failure is (retryable or not,
-//! and the status it ends in). Never: chooses a rank, reads a body, follows a redirect, or goes
+//! Owns: the headers an engine gets, the timeouts, and what each failure is (sent again or
+//! not, whether it says the server is down, and the status it ends in). Never: chooses a rank, reads a body, follows a redirect, or goes
 //! through a proxy.
 
 use std::fmt;
@@ -19,9 +20,13 @@ use tokio::time::Instant;
 
 use super::engine_http::{Connections, EngineBody, SendError};
 use super::request::Kind;
+use super::servers::Thresholds;
+use anyhow::Context;
+
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
 use crate::http::Request;
+use crate::listener::Secret;
 use crate::metrics::RouteOutcome;
 
 /// A whole (not streamed) answer larger than this is refused: 64 MiB is far above any
@@ -30,19 +35,33 @@ pub(super) const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
+/// An engine's OpenAI server: its URL, and the key it was started with (`api_key_file`).
+pub(super) struct Server {
+    pub(super) url: BaseUrl,
+    api_key: Option<Secret>,
+}
+
 /// Each engine's OpenAI server and the models the fleet serves, from the file.
 pub(super) struct Fleet {
-    servers: Vec<(String, Option<BaseUrl>)>,
+    servers: Vec<(String, Option<Arc<Server>>)>,
     models: Vec<String>,
 }
 
 impl Fleet {
-    pub(super) fn of(config: &Config) -> Fleet {
-        let servers = config
-            .engines
-            .iter()
-            .map(|engine| (engine.name.clone(), engine.openai_url.clone()))
-            .collect();
+    /// The fleet of `config`, its engines' key files read: the error names the engine and the
+    /// file, never the key.
+    pub(super) fn of(config: &Config) -> anyhow::Result<Fleet> {
+        let mut servers = Vec::with_capacity(config.engines.len());
+        for engine in &config.engines {
+            let server = match &engine.openai_url {
+                Some(url) => Some(Arc::new(Server {
+                    url: url.clone(),
+                    api_key: read_api_key(engine)?,
+                })),
+                None => None,
+            };
+            servers.push((engine.name.clone(), server));
+        }
         let mut models: Vec<String> = config
             .engines
             .iter()
@@ -50,15 +69,39 @@ impl Fleet {
             .collect();
         models.sort();
         models.dedup();
-        Fleet { servers, models }
+        Ok(Fleet { servers, models })
     }
 
     /// The server of `engine`, if it has one.
-    pub(super) fn server(&self, engine: &str) -> Option<&BaseUrl> {
+    pub(super) fn server(&self, engine: &str) -> Option<&Arc<Server>> {
         self.servers
             .iter()
             .find(|(name, _)| name == engine)
-            .and_then(|(_, url)| url.as_ref())
+            .and_then(|(_, server)| server.as_ref())
+    }
+
+    /// Every server once, with the engines behind it.
+    pub(super) fn servers(&self) -> Vec<(Arc<Server>, Vec<&str>)> {
+        let mut servers: Vec<(Arc<Server>, Vec<&str>)> = Vec::new();
+        for (name, server) in &self.servers {
+            let Some(server) = server else { continue };
+            match servers
+                .iter_mut()
+                .find(|(known, _)| known.url.base == server.url.base)
+            {
+                Some((_, engines)) => engines.push(name),
+                None => servers.push((Arc::clone(server), vec![name])),
+            }
+        }
+        servers
+    }
+
+    /// The engines whose requests go to the server at `base`.
+    pub(super) fn engines_at<'a>(&'a self, base: &'a str) -> impl Iterator<Item = &'a str> {
+        self.servers.iter().filter_map(move |(name, server)| {
+            let server = server.as_ref()?;
+            (server.url.base == base).then_some(name.as_str())
+        })
     }
 
     pub(super) fn models(&self) -> impl Iterator<Item = &str> {
@@ -68,25 +111,56 @@ impl Fleet {
     pub(super) fn describe(&self) -> Vec<(String, Option<String>)> {
         self.servers
             .iter()
-            .map(|(name, url)| (name.clone(), url.as_ref().map(|url| url.base.clone())))
+            .map(|(name, server)| {
+                let base = server.as_ref().map(|server| server.url.base.clone());
+                (name.clone(), base)
+            })
             .collect()
     }
 }
 
-/// The timeouts of `[route]`.
+/// The key in `engine`'s `api_key_file`, if it has one.
+fn read_api_key(engine: &config::EngineConfig) -> anyhow::Result<Option<Secret>> {
+    let Some(path) = &engine.api_key_file else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("engine {:?}: reading api_key_file {path}", engine.name))?;
+    let key = Secret::from_file_text(&text).with_context(|| {
+        format!(
+            "engine {:?}: api_key_file {path} is empty: write the key the engine's server was \
+             started with (vLLM's --api-key) in it",
+            engine.name
+        )
+    })?;
+    Ok(Some(key))
+}
+
+/// The timeouts and health checks of `[route]`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Settings {
     pub(super) connect: Duration,
     pub(super) first_byte: Duration,
     pub(super) idle: Duration,
+    /// Between two health checks of a server; zero: no checks.
+    pub(super) health_interval: Duration,
+    pub(super) health_timeout: Duration,
+    pub(super) thresholds: Thresholds,
 }
 
 impl Settings {
     pub(super) fn of(route: &config::Route) -> Settings {
+        let seconds = |s: u32| Duration::from_secs(u64::from(s));
         Settings {
-            connect: Duration::from_secs(u64::from(route.connect_timeout_s)),
-            first_byte: Duration::from_secs(u64::from(route.first_byte_timeout_s)),
-            idle: Duration::from_secs(u64::from(route.idle_timeout_s)),
+            connect: seconds(route.connect_timeout_s),
+            first_byte: seconds(route.first_byte_timeout_s),
+            idle: seconds(route.idle_timeout_s),
+            health_interval: seconds(route.health_interval_s),
+            health_timeout: seconds(route.health_timeout_s),
+            thresholds: Thresholds {
+                unhealthy: route.unhealthy_threshold,
+                healthy: route.healthy_threshold,
+            },
         }
     }
 }
@@ -94,10 +168,8 @@ impl Settings {
 /// Why a request did not reach an answer from its rank.
 #[derive(Debug)]
 pub(super) enum Failure {
-    /// Refused, reset or unreachable: the engine never read the request.
-    Unreachable(String),
-    /// The engine answered 5xx before a byte went to the client.
-    Status(StatusCode),
+    /// Nothing reached the engine: refused, unreachable, or no connection in time.
+    NotDelivered(String),
     /// The engine's answer is not HTTP/1.1 that can be passed on.
     Malformed(String),
     /// No answer within the first-byte timeout.
@@ -107,9 +179,14 @@ pub(super) enum Failure {
 }
 
 impl Failure {
-    /// Whether the next-best rank may be tried: the engine did no work for this request.
+    /// Whether the request may be sent to another server: it provably never reached this one.
     pub(super) fn retryable(&self) -> bool {
-        matches!(self, Failure::Unreachable(_) | Failure::Status(_))
+        matches!(self, Failure::NotDelivered(_))
+    }
+
+    /// Whether it says the engine's server is down, which backs off every rank behind it.
+    pub(super) fn server_down(&self) -> bool {
+        matches!(self, Failure::NotDelivered(_))
     }
 
     /// The status the client is answered when this was the last try, and its outcome.
@@ -124,8 +201,7 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Failure::Unreachable(why) => write!(f, "cannot be reached: {why}"),
-            Failure::Status(status) => write!(f, "answered {status}"),
+            Failure::NotDelivered(why) => write!(f, "cannot be reached: {why}"),
             Failure::Malformed(why) => write!(f, "answered unreadably: {why}"),
             Failure::TimedOut(after) => {
                 write!(
@@ -170,10 +246,10 @@ impl Upstream {
     }
 
     /// Sends `body` for rank `dp_rank` to `server`, with `request`'s headers but those that
-    /// are the front end's; the head within the first-byte timeout.
+    /// are the front end's; the head (of any status) within the first-byte timeout.
     pub(super) async fn send(
         &self,
-        server: &BaseUrl,
+        server: &Server,
         kind: Kind,
         request: &Request,
         body: Bytes,
@@ -181,55 +257,89 @@ impl Upstream {
     ) -> Result<Sent, Failure> {
         let settings = self.settings();
         let first_byte_by = Instant::now() + settings.first_byte;
-        let (authority, head) =
-            build(server, kind, request, body.len(), dp_rank).map_err(Failure::Request)?;
+        let query = request.query_string();
+        let mut headers = request.headers().clone();
+        strip_clients(&mut headers);
+        let (authority, head) = build(
+            server,
+            Line::post(kind.path(), query),
+            &headers,
+            body.len(),
+            Some(dp_rank),
+        )
+        .map_err(Failure::Request)?;
         let sending = self
             .connections
             .send(&authority, settings.connect, &head, &body);
         let (head, body) = match tokio::time::timeout_at(first_byte_by, sending).await {
             Err(_) => return Err(Failure::TimedOut(settings.first_byte)),
-            Ok(Err(SendError::Unreachable(why))) => return Err(Failure::Unreachable(why)),
+            Ok(Err(SendError::Unreachable(why))) => return Err(Failure::NotDelivered(why)),
             Ok(Err(SendError::Malformed(why))) => return Err(Failure::Malformed(why)),
             Ok(Ok(answer)) => answer,
         };
-        if head.status.is_server_error() {
-            return Err(Failure::Status(head.status));
-        }
         Ok(Sent {
             head,
             body,
             first_byte_by,
         })
     }
+
+    /// `server`'s answer to `GET /health` within `timeout`: its status, or why there is none.
+    pub(super) async fn check(
+        &self,
+        server: &Server,
+        timeout: Duration,
+    ) -> Result<StatusCode, String> {
+        let (authority, head) = build(server, Line::get(HEALTH_PATH), &HeaderMap::new(), 0, None)?;
+        let no_body = Bytes::new();
+        let asking = self.connections.send(&authority, timeout, &head, &no_body);
+        match tokio::time::timeout(timeout, asking).await {
+            Err(_) => Err(format!("no answer within {}s", timeout.as_secs())),
+            Ok(Err(SendError::Unreachable(why) | SendError::Malformed(why))) => Err(why),
+            // The body is dropped unread: its connection closes rather than go back to the pool.
+            Ok(Ok((parts, _body))) => Ok(parts.status),
+        }
+    }
 }
 
-/// The request's head for the engine, and the `host:port` it goes to: `server`'s URL of the
-/// route, the client's headers but the hop-by-hop, proxy and length ones and its rank header,
-/// `Host` the engine's, our rank header, the body's length.
-fn build(
-    server: &BaseUrl,
-    kind: Kind,
-    request: &Request,
-    body_len: usize,
-    dp_rank: u32,
-) -> Result<(String, Vec<u8>), String> {
-    let url = match request.query_string() {
-        Some(query) => format!("{}?{query}", server.join(kind.path())),
-        None => server.join(kind.path()),
-    };
-    let uri: hyper::Uri = url.parse().map_err(|err| format!("{url}: {err}"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(format!("{url}: only http:// engine servers are reached"));
+/// The path every engine server's health is asked at (vLLM's and SGLang's `GET /health`).
+const HEALTH_PATH: &str = "/health";
+
+/// A request line: its method, and the path and query string under the server's base.
+struct Line<'a> {
+    method: &'static str,
+    path: &'a str,
+    query: Option<&'a str>,
+}
+
+impl<'a> Line<'a> {
+    fn post(path: &'a str, query: Option<&'a str>) -> Line<'a> {
+        Line {
+            method: "POST",
+            path,
+            query,
+        }
     }
-    let host = uri.host().ok_or_else(|| format!("{url}: no host"))?;
-    let authority = format!("{host}:{}", uri.port_u16().unwrap_or(80));
-    let target = uri.path_and_query().map_or("/", |target| target.as_str());
-    let mut headers = request.headers().clone();
-    drop_hop_by_hop(&mut headers);
+
+    fn get(path: &'a str) -> Line<'a> {
+        Line {
+            method: "GET",
+            path,
+            query: None,
+        }
+    }
+}
+
+/// Removes what of a client's headers is the front end's, not the engine's: the hop-by-hop,
+/// proxy and length ones, its rank header, and its `Authorization` (the front end's token: an
+/// engine gets its own key, `api_key_file`).
+fn strip_clients(headers: &mut HeaderMap) {
+    drop_hop_by_hop(headers);
     for name in [
         hyper::header::HOST,
         hyper::header::CONTENT_LENGTH,
         hyper::header::EXPECT,
+        hyper::header::AUTHORIZATION,
         HeaderName::from_static("forwarded"),
         HeaderName::from_static("x-forwarded-for"),
         HeaderName::from_static("x-forwarded-host"),
@@ -239,12 +349,46 @@ fn build(
     ] {
         headers.remove(name);
     }
+}
+
+/// The request's head for the engine, and the `host:port` it goes to: `line` under `server`'s
+/// URL, `Host` the engine's, the engine's key, `dp_rank`'s header, the body's length, then
+/// `headers` (already stripped of the front end's).
+fn build(
+    server: &Server,
+    line: Line<'_>,
+    headers: &HeaderMap,
+    body_len: usize,
+    dp_rank: Option<u32>,
+) -> Result<(String, Vec<u8>), String> {
+    let url = match line.query {
+        Some(query) => format!("{}?{query}", server.url.join(line.path)),
+        None => server.url.join(line.path),
+    };
+    let uri: hyper::Uri = url.parse().map_err(|err| format!("{url}: {err}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("{url}: only http:// engine servers are reached"));
+    }
+    let host = uri.host().ok_or_else(|| format!("{url}: no host"))?;
+    let authority = format!("{host}:{}", uri.port_u16().unwrap_or(80));
+    let target = uri.path_and_query().map_or("/", |target| target.as_str());
     let host_header = uri.authority().map_or(host, |authority| authority.as_str());
     let mut head = format!(
-        "POST {target} HTTP/1.1\r\nhost: {host_header}\r\ncontent-length: {body_len}\r\n{DP_RANK_HEADER}: {dp_rank}\r\n"
+        "{} {target} HTTP/1.1\r\nhost: {host_header}\r\ncontent-length: {body_len}\r\n",
+        line.method
     )
     .into_bytes();
-    for (name, value) in &headers {
+    if let Some(rank) = dp_rank {
+        head.extend_from_slice(format!("{DP_RANK_HEADER}: {rank}\r\n").as_bytes());
+    }
+    if let Some(key) = &server.api_key {
+        // A key read from a file: one with a CR or LF in it would add a line.
+        if key.expose().contains(['\r', '\n']) {
+            return Err("the engine's api_key_file holds more than one line".into());
+        }
+        head.extend_from_slice(format!("authorization: Bearer {}\r\n", key.expose()).as_bytes());
+    }
+    for (name, value) in headers {
         // A `HeaderValue` holds no CR or LF: a client's header cannot add a line.
         head.extend_from_slice(name.as_str().as_bytes());
         head.extend_from_slice(b": ");

@@ -36,9 +36,10 @@ use rand::SeedableRng;
 
 use crate::config::Select;
 use crate::index::{prompt_keys, Index, PerTier, Prompt, Score, WorkerId};
+use crate::metrics::ListenerState;
 use crate::metrics::Metrics;
 use crate::plan::WorkerKey;
-use crate::registry::RankBoard;
+use crate::registry::{RankBoard, RunningRank};
 use backoff::Backoffs;
 pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use clock::Clock;
@@ -65,6 +66,9 @@ pub struct Options {
     pub reserve: bool,
     /// The tokens the request is expected to generate: its decode load while reserved.
     pub expected_output_tokens: u64,
+    /// Also weigh the running ranks whose event link is down, by load alone (the route front
+    /// end: an engine's OpenAI server may answer whatever its event link does).
+    pub unlinked: bool,
 }
 
 /// One candidate as the answer shows it.
@@ -86,6 +90,37 @@ pub struct Selection {
     pub predicted_cached_tokens: u64,
     /// The lowest-cost candidates, best first (`max_candidates` of them, or all).
     pub candidates: Vec<Ranked>,
+    /// Why the chosen rank's index was not read, when it was not: it was weighed by load
+    /// alone, as a miss.
+    pub unindexed: Option<Unindexed>,
+}
+
+/// Why a rank was weighed by load alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unindexed {
+    /// Its event link is down.
+    LinkDown,
+    /// Its link is up but its index cannot be trusted yet (or any more): its state.
+    NotScored(ListenerState),
+}
+
+impl Unindexed {
+    fn of(connected: bool, state: ListenerState) -> Option<Unindexed> {
+        match (connected, state.is_scored()) {
+            (false, _) => Some(Unindexed::LinkDown),
+            (true, false) => Some(Unindexed::NotScored(state)),
+            (true, true) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Unindexed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unindexed::LinkDown => f.write_str("its event link is down"),
+            Unindexed::NotScored(state) => write!(f, "its index is {}", state.as_str()),
+        }
+    }
 }
 
 /// One rank's load as `GET /loads` shows it.
@@ -122,7 +157,8 @@ struct SelectState {
 struct Gathered<'a> {
     key: &'a WorkerKey,
     instance_id: u64,
-    trusted: bool,
+    /// Why its index is not read, if it is not.
+    unindexed: Option<Unindexed>,
     score: Option<Score>,
 }
 
@@ -181,7 +217,7 @@ impl Selector {
         let backed_off = self.backed_off();
         let ranks: Vec<_> = board
             .running()
-            .filter(|rank| rank.status.connected && !excluded(&rank.spec.key))
+            .filter(|rank| (rank.status.connected || options.unlinked) && !excluded(&rank.spec.key))
             .filter(|rank| !backed_off.contains(&rank.spec.key))
             .filter(|rank| {
                 let served = rank.spec.model.as_deref();
@@ -191,10 +227,12 @@ impl Selector {
         if ranks.is_empty() {
             return None;
         }
-        // The index is read only for ranks whose every held block is held by the engine
+        // The index is read only for linked ranks whose every held block is held by the engine
         // (`active`, `partial`).
+        let unindexed =
+            |rank: &RunningRank| Unindexed::of(rank.status.connected, rank.status.state);
         let mut trusted = Vec::new();
-        for rank in ranks.iter().filter(|rank| rank.status.state.is_scored()) {
+        for rank in ranks.iter().filter(|rank| unindexed(rank).is_none()) {
             let at = rank.worker as usize;
             if trusted.len() <= at {
                 trusted.resize(at + 1, false);
@@ -212,7 +250,7 @@ impl Selector {
             .map(|rank| Gathered {
                 key: &rank.spec.key,
                 instance_id: rank.spec.instance_id,
-                trusted: rank.status.state.is_scored(),
+                unindexed: unindexed(rank),
                 score: scores.remove(&rank.worker),
             })
             .collect();
@@ -237,8 +275,8 @@ impl Selector {
         state.rotation = state.rotation.wrapping_add(1);
         for (position, rank) in gathered.iter().enumerate() {
             let slot = state.slots.get(rank.key).copied();
-            let (matched_blocks, tiers) = match (&rank.score, rank.trusted) {
-                (Some(score), true) => (score.matched_blocks, score.tiers),
+            let (matched_blocks, tiers) = match (&rank.score, rank.unindexed) {
+                (Some(score), None) => (score.matched_blocks, score.tiers),
                 _ => (0, PerTier::default()),
             };
             let predicted_blocks = slot.and_then(|slot| predicted.get(&slot).copied());
@@ -308,6 +346,7 @@ impl Selector {
             reservation_id,
             predicted_cached_tokens,
             candidates: costed[..shown].iter().map(ranked).collect(),
+            unindexed: gathered[chosen.candidate.position].unindexed,
         })
     }
 

@@ -192,8 +192,8 @@ pub struct Service {
     http: HttpServer,
     /// The Dynamo API, when `dynamo_listen` is set.
     dynamo: Option<HttpServer>,
-    /// The route front end, when `[route]` is set.
-    route: Option<HttpServer>,
+    /// The route front end, when `[route]` is set, and its engine servers' health checks.
+    route: Option<(HttpServer, Task)>,
     registry: Arc<Mutex<Registry>>,
     shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
@@ -407,7 +407,12 @@ impl Service {
             .transpose()?;
         let route = match (route_bound, route, &config.route) {
             (Some(bound), Some(front), Some(settings)) => {
-                Some(bound.serve_streams(front, route_limits(settings), &runtime)?)
+                let checking = front.clone();
+                let health = Task::spawn(&runtime, |mut stopped| async move {
+                    stopped.unless(checking.check_health()).await;
+                });
+                let server = bound.serve_streams(front, route_limits(settings), &runtime)?;
+                Some((server, health))
             }
             _ => None,
         };
@@ -452,7 +457,7 @@ impl Service {
 
     /// The address the route front end is bound to, when `[route]` is set.
     pub fn route_addr(&self) -> Option<SocketAddr> {
-        self.route.as_ref().map(HttpServer::addr)
+        self.route.as_ref().map(|(server, _)| server.addr())
     }
 
     /// The address the Dynamo API is bound to, when `dynamo_listen` is set.
@@ -475,11 +480,15 @@ impl Service {
         if let Some(dynamo) = self.dynamo {
             dynamo.stop();
         }
-        if let Some(route) = self.route {
+        let health = self.route.map(|(route, health)| {
             route.stop();
-        }
+            health
+        });
         let reloader = &self.reloader;
         self.runtime.block_on(async {
+            if let Some(health) = health {
+                health.stop().await;
+            }
             self.retry.stop().await;
             self.rank_watch.stop().await;
             // An apply under way finishes against the raised shutdown signal: the registry

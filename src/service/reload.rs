@@ -148,11 +148,16 @@ impl Reloader {
                 }))
             }
         };
-        // The route's token too: read before anything is applied.
-        if let Some(Err(error)) = config.route.as_ref().map(config::Route::read_token) {
-            return Err(self.rejected(ConfigError {
-                problems: vec![format!("{error:#}")],
-            }));
+        // The route's token and the engines' keys too: read before anything is applied.
+        if let Some(route) = &config.route {
+            if let Err(error) = route
+                .read_token()
+                .and_then(|_| RouteFront::check_files(&config))
+            {
+                return Err(self.rejected(ConfigError {
+                    problems: vec![format!("{error:#}")],
+                }));
+            }
         }
         // Read before anything changes: a tokenizer that does not load rejects the whole file.
         let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
