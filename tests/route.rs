@@ -870,3 +870,123 @@ fn an_engine_gets_its_own_api_key_rotated_on_reload_and_never_the_clients_token(
     assert_eq!(seen.header("authorization"), Some("Bearer engine-key-2"));
     routed.all_released("answers");
 }
+
+/// An engine over a raw socket: it answers one request with `head` and the first part of a
+/// body, then the rest once the test says so; what it read of the request comes back.
+fn raw_engine(parts: [&'static [u8]; 2]) -> (SocketAddr, std::sync::mpsc::Sender<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let (go_on, rest_allowed) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        // The health checks come and go on connections of their own: the routed request is
+        // the one that POSTs.
+        for connection in listener.incoming() {
+            let Ok(mut connection) = connection else {
+                return;
+            };
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 4096];
+            while memchr::memmem::find(&request, b"\r\n\r\n").is_none() {
+                match connection.read(&mut buffer) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buffer[..n]),
+                }
+            }
+            if !request.starts_with(b"POST") {
+                let _ = connection.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+                continue;
+            }
+            let _ = connection.write_all(parts[0]);
+            if rest_allowed.recv_timeout(Duration::from_secs(20)).is_ok() {
+                let _ = connection.write_all(parts[1]);
+            }
+            return;
+        }
+    });
+    (addr, go_on)
+}
+
+/// The front end before a raw engine at `engine`, whose events nobody publishes (the rank is
+/// routed by load).
+fn routing_to(engine: SocketAddr) -> RunningService {
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let dead_port = nobody.local_addr().expect("its address").port();
+    drop(nobody);
+    let toml = indexer_toml(
+        None,
+        16,
+        8,
+        &[EngineToml {
+            model: Some(MODEL.into()),
+            openai_url: Some(format!("http://{engine}")),
+            ..EngineToml::new("raw", dead_port)
+        }],
+    ) + &route_table("127.0.0.1:0", &[("health_interval_s", "0")]);
+    support::start_service(&toml)
+}
+
+#[test]
+fn a_whole_answer_is_passed_on_as_it_arrives_and_its_usage_read_on_the_way() {
+    const FIRST: &[u8] =
+        br#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"one half, "#;
+    const REST: &[u8] = br#"then the other"}],"usage":{"prompt_tokens":3,"completion_tokens":5}}"#;
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        FIRST.len() + REST.len()
+    );
+    let first: &'static [u8] = [head.as_bytes(), FIRST].concat().leak();
+    let (engine, go_on) = raw_engine([first, REST]);
+    let running = routing_to(engine);
+    let route = running.route_addr().expect("[route] is set");
+    let body = json!({ "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 5 }).to_string();
+    let mut answer = sse_client::send_timed(
+        route,
+        "/v1/completions",
+        &[],
+        body.as_bytes(),
+        Duration::from_secs(20),
+    )
+    .expect("the answer's head");
+    assert_eq!(answer.status, 200);
+    // The first half reaches the client while the engine holds the rest back: nothing is
+    // collected before it is passed on.
+    let mut got = Vec::new();
+    while got.len() < FIRST.len() {
+        got.extend_from_slice(&answer.read_some().expect("the first half"));
+    }
+    assert_eq!(got, FIRST);
+    go_on.send(()).expect("the engine waits");
+    got.extend_from_slice(&answer.body().expect("the rest"));
+    assert_eq!(got, [FIRST, REST].concat());
+    let api = running.http_addr();
+    wait_for(10, "the answer to be counted", || {
+        (metric_value(api, "kv_indexer_route_requests_total{outcome=\"answered\"}") == Some(1.0))
+            .then_some(())
+    });
+    assert_eq!(
+        get(api, "/loads").json()[0]["reservations"].as_u64(),
+        Some(0),
+        "released at the answer's end"
+    );
+}
+
+#[test]
+fn an_answer_that_breaks_before_its_first_byte_is_a_502_not_an_empty_reply() {
+    const HEAD: &[u8] =
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    let (engine, go_on) = raw_engine([HEAD, b""]);
+    let running = routing_to(engine);
+    let route = running.route_addr().expect("[route] is set");
+    let body = json!({ "model": MODEL, "prompt": [1, 2, 3] }).to_string();
+    // The engine closes after its head: the body never comes.
+    drop(go_on);
+    let reply = Connection::open(route).send("POST", "/v1/completions", Some(body.as_bytes()));
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    assert!(
+        error_message(&reply).contains("broke before its first byte"),
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.header("x-kv-indexer-rank"), Some("raw/0"));
+}

@@ -50,7 +50,7 @@ use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector, Unindexed};
 use crate::tokenize::{self, SharedTokenizers};
-use passing::{usage_of, Passing, ReportingEngines, Ticket};
+use passing::{NoFirstBytes, Passing, ReportingEngines, Shape, Ticket};
 use request::{with_usage, Kind, OpenAiRequest, PromptSource};
 use servers::{Change, Servers};
 use upstream::{Failure, Fleet, Sent, Server, Settings, Upstream};
@@ -660,7 +660,7 @@ impl RouteFront {
     async fn pass_on(
         &self,
         sent: Sent,
-        mut ticket: Ticket,
+        ticket: Ticket,
         selection: &Selection,
         prompt: &Tokenized,
         stream: bool,
@@ -674,7 +674,6 @@ impl RouteFront {
         let mut response = Response::from_parts(head, ());
         let headers = response.headers_mut();
         upstream::drop_hop_by_hop(headers);
-        headers.remove(hyper::header::CONTENT_LENGTH);
         let chosen = &selection.chosen.key;
         insert(
             headers,
@@ -706,54 +705,45 @@ impl RouteFront {
             );
         }
         let idle = self.upstream.settings().idle;
-        if stream && response.status().is_success() {
-            let passing = Passing::new(body, ticket, strip, first_byte_by, idle);
-            return response.map(|()| UnsyncBoxBody::new(passing));
+        let shape = match stream && response.status().is_success() {
+            true => Shape::Events { strip },
+            false => Shape::Whole,
+        };
+        if matches!(shape, Shape::Events { strip: true }) {
+            // The stripped usage chunk changes the length.
+            response.headers_mut().remove(hyper::header::CONTENT_LENGTH);
         }
-        // A whole answer: read it (bounded), report its usage, pass it on.
-        let read = tokio::time::timeout_at(
-            first_byte_by.max(tokio::time::Instant::now() + idle),
-            async {
-                http_body_util::Limited::new(body, upstream::MAX_ANSWER_BYTES)
-                    .collect()
-                    .await
-            },
-        )
-        .await;
-        let whole = match read {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            Ok(Err(err)) => {
+        let mut body = body;
+        let by = first_byte_by.max(tokio::time::Instant::now() + idle);
+        let first = match passing::first_bytes(&mut body, by).await {
+            Ok(first) => first,
+            Err(NoFirstBytes::Broken(why)) => {
                 self.metrics.route_outcome(RouteOutcome::upstream_failed);
                 return self.error_with(
                     StatusCode::BAD_GATEWAY,
                     "upstream_error",
                     &format!(
-                        "engine {}/{}: reading the answer: {err}",
+                        "engine {}/{}: the answer broke before its first byte: {why}",
                         chosen.engine, chosen.dp_rank
                     ),
                     Some(chosen),
                 );
             }
-            Err(_) => {
+            Err(NoFirstBytes::TimedOut) => {
                 self.metrics.route_outcome(RouteOutcome::timed_out);
                 return self.error_with(
                     StatusCode::GATEWAY_TIMEOUT,
                     "timeout",
                     &format!(
-                        "engine {}/{}: the answer did not arrive in time",
+                        "engine {}/{}: the answer's first byte did not arrive in time",
                         chosen.engine, chosen.dp_rank
                     ),
                     Some(chosen),
                 );
             }
         };
-        ticket.first_byte();
-        if let Some(usage) = usage_of(&whole) {
-            ticket.usage(&usage);
-        }
-        drop(ticket);
-        self.metrics.route_outcome(RouteOutcome::answered);
-        response.map(|()| boxed(whole))
+        let passing = Passing::new(body, ticket, shape, first, idle);
+        response.map(|()| UnsyncBoxBody::new(passing))
     }
 
     /// A path or method no route declares (404, 405 with its `Allow`).

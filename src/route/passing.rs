@@ -1,14 +1,15 @@
 //! An engine's answer on its way to the client: the reservation it holds (`Ticket`), and the
-//! streamed body passed on chunk by chunk (`Passing`), watching for the usage the engine
-//! reports last.
+//! body passed on chunk by chunk as it arrives (`Passing`), streamed or whole, watching for
+//! the usage the engine reports last.
 //!
 //! Owns: the reservation's lifecycle — prefill complete at the engine's first byte, the
 //! engine's cached tokens reported once, release when the answer ends, fails, times out or the
-//! client goes (a `Ticket` released on drop, whatever ends it) — and reading
-//! `usage.prompt_tokens_details.cached_tokens` from a whole answer or from the SSE chunk that
-//! carries it, stripping that chunk when the client did not ask for it. Never: buffers more of
-//! a stream than one SSE event, holds a chunk back when nothing is stripped, or waits for the
-//! engine past the idle timeout.
+//! client goes (a `Ticket` released on drop, whatever ends it, with the request's admission
+//! place) — and reading `usage.prompt_tokens_details.cached_tokens` from the tail of a whole
+//! answer or from the SSE chunk that carries it, stripping that chunk when the client did not
+//! ask for it. Never: buffers more of a stream than one SSE event or more of a whole answer
+//! than its last `USAGE_TAIL_BYTES`, holds a chunk back when nothing is stripped, or waits for
+//! the engine past the idle timeout.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -30,6 +31,9 @@ use crate::select::{Selector, MAX_CONTEXT_TOKENS};
 
 /// An event longer than this is passed on unscanned: no usage chunk is anywhere near it.
 const MAX_EVENT_BYTES: usize = 1 << 20;
+/// The end of a whole answer kept to read its `usage` from: engines write it after the
+/// choices, in the last few hundred bytes.
+const USAGE_TAIL_BYTES: usize = 64 << 10;
 
 /// The engines that have reported `usage.prompt_tokens_details` at least once. vLLM before
 /// 0.33 leaves the details out of an answer when nothing was cached: from such an engine an
@@ -153,18 +157,69 @@ struct WithUsage {
     choices: Option<Vec<serde::de::IgnoredAny>>,
 }
 
-/// The usage of a whole (not streamed) answer.
-pub(super) fn usage_of(body: &[u8]) -> Option<Usage> {
-    serde_json::from_slice::<WithUsage>(body).ok()?.usage
+/// The `usage` of a whole (not streamed) answer that ends with `tail`: the value of its last
+/// `"usage"` key. A string's quotes are escaped, so an unescaped `"usage":` is a key.
+pub(super) fn usage_in_tail(tail: &[u8]) -> Option<Usage> {
+    let finder = memchr::memmem::FinderRev::new(b"\"usage\"");
+    let mut end = tail.len();
+    while let Some(at) = finder.rfind(&tail[..end]) {
+        end = at;
+        let after = tail[at + b"\"usage\"".len()..].trim_ascii_start();
+        let Some(value) = after.strip_prefix(b":") else {
+            continue;
+        };
+        let mut values = serde_json::Deserializer::from_slice(value).into_iter::<Usage>();
+        return values.next()?.ok();
+    }
+    None
 }
 
-/// A streamed answer passed on as it arrives.
+/// What an answer's body is, for what `Passing` watches in it.
+pub(super) enum Shape {
+    /// Server-sent events; `strip`: drop the usage chunk (the front end asked for it, not the
+    /// client).
+    Events { strip: bool },
+    /// One JSON document, its usage last.
+    Whole,
+}
+
+/// Why an answer's body gave no first bytes.
+pub(super) enum NoFirstBytes {
+    Broken(String),
+    TimedOut,
+}
+
+/// The first bytes of `body` by `by` (`None`: an empty body), read before the client is given
+/// the answer's head, so that an answer that breaks at once is a clean error, not an empty
+/// reply.
+pub(super) async fn first_bytes(
+    body: &mut EngineBody,
+    by: Instant,
+) -> Result<Option<Bytes>, NoFirstBytes> {
+    use http_body_util::BodyExt;
+    loop {
+        match tokio::time::timeout_at(by, body.frame()).await {
+            Err(_) => return Err(NoFirstBytes::TimedOut),
+            Ok(None) => return Ok(None),
+            Ok(Some(Err(err))) => return Err(NoFirstBytes::Broken(err.to_string())),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => return Ok(Some(data)),
+                // Trailers, or an empty chunk: nothing yet.
+                _ => continue,
+            },
+        }
+    }
+}
+
+/// An answer passed on as it arrives.
 pub(super) struct Passing {
     upstream: EngineBody,
     ticket: Ticket,
-    /// Strip the usage chunk: the front end asked for it, not the client.
-    strip: bool,
-    /// The event under way (its bytes already passed on, unless stripping).
+    shape: Shape,
+    /// Read before the head went to the client, to be passed on first.
+    first: Option<Bytes>,
+    /// The event under way (its bytes already passed on, unless stripping), or a whole
+    /// answer's tail.
     event: BytesMut,
     idle: Duration,
     timer: Pin<Box<Sleep>>,
@@ -172,30 +227,39 @@ pub(super) struct Passing {
 }
 
 impl Passing {
-    /// `first_byte_by` bounds the wait for the first chunk; `idle` every wait after it.
+    /// `first` was read already; `idle` bounds every wait for the engine after it.
     pub(super) fn new(
         upstream: EngineBody,
         ticket: Ticket,
-        strip: bool,
-        first_byte_by: Instant,
+        shape: Shape,
+        first: Option<Bytes>,
         idle: Duration,
     ) -> Passing {
         ticket.metrics.route_stream_opened();
         Passing {
             upstream,
             ticket,
-            strip,
+            shape,
+            first,
             event: BytesMut::new(),
             idle,
-            timer: Box::pin(tokio::time::sleep_until(first_byte_by)),
+            timer: Box::pin(tokio::time::sleep(idle)),
             ended: false,
         }
     }
 
-    /// Scans `data` for complete events; what to pass on (all of it, unless a stripped usage
-    /// chunk is in it, or an event is incomplete while stripping).
+    /// Scans `data` for complete events, or keeps a whole answer's tail; what to pass on
+    /// (all of it, unless a stripped usage chunk is in it, or an event is incomplete while
+    /// stripping).
     fn pass(&mut self, data: Bytes) -> Bytes {
-        if !self.strip {
+        let strip = match self.shape {
+            Shape::Events { strip } => strip,
+            Shape::Whole => {
+                self.keep_tail(&data);
+                return data;
+            }
+        };
+        if !strip {
             self.scan(&data);
             return data;
         }
@@ -203,14 +267,61 @@ impl Passing {
         let mut out = BytesMut::with_capacity(self.event.len());
         while let Some(end) = event_end(&self.event) {
             let event = self.event.split_to(end);
-            if !self.take_usage(&event) {
-                out.extend_from_slice(&event);
+            if self.take_usage(&event) {
+                continue;
+            }
+            // A chunk with choices that carries a usage (`continuous_usage_stats`): the client
+            // did not ask for usage, so it sees the chunk without it, as the engine would
+            // have sent it.
+            match without_usage(&event) {
+                Some(stripped) => out.extend_from_slice(&stripped),
+                None => out.extend_from_slice(&event),
             }
         }
         if self.event.len() > MAX_EVENT_BYTES {
             out.extend_from_slice(&self.event.split());
         }
         out.freeze()
+    }
+
+    /// `pass`, and the answer's end when `data` was its last bytes: a server that knows the
+    /// length (a whole answer's `Content-Length`) may never ask for more.
+    fn pass_ending(&mut self, data: Bytes) -> Bytes {
+        let out = self.pass(data);
+        if !self.upstream.is_end_stream() {
+            return out;
+        }
+        let rest = self.end();
+        match (out.is_empty(), rest.is_empty()) {
+            (_, true) => out,
+            (true, false) => rest,
+            (false, false) => [out, rest].concat().into(),
+        }
+    }
+
+    /// Keeps the last `USAGE_TAIL_BYTES` (at least) of a whole answer.
+    fn keep_tail(&mut self, data: &[u8]) {
+        self.event.extend_from_slice(data);
+        if self.event.len() > 2 * USAGE_TAIL_BYTES {
+            let _ = self.event.split_to(self.event.len() - USAGE_TAIL_BYTES);
+        }
+    }
+
+    /// The answer ended: a whole one's usage is read from its tail. What is left to pass on.
+    fn end(&mut self) -> Bytes {
+        self.ended = true;
+        self.ticket.metrics.route_outcome(RouteOutcome::answered);
+        let rest = self.event.split().freeze();
+        match self.shape {
+            Shape::Whole => {
+                if let Some(usage) = usage_in_tail(&rest) {
+                    self.ticket.usage(&usage);
+                }
+                Bytes::new()
+            }
+            Shape::Events { strip: true } => rest,
+            Shape::Events { strip: false } => Bytes::new(),
+        }
     }
 
     /// Scans what passes on unchanged, keeping only the event under way.
@@ -244,6 +355,41 @@ impl Passing {
     }
 }
 
+/// `event` without its data's `usage` member, when it has one; every other byte kept.
+fn without_usage(event: &[u8]) -> Option<Vec<u8>> {
+    let payload = sse_data(event)?;
+    memchr::memmem::find(payload, b"\"usage\"")?;
+    #[derive(Deserialize)]
+    struct Chunk<'a> {
+        #[serde(borrow)]
+        usage: Option<&'a serde_json::value::RawValue>,
+    }
+    let value = serde_json::from_slice::<Chunk>(payload).ok()?.usage?;
+    let value = value.get().as_bytes();
+    // The value borrows its bytes from `event`: where it starts is where it is in it.
+    let value_start = value.as_ptr() as usize - event.as_ptr() as usize;
+    let value_end = value_start + value.len();
+    let key_start = memchr::memmem::rfind(&event[..value_start], b"\"usage\"")?;
+    let before = event[..key_start].trim_ascii_end();
+    let (cut_start, cut_end) = match before.last() {
+        // Not the first member: the comma before it goes with it.
+        Some(b',') => (before.len() - 1, value_end),
+        // The first member: the comma after it goes with it, if another follows.
+        _ => {
+            let after = &event[value_end..];
+            let skipped = after.len() - after.trim_ascii_start().len();
+            match after.trim_ascii_start().first() {
+                Some(b',') => (key_start, value_end + skipped + 1),
+                _ => (key_start, value_end),
+            }
+        }
+    };
+    let mut stripped = Vec::with_capacity(event.len());
+    stripped.extend_from_slice(&event[..cut_start]);
+    stripped.extend_from_slice(&event[cut_end..]);
+    Some(stripped)
+}
+
 /// Where the first SSE event of `bytes` ends (past its blank line).
 fn event_end(bytes: &[u8]) -> Option<usize> {
     let lf = memchr::memmem::find(bytes, b"\n\n").map(|at| at + 2);
@@ -270,6 +416,13 @@ impl Body for Passing {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
+        if let Some(first) = this.first.take() {
+            this.ticket.first_byte();
+            let out = this.pass_ending(first);
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
+            }
+        }
         loop {
             if this.ended {
                 return Poll::Ready(None);
@@ -281,7 +434,7 @@ impl Body for Passing {
                     };
                     this.ticket.first_byte();
                     this.timer.as_mut().reset(Instant::now() + this.idle);
-                    let out = this.pass(data);
+                    let out = this.pass_ending(data);
                     if !out.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(out))));
                     }
@@ -296,10 +449,8 @@ impl Body for Passing {
                     .into())));
                 }
                 Poll::Ready(None) => {
-                    this.ended = true;
-                    this.ticket.metrics.route_outcome(RouteOutcome::answered);
-                    let rest = this.event.split().freeze();
-                    if this.strip && !rest.is_empty() {
+                    let rest = this.end();
+                    if !rest.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(rest))));
                     }
                     return Poll::Ready(None);
@@ -394,7 +545,7 @@ mod tests {
                 reported: false,
                 place: None,
             };
-            ticket.usage(&usage_of(body).expect("usage"));
+            ticket.usage(&usage_in_tail(body).expect("usage"));
         }
 
         /// `kv_indexer_route_{name}` of `engine`'s rank 0, if it has the series.
@@ -455,11 +606,38 @@ mod tests {
     }
 
     #[test]
-    fn the_usage_of_a_whole_answer_is_read() {
+    fn a_chunks_usage_is_cut_out_and_nothing_else() {
+        let last = b"data: {\"id\":\"c\",\"choices\":[{\"text\":\"a\"}],\"usage\":{\"prompt_tokens\":3}}\n\n";
+        assert_eq!(
+            without_usage(last).as_deref(),
+            Some(&b"data: {\"id\":\"c\",\"choices\":[{\"text\":\"a\"}]}\n\n"[..])
+        );
+        let first = b"data: {\"usage\" : {\"prompt_tokens\":3} , \"choices\":[]}\n\n";
+        assert_eq!(
+            without_usage(first).as_deref(),
+            Some(&b"data: { \"choices\":[]}\n\n"[..])
+        );
+        let alone = b"data: {\"usage\":null}\n\n";
+        assert_eq!(without_usage(alone), None, "no usage to cut");
+        let none = b"data: {\"choices\":[{\"text\":\"\\\"usage\\\"\"}]}\n\n";
+        assert_eq!(without_usage(none), None);
+    }
+
+    #[test]
+    fn the_usage_of_a_whole_answer_is_read_from_its_tail() {
         let body = br#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":48,
-            "completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}"#;
-        let usage = usage_of(body).expect("usage");
+            "completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}},"kv_transfer_params":null}"#;
+        let usage = usage_in_tail(body).expect("usage");
         assert_eq!((usage.prompt_tokens, usage.cached_tokens()), (48, Some(32)));
-        assert!(usage_of(br#"{"choices":[]}"#).is_none());
+        // A tail that starts mid-answer still holds it.
+        let usage = usage_in_tail(&body[20..]).expect("usage");
+        assert_eq!(usage.prompt_tokens, 48);
+        assert!(usage_in_tail(br#"{"choices":[]}"#).is_none());
+        assert!(usage_in_tail(br#"{"choices":[],"usage":null}"#).is_none());
+        // Text that writes a usage is a string: its quotes are escaped, and it is not read.
+        let text = br#"{"choices":[{"text":"\"usage\": {\"prompt_tokens\": 9}"}],"usage":{"prompt_tokens":3}}"#;
+        assert_eq!(usage_in_tail(text).map(|u| u.prompt_tokens), Some(3));
+        let only_text = br#"{"choices":[{"text":"\"usage\": {\"prompt_tokens\": 9}"}]}"#;
+        assert!(usage_in_tail(only_text).is_none());
     }
 }

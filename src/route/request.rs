@@ -8,6 +8,7 @@
 
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// Which OpenAI route a request came to.
@@ -249,51 +250,82 @@ impl<'de> Visitor<'de> for TokenIdVisitor {
     }
 }
 
-/// `body` with `stream_options.include_usage` set, the rest as the client wrote it (key order
-/// kept); `None` when the body is not an object (it was parsed as one just before).
+/// `body` with `stream_options.include_usage` set, every other byte as the client wrote it;
+/// `None` when the body is not an object (it was parsed as one just before).
 pub(super) fn with_usage(body: &[u8]) -> Option<Vec<u8>> {
-    spliced_usage(body).or_else(|| rewritten_usage(body))
+    // The usual case, without parsing the body again: no `stream_options` anywhere in it.
+    if memchr::memmem::find(body, b"\"stream_options\"").is_none() {
+        return first_member(body);
+    }
+    #[derive(Deserialize)]
+    struct Top<'a> {
+        // Present as written, `null` too: only an absent key is `None`.
+        #[serde(default, borrow, deserialize_with = "present")]
+        stream_options: Option<&'a RawValue>,
+    }
+    let top: Top = serde_json::from_slice(body).ok()?;
+    match top.stream_options {
+        None => first_member(body),
+        Some(options) => into_options(body, options),
+    }
 }
 
-/// The usual case, without parsing the body again: no `stream_options` key anywhere in it, so
-/// the option goes in as the object's first member.
-fn spliced_usage(body: &[u8]) -> Option<Vec<u8>> {
-    if memchr::memmem::find(body, b"\"stream_options\"").is_some() {
-        return None;
-    }
-    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
-    if body[open] != b'{' {
-        return None;
-    }
-    let empty = body[open + 1..]
-        .iter()
-        .find(|b| !b.is_ascii_whitespace())
-        .is_some_and(|&b| b == b'}');
+/// `stream_options` with `include_usage` as the object's first member.
+fn first_member(body: &[u8]) -> Option<Vec<u8>> {
     const OPTION: &[u8] = br#""stream_options":{"include_usage":true}"#;
-    let mut spliced = Vec::with_capacity(body.len() + OPTION.len() + 1);
-    spliced.extend_from_slice(&body[..=open]);
-    spliced.extend_from_slice(OPTION);
-    if !empty {
-        spliced.push(b',');
+    splice_member(body, OPTION)
+}
+
+fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(deserializer).map(Some)
+}
+
+/// `"include_usage":true` in the client's own `options` (its value replaced when it has one;
+/// options that are not an object, `null` say, replaced by `{"include_usage":true}`).
+fn into_options(body: &[u8], options: &RawValue) -> Option<Vec<u8>> {
+    #[derive(Deserialize)]
+    struct Options<'a> {
+        #[serde(default, borrow, deserialize_with = "present")]
+        include_usage: Option<&'a RawValue>,
     }
-    spliced.extend_from_slice(&body[open + 1..]);
+    // Each raw value borrows its bytes from `body`: where they start is where they are in it.
+    let offset = |inner: &[u8]| inner.as_ptr() as usize - body.as_ptr() as usize;
+    let raw = options.get().as_bytes();
+    let (replaced, with) = match serde_json::from_slice::<Options>(raw) {
+        Ok(Options {
+            include_usage: Some(value),
+        }) => (value.get().as_bytes(), b"true".to_vec()),
+        Ok(Options {
+            include_usage: None,
+        }) => (raw, splice_member(raw, br#""include_usage":true"#)?),
+        Err(_) => (raw, br#"{"include_usage":true}"#.to_vec()),
+    };
+    let start = offset(replaced);
+    let mut spliced = Vec::with_capacity(body.len() + with.len());
+    spliced.extend_from_slice(&body[..start]);
+    spliced.extend_from_slice(&with);
+    spliced.extend_from_slice(&body[start + replaced.len()..]);
     Some(spliced)
 }
 
-/// A body that has `stream_options`: parsed, the option set, written again.
-fn rewritten_usage(body: &[u8]) -> Option<Vec<u8>> {
-    let mut value: Value = serde_json::from_slice(body).ok()?;
-    let object = value.as_object_mut()?;
-    let options = object
-        .entry("stream_options")
-        .or_insert_with(|| Value::Object(Default::default()));
-    if !options.is_object() {
-        *options = Value::Object(Default::default());
+/// `object` (a JSON object's bytes) with `member` as its first member.
+fn splice_member(object: &[u8], member: &[u8]) -> Option<Vec<u8>> {
+    let open = object.iter().position(|b| !b.is_ascii_whitespace())?;
+    if object[open] != b'{' {
+        return None;
     }
-    options
-        .as_object_mut()?
-        .insert("include_usage".into(), Value::Bool(true));
-    serde_json::to_vec(&value).ok()
+    let empty = object[open + 1..]
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|&b| b == b'}');
+    let mut spliced = Vec::with_capacity(object.len() + member.len() + 1);
+    spliced.extend_from_slice(&object[..=open]);
+    spliced.extend_from_slice(member);
+    if !empty {
+        spliced.push(b',');
+    }
+    spliced.extend_from_slice(&object[open + 1..]);
+    Some(spliced)
 }
 
 #[cfg(test)]
@@ -356,8 +388,16 @@ mod tests {
         let changed = String::from_utf8(with_usage(body).expect("object")).expect("utf-8");
         assert_eq!(
             changed,
-            r#"{"model":"m","stream":true,"stream_options":{"other":1,"include_usage":true},"prompt":"p"}"#
+            r#"{"model":"m","stream":true,"stream_options":{"include_usage":true,"other":1},"prompt":"p"}"#
         );
+        // The client's own `include_usage: false` is set, its other options and every other
+        // byte (spaces, escapes, the same name inside a message) kept.
+        let body =
+            br#"{ "stream_options" : { "include_usage" : false, "continuous_usage_stats": true },
+            "messages": [{"role": "user", "content": "what are \"stream_options\"? \u00e9"}]}"#;
+        let changed = with_usage(body).expect("object");
+        let expected = String::from_utf8_lossy(body).replacen("false", "true", 1);
+        assert_eq!(String::from_utf8_lossy(&changed), expected);
         // Without the key, the client's bytes are kept as they are and the option goes first.
         let added = with_usage(b" {\n \"stream\": true, \"prompt\":[1, 2]}").expect("object");
         assert_eq!(

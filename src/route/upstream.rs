@@ -29,9 +29,6 @@ use crate::http::Request;
 use crate::listener::Secret;
 use crate::metrics::RouteOutcome;
 
-/// A whole (not streamed) answer larger than this is refused: 64 MiB is far above any
-/// completion's JSON.
-pub(super) const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 

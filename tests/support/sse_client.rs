@@ -167,6 +167,14 @@ impl Answer {
         }
     }
 
+    /// The next piece of the body as it arrives; empty at its end.
+    pub fn read_some(&mut self) -> io::Result<Vec<u8>> {
+        if !self.pending.is_empty() {
+            return Ok(std::mem::take(&mut self.pending));
+        }
+        Ok(self.next_piece()?.unwrap_or_default())
+    }
+
     /// The rest of the body.
     pub fn body(&mut self) -> io::Result<Vec<u8>> {
         let mut body = std::mem::take(&mut self.pending);
