@@ -766,7 +766,7 @@ fn chat_tokenizing(bench: &Bench) -> Result<Duration> {
         let started = Instant::now();
         tokenizers
             .encode(Some(model), &prompt, &mut ids)
-            .map_err(|err| anyhow!("tokenizing the chat: {}: {}", err.field, err.message))?;
+            .map_err(|err| anyhow!("tokenizing the chat: {err}"))?;
         took.push(started.elapsed());
     }
     took.sort_unstable();

@@ -990,3 +990,115 @@ fn an_answer_that_breaks_before_its_first_byte_is_a_502_not_an_empty_reply() {
     );
     assert_eq!(reply.header("x-kv-indexer-rank"), Some("raw/0"));
 }
+
+/// What the front end does with each kind of chat: text content parts are tokenized as vLLM
+/// renders them (the rank holding their prefix is chosen and predicted exactly); a tool-call
+/// turn, a `tool` message or an image part is routed by load alone, saying why; only a body that
+/// is not an OpenAI chat is a 400.
+#[test]
+fn every_valid_chat_is_routed_and_only_a_body_that_is_not_one_is_refused() {
+    let routed = routed(1, 2, OpenAiConfig::default(), &[]);
+    let long = "which rank holds the prefix of this conversation? ".repeat(30);
+    let parts = json!({
+        "model": MODEL,
+        "messages": [
+            { "role": "system", "content": [{ "type": "text", "text": long }] },
+            { "role": "user", "content": [
+                { "type": "text", "text": "Part one." },
+                { "type": "text", "text": "Part two." },
+            ] },
+        ],
+        "max_tokens": 2,
+    });
+    // The same chat with its text parts written as vLLM joins them: the same prompt to the
+    // engine (which tokenizes as kv-indexer does) and to the index.
+    let mut joined = parts.clone();
+    joined["messages"][1]["content"] = json!("Part one.\nPart two.");
+    routed.warm(0, 1, "/v1/chat/completions", &joined);
+    let reply = routed.send("/v1/chat/completions", &parts);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(0, 1).as_str())
+    );
+    assert_eq!(
+        reply.header("x-kv-indexer-routing"),
+        None,
+        "{:?}",
+        reply.headers
+    );
+    let predicted: u64 = reply
+        .header("x-kv-indexer-predicted-cached-tokens")
+        .and_then(|n| n.parse().ok())
+        .expect("the prediction header");
+    assert!(predicted > 0);
+    assert_eq!(predicted, cached_tokens(&reply.json()), "predicted exactly");
+    routed.all_released("a chat of text parts");
+
+    let user = json!({ "role": "user", "content": "What is the weather in Paris?" });
+    let call = json!({ "role": "assistant", "content": null, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": { "name": "weather", "arguments": "{\"city\": \"Paris\"}" },
+    }] });
+    let tool = json!({ "role": "tool", "tool_call_id": "call_1", "content": "18 C" });
+    let image = json!({ "role": "user", "content": [
+        { "type": "text", "text": "What is this?" },
+        { "type": "image_url", "image_url": { "url": "data:image/png;base64,AAAA" } },
+    ] });
+    let load_only = [
+        (
+            json!([user, call]),
+            "load only: messages[1] is a tool-call turn",
+        ),
+        (
+            json!([user, call, tool]),
+            "load only: messages[1] is a tool-call turn",
+        ),
+        (
+            json!([user, tool]),
+            "load only: messages[1] is a tool message",
+        ),
+        (
+            json!([image]),
+            "load only: messages[0].content[1] is a \"image_url\" part",
+        ),
+    ];
+    for (messages, why) in load_only {
+        let body = json!({ "model": MODEL, "messages": messages, "max_tokens": 2 });
+        let reply = routed.send("/v1/chat/completions", &body);
+        let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+        assert!(
+            routing.starts_with(why),
+            "{messages}: {:?} ({})",
+            reply.headers,
+            reply.text()
+        );
+        assert_eq!(
+            reply.header("x-kv-indexer-predicted-cached-tokens"),
+            Some("0")
+        );
+        let seen = routed.server(0).last_request().expect("the engine got it");
+        let sent: Value = serde_json::from_slice(&seen.body).expect("a JSON body");
+        assert_eq!(
+            sent["messages"], messages,
+            "the body reaches the engine as sent"
+        );
+    }
+    routed.all_released("load-only chats");
+
+    let refused: [(&[u8], &str); 7] = [
+        (b"not json", "not a JSON object"),
+        (br#"{"model": "chatml"}"#, "`messages` is missing"),
+        (br#"{"model": "chatml", "messages": "hi"}"#, "messages: must be an array"),
+        (br#"{"model": "chatml", "messages": [{"content": "hi"}]}"#, "messages[0].role: must be a string"),
+        (br#"{"model": "chatml", "messages": [{"role": "user", "content": 7}]}"#, "messages[0].content: must be"),
+        (br#"{"model": "chatml", "messages": [{"role": "user", "content": [{"text": "x"}]}]}"#, "messages[0].content[0].type: must be a string"),
+        (br#"{"model": "chatml", "messages": [{"role": "user", "content": [{"type": "text"}]}]}"#, "messages[0].content[0].text: must be a string"),
+    ];
+    for (body, wanted) in refused {
+        let reply = Connection::open(routed.route).send("POST", "/v1/chat/completions", Some(body));
+        assert_eq!(reply.status, 400, "{}", reply.text());
+        let message = error_message(&reply);
+        assert!(message.contains(wanted), "{message:?}, wanted {wanted:?}");
+    }
+}

@@ -7,7 +7,7 @@ mod support;
 use std::net::SocketAddr;
 use std::path::Path;
 
-use kv_indexer::tokenize::{Prompt, Tokenizers};
+use kv_indexer::tokenize::{EncodeError, Prompt, Tokenizers};
 use kv_indexer::wire::{BlockStored, Event};
 use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
 use kv_indexer_sim::running::RunningService;
@@ -63,7 +63,7 @@ fn every_case_gets_the_ids_transformers_gives() {
     .unwrap_or_else(|e| panic!("{e:#}"));
     let vectors = vectors();
     let cases = vectors["cases"].as_array().expect("cases");
-    assert!(cases.len() >= 12);
+    assert!(cases.len() >= 18);
     for case in cases {
         let name = case["name"].as_str().expect("name");
         let prompt = match case["prompt"].as_str() {
@@ -257,8 +257,12 @@ fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
             "tools: only with messages (a chat prompt)",
         ),
         (
-            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}], "model": "chatml"}),
-            "messages[0].content",
+            json!({"messages": [{"content": "hi"}], "model": "chatml"}),
+            "messages[0].role: must be a string",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "text"}]}], "model": "chatml"}),
+            "messages[0].content[0].text: must be a string",
         ),
     ];
     for path in ["/query", "/select"] {
@@ -272,6 +276,85 @@ fn a_prompt_that_cannot_be_tokenized_is_a_400_naming_its_field() {
             );
         }
     }
+}
+
+/// A chat whose ids cannot be known exactly (a tool-call turn, an image) is scored as an empty
+/// prompt: every rank misses, and `/select` chooses by load alone among the model's ranks, as
+/// the route front end routes it.
+#[test]
+fn a_chat_that_cannot_be_known_exactly_is_scored_as_an_empty_prompt() {
+    let mut engines = Engines::start();
+    let addr = engines.addr();
+    let case = &cases()[0];
+    let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).expect("ids");
+    engines.store("chatml", &ids, 1, 1);
+    let mut with_image = case["messages"].clone();
+    with_image[1]["content"] = json!([
+        {"type": "text", "text": with_image[1]["content"]},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]);
+    let mut with_call = case["messages"].clone();
+    with_call.as_array_mut().expect("messages").push(json!({
+        "role": "assistant", "content": null,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }));
+    for messages in [with_image, with_call] {
+        let body = json!({"messages": messages, "model": "chatml"});
+        let (status, answer) = query(addr, "/query", &body);
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["query_tokens"], 0, "{answer}");
+        let held: Vec<&Value> = answer["scores"]
+            .as_array()
+            .expect("scores")
+            .iter()
+            .filter(|score| score["matched_blocks"] != 0)
+            .collect();
+        assert!(held.is_empty(), "a miss, never a hit: {answer}");
+        let (status, selected) = query(addr, "/select", &body);
+        assert_eq!(status, 200, "{selected}");
+        assert_eq!(
+            selected["instance"], "chatml",
+            "the model's own rank: {selected}"
+        );
+        assert_eq!(selected["query_tokens"], 0, "{selected}");
+    }
+}
+
+#[test]
+fn a_template_that_fails_makes_the_chat_unreadable_not_refused() {
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let dir = chatml_copy(root.path(), "refusing");
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start\nwith the user: ' ~ messages[0]['content']) }}{% endif %}{{ messages[0]['content'] }}",
+    )
+    .expect("write");
+    let tokenizer =
+        kv_indexer::tokenize::ModelTokenizer::load(&dir).unwrap_or_else(|e| panic!("{e:#}"));
+    let mut ids = Vec::new();
+    let error = tokenizer
+        .encode_chat(
+            &json!([{"role": "system", "content": "café"}]),
+            None,
+            &mut ids,
+        )
+        .expect_err("the template refuses");
+    let EncodeError::Unreadable(why) = error else {
+        panic!("{error:?}");
+    };
+    // One line of printable ASCII: it goes into an HTTP header.
+    assert!(
+        why.contains("Conversation must start\\nwith the user: caf\\u{e9}"),
+        "{why}"
+    );
+    assert!(
+        why.bytes().all(|b| b == b' ' || b.is_ascii_graphic()),
+        "{why}"
+    );
+    tokenizer
+        .encode_chat(&json!([{"role": "user", "content": "hi"}]), None, &mut ids)
+        .expect("rendered");
+    assert!(!ids.is_empty());
 }
 
 /// A copy of the ChatML tokenizer directory in `root/name`, for a test to break or change

@@ -334,7 +334,12 @@ impl RouteFront {
         let mut ids = Vec::new();
         match tokenizers.encode(model.as_deref(), &text, &mut ids) {
             Ok(model) => Ok(Tokenized::ids(ids, Some(model.to_owned()))),
-            Err(err) => Err(format!("{}: {}", err.field, err.message)),
+            Err(tokenize::EncodeError::Unreadable(why)) => Ok(Tokenized::load_only(
+                LoadOnly::prompt_not_tokenized,
+                why,
+                model,
+            )),
+            Err(tokenize::EncodeError::Refused(err)) => Err(err.to_string()),
         }
     }
 

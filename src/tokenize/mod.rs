@@ -2,12 +2,16 @@
 //! so that a caller with only an OpenAI-style request body can ask the index.
 //!
 //! `model` reads one tokenizer directory and turns a request into token ids exactly as vLLM
-//! does; `template` renders chat templates as transformers does; `pieces` tokenizes rendered
-//! text a piece at a time with a bounded cache. This module keeps the set of loaded tokenizers,
-//! one for each model (engines serving the same `model` share it), loaded at start and on
-//! reload. Owns: which model names have a tokenizer. Never: reads the index, or decides what a
-//! route answers (http turns a `PromptError` into a 400).
+//! does; `conversation` builds the messages a template is given as vLLM builds them, in the
+//! content form `content_format` finds for the template; `template` renders chat templates as
+//! transformers does; `pieces` tokenizes rendered text a piece at a time with a bounded cache.
+//! This module keeps the set of loaded tokenizers, one for each model (engines serving the same
+//! `model` share it), loaded at start and on reload. Owns: which model names have a tokenizer.
+//! Never: reads the index, or decides what a route answers (a `Refused` prompt is a 400 there,
+//! an `Unreadable` one is routed by load alone).
 
+mod content_format;
+mod conversation;
 mod model;
 mod pieces;
 mod template;
@@ -19,7 +23,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use parking_lot::RwLock;
 
-pub use model::{ModelTokenizer, PromptError};
+pub use model::{EncodeError, ModelTokenizer, PromptError};
 
 /// The loaded tokenizers, by model name.
 #[derive(Default)]
@@ -92,13 +96,18 @@ impl Tokenizers {
         model: Option<&str>,
         prompt: &Prompt<'_>,
         ids: &mut Vec<u32>,
-    ) -> Result<&str, PromptError> {
+    ) -> Result<&str, EncodeError> {
         let (name, tokenizer) = self.choose(model)?;
         match prompt {
             Prompt::Text(text) => tokenizer.encode_prompt(text, ids)?,
             Prompt::Chat { messages, tools } => tokenizer.encode_chat(messages, *tools, ids)?,
         }
         Ok(name)
+    }
+
+    /// The model whose tokenizer `encode` would use for `model`.
+    pub fn model_for(&self, model: Option<&str>) -> Result<&str, PromptError> {
+        self.choose(model).map(|(name, _)| name)
     }
 
     fn choose(&self, model: Option<&str>) -> Result<(&str, &ModelTokenizer), PromptError> {

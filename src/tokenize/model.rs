@@ -4,15 +4,16 @@
 //! Owns reading `tokenizer.json`, `tokenizer_config.json` (`chat_template`, `bos_token`,
 //! `eos_token`) and `chat_template.jinja` (which wins over the config's template, as in
 //! transformers), and every load error named with its file. A completion prompt is tokenized
-//! with the tokenizer's special tokens (`/v1/completions`); chat messages are rendered with
-//! the template, then tokenized without added special tokens (`/v1/chat/completions`). Never
-//! looks at the index or at HTTP.
+//! with the tokenizer's special tokens (`/v1/completions`); chat messages are built as vLLM
+//! builds them (`conversation`), rendered with the template, then tokenized without added
+//! special tokens (`/v1/chat/completions`). Never looks at the index or at HTTP.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use tokenizers::Tokenizer;
 
+use super::conversation::conversation;
 use super::pieces::PieceTokenizer;
 use super::template::{ChatContext, ChatTemplate};
 
@@ -24,7 +25,8 @@ pub struct ModelTokenizer {
 }
 
 /// Why a request's prompt could not be tokenized: a 400 for the caller.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
 pub struct PromptError {
     /// The request field at fault (`messages`, `messages[2].content`, `prompt`).
     pub field: String,
@@ -32,11 +34,48 @@ pub struct PromptError {
 }
 
 impl PromptError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> PromptError {
+    pub(super) fn new(field: impl Into<String>, message: impl Into<String>) -> PromptError {
         PromptError {
             field: field.into(),
             message: message.into(),
         }
+    }
+}
+
+/// Why a prompt has no token ids.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    /// Not a request the API takes (not an OpenAI chat, no tokenizer for its model): a 400
+    /// naming the field.
+    #[error(transparent)]
+    Refused(#[from] PromptError),
+    /// A valid chat whose ids cannot be known exactly (a tool-call turn, an image, a template
+    /// that fails on it): routed by load alone, never guessed. One line of printable ASCII, at
+    /// most `MAX_REASON_CHARS`, so that it can be an HTTP header's value.
+    #[error("{0}")]
+    Unreadable(String),
+}
+
+/// The longest reason an `Unreadable` carries: a template's error can quote a whole message.
+const MAX_REASON_CHARS: usize = 300;
+
+impl EncodeError {
+    /// `why`, made one bounded line of printable ASCII (the rest escaped as Rust escapes it).
+    pub(super) fn unreadable(why: &str) -> EncodeError {
+        let mut line = String::with_capacity(why.len().min(MAX_REASON_CHARS));
+        for c in why.chars() {
+            if c == ' ' || c.is_ascii_graphic() {
+                line.push(c);
+            } else {
+                line.extend(c.escape_default());
+            }
+            if line.len() >= MAX_REASON_CHARS {
+                line.truncate(MAX_REASON_CHARS);
+                line.push_str("...");
+                break;
+            }
+        }
+        EncodeError::Unreadable(line)
     }
 }
 
@@ -103,80 +142,39 @@ impl ModelTokenizer {
     }
 
     /// `messages` (and `tools`, when the request has them) as vLLM's `/v1/chat/completions`
-    /// tokenizes them: the chat template rendered with `add_generation_prompt`, then tokenized
-    /// without added special tokens.
+    /// tokenizes them: the messages built as vLLM builds them (`conversation`), the chat
+    /// template rendered with `add_generation_prompt`, then tokenized without added special
+    /// tokens. A chat that cannot be known exactly, the template's failure included, is
+    /// `Unreadable`.
     pub fn encode_chat(
         &self,
         messages: &serde_json::Value,
         tools: Option<&serde_json::Value>,
         ids: &mut Vec<u32>,
-    ) -> Result<(), PromptError> {
-        let Some(template) = &self.template else {
-            return Err(PromptError::new(
-                "messages",
-                format!(
-                    "the tokenizer in {} has no chat template (chat_template.jinja or \
-                     chat_template in tokenizer_config.json): send `prompt` or `token_ids`",
-                    self.dir.display()
-                ),
-            ));
-        };
-        check_messages(messages)?;
+    ) -> Result<(), EncodeError> {
         if let Some(tools) = tools {
             if !tools.is_array() {
-                return Err(PromptError::new("tools", "must be an array of tools"));
+                return Err(PromptError::new("tools", "must be an array of tools").into());
             }
         }
+        let Some(template) = &self.template else {
+            return Err(EncodeError::unreadable(&format!(
+                "the tokenizer in {} has no chat template (chat_template.jinja or chat_template \
+                 in tokenizer_config.json)",
+                self.dir.display()
+            )));
+        };
+        let messages = conversation(messages, template.content_format())?;
         let text = template
-            .render(&ChatContext { messages, tools })
-            .map_err(|error| PromptError::new("messages", format!("the chat template: {error}")))?;
+            .render(&ChatContext {
+                messages: &messages,
+                tools,
+            })
+            .map_err(|error| EncodeError::unreadable(&format!("the chat template: {error}")))?;
         self.pieces
             .encode_plain(&text, ids)
-            .map_err(|error| PromptError::new("messages", error.to_string()))
+            .map_err(|error| EncodeError::unreadable(&format!("tokenizing the chat: {error}")))
     }
-}
-
-/// What the template may be given: an array of objects with a string `role` and a string (or
-/// null) `content`. Content parts (images, audio, or text parts that vLLM would join in its own
-/// way) are refused until supported, so that the ids are never a guess.
-fn check_messages(messages: &serde_json::Value) -> Result<(), PromptError> {
-    let Some(list) = messages.as_array() else {
-        return Err(PromptError::new("messages", "must be an array of messages"));
-    };
-    if list.is_empty() {
-        return Err(PromptError::new("messages", "is empty"));
-    }
-    for (i, message) in list.iter().enumerate() {
-        let Some(fields) = message.as_object() else {
-            return Err(PromptError::new(
-                format!("messages[{i}]"),
-                "must be an object with `role` and `content`",
-            ));
-        };
-        if !fields.get("role").is_some_and(serde_json::Value::is_string) {
-            return Err(PromptError::new(
-                format!("messages[{i}].role"),
-                "must be a string",
-            ));
-        }
-        match fields.get("content") {
-            None | Some(serde_json::Value::String(_) | serde_json::Value::Null) => {}
-            Some(serde_json::Value::Array(_)) => {
-                return Err(PromptError::new(
-                    format!("messages[{i}].content"),
-                    "content parts (images, audio, text parts) are not supported yet: send the \
-                     content as one string",
-                ))
-            }
-            Some(_) => {
-                return Err(PromptError::new(
-                    format!("messages[{i}].content"),
-                    "must be a string",
-                ))
-            }
-        }
-    }
-    Ok(())
 }
 
 /// `tokenizer_config.json`'s `key` (a string, or an added-token object with `content`), which

@@ -11,6 +11,8 @@ use minijinja::value::{Kwargs, Serde};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 
+use super::content_format::{self, ContentFormat};
+
 /// What one render may spend (minijinja's fuel: about one unit an instruction). A real template
 /// over a request of the largest body we accept spends far less; a template that loops without
 /// end stops here instead of holding an HTTP thread.
@@ -24,6 +26,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    content_format: ContentFormat,
 }
 
 /// What a chat request gives the template.
@@ -50,13 +53,20 @@ impl ChatTemplate {
         env.add_filter("tojson", python_tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        let content_format = content_format::detect(&source);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|error| anyhow::anyhow!(describe(&error)))?;
         Ok(ChatTemplate {
             env,
             bos_token,
             eos_token,
+            content_format,
         })
+    }
+
+    /// The form of `content` vLLM gives this template.
+    pub fn content_format(&self) -> ContentFormat {
+        self.content_format
     }
 
     /// The prompt text for `context`, with `add_generation_prompt = true`, as vLLM's

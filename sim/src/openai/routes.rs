@@ -363,7 +363,7 @@ fn encode(inner: &Inner, prompt: &Prompt<'_>, tokens: &mut Vec<u32>) -> Result<(
         .tokenizers
         .encode(Some(&inner.config.model), prompt, tokens)
         .map(|_| ())
-        .map_err(|error| Refusal::bad(format!("{}: {}", error.field, error.message)))
+        .map_err(|error| Refusal::bad(error.to_string()))
 }
 
 /// The rank `X-data-parallel-rank` names, or the next in round-robin order.
