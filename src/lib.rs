@@ -34,6 +34,7 @@ pub mod listener;
 pub mod metrics;
 pub mod outbound;
 pub mod plan;
+pub mod preflight;
 pub mod registry;
 pub mod route;
 pub mod select;

@@ -10,6 +10,7 @@ use clap::Parser;
 use kv_indexer::config::{self, Config};
 use kv_indexer::discover::{Client, DiscoverError, Limits};
 use kv_indexer::plan::{self, Discoveries};
+use kv_indexer::preflight;
 use kv_indexer::route::RouteFront;
 use kv_indexer::service;
 
@@ -23,7 +24,8 @@ struct Args {
     /// HTTP API address (IP:port or hostname:port); overrides the file's `listen`.
     #[arg(long, value_name = "ADDR")]
     listen: Option<String>,
-    /// Validate the file, print the expanded per-rank plan, and exit: 0 when valid, else 1.
+    /// Validate the file, print the expanded per-rank plan, read the files it points to (token,
+    /// key and tokenizer files), resolve its addresses, and exit: 0 when valid, else 1.
     /// Offline: an engine with `discover` shows no ranks.
     #[arg(long)]
     check: bool,
@@ -34,9 +36,8 @@ struct Args {
     discover: bool,
 }
 
-/// `--check`'s route plan: where the front end listens and each engine's OpenAI server; the
-/// error when a file it reads (an engine's `api_key_file`) cannot be read.
-fn route_plan(config: &Config, route: &config::Route) -> anyhow::Result<String> {
+/// `--check`'s route plan: where the front end listens and each engine's OpenAI server.
+fn route_plan(config: &Config, route: &config::Route) -> String {
     let mut text =
         format!(
         "route: listen {}, up to {} requests at once, first byte within {}s, idle {}s, token {}\n",
@@ -46,7 +47,7 @@ fn route_plan(config: &Config, route: &config::Route) -> anyhow::Result<String> 
         route.idle_timeout_s,
         if route.auth_token_file.is_some() { "required" } else { "none" },
     );
-    for (engine, server) in RouteFront::plan(config)? {
+    for (engine, server) in RouteFront::plan(config) {
         match server {
             Some(url) => text.push_str(&format!("  {engine} -> {url}\n")),
             None => text.push_str(&format!(
@@ -54,7 +55,7 @@ fn route_plan(config: &Config, route: &config::Route) -> anyhow::Result<String> 
             )),
         }
     }
-    Ok(text)
+    text
 }
 
 fn main() -> ExitCode {
@@ -90,13 +91,24 @@ fn main() -> ExitCode {
             config.shards
         );
         if let Some(route) = &config.route {
-            match route_plan(&config, route) {
-                Ok(text) => print!("{text}"),
-                Err(error) => {
-                    eprintln!("{}: {error:#}", args.config.display());
-                    return ExitCode::FAILURE;
-                }
+            print!("{}", route_plan(&config, route));
+        }
+        let origin = args.config.display().to_string();
+        let text = std::fs::read_to_string(&args.config).unwrap_or_default();
+        let listen = args.listen.as_deref().unwrap_or(&config.listen);
+        let findings = preflight::check(&config, listen, &text, &origin);
+        for warning in &findings.warnings {
+            eprintln!("warning: {warning}");
+        }
+        if !findings.problems.is_empty() {
+            for problem in &findings.problems {
+                eprintln!("{problem}");
             }
+            eprintln!(
+                "{origin}: {} found in what the file points to; nothing would start",
+                count(findings.problems.len(), "problem", "problems")
+            );
+            return ExitCode::FAILURE;
         }
         if failed.is_empty() {
             return ExitCode::SUCCESS;

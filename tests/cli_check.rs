@@ -351,3 +351,62 @@ fn check_discover_fails_naming_the_engine_that_cannot_be_asked() {
     );
     assert!(stderr.contains("1 engine could not be asked"), "{stderr}");
 }
+
+/// `--check` reads what the file points to and resolves what it binds: each problem names the
+/// key's line, and a front end with nothing to route to is a warning.
+#[test]
+fn files_the_configuration_points_to_are_read_and_its_addresses_resolved() {
+    let dir = tempfile::tempdir().unwrap_or_else(|err| panic!("temp dir: {err}"));
+    let missing = dir.path().join("missing");
+    let empty = dir.path().join("empty-key");
+    std::fs::write(&empty, "\n").unwrap_or_else(|err| panic!("writing the key: {err}"));
+    let body = format!(
+        "listen = \"127.0.0.1:18090\"\n\
+         auth_token_file = '{missing}/admin'\n\
+         [[engine]]\n\
+         name = \"vllm-a\"\n\
+         host = \"127.0.0.1\"\n\
+         model = \"m\"\n\
+         tokenizer = '{missing}/tokenizer'\n\
+         openai_url = \"http://127.0.0.1:8000\"\n\
+         api_key_file = '{empty}'\n\
+         [route]\n\
+         listen = \"0.0.0.0:18090\"\n\
+         auth_token_file = '{missing}/route'\n",
+        missing = missing.display(),
+        empty = empty.display(),
+    );
+    let (_config_dir, path) = temp_config(&body);
+    let output = check(&path, &[]);
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    let origin = path.display().to_string();
+    for (line, wanted) in [
+        (2, "auth_token_file"),
+        (7, "tokenizer"),
+        (9, "api_key_file"),
+        (11, "would bind the same port"),
+        (12, "[route] auth_token_file"),
+    ] {
+        let prefix = format!("{origin}:{line}: ");
+        assert!(
+            stderr
+                .lines()
+                .any(|problem| problem.starts_with(&prefix) && problem.contains(wanted)),
+            "no {wanted:?} on line {line}:\n{stderr}"
+        );
+    }
+    assert!(stderr.contains("5 problems found"), "{stderr}");
+
+    // Clean but with nowhere to route: a warning, and the check passes.
+    let (_config_dir, path) = temp_config(
+        "[[engine]]\nname = \"vllm-a\"\nhost = \"127.0.0.1\"\n[route]\nlisten = \"127.0.0.1:18091\"\n",
+    );
+    let output = check(&path, &[]);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning:") && stderr.contains("no engine has an openai_url"),
+        "{stderr}"
+    );
+}

@@ -132,6 +132,18 @@ pub struct EngineConfig {
     pub reports_reused: bool,
 }
 
+impl EngineConfig {
+    /// The text of `api_key_file`, when set; the error names the engine and the file, never
+    /// the key.
+    pub fn read_api_key(&self) -> anyhow::Result<Option<String>> {
+        read_token_file(
+            self.api_key_file.as_deref(),
+            &format!("engine {:?}: api_key_file", self.name),
+            "the key the engine's server was started with (vLLM's --api-key)",
+        )
+    }
+}
+
 /// Where an engine's ranks come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ranks {

@@ -191,8 +191,15 @@ impl RouteFront {
     }
 
     /// The engine servers each engine's requests go to (for `--check` and the logs).
-    pub fn plan(config: &Config) -> anyhow::Result<Vec<(String, Option<String>)>> {
-        Ok(Fleet::of(config)?.describe())
+    pub fn plan(config: &Config) -> Vec<(String, Option<String>)> {
+        config
+            .engines
+            .iter()
+            .map(|engine| {
+                let base = engine.openai_url.as_ref().map(|url| url.base.clone());
+                (engine.name.clone(), base)
+            })
+            .collect()
     }
 
     fn authorized(&self, request: &Request) -> bool {

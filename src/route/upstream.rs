@@ -21,8 +21,6 @@ use tokio::time::Instant;
 use super::engine_http::{Connections, EngineBody, SendError};
 use super::request::Kind;
 use super::servers::Thresholds;
-use anyhow::Context;
-
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
 use crate::http::Request;
@@ -104,33 +102,14 @@ impl Fleet {
     pub(super) fn models(&self) -> impl Iterator<Item = &str> {
         self.models.iter().map(String::as_str)
     }
-
-    pub(super) fn describe(&self) -> Vec<(String, Option<String>)> {
-        self.servers
-            .iter()
-            .map(|(name, server)| {
-                let base = server.as_ref().map(|server| server.url.base.clone());
-                (name.clone(), base)
-            })
-            .collect()
-    }
 }
 
 /// The key in `engine`'s `api_key_file`, if it has one.
 fn read_api_key(engine: &config::EngineConfig) -> anyhow::Result<Option<Secret>> {
-    let Some(path) = &engine.api_key_file else {
-        return Ok(None);
-    };
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("engine {:?}: reading api_key_file {path}", engine.name))?;
-    let key = Secret::from_file_text(&text).with_context(|| {
-        format!(
-            "engine {:?}: api_key_file {path} is empty: write the key the engine's server was \
-             started with (vLLM's --api-key) in it",
-            engine.name
-        )
-    })?;
-    Ok(Some(key))
+    Ok(engine
+        .read_api_key()?
+        .as_deref()
+        .and_then(Secret::from_file_text))
 }
 
 /// The timeouts and health checks of `[route]`.
