@@ -12,6 +12,7 @@ use kv_indexer::select::Clock;
 use kv_indexer_sim::fleet::{Fleet, RankRef};
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
 use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
+use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::tokenizer_dir;
@@ -34,6 +35,33 @@ struct Routed {
 }
 
 fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &str)]) -> Routed {
+    let (fleet, toml, tokenizers) = fleet_toml(engines, dp_size, openai, "127.0.0.1:0", keys);
+    let clock = Clock::manual();
+    let running = start_service_with_select_clock(&toml, clock.clone());
+    let api = running.http_addr();
+    let route = running.route_addr().expect("[route] is set");
+    wait_for(30, "every rank to be active", || {
+        (get(api, "/ready").status == 200).then_some(())
+    });
+    Routed {
+        running,
+        fleet,
+        clock,
+        route,
+        api,
+        _tokenizers: tokenizers,
+    }
+}
+
+/// The engines of `routed` and an indexer's file routing to them from `route_listen`; the
+/// tokenizers' directory lives as long as the returned guard.
+fn fleet_toml(
+    engines: usize,
+    dp_size: u32,
+    openai: OpenAiConfig,
+    route_listen: &str,
+    keys: &[(&str, &str)],
+) -> (Fleet, String, tempfile::TempDir) {
     let tokenizers = tempfile::tempdir().expect("temp dir");
     tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
     let chatml = tokenizers.path().join(MODEL);
@@ -62,22 +90,8 @@ fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &st
             ..engine
         })
         .collect();
-    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table("127.0.0.1:0", keys);
-    let clock = Clock::manual();
-    let running = start_service_with_select_clock(&toml, clock.clone());
-    let api = running.http_addr();
-    let route = running.route_addr().expect("[route] is set");
-    wait_for(30, "every rank to be active", || {
-        (get(api, "/ready").status == 200).then_some(())
-    });
-    Routed {
-        running,
-        fleet,
-        clock,
-        route,
-        api,
-        _tokenizers: tokenizers,
-    }
+    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table(route_listen, keys);
+    (fleet, toml, tokenizers)
 }
 
 impl Routed {
@@ -687,4 +701,124 @@ fn answers_that_outlast_the_idle_timeout_arrive_whole() {
     let answer = answer.json();
     assert_eq!(answer["object"], "chat.completion", "{answer}");
     streaming.join().expect("the stream arrived whole");
+}
+
+/// The real binary routing from a port of its own to one engine of `routed`'s, `/ready`.
+struct RoutedProcess {
+    process: IndexerProcess,
+    route: SocketAddr,
+    _fleet: Fleet,
+    _tokenizers: tempfile::TempDir,
+}
+
+impl RoutedProcess {
+    fn start(openai: OpenAiConfig, keys: &[(&str, &str)]) -> RoutedProcess {
+        let route = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+        let (fleet, toml, tokenizers) = fleet_toml(1, 1, openai, &route.to_string(), keys);
+        let process = support::start_indexer(&toml);
+        wait_for(30, "every rank to be active", || {
+            (get(process.address, "/ready").status == 200).then_some(())
+        });
+        RoutedProcess {
+            process,
+            route,
+            _fleet: fleet,
+            _tokenizers: tokenizers,
+        }
+    }
+
+    /// A chat of `tokens` streamed through the front end, its first event read.
+    fn open_stream(&self, tokens: u32) -> Answer {
+        let mut body = chat("a story told while stopping", true);
+        body["max_tokens"] = json!(tokens);
+        let mut answer = stream(self.route, "/v1/chat/completions", &body);
+        assert_eq!(answer.status, 200);
+        let first = answer.next_event().expect("a stream").expect("an event");
+        assert!(first.contains("chat.completion.chunk"), "{first:?}");
+        answer
+    }
+
+    fn exits_0(&mut self, within: Duration) {
+        let (status, _) = self
+            .process
+            .wait_exit(within)
+            .unwrap_or_else(|error| panic!("{error:#}\n{}", self.process.log()));
+        assert!(status.success(), "{status}\n{}", self.process.log());
+    }
+}
+
+/// Every token of a chat stream of `tokens` arrived, a chunk each, the last with the finish
+/// reason, then `[DONE]`.
+fn assert_every_token(events: &[String], tokens: usize) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let contents: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|event| serde_json::from_str::<Value>(event).expect("a JSON chunk"))
+        .filter(|chunk| {
+            let content = chunk["choices"][0]["delta"]["content"].as_str();
+            content.is_some_and(|content| !content.is_empty())
+        })
+        .collect();
+    assert_eq!(contents.len(), tokens, "one chunk a token: {events:?}");
+    assert_eq!(
+        contents[tokens - 1]["choices"][0]["finish_reason"],
+        "length"
+    );
+}
+
+/// SIGTERM while a stream is open: `/ready` answers 503 at once, the route listener refuses a
+/// new connection, the open stream arrives whole, and then the process exits 0.
+#[test]
+fn sigterm_drains_the_open_stream_then_exits() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(250),
+        ..OpenAiConfig::default()
+    };
+    let mut routed = RoutedProcess::start(slow, &[("drain_s", "30")]);
+    let mut answer = routed.open_stream(16);
+    let api = routed.process.address;
+    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
+    wait_for(2, "/ready to answer 503", || {
+        (get(api, "/ready").status == 503).then_some(())
+    });
+    wait_for(2, "the route listener to refuse a connection", || {
+        let refused = std::net::TcpStream::connect(routed.route)
+            .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused);
+        refused.then_some(())
+    });
+    let events = rest(&mut answer).expect("the whole stream, not a cut one");
+    assert_every_token(&events, 16);
+    routed.exits_0(Duration::from_secs(10));
+    let log = routed.process.log();
+    assert!(
+        log.contains("draining 1 open requests for up to 30s"),
+        "{log}"
+    );
+    assert!(log.contains("drained in"), "{log}");
+}
+
+/// A stream longer than `drain_s` is cut when the drain's time is up, and the process exits.
+#[test]
+fn a_stream_longer_than_the_drain_is_cut_at_drain_s_then_the_process_exits() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(500),
+        ..OpenAiConfig::default()
+    };
+    let mut routed = RoutedProcess::start(slow, &[("drain_s", "2")]);
+    let mut answer = routed.open_stream(60);
+    let stopped = std::time::Instant::now();
+    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
+    let cut = rest(&mut answer);
+    let after = stopped.elapsed();
+    assert!(cut.is_err(), "a 30 s stream ended whole: {cut:?}");
+    assert!(
+        (Duration::from_secs(2)..Duration::from_secs(6)).contains(&after),
+        "cut {after:?} after SIGTERM"
+    );
+    routed.exits_0(Duration::from_secs(10));
+    let log = routed.process.log();
+    assert!(
+        log.contains("drain ended at 2s; 1 connections cut"),
+        "{log}"
+    );
 }

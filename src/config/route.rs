@@ -28,6 +28,9 @@ pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 60;
 pub const DEFAULT_CONNECT_TIMEOUT_S: u32 = 2;
 /// The longest any of the timeouts may be: a day.
 pub const MAX_TIMEOUT_S: u32 = 86_400;
+/// How long a stop lets open requests and streams finish before it cuts them: a chat answer
+/// of a few hundred tokens ends within it.
+pub const DEFAULT_DRAIN_S: u32 = 30;
 
 /// The `[route]` table, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +44,8 @@ pub struct Route {
     pub first_byte_timeout_s: u32,
     pub idle_timeout_s: u32,
     pub connect_timeout_s: u32,
+    /// At a stop, how long open requests and streams may take to finish (0: cut at once).
+    pub drain_s: u32,
 }
 
 impl Route {
@@ -63,6 +68,7 @@ struct RawRoute {
     first_byte_timeout_s: Option<Spanned<Int>>,
     idle_timeout_s: Option<Spanned<Int>>,
     connect_timeout_s: Option<Spanned<Int>>,
+    drain_s: Option<Spanned<Int>>,
 }
 
 /// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
@@ -118,6 +124,12 @@ pub(super) fn check_route(
         &seconds,
         timeout,
     );
+    let drain_s = checker.int(
+        "drain_s",
+        raw.drain_s,
+        &format!("0..={MAX_TIMEOUT_S} (seconds)"),
+        |n| u32::try_from(n).ok().filter(|s| *s <= MAX_TIMEOUT_S),
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {
@@ -134,5 +146,33 @@ pub(super) fn check_route(
         first_byte_timeout_s: first_byte_timeout_s.or_default_to(DEFAULT_FIRST_BYTE_TIMEOUT_S)?,
         idle_timeout_s: idle_timeout_s.or_default_to(DEFAULT_IDLE_TIMEOUT_S)?,
         connect_timeout_s: connect_timeout_s.or_default_to(DEFAULT_CONNECT_TIMEOUT_S)?,
+        drain_s: drain_s.or_default_to(DEFAULT_DRAIN_S)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    /// `drain_s` of a file whose `[route]` table also has `keys`, or the rejection.
+    fn drain_s(keys: &str) -> Result<u32, String> {
+        let text = format!(
+            "[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nzmq_port = 5557\n\n[route]\n\
+             listen = \"127.0.0.1:8080\"\n{keys}"
+        );
+        Config::parse(&text, "indexer.toml")
+            .map(|config| config.route.expect("[route]").drain_s)
+            .map_err(|rejected| format!("{rejected:#}"))
+    }
+
+    #[test]
+    fn drain_s_defaults_to_30_and_takes_0_to_a_day() {
+        assert_eq!(drain_s(""), Ok(super::DEFAULT_DRAIN_S));
+        assert_eq!(drain_s("drain_s = 0"), Ok(0));
+        assert_eq!(drain_s("drain_s = 86400"), Ok(86_400));
+        for refused in ["drain_s = -1", "drain_s = 86401"] {
+            let rejected = drain_s(refused).expect_err(refused);
+            assert!(rejected.contains("drain_s"), "{rejected}");
+        }
+    }
 }
