@@ -14,9 +14,10 @@
 //!   `MAX_HEADERS` header lines (431);
 //! - a connection waits at most `IDLE_TIMEOUT` for the first byte of its next request (then
 //!   closes quietly), counted from the end of the last answer: while a request's answer is
-//!   produced or written (`Link::answer_begun` to `Link::answer_done`) no idle deadline runs,
-//!   so an answer lives as long as it takes (the routes bound their own work); a head that has
-//!   begun must end within `HEAD_DEADLINE` (408);
+//!   produced (`Link::answer_begun` to `Link::answer_done`, when hyper has its last byte) and
+//!   until hyper has flushed it to the socket no idle deadline runs, so an answer lives as long
+//!   as it takes (the routes bound their own work, the write deadline a client that reads
+//!   nothing); a head that has begun must end within `HEAD_DEADLINE` (408);
 //! - a write that makes no progress for `WRITE_DEADLINE` fails the connection;
 //! - closing shuts the write side, then reads and drops what the client still sends for up to
 //!   `LINGER_DEADLINE` (or `LINGER_LIMIT` bytes), so the client reads the answer, not a reset.
@@ -120,6 +121,10 @@ pub(super) struct Guarded {
     write_timer: Option<Pin<Box<Sleep>>>,
     /// An answer was in flight at the last read: the idle deadline starts when it ends.
     after_answer: bool,
+    /// hyper has written since its last flush: bytes of an answer may wait in its buffer.
+    unflushed: bool,
+    /// The read waiting for the flush, woken then to start the idle deadline.
+    flush_waiter: Option<Waker>,
 }
 
 enum Phase {
@@ -148,7 +153,19 @@ impl Guarded {
             timer: Box::pin(sleep(IDLE_TIMEOUT)),
             write_timer: None,
             after_answer: false,
+            unflushed: false,
+            flush_waiter: None,
         }
+    }
+
+    /// Whether an answer is being produced or is not yet all on the socket; if so `waker` is
+    /// woken when that changes.
+    fn answering(&mut self, waker: &Waker) -> bool {
+        if self.unflushed {
+            self.flush_waiter = Some(waker.clone());
+            return true;
+        }
+        self.link.answer_in_flight(waker)
     }
 
     fn refuse(&mut self, status: u16, reason: &str) {
@@ -234,7 +251,7 @@ impl AsyncRead for Guarded {
                 Phase::Body => return Pin::new(&mut this.stream).poll_read(cx, buf),
                 Phase::Head(scan) => {
                     let begun = scan.is_some();
-                    if !begun && this.link.answer_in_flight(cx.waker()) {
+                    if !begun && this.answering(cx.waker()) {
                         // hyper reads on while it answers: no idle deadline meanwhile.
                         this.after_answer = true;
                     } else if std::mem::take(&mut this.after_answer) {
@@ -292,6 +309,7 @@ impl AsyncWrite for Guarded {
         bytes: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        this.unflushed = true;
         match Pin::new(&mut this.stream).poll_write(cx, bytes) {
             Poll::Ready(result) => {
                 this.write_timer = None;
@@ -312,8 +330,17 @@ impl AsyncWrite for Guarded {
         }
     }
 
+    /// hyper flushes once its buffer is all written: what it answered is on the socket.
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+        let this = self.get_mut();
+        let flushed = ready!(Pin::new(&mut this.stream).poll_flush(cx));
+        if flushed.is_ok() {
+            this.unflushed = false;
+            if let Some(waiter) = this.flush_waiter.take() {
+                waiter.wake();
+            }
+        }
+        Poll::Ready(flushed)
     }
 
     /// hyper closes a connection here: linger, so the client reads the last answer.
@@ -518,6 +545,44 @@ mod tests {
             "{:?}",
             idle_from.elapsed()
         );
+    }
+
+    /// An answer hyper still holds unwritten is being written: the idle deadline waits for
+    /// hyper's flush (a large answer to a slow reader), then closes an idle connection.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_deadline_waits_for_the_answer_to_be_flushed() {
+        use std::sync::Arc;
+
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::time::{timeout, Instant};
+
+        use super::{Guarded, Link, IDLE_TIMEOUT};
+        use crate::http::ErrorShape;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let _client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let link = Arc::new(Link::default());
+        let mut guarded = Guarded::new(server, Arc::clone(&link), ErrorShape::Api);
+        guarded
+            .write_all(b"HTTP/1.1 200 OK\r\n")
+            .await
+            .expect("write");
+        let mut buf = [0u8; 64];
+        let writing = timeout(IDLE_TIMEOUT * 4, guarded.read(&mut buf)).await;
+        assert!(
+            writing.is_err(),
+            "closed while hyper held part of an answer"
+        );
+        guarded.flush().await.expect("flush");
+        let idle_from = Instant::now();
+        let read = guarded.read(&mut buf).await.expect("a quiet close");
+        assert_eq!(read, 0, "the end of the stream");
+        assert!(idle_from.elapsed() >= IDLE_TIMEOUT);
     }
 
     fn scan(head: &[u8]) -> Result<bool, (u16, String)> {

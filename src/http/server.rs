@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use log::{debug, warn};
 use parking_lot::{Condvar, Mutex};
 use tokio::io::AsyncWriteExt;
@@ -32,8 +32,8 @@ use tokio::sync::{watch, Semaphore};
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, HEAD_DEADLINE,
-    IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES, POOL_THREADS,
+    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, MAX_HEADERS,
+    MAX_HEAD_BYTES, POOL_THREADS,
 };
 use crate::metrics::Metrics;
 
@@ -409,9 +409,10 @@ async fn serve_connection(
         })
     };
     let connection = http1::Builder::new()
-        .timer(TokioTimer::new())
-        // `guard` keeps the idle and head deadlines; hyper's timer is a backstop behind them.
-        .header_read_timeout(IDLE_TIMEOUT + HEAD_DEADLINE)
+        // `guard` keeps the idle and head deadlines. hyper's own starts once a request's body
+        // is read, so it runs while the answer is produced and written, and would cut every
+        // answer longer than it (a stream, a slow reader of a large snapshot).
+        .header_read_timeout(None)
         // Above `MAX_HEAD_BYTES`, so that `guard` answers an oversized head (414 or 431) first.
         .max_buf_size(2 * MAX_HEAD_BYTES)
         .max_headers(MAX_HEADERS)
