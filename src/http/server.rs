@@ -394,7 +394,7 @@ async fn serve_connection(
             let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
             let in_flight = live.answer();
             async move {
-                let reply = answer(&shared, &link, shape, request, peer).await;
+                let reply = answer(&shared, shape, request, peer).await;
                 // The guard's idle deadline and a drain wait until this answer is written or
                 // dropped.
                 let reply = reply.map(|body| {
@@ -482,7 +482,6 @@ impl Drop for Answered {
 /// an idle keep-alive connection holds hyper's buffers alone.
 async fn answer(
     shared: &Arc<Shared>,
-    link: &Link,
     shape: ErrorShape,
     request: hyper::Request<Incoming>,
     peer: SocketAddr,
@@ -501,9 +500,6 @@ async fn answer(
         );
         return response;
     }
-    // The body is read whole: what the connection sends next is a head, after this answer.
-    link.answer_begun();
-    link.expect_head();
     let routes = match &shared.answerer {
         Answerer::Routes(routes) => Arc::clone(routes),
         Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
