@@ -820,3 +820,54 @@ fn a_stream_longer_than_the_drain_is_cut_at_drain_s_then_the_process_exits() {
         "{log}"
     );
 }
+
+/// The heads hyper would answer with a bare 400 are OpenAI errors on the route listener,
+/// naming their cause: a second `Content-Length`, obsolete line folding, a bad request line or
+/// header name, a head too large; and a head pipelined behind a request is refused the same
+/// way, after the first request's answer.
+#[test]
+fn malformed_heads_are_openai_errors_naming_their_cause() {
+    let routed = routed(1, 1, OpenAiConfig::default(), &[]);
+    let huge = format!(
+        "GET /health HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(kv_indexer::http::MAX_HEAD_BYTES)
+    );
+    let cases: [(&[u8], u16, &str); 6] = [
+        (
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+            400,
+            "more than one Content-Length",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nX-A: a\r\n\tb\r\n\r\n",
+            400,
+            "obsolete line folding",
+        ),
+        (b"GET /health  HTTP/1.1\r\n\r\n", 400, "the request line"),
+        (b"GET /health HTTP/1.1\r\nX A: 1\r\n\r\n", 400, "header name"),
+        (b"GET /health HTTP/3.0\r\n\r\n", 505, "HTTP/3.0"),
+        (huge.as_bytes(), 431, "request head over the limit"),
+    ];
+    for (head, status, cause) in cases {
+        let mut connection = Connection::open(routed.route);
+        connection.write_raw(head);
+        let reply = connection.read_reply();
+        let shown = String::from_utf8_lossy(&head[..head.len().min(80)]);
+        assert_eq!(reply.status, status, "{shown:?}: {}", reply.text());
+        let error = &reply.json()["error"];
+        assert_eq!(error["code"], status, "{shown:?}: {error}");
+        assert!(error["type"].is_string(), "{shown:?}: {error}");
+        assert!(error_message(&reply).contains(cause), "{shown:?}: {error}");
+    }
+    let mut connection = Connection::open(routed.route);
+    connection.write_raw(
+        b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n\
+          POST /v1/completions HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+    );
+    assert_eq!(connection.read_reply().status, 200, "the first request");
+    let refused = connection.read_reply();
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert_eq!(refused.json()["error"]["type"], "invalid_request_error");
+    assert!(error_message(&refused).contains("both Transfer-Encoding"));
+    assert!(connection.closed_by_peer(), "closed after the refusal");
+}
