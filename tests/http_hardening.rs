@@ -626,5 +626,13 @@ fn a_head_pipelined_behind_another_request_is_refused_after_its_answer() {
             assert!(error.contains(reason), "{shown:?}: {error}");
         }
     }
+    // A first request hyper refuses itself (no route answers it): the connection still ends.
+    let refused_by_hyper = [
+        &b"POST /query HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"[..],
+        smuggled[1].0,
+    ]
+    .concat();
+    let answer = exchange(addr, &refused_by_hyper).expect("answered and closed, not hung");
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer:?}");
     indexer.answers_and_settles();
 }

@@ -844,7 +844,11 @@ fn malformed_heads_are_openai_errors_naming_their_cause() {
             "obsolete line folding",
         ),
         (b"GET /health  HTTP/1.1\r\n\r\n", 400, "the request line"),
-        (b"GET /health HTTP/1.1\r\nX A: 1\r\n\r\n", 400, "header name"),
+        (
+            b"GET /health HTTP/1.1\r\nX A: 1\r\n\r\n",
+            400,
+            "header name",
+        ),
         (b"GET /health HTTP/3.0\r\n\r\n", 505, "HTTP/3.0"),
         (huge.as_bytes(), 431, "request head over the limit"),
     ];

@@ -119,6 +119,8 @@ pub(super) struct Guarded {
     unflushed: bool,
     /// The read waiting for the flush, woken then to start the idle deadline.
     flush_waiter: Option<Waker>,
+    /// hyper is closing the connection.
+    closing: bool,
 }
 
 enum Phase {
@@ -150,6 +152,7 @@ impl Guarded {
             after_answer: false,
             unflushed: false,
             flush_waiter: None,
+            closing: false,
         }
     }
 
@@ -176,6 +179,7 @@ impl Guarded {
     fn poll_refusal(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
             if matches!(self.phase, Phase::Refusing { written: 0, .. })
+                && !self.closing
                 && self.answering(cx.waker())
             {
                 // Written after the answers of the requests before it, never amid them.
@@ -340,6 +344,9 @@ impl AsyncWrite for Guarded {
     /// hyper closes a connection here: linger, so the client reads the last answer.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        // hyper writes nothing more: a refusal waiting for its answers (one hyper gave up, or
+        // refused itself) goes now.
+        this.closing = true;
         if !matches!(
             this.phase,
             Phase::Lingering { .. } | Phase::Closed | Phase::Refusing { .. }
