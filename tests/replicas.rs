@@ -467,7 +467,7 @@ fn a_large_snapshot_read_slowly_for_60_s_arrives_whole() {
 
     const PROMPTS: u32 = 400;
     const PROMPT_TOKENS: u32 = 4_096;
-    const BLOCKS: u32 = PROMPTS * PROMPT_TOKENS / BLOCK_SIZE as u32;
+    const BLOCKS: u32 = PROMPTS * PROMPT_TOKENS / BLOCK_SIZE;
     const READ_FOR: Duration = Duration::from_secs(60);
     const PACE: Duration = Duration::from_millis(100);
     let fleet = fleet(true, 0.0, 2 * BLOCKS as usize);
