@@ -875,3 +875,34 @@ fn malformed_heads_are_openai_errors_naming_their_cause() {
     assert!(error_message(&refused).contains("both Transfer-Encoding"));
     assert!(connection.closed_by_peer(), "closed after the refusal");
 }
+
+/// A second SIGTERM during the drain cuts it short: the open stream is cut at once, long before
+/// `drain_s`, and the process exits 0.
+#[test]
+fn a_second_sigterm_cuts_the_drain_short() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(500),
+        ..OpenAiConfig::default()
+    };
+    let mut routed = RoutedProcess::start(slow, &[("drain_s", "60")]);
+    let mut answer = routed.open_stream(60);
+    let api = routed.process.address;
+    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
+    wait_for(2, "/ready to answer 503", || {
+        (get(api, "/ready").status == 503).then_some(())
+    });
+    let again = std::time::Instant::now();
+    routed
+        .process
+        .signal(libc::SIGTERM)
+        .expect("a second SIGTERM");
+    assert!(rest(&mut answer).is_err(), "the stream was cut");
+    assert!(
+        again.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        again.elapsed()
+    );
+    routed.exits_0(Duration::from_secs(10));
+    let log = routed.process.log();
+    assert!(log.contains("drain is cut short"), "{log}");
+}
