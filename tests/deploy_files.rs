@@ -1,7 +1,7 @@
 //! The deployment files agree with each other: docker-compose.yml's engines publish where the
 //! indexer TOML files they are paired with look, the indexer containers mount their TOML where
-//! the Dockerfile's command reads it, the TOML files pass the indexer's own validation, and the
-//! systemd unit reloads with SIGHUP.
+//! the Dockerfile's command reads it, the TOML files pass the indexer's own validation, the
+//! systemd unit reloads with SIGHUP, and a stop has room for the drain and the state save.
 
 use std::path::Path;
 
@@ -410,4 +410,62 @@ fn the_state_dir_survives_a_restart_under_systemd_and_compose() {
         !compose["volumes"][volume].is_badvalue(),
         "{volume} is a named volume"
     );
+}
+
+/// Room a stop leaves for the state save and the listeners' stop, beside the drain: about 3 s
+/// for 10 M blocks (docs.md "Restarts"), with a margin.
+const SAVE_ROOM_S: u32 = 10;
+
+/// A duration of a deployment file in seconds: `60s`, `1m`, or `45` (seconds).
+fn seconds(value: &str, what: &str) -> u32 {
+    let (number, unit) = match value.strip_suffix('m') {
+        Some(minutes) => (minutes, 60),
+        None => (value.strip_suffix('s').unwrap_or(value), 1),
+    };
+    number
+        .parse::<u32>()
+        .map(|n| n * unit)
+        .unwrap_or_else(|_| panic!("{what}: {value:?} is not seconds or minutes"))
+}
+
+/// docs.md "Drain": a stop lets open answers finish for up to `[route] drain_s`, then saves the
+/// state; systemd's `TimeoutStopSec` and each compose indexer's `stop_grace_period` leave room
+/// for both (docker kills after 10 s by default, systemd after 90 s).
+#[test]
+fn a_stop_has_room_for_the_drain_and_the_save_under_systemd_and_compose() {
+    let unit = read("deploy/kv-indexer.service");
+    let stop = unit
+        .lines()
+        .find_map(|line| line.strip_prefix("TimeoutStopSec="))
+        .expect("the unit sets TimeoutStopSec");
+    let default_drain = kv_indexer::config::DEFAULT_DRAIN_S;
+    assert!(
+        seconds(stop, "TimeoutStopSec") > default_drain + SAVE_ROOM_S,
+        "TimeoutStopSec={stop} leaves no room for a {default_drain} s drain and the save"
+    );
+    let compose = compose();
+    for (name, file) in [
+        ("indexer", "deploy/indexer.compose.toml"),
+        ("indexer-demo", "deploy/indexer.demo.toml"),
+        ("indexer-mock", "deploy/indexer.mock.toml"),
+    ] {
+        let config = Config::parse(&read(file), file).unwrap_or_else(|e| panic!("{e}"));
+        let drain = config.route.as_ref().map_or(0, |route| route.drain_s);
+        let save = if config.state.dir.is_some() {
+            SAVE_ROOM_S
+        } else {
+            0
+        };
+        let needed = drain + save;
+        if needed == 0 {
+            continue;
+        }
+        let grace = service(&compose, name)["stop_grace_period"]
+            .as_str()
+            .map_or(10, |grace| seconds(grace, name));
+        assert!(
+            grace > needed,
+            "{name}: stop_grace_period {grace} s, but {file} drains for {drain} s and saves"
+        );
+    }
 }

@@ -514,33 +514,50 @@ fn chunk_sizes_are_hex_digits_alone_and_chunk_lines_are_strict() {
 }
 
 #[test]
-fn other_malformed_heads_and_framings_get_400() {
+fn other_malformed_heads_and_framings_get_400_naming_the_cause() {
     let indexer = Indexer::start(4_096);
     let addr = indexer.addr;
     let length = format!("Content-Length: {}\r\n", QUERY.len());
     let chunked_too = format!("Transfer-Encoding: chunked\r\n{length}");
     let twice = format!("Content-Length: 3\r\n{length}");
-    // What hyper's parser cannot read, it refuses itself, before any route runs.
-    let unparsable: [&[u8]; 4] = [
-        b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n",
-        b"GET  /health HTTP/1.1\r\nHost: t\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost : t\r\n\r\n",
-        // Obsolete line folding.
-        b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n",
-    ];
-    for request in unparsable {
-        let status = parser_refusal(addr, request);
-        assert_eq!(status, 400, "{:?}", String::from_utf8_lossy(request));
-    }
-    for request in [
-        post_query(&twice, QUERY),
-        post_query(&format!("Content-Length: +{}\r\n", QUERY.len()), QUERY),
-        post_query(&format!("Content-Length: {}, 3\r\n", QUERY.len()), QUERY),
-    ] {
-        let status = parser_refusal(addr, &request);
-        assert_eq!(status, 400, "{:?}", String::from_utf8_lossy(&request));
-    }
-    let cases: [(Vec<u8>, u16, &str); 2] = [
+    // What hyper's parser would refuse with a bare 400, the guard refuses first, in the API's
+    // JSON, naming the cause.
+    let cases: [(Vec<u8>, u16, &str); 10] = [
+        (
+            b"GET /health HTTP/2.0\r\nHost: t\r\n\r\n".to_vec(),
+            505,
+            "HTTP/2.0 is not supported",
+        ),
+        (
+            b"GET  /health HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
+            400,
+            "the request line",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost : t\r\n\r\n".to_vec(),
+            400,
+            "no space before it",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n".to_vec(),
+            400,
+            "obsolete line folding",
+        ),
+        (
+            post_query(&twice, QUERY),
+            400,
+            "more than one Content-Length",
+        ),
+        (
+            post_query(&format!("Content-Length: +{}\r\n", QUERY.len()), QUERY),
+            400,
+            "Content-Length is not a number",
+        ),
+        (
+            post_query(&format!("Content-Length: {}, 3\r\n", QUERY.len()), QUERY),
+            400,
+            "Content-Length is not a number",
+        ),
         (
             "GET /health HTTP/1.1\r\nX-Name: é\r\n\r\n"
                 .as_bytes()
@@ -553,6 +570,11 @@ fn other_malformed_heads_and_framings_get_400() {
             400,
             "both Transfer-Encoding and Content-Length",
         ),
+        (
+            b"GET /health HTTP/1.1\r\nX-A\r\n\r\n".to_vec(),
+            400,
+            "has no `:`",
+        ),
     ];
     for (request, status, reason) in cases {
         let (got, error) = refusal(addr, &request);
@@ -560,5 +582,57 @@ fn other_malformed_heads_and_framings_get_400() {
         assert_eq!(got, status, "{request:?}: {error}");
         assert!(error.contains(reason), "{request:?}: {error}");
     }
+    indexer.answers_and_settles();
+}
+
+/// A head a client pipelines behind another request, in the same write, meets the rules the
+/// first head meets: the first request is answered, then the pipelined head is refused in
+/// JSON, and the connection closed. Behind a body too: the guard follows its framing.
+#[test]
+fn a_head_pipelined_behind_another_request_is_refused_after_its_answer() {
+    let indexer = Indexer::start(4_096);
+    let addr = indexer.addr;
+    let length = format!("Content-Length: {}\r\n", QUERY.len());
+    let chunked = "Transfer-Encoding: chunked\r\n";
+    let keep_alive = |headers: &str, body: &str| {
+        format!("POST /query HTTP/1.1\r\nHost: t\r\n{headers}\r\n{body}").into_bytes()
+    };
+    let firsts = [
+        b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n".to_vec(),
+        keep_alive(&length, QUERY),
+        keep_alive(chunked, &one_chunk("18", ";x=1", "X-Trailer: 1\r\n")),
+    ];
+    let smuggled: [(&[u8], &str); 3] = [
+        (
+            b"POST /query HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "both Transfer-Encoding and Content-Length",
+        ),
+        (b"GET /health HTTP/1.1\nHost: t\r\n\r\n", "bare LF"),
+        (b"GET /health HTTP/1.1\r\nX-A: a\0b\r\n\r\n", "control character"),
+    ];
+    for first in &firsts {
+        for (second, reason) in smuggled {
+            let request = [&first[..], second].concat();
+            let shown = String::from_utf8_lossy(&request).into_owned();
+            let answer = exchange(addr, &request).expect("answered");
+            assert!(answer.starts_with("HTTP/1.1 200 "), "{shown:?}: {answer:?}");
+            let at = answer
+                .find("HTTP/1.1 400 ")
+                .unwrap_or_else(|| panic!("{shown:?}: no refusal after the answer: {answer:?}"));
+            assert_eq!(answer.matches("HTTP/1.1 ").count(), 2, "{answer:?}");
+            let (_, body) = answer[at..].split_once("\r\n\r\n").unwrap_or_default();
+            let error: serde_json::Value = serde_json::from_str(body).expect("a JSON error");
+            let error = error["error"].as_str().unwrap_or_default();
+            assert!(error.contains(reason), "{shown:?}: {error}");
+        }
+    }
+    // A first request hyper refuses itself (no route answers it): the connection still ends.
+    let refused_by_hyper = [
+        &b"POST /query HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"[..],
+        smuggled[1].0,
+    ]
+    .concat();
+    let answer = exchange(addr, &refused_by_hyper).expect("answered and closed, not hung");
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer:?}");
     indexer.answers_and_settles();
 }

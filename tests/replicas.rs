@@ -1,6 +1,7 @@
 //! Replicas (docs.md "Replicas"): several `kv-indexer` processes on one simulated fleet, each
 //! subscribed to every rank, recovering a rank from a peer when the engines cannot help. Real
-//! processes, sockets and HTTP on 127.0.0.1; the engines' caches are the ground truth.
+//! processes, sockets and HTTP on 127.0.0.1; the engines' caches are the ground truth. A peer
+//! reading a large snapshot slowly gets it whole.
 
 mod support;
 
@@ -455,4 +456,88 @@ fn peer_fetches_never_go_through_a_proxy_from_the_environment() {
     }
     support::caught_up(&fleet, &indexer, DEADLINE);
     assert_eq!(proxy.connections(), 0, "{}", indexer.log());
+}
+
+/// A peer reading a large snapshot slowly gets it whole: 60 s at a steady pace, the server
+/// still writing long past its 30 s idle timeout (the client's receive buffer is kept small,
+/// so the rest waits in the server's), which never runs while an answer is being written.
+#[test]
+fn a_large_snapshot_read_slowly_for_60_s_arrives_whole() {
+    use std::io::{BufRead, BufReader, Read, Write};
+
+    const PROMPTS: u32 = 400;
+    const PROMPT_TOKENS: u32 = 4_096;
+    const BLOCKS: u32 = PROMPTS * PROMPT_TOKENS / BLOCK_SIZE;
+    const READ_FOR: Duration = Duration::from_secs(60);
+    const PACE: Duration = Duration::from_millis(100);
+    let fleet = fleet(true, 0.0, 2 * BLOCKS as usize);
+    let indexer = start_indexer(&config(&fleet, &[], true, None));
+    subscribed(&fleet, &indexer);
+    let rank = RankRef { engine: 0, rank: 0 };
+    for prompt in 0..PROMPTS {
+        let tokens: Vec<u32> = (prompt * PROMPT_TOKENS..(prompt + 1) * PROMPT_TOKENS).collect();
+        fleet.engine(rank).serve(0, &tokens).expect("served");
+    }
+    let views = settle(&fleet, &mut OverHttp::new(indexer.address), DEADLINE);
+    let held = views
+        .iter()
+        .find(|view| view.engine == "sim-0" && view.dp_rank == 0)
+        .map(|view| view.blocks);
+    assert_eq!(held, Some(u64::from(BLOCKS)), "{views:#?}");
+
+    let mut socket = std::net::TcpStream::connect(indexer.address).expect("connect");
+    rustix::net::sockopt::set_socket_recv_buffer_size(&socket, 16 << 10).expect("SO_RCVBUF");
+    socket.set_read_timeout(Some(DEADLINE)).expect("timeout");
+    socket
+        .write_all(b"GET /snapshot/sim-0/0 HTTP/1.1\r\nHost: test\r\n\r\n")
+        .expect("request");
+    let mut reader = BufReader::with_capacity(4 << 10, socket);
+    let mut length = None;
+    let mut line = String::new();
+    while {
+        line.clear();
+        reader.read_line(&mut line).expect("the head");
+        line != "\r\n"
+    } {
+        if let Some((name, value)) = line.split_once(':') {
+            if name.eq_ignore_ascii_case("content-length") {
+                length = value.trim().parse::<usize>().ok();
+            }
+        }
+    }
+    let length = length.expect("a Content-Length");
+    assert!(
+        length > 8 << 20,
+        "a snapshot larger than the sockets' buffers: {length}"
+    );
+    let step = length / (READ_FOR.as_millis() / PACE.as_millis()) as usize + 1;
+    let started = Instant::now();
+    let mut body = Vec::with_capacity(length);
+    while body.len() < length {
+        let want = step.min(length - body.len());
+        let before = body.len();
+        (&mut reader)
+            .take(want as u64)
+            .read_to_end(&mut body)
+            .expect("the snapshot, not a cut");
+        assert!(
+            body.len() > before,
+            "cut after {} of {length} bytes",
+            body.len()
+        );
+        std::thread::sleep(PACE);
+    }
+    assert!(
+        started.elapsed() >= READ_FOR - PACE,
+        "{:?}",
+        started.elapsed()
+    );
+    let snapshot: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+    let stored: usize = snapshot["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|event| event["block_hashes"].as_array().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(stored, BLOCKS as usize);
 }

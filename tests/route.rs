@@ -12,6 +12,7 @@ use kv_indexer::select::Clock;
 use kv_indexer_sim::fleet::{Fleet, RankRef};
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
 use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
+use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::tokenizer_dir;
@@ -54,6 +55,35 @@ fn routed_with(
     edit: &dyn Fn(usize, EngineToml) -> EngineToml,
     ready_path: &str,
 ) -> Routed {
+    let (fleet, toml, tokenizers) = fleet_toml(engines, dp_size, openai, "127.0.0.1:0", keys, edit);
+    let clock = Clock::manual();
+    let running = start_service_with_select_clock(&toml, clock.clone());
+    let api = running.http_addr();
+    let route = running.route_addr().expect("[route] is set");
+    wait_for(30, &format!("{ready_path} to answer 200"), || {
+        (get(api, ready_path).status == 200).then_some(())
+    });
+    Routed {
+        running,
+        fleet,
+        clock,
+        route,
+        api,
+        _tokenizers: tokenizers,
+    }
+}
+
+/// The engines of `routed` and an indexer's file routing to them from `route_listen`, each
+/// engine's table as `edit` makes it; the tokenizers' directory lives as long as the returned
+/// guard.
+fn fleet_toml(
+    engines: usize,
+    dp_size: u32,
+    openai: OpenAiConfig,
+    route_listen: &str,
+    keys: &[(&str, &str)],
+    edit: &dyn Fn(usize, EngineToml) -> EngineToml,
+) -> (Fleet, String, tempfile::TempDir) {
     let tokenizers = tempfile::tempdir().expect("temp dir");
     tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
     let chatml = tokenizers.path().join(MODEL);
@@ -84,22 +114,8 @@ fn routed_with(
         .enumerate()
         .map(|(i, engine)| edit(i, engine))
         .collect();
-    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table("127.0.0.1:0", keys);
-    let clock = Clock::manual();
-    let running = start_service_with_select_clock(&toml, clock.clone());
-    let api = running.http_addr();
-    let route = running.route_addr().expect("[route] is set");
-    wait_for(30, &format!("{ready_path} to answer 200"), || {
-        (get(api, ready_path).status == 200).then_some(())
-    });
-    Routed {
-        running,
-        fleet,
-        clock,
-        route,
-        api,
-        _tokenizers: tokenizers,
-    }
+    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table(route_listen, keys);
+    (fleet, toml, tokenizers)
 }
 
 impl Routed {
@@ -774,32 +790,30 @@ fn hop_by_hop_and_proxy_headers_stay_behind_and_host_is_the_engines() {
     drop(routed.running);
 }
 
-/// Answers that outlast the server's 30 s idle timeout (`http::IDLE_TIMEOUT`) arrive whole: a
-/// stream of 36 tokens a second apart, and a whole answer whose engine takes 35 s to its first
-/// token. The idle deadline is for a connection waiting for its next request, never for one
-/// whose answer is being produced or written.
+/// A stream that outlasts the server's 30 s idle timeout (`http::IDLE_TIMEOUT`) three times
+/// arrives whole: 90 tokens a second apart, every chunk. The idle deadline is for a connection
+/// waiting for its next request, never for one whose answer is being written.
 #[test]
-fn answers_that_outlast_the_idle_timeout_arrive_whole() {
-    let streaming = std::thread::spawn(|| {
-        let slow = OpenAiConfig {
-            inter_token: Duration::from_secs(1),
-            ..OpenAiConfig::default()
-        };
-        let routed = routed(1, 1, slow, &[]);
-        let mut body = chat("a long story", true);
-        body["max_tokens"] = json!(36);
-        let mut answer = stream(routed.route, "/v1/chat/completions", &body);
-        assert_eq!(answer.status, 200);
-        let events = rest(&mut answer).expect("the whole stream, not a cut one");
-        assert_eq!(
-            events.last().map(String::as_str),
-            Some("[DONE]"),
-            "{events:?}"
-        );
-        assert!(events.len() >= 36, "one event a token: {events:?}");
-    });
+fn a_90_s_stream_arrives_whole() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_secs(1),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(1, 1, slow, &[]);
+    let mut body = chat("a long story", true);
+    body["max_tokens"] = json!(90);
+    let mut answer = stream(routed.route, "/v1/chat/completions", &body);
+    assert_eq!(answer.status, 200);
+    let events = rest(&mut answer).expect("the whole stream, not a cut one");
+    assert_every_token(&events, 90);
+}
+
+/// A whole answer whose engine takes 45 s to its first token arrives: no deadline of the
+/// server runs while an answer is being produced (the front end's is `first_byte_timeout_s`).
+#[test]
+fn a_whole_answer_after_45_s_arrives() {
     let thinking = OpenAiConfig {
-        first_token_floor: Duration::from_secs(35),
+        first_token_floor: Duration::from_secs(45),
         ..OpenAiConfig::default()
     };
     let routed = routed(1, 1, thinking, &[]);
@@ -809,13 +823,220 @@ fn answers_that_outlast_the_idle_timeout_arrive_whole() {
         "/v1/chat/completions",
         &[],
         body.to_string().as_bytes(),
-        Duration::from_secs(60),
+        Duration::from_secs(70),
     )
-    .expect("an answer after 35 s, not a closed connection");
+    .expect("an answer after 45 s, not a closed connection");
     assert_eq!(answer.status, 200);
     let answer = answer.json();
     assert_eq!(answer["object"], "chat.completion", "{answer}");
-    streaming.join().expect("the stream arrived whole");
+    assert_eq!(answer["usage"]["completion_tokens"], 4, "{answer}");
+}
+
+/// The real binary routing from a port of its own to one engine of `routed`'s, `/ready`.
+struct RoutedProcess {
+    process: IndexerProcess,
+    route: SocketAddr,
+    _fleet: Fleet,
+    _tokenizers: tempfile::TempDir,
+}
+
+impl RoutedProcess {
+    fn start(openai: OpenAiConfig, keys: &[(&str, &str)]) -> RoutedProcess {
+        let route = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+        let (fleet, toml, tokenizers) =
+            fleet_toml(1, 1, openai, &route.to_string(), keys, &|_, engine| engine);
+        let process = support::start_indexer(&toml);
+        wait_for(30, "every rank to be active", || {
+            (get(process.address, "/ready").status == 200).then_some(())
+        });
+        RoutedProcess {
+            process,
+            route,
+            _fleet: fleet,
+            _tokenizers: tokenizers,
+        }
+    }
+
+    /// A chat of `tokens` streamed through the front end, its first event read.
+    fn open_stream(&self, tokens: u32) -> Answer {
+        let mut body = chat("a story told while stopping", true);
+        body["max_tokens"] = json!(tokens);
+        let mut answer = stream(self.route, "/v1/chat/completions", &body);
+        assert_eq!(answer.status, 200);
+        let first = answer.next_event().expect("a stream").expect("an event");
+        assert!(first.contains("chat.completion.chunk"), "{first:?}");
+        answer
+    }
+
+    fn exits_0(&mut self, within: Duration) {
+        let (status, _) = self
+            .process
+            .wait_exit(within)
+            .unwrap_or_else(|error| panic!("{error:#}\n{}", self.process.log()));
+        assert!(status.success(), "{status}\n{}", self.process.log());
+    }
+}
+
+/// Every token of a chat stream of `tokens` arrived, a chunk each, the last with the finish
+/// reason, then `[DONE]`.
+fn assert_every_token(events: &[String], tokens: usize) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let contents: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|event| serde_json::from_str::<Value>(event).expect("a JSON chunk"))
+        .filter(|chunk| {
+            let content = chunk["choices"][0]["delta"]["content"].as_str();
+            content.is_some_and(|content| !content.is_empty())
+        })
+        .collect();
+    assert_eq!(contents.len(), tokens, "one chunk a token: {events:?}");
+    assert_eq!(
+        contents[tokens - 1]["choices"][0]["finish_reason"],
+        "length"
+    );
+}
+
+/// SIGTERM while a stream is open: `/ready` answers 503 at once, the route listener refuses a
+/// new connection, the open stream arrives whole, and then the process exits 0.
+#[test]
+fn sigterm_drains_the_open_stream_then_exits() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(250),
+        ..OpenAiConfig::default()
+    };
+    let mut routed = RoutedProcess::start(slow, &[("drain_s", "30")]);
+    let mut answer = routed.open_stream(16);
+    let api = routed.process.address;
+    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
+    wait_for(2, "/ready to answer 503", || {
+        (get(api, "/ready").status == 503).then_some(())
+    });
+    wait_for(2, "the route listener to refuse a connection", || {
+        let refused = std::net::TcpStream::connect(routed.route)
+            .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused);
+        refused.then_some(())
+    });
+    let events = rest(&mut answer).expect("the whole stream, not a cut one");
+    assert_every_token(&events, 16);
+    routed.exits_0(Duration::from_secs(10));
+    let log = routed.process.log();
+    assert!(
+        log.contains("draining 1 open requests for up to 30s"),
+        "{log}"
+    );
+    assert!(log.contains("drained in"), "{log}");
+}
+
+/// A stream longer than `drain_s` is cut when the drain's time is up, and the process exits.
+#[test]
+fn a_stream_longer_than_the_drain_is_cut_at_drain_s_then_the_process_exits() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(500),
+        ..OpenAiConfig::default()
+    };
+    let mut routed = RoutedProcess::start(slow, &[("drain_s", "2")]);
+    let mut answer = routed.open_stream(60);
+    let stopped = std::time::Instant::now();
+    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
+    let cut = rest(&mut answer);
+    let after = stopped.elapsed();
+    assert!(cut.is_err(), "a 30 s stream ended whole: {cut:?}");
+    assert!(
+        (Duration::from_secs(2)..Duration::from_secs(6)).contains(&after),
+        "cut {after:?} after SIGTERM"
+    );
+    routed.exits_0(Duration::from_secs(10));
+    let log = routed.process.log();
+    assert!(
+        log.contains("drain ended at 2s; 1 connections cut"),
+        "{log}"
+    );
+}
+
+/// The heads hyper would answer with a bare 400 are OpenAI errors on the route listener,
+/// naming their cause: a second `Content-Length`, obsolete line folding, a bad request line or
+/// header name, a head too large; and a head pipelined behind a request is refused the same
+/// way, after the first request's answer.
+#[test]
+fn malformed_heads_are_openai_errors_naming_their_cause() {
+    let routed = routed(1, 1, OpenAiConfig::default(), &[]);
+    let huge = format!(
+        "GET /health HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(kv_indexer::http::MAX_HEAD_BYTES)
+    );
+    let cases: [(&[u8], u16, &str); 6] = [
+        (
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+            400,
+            "more than one Content-Length",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nX-A: a\r\n\tb\r\n\r\n",
+            400,
+            "obsolete line folding",
+        ),
+        (b"GET /health  HTTP/1.1\r\n\r\n", 400, "the request line"),
+        (
+            b"GET /health HTTP/1.1\r\nX A: 1\r\n\r\n",
+            400,
+            "header name",
+        ),
+        (b"GET /health HTTP/3.0\r\n\r\n", 505, "HTTP/3.0"),
+        (huge.as_bytes(), 431, "request head over the limit"),
+    ];
+    for (head, status, cause) in cases {
+        let mut connection = Connection::open(routed.route);
+        connection.write_raw(head);
+        let reply = connection.read_reply();
+        let shown = String::from_utf8_lossy(&head[..head.len().min(80)]);
+        assert_eq!(reply.status, status, "{shown:?}: {}", reply.text());
+        let error = &reply.json()["error"];
+        assert_eq!(error["code"], status, "{shown:?}: {error}");
+        assert!(error["type"].is_string(), "{shown:?}: {error}");
+        assert!(error_message(&reply).contains(cause), "{shown:?}: {error}");
+    }
+    let mut connection = Connection::open(routed.route);
+    connection.write_raw(
+        b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n\
+          POST /v1/completions HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+    );
+    assert_eq!(connection.read_reply().status, 200, "the first request");
+    let refused = connection.read_reply();
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert_eq!(refused.json()["error"]["type"], "invalid_request_error");
+    assert!(error_message(&refused).contains("both Transfer-Encoding"));
+    assert!(connection.closed_by_peer(), "closed after the refusal");
+}
+
+/// A second SIGTERM during the drain cuts it short: the open stream is cut at once, long before
+/// `drain_s`, and the process exits 0.
+#[test]
+fn a_second_sigterm_cuts_the_drain_short() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(500),
+        ..OpenAiConfig::default()
+    };
+    let mut routed = RoutedProcess::start(slow, &[("drain_s", "60")]);
+    let mut answer = routed.open_stream(60);
+    let api = routed.process.address;
+    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
+    wait_for(2, "/ready to answer 503", || {
+        (get(api, "/ready").status == 503).then_some(())
+    });
+    let again = std::time::Instant::now();
+    routed
+        .process
+        .signal(libc::SIGTERM)
+        .expect("a second SIGTERM");
+    assert!(rest(&mut answer).is_err(), "the stream was cut");
+    assert!(
+        again.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        again.elapsed()
+    );
+    routed.exits_0(Duration::from_secs(10));
+    let log = routed.process.log();
+    assert!(log.contains("drain is cut short"), "{log}");
 }
 
 #[test]

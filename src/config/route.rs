@@ -39,6 +39,9 @@ pub const DEFAULT_UNHEALTHY_THRESHOLD: u32 = 2;
 pub const DEFAULT_HEALTHY_THRESHOLD: u32 = 1;
 /// The most checks in a row a threshold may ask.
 pub const MAX_THRESHOLD: u32 = 100;
+/// How long a stop lets open requests and streams finish before it cuts them: a chat answer
+/// of a few hundred tokens ends within it.
+pub const DEFAULT_DRAIN_S: u32 = 30;
 
 /// The `[route]` table, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,6 +60,8 @@ pub struct Route {
     pub health_timeout_s: u32,
     pub unhealthy_threshold: u32,
     pub healthy_threshold: u32,
+    /// At a stop, how long open requests and streams may take to finish (0: cut at once).
+    pub drain_s: u32,
 }
 
 impl Route {
@@ -83,6 +88,7 @@ struct RawRoute {
     health_timeout_s: Option<Spanned<Int>>,
     unhealthy_threshold: Option<Spanned<Int>>,
     healthy_threshold: Option<Spanned<Int>>,
+    drain_s: Option<Spanned<Int>>,
 }
 
 /// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
@@ -163,6 +169,12 @@ pub(super) fn check_route(
         &checks,
         threshold,
     );
+    let drain_s = checker.int(
+        "drain_s",
+        raw.drain_s,
+        &format!("0..={MAX_TIMEOUT_S} (seconds)"),
+        |n| u32::try_from(n).ok().filter(|s| *s <= MAX_TIMEOUT_S),
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {
@@ -183,5 +195,33 @@ pub(super) fn check_route(
         health_timeout_s: health_timeout_s.or_default_to(DEFAULT_HEALTH_TIMEOUT_S)?,
         unhealthy_threshold: unhealthy_threshold.or_default_to(DEFAULT_UNHEALTHY_THRESHOLD)?,
         healthy_threshold: healthy_threshold.or_default_to(DEFAULT_HEALTHY_THRESHOLD)?,
+        drain_s: drain_s.or_default_to(DEFAULT_DRAIN_S)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    /// `drain_s` of a file whose `[route]` table also has `keys`, or the rejection.
+    fn drain_s(keys: &str) -> Result<u32, String> {
+        let text = format!(
+            "[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nzmq_port = 5557\n\n[route]\n\
+             listen = \"127.0.0.1:8080\"\n{keys}"
+        );
+        Config::parse(&text, "indexer.toml")
+            .map(|config| config.route.expect("[route]").drain_s)
+            .map_err(|rejected| format!("{rejected:#}"))
+    }
+
+    #[test]
+    fn drain_s_defaults_to_30_and_takes_0_to_a_day() {
+        assert_eq!(drain_s(""), Ok(super::DEFAULT_DRAIN_S));
+        assert_eq!(drain_s("drain_s = 0"), Ok(0));
+        assert_eq!(drain_s("drain_s = 86400"), Ok(86_400));
+        for refused in ["drain_s = -1", "drain_s = 86401"] {
+            let rejected = drain_s(refused).expect_err(refused);
+            assert!(rejected.contains("drain_s"), "{rejected}");
+        }
+    }
 }

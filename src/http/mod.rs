@@ -44,15 +44,16 @@ pub use snapshot_route::percent_decode;
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
 use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
-use log::info;
+use log::{debug, info, warn};
 use serde::Serialize;
 use serde_json::json;
 use tokio::runtime::Handle;
@@ -68,7 +69,7 @@ use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 pub use routes::diff_json;
 use routes::API_ROUTES;
-use server::{spawn_accept, Answerer, Live, Reserve};
+use server::{spawn_accept, Answerer, Live, Reserve, Stage};
 
 /// A request line and headers together: 16 KiB is 4 times what any client of this API sends
 /// (a router's head is under 300 bytes), and bounds what every open connection's head holds.
@@ -129,6 +130,11 @@ pub trait AsyncRoutes: Send + Sync + 'static {
 
 /// How long `stop` waits for open connections to finish the request they are answering.
 const STOP_GRACE: Duration = Duration::from_millis(500);
+/// How long accept may take to see a stop and close the listening socket: a runtime worker's
+/// turn, unless the runtime is starved.
+const UNBIND_GRACE: Duration = Duration::from_secs(1);
+/// After a drain's grace, how long the connections still open may take to be dropped.
+const CUT_GRACE: Duration = Duration::from_secs(1);
 
 /// Re-reads the configuration and applies it (the same as SIGHUP).
 pub type ReloadFn = dyn Fn() -> Result<ReloadDiff, ConfigError> + Send + Sync;
@@ -149,6 +155,9 @@ pub struct Api {
     pub selector: Arc<Selector>,
     /// The models' tokenizers, for prompts sent as text or chat messages.
     pub tokenizers: Arc<SharedTokenizers>,
+    /// Raised when a stop begins: `/ready` answers 503 from then on, so that a load balancer
+    /// sends nothing more to this process while it drains.
+    pub draining: Arc<AtomicBool>,
 }
 
 /// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one
@@ -211,7 +220,7 @@ impl BoundHttp {
         runtime: &Handle,
     ) -> anyhow::Result<HttpServer> {
         let (addr, name) = (self.addr, answerer.name());
-        let (stop, stopping) = watch::channel(false);
+        let (stage, stage_seen) = watch::channel(Stage::Serving);
         let live = Arc::new(Live::default());
         let acceptor = spawn_accept(
             runtime,
@@ -220,14 +229,14 @@ impl BoundHttp {
             answerer,
             limits,
             Arc::clone(&live),
-            stopping,
+            stage_seen,
         )
         .with_context(|| format!("serving the {name} on {addr}"))?;
         let most = limits.connections;
         info!("{name} listening on http://{addr} (up to {most} connections)");
         Ok(HttpServer {
             name,
-            stop,
+            stage: Arc::new(stage),
             acceptor,
             live,
             addr,
@@ -238,7 +247,8 @@ impl BoundHttp {
 /// The running HTTP server.
 pub struct HttpServer {
     name: &'static str,
-    stop: watch::Sender<bool>,
+    /// Shared with the `DrainCut`s handed out.
+    stage: Arc<watch::Sender<Stage>>,
     acceptor: tokio::task::JoinHandle<()>,
     live: Arc<Live>,
     addr: SocketAddr,
@@ -267,14 +277,77 @@ impl HttpServer {
     }
 
     /// Stops accepting, lets open connections finish the request they are answering (up to
-    /// `STOP_GRACE`) and returns. Called from a thread that is not one of the runtime's
-    /// workers (it waits).
+    /// `STOP_GRACE`), drops the rest and returns. Called from a thread that is not one of the
+    /// runtime's workers (it waits).
     pub fn stop(self) {
-        // Every receiver has gone only when every task has already ended.
-        let _ = self.stop.send(true);
-        self.live.wait_closed(STOP_GRACE);
+        let (name, addr) = (self.name, self.addr);
+        let cut = self.close(STOP_GRACE);
+        debug!("{name} on {addr}: {cut} connections dropped at the stop");
+        info!("{name} on {addr} stopped");
+    }
+
+    /// Drains: stops accepting (a new connection is refused from the moment this returns from
+    /// its first step), lets open requests and streams finish for up to `grace`, then drops
+    /// what is still open, logging the drain's start and end. Called from a thread that is not
+    /// one of the runtime's workers (it waits).
+    pub fn drain(self, grace: Duration) {
+        let (name, addr) = (self.name, self.addr);
+        let started = Instant::now();
+        let open = self.live.answering();
+        info!(
+            "{name} on {addr}: draining {open} open requests for up to {}s",
+            grace.as_secs()
+        );
+        match self.close(grace) {
+            0 => info!(
+                "{name} on {addr}: drained in {:.1}s",
+                started.elapsed().as_secs_f64()
+            ),
+            cut => warn!(
+                "{name} on {addr}: drain ended at {}s; {cut} connections cut",
+                grace.as_secs()
+            ),
+        }
+    }
+
+    /// A handle that cuts this server's drain short (a second SIGTERM).
+    pub fn drain_cut(&self) -> DrainCut {
+        DrainCut(Arc::clone(&self.stage))
+    }
+
+    /// Stops accepting, waits up to `grace` for open connections to close, then cuts the
+    /// rest; the count cut.
+    fn close(self, grace: Duration) -> usize {
+        self.stage
+            .send_if_modified(|stage| advance(stage, Stage::Draining));
+        self.live.wait_unbound(UNBIND_GRACE);
         self.acceptor.abort();
-        info!("{} on {} stopped", self.name, self.addr);
+        let open = self.live.wait_closed(grace);
+        if open > 0 {
+            self.stage
+                .send_if_modified(|stage| advance(stage, Stage::Cut));
+            self.live.wait_closed(CUT_GRACE);
+        }
+        open
+    }
+}
+
+/// Moves `stage` forward to `to`, never back; whether it moved.
+fn advance(stage: &mut Stage, to: Stage) -> bool {
+    let moved = *stage < to;
+    if moved {
+        *stage = to;
+    }
+    moved
+}
+
+/// Cuts a server's drain short: every connection still open is dropped.
+#[derive(Clone)]
+pub struct DrainCut(Arc<watch::Sender<Stage>>);
+
+impl DrainCut {
+    pub fn cut(&self) {
+        self.0.send_if_modified(|stage| advance(stage, Stage::Cut));
     }
 }
 

@@ -4,6 +4,7 @@
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::Request;
@@ -369,6 +370,9 @@ fn workers(api: &Api) -> Reply {
 }
 
 fn ready(api: &Api) -> Reply {
+    if api.draining.load(Ordering::Relaxed) {
+        return Reply::json(503, &json!({ "ready": false, "draining": true }));
+    }
     let views = snapshot(api);
     let not_ready: Vec<Value> = views
         .iter()

@@ -5,20 +5,23 @@
 //! counted), the descriptors held in reserve so that accept can run when the process has none
 //! left, the back-off on accept errors, the bound on requests answered at once (routes run on
 //! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry),
-//! and stopping: accept ends, open connections finish the request they are answering.
+//! and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
+//! the request they are answering (hyper's graceful shutdown: an idle one closes at once) until
+//! the stop's grace is up, then are dropped.
 //! Never: gives up the listening socket (an accept error is logged, waited out and retried),
 //! keeps a task or descriptor for a connection that is done, or blocks a runtime thread.
 
 use std::fs::File;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use log::{debug, warn};
 use parking_lot::{Condvar, Mutex};
 use tokio::io::AsyncWriteExt;
@@ -29,8 +32,8 @@ use tokio::sync::{watch, Semaphore};
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, HEAD_DEADLINE,
-    IDLE_TIMEOUT, MAX_HEADERS, MAX_HEAD_BYTES, POOL_THREADS,
+    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, MAX_HEADERS,
+    MAX_HEAD_BYTES, POOL_THREADS,
 };
 use crate::metrics::Metrics;
 
@@ -110,46 +113,102 @@ impl Reserve {
     }
 }
 
-/// The open connections: a count `stop` waits on.
+/// Where a server is in its life: every connection and the accept loop watch it.
+/// The stages in order: a server only moves forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Stage {
+    Serving,
+    /// Accept has ended (the listening socket is closed, so a new connection is refused); each
+    /// open connection finishes the request it is answering, then closes, an idle one at once.
+    Draining,
+    /// The drain's time is up: every connection still open is dropped.
+    Cut,
+}
+
+/// The open connections and the requests they are answering: what a stop waits on.
 #[derive(Default)]
 pub(super) struct Live {
-    open: Mutex<usize>,
-    closed: Condvar,
+    state: Mutex<LiveState>,
+    changed: Condvar,
+    /// Requests from their head to the end of their answer (written whole or given up).
+    answering: AtomicUsize,
+}
+
+#[derive(Default)]
+struct LiveState {
+    open: usize,
+    /// Set once accept has ended and the listening socket is closed.
+    unbound: bool,
 }
 
 /// A connection's place among `Live`'s; given back on drop.
 struct LiveEntry(Arc<Live>);
 
+/// A request's place among `Live`'s answering ones; given back on drop.
+struct InFlight(Arc<Live>);
+
 impl Live {
     fn enter(self: &Arc<Self>, cap: usize) -> Option<LiveEntry> {
-        let mut open = self.open.lock();
-        if *open >= cap {
+        let mut state = self.state.lock();
+        if state.open >= cap {
             return None;
         }
-        *open += 1;
+        state.open += 1;
         Some(LiveEntry(Arc::clone(self)))
     }
 
-    /// Waits up to `grace` for every connection to close.
-    pub(super) fn wait_closed(&self, grace: Duration) {
+    fn answer(self: &Arc<Self>) -> InFlight {
+        self.answering.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(self))
+    }
+
+    /// Requests being answered now.
+    pub(super) fn answering(&self) -> usize {
+        self.answering.load(Ordering::Relaxed)
+    }
+
+    /// Waits up to `grace` for accept to end and close the listening socket.
+    pub(super) fn wait_unbound(&self, grace: Duration) {
         let deadline = Instant::now() + grace;
-        let mut open = self.open.lock();
-        while *open > 0 {
-            if self.closed.wait_until(&mut open, deadline).timed_out() {
-                debug!("{} HTTP connections still closing", *open);
+        let mut state = self.state.lock();
+        while !state.unbound {
+            if self.changed.wait_until(&mut state, deadline).timed_out() {
                 return;
             }
         }
+    }
+
+    fn unbind(&self) {
+        self.state.lock().unbound = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits up to `grace` for every connection to close; the count still open.
+    pub(super) fn wait_closed(&self, grace: Duration) -> usize {
+        let deadline = Instant::now() + grace;
+        let mut state = self.state.lock();
+        while state.open > 0 {
+            if self.changed.wait_until(&mut state, deadline).timed_out() {
+                break;
+            }
+        }
+        state.open
     }
 }
 
 impl Drop for LiveEntry {
     fn drop(&mut self) {
-        let mut open = self.0.open.lock();
-        *open -= 1;
-        if *open == 0 {
-            self.0.closed.notify_all();
+        let mut state = self.0.state.lock();
+        state.open -= 1;
+        if state.open == 0 {
+            self.0.changed.notify_all();
         }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.answering.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -175,7 +234,8 @@ impl Throttled {
     }
 }
 
-/// Starts accepting on `listener` with `routes`; the task ends once `stopping` says so.
+/// Starts accepting on `listener` with `routes`; the task ends, closing the listening socket,
+/// once `stage` leaves `Serving`.
 pub(super) fn spawn_accept(
     runtime: &Handle,
     listener: std::net::TcpListener,
@@ -183,7 +243,7 @@ pub(super) fn spawn_accept(
     answerer: Answerer,
     limits: Limits,
     live: Arc<Live>,
-    stopping: watch::Receiver<bool>,
+    stage: watch::Receiver<Stage>,
 ) -> io::Result<tokio::task::JoinHandle<()>> {
     let listener = {
         let _entered = runtime.enter();
@@ -195,15 +255,19 @@ pub(super) fn spawn_accept(
         limits,
         answering: Arc::new(Semaphore::new(POOL_THREADS)),
     });
-    Ok(runtime.spawn(accept_loop(listener, reserve, shared, live, stopping)))
+    Ok(runtime.spawn(async move {
+        accept_loop(listener, reserve, shared, &live, stage).await;
+        // The listener is dropped: a new connection is refused from now on.
+        live.unbind();
+    }))
 }
 
 async fn accept_loop(
     listener: TcpListener,
     mut reserve: Reserve,
     shared: Arc<Shared>,
-    live: Arc<Live>,
-    mut stopping: watch::Receiver<bool>,
+    live: &Arc<Live>,
+    mut stage: watch::Receiver<Stage>,
 ) {
     let addr = listener.local_addr().ok();
     let mut backoff = BACKOFF_MIN;
@@ -216,14 +280,14 @@ async fn accept_loop(
             reserve.refill();
         }
         let accepted = tokio::select! {
-            _ = async { stopping.wait_for(|&stop| stop).await.map(|_| ()) } => return,
+            _ = past(&mut stage, Stage::Serving) => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
             Ok((socket, peer)) => {
                 backoff = BACKOFF_MIN;
                 starved = false;
-                admit(socket, peer, &shared, &live, &stopping, &mut refusals);
+                admit(socket, peer, &shared, live, &stage, &mut refusals);
             }
             Err(err) if transient(&err) => {}
             // Out of descriptors: free one of the reserve and accept again at once.
@@ -243,6 +307,11 @@ async fn accept_loop(
             }
         }
     }
+}
+
+/// Ready once `stage` is past `stage_now`, or its server is gone.
+async fn past(stage: &mut watch::Receiver<Stage>, stage_now: Stage) {
+    let _ = stage.wait_for(|&at| at != stage_now).await;
 }
 
 fn transient(err: &io::Error) -> bool {
@@ -266,7 +335,7 @@ fn admit(
     peer: SocketAddr,
     shared: &Arc<Shared>,
     live: &Arc<Live>,
-    stopping: &watch::Receiver<bool>,
+    stage: &watch::Receiver<Stage>,
     refusals: &mut Throttled,
 ) {
     // TCP_NODELAY: an answer's last segment must not wait 40 ms for the client's delayed ACK.
@@ -287,7 +356,7 @@ fn admit(
         peer,
         Arc::clone(shared),
         entry,
-        stopping.clone(),
+        stage.clone(),
     ));
 }
 
@@ -313,28 +382,37 @@ async fn serve_connection(
     socket: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    _entry: LiveEntry,
-    mut stopping: watch::Receiver<bool>,
+    entry: LiveEntry,
+    mut stage: watch::Receiver<Stage>,
 ) {
     let link = Arc::new(Link::default());
     let shape = shared.answerer.error_shape();
     let io = TokioIo::new(Guarded::new(socket, Arc::clone(&link), shape));
     let service = {
-        let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
+        let (shared, link, live) = (Arc::clone(&shared), Arc::clone(&link), Arc::clone(&entry.0));
         service_fn(move |request| {
             let (shared, link) = (Arc::clone(&shared), Arc::clone(&link));
+            let in_flight = live.answer();
             async move {
-                let reply = answer(&shared, &link, shape, request, peer).await;
-                // The guard's idle deadline waits until this answer is written or dropped.
-                let reply = reply.map(|body| AnswerBody::new(Answered { body, link }));
+                let reply = answer(&shared, shape, request, peer).await;
+                // The guard's idle deadline and a drain wait until this answer is written or
+                // dropped.
+                let reply = reply.map(|body| {
+                    AnswerBody::new(Answered {
+                        body,
+                        link,
+                        _in_flight: in_flight,
+                    })
+                });
                 Ok::<_, std::convert::Infallible>(reply)
             }
         })
     };
     let connection = http1::Builder::new()
-        .timer(TokioTimer::new())
-        // `guard` keeps the idle and head deadlines; hyper's timer is a backstop behind them.
-        .header_read_timeout(IDLE_TIMEOUT + HEAD_DEADLINE)
+        // `guard` keeps the idle and head deadlines. hyper's own starts once a request's body
+        // is read, so it runs while the answer is produced and written, and would cut every
+        // answer longer than it (a stream, a slow reader of a large snapshot).
+        .header_read_timeout(None)
         // Above `MAX_HEAD_BYTES`, so that `guard` answers an oversized head (414 or 431) first.
         .max_buf_size(2 * MAX_HEAD_BYTES)
         .max_headers(MAX_HEADERS)
@@ -342,9 +420,16 @@ async fn serve_connection(
     let mut connection = std::pin::pin!(connection);
     let served = tokio::select! {
         served = connection.as_mut() => served,
-        _ = async { stopping.wait_for(|&stop| stop).await.map(|_| ()) } => {
+        _ = past(&mut stage, Stage::Serving) => {
+            // hyper closes an idle connection at once, a busy one once its answer is written.
             connection.as_mut().graceful_shutdown();
-            connection.await
+            tokio::select! {
+                served = connection.as_mut() => served,
+                _ = past(&mut stage, Stage::Draining) => {
+                    debug!("HTTP connection from {peer}: cut at the end of the drain");
+                    return;
+                }
+            }
         }
     };
     if let Some(status) = link.refused() {
@@ -364,6 +449,7 @@ async fn serve_connection(
 struct Answered {
     body: AnswerBody,
     link: Arc<Link>,
+    _in_flight: InFlight,
 }
 
 impl hyper::body::Body for Answered {
@@ -396,7 +482,6 @@ impl Drop for Answered {
 /// an idle keep-alive connection holds hyper's buffers alone.
 async fn answer(
     shared: &Arc<Shared>,
-    link: &Link,
     shape: ErrorShape,
     request: hyper::Request<Incoming>,
     peer: SocketAddr,
@@ -415,9 +500,6 @@ async fn answer(
         );
         return response;
     }
-    // The body is read whole: what the connection sends next is a head, after this answer.
-    link.answer_begun();
-    link.expect_head();
     let routes = match &shared.answerer {
         Answerer::Routes(routes) => Arc::clone(routes),
         Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,

@@ -2,13 +2,13 @@
 //! `dynamo_listen` is set), signals, and the background tasks, all on one multi-thread tokio
 //! runtime (`tasks`): the askers of discovered engines (`discovery`, with the rank watch that
 //! asks them early), the neighbour probes of fixed engines (`neighbours`), the retry of engines
-//! that failed to start (`retry`), the SIGHUP reloads and the malloc trim (`trim`); `reload`
-//! applies the file and the discovered answers. Only the ZMQ pollers and the recovery workers
+//! that failed to start (`retry`), the SIGHUP reloads (`signals`) and the malloc trim (`trim`);
+//! `reload` applies the file and the discovered answers. Only the ZMQ pollers and the recovery workers
 //! (`listener`) are threads of their own.
 //!
 //! Owns: the runtime (built by `run`, or by `Service::start` for a service of its own), start-up
-//! order, the signals (SIGHUP asks `reload`, one at a time; SIGTERM and SIGINT stop), and clean
-//! shutdown: every task told to stop and waited for.
+//! order, and clean shutdown: `/ready` false, the route front end drained, then every task told
+//! to stop and waited for, the state saved.
 //! Never: touches a socket of an engine or the index's contents itself (the registry and the
 //! listeners do), blocks a worker of the runtime (blocking work goes to its blocking pool), or
 //! exits without stopping the HTTP servers and every listener. Every plan goes to the registry
@@ -20,6 +20,7 @@ mod neighbours;
 mod reload;
 mod retry;
 mod saver;
+mod signals;
 mod tasks;
 #[cfg(test)]
 mod tests;
@@ -27,6 +28,7 @@ mod trim;
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,13 +36,11 @@ use anyhow::Context;
 use log::{info, warn};
 use parking_lot::Mutex;
 use tokio::runtime::{Handle, Runtime};
-use tokio::signal::unix::{signal, Signal, SignalKind};
-use tokio::sync::Notify;
 
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
 use crate::http::dynamo::DynamoApi;
-use crate::http::{Api, BoundHttp, HttpServer, Limits as ServerLimits};
+use crate::http::{Api, BoundHttp, DrainCut, HttpServer, Limits as ServerLimits};
 use crate::index::Index;
 use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
@@ -55,14 +55,19 @@ use reload::{board_engines, Followers, Reloader};
 use retry::Retry;
 use saver::{Saver, Saving};
 pub use tasks::build_runtime;
-use tasks::{blocking, Task};
+use tasks::Task;
 
 /// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
 pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
     let runtime = build_runtime()?;
     let trim = trim::spawn(runtime.handle());
-    let served = runtime.block_on(serve(runtime.handle(), config_path, config, listen));
+    let served = runtime.block_on(signals::serve(
+        runtime.handle(),
+        config_path,
+        config,
+        listen,
+    ));
     // Outside `block_on`: `shutdown` waits for the service's tasks with a `block_on` of its own.
     let outcome = served.map(Service::shutdown);
     if let Some(trim) = trim {
@@ -72,106 +77,6 @@ pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow
     // answer nobody takes any more): SIGTERM ends the process within a second.
     runtime.shutdown_background();
     outcome
-}
-
-/// Installs the signal handlers, starts the service beside them and answers the signals until
-/// SIGTERM or SIGINT; returns the service, for `run` to shut down.
-async fn serve(
-    runtime: &Handle,
-    config_path: &Path,
-    config: Config,
-    listen: Option<String>,
-) -> anyhow::Result<Service> {
-    // Handlers first: a SIGHUP that arrives once HTTP answers must reload, not kill.
-    let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-    let mut terminate =
-        signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    // Start-up runs beside the signals: SIGTERM while thousands of engines start stops the
-    // start (no engine starts after it) and exits within a second.
-    let shutdown_signal = ShutdownSignal::default();
-    let mut start = {
-        let (path, signal, runtime) = (
-            config_path.to_owned(),
-            shutdown_signal.clone(),
-            runtime.clone(),
-        );
-        tokio::task::spawn_blocking(move || {
-            Service::start_on(runtime, &path, config, listen, signal)
-        })
-    };
-    let (started, stop_early) = tokio::select! {
-        started = &mut start => (started, None),
-        name = stop_requested(&mut terminate, &mut interrupt) => {
-            shutdown_signal.raise();
-            ((&mut start).await, Some(name))
-        }
-    };
-    let service = started.context("the start-up task")??;
-    if let Some(name) = stop_early {
-        info!("{name} during start-up: shutting down");
-        return Ok(service);
-    }
-    let hangups = HangupReloads::spawn(runtime, service.reloader.clone());
-    loop {
-        tokio::select! {
-            _ = hangup.recv() => {
-                info!("SIGHUP: reloading {}", config_path.display());
-                hangups.ask();
-            }
-            name = stop_requested(&mut terminate, &mut interrupt) => {
-                info!("{name}: shutting down");
-                break;
-            }
-        }
-    }
-    // Before waiting for the reload task: a reload in progress stops starting engines.
-    service.shutdown_signal.raise();
-    hangups.stop().await;
-    Ok(service)
-}
-
-/// Waits for SIGTERM or SIGINT; the name of the one that came.
-async fn stop_requested(terminate: &mut Signal, interrupt: &mut Signal) -> &'static str {
-    tokio::select! {
-        _ = terminate.recv() => "SIGTERM",
-        _ = interrupt.recv() => "SIGINT",
-    }
-}
-
-/// Reloads asked for by SIGHUP, run one after another by a task of their own (each on the
-/// blocking pool) so that the signal loop sees SIGTERM at once, even while a reload starts
-/// thousands of engines (seconds). SIGHUPs that arrive during a reload are answered by one
-/// more reload.
-struct HangupReloads {
-    /// Holds one permit at most: the SIGHUPs during a reload make one more.
-    asked: Arc<Notify>,
-    task: Task,
-}
-
-impl HangupReloads {
-    fn spawn(runtime: &Handle, reloader: Arc<Reloader>) -> HangupReloads {
-        let asked = Arc::new(Notify::new());
-        let reloads = Arc::clone(&asked);
-        let task = Task::spawn(runtime, |mut stopped| async move {
-            while stopped.unless(reloads.notified()).await.is_some() {
-                let reloader = Arc::clone(&reloader);
-                // The outcome is logged by reload itself.
-                let _ = blocking(move || reloader.reload()).await;
-            }
-        });
-        HangupReloads { asked, task }
-    }
-
-    fn ask(&self) {
-        self.asked.notify_one();
-    }
-
-    /// Stops the task; waits for the reload under way (the shutdown signal, raised first,
-    /// makes it start no more engines), never starts a reload asked for meanwhile.
-    async fn stop(self) {
-        self.task.stop().await;
-    }
 }
 
 /// The runtime a service built for itself (`Service::start`), shut down without waiting for
@@ -194,6 +99,8 @@ pub struct Service {
     dynamo: Option<HttpServer>,
     /// The route front end, when `[route]` is set, and its engine servers' health checks.
     route: Option<(HttpServer, Task)>,
+    /// Raised when a stop begins (`/ready` reads it).
+    draining: Arc<AtomicBool>,
     registry: Arc<Mutex<Registry>>,
     shutdown_signal: ShutdownSignal,
     reloader: Arc<Reloader>,
@@ -390,7 +297,9 @@ impl Service {
             secret: replication.secret().clone(),
         };
         let metrics_for_saving = metrics.clone();
+        let draining = Arc::new(AtomicBool::new(false));
         let api = Arc::new(Api {
+            draining: draining.clone(),
             index,
             metrics,
             ranks,
@@ -434,6 +343,7 @@ impl Service {
             http,
             dynamo,
             route,
+            draining,
             registry,
             shutdown_signal,
             reloader,
@@ -470,20 +380,33 @@ impl Service {
         self.reloader.reload()
     }
 
-    /// Stops HTTP (answering what was already received), every task (waiting for each) and
-    /// every listener; then the runtime, if `start` built it. Call it outside any async context.
+    /// Turns `/ready` false: a stop has begun.
+    pub fn begin_stop(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// What cuts the route front end's drain short, when `[route]` is set.
+    pub fn route_drain_cut(&self) -> Option<DrainCut> {
+        self.route.as_ref().map(|(server, _)| server.drain_cut())
+    }
+
+    /// Stops HTTP: `/ready` turns false, the route front end drains (its open requests and
+    /// streams finish, for up to `[route] drain_s`) while the API still answers, then the APIs
+    /// stop (answering what was already received); then every task (waiting for each) and
+    /// every listener, and the runtime if `start` built it. Call it outside any async context.
     pub fn shutdown(self) {
+        self.begin_stop();
         // First, from outside the registry's lock: a reload or retry holding it starts no
         // more engines, so the lock is free within one listener start.
         self.shutdown_signal.raise();
+        let health = self.route.map(|(route, health)| {
+            route.drain(self.reloader.route_drain());
+            health
+        });
         self.http.stop();
         if let Some(dynamo) = self.dynamo {
             dynamo.stop();
         }
-        let health = self.route.map(|(route, health)| {
-            route.stop();
-            health
-        });
         let reloader = &self.reloader;
         self.runtime.block_on(async {
             if let Some(health) = health {

@@ -12,6 +12,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use log::{error, info, warn};
 use parking_lot::Mutex;
@@ -104,6 +105,19 @@ impl Reloader {
             replication,
             tokenizers,
         }
+    }
+
+    /// `[route] drain_s` as the file last applied says (a reload changes it for the next
+    /// stop); zero without `[route]`.
+    pub(super) fn route_drain(&self) -> Duration {
+        let drain_s = self
+            .applied
+            .lock()
+            .config
+            .route
+            .as_ref()
+            .map_or(0, |route| route.drain_s);
+        Duration::from_secs(u64::from(drain_s))
     }
 
     pub(super) fn set_askers(&self, askers: Askers) {
