@@ -290,7 +290,7 @@ fn ready_health_metrics_and_reload_answer_in_their_shapes() {
     assert_eq!(
         reload.json(),
         json!({"added": [], "removed": [], "replaced": [], "unchanged": 1, "failed": [],
-               "restart_pending": []})
+               "restart_pending": [], "route_changed": []})
     );
 
     let metrics = get(addr, "/metrics");

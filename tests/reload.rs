@@ -169,7 +169,7 @@ fn a_broken_file_is_rejected_by_sighup_and_post_reload_and_the_old_state_stays()
     assert_eq!(
         reply.json(),
         json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1, "failed": [],
-               "restart_pending": []})
+               "restart_pending": [], "route_changed": []})
     );
     assert_eq!(workers(addr), ["a/0", "b/0"]);
     assert_eq!(scores(addr, &tokens), held);
@@ -200,7 +200,7 @@ fn changing_an_endpoint_replaces_the_listener_and_drops_its_blocks() {
     assert_eq!(
         reply.json(),
         json!({"added": [], "removed": [], "replaced": ["a/0"], "unchanged": 0, "failed": [],
-               "restart_pending": []})
+               "restart_pending": [], "route_changed": []})
     );
     second.wait_subscribed();
     assert_eq!(scores(addr, &tokens), []);
@@ -249,7 +249,7 @@ fn a_changed_restart_only_key_is_kept_and_reported_by_the_reload() {
     assert_eq!(
         reply.json(),
         json!({"added": ["b/0"], "removed": [], "replaced": [], "unchanged": 1, "failed": [],
-               "restart_pending": pending})
+               "restart_pending": pending, "route_changed": []})
     );
     wait_for(10, "the warnings in the log", || {
         let log = indexer.log();

@@ -1081,6 +1081,28 @@ fn an_engine_gets_its_own_api_key_rotated_on_reload_and_never_the_clients_token(
     assert_eq!(send().status, 200);
     let seen = routed.server(0).last_request().expect("a request");
     assert_eq!(seen.header("authorization"), Some("Bearer engine-key-2"));
+    // The reload's answer names what it changed of the front end, and what waits for a restart.
+    let file = std::fs::read_to_string(routed.running.config_path()).expect("the file");
+    let changed = file
+        .replace("[route]\n", "[route]\nidle_timeout_s = 7\n")
+        .replace("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:1\"");
+    std::fs::write(routed.running.config_path(), changed).expect("rewrite the file");
+    let reload = Connection::open(routed.api).send("POST", "/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let answer = reload.json();
+    assert_eq!(
+        answer["route_changed"],
+        json!(["[route] idle_timeout_s: 60 -> 7"]),
+        "{answer}"
+    );
+    assert_eq!(
+        answer["restart_pending"],
+        json!([
+            "[route] listen changed from 127.0.0.1:0 to 127.0.0.1:1; restart kv-indexer to \
+             apply it (keeping 127.0.0.1:0)"
+        ]),
+        "{answer}"
+    );
     // A key file that cannot be read refuses the reload whole; the key in effect stays.
     std::fs::remove_file(&key).expect("remove the key");
     let reload = Connection::open(routed.api).send("POST", "/reload", None);

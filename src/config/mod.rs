@@ -50,7 +50,7 @@ use replicas::check_replicas;
 pub use replicas::{is_loopback_listen, Replicas};
 pub use restart_only::{keep_restart_only, RestartOnlyKey, RestartPending, RESTART_ONLY};
 use route::check_route;
-pub use route::{Route, DEFAULT_DRAIN_S};
+pub use route::{route_changes, Route, DEFAULT_DRAIN_S};
 use select::check_select;
 pub use select::{Select, MAX_TTL_S};
 

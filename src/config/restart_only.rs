@@ -1,4 +1,4 @@
-//! The top-level keys a running indexer reads at start only (docs.md "Reloading"), listed once.
+//! The keys a running indexer reads at start only (docs.md "Reloading"), listed once.
 //!
 //! Owns: `RESTART_ONLY`, each such key with how to show its value and how to put the running
 //! value back into a newly read file's `Config`, and `keep_restart_only`, what a reload calls:
@@ -21,7 +21,7 @@ pub struct RestartOnlyKey {
 
 /// Every top-level key a reload cannot apply: what it sets is built once, at start (a bound
 /// socket, the index's shape and cap, the Dynamo API's limit, whether ranks keep contents).
-pub const RESTART_ONLY: [RestartOnlyKey; 9] = [
+pub const RESTART_ONLY: [RestartOnlyKey; 11] = [
     RestartOnlyKey {
         key: "listen",
         shown: |config| config.listen.clone(),
@@ -72,6 +72,31 @@ pub const RESTART_ONLY: [RestartOnlyKey; 9] = [
         key: "state_interval_s",
         shown: |config| config.state.interval_s.to_string(),
         keep: |into, running| into.state.interval_s = running.state.interval_s,
+    },
+    // The front end's socket: a `[route]` added by a reload starts nothing, and one removed
+    // keeps serving, until a restart.
+    RestartOnlyKey {
+        key: "[route] listen",
+        shown: |config| {
+            let listen = config.route.as_ref().map(|route| route.listen.as_str());
+            listen.unwrap_or("(none)").to_string()
+        },
+        keep: |into, running| match (&mut into.route, &running.route) {
+            (Some(new), Some(old)) => new.listen.clone_from(&old.listen),
+            (_, old) => into.route.clone_from(old),
+        },
+    },
+    RestartOnlyKey {
+        key: "[route] max_concurrent_requests",
+        shown: |config| {
+            let max = config.route.as_ref().map(|r| r.max_concurrent_requests);
+            max.map_or_else(|| "(none)".to_string(), |max| max.to_string())
+        },
+        keep: |into, running| {
+            if let (Some(new), Some(old)) = (&mut into.route, &running.route) {
+                new.max_concurrent_requests = old.max_concurrent_requests;
+            }
+        },
     },
 ];
 
@@ -129,21 +154,47 @@ mod tests {
         Config::parse(text, "indexer.toml").unwrap_or_else(|err| panic!("{err}"))
     }
 
-    /// Each restart-only key with a value other than its default.
-    const CHANGED: [(&str, &str, &str); 9] = [
-        ("listen", "\"127.0.0.1:9000\"", "127.0.0.1:9000"),
-        ("dynamo_listen", "\"127.0.0.1:9001\"", "127.0.0.1:9001"),
-        ("max_runtime_ranks", "8", "8"),
-        ("block_size", "32", "32"),
-        ("shards", "8", "8"),
-        ("max_blocks_per_rank", "1000", "1000"),
-        ("serve_snapshots", "true", "true"),
+    const ROUTE: &str = "[route]\nlisten = \"127.0.0.1:9002\"\n";
+
+    /// Each restart-only key: a running file, a file that changes only that key from it, and
+    /// the new value as shown.
+    const CHANGED: [(&str, &str, &str, &str); 11] = [
+        (
+            "listen",
+            "",
+            "listen = \"127.0.0.1:9000\"",
+            "127.0.0.1:9000",
+        ),
+        (
+            "dynamo_listen",
+            "",
+            "dynamo_listen = \"127.0.0.1:9001\"",
+            "127.0.0.1:9001",
+        ),
+        ("max_runtime_ranks", "", "max_runtime_ranks = 8", "8"),
+        ("block_size", "", "block_size = 32", "32"),
+        ("shards", "", "shards = 8", "8"),
+        (
+            "max_blocks_per_rank",
+            "",
+            "max_blocks_per_rank = 1000",
+            "1000",
+        ),
+        ("serve_snapshots", "", "serve_snapshots = true", "true"),
         (
             "state_dir",
-            "\"/var/lib/kv-indexer\"",
+            "",
+            "state_dir = \"/var/lib/kv-indexer\"",
             "/var/lib/kv-indexer",
         ),
-        ("state_interval_s", "5", "5"),
+        ("state_interval_s", "", "state_interval_s = 5", "5"),
+        ("[route] listen", "", ROUTE, "127.0.0.1:9002"),
+        (
+            "[route] max_concurrent_requests",
+            ROUTE,
+            "[route]\nlisten = \"127.0.0.1:9002\"\nmax_concurrent_requests = 7\n",
+            "7",
+        ),
     ];
 
     #[test]
@@ -170,17 +221,23 @@ mod tests {
             engines: _,
             select: Select { .. },
             // `[route]`: reloaded by the front end, but for `listen` and
-            // `max_concurrent_requests` (`service::reload`'s `warn_route_restart`).
+            // `max_concurrent_requests` (above).
             route: _,
             state: StateSettings { .. },
         } = &running;
-        for (key, value, shown) in CHANGED {
-            let mut new = parse(&format!("{key} = {value}\n"));
+        for (key, running, changed, shown) in CHANGED {
+            let running = parse(running);
+            let mut new = parse(changed);
             let pending = keep_restart_only(&mut new, &running);
             assert_eq!(pending.len(), 1, "{key}: {pending:?}");
             assert_eq!((pending[0].key, pending[0].written.as_str()), (key, shown));
             assert_eq!(new, running, "{key} keeps its running value");
         }
+        // A `[route]` removed by a reload keeps serving until a restart.
+        let mut removed = parse("");
+        let pending = keep_restart_only(&mut removed, &parse(ROUTE));
+        assert_eq!(pending[0].to_string(), "[route] listen changed from 127.0.0.1:9002 to (none); restart kv-indexer to apply it (keeping 127.0.0.1:9002)");
+        assert_eq!(removed, parse(ROUTE));
     }
 
     #[test]

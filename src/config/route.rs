@@ -64,6 +64,69 @@ pub struct Route {
     pub drain_s: u32,
 }
 
+/// What a reload from `old` to `new` changes of the front end's reloadable settings, each as
+/// `"key: from -> to"` (the secrets' files are named, never their text).
+pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
+    let mut changes = Vec::new();
+    let mut compare = |key: String, from: String, to: String| {
+        if from != to {
+            changes.push(format!("{key}: {from} -> {to}"));
+        }
+    };
+    if let (Some(old), Some(new)) = (&old.route, &new.route) {
+        let none = || "(none)".to_string();
+        compare(
+            "[route] auth_token_file".into(),
+            old.auth_token_file.clone().unwrap_or_else(none),
+            new.auth_token_file.clone().unwrap_or_else(none),
+        );
+        type Read = fn(&Route) -> u32;
+        let numbers: [(&str, Read); 8] = [
+            ("first_byte_timeout_s", |r| r.first_byte_timeout_s),
+            ("idle_timeout_s", |r| r.idle_timeout_s),
+            ("connect_timeout_s", |r| r.connect_timeout_s),
+            ("health_interval_s", |r| r.health_interval_s),
+            ("health_timeout_s", |r| r.health_timeout_s),
+            ("unhealthy_threshold", |r| r.unhealthy_threshold),
+            ("healthy_threshold", |r| r.healthy_threshold),
+            ("drain_s", |r| r.drain_s),
+        ];
+        for (key, value) in numbers {
+            compare(
+                format!("[route] {key}"),
+                value(old).to_string(),
+                value(new).to_string(),
+            );
+        }
+    }
+    for engine in &new.engines {
+        let Some(before) = old.engines.iter().find(|e| e.name == engine.name) else {
+            continue;
+        };
+        let url = |e: &super::EngineConfig| {
+            e.openai_url
+                .as_ref()
+                .map_or_else(|| "(none)".to_string(), |url| url.base.clone())
+        };
+        compare(
+            format!("engine {:?} openai_url", engine.name),
+            url(before),
+            url(engine),
+        );
+        let key_file = |e: &super::EngineConfig| {
+            e.api_key_file
+                .clone()
+                .unwrap_or_else(|| "(none)".to_string())
+        };
+        compare(
+            format!("engine {:?} api_key_file", engine.name),
+            key_file(before),
+            key_file(engine),
+        );
+    }
+    changes
+}
+
 impl Route {
     /// The text of `auth_token_file`, when set; the error names the file, never its content.
     pub fn read_token(&self) -> anyhow::Result<Option<String>> {

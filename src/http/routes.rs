@@ -414,6 +414,7 @@ pub fn diff_json(diff: &ReloadDiff) -> Value {
         "unchanged": diff.unchanged,
         "failed": diff.failed,
         "restart_pending": diff.restart_pending,
+        "route_changed": diff.route_changed,
     })
 }
 

@@ -31,6 +31,9 @@ pub struct ReloadDiff {
     /// Left empty by `apply`; the reloader's: each restart-only key the file changed, kept at
     /// its running value (`config::RestartPending`, as its warning).
     pub restart_pending: Vec<String>,
+    /// Left empty by `apply`; the reloader's: the route front end's settings the file changed
+    /// (`config::route_changes`).
+    pub route_changed: Vec<String>,
 }
 
 impl Registry {

@@ -225,10 +225,14 @@ impl Reloader {
         {
             self.metrics.forget_engine(&gone.name);
         }
-        let old_route = old.route.clone();
+        let route_changed = config::route_changes(old, &config);
         let plan = plan::expand_with(&config, &applied.discovered);
         let mut diff = self.apply_plan(plan.clone(), &format!("reload of {path}"));
         diff.restart_pending = restart_pending.iter().map(ToString::to_string).collect();
+        for change in &route_changed {
+            info!("{path}: {change}");
+        }
+        diff.route_changed = route_changed;
         applied.config = config;
         self.board.retain(&board_engines(&applied.config));
         if let Some(askers) = self.askers.lock().as_mut() {
@@ -238,11 +242,6 @@ impl Reloader {
             neighbours.sync(&applied.config, &plan);
         }
         self.tokenizers.replace(tokenizers);
-        warn_route_restart(
-            old_route.as_ref(),
-            applied.config.route.as_ref(),
-            &self.config_path,
-        );
         if let Some(front) = &self.route {
             if let Err(error) = front.reload(&applied.config) {
                 error!("{path}: [route]: {error:#}");
@@ -330,33 +329,4 @@ pub(super) fn board_engines(config: &Config) -> Vec<(String, Option<String>)> {
             (engine.name.clone(), url)
         })
         .collect()
-}
-/// The `[route]` keys a reload cannot apply: the front end was started with the old ones.
-fn warn_route_restart(old: Option<&config::Route>, new: Option<&config::Route>, path: &Path) {
-    let path = path.display();
-    match (old, new) {
-        (Some(old), Some(new)) => {
-            if old.listen != new.listen {
-                warn!(
-                    "{path}: [route] listen changed from {} to {}: takes effect at restart",
-                    old.listen, new.listen
-                );
-            }
-            if old.max_concurrent_requests != new.max_concurrent_requests {
-                warn!(
-                    "{path}: [route] max_concurrent_requests changed from {} to {}: takes \
-                     effect at restart",
-                    old.max_concurrent_requests, new.max_concurrent_requests
-                );
-            }
-        }
-        (Some(_), None) => {
-            warn!("{path}: [route] was removed: the front end keeps serving until a restart")
-        }
-        (None, Some(new)) => warn!(
-            "{path}: [route] was added: restart kv-indexer to start the front end on {}",
-            new.listen
-        ),
-        (None, None) => {}
-    }
 }
