@@ -94,8 +94,12 @@ impl Settings {
 /// Why a request did not reach an answer from its rank.
 #[derive(Debug)]
 pub(super) enum Failure {
-    /// Refused, reset or unreachable: the engine never read the request.
-    Unreachable(String),
+    /// Nothing reached the engine (connect refused or timed out, or the connection failed
+    /// before a byte of the request was written).
+    NotDelivered(String),
+    /// The connection broke after the request was (perhaps partly) written, before an
+    /// answer's head: the engine may be working on it.
+    Broken(String),
     /// The engine answered 5xx before a byte went to the client.
     Status(StatusCode),
     /// The engine's answer is not HTTP/1.1 that can be passed on.
@@ -107,9 +111,10 @@ pub(super) enum Failure {
 }
 
 impl Failure {
-    /// Whether the next-best rank may be tried: the engine did no work for this request.
+    /// Whether the next-best rank may be tried: only when the request provably did not reach
+    /// the engine.
     pub(super) fn retryable(&self) -> bool {
-        matches!(self, Failure::Unreachable(_) | Failure::Status(_))
+        matches!(self, Failure::NotDelivered(_))
     }
 
     /// The status the client is answered when this was the last try, and its outcome.
@@ -124,7 +129,8 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Failure::Unreachable(why) => write!(f, "cannot be reached: {why}"),
+            Failure::NotDelivered(why) => write!(f, "cannot be reached: {why}"),
+            Failure::Broken(why) => write!(f, "broke the connection: {why}"),
             Failure::Status(status) => write!(f, "answered {status}"),
             Failure::Malformed(why) => write!(f, "answered unreadably: {why}"),
             Failure::TimedOut(after) => {
@@ -188,7 +194,8 @@ impl Upstream {
             .send(&authority, settings.connect, &head, &body);
         let (head, body) = match tokio::time::timeout_at(first_byte_by, sending).await {
             Err(_) => return Err(Failure::TimedOut(settings.first_byte)),
-            Ok(Err(SendError::Unreachable(why))) => return Err(Failure::Unreachable(why)),
+            Ok(Err(SendError::NotDelivered(why))) => return Err(Failure::NotDelivered(why)),
+            Ok(Err(SendError::Broken(why))) => return Err(Failure::Broken(why)),
             Ok(Err(SendError::Malformed(why))) => return Err(Failure::Malformed(why)),
             Ok(Ok(answer)) => answer,
         };
