@@ -22,10 +22,10 @@ use super::{Connections, SendError};
 use crate::http::BodyError;
 
 /// A chunk-size line (with its extensions) or a trailer line longer than this is refused.
-const MAX_LINE_BYTES: usize = 4 << 10;
+pub(super) const MAX_LINE_BYTES: usize = 4 << 10;
 /// A trailer section longer than this is refused: an engine sends none, and endless trailer
 /// lines would otherwise hold a stream open with nothing passed on.
-const MAX_TRAILER_BYTES: usize = 16 << 10;
+pub(super) const MAX_TRAILER_BYTES: usize = 16 << 10;
 /// One read of a body: on the stack, only while the read runs.
 const READ_BYTES: usize = 16 << 10;
 

@@ -25,7 +25,7 @@ use super::SendError;
 /// few hundred bytes.
 pub(super) const MAX_HEAD_BYTES: usize = 64 << 10;
 /// Header lines in an answer's head.
-const MAX_HEADERS: usize = 100;
+pub(super) const MAX_HEADERS: usize = 100;
 
 /// An answer's head, read.
 pub(super) struct Answer {

@@ -241,8 +241,8 @@ async fn an_idle_connection_holding_unasked_bytes_is_not_reused() {
     assert_eq!(get(&connections, &authority).await, b"ok");
     assert_eq!(connections.idle_count(&authority), 1);
     stale_tx.send(()).expect("the engine listens");
-    // Until the stale bytes sit in the pooled socket; the runtime is not given a turn, so
-    // its readiness has not seen them: the probe must ask the socket.
+    // Until the stale bytes sit in the pooled socket: whatever the runtime's readiness says
+    // of it then, the next request must not take them for its answer.
     let arrived = std::time::Instant::now() + WITHIN;
     loop {
         let pool = connections.idle.lock();
