@@ -26,8 +26,10 @@
 //!    threads before and at most during the case (by name when they grew), and requests that
 //!    failed. Direct and routed runs alternate, `ROUNDS` times each. Then the body-size rows:
 //!    a whole completion of 16 token ids whose body OpenAI's `user` field pads to 16, 64, 66,
-//!    128 and 1,024 KiB, at concurrency 1 (what the engines' client adds as a body grows;
-//!    `--body-sizes` runs these alone).
+//!    128 and 1,024 KiB (what the front end adds to a body's transport as it grows), then one
+//!    whose body is a text prompt of 16, 64, 66 and 128 KiB (tokenized by the front end and
+//!    the engine alike: a repeated prompt's tokens are cached up to 64 KiB, so past it both
+//!    tokenize it again each time), at concurrency 1; `--body-sizes` runs these alone.
 //! 2. `throughput …`: SSE chunks a second counted by the client over 4 concurrent streams of
 //!    2,000 tokens each (5 rounds), direct and through the front end, with the process's CPU time
 //!    per chunk.
@@ -118,6 +120,8 @@ const BODY_SIZES_FLAG: &str = "--body-sizes";
 /// a request's head and body apart), and requests a way for each.
 const BODY_SIZES_KIB: [usize; 5] = [16, 64, 66, 128, 1_024];
 const BODY_SIZE_REQUESTS: usize = 800;
+/// Requests a way for each text-prompt size: tokenizing 1 MiB takes a while.
+const BODY_TEXT_REQUESTS: usize = 80;
 /// Batches of streams each open-streams child opens and closes one after another.
 const STREAM_BATCHES: usize = 3;
 
@@ -726,33 +730,51 @@ fn completion_body(model: &str, prompt: &[u32], max_tokens: u32, stream: bool) -
     )
 }
 
-/// A whole completion of a few token ids whose body is `size` bytes: OpenAI's `user` field
-/// pads it, which the engine ignores, so that only the body's transport grows.
-fn padded_body(size: usize) -> Bytes {
-    let body = |user: &str| {
-        json!({ "model": Engine::Fast.model(), "prompt": token_ids(16, 1),
+/// A whole completion whose body is `size` bytes: 16 token ids and OpenAI's `user` field,
+/// which the engine ignores, padding it (`text` false: only the body's transport grows), or a
+/// text prompt that the front end and the engine both tokenize (`text` true).
+fn sized_body(size: usize, text: bool) -> Bytes {
+    let body = |filler: &str| {
+        let (prompt, user) = match text {
+            true => (json!(filler), ""),
+            false => (json!(token_ids(16, 1)), filler),
+        };
+        json!({ "model": Engine::Fast.model(), "prompt": prompt,
                 "max_tokens": MAX_TOKENS, "stream": false, "user": user })
         .to_string()
     };
-    let bare = body("").len();
-    Bytes::from(body(&"u".repeat(size.saturating_sub(bare))))
+    let room = size.saturating_sub(body("").len());
+    let filler = match text {
+        true => "The keeper climbs the lighthouse stairs at dusk. ".repeat(room / 49 + 1),
+        false => "u".repeat(room),
+    };
+    Bytes::from(body(&filler[..room]))
 }
 
-/// The body-size rows: a whole completion padded to each of `BODY_SIZES_KIB`, at c=1.
+/// The body-size rows: a whole completion of each of `BODY_SIZES_KIB`, at c=1, its body padded,
+/// then a text prompt of each but the last (1 MiB of text is ~856,000 of the simulated model's
+/// tokens, past its 131,072).
 async fn body_size_rows(bench: &Bench, threads_idle: u64) -> Result<Vec<LatencyRow>> {
     let mut rows = Vec::new();
-    for kib in BODY_SIZES_KIB {
-        let case = Case {
-            label: format!("completion body {kib} KiB, whole"),
-            path: "/v1/completions",
-            body: padded_body(kib << 10),
-            stream: false,
-            connections: 1,
-            per_connection: BODY_SIZE_REQUESTS / ROUNDS,
-            select_work: Duration::ZERO,
-            judged: false,
-        };
-        rows.push(latency(bench, case, threads_idle).await?);
+    let ways = [
+        (false, &BODY_SIZES_KIB[..], BODY_SIZE_REQUESTS),
+        (true, &BODY_SIZES_KIB[..4], BODY_TEXT_REQUESTS),
+    ];
+    for (text, sizes, requests) in ways {
+        for &kib in sizes {
+            let what = if text { "text prompt" } else { "16 ids, padded" };
+            let case = Case {
+                label: format!("completion body {kib} KiB ({what}), whole"),
+                path: "/v1/completions",
+                body: sized_body(kib << 10, text),
+                stream: false,
+                connections: 1,
+                per_connection: requests / ROUNDS,
+                select_work: Duration::ZERO,
+                judged: false,
+            };
+            rows.push(latency(bench, case, threads_idle).await?);
+        }
     }
     Ok(rows)
 }
