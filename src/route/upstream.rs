@@ -112,9 +112,15 @@ pub(super) enum Failure {
 
 impl Failure {
     /// Whether the next-best rank may be tried: only when the request provably did not reach
-    /// the engine.
+    /// the engine, or its server said it took no work (502, 503: a proxy without an engine
+    /// behind it, an engine not ready or full); never after a 500 or a break, where the engine
+    /// may have done the work.
     pub(super) fn retryable(&self) -> bool {
-        matches!(self, Failure::NotDelivered(_))
+        match self {
+            Failure::NotDelivered(_) => true,
+            Failure::Status(status) => matches!(status.as_u16(), 502 | 503),
+            _ => false,
+        }
     }
 
     /// The status the client is answered when this was the last try, and its outcome.
