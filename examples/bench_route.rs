@@ -762,7 +762,11 @@ async fn body_size_rows(bench: &Bench, threads_idle: u64) -> Result<Vec<LatencyR
     ];
     for (text, sizes, requests) in ways {
         for &kib in sizes {
-            let what = if text { "text prompt" } else { "16 ids, padded" };
+            let what = if text {
+                "text prompt"
+            } else {
+                "16 ids, padded"
+            };
             let case = Case {
                 label: format!("completion body {kib} KiB ({what}), whole"),
                 path: "/v1/completions",

@@ -11,8 +11,8 @@
 //! Owns: the idle connections (per engine server, at most `IDLE_PER_SERVER`, closed after
 //! `IDLE_KEEP` unused, each probed before reuse: closed or holding bytes nobody asked for, it
 //! is dropped), and what a failed send was (`SendError`: whether the request may be sent
-//! again). Never: sends a request again but after a failed connect or on a reused connection
-//! that closed before a byte of answer (once), or follows a redirect.
+//! again). Never: sends a request twice but on a reused connection that closed before a byte
+//! of answer (once, on a new connection), or follows a redirect.
 
 use std::collections::HashMap;
 use std::io;
