@@ -688,3 +688,89 @@ fn answers_that_outlast_the_idle_timeout_arrive_whole() {
     assert_eq!(answer["object"], "chat.completion", "{answer}");
     streaming.join().expect("the stream arrived whole");
 }
+
+/// An engine's server (or a proxy before it) that answers 413 once it has read a request's
+/// head, then closes, while the body is still on its way: the answer reaches the client, the
+/// request is not sent again, and no rank is backed off.
+#[test]
+fn an_answer_before_the_whole_body_was_read_reaches_the_client() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let proxy = listener.local_addr().expect("address");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&accepted);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut head = Vec::new();
+            let mut buffer = [0u8; 4096];
+            while memchr::memmem::find(&head, b"\r\n\r\n").is_none() {
+                match stream.read(&mut buffer) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buffer[..n]),
+                }
+            }
+            let refusal = "{\"error\": \"request entity too large\"}";
+            let answer = format!(
+                "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{refusal}",
+                refusal.len()
+            );
+            let _ = stream.write_all(answer.as_bytes());
+            // Dropped with the body unread: the close is a reset, as a proxy's is.
+        }
+    });
+
+    let tokenizers = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
+    let chatml = tokenizers.path().join(MODEL);
+    let fleet = Fleet::start_on_consecutive_ports(1, |_| SimConfig {
+        dp_size: 1,
+        block_size: 16,
+        capacity_blocks: 4_096,
+        seed: 0x34,
+        ..SimConfig::default()
+    })
+    .expect("a simulated engine");
+    let tomls: Vec<EngineToml> = fleet
+        .engine_tomls()
+        .into_iter()
+        .map(|engine| EngineToml {
+            model: Some(MODEL.into()),
+            tokenizer: Some(chatml.display().to_string()),
+            openai_url: Some(format!("http://{proxy}")),
+            ..engine
+        })
+        .collect();
+    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table("127.0.0.1:0", &[]);
+    let running = start_service_with_select_clock(&toml, Clock::manual());
+    let (api, route) = (running.http_addr(), running.route_addr().expect("[route]"));
+    wait_for(30, "the rank to be active", || {
+        (get(api, "/ready").status == 200).then_some(())
+    });
+
+    // A 1 MiB body: far more than the sockets' buffers take before the proxy's close.
+    let body = json!({
+        "model": MODEL,
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 4,
+        "user": "u".repeat(1 << 20),
+    });
+    let reply =
+        Connection::open(route).send("POST", "/v1/completions", Some(body.to_string().as_bytes()));
+    assert_eq!(reply.status, 413, "{}", reply.text());
+    assert!(reply.text().contains("too large"), "{}", reply.text());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "sent once");
+    let retries = metric_value(api, "kv_indexer_route_retries_total");
+    assert_eq!(retries.unwrap_or(0.0), 0.0, "not sent again");
+    let excluded = "kv_indexer_route_rank_excluded{instance=\"sim-0\",dp_rank=\"0\"}";
+    assert_eq!(
+        metric_value(api, excluded).unwrap_or(0.0),
+        0.0,
+        "not backed off"
+    );
+    drop(running);
+}
