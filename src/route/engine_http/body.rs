@@ -386,4 +386,19 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_trailer_section_is_bounded_in_all_not_only_by_the_line() {
+        let trailers = |count: usize| {
+            let mut wire = b"2\r\nok\r\n0\r\n".to_vec();
+            wire.extend_from_slice(&b"x-trailer: value\r\n".repeat(count));
+            wire.extend_from_slice(b"\r\n");
+            wire
+        };
+        let fitting = MAX_TRAILER_BYTES / 18;
+        let (data, done) =
+            framed(Framing::Chunked(Chunk::Size), &trailers(fitting), 1_000).expect("framed");
+        assert_eq!((&data[..], done), (&b"ok"[..], true));
+        assert!(framed(Framing::Chunked(Chunk::Size), &trailers(fitting + 1), 1_000).is_err());
+    }
 }
