@@ -50,16 +50,15 @@ pub(super) enum Unanswered {
 
 /// A final answer's head as read: its parts, how its body is framed, whether its connection
 /// may carry another request, and the bytes read past it.
-pub(super) struct Headed {
-    pub(super) parts: Parts,
-    pub(super) framing: Framing,
-    pub(super) reusable: bool,
-    pub(super) rest: BytesMut,
+struct Headed {
+    parts: Parts,
+    framing: Framing,
+    reusable: bool,
+    rest: BytesMut,
 }
 
 /// Why no final head was read.
-#[derive(Debug)]
-pub(super) enum HeadError {
+enum HeadError {
     /// Closed or reset before a byte of answer.
     Silent(String),
     /// Reset within the answer's head (a 1xx or part of the final one was read).
@@ -148,7 +147,7 @@ async fn write_request(
 /// Reads until a final answer's head: every complete head in what was read is parsed before
 /// the next read (a 1xx and the final head often come in one). Never reads past
 /// `MAX_HEAD_BYTES` of heads, so a head is refused exactly when it is longer.
-pub(super) async fn read_head(reader: &mut (impl AsyncRead + Unpin)) -> Result<Headed, HeadError> {
+async fn read_head(reader: &mut (impl AsyncRead + Unpin)) -> Result<Headed, HeadError> {
     let mut read = Vec::with_capacity(1 << 10);
     // Bytes of 1xx heads already consumed: they count against `MAX_HEAD_BYTES` too.
     let mut interim = 0;
