@@ -11,7 +11,7 @@
 //! (hyper's HTTP/1.1 client, keep-alive connections), so that on this 2-core machine they cost
 //! less than what they measure.
 //!
-//! `cargo run --release --example bench_route`
+//! `cargo run --release --example bench_route` (`-- --help` lists its options)
 //!
 //! What it prints:
 //!
@@ -24,7 +24,12 @@
 //!    through the front end, the process's CPU time a request (client, front end and engine
 //!    together), the differences (the front end's added latency and CPU), the process's
 //!    threads before and at most during the case (by name when they grew), and requests that
-//!    failed. Direct and routed runs alternate, `ROUNDS` times each.
+//!    failed. Direct and routed runs alternate, `ROUNDS` times each. Then the body-size rows:
+//!    a whole completion of 16 token ids whose body OpenAI's `user` field pads to 16, 64, 66,
+//!    128 and 1,024 KiB (what the front end adds to a body's transport as it grows), then one
+//!    whose body is a text prompt of 16, 64, 66 and 128 KiB (tokenized by the front end and
+//!    the engine alike: a repeated prompt's tokens are cached up to 64 KiB, so past it both
+//!    tokenize it again each time), at concurrency 1; `--body-sizes` runs these alone.
 //! 2. `throughput …`: SSE chunks a second counted by the client over 4 concurrent streams of
 //!    2,000 tokens each (5 rounds), direct and through the front end, with the process's CPU time
 //!    per chunk.
@@ -109,6 +114,14 @@ const STREAMS_TARGET_BYTES: f64 = 200e6;
 /// may start a blocking thread or two).
 const THREADS_SLACK: u64 = 8;
 const CHILD_FLAG: &str = "--open-streams";
+/// Runs only the body-size rows.
+const BODY_SIZES_FLAG: &str = "--body-sizes";
+/// Request bodies of the body-size rows (issue #34: 64 KiB is where the engines' client wrote
+/// a request's head and body apart), and requests a way for each.
+const BODY_SIZES_KIB: [usize; 5] = [16, 64, 66, 128, 1_024];
+const BODY_SIZE_REQUESTS: usize = 800;
+/// Requests a way for each text-prompt size: tokenizing 1 MiB takes a while.
+const BODY_TEXT_REQUESTS: usize = 80;
 /// Batches of streams each open-streams child opens and closes one after another.
 const STREAM_BATCHES: usize = 3;
 
@@ -404,6 +417,8 @@ struct Case {
     per_connection: usize,
     /// The `/select` work of the body (its tokenizing, median), which the targets leave out.
     select_work: Duration,
+    /// Whether issue #31's targets apply (not to the body-size rows: they show the transport).
+    judged: bool,
 }
 
 /// What one way of a case measured, over its rounds.
@@ -561,6 +576,7 @@ struct LatencyRow {
     direct: Measured,
     route: Measured,
     select_work: Duration,
+    judged: bool,
 }
 
 impl LatencyRow {
@@ -600,6 +616,7 @@ impl LatencyRow {
     /// request at 512.
     fn verdict(&self) -> String {
         match self.connections {
+            _ if !self.judged => String::new(),
             1 => {
                 let met = self.added_beyond_select(0.5) <= ADDED_P50_TARGET.as_secs_f64() * 1e6
                     && self.added_beyond_select(0.99) <= ADDED_P99_TARGET.as_secs_f64() * 1e6;
@@ -676,6 +693,7 @@ async fn latency(bench: &Bench, case: Case, threads_idle: u64) -> Result<Latency
         direct: Measured::default(),
         route: Measured::default(),
         select_work: case.select_work,
+        judged: case.judged,
     };
     for _ in 0..ROUNDS {
         round(&direct, &case, &mut row.direct).await?;
@@ -710,6 +728,59 @@ fn completion_body(model: &str, prompt: &[u32], max_tokens: u32, stream: bool) -
         json!({ "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": stream })
             .to_string(),
     )
+}
+
+/// A whole completion whose body is `size` bytes: 16 token ids and OpenAI's `user` field,
+/// which the engine ignores, padding it (`text` false: only the body's transport grows), or a
+/// text prompt that the front end and the engine both tokenize (`text` true).
+fn sized_body(size: usize, text: bool) -> Bytes {
+    let body = |filler: &str| {
+        let (prompt, user) = match text {
+            true => (json!(filler), ""),
+            false => (json!(token_ids(16, 1)), filler),
+        };
+        json!({ "model": Engine::Fast.model(), "prompt": prompt,
+                "max_tokens": MAX_TOKENS, "stream": false, "user": user })
+        .to_string()
+    };
+    let room = size.saturating_sub(body("").len());
+    let filler = match text {
+        true => "The keeper climbs the lighthouse stairs at dusk. ".repeat(room / 49 + 1),
+        false => "u".repeat(room),
+    };
+    Bytes::from(body(&filler[..room]))
+}
+
+/// The body-size rows: a whole completion of each of `BODY_SIZES_KIB`, at c=1, its body padded,
+/// then a text prompt of each but the last (1 MiB of text is ~856,000 of the simulated model's
+/// tokens, past its 131,072).
+async fn body_size_rows(bench: &Bench, threads_idle: u64) -> Result<Vec<LatencyRow>> {
+    let mut rows = Vec::new();
+    let ways = [
+        (false, &BODY_SIZES_KIB[..], BODY_SIZE_REQUESTS),
+        (true, &BODY_SIZES_KIB[..4], BODY_TEXT_REQUESTS),
+    ];
+    for (text, sizes, requests) in ways {
+        for &kib in sizes {
+            let what = if text {
+                "text prompt"
+            } else {
+                "16 ids, padded"
+            };
+            let case = Case {
+                label: format!("completion body {kib} KiB ({what}), whole"),
+                path: "/v1/completions",
+                body: sized_body(kib << 10, text),
+                stream: false,
+                connections: 1,
+                per_connection: requests / ROUNDS,
+                select_work: Duration::ZERO,
+                judged: false,
+            };
+            rows.push(latency(bench, case, threads_idle).await?);
+        }
+    }
+    Ok(rows)
 }
 
 fn chat_body(stream: bool) -> Bytes {
@@ -1107,12 +1178,46 @@ fn streams_fitting(limit: u64) -> (usize, Option<String>) {
     (fit, Some(why))
 }
 
+/// `--body-sizes`: the body-size rows alone, and their table.
+fn body_sizes_alone() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let load_at_start = load_average();
+    let bench = Bench::start(&[Engine::Fast], 1_000)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("the client's runtime")?;
+    let rows = runtime.block_on(body_size_rows(&bench, threads()))?;
+    println!();
+    println!("| case | direct | through the front end | added (front end's own) | target |");
+    println!("|---|---|---|---|---|");
+    for row in &rows {
+        println!("{}", row.table_line());
+    }
+    println!(
+        "load average at start {load_at_start}, at end {}",
+        load_average()
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(CHILD_FLAG) {
         let way = args.get(2).context("route or direct")?;
         let streams = args.get(3).context("a stream count")?.parse()?;
         return open_streams_child(way, streams);
+    }
+    match args.get(1).map(String::as_str) {
+        Some("--help" | "-h") => {
+            println!("bench_route: what the route front end adds to a request (see the example's header)");
+            println!("  (no option)    every case: latency, body sizes, throughput, open streams");
+            println!("  {BODY_SIZES_FLAG}   the body-size rows alone (added latency at {BODY_SIZES_KIB:?} KiB)");
+            return Ok(());
+        }
+        Some(BODY_SIZES_FLAG) => return body_sizes_alone(),
+        Some(other) => bail!("unknown option {other:?} (--help lists them)"),
+        None => {}
     }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let run_started = Instant::now();
@@ -1151,6 +1256,7 @@ fn main() -> Result<()> {
                 "/v1/chat/completions" => chat_tokenizing,
                 _ => Duration::ZERO,
             },
+            judged: true,
         };
         let ids = "completion 1,024 ids";
         let chat = "chat (tokenized)";
@@ -1172,6 +1278,7 @@ fn main() -> Result<()> {
             case.label = format!("{}, {}", case.label, if case.stream { "streamed TTFB" } else { "whole" });
             rows.push(latency(&bench, case, threads_idle).await?);
         }
+        rows.extend(body_size_rows(&bench, threads_idle).await?);
 
         let body = completion_body(Engine::Burst.model(), &token_ids(64, 1), THROUGHPUT_TOKENS, true);
         let direct = Target::new(bench.engine_addr(Engine::Burst)?, Some(0));

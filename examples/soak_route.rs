@@ -73,7 +73,10 @@ struct Tally {
 impl Tally {
     fn fail(&self, cause: String) {
         self.failed.fetch_add(1, Ordering::Relaxed);
-        let mut causes = self.causes.lock().unwrap_or_else(|poison| poison.into_inner());
+        let mut causes = self
+            .causes
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
         if causes.len() < 20 {
             causes.push(cause);
         }
@@ -279,7 +282,10 @@ fn exchange(route: SocketAddr, body: &str, stream: bool, leave: bool) -> Result<
             .iter()
             .find(|h| h.to_ascii_lowercase().starts_with("x-kv-indexer-rank"))
             .map_or("", |h| h.trim());
-        bail!("{code} {rank}: {}", text.chars().take(300).collect::<String>());
+        bail!(
+            "{code} {rank}: {}",
+            text.chars().take(300).collect::<String>()
+        );
     }
     let whole = match stream {
         true => text.contains("data: [DONE]"),

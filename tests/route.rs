@@ -507,22 +507,23 @@ fn a_server_that_cannot_be_reached_takes_out_every_rank_behind_it_until_it_passe
 }
 
 #[test]
-fn an_engines_5xx_is_passed_on_never_sent_again_and_a_502_or_503_backs_off_its_server() {
+fn a_502_or_503_backs_off_its_server_and_goes_to_another_and_a_500_is_passed_on() {
     let routed = routed(2, 1, OpenAiConfig::default(), &[("health_interval_s", "0")]);
     let body = chat("harbours", false);
     routed.warm(0, 0, "/v1/chat/completions", &body);
     let served = |engine| routed.server(engine).requests();
+    let retries = || routed.metric("kv_indexer_route_retries_total");
     let before = (served(0), served(1));
-    // Delivered, so never sent again: the engine's own answer reaches the client.
+    // The server took no work: the request goes to the other one, and sim-0 is backed off.
     routed.server(0).inject(Fault::Status(503), 1);
     let reply = routed.send("/v1/chat/completions", &body);
-    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(
         reply.header("x-kv-indexer-rank"),
-        Some(rank_name(0, 0).as_str())
+        Some(rank_name(1, 0).as_str())
     );
-    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 0.0);
-    assert_eq!((served(0), served(1)), (before.0 + 1, before.1));
+    assert_eq!(retries(), 1.0);
+    assert_eq!((served(0), served(1)), (before.0 + 1, before.1 + 1));
     assert_eq!(excluded(&routed, 0, 0), 1.0, "a 503 backs its server off");
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(
@@ -530,20 +531,26 @@ fn an_engines_5xx_is_passed_on_never_sent_again_and_a_502_or_503_backs_off_its_s
         Some(rank_name(1, 0).as_str()),
         "left out though it holds the prefix"
     );
-    // Readmitted once its back-off is over.
+    // Readmitted once its back-off is over. A 500 may have done the work: passed on, never
+    // sent again, and nobody is backed off.
     routed.clock.advance(Duration::from_secs(1));
     routed.server(0).inject(Fault::Status(500), 1);
     routed.server(1).inject(Fault::Status(500), 1);
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 500, "{}", reply.text());
-    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 0.0);
+    assert_eq!(retries(), 1.0);
     let chosen = reply.header("x-kv-indexer-rank").unwrap_or_default();
     let engine = usize::from(chosen == rank_name(1, 0));
-    assert_eq!(
-        excluded(&routed, engine, 0),
-        0.0,
-        "a 500 is the request's, not the server's"
-    );
+    assert_eq!(excluded(&routed, engine, 0), 0.0);
+    routed.server(0).clear_faults();
+    routed.server(1).clear_faults();
+    // Both servers answer 503: the second's answer reaches the client.
+    routed.server(0).inject(Fault::Status(503), 1);
+    routed.server(1).inject(Fault::Status(503), 1);
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert!(reply.header("x-kv-indexer-rank").is_some());
+    assert_eq!(retries(), 2.0);
     routed.server(0).clear_faults();
     routed.server(1).clear_faults();
     // Both servers refuse: the request goes to each once (never delivered), then 502; with
@@ -558,7 +565,7 @@ fn an_engines_5xx_is_passed_on_never_sent_again_and_a_502_or_503_backs_off_its_s
         "{}",
         reply.text()
     );
-    assert_eq!(routed.metric("kv_indexer_route_retries_total"), 1.0);
+    assert_eq!(retries(), 3.0);
     let reply = routed.send("/v1/chat/completions", &body);
     assert_eq!(reply.status, 503, "{}", reply.text());
     assert!(
@@ -1344,4 +1351,92 @@ fn every_valid_chat_is_routed_and_only_a_body_that_is_not_one_is_refused() {
         let message = error_message(&reply);
         assert!(message.contains(wanted), "{message:?}, wanted {wanted:?}");
     }
+}
+
+/// An engine's server (or a proxy before it) that answers 413 once it has read a request's
+/// head, then closes, while the body is still on its way: the answer reaches the client, the
+/// request is not sent again, and no rank is backed off.
+#[test]
+fn an_answer_before_the_whole_body_was_read_reaches_the_client() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let proxy = listener.local_addr().expect("address");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&accepted);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut head = Vec::new();
+            let mut buffer = [0u8; 4096];
+            while memchr::memmem::find(&head, b"\r\n\r\n").is_none() {
+                match stream.read(&mut buffer) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buffer[..n]),
+                }
+            }
+            let refusal = "{\"error\": \"request entity too large\"}";
+            let answer = format!(
+                "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{refusal}",
+                refusal.len()
+            );
+            let _ = stream.write_all(answer.as_bytes());
+            // Dropped with the body unread: the close is a reset, as a proxy's is.
+        }
+    });
+
+    let tokenizers = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
+    let chatml = tokenizers.path().join(MODEL);
+    let fleet = Fleet::start_on_consecutive_ports(1, |_| SimConfig {
+        dp_size: 1,
+        block_size: 16,
+        capacity_blocks: 4_096,
+        seed: 0x34,
+        ..SimConfig::default()
+    })
+    .expect("a simulated engine");
+    let tomls: Vec<EngineToml> = fleet
+        .engine_tomls()
+        .into_iter()
+        .map(|engine| EngineToml {
+            model: Some(MODEL.into()),
+            tokenizer: Some(chatml.display().to_string()),
+            openai_url: Some(format!("http://{proxy}")),
+            ..engine
+        })
+        .collect();
+    // No health checks: every connection the proxy accepts is the routed request's.
+    let toml = indexer_toml(None, 16, 8, &tomls)
+        + &route_table("127.0.0.1:0", &[("health_interval_s", "0")]);
+    let running = start_service_with_select_clock(&toml, Clock::manual());
+    let (api, route) = (running.http_addr(), running.route_addr().expect("[route]"));
+    wait_for(30, "the rank to be active", || {
+        (get(api, "/ready").status == 200).then_some(())
+    });
+
+    // A 1 MiB body: far more than the sockets' buffers take before the proxy's close.
+    let body = json!({
+        "model": MODEL,
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 4,
+        "user": "u".repeat(1 << 20),
+    });
+    let reply =
+        Connection::open(route).send("POST", "/v1/completions", Some(body.to_string().as_bytes()));
+    assert_eq!(reply.status, 413, "{}", reply.text());
+    assert!(reply.text().contains("too large"), "{}", reply.text());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "sent once");
+    let retries = metric_value(api, "kv_indexer_route_retries_total");
+    assert_eq!(retries.unwrap_or(0.0), 0.0, "not sent again");
+    let excluded = "kv_indexer_route_rank_excluded{instance=\"sim-0\",dp_rank=\"0\"}";
+    assert_eq!(
+        metric_value(api, excluded).unwrap_or(0.0),
+        0.0,
+        "not backed off"
+    );
+    drop(running);
 }

@@ -367,6 +367,8 @@ impl RouteFront {
         let mut tried: Vec<String> = Vec::with_capacity(MAX_TRIES);
         let mut last_failure: Option<Failure> = None;
         let mut place = Some(place);
+        // An engine's 502 or 503, passed on when no other server takes the request.
+        let mut held: Option<(Sent, Ticket, Selection)> = None;
         for attempt in 0..MAX_TRIES {
             // Inline: a bounded in-memory read of the index and the selector's lock, shorter
             // than the hop to a blocking thread and back.
@@ -412,10 +414,25 @@ impl RouteFront {
                 .await
             {
                 Ok(sent) => {
-                    ticket.place = place.take();
                     self.metrics
                         .route_first_byte(started.elapsed().as_secs_f64());
-                    self.answered(&fleet, &server, &key, sent.head.status);
+                    let status = sent.head.status;
+                    if matches!(
+                        status,
+                        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE
+                    ) {
+                        // The server took no work: another may take it. Its answer is kept
+                        // for the client in case none can.
+                        self.metrics.route_rank_failed(&key.engine, key.dp_rank);
+                        self.server_down(&fleet, &server, &format!("answered {status}"));
+                        if attempt + 1 < MAX_TRIES {
+                            held = Some((sent, ticket, selection));
+                            continue;
+                        }
+                    } else {
+                        self.answered(&server, &key, status);
+                    }
+                    ticket.place = place.take();
                     return self
                         .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                         .await;
@@ -438,6 +455,12 @@ impl RouteFront {
                     }
                 }
             }
+        }
+        if let Some((sent, mut ticket, selection)) = held {
+            ticket.place = place.take();
+            return self
+                .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
+                .await;
         }
         match last_failure {
             Some(failure) => {
@@ -472,18 +495,9 @@ impl RouteFront {
         }
     }
 
-    /// Rank `key` behind `server` answered `status`: a 502 or 503 says the server cannot take
-    /// requests (the answer is still passed on: the request was delivered), a 404 that the
-    /// engine does not serve the routed path; any other ends the rank's back-off.
-    fn answered(&self, fleet: &Fleet, server: &Server, key: &WorkerKey, status: StatusCode) {
-        if matches!(
-            status,
-            StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE
-        ) {
-            self.metrics.route_rank_failed(&key.engine, key.dp_rank);
-            self.server_down(fleet, server, &format!("answered {status}"));
-            return;
-        }
+    /// Rank `key` behind `server` answered `status` (not a 502 or 503): a 404 says the engine
+    /// does not serve the routed path; any answer ends the rank's back-off.
+    fn answered(&self, server: &Server, key: &WorkerKey, status: StatusCode) {
         if status == StatusCode::NOT_FOUND {
             self.metrics
                 .route_engine_not_found(&key.engine, key.dp_rank);

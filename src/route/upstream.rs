@@ -144,8 +144,12 @@ impl Settings {
 /// Why a request did not reach an answer from its rank.
 #[derive(Debug)]
 pub(super) enum Failure {
-    /// Nothing reached the engine: refused, unreachable, or no connection in time.
+    /// Nothing reached the engine (connect refused or timed out, or the connection failed
+    /// before a byte of the request was written).
     NotDelivered(String),
+    /// The connection broke after the request was (perhaps partly) written, before an
+    /// answer's head: the engine may be working on it.
+    Broken(String),
     /// The engine's answer is not HTTP/1.1 that can be passed on.
     Malformed(String),
     /// No answer within the first-byte timeout.
@@ -162,7 +166,7 @@ impl Failure {
 
     /// Whether it says the engine's server is down, which backs off every rank behind it.
     pub(super) fn server_down(&self) -> bool {
-        matches!(self, Failure::NotDelivered(_))
+        matches!(self, Failure::NotDelivered(_) | Failure::Broken(_))
     }
 
     /// The status the client is answered when this was the last try, and its outcome.
@@ -178,6 +182,7 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Failure::NotDelivered(why) => write!(f, "cannot be reached: {why}"),
+            Failure::Broken(why) => write!(f, "broke the connection: {why}"),
             Failure::Malformed(why) => write!(f, "answered unreadably: {why}"),
             Failure::TimedOut(after) => {
                 write!(
@@ -249,7 +254,8 @@ impl Upstream {
             .send(&authority, settings.connect, &head, &body);
         let (head, body) = match tokio::time::timeout_at(first_byte_by, sending).await {
             Err(_) => return Err(Failure::TimedOut(settings.first_byte)),
-            Ok(Err(SendError::Unreachable(why))) => return Err(Failure::NotDelivered(why)),
+            Ok(Err(SendError::NotDelivered(why))) => return Err(Failure::NotDelivered(why)),
+            Ok(Err(SendError::Broken(why))) => return Err(Failure::Broken(why)),
             Ok(Err(SendError::Malformed(why))) => return Err(Failure::Malformed(why)),
             Ok(Ok(answer)) => answer,
         };
@@ -271,7 +277,7 @@ impl Upstream {
         let asking = self.connections.send(&authority, timeout, &head, &no_body);
         match tokio::time::timeout(timeout, asking).await {
             Err(_) => Err(format!("no answer within {}s", timeout.as_secs())),
-            Ok(Err(SendError::Unreachable(why) | SendError::Malformed(why))) => Err(why),
+            Ok(Err(error)) => Err(error.to_string()),
             // The body is dropped unread: its connection closes rather than go back to the pool.
             Ok(Ok((parts, _body))) => Ok(parts.status),
         }

@@ -2,9 +2,9 @@
 //! the connection's close (RFC 9112 section 6.3), each read landing on the stack and only the
 //! body's bytes leaving it, so an open stream holds no buffer between reads.
 //!
-//! Owns: the framing, the bound on a chunk-size or trailer line, and giving the connection
-//! back (`Connections::give_back`) once the answer was read whole and may be followed by
-//! another. Never: reads past its answer, passes on a byte of framing as data, or keeps a
+//! Owns: the framing, the bounds on a chunk-size line, a trailer line and the trailer
+//! section, and giving the connection back (`Connections::give_back`) once the answer was
+//! read whole and may be followed by another. Never: reads past its answer, passes on a byte of framing as data, or keeps a
 //! connection whose answer was not read to its end (dropping a body closes its connection:
 //! the engine cancels the request).
 
@@ -21,8 +21,11 @@ use tokio::net::TcpStream;
 use super::{Connections, SendError};
 use crate::http::BodyError;
 
-/// A chunk-size line (with its extensions) or a trailer section longer than this is refused.
-const MAX_LINE_BYTES: usize = 4 << 10;
+/// A chunk-size line (with its extensions) or a trailer line longer than this is refused.
+pub(super) const MAX_LINE_BYTES: usize = 4 << 10;
+/// A trailer section longer than this is refused: an engine sends none, and endless trailer
+/// lines would otherwise hold a stream open with nothing passed on.
+pub(super) const MAX_TRAILER_BYTES: usize = 16 << 10;
 /// One read of a body: on the stack, only while the read runs.
 const READ_BYTES: usize = 16 << 10;
 
@@ -47,8 +50,9 @@ pub(super) enum Chunk {
     Data(u64),
     /// After a chunk's data: its CRLF (this many bytes of it seen).
     DataEnd(u8),
-    /// After the last chunk: trailer lines until an empty one (in `EngineBody::line`).
-    Trailers,
+    /// After the last chunk: trailer lines until an empty one (in `EngineBody::line`), this
+    /// many bytes of them seen.
+    Trailers(usize),
 }
 
 impl Framing {
@@ -57,9 +61,12 @@ impl Framing {
     }
 }
 
+/// How the body of an answer with `status` and `headers` ends (RFC 9112 section 6.3), `http11`
+/// whether the answer is HTTP/1.1.
 pub(super) fn framing(
     status: hyper::StatusCode,
     headers: &HeaderMap,
+    http11: bool,
 ) -> Result<Framing, SendError> {
     if status.is_informational()
         || status == hyper::StatusCode::NO_CONTENT
@@ -67,11 +74,24 @@ pub(super) fn framing(
     {
         return Ok(Framing::Done);
     }
+    let mut lengths = headers.get_all(hyper::header::CONTENT_LENGTH).iter();
     if let Some(last) = headers
         .get_all(hyper::header::TRANSFER_ENCODING)
         .iter()
         .next_back()
     {
+        // Both framings, or chunking in HTTP/1.0, is how a response is split or smuggled: RFC
+        // 9112 section 6.3 says to handle it as an error.
+        if lengths.next().is_some() {
+            return Err(SendError::Malformed(
+                "both Transfer-Encoding and Content-Length".into(),
+            ));
+        }
+        if !http11 {
+            return Err(SendError::Malformed(
+                "Transfer-Encoding in an HTTP/1.0 answer".into(),
+            ));
+        }
         let chunked = last
             .to_str()
             .ok()
@@ -82,23 +102,22 @@ pub(super) fn framing(
             false => Framing::UntilClose,
         });
     }
-    let mut lengths = headers.get_all(hyper::header::CONTENT_LENGTH).iter();
     let Some(first) = lengths.next() else {
         return Ok(Framing::UntilClose);
     };
-    let length = |value: &HeaderValue| -> Option<u64> {
+    let parse = |value: &HeaderValue| -> Option<u64> {
         let text = value.to_str().ok()?.trim();
         text.bytes()
             .all(|b| b.is_ascii_digit())
             .then(|| text.parse().ok())
             .flatten()
     };
-    let Some(length) = length(first) else {
+    let Some(length) = parse(first) else {
         return Err(SendError::Malformed(format!(
             "Content-Length {first:?} is not a length"
         )));
     };
-    if lengths.any(|other| length_differs(other, length)) {
+    if lengths.any(|other| parse(other) != Some(length)) {
         return Err(SendError::Malformed(
             "Content-Length headers that disagree".into(),
         ));
@@ -107,10 +126,6 @@ pub(super) fn framing(
         0 => Framing::Done,
         n => Framing::Length(n),
     })
-}
-
-fn length_differs(value: &HeaderValue, length: u64) -> bool {
-    value.to_str().ok().map(str::trim) != Some(length.to_string().as_str())
 }
 
 /// An engine's answer body as it arrives; its connection goes back to the pool once the body
@@ -208,16 +223,24 @@ impl EngineBody {
                             }
                         };
                         *chunk = match size {
-                            0 => Chunk::Trailers,
+                            0 => Chunk::Trailers(0),
                             n => Chunk::Data(n),
                         };
                     }
-                    Chunk::Trailers => {
+                    Chunk::Trailers(seen) => {
                         let Some(line) = take_line(&mut self.line, input)? else {
                             continue;
                         };
                         if line == b"\r\n" || line == b"\n" {
                             self.framing = Framing::Done;
+                        } else {
+                            *seen += line.len();
+                            if *seen > MAX_TRAILER_BYTES {
+                                return Err(format!(
+                                    "a trailer section over {MAX_TRAILER_BYTES} bytes"
+                                )
+                                .into());
+                            }
                         }
                     }
                 },
@@ -362,5 +385,20 @@ mod tests {
                 String::from_utf8_lossy(wire)
             );
         }
+    }
+
+    #[test]
+    fn a_trailer_section_is_bounded_in_all_not_only_by_the_line() {
+        let trailers = |count: usize| {
+            let mut wire = b"2\r\nok\r\n0\r\n".to_vec();
+            wire.extend_from_slice(&b"x-trailer: value\r\n".repeat(count));
+            wire.extend_from_slice(b"\r\n");
+            wire
+        };
+        let fitting = MAX_TRAILER_BYTES / 18;
+        let (data, done) =
+            framed(Framing::Chunked(Chunk::Size), &trailers(fitting), 1_000).expect("framed");
+        assert_eq!((&data[..], done), (&b"ok"[..], true));
+        assert!(framed(Framing::Chunked(Chunk::Size), &trailers(fitting + 1), 1_000).is_err());
     }
 }
