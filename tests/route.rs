@@ -1440,3 +1440,45 @@ fn an_answer_before_the_whole_body_was_read_reaches_the_client() {
     );
     drop(running);
 }
+
+/// The README's demo chat, sent twice through the front end to simulated engines like the
+/// demo's: longer than a block, so the second answer reports the prefix cached, as the README
+/// says.
+#[test]
+fn the_readme_demo_chat_is_found_cached_the_second_time() {
+    let readme = include_str!("../README.md");
+    let body = readme
+        .lines()
+        .find(|line| line.contains("localhost:8080/v1/chat/completions"))
+        .and_then(|line| line.split_once("-d '"))
+        .and_then(|(_, rest)| rest.strip_suffix('\''))
+        .expect("the README's demo curl");
+    let body: Value = serde_json::from_str(body).expect("the demo's body is JSON");
+    assert_eq!(
+        body["model"], MODEL,
+        "the demo's model is the simulated engines'"
+    );
+    let routed = routed(2, 2, OpenAiConfig::default(), &[]);
+    let first = routed.send("/v1/chat/completions", &body);
+    assert_eq!(first.status, 200, "{}", first.text());
+    // The engine's events reach the index before the next request is chosen.
+    wait_for(10, "the first answer's blocks to be indexed", || {
+        let query = json!({ "model": MODEL, "messages": body["messages"] });
+        let answer =
+            Connection::open(routed.api).send("POST", "/query", Some(query.to_string().as_bytes()));
+        let scores = answer.json()["scores"].as_array()?.clone();
+        (!scores.is_empty()).then_some(())
+    });
+    let second = routed.send("/v1/chat/completions", &body);
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(
+        second.header("x-kv-indexer-rank"),
+        first.header("x-kv-indexer-rank"),
+        "the rank holding the prefix"
+    );
+    assert!(
+        cached_tokens(&second.json()) >= 16,
+        "at least a block cached: {}",
+        second.text()
+    );
+}
