@@ -1188,12 +1188,7 @@ fn body_sizes_alone() -> Result<()> {
         .build()
         .context("the client's runtime")?;
     let rows = runtime.block_on(body_size_rows(&bench, threads()))?;
-    println!();
-    println!("| case | direct | through the front end | added (front end's own) | target |");
-    println!("|---|---|---|---|---|");
-    for row in &rows {
-        println!("{}", row.table_line());
-    }
+    print_table(&rows);
     println!(
         "load average at start {load_at_start}, at end {}",
         load_average()
@@ -1328,12 +1323,7 @@ fn main() -> Result<()> {
         if memory_met { "MET" } else { "MISSED" }
     );
 
-    println!();
-    println!("| case | direct | through the front end | added (front end's own) | target |");
-    println!("|---|---|---|---|---|");
-    for row in &rows {
-        println!("{}", row.table_line());
-    }
+    print_table(&rows);
     println!(
         "| streaming throughput, {THROUGHPUT_STREAMS} × {THROUGHPUT_TOKENS} tokens × {THROUGHPUT_ROUNDS} | {:.0} chunks/s ({:.1} µs CPU a chunk) | {:.0} chunks/s ({:.1} µs CPU a chunk) | {:.0}% of direct | |",
         direct_rate.per_second(),
@@ -1383,4 +1373,14 @@ fn main() -> Result<()> {
         run_started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The rows as a table, after a blank line (the streaming and memory rows follow it).
+fn print_table(rows: &[LatencyRow]) {
+    println!();
+    println!("| case | direct | through the front end | added (front end's own) | target |");
+    println!("|---|---|---|---|---|");
+    for row in rows {
+        println!("{}", row.table_line());
+    }
 }

@@ -579,9 +579,7 @@ fn a_502_or_503_backs_off_its_server_and_goes_to_another_and_a_500_is_passed_on(
 #[test]
 fn a_rank_whose_event_link_is_down_is_routed_by_load_alone_and_says_so() {
     // sim-1's events are looked for where nothing publishes; its OpenAI server answers.
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    let dead_port = nobody.local_addr().expect("its address").port();
-    drop(nobody);
+    let dead_port = support::free_port();
     let routed = routed_with(
         2,
         1,
@@ -1160,9 +1158,7 @@ fn raw_engine(parts: [&'static [u8]; 2]) -> (SocketAddr, std::sync::mpsc::Sender
 /// The front end before a raw engine at `engine`, whose events nobody publishes (the rank is
 /// routed by load).
 fn routing_to(engine: SocketAddr) -> RunningService {
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    let dead_port = nobody.local_addr().expect("its address").port();
-    drop(nobody);
+    let dead_port = support::free_port();
     let toml = indexer_toml(
         None,
         16,
