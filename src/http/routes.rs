@@ -150,7 +150,7 @@ fn query(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     match parse_query_request(content_type, query_string, body, Vec::new()) {
-        Ok(mut query) => match tokenize_prompt(api, &mut query) {
+        Ok(mut query) => match tokenize_prompt(api, request, &mut query) {
             Ok(()) => score(api, &query),
             Err(refused) => refused,
         },

@@ -2,16 +2,23 @@
 //! tokenizer (docs.md "Prompts as text or chat messages") before the route scores it.
 //!
 //! Owns: which model a text prompt is scored for (the tokenizer's: a prompt's ids mean
-//! nothing to a rank of another model) and the 400 of a prompt that cannot be tokenized.
-//! Never: tokenizes itself (`tokenize` does) or reads the index.
+//! nothing to a rank of another model), the 400 of a prompt that cannot be tokenized, the 413
+//! of one longer than its model takes or than the tokenizing budget, and the 429 of one that
+//! waited too long at the gate. Never: tokenizes itself (`tokenize` does), tokenizes past the
+//! gate, or reads the index.
 
 use super::query_body::{QueryRequest, TextPrompt};
-use super::{Api, Reply};
+use super::{Api, Reply, Request};
+use crate::tokenize::gate::Refused;
 use crate::tokenize::{Prompt, PromptError};
 
 /// Tokenizes `query`'s text or chat prompt, if it has one, into its `token_ids`, and makes its
 /// `model` the one whose tokenizer read it. A query of token ids is left as it is.
-pub(super) fn tokenize_prompt(api: &Api, query: &mut QueryRequest) -> Result<(), Reply> {
+pub(super) fn tokenize_prompt(
+    api: &Api,
+    request: &Request,
+    query: &mut QueryRequest,
+) -> Result<(), Reply> {
     let Some(text) = query.text.take() else {
         return Ok(());
     };
@@ -24,7 +31,30 @@ pub(super) fn tokenize_prompt(api: &Api, query: &mut QueryRequest) -> Result<(),
     };
     query.token_ids.clear();
     let tokenizers = api.tokenizers.current();
-    match tokenizers.encode(query.model.as_deref(), &prompt, &mut query.token_ids) {
+    tokenizers
+        .check_length(query.model.as_deref(), &prompt)
+        .map_err(|too_long| Reply::error(413, too_long.to_string()))?;
+    let _pass = api
+        .tokenizers
+        .gate()
+        .enter_blocking(prompt.bytes(), request.gone())
+        .map_err(|refused| {
+            let status = match refused {
+                Refused::Busy { .. } => 429,
+                Refused::TooLarge { .. } => 413,
+                // Nobody reads it: nginx's "client closed request".
+                Refused::Cancelled => 499,
+            };
+            let mut reply = Reply::error(status, refused.to_string());
+            if status == 429 {
+                reply.header = Some(("Retry-After", "1"));
+            }
+            reply
+        })?;
+    let encoded = request
+        .gone()
+        .scope(|| tokenizers.encode(query.model.as_deref(), &prompt, &mut query.token_ids));
+    match encoded {
         Ok(model) => {
             if query.model.as_deref() != Some(model) {
                 query.model = Some(model.to_owned());

@@ -46,7 +46,8 @@ use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector};
-use crate::tokenize::{self, SharedTokenizers};
+use crate::tokenize::gate::{Cancel, Refused};
+use crate::tokenize::{self, SharedTokenizers, TooLong};
 use passing::{usage_of, Passing, ReportingEngines, Ticket};
 use request::{with_usage, Kind, OpenAiRequest, PromptSource};
 use upstream::{Failure, Fleet, Sent, Settings, Upstream};
@@ -55,9 +56,6 @@ use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 /// the next-best.
 pub const MAX_TRIES: usize = 2;
 
-/// Prompts tokenized at once: tokenizing is CPU work, and more at once than the API's
-/// `POOL_THREADS` only adds threads on a machine of a few cores.
-const TOKENIZING: usize = crate::http::POOL_THREADS;
 /// A text or chat body up to this size is tokenized where it is read, on the runtime's thread:
 /// its template and tokenizer take about as long as the hop to a blocking thread and back
 /// (docs/performance.md "Why a short prompt is tokenized where it is read").
@@ -111,8 +109,6 @@ pub struct RouteFront {
     upstream: Upstream,
     in_flight: Arc<Semaphore>,
     max_concurrent: usize,
-    /// Places on blocking threads for tokenizing (`TOKENIZING`).
-    tokenizing: Arc<Semaphore>,
     /// Which engines report their cached tokens, so that an answer without them counts.
     reporting: Arc<ReportingEngines>,
 }
@@ -146,7 +142,6 @@ impl RouteFront {
             fleet: RwLock::new(Arc::new(Fleet::of(config))),
             upstream: Upstream::new(Settings::of(route)),
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
-            tokenizing: Arc::new(Semaphore::new(TOKENIZING)),
             max_concurrent: route.max_concurrent_requests,
             reporting: Arc::default(),
         })
@@ -241,48 +236,68 @@ impl RouteFront {
         };
         let (parsed, prompt) = match self.tokenized(parsed, body.len()).await {
             Ok(tokenized) => tokenized,
-            Err(why) => return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why),
+            Err(refused) => return self.not_tokenized(refused),
         };
         self.send(request, body, kind, parsed, prompt, strip, place)
             .await
     }
 
-    /// `parsed` (of a `body_len`-byte body) and its prompt as routing weighs it. Text and chats
-    /// of bodies over `TOKENIZE_INLINE_BYTES` are tokenized on a blocking thread (a long chat's
-    /// template and tokenizer take milliseconds), `TOKENIZING` at once: beyond, a request waits
-    /// for a place rather than taking a thread of its own.
+    /// `parsed` (of a `body_len`-byte body) and its prompt as routing weighs it. A text or chat
+    /// prompt longer than its model takes is refused before anything else (413). Bodies over
+    /// `TOKENIZE_INLINE_BYTES` are tokenized on a blocking thread (a long chat's template and
+    /// tokenizer take milliseconds), behind the tokenizing gate: a prompt that waited there too
+    /// long is refused (429), one over its whole budget is routed by load alone. A client that
+    /// goes away drops this future: the wait ends, and the tokenizing at its next step.
     async fn tokenized(
         self: &Arc<Self>,
         parsed: OpenAiRequest,
         body_len: usize,
-    ) -> Result<(OpenAiRequest, Tokenized), String> {
-        let needs_no_tokenizer = matches!(
-            parsed.prompt,
-            PromptSource::Tokens(_) | PromptSource::Unreadable(_)
-        );
-        if needs_no_tokenizer || body_len <= TOKENIZE_INLINE_BYTES {
+    ) -> Result<(OpenAiRequest, Tokenized), NotTokenized> {
+        let bytes = match self.work(&parsed) {
+            Work::Done(tokenized) => return Ok((parsed, tokenized)),
+            Work::Encode(tokenizers, prompt) => {
+                tokenizers
+                    .check_length(parsed.model.as_deref(), &prompt)
+                    .map_err(NotTokenized::TooLong)?;
+                prompt.bytes()
+            }
+        };
+        if body_len <= TOKENIZE_INLINE_BYTES {
             let tokenized = self.tokenize(&parsed)?;
             return Ok((parsed, tokenized));
         }
-        let _place = Arc::clone(&self.tokenizing)
-            .acquire_owned()
-            .await
-            .map_err(|_| "the front end is stopping".to_owned())?;
+        let pass = match self.tokenizers.gate().enter(bytes).await {
+            Ok(pass) => pass,
+            Err(too_large @ Refused::TooLarge { .. }) => {
+                let model = parsed.model.clone();
+                return Ok((parsed, Tokenized::load_only(too_large.to_string(), model)));
+            }
+            Err(refused) => return Err(NotTokenized::Busy(refused)),
+        };
+        let gone = Cancel::default();
+        let _gone = gone.on_drop();
         let front = Arc::clone(self);
         tokio::task::spawn_blocking(move || {
-            let tokenized = front.tokenize(&parsed)?;
+            // Held to the step's end: its memory is in use until then, client or not.
+            let _pass = pass;
+            let tokenized = gone.scope(|| front.tokenize(&parsed))?;
             Ok((parsed, tokenized))
         })
         .await
-        .map_err(|err| format!("tokenizing failed: {err}"))?
+        .map_err(|err| NotTokenized::Invalid(format!("tokenizing failed: {err}")))?
     }
 
-    /// The prompt's token ids, or why the request is routed by load alone.
-    fn tokenize(&self, parsed: &OpenAiRequest) -> Result<Tokenized, String> {
+    /// What `parsed`'s prompt needs: nothing more (token ids, or a reason to route by load
+    /// alone), or its model's tokenizer.
+    fn work<'a>(&self, parsed: &'a OpenAiRequest) -> Work<'a> {
         let model = parsed.model.clone();
         let text = match &parsed.prompt {
-            PromptSource::Tokens(tokens) => return Ok(Tokenized::ids(tokens.clone(), model)),
-            PromptSource::Unreadable(why) => return Ok(Tokenized::load_only((*why).into(), model)),
+            PromptSource::Tokens(tokens) => {
+                return Work::Done(Tokenized::ids(tokens.clone(), model))
+            }
+            PromptSource::Unreadable(why) => {
+                return Work::Done(Tokenized::load_only((*why).into(), model))
+            }
             PromptSource::Text(text) => tokenize::Prompt::Text(text),
             PromptSource::Chat { messages, tools } => tokenize::Prompt::Chat {
                 messages,
@@ -299,12 +314,47 @@ impl RouteFront {
                 Some(model) => format!("no tokenizer for model {model:?}"),
                 None => "no tokenizer in the configuration".to_owned(),
             };
-            return Ok(Tokenized::load_only(why, model));
+            return Work::Done(Tokenized::load_only(why, model));
         }
+        Work::Encode(tokenizers, text)
+    }
+
+    /// The prompt's token ids, or why the request is routed by load alone.
+    fn tokenize(&self, parsed: &OpenAiRequest) -> Result<Tokenized, NotTokenized> {
+        let (tokenizers, text) = match self.work(parsed) {
+            Work::Done(tokenized) => return Ok(tokenized),
+            Work::Encode(tokenizers, text) => (tokenizers, text),
+        };
         let mut ids = Vec::new();
-        match tokenizers.encode(model.as_deref(), &text, &mut ids) {
+        match tokenizers.encode(parsed.model.as_deref(), &text, &mut ids) {
             Ok(model) => Ok(Tokenized::ids(ids, Some(model.to_owned()))),
-            Err(err) => Err(format!("{}: {}", err.field, err.message)),
+            Err(err) => Err(NotTokenized::Invalid(format!(
+                "{}: {}",
+                err.field, err.message
+            ))),
+        }
+    }
+
+    /// The answer to a prompt that was not tokenized.
+    fn not_tokenized(&self, refused: NotTokenized) -> Response<AnswerBody> {
+        match refused {
+            NotTokenized::Invalid(why) => {
+                self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why)
+            }
+            NotTokenized::TooLong(too_long) => self.error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                &too_long.to_string(),
+            ),
+            NotTokenized::Busy(busy) => {
+                let mut response = self.error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    &busy.to_string(),
+                );
+                insert(response.headers_mut(), "retry-after", "1");
+                response
+            }
         }
     }
 
@@ -592,6 +642,22 @@ impl RouteFront {
         }
         response
     }
+}
+
+/// What a request's prompt needs before it is routed.
+enum Work<'a> {
+    Done(Tokenized),
+    Encode(Arc<tokenize::Tokenizers>, tokenize::Prompt<'a>),
+}
+
+/// Why a request's prompt was not tokenized.
+enum NotTokenized {
+    /// It cannot be (400).
+    Invalid(String),
+    /// Its model could not take it (413).
+    TooLong(TooLong),
+    /// The tokenizing gate was full for longer than it waits (429).
+    Busy(Refused),
 }
 
 /// A prompt as routing weighs it.

@@ -2,17 +2,18 @@
 //! turns a request into token ids.
 //!
 //! Owns reading `tokenizer.json`, `tokenizer_config.json` (`chat_template`, `bos_token`,
-//! `eos_token`) and `chat_template.jinja` (which wins over the config's template, as in
-//! transformers), and every load error named with its file. A completion prompt is tokenized
-//! with the tokenizer's special tokens (`/v1/completions`); chat messages are rendered with
-//! the template, then tokenized without added special tokens (`/v1/chat/completions`). Never
-//! looks at the index or at HTTP.
+//! `eos_token`, `model_max_length` for `limit`) and `chat_template.jinja` (which wins over the
+//! config's template, as in transformers), and every load error named with its file. A
+//! completion prompt is tokenized with the tokenizer's special tokens (`/v1/completions`); chat
+//! messages are rendered with the template, then tokenized without added special tokens
+//! (`/v1/chat/completions`). Never looks at the index or at HTTP.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use tokenizers::Tokenizer;
 
+use super::limit::PromptLimit;
 use super::pieces::PieceTokenizer;
 use super::template::{ChatContext, ChatTemplate};
 
@@ -21,6 +22,7 @@ pub struct ModelTokenizer {
     dir: PathBuf,
     pieces: PieceTokenizer,
     template: Option<ChatTemplate>,
+    limit: Option<PromptLimit>,
 }
 
 /// Why a request's prompt could not be tokenized: a 400 for the caller.
@@ -82,17 +84,24 @@ impl ModelTokenizer {
             ),
             None => None,
         };
+        let limit = PromptLimit::of(&config, &tokenizer_json, &tokenizer);
         let pieces = PieceTokenizer::new(tokenizer, &tokenizer_json)
             .with_context(|| format!("{}: its added tokens", tokenizer_path.display()))?;
         Ok(ModelTokenizer {
             dir: dir.to_path_buf(),
             pieces,
             template,
+            limit,
         })
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The longest prompt the model takes, when its files say.
+    pub fn limit(&self) -> Option<PromptLimit> {
+        self.limit
     }
 
     /// `prompt` as vLLM's `/v1/completions` tokenizes it: with the tokenizer's special tokens.

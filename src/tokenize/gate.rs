@@ -1,0 +1,312 @@
+//! The tokenizing gate: how much tokenizing runs at once, shared by every route that tokenizes a
+//! text or chat prompt (the route front end, `/query`, `/select`).
+//!
+//! Tokenizing is CPU work that holds about `BYTES_PER_PROMPT_BYTE` times the prompt's bytes
+//! while it runs (docs/performance.md "Tokenizing"): unbounded, a few large prompts at once
+//! take the process's memory. The gate admits a prompt when a place (one per core) and its
+//! bytes within the byte budget are free; a prompt waits for them at most `WAIT`, and one
+//! larger than the whole budget is never admitted. A caller whose client goes away leaves: the
+//! async wait when its future is dropped, a blocking one when its `Cancel` is set, and an
+//! admitted prompt at its next step (`check_cancelled`, called between the template's render
+//! and each piece's encode).
+//!
+//! Owns: the places, the budget, the wait's bound and the cancellation flag. Never: tokenizes,
+//! or decides the status a refusal is answered with (the routes do: 429, or 413).
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+/// What tokenizing holds at its peak per byte of prompt, measured (`bench_heavy`'s
+/// "tokenizing cost" lines: 120 to 147): the tokenizer's `Encoding` (a token's id, offsets,
+/// string, masks) and its pre-tokenized splits with their per-byte alignments.
+pub const BYTES_PER_PROMPT_BYTE: usize = 150;
+
+/// The bytes of prompts tokenized at once: with `BYTES_PER_PROMPT_BYTE`, about 315 MB at the
+/// peak, so that the process stays within 512 MB under any load of text prompts. It is also
+/// the largest prompt ever tokenized: 2 MiB is over 400,000 tokens of English, more than most
+/// served models' context.
+pub const BUDGET_BYTES: usize = 2 << 20;
+
+/// A prompt this small passes without a place or bytes: it holds about a megabyte for under a
+/// millisecond, and the threads that run it (the runtime's, the API's pool) bound how many.
+pub const UNGATED_BYTES: usize = 8 << 10;
+
+/// How long a prompt waits for a place and its bytes before it is refused.
+pub const WAIT: Duration = Duration::from_secs(2);
+
+/// Why a prompt was not admitted.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Refused {
+    /// Past the budget, for longer than `WAIT`: a retry may pass.
+    #[error(
+        "the server is tokenizing as many prompts as it can at once ({budget} bytes of text \
+         on {places} threads); this one waited {waited_ms} ms: retry shortly"
+    )]
+    Busy {
+        budget: usize,
+        places: usize,
+        waited_ms: u128,
+    },
+    /// Larger than the whole budget: no retry passes.
+    #[error(
+        "the prompt's {bytes} bytes are over the tokenizing budget of {budget} bytes (the \
+         largest prompt tokenized): send token_ids"
+    )]
+    TooLarge { bytes: usize, budget: usize },
+    /// The client went away.
+    #[error("the client went away")]
+    Cancelled,
+}
+
+/// The gate: one per process, shared by the route front end and the API.
+pub struct Gate {
+    places: Arc<Semaphore>,
+    place_count: usize,
+    /// The budget in KiB (a semaphore counts in `u32`).
+    budget: Arc<Semaphore>,
+    budget_bytes: usize,
+    wait: Duration,
+}
+
+/// An admitted prompt's place and bytes (none for an ungated one), given back when dropped.
+pub struct Pass {
+    _place: Option<OwnedSemaphorePermit>,
+    _bytes: Option<OwnedSemaphorePermit>,
+}
+
+impl Default for Gate {
+    fn default() -> Gate {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Gate::new(cores, BUDGET_BYTES, WAIT)
+    }
+}
+
+impl Gate {
+    /// A gate of `places` threads and `budget_bytes` of prompts at once, where a prompt waits
+    /// at most `wait`.
+    pub fn new(places: usize, budget_bytes: usize, wait: Duration) -> Gate {
+        let places = places.max(1);
+        Gate {
+            places: Arc::new(Semaphore::new(places)),
+            place_count: places,
+            budget: Arc::new(Semaphore::new(kib(budget_bytes) as usize)),
+            budget_bytes,
+            wait,
+        }
+    }
+
+    /// The largest prompt admitted, in bytes.
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
+    /// Admits a prompt of `bytes`, waiting at most the gate's wait. Dropping the future leaves
+    /// the queue.
+    pub async fn enter(&self, bytes: usize) -> Result<Pass, Refused> {
+        if bytes <= UNGATED_BYTES {
+            return Ok(Pass {
+                _place: None,
+                _bytes: None,
+            });
+        }
+        if bytes > self.budget_bytes {
+            return Err(Refused::TooLarge {
+                bytes,
+                budget: self.budget_bytes,
+            });
+        }
+        let started = std::time::Instant::now();
+        let admitted = tokio::time::timeout(self.wait, async {
+            // Bytes first: they bound memory; a place only bounds CPU.
+            let bytes = Arc::clone(&self.budget)
+                .acquire_many_owned(kib(bytes))
+                .await
+                .ok()?;
+            let place = Arc::clone(&self.places).acquire_owned().await.ok()?;
+            Some(Pass {
+                _place: Some(place),
+                _bytes: Some(bytes),
+            })
+        })
+        .await;
+        match admitted {
+            Ok(Some(pass)) => Ok(pass),
+            // The semaphores are never closed: a `None` cannot come, and is a refusal if it did.
+            Ok(None) | Err(_) => Err(self.busy(started)),
+        }
+    }
+
+    /// `enter` from a thread that may block (the API's routes run on the runtime's blocking
+    /// threads), leaving the queue when `cancel` is set.
+    pub fn enter_blocking(&self, bytes: usize, cancel: &Cancel) -> Result<Pass, Refused> {
+        let entering = async {
+            tokio::select! {
+                entered = self.enter(bytes) => entered,
+                () = cancel.cancelled() => Err(Refused::Cancelled),
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime.block_on(entering),
+            // A caller outside the runtime (a test of a route): a runtime of its own to wait on.
+            Err(_) => tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .map_err(|_| self.busy(std::time::Instant::now()))?
+                .block_on(entering),
+        }
+    }
+
+    fn busy(&self, since: std::time::Instant) -> Refused {
+        Refused::Busy {
+            budget: self.budget_bytes,
+            places: self.place_count,
+            waited_ms: since.elapsed().as_millis(),
+        }
+    }
+}
+
+fn kib(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+/// Set when the client that asked for a tokenizing has gone.
+#[derive(Clone, Default)]
+pub struct Cancel(Arc<CancelState>);
+
+#[derive(Default)]
+struct CancelState {
+    set: AtomicBool,
+    notify: Notify,
+}
+
+impl Cancel {
+    pub fn cancel(&self) {
+        self.0.set.store(true, Ordering::Release);
+        self.0.notify.notify_waiters();
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.set.load(Ordering::Acquire)
+    }
+
+    async fn cancelled(&self) {
+        loop {
+            let notified = self.0.notify.notified();
+            if self.is_cancelled() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Sets the flag when the guard is dropped: held by the future a client's disconnect drops.
+    pub fn on_drop(&self) -> CancelOnDrop {
+        CancelOnDrop(self.clone())
+    }
+
+    /// Runs `tokenize` with this flag as the thread's, for `check_cancelled` to read.
+    pub fn scope<T>(&self, tokenize: impl FnOnce() -> T) -> T {
+        let previous = CURRENT.with(|current| current.replace(Some(self.clone())));
+        let result = tokenize();
+        CURRENT.with(|current| *current.borrow_mut() = previous);
+        result
+    }
+}
+
+/// Cancels its flag when dropped.
+pub struct CancelOnDrop(Cancel);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+thread_local! {
+    /// The flag of the tokenizing this thread runs (`Cancel::scope`): read between steps, so
+    /// that the tokenizer's signatures need not carry it.
+    static CURRENT: RefCell<Option<Cancel>> = const { RefCell::new(None) };
+}
+
+/// Whether the tokenizing this thread runs was cancelled: the tokenizer calls it between its
+/// steps and stops, so that at most the current step runs on after a client has gone.
+pub fn check_cancelled() -> bool {
+    CURRENT.with(|current| current.borrow().as_ref().is_some_and(Cancel::is_cancelled))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime")
+    }
+
+    #[test]
+    fn past_the_budget_a_prompt_waits_then_is_refused_and_a_freed_budget_admits_it() {
+        let gate = Gate::new(4, 40 << 10, Duration::from_millis(50));
+        runtime().block_on(async {
+            let first = gate.enter(30 << 10).await.expect("within the budget");
+            let refused = gate.enter(20 << 10).await.err().expect("past the budget");
+            assert!(matches!(refused, Refused::Busy { waited_ms, .. } if waited_ms >= 50));
+            assert!(refused.to_string().contains("40960 bytes"), "{refused}");
+            let second = gate.enter(10 << 10).await.expect("the rest of the budget");
+            let _small = gate
+                .enter(UNGATED_BYTES)
+                .await
+                .expect("a small prompt passes");
+            drop(first);
+            drop(second);
+            gate.enter(40 << 10).await.expect("the whole budget, freed");
+            let too_large = gate.enter((40 << 10) + 1).await.err().expect("never fits");
+            assert_eq!(
+                too_large,
+                Refused::TooLarge {
+                    bytes: (40 << 10) + 1,
+                    budget: 40 << 10
+                }
+            );
+        });
+    }
+
+    #[test]
+    fn places_bound_prompts_at_once_whatever_their_size() {
+        let gate = Gate::new(1, 1 << 20, Duration::from_millis(20));
+        let size = UNGATED_BYTES + 1;
+        runtime().block_on(async {
+            let held = gate.enter(size).await.expect("a place");
+            assert!(matches!(
+                gate.enter(size).await,
+                Err(Refused::Busy { places: 1, .. })
+            ));
+            drop(held);
+            gate.enter(size).await.expect("the place, freed");
+        });
+    }
+
+    #[test]
+    fn a_cancelled_blocking_wait_leaves_and_the_flag_reaches_the_scope() {
+        let gate = Gate::new(1, 1 << 20, Duration::from_secs(60));
+        let size = UNGATED_BYTES + 1;
+        let held = runtime().block_on(gate.enter(size)).expect("a place");
+        let cancel = Cancel::default();
+        let waiter = {
+            let cancel = cancel.clone();
+            std::thread::spawn(move || gate.enter_blocking(size, &cancel).err())
+        };
+        drop(cancel.on_drop());
+        let left = waiter.join().expect("the waiter");
+        assert_eq!(left, Some(Refused::Cancelled));
+        drop(held);
+        assert!(!check_cancelled(), "outside a scope nothing is cancelled");
+        assert!(cancel.scope(check_cancelled));
+        assert!(!check_cancelled(), "the scope's flag ends with it");
+    }
+}
