@@ -291,6 +291,38 @@ mod tests {
         });
     }
 
+    /// A cancelled tokenizing stops at its next step: a chat's encode after its render.
+    #[test]
+    fn a_cancelled_scope_stops_the_tokenizing_at_its_next_step() {
+        let root = tempfile::tempdir().expect("a temporary directory");
+        kv_indexer_sim::tokenizer_dir::write_all(root.path()).expect("tokenizer directories");
+        let dir = root.path().join("chatml");
+        let tokenizers = crate::tokenize::Tokenizers::load(
+            [("chatml", dir.as_path())],
+            &crate::tokenize::Tokenizers::default(),
+        )
+        .expect("the tokenizer");
+        let messages = serde_json::json!([{ "role": "user", "content": "the cache" }]);
+        let chat = crate::tokenize::Prompt::Chat {
+            messages: &messages,
+            tools: None,
+        };
+        let cancel = Cancel::default();
+        let mut ids = Vec::new();
+        cancel
+            .scope(|| tokenizers.encode(None, &chat, &mut ids))
+            .expect("tokenized while the client is there");
+        let whole = ids.len();
+        cancel.cancel();
+        ids.clear();
+        let stopped = cancel
+            .scope(|| tokenizers.encode(None, &chat, &mut ids))
+            .expect_err("stopped");
+        assert!(stopped.message.contains("went away"), "{stopped:?}");
+        // The added token before the first piece is laid down, the pieces are not.
+        assert!(ids.len() < whole, "stopped before the text: {ids:?}");
+    }
+
     #[test]
     fn a_cancelled_blocking_wait_leaves_and_the_flag_reaches_the_scope() {
         let gate = Gate::new(1, 1 << 20, Duration::from_secs(60));
