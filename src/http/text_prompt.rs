@@ -22,22 +22,17 @@ pub(super) fn tokenize_prompt(
     let Some(text) = query.text.take() else {
         return Ok(());
     };
-    let prompt = match &text {
-        TextPrompt::Text(text) => Prompt::Text(text),
-        TextPrompt::Chat { messages, tools } => Prompt::Chat {
-            messages,
-            tools: tools.as_ref(),
-        },
-    };
-    query.token_ids.clear();
     let tokenizers = api.tokenizers.current();
-    tokenizers
-        .check_length(query.model.as_deref(), &prompt)
-        .map_err(|too_long| Reply::error(413, too_long.to_string()))?;
-    let _pass = api
-        .tokenizers
-        .gate()
-        .enter_blocking(prompt.bytes(), request.gone())
+    let bytes = {
+        let prompt = prompt_of(&text);
+        tokenizers
+            .check_length(query.model.as_deref(), &prompt)
+            .map_err(|too_long| Reply::error(413, too_long.to_string()))?;
+        prompt.bytes()
+    };
+    let gate = api.tokenizers.gate();
+    let pass = gate
+        .enter_blocking(bytes, request.gone())
         .map_err(|refused| {
             let status = match refused {
                 Refused::Busy { .. } => 429,
@@ -51,18 +46,35 @@ pub(super) fn tokenize_prompt(
             }
             reply
         })?;
-    let encoded = request
-        .gone()
-        .scope(|| tokenizers.encode(query.model.as_deref(), &prompt, &mut query.token_ids));
+    let model = query.model.take();
+    let encoded = gate
+        .run(pass, request.gone().clone(), move || {
+            let mut ids = Vec::new();
+            let read_by = tokenizers
+                .encode(model.as_deref(), &prompt_of(&text), &mut ids)
+                .map(str::to_owned);
+            (read_by, ids)
+        })
+        .wait();
     match encoded {
-        Ok(model) => {
-            if query.model.as_deref() != Some(model) {
-                query.model = Some(model.to_owned());
-            }
+        Some((Ok(model), ids)) => {
+            query.model = Some(model);
+            query.token_ids = ids;
             Ok(())
         }
-        Err(PromptError { field, message }) => {
+        Some((Err(PromptError { field, message }), _)) => {
             Err(Reply::error(400, format!("{field}: {message}")))
         }
+        None => Err(Reply::error(500, "the tokenizer failed")),
+    }
+}
+
+fn prompt_of(text: &TextPrompt) -> Prompt<'_> {
+    match text {
+        TextPrompt::Text(text) => Prompt::Text(text),
+        TextPrompt::Chat { messages, tools } => Prompt::Chat {
+            messages,
+            tools: tools.as_ref(),
+        },
     }
 }

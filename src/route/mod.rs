@@ -56,11 +56,6 @@ use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 /// the next-best.
 pub const MAX_TRIES: usize = 2;
 
-/// A text or chat body up to this size is tokenized where it is read, on the runtime's thread:
-/// its template and tokenizer take about as long as the hop to a blocking thread and back
-/// (docs/performance.md "Why a short prompt is tokenized where it is read").
-const TOKENIZE_INLINE_BYTES: usize = 8 << 10;
-
 /// What the front end's routes do.
 #[derive(Clone, Copy)]
 enum Action {
@@ -234,7 +229,7 @@ impl RouteFront {
             Some(changed) => Bytes::from(changed),
             None => Bytes::from(body),
         };
-        let (parsed, prompt) = match self.tokenized(parsed, body.len()).await {
+        let (parsed, prompt) = match self.tokenized(parsed).await {
             Ok(tokenized) => tokenized,
             Err(refused) => return self.not_tokenized(refused),
         };
@@ -242,16 +237,15 @@ impl RouteFront {
             .await
     }
 
-    /// `parsed` (of a `body_len`-byte body) and its prompt as routing weighs it. A text or chat
-    /// prompt longer than its model takes is refused before anything else (413). Bodies over
-    /// `TOKENIZE_INLINE_BYTES` are tokenized on a blocking thread (a long chat's template and
-    /// tokenizer take milliseconds), behind the tokenizing gate: a prompt that waited there too
-    /// long is refused (429), one over its whole budget is routed by load alone. A client that
-    /// goes away drops this future: the wait ends, and the tokenizing at its next step.
+    /// `parsed` and its prompt as routing weighs it. A text or chat prompt longer than its
+    /// model takes is refused before anything else (413); then it passes the tokenizing gate
+    /// (a short one is tokenized here, a long one on a tokenizing thread): a prompt that waited
+    /// there too long is refused (429), one over its whole budget is routed by load alone. A
+    /// client that goes away drops this future: the wait ends, and the tokenizing at its next
+    /// step.
     async fn tokenized(
         self: &Arc<Self>,
         parsed: OpenAiRequest,
-        body_len: usize,
     ) -> Result<(OpenAiRequest, Tokenized), NotTokenized> {
         let bytes = match self.work(&parsed) {
             Work::Done(tokenized) => return Ok((parsed, tokenized)),
@@ -262,11 +256,8 @@ impl RouteFront {
                 prompt.bytes()
             }
         };
-        if body_len <= TOKENIZE_INLINE_BYTES {
-            let tokenized = self.tokenize(&parsed)?;
-            return Ok((parsed, tokenized));
-        }
-        let pass = match self.tokenizers.gate().enter(bytes).await {
+        let gate = self.tokenizers.gate();
+        let pass = match gate.enter(bytes).await {
             Ok(pass) => pass,
             Err(too_large @ Refused::TooLarge { .. }) => {
                 let model = parsed.model.clone();
@@ -277,14 +268,13 @@ impl RouteFront {
         let gone = Cancel::default();
         let _gone = gone.on_drop();
         let front = Arc::clone(self);
-        tokio::task::spawn_blocking(move || {
-            // Held to the step's end: its memory is in use until then, client or not.
-            let _pass = pass;
-            let tokenized = gone.scope(|| front.tokenize(&parsed))?;
+        gate.run(pass, gone, move || {
+            let tokenized = front.tokenize(&parsed)?;
             Ok((parsed, tokenized))
         })
+        .finished()
         .await
-        .map_err(|err| NotTokenized::Invalid(format!("tokenizing failed: {err}")))?
+        .unwrap_or_else(|| Err(NotTokenized::Invalid("the tokenizer failed".to_owned())))
     }
 
     /// What `parsed`'s prompt needs: nothing more (token ids, or a reason to route by load

@@ -2,23 +2,27 @@
 //! text or chat prompt (the route front end, `/query`, `/select`).
 //!
 //! Tokenizing is CPU work that holds about `BYTES_PER_PROMPT_BYTE` times the prompt's bytes
-//! while it runs (docs/performance.md "Tokenizing"): unbounded, a few large prompts at once
-//! take the process's memory. The gate admits a prompt when a place (one per core) and its
-//! bytes within the byte budget are free; a prompt waits for them at most `WAIT`, and one
-//! larger than the whole budget is never admitted. A caller whose client goes away leaves: the
+//! while it runs (docs/performance.md "Heavy requests: bench_heavy"): unbounded, a few large
+//! prompts at once take the process's memory and its cores. The gate admits a prompt when a
+//! place (one per core) and its bytes within the byte budget are free; a prompt waits for them
+//! at most `WAIT`, and one larger than the whole budget is never admitted. An admitted prompt
+//! is tokenized on one of the gate's threads, one per place, niced so that the threads that
+//! answer (`/health`, small requests) run first. A caller whose client goes away leaves: the
 //! async wait when its future is dropped, a blocking one when its `Cancel` is set, and an
-//! admitted prompt at its next step (`check_cancelled`, called between the template's render
-//! and each piece's encode).
+//! admitted prompt at its next step (`check_cancelled`, called before each piece's encode,
+//! the first after the template's render).
 //!
-//! Owns: the places, the budget, the wait's bound and the cancellation flag. Never: tokenizes,
-//! or decides the status a refusal is answered with (the routes do: 429, or 413).
+//! Owns: the places and their threads, the budget, the wait's bound and the cancellation
+//! flag. Never: decides what is tokenized or the status a refusal is answered with (the routes
+//! do: 429, or 413).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use parking_lot::Mutex;
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
 /// What tokenizing holds at its peak per byte of prompt, measured (`bench_heavy`'s
 /// "tokenizing cost" lines: 120 to 147): the tokenizer's `Encoding` (a token's id, offsets,
@@ -31,9 +35,15 @@ pub const BYTES_PER_PROMPT_BYTE: usize = 150;
 /// served models' context.
 pub const BUDGET_BYTES: usize = 2 << 20;
 
-/// A prompt this small passes without a place or bytes: it holds about a megabyte for under a
-/// millisecond, and the threads that run it (the runtime's, the API's pool) bound how many.
+/// A prompt this small passes without a place or bytes, and is tokenized where it is read: it
+/// holds about a megabyte for under a millisecond, about the hop to another thread and back
+/// (docs/performance.md "Why a short prompt is tokenized where it is read"), and the threads
+/// that run it (the runtime's, the API's pool) bound how many.
 pub const UNGATED_BYTES: usize = 8 << 10;
+
+/// Niceness of the tokenizing threads: a flood of long prompts yields the cores to the threads
+/// that answer, so `/health` and small requests keep their latency (as the pollers' +10).
+const TOKENIZING_NICENESS: i32 = 10;
 
 /// How long a prompt waits for a place and its bytes before it is refused.
 pub const WAIT: Duration = Duration::from_secs(2);
@@ -64,6 +74,8 @@ pub enum Refused {
 
 /// The gate: one per process, shared by the route front end and the API.
 pub struct Gate {
+    /// The tokenizing threads' queue: a job is sent only with a place, so one always waits.
+    jobs: mpsc::Sender<Job>,
     places: Arc<Semaphore>,
     place_count: usize,
     /// The budget in KiB (a semaphore counts in `u32`).
@@ -71,6 +83,8 @@ pub struct Gate {
     budget_bytes: usize,
     wait: Duration,
 }
+
+type Job = Box<dyn FnOnce() + Send>;
 
 /// An admitted prompt's place and bytes (none for an ungated one), given back when dropped.
 pub struct Pass {
@@ -90,7 +104,19 @@ impl Gate {
     /// at most `wait`.
     pub fn new(places: usize, budget_bytes: usize, wait: Duration) -> Gate {
         let places = places.max(1);
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let queue = Arc::new(Mutex::new(queue));
+        for n in 0..places {
+            let queue = Arc::clone(&queue);
+            let spawned = std::thread::Builder::new()
+                .name(format!("tokenize-{n}"))
+                .spawn(move || tokenizing_thread(&queue));
+            if let Err(error) = spawned {
+                log::warn!("tokenizing thread {n} not started ({error}); fewer run at once");
+            }
+        }
         Gate {
+            jobs,
             places: Arc::new(Semaphore::new(places)),
             place_count: places,
             budget: Arc::new(Semaphore::new(kib(budget_bytes) as usize)),
@@ -160,12 +186,71 @@ impl Gate {
         }
     }
 
+    /// Runs `tokenize` for an admitted prompt, with `cancel` as its flag (`check_cancelled`):
+    /// on a tokenizing thread, or here for an ungated one. `pass` is held until it ends, also
+    /// when its caller has gone: its memory is in use until then.
+    pub fn run<T: Send + 'static>(
+        &self,
+        pass: Pass,
+        cancel: Cancel,
+        tokenize: impl FnOnce() -> T + Send + 'static,
+    ) -> Running<T> {
+        let (done, running) = oneshot::channel();
+        let ungated = pass._place.is_none();
+        let job: Job = Box::new(move || {
+            let _pass = pass;
+            // The caller may have gone: nobody to tell.
+            let _ = done.send(cancel.scope(tokenize));
+        });
+        if ungated {
+            job();
+        } else if let Err(mpsc::SendError(job)) = self.jobs.send(job) {
+            // No tokenizing thread could be started: the caller's thread runs it.
+            job();
+        }
+        Running(running)
+    }
+
     fn busy(&self, since: std::time::Instant) -> Refused {
         Refused::Busy {
             budget: self.budget_bytes,
             places: self.place_count,
             waited_ms: since.elapsed().as_millis(),
         }
+    }
+}
+
+/// A tokenizing thread: niced, it runs the queue's jobs until the gate is dropped.
+fn tokenizing_thread(queue: &Mutex<mpsc::Receiver<Job>>) {
+    let this_thread = rustix::thread::gettid();
+    if let Err(error) = rustix::process::setpriority_process(Some(this_thread), TOKENIZING_NICENESS)
+    {
+        log::debug!("tokenizing thread: setpriority refused: {error}");
+    }
+    loop {
+        let job = queue.lock().recv();
+        match job {
+            // A tokenizer that panics ends its job (its caller sees `None`), not the thread.
+            Ok(job) => {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            }
+            Err(mpsc::RecvError) => return,
+        }
+    }
+}
+
+/// A tokenizing under way; its result once it ends.
+pub struct Running<T>(oneshot::Receiver<T>);
+
+impl<T> Running<T> {
+    /// Its result; `None` if it panicked.
+    pub async fn finished(self) -> Option<T> {
+        self.0.await.ok()
+    }
+
+    /// Its result, waited for on a thread that may block.
+    pub fn wait(self) -> Option<T> {
+        self.0.blocking_recv().ok()
     }
 }
 
@@ -287,7 +372,18 @@ mod tests {
                 Err(Refused::Busy { places: 1, .. })
             ));
             drop(held);
-            gate.enter(size).await.expect("the place, freed");
+            let pass = gate.enter(size).await.expect("the place, freed");
+            let thread = || std::thread::current().name().map(str::to_owned);
+            let ran_on = gate.run(pass, Cancel::default(), thread).finished().await;
+            assert_eq!(ran_on.flatten().as_deref(), Some("tokenize-0"));
+            let small = gate.enter(UNGATED_BYTES).await.expect("ungated");
+            let here = thread();
+            let ran_on = gate.run(small, Cancel::default(), thread).finished().await;
+            assert_eq!(
+                ran_on,
+                Some(here),
+                "a small prompt is tokenized where it is read"
+            );
         });
     }
 
