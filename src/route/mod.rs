@@ -2,8 +2,9 @@
 //! to the rank `/select` chooses and passes the engine's answer back unchanged.
 //!
 //! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
-//! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does
-//! (a model without a tokenizer is routed by load alone, and the answer says so), chooses and
+//! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does,
+//! behind the same gate and length limit (`tokenizing`; a model without a tokenizer is routed
+//! by load alone, and the answer says so), chooses and
 //! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
 //! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
 //! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
@@ -19,6 +20,7 @@
 mod engine_http;
 mod passing;
 mod request;
+mod tokenizing;
 mod upstream;
 
 use std::future::Future;
@@ -46,10 +48,9 @@ use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector};
-use crate::tokenize::gate::{Cancel, Refused};
-use crate::tokenize::{self, SharedTokenizers, TooLong};
+use crate::tokenize::SharedTokenizers;
 use passing::{usage_of, Passing, ReportingEngines, Ticket};
-use request::{with_usage, Kind, OpenAiRequest, PromptSource};
+use request::{with_usage, Kind, OpenAiRequest};
 use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 
 /// Ranks a request is sent to at most: the chosen one and, if it fails before the first byte,
@@ -235,117 +236,6 @@ impl RouteFront {
         };
         self.send(request, body, kind, parsed, prompt, strip, place)
             .await
-    }
-
-    /// `parsed` and its prompt as routing weighs it. A text or chat prompt longer than its
-    /// model takes is refused before anything else (413); then it passes the tokenizing gate
-    /// (a short one is tokenized here, a long one on a tokenizing thread): a prompt that waited
-    /// there too long is refused (429), one over its whole budget is routed by load alone. A
-    /// client that goes away drops this future: the wait ends, and the tokenizing at its next
-    /// step.
-    async fn tokenized(
-        self: &Arc<Self>,
-        parsed: OpenAiRequest,
-    ) -> Result<(OpenAiRequest, Tokenized), NotTokenized> {
-        let bytes = match self.work(&parsed) {
-            Work::Done(tokenized) => return Ok((parsed, tokenized)),
-            Work::Encode(tokenizers, prompt) => {
-                tokenizers
-                    .check_length(parsed.model.as_deref(), &prompt)
-                    .map_err(NotTokenized::TooLong)?;
-                prompt.bytes()
-            }
-        };
-        let gate = self.tokenizers.gate();
-        let pass = match gate.enter(bytes).await {
-            Ok(pass) => pass,
-            Err(too_large @ Refused::TooLarge { .. }) => {
-                let model = parsed.model.clone();
-                return Ok((parsed, Tokenized::load_only(too_large.to_string(), model)));
-            }
-            Err(refused) => return Err(NotTokenized::Busy(refused)),
-        };
-        let gone = Cancel::default();
-        let _gone = gone.on_drop();
-        let front = Arc::clone(self);
-        gate.run(pass, gone, move || {
-            let tokenized = front.tokenize(&parsed)?;
-            Ok((parsed, tokenized))
-        })
-        .finished()
-        .await
-        .unwrap_or_else(|| Err(NotTokenized::Invalid("the tokenizer failed".to_owned())))
-    }
-
-    /// What `parsed`'s prompt needs: nothing more (token ids, or a reason to route by load
-    /// alone), or its model's tokenizer.
-    fn work<'a>(&self, parsed: &'a OpenAiRequest) -> Work<'a> {
-        let model = parsed.model.clone();
-        let text = match &parsed.prompt {
-            PromptSource::Tokens(tokens) => {
-                return Work::Done(Tokenized::ids(tokens.clone(), model))
-            }
-            PromptSource::Unreadable(why) => {
-                return Work::Done(Tokenized::load_only((*why).into(), model))
-            }
-            PromptSource::Text(text) => tokenize::Prompt::Text(text),
-            PromptSource::Chat { messages, tools } => tokenize::Prompt::Chat {
-                messages,
-                tools: tools.as_ref(),
-            },
-        };
-        let tokenizers = self.tokenizers.current();
-        let known = match &model {
-            Some(model) => tokenizers.models().any(|known| known == model),
-            None => !tokenizers.is_empty(),
-        };
-        if !known {
-            let why = match &model {
-                Some(model) => format!("no tokenizer for model {model:?}"),
-                None => "no tokenizer in the configuration".to_owned(),
-            };
-            return Work::Done(Tokenized::load_only(why, model));
-        }
-        Work::Encode(tokenizers, text)
-    }
-
-    /// The prompt's token ids, or why the request is routed by load alone.
-    fn tokenize(&self, parsed: &OpenAiRequest) -> Result<Tokenized, NotTokenized> {
-        let (tokenizers, text) = match self.work(parsed) {
-            Work::Done(tokenized) => return Ok(tokenized),
-            Work::Encode(tokenizers, text) => (tokenizers, text),
-        };
-        let mut ids = Vec::new();
-        match tokenizers.encode(parsed.model.as_deref(), &text, &mut ids) {
-            Ok(model) => Ok(Tokenized::ids(ids, Some(model.to_owned()))),
-            Err(err) => Err(NotTokenized::Invalid(format!(
-                "{}: {}",
-                err.field, err.message
-            ))),
-        }
-    }
-
-    /// The answer to a prompt that was not tokenized.
-    fn not_tokenized(&self, refused: NotTokenized) -> Response<AnswerBody> {
-        match refused {
-            NotTokenized::Invalid(why) => {
-                self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why)
-            }
-            NotTokenized::TooLong(too_long) => self.error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                &too_long.to_string(),
-            ),
-            NotTokenized::Busy(busy) => {
-                let mut response = self.error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "rate_limit_error",
-                    &busy.to_string(),
-                );
-                insert(response.headers_mut(), "retry-after", "1");
-                response
-            }
-        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -632,22 +522,6 @@ impl RouteFront {
         }
         response
     }
-}
-
-/// What a request's prompt needs before it is routed.
-enum Work<'a> {
-    Done(Tokenized),
-    Encode(Arc<tokenize::Tokenizers>, tokenize::Prompt<'a>),
-}
-
-/// Why a request's prompt was not tokenized.
-enum NotTokenized {
-    /// It cannot be (400).
-    Invalid(String),
-    /// Its model could not take it (413).
-    TooLong(TooLong),
-    /// The tokenizing gate was full for longer than it waits (429).
-    Busy(Refused),
 }
 
 /// A prompt as routing weighs it.
