@@ -848,3 +848,69 @@ fn past_the_tokenizing_budget_prompts_wait_then_get_429_and_a_prompt_over_it_413
         "{message}"
     );
 }
+
+/// A chat of `count` messages of about 1.5 KB, each its own words (`seed`): a long prompt in
+/// many pieces, none of them in the tokenizer's cache of another seed's.
+fn long_chat(seed: &str, count: usize) -> Value {
+    let messages: Vec<Value> = (0..count)
+        .map(|at| {
+            let content = format!("{seed} {at}: the cache holds the prefix of prompt {at}. ")
+                .repeat(1_500 / (40 + seed.len()));
+            let role = if at % 2 == 0 { "user" } else { "assistant" };
+            json!({ "role": role, "content": content })
+        })
+        .collect();
+    json!({ "model": MODEL, "messages": messages, "max_tokens": 1 })
+}
+
+/// A client that goes away stops its tokenizing at its next step: the chat's render runs on,
+/// its pieces are not encoded, and the gate's budget is free long before the whole chat would
+/// have been tokenized (`kv_indexer_tokenizing_bytes`).
+#[test]
+fn a_client_that_goes_away_stops_its_tokenizing_at_its_next_step() {
+    let (running, _dirs) = front_with_context(1_000_000);
+    let route = running.route_addr().expect("[route] is set");
+    let api = running.http_addr();
+    let taken = || metric_value(api, "kv_indexer_tokenizing_bytes").unwrap_or(0.0);
+    let chat = long_chat("alpha", 1_000).to_string();
+    let started = std::time::Instant::now();
+    let reply = Connection::open(route).send("POST", "/v1/chat/completions", Some(chat.as_bytes()));
+    let whole = started.elapsed();
+    assert!(
+        reply.status >= 500,
+        "tokenized, then no engine: {}",
+        reply.text()
+    );
+    assert_eq!(taken(), 0.0, "the budget is given back");
+
+    // The front end, and `/query` on the API (whose routes run on blocking threads).
+    for (addr, path, seed) in [
+        (route, "/v1/chat/completions", "omega"),
+        (api, "/query", "sigma"),
+    ] {
+        let chat = long_chat(seed, 1_000).to_string();
+        let mut client = Connection::open(addr);
+        client.write_raw(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\n\r\n{chat}",
+                chat.len()
+            )
+            .as_bytes(),
+        );
+        wait_for(30, "the chat to be admitted", || {
+            (taken() > 0.0).then_some(())
+        });
+        let gone = std::time::Instant::now();
+        drop(client);
+        wait_for(30, "the budget to be given back", || {
+            (taken() == 0.0).then_some(())
+        });
+        let stopped = gone.elapsed();
+        eprintln!("{path}: stopped {stopped:?} after the client went; whole {whole:?}");
+        assert!(
+            stopped < whole / 2,
+            "{path}: stopped {stopped:?} after the client went; the whole takes {whole:?}"
+        );
+    }
+}

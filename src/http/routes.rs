@@ -96,6 +96,9 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
 
 fn metrics(api: &Api) -> Reply {
     api.metrics.set_index_keys(api.index.key_count());
+    let tokenizing = api.tokenizers.gate().bytes_admitted();
+    api.metrics
+        .set_tokenizing_bytes(u64::try_from(tokenizing).unwrap_or(u64::MAX));
     // A back-off ends with time, not with an event: its gauge is brought up to date here.
     for (key, left) in api.selector.backoffs() {
         api.metrics

@@ -125,6 +125,13 @@ impl Gate {
         }
     }
 
+    /// The bytes of the budget taken (to the KiB): by the prompts admitted (ungated ones are
+    /// not counted), and in part by the next one waiting, which takes freed bytes as they come.
+    pub fn bytes_admitted(&self) -> usize {
+        let free = self.budget.available_permits();
+        (kib(self.budget_bytes) as usize).saturating_sub(free) * 1024
+    }
+
     /// The largest prompt admitted, in bytes.
     pub fn budget_bytes(&self) -> usize {
         self.budget_bytes
@@ -198,9 +205,11 @@ impl Gate {
         let (done, running) = oneshot::channel();
         let ungated = pass._place.is_none();
         let job: Job = Box::new(move || {
-            let _pass = pass;
+            let result = cancel.scope(tokenize);
+            // Given back before the caller hears: what it does next finds the budget free.
+            drop(pass);
             // The caller may have gone: nobody to tell.
-            let _ = done.send(cancel.scope(tokenize));
+            let _ = done.send(result);
         });
         if ungated {
             job();
