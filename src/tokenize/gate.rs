@@ -18,7 +18,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -75,7 +75,8 @@ pub enum Refused {
 /// The gate: one per process, shared by the route front end and the API.
 pub struct Gate {
     /// The tokenizing threads' queue: a job is sent only with a place, so one always waits.
-    jobs: mpsc::Sender<Job>,
+    /// Started with the first job: a process that tokenizes no long prompt has no such thread.
+    jobs: OnceLock<mpsc::Sender<Job>>,
     places: Arc<Semaphore>,
     place_count: usize,
     /// The budget in KiB (a semaphore counts in `u32`).
@@ -104,19 +105,8 @@ impl Gate {
     /// at most `wait`.
     pub fn new(places: usize, budget_bytes: usize, wait: Duration) -> Gate {
         let places = places.max(1);
-        let (jobs, queue) = mpsc::channel::<Job>();
-        let queue = Arc::new(Mutex::new(queue));
-        for n in 0..places {
-            let queue = Arc::clone(&queue);
-            let spawned = std::thread::Builder::new()
-                .name(format!("tokenize-{n}"))
-                .spawn(move || tokenizing_thread(&queue));
-            if let Err(error) = spawned {
-                log::warn!("tokenizing thread {n} not started ({error}); fewer run at once");
-            }
-        }
         Gate {
-            jobs,
+            jobs: OnceLock::new(),
             places: Arc::new(Semaphore::new(places)),
             place_count: places,
             budget: Arc::new(Semaphore::new(kib(budget_bytes) as usize)),
@@ -213,11 +203,29 @@ impl Gate {
         });
         if ungated {
             job();
-        } else if let Err(mpsc::SendError(job)) = self.jobs.send(job) {
+        } else if let Err(mpsc::SendError(job)) = self.jobs().send(job) {
             // No tokenizing thread could be started: the caller's thread runs it.
             job();
         }
         Running(running)
+    }
+
+    /// The tokenizing threads' queue, the threads started on first use.
+    fn jobs(&self) -> &mpsc::Sender<Job> {
+        self.jobs.get_or_init(|| {
+            let (jobs, queue) = mpsc::channel::<Job>();
+            let queue = Arc::new(Mutex::new(queue));
+            for n in 0..self.place_count {
+                let queue = Arc::clone(&queue);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("kvi-tokenize-{n}"))
+                    .spawn(move || tokenizing_thread(&queue));
+                if let Err(error) = spawned {
+                    log::warn!("tokenizing thread {n} not started ({error}); fewer run at once");
+                }
+            }
+            jobs
+        })
     }
 
     fn busy(&self, since: std::time::Instant) -> Refused {
@@ -384,7 +392,7 @@ mod tests {
             let pass = gate.enter(size).await.expect("the place, freed");
             let thread = || std::thread::current().name().map(str::to_owned);
             let ran_on = gate.run(pass, Cancel::default(), thread).finished().await;
-            assert_eq!(ran_on.flatten().as_deref(), Some("tokenize-0"));
+            assert_eq!(ran_on.flatten().as_deref(), Some("kvi-tokenize-0"));
             let small = gate.enter(UNGATED_BYTES).await.expect("ungated");
             let here = thread();
             let ran_on = gate.run(small, Cancel::default(), thread).finished().await;
