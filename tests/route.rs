@@ -1478,3 +1478,229 @@ fn the_readme_demo_chat_is_found_cached_the_second_time() {
         second.text()
     );
 }
+
+/// An indexer whose one engine serves `MODEL` with a tokenizer whose `model_max_length` is
+/// `context` (written into its `tokenizer_config.json`), and whose ranks never connect: a
+/// prompt is judged before any rank is chosen.
+fn front_with_context(context: u64) -> (RunningService, tempfile::TempDir) {
+    let tokenizers = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
+    let chatml = tokenizers.path().join(MODEL);
+    let config_path = chatml.join("tokenizer_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("written"))
+            .expect("JSON");
+    config["model_max_length"] = json!(context);
+    std::fs::write(&config_path, config.to_string()).expect("rewritten");
+    let engine = EngineToml {
+        model: Some(MODEL.into()),
+        tokenizer: Some(chatml.display().to_string()),
+        openai_url: Some("http://127.0.0.1:9".into()),
+        ..EngineToml::new("sim-0", support::free_port())
+    };
+    let toml = indexer_toml(None, 16, 8, &[engine]) + &route_table("127.0.0.1:0", &[]);
+    (support::start_service(&toml), tokenizers)
+}
+
+/// A completion prompt of `bytes` bytes of plain words.
+fn prompt_of(bytes: usize) -> String {
+    "the cache holds the prefix of every prompt. "
+        .repeat(bytes / 44 + 1)
+        .chars()
+        .take(bytes)
+        .collect()
+}
+
+#[test]
+fn a_prompt_past_its_models_context_is_413_naming_the_limit_on_the_route_and_the_api() {
+    let (running, _dirs) = front_with_context(100);
+    let route = running.route_addr().expect("[route] is set");
+    let api = running.http_addr();
+    let prompt = prompt_of(64 << 10);
+    let completion = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1 });
+    let reply = Connection::open(route).send(
+        "POST",
+        "/v1/completions",
+        Some(completion.to_string().as_bytes()),
+    );
+    assert_eq!(reply.status, 413, "{}", reply.text());
+    let message = error_message(&reply);
+    assert!(
+        message.contains("65536 bytes")
+            && message.contains("100 tokens")
+            && message.contains("model_max_length"),
+        "{message}"
+    );
+    let chat = json!({ "model": MODEL, "messages": [{ "role": "user", "content": prompt }] });
+    let reply = Connection::open(route).send(
+        "POST",
+        "/v1/chat/completions",
+        Some(chat.to_string().as_bytes()),
+    );
+    assert_eq!(reply.status, 413, "a chat: {}", reply.text());
+    // The API's own shape, the same limit.
+    for path in ["/query", "/select"] {
+        let body = json!({ "model": MODEL, "prompt": prompt });
+        let reply = Connection::open(api).send("POST", path, Some(body.to_string().as_bytes()));
+        assert_eq!(reply.status, 413, "{path}: {}", reply.text());
+        let message = reply.json()["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(message.contains("100 tokens"), "{path}: {message}");
+    }
+    // A prompt within the limit is tokenized (and, its engine being down, refused later).
+    let short = json!({ "model": MODEL, "prompt": "the cache holds the prefix", "max_tokens": 1 });
+    let reply = Connection::open(route).send(
+        "POST",
+        "/v1/completions",
+        Some(short.to_string().as_bytes()),
+    );
+    assert!(reply.status >= 500, "{}", reply.text());
+}
+
+/// Sends `count` copies of `body` to `path` on `addr` at once; their answers.
+fn at_once(addr: SocketAddr, path: &'static str, body: &Value, count: usize) -> Vec<Reply> {
+    let body = body.to_string();
+    let sent: Vec<_> = (0..count)
+        .map(|_| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let mut connection = Connection::open(addr);
+                connection.set_read_timeout(Duration::from_secs(120));
+                connection.send("POST", path, Some(body.as_bytes()))
+            })
+        })
+        .collect();
+    sent.into_iter()
+        .map(|client| client.join().expect("a client"))
+        .collect()
+}
+
+/// Tokenizing admits 2 MiB of prompts at once and a prompt waits for it 2 s: of six 1.5 MiB
+/// prompts at once (each of which takes far longer than 2 s / 6 to tokenize), one is tokenized
+/// at a time and the last ones are refused 429, saying why, on the route and the API alike. A
+/// prompt over the whole budget is never tokenized: the API answers 413 naming the budget.
+#[test]
+fn past_the_tokenizing_budget_prompts_wait_then_get_429_and_a_prompt_over_it_413() {
+    let (running, _dirs) = front_with_context(1_000_000);
+    let route = running.route_addr().expect("[route] is set");
+    let api = running.http_addr();
+    let prompt = prompt_of(3 << 19);
+
+    let completion = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1 });
+    let replies = at_once(route, "/v1/completions", &completion, 6);
+    let statuses: Vec<u16> = replies.iter().map(|reply| reply.status).collect();
+    // A tokenized prompt reaches no engine (5xx); the others wait and are refused.
+    let tokenized = statuses.iter().filter(|&&status| status >= 500).count();
+    assert!(
+        statuses
+            .iter()
+            .all(|&status| status == 429 || status >= 500),
+        "{statuses:?}"
+    );
+    assert!(tokenized >= 1, "one was tokenized: {statuses:?}");
+    let refused = replies
+        .iter()
+        .find(|reply| reply.status == 429)
+        .unwrap_or_else(|| panic!("none refused: {statuses:?}"));
+    assert_eq!(refused.json()["error"]["type"], "rate_limit_error");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    let message = error_message(refused);
+    assert!(
+        message.contains("tokenizing") && message.contains("2097152 bytes"),
+        "{message}"
+    );
+
+    let query = json!({ "model": MODEL, "prompt": prompt });
+    let replies = at_once(api, "/query", &query, 6);
+    let statuses: Vec<u16> = replies.iter().map(|reply| reply.status).collect();
+    assert!(
+        statuses
+            .iter()
+            .all(|&status| status == 429 || status == 200),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.contains(&200) && statuses.contains(&429),
+        "{statuses:?}"
+    );
+
+    let over = json!({ "model": MODEL, "prompt": prompt_of(3 << 20) });
+    let reply = Connection::open(api).send("POST", "/query", Some(over.to_string().as_bytes()));
+    assert_eq!(reply.status, 413, "{}", reply.text());
+    let message = reply.json()["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        message.contains("tokenizing budget of 2097152 bytes"),
+        "{message}"
+    );
+}
+
+/// A chat of `count` messages of about 1.5 KB, each its own words (`seed`): a long prompt in
+/// many pieces, none of them in the tokenizer's cache of another seed's.
+fn long_chat(seed: &str, count: usize) -> Value {
+    let messages: Vec<Value> = (0..count)
+        .map(|at| {
+            let content = format!("{seed} {at}: the cache holds the prefix of prompt {at}. ")
+                .repeat(1_500 / (40 + seed.len()));
+            let role = if at % 2 == 0 { "user" } else { "assistant" };
+            json!({ "role": role, "content": content })
+        })
+        .collect();
+    json!({ "model": MODEL, "messages": messages, "max_tokens": 1 })
+}
+
+/// A client that goes away stops its tokenizing at its next step: the chat's render runs on,
+/// its pieces are not encoded, and the gate's budget is free long before the whole chat would
+/// have been tokenized (`kv_indexer_tokenizing_bytes`).
+#[test]
+fn a_client_that_goes_away_stops_its_tokenizing_at_its_next_step() {
+    let (running, _dirs) = front_with_context(1_000_000);
+    let route = running.route_addr().expect("[route] is set");
+    let api = running.http_addr();
+    let taken = || metric_value(api, "kv_indexer_tokenizing_bytes").unwrap_or(0.0);
+    let chat = long_chat("alpha", 1_000).to_string();
+    let started = std::time::Instant::now();
+    let reply = Connection::open(route).send("POST", "/v1/chat/completions", Some(chat.as_bytes()));
+    let whole = started.elapsed();
+    assert!(
+        reply.status >= 500,
+        "tokenized, then no engine: {}",
+        reply.text()
+    );
+    assert_eq!(taken(), 0.0, "the budget is given back");
+
+    // The front end, and `/query` on the API (whose routes run on blocking threads).
+    for (addr, path, seed) in [
+        (route, "/v1/chat/completions", "omega"),
+        (api, "/query", "sigma"),
+    ] {
+        let chat = long_chat(seed, 1_000).to_string();
+        let mut client = Connection::open(addr);
+        client.write_raw(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\n\r\n{chat}",
+                chat.len()
+            )
+            .as_bytes(),
+        );
+        wait_for(30, "the chat to be admitted", || {
+            (taken() > 0.0).then_some(())
+        });
+        let gone = std::time::Instant::now();
+        drop(client);
+        wait_for(30, "the budget to be given back", || {
+            (taken() == 0.0).then_some(())
+        });
+        let stopped = gone.elapsed();
+        eprintln!("{path}: stopped {stopped:?} after the client went; whole {whole:?}");
+        assert!(
+            stopped < whole / 2,
+            "{path}: stopped {stopped:?} after the client went; the whole takes {whole:?}"
+        );
+    }
+}

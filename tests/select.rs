@@ -587,3 +587,35 @@ fn an_absurd_expected_output_is_clamped_before_it_enters_a_load() {
     let most = 2 * (kv_indexer::select::MAX_CONTEXT_TOKENS / u64::from(BLOCK_SIZE) + 4);
     assert_eq!(loads(addr, "a")["active_decode_blocks"], most);
 }
+
+/// A reservation predicts its prompt's first `MAX_PREDICTED_BLOCKS` blocks, not all of them:
+/// what the selector does under its lock is bounded whatever the prompt's length. A prompt
+/// sharing the whole long prefix sees that many predicted on the reserved rank; one sharing
+/// less sees its own shared prefix.
+#[test]
+fn a_long_prompt_is_predicted_up_to_max_predicted_blocks() {
+    use kv_indexer::select::MAX_PREDICTED_BLOCKS;
+    let setup = Setup::start(2, "", &[]);
+    let addr = setup.addr();
+    let blocks = MAX_PREDICTED_BLOCKS as u32 + 100;
+    let tokens = prompt(7, blocks);
+    let reserved = select(addr, json!({ "token_ids": tokens, "reserve": true }));
+    let rank = reserved["instance"]
+        .as_str()
+        .expect("an instance")
+        .to_owned();
+    let again = select(addr, json!({ "token_ids": tokens }));
+    assert_eq!(again["query_blocks"], blocks);
+    assert_eq!(
+        candidate(&again, &rank)["predicted_blocks"],
+        MAX_PREDICTED_BLOCKS,
+        "{again}"
+    );
+    let shorter = &tokens[..10 * BLOCK_SIZE as usize];
+    let answer = select(addr, json!({ "token_ids": shorter }));
+    assert_eq!(
+        candidate(&answer, &rank)["predicted_blocks"],
+        10,
+        "{answer}"
+    );
+}

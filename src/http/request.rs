@@ -1,7 +1,7 @@
 //! The request head as the routes see it: hyper's parsed head and the address it came from.
 //!
 //! Owns: how a route reads the method, the URL (path and query, as sent), headers and the
-//! peer. Never: reads the body (the server hands it over whole), or parses a byte itself:
+//! peer, and the flag that says its client has gone. Never: reads the body (the server hands it over whole), or parses a byte itself:
 //! hyper did, behind `guard`'s byte rules.
 
 use std::net::SocketAddr;
@@ -9,15 +9,28 @@ use std::net::SocketAddr;
 use http::request::Parts;
 use http::Method;
 
+use crate::tokenize::gate::Cancel;
+
 /// A parsed request head.
 pub struct Request {
     parts: Parts,
     peer: SocketAddr,
+    gone: Cancel,
 }
 
 impl Request {
     pub(super) fn new(parts: Parts, peer: SocketAddr) -> Request {
-        Request { parts, peer }
+        Request {
+            parts,
+            peer,
+            gone: Cancel::default(),
+        }
+    }
+
+    /// Set once the request's answer is dropped unwritten (its client has gone): a route's
+    /// long step (tokenizing) stops at it.
+    pub fn gone(&self) -> &Cancel {
+        &self.gone
     }
 
     /// The address of the client that sent it.

@@ -97,6 +97,9 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
 
 fn metrics(api: &Api) -> Reply {
     api.metrics.set_index_keys(api.index.key_count());
+    let tokenizing = api.tokenizers.gate().bytes_admitted();
+    api.metrics
+        .set_tokenizing_bytes(u64::try_from(tokenizing).unwrap_or(u64::MAX));
     // A back-off ends with time, not with an event: its gauge is brought up to date here.
     for (key, left) in api.selector.backoffs() {
         api.metrics
@@ -151,7 +154,7 @@ fn query(api: &Api, request: &Request, body: &[u8]) -> Reply {
     let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     match parse_query_request(content_type, query_string, body, Vec::new()) {
-        Ok(mut query) => match tokenize_prompt(api, &mut query) {
+        Ok(mut query) => match tokenize_prompt(api, request, &mut query) {
             Ok(()) => score(api, &query),
             Err(refused) => refused,
         },

@@ -72,7 +72,7 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8]) -> Reply {
         };
     let reply = if options.reserve && !is_authorized(request, api.secret.get().as_ref()) {
         unauthorized()
-    } else if let Err(refused) = tokenize_prompt(api, &mut query) {
+    } else if let Err(refused) = tokenize_prompt(api, request, &mut query) {
         refused
     } else {
         let board = api.ranks.current();

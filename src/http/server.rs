@@ -507,6 +507,8 @@ async fn answer(
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
         return Reply::error(503, "the server is stopping").into_response(shape);
     };
+    // Dropped with this future when the client goes: the blocking route sees it.
+    let _gone = request.gone().on_drop();
     let answered = tokio::task::spawn_blocking(move || routes.route(&request, &bytes)).await;
     // A route that panicked: a bug, answered as one.
     let reply =

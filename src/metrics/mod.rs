@@ -27,6 +27,7 @@
 //! | `worker_tier_blocks` | gauge | `tier` (`gpu`, `cpu`, `disk`) |
 //! | `inexact_ranks` | gauge | `reason` only (a group kind, `unnamed_kind`, `block_size`, `incomplete`, `speculative`) |
 //! | `index_keys`, `queries_total`, `query_duration_seconds` | gauge, counter, histogram | none |
+//! | `tokenizing_bytes` | gauge | none |
 //! | `http_errors_total` | counter | `status` only |
 //! | `config_reloads_total` | counter | `outcome` only (`applied`, `rejected`) |
 //! | `state_writes_total` | counter | `outcome` only (`ok`, `failed`) |
@@ -116,6 +117,7 @@ pub struct Metrics {
     worker_tier_blocks: Family<TierLabels, U64Gauge>,
     inexact_ranks: Family<InexactLabels, Gauge>,
     index_keys: U64Gauge,
+    tokenizing_bytes: U64Gauge,
     queries: Counter,
     query_duration: Histogram,
     http_errors: Family<StatusLabels, Counter>,
@@ -156,6 +158,7 @@ impl Metrics {
             worker_tier_blocks: Family::default(),
             inexact_ranks: Family::default(),
             index_keys: U64Gauge::default(),
+            tokenizing_bytes: U64Gauge::default(),
             queries: Counter::default(),
             query_duration: Histogram::new(QUERY_SECONDS_BUCKETS),
             http_errors: Family::default(),
@@ -312,6 +315,12 @@ impl Metrics {
             "index_keys",
             "Distinct keys in the index",
             self.index_keys.clone(),
+        );
+        r.register(
+            "tokenizing_bytes",
+            "Bytes of the tokenizing budget taken: by prompts being tokenized, and in part by the \
+             next one waiting",
+            self.tokenizing_bytes.clone(),
         );
         r.register("queries", "Queries served", self.queries.clone());
         r.register_with_unit(
@@ -527,6 +536,12 @@ impl Metrics {
     /// The index's distinct key count, for `index_keys`: set by whoever renders, just before.
     pub fn set_index_keys(&self, keys: u64) {
         self.index_keys.set(keys);
+    }
+
+    /// The bytes of prompts the tokenizing gate has admitted, for `tokenizing_bytes`: set by
+    /// whoever renders, just before.
+    pub fn set_tokenizing_bytes(&self, bytes: u64) {
+        self.tokenizing_bytes.set(bytes);
     }
 
     /// The OpenMetrics text exposition of every metric ([`CONTENT_TYPE`]), the process's own

@@ -27,17 +27,20 @@ enum ThreadKind {
     /// that started them, `registry::new_context`; or libzmq's `ZMQbg/...` where it names
     /// them itself).
     Zmq,
+    /// The tokenizing gate's (`kvi-tokenize-N`), one a core, from the first long prompt on.
+    Tokenizing,
     /// The main thread, and any thread not named above.
     Other,
 }
 
 impl ThreadKind {
-    const ALL: [ThreadKind; 6] = [
+    const ALL: [ThreadKind; 7] = [
         ThreadKind::Runtime,
         ThreadKind::Blocking,
         ThreadKind::Poller,
         ThreadKind::Recovery,
         ThreadKind::Zmq,
+        ThreadKind::Tokenizing,
         ThreadKind::Other,
     ];
 
@@ -52,6 +55,8 @@ impl ThreadKind {
             ThreadKind::Recovery
         } else if name.starts_with("kvi-zmq") || name.starts_with("ZMQbg") {
             ThreadKind::Zmq
+        } else if name.starts_with("kvi-tokenize") {
+            ThreadKind::Tokenizing
         } else {
             ThreadKind::Other
         }
@@ -64,6 +69,7 @@ impl ThreadKind {
             ThreadKind::Poller => "poller",
             ThreadKind::Recovery => "recovery",
             ThreadKind::Zmq => "zmq",
+            ThreadKind::Tokenizing => "tokenizing",
             ThreadKind::Other => "other",
         }
     }
@@ -99,7 +105,7 @@ impl ProcessGauges {
         registry.register(
             "threads_by_kind",
             "Threads of the process by kind: runtime (tokio workers), blocking (the runtime's \
-             blocking threads), poller, recovery, zmq (libzmq's I/O threads), other",
+             blocking threads), poller, recovery, zmq (libzmq's I/O threads), tokenizing, other",
             self.threads_by_kind.clone(),
         );
     }
@@ -162,6 +168,7 @@ mod tests {
             ("ZMQbg/IO/0", ThreadKind::Zmq),
             ("ZMQbg/Reaper", ThreadKind::Zmq),
             ("kvi-zmq", ThreadKind::Zmq),
+            ("kvi-tokenize-0", ThreadKind::Tokenizing),
             ("kv-indexer", ThreadKind::Other),
         ] {
             assert_eq!(ThreadKind::of(name), kind, "{name}");

@@ -2,8 +2,9 @@
 //! to the rank `/select` chooses and passes the engine's answer back unchanged.
 //!
 //! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
-//! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does
-//! (a model without a tokenizer is routed by load alone, and the answer says so), chooses and
+//! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does,
+//! behind the same gate and length limit (`tokenizing`; a model without a tokenizer is routed
+//! by load alone, and the answer says so), chooses and
 //! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
 //! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
 //! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
@@ -22,6 +23,7 @@ mod engine_http;
 mod passing;
 mod request;
 mod servers;
+mod tokenizing;
 mod upstream;
 
 use std::future::Future;
@@ -49,9 +51,9 @@ use crate::metrics::{LoadOnly, Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector, Unindexed};
-use crate::tokenize::{self, SharedTokenizers};
+use crate::tokenize::SharedTokenizers;
 use passing::{NoFirstBytes, Passing, ReportingEngines, Shape, Ticket};
-use request::{with_usage, Kind, OpenAiRequest, PromptSource};
+use request::{with_usage, Kind, OpenAiRequest};
 use servers::{Change, Servers};
 use upstream::{Failure, Fleet, Sent, Server, Settings, Upstream};
 
@@ -61,14 +63,6 @@ pub const MAX_TRIES: usize = 2;
 
 /// How often checks turned off (`health_interval_s = 0`) look whether a reload turned them on.
 const HEALTH_PAUSED_POLL: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Prompts tokenized at once: tokenizing is CPU work, and more at once than the API's
-/// `POOL_THREADS` only adds threads on a machine of a few cores.
-const TOKENIZING: usize = crate::http::POOL_THREADS;
-/// A text or chat body up to this size is tokenized where it is read, on the runtime's thread:
-/// its template and tokenizer take about as long as the hop to a blocking thread and back
-/// (docs/performance.md "Why a short prompt is tokenized where it is read").
-const TOKENIZE_INLINE_BYTES: usize = 8 << 10;
 
 /// What the front end's routes do.
 #[derive(Clone, Copy)]
@@ -120,8 +114,6 @@ pub struct RouteFront {
     upstream: Upstream,
     in_flight: Arc<Semaphore>,
     max_concurrent: usize,
-    /// Places on blocking threads for tokenizing (`TOKENIZING`).
-    tokenizing: Arc<Semaphore>,
     /// Which engines report their cached tokens, so that an answer without them counts.
     reporting: Arc<ReportingEngines>,
 }
@@ -156,7 +148,6 @@ impl RouteFront {
             servers: Servers::default(),
             upstream: Upstream::new(Settings::of(route)),
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
-            tokenizing: Arc::new(Semaphore::new(TOKENIZING)),
             max_concurrent: route.max_concurrent_requests,
             reporting: Arc::default(),
         })
@@ -270,84 +261,12 @@ impl RouteFront {
             Some(changed) => Bytes::from(changed),
             None => Bytes::from(body),
         };
-        let (parsed, prompt) = match self.tokenized(parsed, body.len()).await {
+        let (parsed, prompt) = match self.tokenized(parsed).await {
             Ok(tokenized) => tokenized,
-            Err(why) => return self.error(StatusCode::BAD_REQUEST, "invalid_request_error", &why),
+            Err(refused) => return self.not_tokenized(refused),
         };
         self.send(request, body, kind, parsed, prompt, strip, place)
             .await
-    }
-
-    /// `parsed` (of a `body_len`-byte body) and its prompt as routing weighs it. Text and chats
-    /// of bodies over `TOKENIZE_INLINE_BYTES` are tokenized on a blocking thread (a long chat's
-    /// template and tokenizer take milliseconds), `TOKENIZING` at once: beyond, a request waits
-    /// for a place rather than taking a thread of its own.
-    async fn tokenized(
-        self: &Arc<Self>,
-        parsed: OpenAiRequest,
-        body_len: usize,
-    ) -> Result<(OpenAiRequest, Tokenized), String> {
-        let needs_no_tokenizer = matches!(
-            parsed.prompt,
-            PromptSource::Tokens(_) | PromptSource::Unreadable(_)
-        );
-        if needs_no_tokenizer || body_len <= TOKENIZE_INLINE_BYTES {
-            let tokenized = self.tokenize(&parsed)?;
-            return Ok((parsed, tokenized));
-        }
-        let _place = Arc::clone(&self.tokenizing)
-            .acquire_owned()
-            .await
-            .map_err(|_| "the front end is stopping".to_owned())?;
-        let front = Arc::clone(self);
-        tokio::task::spawn_blocking(move || {
-            let tokenized = front.tokenize(&parsed)?;
-            Ok((parsed, tokenized))
-        })
-        .await
-        .map_err(|err| format!("tokenizing failed: {err}"))?
-    }
-
-    /// The prompt's token ids, or why the request is routed by load alone.
-    fn tokenize(&self, parsed: &OpenAiRequest) -> Result<Tokenized, String> {
-        let model = parsed.model.clone();
-        let text = match &parsed.prompt {
-            PromptSource::Tokens(tokens) => return Ok(Tokenized::ids(tokens.clone(), model)),
-            PromptSource::Unreadable(why) => {
-                return Ok(Tokenized::load_only(
-                    LoadOnly::prompt_not_tokenized,
-                    (*why).into(),
-                    model,
-                ))
-            }
-            PromptSource::Text(text) => tokenize::Prompt::Text(text),
-            PromptSource::Chat { messages, tools } => tokenize::Prompt::Chat {
-                messages,
-                tools: tools.as_ref(),
-            },
-        };
-        let tokenizers = self.tokenizers.current();
-        let known = match &model {
-            Some(model) => tokenizers.models().any(|known| known == model),
-            None => !tokenizers.is_empty(),
-        };
-        if !known {
-            let why = match &model {
-                Some(model) => format!("no tokenizer for model {model:?}"),
-                None => "no tokenizer in the configuration".to_owned(),
-            };
-            return Ok(Tokenized::load_only(LoadOnly::no_tokenizer, why, model));
-        }
-        let mut ids = Vec::new();
-        match tokenizers.encode(model.as_deref(), &text, &mut ids) {
-            Ok(model) => Ok(Tokenized::ids(ids, Some(model.to_owned()))),
-            Err(tokenize::EncodeError::Unreadable(why)) => Ok(Tokenized::load_only(
-                LoadOnly::prompt_not_tokenized,
-                why,
-                model,
-            )),
-            Err(tokenize::EncodeError::Refused(err)) => Err(err.to_string()),
-        }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -59,6 +59,14 @@ type RankSlot = u32;
 /// or a peer that lies, and is clamped to it (or ignored) before it enters a load or a metric.
 pub const MAX_CONTEXT_TOKENS: u64 = 1 << 24;
 
+/// The blocks of a prompt a reservation predicts, and a selection looks up among the
+/// predictions: its first 4,096 (65,536 tokens of 16). The lookup and the record run under the
+/// selector's lock, so they are bounded whatever the prompt's length, and every selection waits
+/// at most for this much work of another (docs/performance.md "A heavy `/select` does not
+/// stall the others"). A longer shared prefix is predicted this far: a miss beyond, never a
+/// false hit.
+pub const MAX_PREDICTED_BLOCKS: usize = 4096;
+
 /// What a `/select` asks beyond the prompt.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Options {
@@ -258,7 +266,9 @@ impl Selector {
             u32::try_from(prompt.tokens.len() / block_size.max(1) as usize).unwrap_or(u32::MAX);
         let needs_keys = options.reserve || !self.state.lock().predictions.is_empty();
         let keys = if needs_keys {
-            prompt_keys(prompt, block_size, 0)
+            let mut keys = prompt_keys(prompt, block_size, 0);
+            keys.truncate(MAX_PREDICTED_BLOCKS);
+            keys
         } else {
             Vec::new()
         };

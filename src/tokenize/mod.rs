@@ -4,14 +4,18 @@
 //! `model` reads one tokenizer directory and turns a request into token ids exactly as vLLM
 //! does; `conversation` builds the messages a template is given as vLLM builds them, in the
 //! content form `content_format` finds for the template; `template` renders chat templates as
-//! transformers does; `pieces` tokenizes rendered text a piece at a time with a bounded cache.
+//! transformers does; `pieces` tokenizes rendered text a piece at a time with a bounded cache;
+//! `limit` is the longest prompt a model takes; `gate` bounds the tokenizing that runs at once.
 //! This module keeps the set of loaded tokenizers, one for each model (engines serving the same
-//! `model` share it), loaded at start and on reload. Owns: which model names have a tokenizer.
-//! Never: reads the index, or decides what a route answers (a `Refused` prompt is a 400 there,
-//! an `Unreadable` one is routed by load alone).
+//! `model` share it), loaded at start and on reload, with the one gate every route tokenizes
+//! behind. Owns: which model names have a tokenizer. Never: reads the index, or decides what a
+//! route answers (a `Refused` prompt is a 400 there, an `Unreadable` one is routed by load
+//! alone, a `TooLong` one is a 413).
 
 mod content_format;
 mod conversation;
+pub mod gate;
+mod limit;
 mod model;
 mod pieces;
 mod template;
@@ -23,6 +27,8 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use parking_lot::RwLock;
 
+use gate::Gate;
+pub use limit::PromptLimit;
 pub use model::{EncodeError, ModelTokenizer, PromptError};
 
 /// The loaded tokenizers, by model name.
@@ -110,6 +116,26 @@ impl Tokenizers {
         self.choose(model).map(|(name, _)| name)
     }
 
+    /// Whether `prompt` fits `model`'s context (`limit`), judged on its bytes before it is
+    /// tokenized. A model without a tokenizer or a limit has nothing to say.
+    pub fn check_length(&self, model: Option<&str>, prompt: &Prompt<'_>) -> Result<(), TooLong> {
+        let Ok((name, tokenizer)) = self.choose(model) else {
+            return Ok(());
+        };
+        let Some(limit) = tokenizer.limit() else {
+            return Ok(());
+        };
+        let bytes = prompt.bytes();
+        if bytes <= limit.bytes() {
+            return Ok(());
+        }
+        Err(TooLong {
+            model: name.to_owned(),
+            bytes,
+            limit,
+        })
+    }
+
     fn choose(&self, model: Option<&str>) -> Result<(&str, &ModelTokenizer), PromptError> {
         let known = || {
             let names: Vec<&str> = self.models().collect();
@@ -144,20 +170,67 @@ impl Tokenizers {
     }
 }
 
-/// The tokenizers the routes read: swapped whole on reload, so a request sees one set.
+impl Prompt<'_> {
+    /// The prompt's text in bytes, as the routes weigh it before tokenizing: a chat's every
+    /// string in its messages (contents, roles, names), which its template renders among its
+    /// own text. Tools are left out: a template may not render them.
+    pub fn bytes(&self) -> usize {
+        fn strings(value: &serde_json::Value) -> usize {
+            match value {
+                serde_json::Value::String(text) => text.len(),
+                serde_json::Value::Array(items) => items.iter().map(strings).sum(),
+                serde_json::Value::Object(fields) => fields.values().map(strings).sum(),
+                _ => 0,
+            }
+        }
+        match self {
+            Prompt::Text(text) => text.len(),
+            Prompt::Chat { messages, .. } => strings(messages),
+        }
+    }
+}
+
+/// A prompt longer than its model's context can be (a 413 for the caller).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "the prompt's {bytes} bytes are over model {model:?}'s limit of {} bytes: its context of \
+     {} tokens (model_max_length in tokenizer_config.json) of at most {} bytes each",
+    limit.bytes(),
+    limit.tokens,
+    limit.bytes_per_token
+)]
+pub struct TooLong {
+    pub model: String,
+    pub bytes: usize,
+    pub limit: PromptLimit,
+}
+
+/// The tokenizers the routes read: swapped whole on reload, so a request sees one set; and
+/// the gate every route tokenizes behind.
 #[derive(Default)]
-pub struct SharedTokenizers(RwLock<Arc<Tokenizers>>);
+pub struct SharedTokenizers {
+    current: RwLock<Arc<Tokenizers>>,
+    gate: Gate,
+}
 
 impl SharedTokenizers {
     pub fn new(tokenizers: Tokenizers) -> SharedTokenizers {
-        SharedTokenizers(RwLock::new(Arc::new(tokenizers)))
+        SharedTokenizers {
+            current: RwLock::new(Arc::new(tokenizers)),
+            gate: Gate::default(),
+        }
     }
 
     pub fn current(&self) -> Arc<Tokenizers> {
-        Arc::clone(&self.0.read())
+        Arc::clone(&self.current.read())
     }
 
     pub fn replace(&self, tokenizers: Tokenizers) {
-        *self.0.write() = Arc::new(tokenizers);
+        *self.current.write() = Arc::new(tokenizers);
+    }
+
+    /// The gate every tokenizing passes (`gate`).
+    pub fn gate(&self) -> &Gate {
+        &self.gate
     }
 }

@@ -2,11 +2,12 @@
 //! turns a request into token ids.
 //!
 //! Owns reading `tokenizer.json`, `tokenizer_config.json` (`chat_template`, `bos_token`,
-//! `eos_token`) and `chat_template.jinja` (which wins over the config's template, as in
-//! transformers), and every load error named with its file. A completion prompt is tokenized
-//! with the tokenizer's special tokens (`/v1/completions`); chat messages are built as vLLM
-//! builds them (`conversation`), rendered with the template, then tokenized without added
-//! special tokens (`/v1/chat/completions`). Never looks at the index or at HTTP.
+//! `eos_token`, `model_max_length` for `limit`) and `chat_template.jinja` (which wins over the
+//! config's template, as in transformers), and every load error named with its file. A
+//! completion prompt is tokenized with the tokenizer's special tokens (`/v1/completions`); chat
+//! messages are built as vLLM builds them (`conversation`), rendered with the template, then
+//! tokenized without added special tokens (`/v1/chat/completions`). Never looks at the index or
+//! at HTTP.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +15,7 @@ use anyhow::{bail, Context, Result};
 use tokenizers::Tokenizer;
 
 use super::conversation::conversation;
+use super::limit::PromptLimit;
 use super::pieces::PieceTokenizer;
 use super::template::{ChatContext, ChatTemplate};
 
@@ -22,6 +24,7 @@ pub struct ModelTokenizer {
     dir: PathBuf,
     pieces: PieceTokenizer,
     template: Option<ChatTemplate>,
+    limit: Option<PromptLimit>,
 }
 
 /// Why a request's prompt could not be tokenized: a 400 for the caller.
@@ -121,17 +124,24 @@ impl ModelTokenizer {
             ),
             None => None,
         };
+        let limit = PromptLimit::of(&config, &tokenizer_json, &tokenizer);
         let pieces = PieceTokenizer::new(tokenizer, &tokenizer_json)
             .with_context(|| format!("{}: its added tokens", tokenizer_path.display()))?;
         Ok(ModelTokenizer {
             dir: dir.to_path_buf(),
             pieces,
             template,
+            limit,
         })
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The longest prompt the model takes, when its files say.
+    pub fn limit(&self) -> Option<PromptLimit> {
+        self.limit
     }
 
     /// `prompt` as vLLM's `/v1/completions` tokenizes it: with the tokenizer's special tokens.

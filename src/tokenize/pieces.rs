@@ -132,6 +132,10 @@ impl PieceTokenizer {
         if text.is_empty() && !add_special_tokens {
             return Ok(());
         }
+        // A step of a tokenizing whose client has gone: the rest is not worth its CPU.
+        if super::gate::check_cancelled() {
+            return Err("the client went away".into());
+        }
         let cacheable = (MIN_CACHED_BYTES..=MAX_CACHED_BYTES).contains(&text.len());
         // With specials the key differs from the same text without: mark it.
         let key = |text: &str| -> Arc<str> {
