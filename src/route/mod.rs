@@ -21,6 +21,7 @@
 mod engine_http;
 mod passing;
 mod request;
+mod scrape;
 mod servers;
 mod upstream;
 
@@ -54,6 +55,8 @@ use passing::{NoFirstBytes, Passing, ReportingEngines, Shape, Ticket};
 use request::{with_usage, Kind, OpenAiRequest, PromptSource};
 use servers::{Change, Servers};
 use upstream::{Failure, Fleet, Sent, Server, Settings, Upstream};
+
+pub use scrape::Scraper;
 
 /// Servers a request is sent to at most: the chosen rank's and, if it never reached that one,
 /// the best rank's on another.

@@ -22,6 +22,7 @@
 mod backoff;
 mod clock;
 mod cost;
+mod engine_load;
 mod predictions;
 mod reservations;
 
@@ -47,6 +48,8 @@ use cost::choose;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder/main.rs`).
 pub use cost::{best_first, cost, Candidate, Costed, Load};
+use engine_load::EngineLoads;
+pub use engine_load::{scrape_timeout, EngineLoad, RankFigures};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
 
@@ -77,6 +80,7 @@ pub struct Ranked {
     pub key: WorkerKey,
     pub instance_id: u64,
     pub costed: Costed,
+    pub engine_load: EngineLoad,
 }
 
 /// A `/select`'s answer.
@@ -129,6 +133,7 @@ pub struct RankLoad {
     pub key: WorkerKey,
     pub load: Load,
     pub predicted_prefixes: u32,
+    pub engine_load: EngineLoad,
 }
 
 /// Why a reservation route found nothing.
@@ -149,6 +154,7 @@ struct SelectState {
     reservations: Reservations,
     predictions: Predictions,
     backoffs: Backoffs,
+    engine_loads: EngineLoads,
     /// Selections made: where this one's rotation of the board starts.
     rotation: usize,
 }
@@ -173,6 +179,7 @@ impl Selector {
                 reservations: Reservations::default(),
                 predictions: Predictions::default(),
                 backoffs: Backoffs::default(),
+                engine_loads: EngineLoads::default(),
                 rotation: 0,
             }),
             metrics,
@@ -270,6 +277,10 @@ impl Selector {
         let predicted: HashMap<RankSlot, u32> =
             state.predictions.covered(&keys).into_iter().collect();
         let mut costed: Vec<Costed> = Vec::with_capacity(gathered.len());
+        let engine_loads: Vec<EngineLoad> = gathered
+            .iter()
+            .map(|rank| state.engine_load(rank.key, now))
+            .collect();
         let ranks = gathered.len();
         let first_turn = state.rotation % ranks;
         state.rotation = state.rotation.wrapping_add(1);
@@ -292,7 +303,10 @@ impl Selector {
                 matched_blocks,
                 tiers,
                 predicted_blocks,
-                load: slot.map_or_else(Load::default, |slot| state.reservations.load(slot)),
+                load: Load {
+                    outside_requests: engine_loads[position].outside_requests(),
+                    ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
+                },
             };
             costed.push(cost(query_blocks, candidate, &state.config));
         }
@@ -305,6 +319,7 @@ impl Selector {
                 key: rank.key.clone(),
                 instance_id: rank.instance_id,
                 costed: costed.clone(),
+                engine_load: engine_loads[costed.candidate.position].clone(),
             }
         };
         let cached_blocks = chosen
@@ -399,18 +414,58 @@ impl Selector {
     /// Every running rank on `board` with its load, in the board's order.
     pub fn loads(&self, board: &RankBoard) -> Vec<RankLoad> {
         let mut state = self.state.lock();
-        state.expire(self.clock.now());
+        let now = self.clock.now();
+        state.expire(now);
         board
             .running()
             .map(|rank| {
                 let slot = state.slots.get(&rank.spec.key).copied();
+                let engine_load = state.engine_load(&rank.spec.key, now);
                 RankLoad {
                     key: rank.spec.key.clone(),
-                    load: slot.map_or_else(Load::default, |slot| state.reservations.load(slot)),
+                    load: Load {
+                        outside_requests: engine_load.outside_requests(),
+                        ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
+                    },
                     predicted_prefixes: slot.map_or(0, |slot| state.predictions.held(slot)),
+                    engine_load,
                 }
             })
             .collect()
+    }
+
+    /// Records the end of a scrape of `engine`'s load: its figures per dp rank, or why there
+    /// are none (docs.md "Engine load").
+    pub fn record_engine_load(
+        &self,
+        engine: &str,
+        scrape: Result<Vec<(u32, RankFigures)>, String>,
+    ) {
+        let mut state = self.state.lock();
+        let now = self.clock.now();
+        state.expire(now);
+        let state = &mut *state;
+        let (slots, reservations) = (&state.slots, &state.reservations);
+        let own = |dp_rank: u32| {
+            let key = WorkerKey {
+                engine: engine.to_owned(),
+                dp_rank,
+            };
+            slots
+                .get(&key)
+                .map_or(0, |&slot| reservations.load(slot).reservations)
+        };
+        state.engine_loads.record(engine, now, scrape, own);
+    }
+
+    /// Forgets the scrapes of engines not in `engines` (gone from the file).
+    pub fn retain_engine_loads(&self, engines: &[&str]) {
+        self.state.lock().engine_loads.retain(engines);
+    }
+
+    /// Rank `key`'s engine load now (for `/workers`).
+    pub fn engine_load(&self, key: &WorkerKey) -> EngineLoad {
+        self.state.lock().engine_load(key, self.clock.now())
     }
 
     /// Rank `key` failed a request before its first byte: it is left out of every selection
@@ -467,6 +522,11 @@ impl SelectState {
     fn expire(&mut self, now: Instant) {
         self.reservations.expire(now);
         self.predictions.expire(now);
+    }
+
+    fn engine_load(&self, key: &WorkerKey, now: Instant) -> EngineLoad {
+        let interval = Duration::from_millis(self.config.load_interval_ms);
+        self.engine_loads.view(key, now, interval)
     }
 
     fn slot(&mut self, key: &WorkerKey) -> RankSlot {
