@@ -1345,3 +1345,163 @@ fn every_valid_chat_is_routed_and_only_a_body_that_is_not_one_is_refused() {
         assert!(message.contains(wanted), "{message:?}, wanted {wanted:?}");
     }
 }
+
+/// A completion no other shares a block of: `topic` begins it.
+fn cold(topic: &str) -> Value {
+    json!({
+        "model": MODEL,
+        "prompt": format!("{topic} is a word of its own. ").repeat(40),
+        "max_tokens": 3,
+    })
+}
+
+/// `GET /loads`' entry of engine `engine`'s rank 0.
+fn rank_load(routed: &Routed, engine: usize) -> Option<Value> {
+    let loads = get(routed.api, "/loads").json();
+    let name = Fleet::name(engine);
+    loads
+        .as_array()?
+        .iter()
+        .find(|rank| rank["instance"] == name && rank["dp_rank"] == 0)
+        .cloned()
+}
+
+/// Issue 36: load the router never sent is in every choice. Streams held open straight on
+/// sim-0's OpenAI server show in its scraped `/metrics`, and every cold prompt goes to sim-1,
+/// where the rotation alone would alternate them; once the streams end, they take turns again.
+#[test]
+fn an_engine_loaded_from_outside_is_avoided() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(50),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(2, 1, slow, &[]);
+    let engine: SocketAddr = routed
+        .server(0)
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IP:port");
+    let long = json!({ "model": MODEL, "prompt": "outside traffic", "max_tokens": 20_000, "stream": true });
+    let held: Vec<Answer> = (0..6)
+        .map(|_| stream(engine, "/v1/completions", &long))
+        .collect();
+    let loaded = wait_for(20, "sim-0's scrape to show the outside streams", || {
+        let rank = rank_load(&routed, 0)?;
+        (rank["engine_load"]["running"].as_f64()? >= 6.0).then_some(rank)
+    });
+    assert_eq!(loaded["outside_requests"], json!(6.0), "{loaded}");
+    assert_eq!(loaded["reservations"], json!(0), "{loaded}");
+    assert!(loaded["engine_load"]["age_ms"].is_u64(), "{loaded}");
+    let chosen = Connection::open(routed.api).send(
+        "POST",
+        "/select",
+        Some(
+            json!({ "token_ids": (0..64).collect::<Vec<u32>>() })
+                .to_string()
+                .as_bytes(),
+        ),
+    );
+    let candidates = chosen.json()["candidates"].clone();
+    let sim0 = candidates
+        .as_array()
+        .and_then(|all| {
+            all.iter()
+                .find(|c| c["instance"] == Fleet::name(0))
+                .cloned()
+        })
+        .unwrap_or_else(|| panic!("sim-0 among {candidates}"));
+    assert_eq!(sim0["outside_requests"], json!(6.0), "{sim0}");
+    assert_eq!(sim0["engine_load"]["running"], json!(6.0), "{sim0}");
+    for topic in ["alpha", "bravo", "charlie", "delta"] {
+        let reply = routed.send("/v1/completions", &cold(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(
+            reply.header("x-kv-indexer-rank"),
+            Some(rank_name(1, 0).as_str())
+        );
+    }
+    drop(held);
+    wait_for(20, "sim-0's scrape to show its streams gone", || {
+        let rank = rank_load(&routed, 0)?;
+        (rank["outside_requests"].as_f64()? == 0.0).then_some(())
+    });
+    let ranks: std::collections::BTreeSet<String> = ["echo", "foxtrot"]
+        .into_iter()
+        .map(|topic| {
+            let reply = routed.send("/v1/completions", &cold(topic));
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            reply
+                .header("x-kv-indexer-rank")
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(ranks.len(), 2, "cold prompts take turns again: {ranks:?}");
+}
+
+/// Issue 36: a scrape that fails (sim-0's `/metrics` answers 500, sim-1's `metrics_url` points
+/// nowhere) leaves routing on reservations alone: requests are answered, each failure is
+/// counted per engine, and `/workers` and `/loads` say why; the next good scrape is weighed.
+#[test]
+fn a_failing_scrape_is_survived_counted_and_shown() {
+    let routed = routed_with(
+        2,
+        1,
+        OpenAiConfig::default(),
+        &[],
+        &|i, engine| match i {
+            1 => EngineToml {
+                metrics_url: Some("http://127.0.0.1:1/metrics".into()),
+                ..engine
+            },
+            _ => engine,
+        },
+        "/ready",
+    );
+    routed.server(0).fail_metrics(Some(500));
+    let scrapes = |engine: usize, outcome: &str| {
+        let series = format!(
+            "kv_indexer_engine_load_scrapes_total{{instance=\"{}\",outcome=\"{outcome}\"}}",
+            Fleet::name(engine)
+        );
+        routed.metric(&series)
+    };
+    wait_for(20, "both engines' scrapes to fail twice", || {
+        (scrapes(0, "failed") >= 2.0 && scrapes(1, "failed") >= 2.0).then_some(())
+    });
+    let workers = get(routed.api, "/workers").json();
+    for (engine, cause) in [(0, "answered 500"), (1, "connect")] {
+        let instance = workers
+            .as_array()
+            .and_then(|all| {
+                all.iter()
+                    .find(|i| i["instance"] == Fleet::name(engine))
+                    .cloned()
+            })
+            .unwrap_or_else(|| panic!("{} on {workers}", Fleet::name(engine)));
+        let shown = instance["listeners"][0]["engine_load"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            shown.starts_with("stale: GET http://127.0.0.1:") && shown.contains(cause),
+            "{shown}"
+        );
+        let load = rank_load(&routed, engine).expect("a load");
+        assert_eq!(load["engine_load"], json!(shown), "{load}");
+        assert_eq!(load["outside_requests"], json!(0.0), "{load}");
+    }
+    for topic in ["golf", "hotel", "india", "juliett"] {
+        let reply = routed.send("/v1/completions", &cold(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    routed.all_released("answers routed by reservations alone");
+    routed.server(0).fail_metrics(None);
+    wait_for(20, "sim-0's next good scrape to be weighed", || {
+        let rank = rank_load(&routed, 0)?;
+        rank["engine_load"]["age_ms"].as_u64().map(drop)
+    });
+    assert!(scrapes(0, "ok") >= 1.0);
+    assert_eq!(scrapes(1, "ok"), 0.0);
+}
