@@ -309,6 +309,13 @@ impl RouteFamilies {
     }
 }
 
+fn scrape_labels(instance: &str, outcome: ScrapeOutcome) -> ScrapeLabels {
+    ScrapeLabels {
+        instance: instance.to_owned(),
+        outcome,
+    }
+}
+
 fn rank_labels(instance: &str, dp_rank: u32) -> RankLabels {
     RankLabels {
         instance: instance.to_owned(),
@@ -357,11 +364,22 @@ impl super::Metrics {
 
     /// A scrape of engine `instance`'s load ended.
     pub fn engine_load_scraped(&self, instance: &str, outcome: ScrapeOutcome) {
-        let labels = ScrapeLabels {
-            instance: instance.to_owned(),
-            outcome,
-        };
-        self.route.scrapes.get_or_create(&labels).inc();
+        self.route
+            .scrapes
+            .get_or_create(&scrape_labels(instance, outcome))
+            .inc();
+    }
+
+    /// Engine `instance`'s scrape series, at 0, so that its first failure is an increase;
+    /// `false` removes them (the engine is no longer scraped).
+    pub fn engine_load_scrapes_kept(&self, instance: &str, kept: bool) {
+        for outcome in [ScrapeOutcome::ok, ScrapeOutcome::failed] {
+            let labels = scrape_labels(instance, outcome);
+            match kept {
+                true => drop(self.route.scrapes.get_or_create(&labels)),
+                false => drop(self.route.scrapes.remove(&labels)),
+            }
+        }
     }
 
     /// The engine reported `reported` of the answer's `prompt` tokens cached, where the

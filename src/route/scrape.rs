@@ -79,21 +79,33 @@ impl Scraper {
         ranks: RanksReader,
         metrics: Arc<Metrics>,
     ) -> Scraper {
+        let round = Round::of(config);
+        for target in &round.targets {
+            metrics.engine_load_scrapes_kept(&target.engine, true);
+        }
         Scraper {
             connections: Arc::default(),
             selector,
             ranks,
             metrics,
-            round: RwLock::new(Arc::new(Round::of(config))),
+            round: RwLock::new(Arc::new(round)),
         }
     }
 
     /// Takes a reloaded file: its engines' `metrics_url` and the interval. An engine gone from
-    /// the file is forgotten.
+    /// the file, or no longer scraped, is forgotten.
     pub fn reload(&self, config: &Config) {
-        let names: Vec<&str> = config.engines.iter().map(|e| e.name.as_str()).collect();
-        self.selector.retain_engine_loads(&names);
-        *self.round.write() = Arc::new(Round::of(config));
+        let round = Arc::new(Round::of(config));
+        let scraped: Vec<&str> = round.targets.iter().map(|t| t.engine.as_str()).collect();
+        self.selector.retain_engine_loads(&scraped);
+        let before = std::mem::replace(&mut *self.round.write(), Arc::clone(&round));
+        for target in &before.targets {
+            let kept = scraped.contains(&target.engine.as_str());
+            self.metrics.engine_load_scrapes_kept(&target.engine, kept);
+        }
+        for engine in scraped {
+            self.metrics.engine_load_scrapes_kept(engine, true);
+        }
     }
 
     /// Scrapes every engine each interval, until dropped (its task is stopped).

@@ -171,6 +171,23 @@ mod tests {
         assert_eq!(cost(10, d, &weights).cost, 10.0 + 10.0 * 2.0);
     }
 
+    /// docs.md "Engine load": the worked example's warm rank `a`, its engine running one
+    /// request this router did not send, yields to the idle `b`.
+    #[test]
+    fn a_warm_rank_yields_to_an_idle_one_busy_with_others_work() {
+        let weights = Select::default();
+        let mut a = candidate(0, 4, 5, 6);
+        assert_eq!(cost(8, a.clone(), &weights).cost, 3.0);
+        a.load.outside_requests = 1.0;
+        let mut sorted = [
+            cost(8, a, &weights),
+            cost(8, candidate(1, 0, 0, 0), &weights),
+        ];
+        assert_eq!((sorted[0].cost, sorted[1].cost), (13.0, 8.0));
+        sorted.sort_by(best_first);
+        assert_eq!(sorted[0].candidate.position, 1, "b is chosen");
+    }
+
     #[test]
     fn a_predicted_prefix_beyond_the_tiers_is_not_counted_twice() {
         let mut ahead = candidate(0, 1, 2, 3);
