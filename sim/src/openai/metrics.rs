@@ -12,6 +12,9 @@ use std::fmt::Write;
 
 use super::Inner;
 
+/// A gauge's name, help text and value for a rank.
+type Gauge<'a> = (&'static str, &'static str, &'a dyn Fn(u32) -> f64);
+
 /// The exposition of `inner`'s ranks now.
 pub(super) fn exposition(inner: &Inner) -> String {
     let model = inner
@@ -23,7 +26,7 @@ pub(super) fn exposition(inner: &Inner) -> String {
     let ranks = engine.as_ref().map_or(0, |engine| engine.dp_size());
     let running = inner.figures.running.lock().clone();
     let mut text = String::new();
-    let gauges: [(&str, &str, &dyn Fn(u32) -> f64); 3] = [
+    let gauges: [Gauge; 3] = [
         (
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",

@@ -42,6 +42,9 @@ const GAUGES: [(&str, Gauge); 7] = [
 /// The labels naming a series' data-parallel rank.
 const RANK_LABELS: [&str; 2] = ["engine", "dp_rank"];
 
+/// A rank's running, waiting and KV usage as read so far.
+type Read = (Option<f64>, Option<f64>, Option<f64>);
+
 /// Why an exposition says no load.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ExpositionError {
@@ -55,7 +58,7 @@ pub enum ExpositionError {
 /// Each rank's figures (`None`: a series without a rank label), in rank order. A rank appears
 /// once a running or waiting series names it.
 pub fn parse(text: &str) -> Result<Vec<(Option<u32>, RankFigures)>, ExpositionError> {
-    let mut ranks: BTreeMap<Option<u32>, (Option<f64>, Option<f64>, Option<f64>)> = BTreeMap::new();
+    let mut ranks: BTreeMap<Option<u32>, Read> = BTreeMap::new();
     for line in text.lines() {
         if line.len() > MAX_LINE_BYTES || line.starts_with('#') {
             continue;
