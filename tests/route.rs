@@ -1505,3 +1505,75 @@ fn a_failing_scrape_is_survived_counted_and_shown() {
     assert!(scrapes(0, "ok") >= 1.0);
     assert_eq!(scrapes(1, "ok"), 0.0);
 }
+
+/// A `/metrics` server that takes connections and never answers (`huge`: answers 200 with a
+/// 5 MiB body instead), for as long as the test runs.
+fn raw_metrics(huge: bool) -> SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for connection in listener.incoming() {
+            let Ok(mut connection) = connection else {
+                return;
+            };
+            if huge {
+                let mut head = [0u8; 4096];
+                let _ = connection.read(&mut head);
+                let line = b"vllm:num_requests_running{engine=\"0\"} 1\n".repeat(128);
+                let _ = connection.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5242880\r\n\r\n");
+                for _ in 0..(5 << 20) / line.len() + 1 {
+                    if connection.write_all(&line).is_err() {
+                        break;
+                    }
+                }
+            }
+            held.push(connection);
+        }
+    });
+    addr
+}
+
+/// Issue 36: a scrape is bounded in time and size. sim-0's `metrics_url` never answers and
+/// sim-1's answers 5 MiB: each scrape fails within its bound and says why, and routing goes on.
+#[test]
+fn a_slow_or_huge_metrics_answer_fails_its_scrape_within_bounds() {
+    let slow = raw_metrics(false);
+    let huge = raw_metrics(true);
+    let routed = routed_with(
+        2,
+        1,
+        OpenAiConfig::default(),
+        &[],
+        &|i, engine| EngineToml {
+            metrics_url: Some(format!("http://{}/metrics", [slow, huge][i])),
+            ..engine
+        },
+        "/ready",
+    );
+    let failed = |engine: usize| {
+        routed.metric(&format!(
+            "kv_indexer_engine_load_scrapes_total{{instance=\"{}\",outcome=\"failed\"}}",
+            Fleet::name(engine)
+        ))
+    };
+    wait_for(20, "both scrapes to fail", || {
+        (failed(0) >= 1.0 && failed(1) >= 1.0).then_some(())
+    });
+    for (engine, cause) in [
+        (0, "no whole answer within 500 ms"),
+        (1, "larger than 4194304 bytes"),
+    ] {
+        let load = rank_load(&routed, engine).expect("a load");
+        let shown = load["engine_load"].as_str().unwrap_or_default();
+        assert!(
+            shown.starts_with("stale: GET http://127.0.0.1:") && shown.contains(cause),
+            "{load}"
+        );
+    }
+    for topic in ["kilo", "lima"] {
+        let reply = routed.send("/v1/completions", &cold(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+}
