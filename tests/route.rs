@@ -1577,3 +1577,31 @@ fn a_slow_or_huge_metrics_answer_fails_its_scrape_within_bounds() {
         assert_eq!(reply.status, 200, "{}", reply.text());
     }
 }
+
+/// `metrics_url` and `load_interval_ms` follow the file: a reload that turns sim-0's scrape off
+/// shows its rank unscraped (`engine_load` null) and drops its scrape series.
+#[test]
+fn a_reload_turns_an_engines_scrape_off() {
+    let routed = routed(1, 1, OpenAiConfig::default(), &[]);
+    let series = format!(
+        "kv_indexer_engine_load_scrapes_total{{instance=\"{}\",outcome=\"ok\"}}",
+        Fleet::name(0)
+    );
+    wait_for(20, "sim-0's load to be scraped", || {
+        rank_load(&routed, 0)?["engine_load"]["age_ms"].as_u64()
+    });
+    assert!(routed.metric(&series) >= 1.0);
+    let file = std::fs::read_to_string(routed.running.config_path()).expect("the file");
+    let off = file.replacen("[[engine]]\n", "[[engine]]\nmetrics_url = \"\"\n", 1);
+    assert_ne!(off, file);
+    std::fs::write(routed.running.config_path(), off).expect("rewrite the file");
+    let reload = Connection::open(routed.api).send("POST", "/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let load = rank_load(&routed, 0).expect("a load");
+    assert_eq!(load["engine_load"], Value::Null, "{load}");
+    let scrape = get(routed.api, "/metrics").text();
+    assert!(
+        !scrape.contains("kv_indexer_engine_load_scrapes_total{"),
+        "{scrape}"
+    );
+}

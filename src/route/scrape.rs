@@ -97,8 +97,10 @@ impl Scraper {
     pub fn reload(&self, config: &Config) {
         let round = Arc::new(Round::of(config));
         let scraped: Vec<&str> = round.targets.iter().map(|t| t.engine.as_str()).collect();
-        self.selector.retain_engine_loads(&scraped);
+        // Swapped first: a scrape recorded before the swap is forgotten below, one ending
+        // after it finds its engine gone (`scrape`).
         let before = std::mem::replace(&mut *self.round.write(), Arc::clone(&round));
+        self.selector.retain_engine_loads(&scraped);
         for target in &before.targets {
             let kept = scraped.contains(&target.engine.as_str());
             self.metrics.engine_load_scrapes_kept(&target.engine, kept);
@@ -148,9 +150,15 @@ impl Scraper {
                 ScrapeOutcome::failed
             }
         };
-        self.metrics.engine_load_scraped(&target.engine, counted);
         let outcome = outcome.map_err(|why| format!("GET {}: {why}", target.url.base));
-        self.selector.record_engine_load(&target.engine, outcome);
+        // Held while recording: a reload's swap waits, so that no scrape of an engine it
+        // dropped is recorded after it.
+        let round = self.round.read();
+        let current = |t: &Target| t.engine == target.engine && t.url == target.url;
+        if round.targets.iter().any(current) {
+            self.metrics.engine_load_scraped(&target.engine, counted);
+            self.selector.record_engine_load(&target.engine, outcome);
+        }
     }
 
     /// `ranks` with a series without a rank label given to the engine's only running rank.
