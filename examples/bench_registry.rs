@@ -42,6 +42,7 @@ fn config(engines: u32) -> Config {
             instance_id: u64::from(i),
             tokenizer: None,
             openai_url: None,
+            metrics_url: None,
             api_key_file: None,
             reports_reused: false,
         })

@@ -57,7 +57,9 @@ fn main() -> Result<()> {
             openai_url: Some(format!("http://{engine}")),
             ..EngineToml::new("big", free_port()?)
         }],
-    ) + &route_table(&route.to_string(), &[("health_interval_s", "0")]);
+    ) + &route_table(&route.to_string(), &[("health_interval_s", "0")])
+        // The engine answers every request with a large answer: no load scrapes.
+        + "\n[select]\nload_interval_ms = 0\n";
     let indexer = IndexerProcess::launch(&binary, &toml).start(Duration::from_secs(30))?;
     let before = indexer.holdings()?;
     println!(

@@ -272,6 +272,7 @@ mod tests {
             instance_id: crate::config::derived_instance_id(name),
             tokenizer: None,
             openai_url: None,
+            metrics_url: None,
             api_key_file: None,
             reports_reused: false,
         }

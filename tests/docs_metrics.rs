@@ -42,6 +42,7 @@ fn rendered_families() -> BTreeSet<String> {
     metrics.http_error(404);
     metrics.endpoint_refused(EndpointSource::discovery, EndpointRefusal::Duplicate);
     metrics.engine("engine");
+    metrics.engine_load_scrapes_kept("engine", true);
     let text = metrics.render();
     text.lines()
         .filter_map(|line| match LineInfo::parse(line) {

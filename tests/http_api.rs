@@ -197,6 +197,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "exact",
         "inexact",
         "route_backoff_ms",
+        "engine_load",
     ]
     .into();
     let instances = workers.as_array().expect("an array");
@@ -238,6 +239,7 @@ fn workers_shows_every_field_with_nulls_and_ready_names_what_is_not_connected() 
         "reason",
         "last_event_ms_ago",
         "route_backoff_ms",
+        "engine_load",
     ] {
         assert_eq!(rank[null], Value::Null, "{null}");
     }

@@ -1405,9 +1405,11 @@ fn an_answer_before_the_whole_body_was_read_reaches_the_client() {
             ..engine
         })
         .collect();
-    // No health checks: every connection the proxy accepts is the routed request's.
+    // No health checks, no load scrapes: every connection the proxy accepts is the routed
+    // request's.
     let toml = indexer_toml(None, 16, 8, &tomls)
-        + &route_table("127.0.0.1:0", &[("health_interval_s", "0")]);
+        + &route_table("127.0.0.1:0", &[("health_interval_s", "0")])
+        + "\n[select]\nload_interval_ms = 0\n";
     let running = start_service_with_select_clock(&toml, Clock::manual());
     let (api, route) = (running.http_addr(), running.route_addr().expect("[route]"));
     wait_for(30, "the rank to be active", || {
@@ -1703,4 +1705,264 @@ fn a_client_that_goes_away_stops_its_tokenizing_at_its_next_step() {
             "{path}: stopped {stopped:?} after the client went; the whole takes {whole:?}"
         );
     }
+}
+
+/// A completion no other shares a block of: `topic` begins it.
+fn cold(topic: &str) -> Value {
+    json!({
+        "model": MODEL,
+        "prompt": format!("{topic} is a word of its own. ").repeat(40),
+        "max_tokens": 3,
+    })
+}
+
+/// `GET /loads`' entry of engine `engine`'s rank 0.
+fn rank_load(routed: &Routed, engine: usize) -> Option<Value> {
+    let loads = get(routed.api, "/loads").json();
+    let name = Fleet::name(engine);
+    loads
+        .as_array()?
+        .iter()
+        .find(|rank| rank["instance"] == name && rank["dp_rank"] == 0)
+        .cloned()
+}
+
+/// Issue 36: load the router never sent is in every choice. Streams held open straight on
+/// sim-0's OpenAI server show in its scraped `/metrics`, and every cold prompt goes to sim-1,
+/// where the rotation alone would alternate them; once the streams end, they take turns again.
+#[test]
+fn an_engine_loaded_from_outside_is_avoided() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(50),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(2, 1, slow, &[]);
+    let engine: SocketAddr = routed
+        .server(0)
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IP:port");
+    let long = json!({ "model": MODEL, "prompt": "outside traffic", "max_tokens": 20_000, "stream": true });
+    let held: Vec<Answer> = (0..6)
+        .map(|_| stream(engine, "/v1/completions", &long))
+        .collect();
+    let loaded = wait_for(20, "sim-0's scrape to show the outside streams", || {
+        let rank = rank_load(&routed, 0)?;
+        (rank["engine_load"]["running"].as_f64()? >= 6.0).then_some(rank)
+    });
+    assert_eq!(loaded["outside_requests"], json!(6.0), "{loaded}");
+    assert_eq!(loaded["reservations"], json!(0), "{loaded}");
+    assert!(loaded["engine_load"]["age_ms"].is_u64(), "{loaded}");
+    let chosen = Connection::open(routed.api).send(
+        "POST",
+        "/select",
+        Some(
+            json!({ "token_ids": (0..64).collect::<Vec<u32>>() })
+                .to_string()
+                .as_bytes(),
+        ),
+    );
+    let candidates = chosen.json()["candidates"].clone();
+    let sim0 = candidates
+        .as_array()
+        .and_then(|all| {
+            all.iter()
+                .find(|c| c["instance"] == Fleet::name(0))
+                .cloned()
+        })
+        .unwrap_or_else(|| panic!("sim-0 among {candidates}"));
+    assert_eq!(sim0["outside_requests"], json!(6.0), "{sim0}");
+    assert_eq!(sim0["engine_load"]["running"], json!(6.0), "{sim0}");
+    for topic in ["alpha", "bravo", "charlie", "delta"] {
+        let reply = routed.send("/v1/completions", &cold(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(
+            reply.header("x-kv-indexer-rank"),
+            Some(rank_name(1, 0).as_str())
+        );
+    }
+    drop(held);
+    wait_for(20, "sim-0's scrape to show its streams gone", || {
+        let rank = rank_load(&routed, 0)?;
+        (rank["outside_requests"].as_f64()? == 0.0).then_some(())
+    });
+    let ranks: std::collections::BTreeSet<String> = ["echo", "foxtrot"]
+        .into_iter()
+        .map(|topic| {
+            let reply = routed.send("/v1/completions", &cold(topic));
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            reply
+                .header("x-kv-indexer-rank")
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(ranks.len(), 2, "cold prompts take turns again: {ranks:?}");
+}
+
+/// Issue 36: a scrape that fails (sim-0's `/metrics` answers 500, sim-1's `metrics_url` points
+/// nowhere) leaves routing on reservations alone: requests are answered, each failure is
+/// counted per engine, and `/workers` and `/loads` say why; the next good scrape is weighed.
+#[test]
+fn a_failing_scrape_is_survived_counted_and_shown() {
+    let routed = routed_with(
+        2,
+        1,
+        OpenAiConfig::default(),
+        &[],
+        &|i, engine| match i {
+            1 => EngineToml {
+                metrics_url: Some("http://127.0.0.1:1/metrics".into()),
+                ..engine
+            },
+            _ => engine,
+        },
+        "/ready",
+    );
+    routed.server(0).fail_metrics(Some(500));
+    let scrapes = |engine: usize, outcome: &str| {
+        let series = format!(
+            "kv_indexer_engine_load_scrapes_total{{instance=\"{}\",outcome=\"{outcome}\"}}",
+            Fleet::name(engine)
+        );
+        routed.metric(&series)
+    };
+    wait_for(20, "both engines' scrapes to fail twice", || {
+        (scrapes(0, "failed") >= 2.0 && scrapes(1, "failed") >= 2.0).then_some(())
+    });
+    let workers = get(routed.api, "/workers").json();
+    for (engine, cause) in [(0, "answered 500"), (1, "connect")] {
+        let instance = workers
+            .as_array()
+            .and_then(|all| {
+                all.iter()
+                    .find(|i| i["instance"] == Fleet::name(engine))
+                    .cloned()
+            })
+            .unwrap_or_else(|| panic!("{} on {workers}", Fleet::name(engine)));
+        let shown = instance["listeners"][0]["engine_load"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            shown.starts_with("stale: GET http://127.0.0.1:") && shown.contains(cause),
+            "{shown}"
+        );
+        let load = rank_load(&routed, engine).expect("a load");
+        assert_eq!(load["engine_load"], json!(shown), "{load}");
+        assert_eq!(load["outside_requests"], json!(0.0), "{load}");
+    }
+    for topic in ["golf", "hotel", "india", "juliett"] {
+        let reply = routed.send("/v1/completions", &cold(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    routed.all_released("answers routed by reservations alone");
+    routed.server(0).fail_metrics(None);
+    wait_for(20, "sim-0's next good scrape to be weighed", || {
+        let rank = rank_load(&routed, 0)?;
+        rank["engine_load"]["age_ms"].as_u64().map(drop)
+    });
+    assert!(scrapes(0, "ok") >= 1.0);
+    assert_eq!(scrapes(1, "ok"), 0.0);
+}
+
+/// A `/metrics` server that takes connections and never answers (`huge`: answers 200 with a
+/// 5 MiB body instead), for as long as the test runs.
+fn raw_metrics(huge: bool) -> SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for connection in listener.incoming() {
+            let Ok(mut connection) = connection else {
+                return;
+            };
+            if huge {
+                let mut head = [0u8; 4096];
+                let _ = connection.read(&mut head);
+                let line = b"vllm:num_requests_running{engine=\"0\"} 1\n".repeat(128);
+                let _ = connection.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5242880\r\n\r\n");
+                for _ in 0..(5 << 20) / line.len() + 1 {
+                    if connection.write_all(&line).is_err() {
+                        break;
+                    }
+                }
+            }
+            held.push(connection);
+        }
+    });
+    addr
+}
+
+/// Issue 36: a scrape is bounded in time and size. sim-0's `metrics_url` never answers and
+/// sim-1's answers 5 MiB: each scrape fails within its bound and says why, and routing goes on.
+#[test]
+fn a_slow_or_huge_metrics_answer_fails_its_scrape_within_bounds() {
+    let slow = raw_metrics(false);
+    let huge = raw_metrics(true);
+    let routed = routed_with(
+        2,
+        1,
+        OpenAiConfig::default(),
+        &[],
+        &|i, engine| EngineToml {
+            metrics_url: Some(format!("http://{}/metrics", [slow, huge][i])),
+            ..engine
+        },
+        "/ready",
+    );
+    let failed = |engine: usize| {
+        routed.metric(&format!(
+            "kv_indexer_engine_load_scrapes_total{{instance=\"{}\",outcome=\"failed\"}}",
+            Fleet::name(engine)
+        ))
+    };
+    wait_for(20, "both scrapes to fail", || {
+        (failed(0) >= 1.0 && failed(1) >= 1.0).then_some(())
+    });
+    for (engine, cause) in [
+        (0, "no whole answer within 500 ms"),
+        (1, "larger than 4194304 bytes"),
+    ] {
+        let load = rank_load(&routed, engine).expect("a load");
+        let shown = load["engine_load"].as_str().unwrap_or_default();
+        assert!(
+            shown.starts_with("stale: GET http://127.0.0.1:") && shown.contains(cause),
+            "{load}"
+        );
+    }
+    for topic in ["kilo", "lima"] {
+        let reply = routed.send("/v1/completions", &cold(topic));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+}
+
+/// `metrics_url` and `load_interval_ms` follow the file: a reload that turns sim-0's scrape off
+/// shows its rank unscraped (`engine_load` null) and drops its scrape series.
+#[test]
+fn a_reload_turns_an_engines_scrape_off() {
+    let routed = routed(1, 1, OpenAiConfig::default(), &[]);
+    let series = format!(
+        "kv_indexer_engine_load_scrapes_total{{instance=\"{}\",outcome=\"ok\"}}",
+        Fleet::name(0)
+    );
+    wait_for(20, "sim-0's load to be scraped", || {
+        rank_load(&routed, 0)?["engine_load"]["age_ms"].as_u64()
+    });
+    assert!(routed.metric(&series) >= 1.0);
+    let file = std::fs::read_to_string(routed.running.config_path()).expect("the file");
+    let off = file.replacen("[[engine]]\n", "[[engine]]\nmetrics_url = \"\"\n", 1);
+    assert_ne!(off, file);
+    std::fs::write(routed.running.config_path(), off).expect("rewrite the file");
+    let reload = Connection::open(routed.api).send("POST", "/reload", None);
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let load = rank_load(&routed, 0).expect("a load");
+    assert_eq!(load["engine_load"], Value::Null, "{load}");
+    let scrape = get(routed.api, "/metrics").text();
+    assert!(
+        !scrape.contains("kv_indexer_engine_load_scrapes_total{"),
+        "{scrape}"
+    );
 }

@@ -16,7 +16,7 @@ use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
 use kv_indexer_sim::server::{SimConfig, SimEngine};
 use kv_indexer_sim::tokenizer_dir;
 use serde_json::{json, Value};
-use support::http_client::{get, wait_for};
+use support::http_client::{get, series_value, wait_for};
 use support::sse_client::{post, send_timed, Answer};
 
 const MODEL: &str = "sim-chatml";
@@ -535,4 +535,63 @@ fn a_closed_listener_refuses_connections_and_reopens_on_its_port() {
         (server.open_streams() == 0).then_some(())
     });
     assert_eq!(server.disconnects(), 0);
+}
+
+/// Gauge `name` of rank `rank` on `GET /metrics`, as vLLM labels it (`prometheus-parse`
+/// reads no name with a `:`).
+fn gauge(addr: SocketAddr, name: &str, rank: u32) -> f64 {
+    let reply = get(addr, "/metrics");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let series = format!("{name}{{engine=\"{rank}\",model_name=\"{MODEL}\"}}");
+    series_value(&reply.text(), &series)
+        .unwrap_or_else(|| panic!("no {series} in {}", reply.text()))
+}
+
+/// vLLM's load gauges, one series per rank: a stream open on rank 1 is running there until
+/// its client leaves; the cache a served prompt filled shows as rank 0's usage; a failing
+/// `/metrics` answers the status set.
+#[test]
+fn metrics_report_each_ranks_running_requests_and_cache_usage_as_vllm_does() {
+    let engine = engine(
+        2,
+        OpenAiConfig {
+            inter_token: Duration::from_millis(20),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let running = |rank| gauge(addr, "vllm:num_requests_running", rank);
+    assert_eq!((running(0), running(1)), (0.0, 0.0));
+    let served = post_to(
+        addr,
+        "/v1/completions",
+        &on_rank(0),
+        &completion(json!(token_prompt(1, 64)), json!({})),
+    );
+    drop(served);
+    wait_for(10, "rank 0's answer to end", || {
+        (server.open_streams() == 0).then_some(())
+    });
+    let long = completion(
+        json!(token_prompt(9_000, 20)),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    let mut answer = post_to(addr, "/v1/completions", &on_rank(1), &long);
+    answer.next_event().expect("read").expect("an event");
+    assert_eq!((running(0), running(1)), (0.0, 1.0));
+    assert_eq!(gauge(addr, "vllm:num_requests_waiting", 1), 0.0);
+    let usage = gauge(addr, "vllm:kv_cache_usage_perc", 0);
+    let held = engine.cached_blocks(0).expect("rank 0") as f64;
+    assert!(
+        held > 0.0 && usage == held / SimConfig::default().capacity_blocks as f64,
+        "{usage}"
+    );
+    drop(answer);
+    wait_for(10, "rank 1's stream to end", || {
+        (running(1) == 0.0).then_some(())
+    });
+    server.fail_metrics(Some(500));
+    assert_eq!(get(addr, "/metrics").status, 500);
+    server.fail_metrics(None);
+    assert_eq!(get(addr, "/metrics").status, 200);
 }

@@ -28,6 +28,8 @@ pub struct EngineToml {
     pub openai_url: Option<String>,
     /// The file holding the key its OpenAI server wants (vLLM's `--api-key`).
     pub api_key_file: Option<String>,
+    /// Where its load is scraped (absent: the OpenAI server's `/metrics`; `""`: nowhere).
+    pub metrics_url: Option<String>,
 }
 
 impl EngineToml {
@@ -87,6 +89,9 @@ impl fmt::Display for EngineToml {
         }
         if let Some(path) = &self.api_key_file {
             writeln!(f, "api_key_file = '{path}'")?;
+        }
+        if let Some(url) = &self.metrics_url {
+            writeln!(f, "metrics_url = \"{url}\"")?;
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! The simulated engine's OpenAI-compatible server, as vLLM 0.33's: `POST /v1/completions` and
-//! `POST /v1/chat/completions` (whole, or streamed as server-sent events), `GET /v1/models` and
-//! `GET /health`, answered from the ranks' real prefix caches. A request goes to the rank its
+//! `POST /v1/chat/completions` (whole, or streamed as server-sent events), `GET /v1/models`,
+//! `GET /health` and `GET /metrics` (vLLM's load gauges per rank, `metrics`), answered from the ranks' real prefix caches. A request goes to the rank its
 //! `X-data-parallel-rank` header names (round-robin without one), is tokenized as kv-indexer
 //! tokenizes (`kv_indexer::tokenize`), waits a prefill time proportional to its uncached tokens,
 //! then stores its blocks on that rank (which publishes their KV events) and streams its output
@@ -17,6 +17,7 @@
 
 mod answer;
 mod body;
+mod metrics;
 mod routes;
 
 use std::collections::VecDeque;
@@ -134,6 +135,8 @@ struct Inner {
     next_rank: AtomicU32,
     next_id: AtomicU64,
     last_request: Mutex<Option<SeenRequest>>,
+    /// When set, `GET /metrics` answers this status (a failing scrape).
+    metrics_status: AtomicU32,
 }
 
 /// The server's runtime, shut down without waiting when dropped: the engine may be dropped
@@ -165,6 +168,8 @@ struct Listening {
 pub(crate) struct Figures {
     received: AtomicU64,
     served: Mutex<Vec<u64>>,
+    /// Requests in flight per rank: `/metrics`' `vllm:num_requests_running`.
+    running: Mutex<Vec<u64>>,
     open_streams: AtomicUsize,
     disconnects: AtomicU64,
 }
@@ -214,6 +219,7 @@ pub(crate) fn start(
         next_rank: AtomicU32::new(0),
         next_id: AtomicU64::new(0),
         last_request: Mutex::new(None),
+        metrics_status: AtomicU32::new(0),
     });
     inner.accept_on(listener);
     Ok(OpenAiServer { inner })
@@ -241,6 +247,17 @@ impl OpenAiServer {
             .faults
             .lock()
             .extend(std::iter::repeat_n(fault, requests));
+    }
+
+    /// Makes `GET /metrics` answer `status` with no figures (`None`: the figures again).
+    pub fn fail_metrics(&self, status: Option<u16>) {
+        let status = status.map_or(0, u32::from);
+        self.inner.metrics_status.store(status, Ordering::Relaxed);
+    }
+
+    /// Requests in flight on each rank now, as `/metrics` reports them (indexed by rank).
+    pub fn running_per_rank(&self) -> Vec<u64> {
+        self.inner.figures.running.lock().clone()
     }
 
     /// Drops the faults not applied yet.

@@ -347,6 +347,12 @@ impl Shared {
         self.ranks.lock().len() as u32
     }
 
+    /// The share of `rank`'s GPU cache (`capacity_blocks`) its blocks take, 0 to 1.
+    pub(super) fn cache_usage(&self, rank: u32) -> Result<f64> {
+        let held = self.rank(rank)?.state.lock().cache.len();
+        Ok((held as f64 / self.config.capacity_blocks.max(1) as f64).min(1.0))
+    }
+
     pub(super) fn block_size(&self) -> u32 {
         self.config.block_size
     }

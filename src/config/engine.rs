@@ -44,6 +44,7 @@ struct RawEngine {
     instance_id: Option<Spanned<Int>>,
     tokenizer: Option<Spanned<String>>,
     openai_url: Option<Spanned<String>>,
+    metrics_url: Option<Spanned<String>>,
     api_key_file: Option<Spanned<String>>,
     kv_cache_report_mode: Option<Spanned<String>>,
 }
@@ -65,6 +66,8 @@ pub(super) struct EngineFields {
     pub(super) instance_id: Checked<u64>,
     pub(super) tokenizer: Checked<String>,
     pub(super) openai_url: Checked<String>,
+    /// Where the engine's Prometheus gauges are scraped; `""` turns the scrape off.
+    pub(super) metrics_url: Checked<String>,
     pub(super) api_key_file: Checked<String>,
     /// `kv_cache_report_mode = "full"`: the engine announces the blocks it reuses again.
     pub(super) reports_reused: Checked<bool>,
@@ -142,6 +145,12 @@ impl EngineFields {
                     .err()
                     .map(|why| format!("is invalid: {why}"))
             }),
+            metrics_url: checker.text("metrics_url", raw.metrics_url, |url| match url {
+                "" => None,
+                url => BaseUrl::parse(url)
+                    .err()
+                    .map(|why| format!("is invalid: {why} (\"\" turns the scrape off)")),
+            }),
             api_key_file: checker.text("api_key_file", raw.api_key_file, |path| {
                 path.trim().is_empty().then(|| "is empty".to_string())
             }),
@@ -186,6 +195,8 @@ impl EngineFields {
             tokenizer: self.tokenizer.or(&defaults.tokenizer),
             // Each engine's own server: a default would send every engine's requests to one.
             openai_url: self.openai_url.clone(),
+            // A default may only turn every scrape off (`check_defaults`): a URL is one server's.
+            metrics_url: self.metrics_url.or(&defaults.metrics_url),
             api_key_file: self.api_key_file.or(&defaults.api_key_file),
             reports_reused: self.reports_reused.or(&defaults.reports_reused),
         }
@@ -219,6 +230,15 @@ pub(super) fn check_defaults(
             let why = format!("`{key}` is not allowed here: each [[engine]] sets its own");
             problems.add(Some(span), section, why);
         }
+    }
+    if let Some(url) = raw
+        .metrics_url
+        .as_ref()
+        .filter(|url| !url.get_ref().is_empty())
+    {
+        let why = "`metrics_url` may only be \"\" here (no engine's load is scraped): each \
+                   [[engine]] sets its own URL";
+        problems.add(Some(url.span()), section, why.to_string());
     }
     let mut fields = EngineFields::check(raw, &dropped, section, problems);
     fields.name = Checked::Absent;
@@ -428,6 +448,9 @@ fn placed(host: &Host, at: &EngineAt, range: PortRange) -> Placed {
     }
 }
 
+/// Where vLLM's and SGLang's OpenAI servers serve their Prometheus gauges.
+const METRICS_PATH: &str = "/metrics";
+
 /// An `openai_url` as the server's base: one written as the API's base (`http://h:8000/v1`, what
 /// an OpenAI client is given) loses its `/v1`, which every routed path begins with.
 fn openai_base(url: &str) -> &str {
@@ -452,6 +475,12 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         (None, Ranks::Discovered(discover)) => Some(discover.api.url.clone()),
         (None, Ranks::Fixed(_)) => None,
     };
+    let metrics_url = match (fields.metrics_url.optional()?, &openai_url) {
+        (Some(url), _) if url.is_empty() => None,
+        (Some(url), _) => BaseUrl::parse(&url).ok(),
+        (None, Some(openai)) => BaseUrl::parse(&openai.join(METRICS_PATH)).ok(),
+        (None, None) => None,
+    };
     let name: String = fields.name.optional()??;
     let instance_id = fields
         .instance_id
@@ -467,6 +496,7 @@ fn engine_config(fields: EngineFields, ranks: RankRange) -> Option<EngineConfig>
         topic: fields.topic.or_default_to(String::new())?,
         tokenizer: fields.tokenizer.optional()?,
         openai_url,
+        metrics_url,
         api_key_file: fields.api_key_file.optional()?,
         reports_reused: fields.reports_reused.or_default_to(false)?,
     })

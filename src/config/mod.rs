@@ -124,6 +124,10 @@ pub struct EngineConfig {
     /// The engine's OpenAI-compatible server, where the front end (`[route]`) sends requests:
     /// `openai_url` as written, else the `discover` URL.
     pub openai_url: Option<BaseUrl>,
+    /// Where the engine's load is scraped (Prometheus text: running and waiting requests, KV
+    /// usage, per rank): `metrics_url` as written, else `openai_url` + `/metrics`; `None` when
+    /// written `""` or when the engine has no server (docs.md "Engine load").
+    pub metrics_url: Option<BaseUrl>,
     /// The file holding the key the engine's server was started with (vLLM's `--api-key`),
     /// sent as `Authorization: Bearer` with every routed request; re-read on SIGHUP.
     pub api_key_file: Option<String>,
@@ -552,6 +556,7 @@ mod tests {
                     instance_id: derived_instance_id("local"),
                     tokenizer: None,
                     openai_url: None,
+                    metrics_url: None,
                     api_key_file: None,
                     reports_reused: false,
                 }],

@@ -12,6 +12,9 @@ use super::diagnostics::Problems;
 use super::keys::{as_table, read_table, Int};
 
 const SECTION: &str = "[select]";
+/// The longest interval between two scrapes of an engine's load: an hour (a figure older than
+/// a few intervals is stale anyway).
+pub const MAX_LOAD_INTERVAL_MS: u64 = 3_600_000;
 /// The longest a time-to-live may be: a week (a reservation outliving it is a leak, not a
 /// request).
 pub const MAX_TTL_S: f64 = 7.0 * 86_400.0;
@@ -38,6 +41,11 @@ pub struct Select {
     /// How many of the lowest-cost candidates an answer lists (every rank is considered);
     /// 0 lists them all.
     pub max_candidates: usize,
+    /// Cost of one request an engine reports running or waiting beyond this router's own
+    /// reservations (another router's, or sent to the engine directly), in blocks to prefill.
+    pub engine_request_weight: f64,
+    /// Between two scrapes of each engine's load (`metrics_url`); 0: no scrapes.
+    pub load_interval_ms: u64,
 }
 
 impl Default for Select {
@@ -52,6 +60,8 @@ impl Default for Select {
             temperature: 0.0,
             seed: None,
             max_candidates: 16,
+            engine_request_weight: 10.0,
+            load_interval_ms: 500,
         }
     }
 }
@@ -93,6 +103,8 @@ struct RawSelect {
     temperature: Option<Spanned<Number>>,
     seed: Option<Spanned<Int>>,
     max_candidates: Option<Spanned<Int>>,
+    engine_request_weight: Option<Spanned<Number>>,
+    load_interval_ms: Option<Spanned<Int>>,
 }
 
 /// Reads `[select]`; `None` when a key is wrong (each reported).
@@ -166,6 +178,13 @@ pub(super) fn check_select(
         ttl,
     );
     number(
+        "engine_request_weight",
+        raw.engine_request_weight,
+        &mut select.engine_request_weight,
+        weight_range,
+        weight,
+    );
+    number(
         "temperature",
         raw.temperature,
         &mut select.temperature,
@@ -195,6 +214,19 @@ pub(super) fn check_select(
             }
         }
     }
+    if let Some(interval) = raw.load_interval_ms {
+        match u64::try_from(interval.get_ref().0) {
+            Ok(read) if read <= MAX_LOAD_INTERVAL_MS => select.load_interval_ms = read,
+            _ => {
+                let why = format!(
+                    "`load_interval_ms` must be 0 (no scrapes) ..= {MAX_LOAD_INTERVAL_MS}, found {}",
+                    interval.get_ref().0
+                );
+                problems.add(Some(interval.span()), SECTION, why);
+                ok = false;
+            }
+        }
+    }
     ok.then_some(select)
 }
 
@@ -218,6 +250,14 @@ mod tests {
         assert_eq!(set.select.temperature, 0.1);
         assert_eq!(set.select.seed, Some(7));
         assert_eq!(set.select.cpu_weight, 0.75);
+        assert_eq!(set.select.load_interval_ms, 500);
+        let scraped = Config::parse(
+            "[select]\nload_interval_ms = 0\nengine_request_weight = 2.5\n",
+            "f",
+        )
+        .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(scraped.select.load_interval_ms, 0);
+        assert_eq!(scraped.select.engine_request_weight, 2.5);
     }
 
     #[test]
@@ -236,6 +276,9 @@ mod tests {
         find(&found, &["unknown key", "speed"]);
         find(&found, &["reservation_ttl_s", "1000000000"]);
         find(&found, &["seed", ">= 0"]);
+        let found = problems("[select]\nload_interval_ms = -1\nengine_request_weight = -2\n");
+        find(&found, &["load_interval_ms", "0 (no scrapes)", "-1"]);
+        find(&found, &["engine_request_weight", "finite number >= 0"]);
         problems("select = 3\n");
     }
 }

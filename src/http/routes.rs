@@ -22,6 +22,7 @@ use crate::endpoint::Endpoint;
 use crate::index::{GroupView, Inexact, PerTier};
 use crate::listener::State;
 use crate::registry::{ListenerView, ReloadDiff};
+use crate::select::EngineLoad;
 use crate::wire::SpecKind;
 
 /// Every path of the API, once (docs.md "HTTP API").
@@ -257,6 +258,8 @@ struct ListenerJson<'a> {
     inexact: Option<&'static str>,
     /// While the route front end leaves the rank out after a failure: how much longer.
     route_backoff_ms: Option<u64>,
+    /// The engine's own figures for the rank (docs.md "Engine load").
+    engine_load: Value,
 }
 
 #[derive(Serialize)]
@@ -287,7 +290,11 @@ impl From<&GroupView> for GroupJson {
 }
 
 impl<'a> ListenerJson<'a> {
-    fn new(view: &'a ListenerView, backoff: Option<Duration>) -> ListenerJson<'a> {
+    fn new(
+        view: &'a ListenerView,
+        backoff: Option<Duration>,
+        engine_load: &EngineLoad,
+    ) -> ListenerJson<'a> {
         let spec = &view.spec;
         // A rank whose engine failed to start has no listener yet: shown as stopped.
         let status = view.status.as_ref();
@@ -319,6 +326,7 @@ impl<'a> ListenerJson<'a> {
                 .map_or_else(Vec::new, |s| s.groups.iter().map(GroupJson::from).collect()),
             route_backoff_ms: backoff
                 .map(|left| u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
+            engine_load: select_route::engine_load_json(engine_load),
             exact: status.is_none_or(|s| s.inexact.is_none()),
             inexact: status.and_then(|s| s.inexact.map(Inexact::name)),
         }
@@ -331,7 +339,9 @@ fn workers(api: &Api) -> Reply {
     let mut instances: Vec<InstanceJson> = Vec::new();
     // Views come sorted by (engine, dp_rank): one run per engine.
     for view in &views {
-        let listener = ListenerJson::new(view, api.selector.backoff_left(&view.spec.key));
+        let key = &view.spec.key;
+        let engine_load = api.selector.engine_load(key);
+        let listener = ListenerJson::new(view, api.selector.backoff_left(key), &engine_load);
         match instances.last_mut() {
             Some(last) if last.instance == view.spec.key.engine => last.listeners.push(listener),
             _ => instances.push(InstanceJson {

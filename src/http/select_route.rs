@@ -7,13 +7,13 @@
 //! every status they answer. Never: decides anything itself (`select` does) or reads a socket.
 
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::auth::{is_authorized, unauthorized};
 use super::select_body::{parse_prefill_complete, parse_select_request};
 use super::text_prompt::tokenize_prompt;
 use super::{Api, Reply, Request};
-use crate::select::{Ranked, UnknownReservation};
+use crate::select::{EngineLoad, Ranked, UnknownReservation};
 
 #[derive(Serialize)]
 struct SelectAnswer<'a> {
@@ -39,6 +39,8 @@ struct CandidateJson<'a> {
     active_prefill_blocks: f64,
     active_decode_blocks: u64,
     reservations: u64,
+    outside_requests: f64,
+    engine_load: Value,
     cost: f64,
 }
 
@@ -56,6 +58,8 @@ impl<'a> CandidateJson<'a> {
             active_prefill_blocks: load.active_prefill_blocks,
             active_decode_blocks: load.active_decode_blocks,
             reservations: load.reservations,
+            outside_requests: load.outside_requests,
+            engine_load: engine_load_json(&ranked.engine_load),
             cost: costed.cost,
         }
     }
@@ -151,7 +155,9 @@ struct LoadJson<'a> {
     reservations: u64,
     active_prefill_blocks: f64,
     active_decode_blocks: u64,
+    outside_requests: f64,
     predicted_prefixes: u32,
+    engine_load: Value,
 }
 
 /// `GET /loads`: every running rank with what its reservations and predictions put on it.
@@ -165,8 +171,30 @@ pub(super) fn loads(api: &Api) -> Reply {
             reservations: rank.load.reservations,
             active_prefill_blocks: rank.load.active_prefill_blocks,
             active_decode_blocks: rank.load.active_decode_blocks,
+            outside_requests: rank.load.outside_requests,
             predicted_prefixes: rank.predicted_prefixes,
+            engine_load: engine_load_json(&rank.engine_load),
         })
         .collect();
     Reply::json(200, &answer)
+}
+
+/// A rank's engine load as every answer shows it: its figures and age when weighed,
+/// `"stale: <why>"` when not (reservations alone), `null` when not scraped.
+pub(super) fn engine_load_json(load: &EngineLoad) -> Value {
+    match load {
+        EngineLoad::Unscraped => Value::Null,
+        EngineLoad::Fresh {
+            age,
+            figures,
+            outside_requests,
+        } => json!({
+            "age_ms": u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+            "running": figures.running,
+            "waiting": figures.waiting,
+            "kv_usage": figures.kv_usage,
+            "outside_requests": outside_requests,
+        }),
+        EngineLoad::Stale(why) => Value::String(format!("stale: {why}")),
+    }
 }

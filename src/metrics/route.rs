@@ -1,7 +1,7 @@
 //! The route front end's series (docs.md "Routing"): requests by outcome, retries, time to the
 //! engine's first byte, open streams, and per rank the ranks in back-off and the live KV ladder:
 //! the cached tokens the selection predicted against those the engine reported, and the share
-//! of prompt tokens the engine found cached.
+//! of prompt tokens the engine found cached; per engine, the scrapes of its load by outcome.
 //!
 //! Owns: their names and the closed set of outcomes. Never: imports anything from the crate
 //! but its labels, or decides an outcome (the front end reports it).
@@ -76,6 +76,23 @@ impl LoadOnly {
     ];
 }
 
+/// How a scrape of an engine's load ended.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum ScrapeOutcome {
+    /// Its figures were read and are weighed.
+    ok,
+    /// No figures (unreachable, timed out, not 200, too large, no load gauges): its ranks are
+    /// weighed by reservations alone.
+    failed,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScrapeLabels {
+    instance: String,
+    outcome: ScrapeOutcome,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: RouteOutcome,
@@ -104,6 +121,7 @@ pub(super) struct RouteFamilies {
     reported_cached: Family<RankLabels, Counter>,
     prompt_tokens: Family<RankLabels, Counter>,
     hit_ratio: Family<RankLabels, RatioGauge>,
+    scrapes: Family<ScrapeLabels, Counter>,
 }
 
 impl Default for RouteFamilies {
@@ -121,6 +139,7 @@ impl Default for RouteFamilies {
             reported_cached: Family::default(),
             prompt_tokens: Family::default(),
             hit_ratio: Family::default(),
+            scrapes: Family::default(),
         };
         // Every outcome from the start, so that the first failure is an increase.
         for outcome in RouteOutcome::ALL {
@@ -195,6 +214,12 @@ impl RouteFamilies {
             "route_cache_hit_ratio",
             "Reported cached tokens over prompt tokens on the rank, since start",
             self.hit_ratio.clone(),
+        );
+        r.register(
+            "engine_load_scrapes",
+            "Scrapes of an engine's load (metrics_url) by outcome; a failed one leaves its ranks \
+             weighed by reservations alone",
+            self.scrapes.clone(),
         );
     }
 
@@ -284,6 +309,13 @@ impl RouteFamilies {
     }
 }
 
+fn scrape_labels(instance: &str, outcome: ScrapeOutcome) -> ScrapeLabels {
+    ScrapeLabels {
+        instance: instance.to_owned(),
+        outcome,
+    }
+}
+
 fn rank_labels(instance: &str, dp_rank: u32) -> RankLabels {
     RankLabels {
         instance: instance.to_owned(),
@@ -328,6 +360,26 @@ impl super::Metrics {
     pub fn route_rank_excluded(&self, instance: &str, dp_rank: u32, excluded: bool) {
         self.route
             .rank_excluded(&rank_labels(instance, dp_rank), excluded);
+    }
+
+    /// A scrape of engine `instance`'s load ended.
+    pub fn engine_load_scraped(&self, instance: &str, outcome: ScrapeOutcome) {
+        self.route
+            .scrapes
+            .get_or_create(&scrape_labels(instance, outcome))
+            .inc();
+    }
+
+    /// Engine `instance`'s scrape series, at 0, so that its first failure is an increase;
+    /// `false` removes them (the engine is no longer scraped).
+    pub fn engine_load_scrapes_kept(&self, instance: &str, kept: bool) {
+        for outcome in [ScrapeOutcome::ok, ScrapeOutcome::failed] {
+            let labels = scrape_labels(instance, outcome);
+            match kept {
+                true => drop(self.route.scrapes.get_or_create(&labels)),
+                false => drop(self.route.scrapes.remove(&labels)),
+            }
+        }
     }
 
     /// The engine reported `reported` of the answer's `prompt` tokens cached, where the

@@ -22,6 +22,7 @@
 mod engine_http;
 mod passing;
 mod request;
+mod scrape;
 mod servers;
 mod tokenizing;
 mod upstream;
@@ -56,6 +57,8 @@ use passing::{NoFirstBytes, Passing, ReportingEngines, Shape, Ticket};
 use request::{with_usage, Kind, OpenAiRequest};
 use servers::{Change, Servers};
 use upstream::{Failure, Fleet, Sent, Server, Settings, Upstream};
+
+pub use scrape::Scraper;
 
 /// Servers a request is sent to at most: the chosen rank's and, if it never reached that one,
 /// the best rank's on another.

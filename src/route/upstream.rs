@@ -2,11 +2,12 @@
 //! go to (`Fleet`, with each engine's key), and sending one request there (`Upstream`): the
 //! client's headers but the hop-by-hop, proxy and `Authorization` ones, `Host` rewritten, the
 //! engine's own key and `X-data-parallel-rank` set, under the connect and first-byte timeouts,
-//! through `engine_http`'s pooled connections; and a server's `GET /health`.
+//! through `engine_http`'s pooled connections; a server's `GET /health`; and a whole small
+//! answer to a `GET` (`get_body`: an engine's load, bounded in time and size).
 //!
 //! Owns: the headers an engine gets, the timeouts, and what each failure is (sent again or
-//! not, whether it says the server is down, and the status it ends in). Never: chooses a rank, reads a body, follows a redirect, or goes
-//! through a proxy.
+//! not, whether it says the server is down, and the status it ends in). Never: chooses a rank,
+//! reads a routed answer's body, follows a redirect, or goes through a proxy.
 
 use std::fmt;
 use std::sync::Arc;
@@ -281,6 +282,44 @@ impl Upstream {
             // The body is dropped unread: its connection closes rather than go back to the pool.
             Ok(Ok((parts, _body))) => Ok(parts.status),
         }
+    }
+}
+
+/// `GET url` (its path included) within `timeout`, connecting and reading the whole answer,
+/// through `connections`: its body when the status is 200 and the body at most `cap` bytes,
+/// else why not. No key goes with it: `url` may be another server's (`metrics_url`).
+pub(super) async fn get_body(
+    connections: &Arc<Connections>,
+    url: &BaseUrl,
+    timeout: Duration,
+    cap: usize,
+) -> Result<Bytes, String> {
+    use http_body_util::{BodyExt, Limited};
+    let server = Server {
+        url: url.clone(),
+        api_key: None,
+    };
+    let (authority, head) = build(&server, Line::get(""), &HeaderMap::new(), 0, None)?;
+    let no_body = Bytes::new();
+    let fetching = async {
+        let (parts, body) = connections
+            .send(&authority, timeout, &head, &no_body)
+            .await
+            .map_err(|error| error.to_string())?;
+        if parts.status != StatusCode::OK {
+            return Err(format!("answered {}", parts.status));
+        }
+        let collected = Limited::new(body, cap).collect().await.map_err(|err| {
+            match err.downcast_ref::<http_body_util::LengthLimitError>() {
+                Some(_) => format!("the answer is larger than {cap} bytes"),
+                None => format!("the answer broke: {err}"),
+            }
+        })?;
+        Ok(collected.to_bytes())
+    };
+    match tokio::time::timeout(timeout, fetching).await {
+        Err(_) => Err(format!("no whole answer within {} ms", timeout.as_millis())),
+        Ok(fetched) => fetched,
     }
 }
 

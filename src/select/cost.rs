@@ -11,7 +11,8 @@ use rand::Rng;
 use crate::config::Select;
 use crate::index::PerTier;
 
-/// What a rank carries from its unreleased reservations.
+/// What a rank carries: its unreleased reservations, and the requests its engine reported that
+/// are not among them.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Load {
     pub reservations: u64,
@@ -19,6 +20,9 @@ pub struct Load {
     pub active_prefill_blocks: f64,
     /// What it decodes: each reservation's prompt and expected output, in blocks.
     pub active_decode_blocks: u64,
+    /// Requests the engine's last fresh scrape counted running or waiting beyond the
+    /// reservations open then (`engine_load`); 0 without one.
+    pub outside_requests: f64,
 }
 
 /// One rank as the cost sees it.
@@ -65,7 +69,8 @@ pub fn cost(query_blocks: u32, candidate: Candidate, weights: &Select) -> Costed
     let prefill_blocks = (f64::from(query_blocks) - overlap_blocks).max(0.0);
     let load = &candidate.load;
     let cost = weights.prefill_weight * (prefill_blocks + load.active_prefill_blocks)
-        + weights.decode_weight * load.active_decode_blocks as f64;
+        + weights.decode_weight * load.active_decode_blocks as f64
+        + weights.engine_request_weight * load.outside_requests;
     Costed {
         candidate,
         overlap_blocks,
@@ -143,6 +148,7 @@ mod tests {
             reservations: 1,
             active_prefill_blocks: 3.0,
             active_decode_blocks: 12,
+            outside_requests: 0.0,
         };
         let a = cost(10, a, &weights);
         assert_eq!(a.overlap_blocks, 6.0 + 0.75 * 2.0 + 0.25 * 1.0);
@@ -159,6 +165,27 @@ mod tests {
         c.predicted_blocks = 4;
         let c = cost(10, c, &weights);
         assert_eq!((c.overlap_blocks, c.cost), (4.0, 6.0));
+        // Rank d: as b, but its engine runs 2 requests this router did not send.
+        let mut d = candidate(3, 0, 0, 0);
+        d.load.outside_requests = 2.0;
+        assert_eq!(cost(10, d, &weights).cost, 10.0 + 10.0 * 2.0);
+    }
+
+    /// docs.md "Engine load": the worked example's warm rank `a`, its engine running one
+    /// request this router did not send, yields to the idle `b`.
+    #[test]
+    fn a_warm_rank_yields_to_an_idle_one_busy_with_others_work() {
+        let weights = Select::default();
+        let mut a = candidate(0, 4, 5, 6);
+        assert_eq!(cost(8, a.clone(), &weights).cost, 3.0);
+        a.load.outside_requests = 1.0;
+        let mut sorted = [
+            cost(8, a, &weights),
+            cost(8, candidate(1, 0, 0, 0), &weights),
+        ];
+        assert_eq!((sorted[0].cost, sorted[1].cost), (13.0, 8.0));
+        sorted.sort_by(best_first);
+        assert_eq!(sorted[0].candidate.position, 1, "b is chosen");
     }
 
     #[test]

@@ -1,12 +1,14 @@
-//! Selection (docs.md "Selection"): which rank a prompt should go to, from the index and the
-//! load `/select`'s own reservations put on each rank, with the blocks a reservation is about
-//! to store counted as predicted on its rank for a short while.
+//! Selection (docs.md "Selection"): which rank a prompt should go to, from the index, the
+//! load `/select`'s own reservations put on each rank and the requests its engine reports
+//! beyond them, with the blocks a reservation is about to store counted as predicted on its
+//! rank for a short while.
 //!
 //! Beside `http`, which calls it: it reads the index (`Index::query_prompt`, the public query
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
 //! for bookkeeping only (the index is read before it is taken). `cost` is the formula and the
-//! choice, `reservations` the open reservations and each rank's load, `predictions` the
-//! predicted blocks, `clock` the time their time-to-lives are measured on.
+//! choice, `reservations` the open reservations and each rank's load, `engine_load` the
+//! engines' own load as last scraped (`route::Scraper` records it; docs.md "Engine load"),
+//! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on.
 //!
 //! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
 //! service's is `Clock::real()`; a test makes it with `Clock::manual()`, keeps a clone and
@@ -22,6 +24,7 @@
 mod backoff;
 mod clock;
 mod cost;
+mod engine_load;
 mod predictions;
 mod reservations;
 
@@ -47,6 +50,8 @@ use cost::choose;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder/main.rs`).
 pub use cost::{best_first, cost, Candidate, Costed, Load};
+use engine_load::EngineLoads;
+pub use engine_load::{scrape_timeout, EngineLoad, RankFigures};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
 
@@ -85,6 +90,7 @@ pub struct Ranked {
     pub key: WorkerKey,
     pub instance_id: u64,
     pub costed: Costed,
+    pub engine_load: EngineLoad,
 }
 
 /// A `/select`'s answer.
@@ -137,6 +143,7 @@ pub struct RankLoad {
     pub key: WorkerKey,
     pub load: Load,
     pub predicted_prefixes: u32,
+    pub engine_load: EngineLoad,
 }
 
 /// Why a reservation route found nothing.
@@ -157,6 +164,7 @@ struct SelectState {
     reservations: Reservations,
     predictions: Predictions,
     backoffs: Backoffs,
+    engine_loads: EngineLoads,
     /// Selections made: where this one's rotation of the board starts.
     rotation: usize,
 }
@@ -181,6 +189,7 @@ impl Selector {
                 reservations: Reservations::default(),
                 predictions: Predictions::default(),
                 backoffs: Backoffs::default(),
+                engine_loads: EngineLoads::default(),
                 rotation: 0,
             }),
             metrics,
@@ -280,6 +289,10 @@ impl Selector {
         let predicted: HashMap<RankSlot, u32> =
             state.predictions.covered(&keys).into_iter().collect();
         let mut costed: Vec<Costed> = Vec::with_capacity(gathered.len());
+        let engine_loads: Vec<EngineLoad> = gathered
+            .iter()
+            .map(|rank| state.engine_load(rank.key, now))
+            .collect();
         let ranks = gathered.len();
         let first_turn = state.rotation % ranks;
         state.rotation = state.rotation.wrapping_add(1);
@@ -302,7 +315,10 @@ impl Selector {
                 matched_blocks,
                 tiers,
                 predicted_blocks,
-                load: slot.map_or_else(Load::default, |slot| state.reservations.load(slot)),
+                load: Load {
+                    outside_requests: engine_loads[position].outside_requests(),
+                    ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
+                },
             };
             costed.push(cost(query_blocks, candidate, &state.config));
         }
@@ -315,6 +331,7 @@ impl Selector {
                 key: rank.key.clone(),
                 instance_id: rank.instance_id,
                 costed: costed.clone(),
+                engine_load: engine_loads[costed.candidate.position].clone(),
             }
         };
         let cached_blocks = chosen
@@ -409,18 +426,58 @@ impl Selector {
     /// Every running rank on `board` with its load, in the board's order.
     pub fn loads(&self, board: &RankBoard) -> Vec<RankLoad> {
         let mut state = self.state.lock();
-        state.expire(self.clock.now());
+        let now = self.clock.now();
+        state.expire(now);
         board
             .running()
             .map(|rank| {
                 let slot = state.slots.get(&rank.spec.key).copied();
+                let engine_load = state.engine_load(&rank.spec.key, now);
                 RankLoad {
                     key: rank.spec.key.clone(),
-                    load: slot.map_or_else(Load::default, |slot| state.reservations.load(slot)),
+                    load: Load {
+                        outside_requests: engine_load.outside_requests(),
+                        ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
+                    },
                     predicted_prefixes: slot.map_or(0, |slot| state.predictions.held(slot)),
+                    engine_load,
                 }
             })
             .collect()
+    }
+
+    /// Records the end of a scrape of `engine`'s load: its figures per dp rank, or why there
+    /// are none (docs.md "Engine load").
+    pub fn record_engine_load(
+        &self,
+        engine: &str,
+        scrape: Result<Vec<(u32, RankFigures)>, String>,
+    ) {
+        let mut state = self.state.lock();
+        let now = self.clock.now();
+        state.expire(now);
+        let state = &mut *state;
+        let (slots, reservations) = (&state.slots, &state.reservations);
+        let own = |dp_rank: u32| {
+            let key = WorkerKey {
+                engine: engine.to_owned(),
+                dp_rank,
+            };
+            slots
+                .get(&key)
+                .map_or(0, |&slot| reservations.load(slot).reservations)
+        };
+        state.engine_loads.record(engine, now, scrape, own);
+    }
+
+    /// Forgets the scrapes of engines not in `engines` (gone from the file).
+    pub fn retain_engine_loads(&self, engines: &[&str]) {
+        self.state.lock().engine_loads.retain(engines);
+    }
+
+    /// Rank `key`'s engine load now (for `/workers`).
+    pub fn engine_load(&self, key: &WorkerKey) -> EngineLoad {
+        self.state.lock().engine_load(key, self.clock.now())
     }
 
     /// Rank `key` failed a request before its first byte: it is left out of every selection
@@ -477,6 +534,11 @@ impl SelectState {
     fn expire(&mut self, now: Instant) {
         self.reservations.expire(now);
         self.predictions.expire(now);
+    }
+
+    fn engine_load(&self, key: &WorkerKey, now: Instant) -> EngineLoad {
+        let interval = Duration::from_millis(self.config.load_interval_ms);
+        self.engine_loads.view(key, now, interval)
     }
 
     fn slot(&mut self, key: &WorkerKey) -> RankSlot {

@@ -1,7 +1,8 @@
 //! The running process: index, metrics, registry, HTTP server (and the Dynamo API's, when
 //! `dynamo_listen` is set), signals, and the background tasks, all on one multi-thread tokio
 //! runtime (`tasks`): the askers of discovered engines (`discovery`, with the rank watch that
-//! asks them early), the neighbour probes of fixed engines (`neighbours`), the retry of engines
+//! asks them early), the neighbour probes of fixed engines (`neighbours`), the scrapes of the
+//! engines' load (`route::Scraper`), the retry of engines
 //! that failed to start (`retry`), the SIGHUP reloads (`signals`) and the malloc trim (`trim`);
 //! `reload` applies the file and the discovered answers. Only the ZMQ pollers and the recovery workers
 //! (`listener`) are threads of their own.
@@ -46,7 +47,7 @@ use crate::listener::{Replication, Secret};
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::registry::{self, Reconciler, Registry, ReloadDiff, Runner, ShutdownSignal};
-use crate::route::{RouteFront, RouteParts};
+use crate::route::{RouteFront, RouteParts, Scraper};
 use crate::select::{Clock, Selector};
 use crate::tokenize::{SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
@@ -99,6 +100,8 @@ pub struct Service {
     dynamo: Option<HttpServer>,
     /// The route front end, when `[route]` is set, and its engine servers' health checks.
     route: Option<(HttpServer, Task)>,
+    /// The scrapes of the engines' load (`metrics_url`).
+    scrapes: Task,
     /// Raised when a stop begins (`/ready` reads it).
     draining: Arc<AtomicBool>,
     registry: Arc<Mutex<Registry>>,
@@ -250,6 +253,16 @@ impl Service {
             }
             None => None,
         };
+        let scraper = Arc::new(Scraper::new(
+            &config,
+            selector.clone(),
+            ranks.clone(),
+            metrics.clone(),
+        ));
+        let scraping = scraper.clone();
+        let scrapes = Task::spawn(&runtime, |mut stopped| async move {
+            stopped.unless(scraping.run()).await;
+        });
         let reloader = Arc::new(Reloader::new(
             config_path,
             config.clone(),
@@ -262,6 +275,7 @@ impl Service {
                 tokenizers: tokenizers.clone(),
                 selector: selector.clone(),
                 route: route.clone(),
+                scraper,
             },
         ));
         // Weak: the askers live in the reloader, and their answers go back to it.
@@ -343,6 +357,7 @@ impl Service {
             http,
             dynamo,
             route,
+            scrapes,
             draining,
             registry,
             shutdown_signal,
@@ -412,6 +427,7 @@ impl Service {
             if let Some(health) = health {
                 health.stop().await;
             }
+            self.scrapes.stop().await;
             self.retry.stop().await;
             self.rank_watch.stop().await;
             // An apply under way finishes against the raised shutdown signal: the registry

@@ -27,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
 use crate::registry::Reconciler;
 use crate::registry::ReloadDiff;
-use crate::route::RouteFront;
+use crate::route::{RouteFront, Scraper};
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 
@@ -58,6 +58,8 @@ pub(super) struct Reloader {
     /// `/select`'s state; its `[select]` knobs follow the file.
     selector: Arc<Selector>,
     route: Option<Arc<RouteFront>>,
+    /// The engines' load scrapes: their `metrics_url` and interval follow the file.
+    scraper: Arc<Scraper>,
     /// The models' tokenizers, swapped whole once a reload is accepted.
     tokenizers: Arc<SharedTokenizers>,
 }
@@ -70,6 +72,7 @@ pub(super) struct Followers {
     pub selector: Arc<Selector>,
     /// The route front end, when `[route]` was in the file at start.
     pub route: Option<Arc<RouteFront>>,
+    pub scraper: Arc<Scraper>,
 }
 
 impl Reloader {
@@ -87,11 +90,13 @@ impl Reloader {
             tokenizers,
             selector,
             route,
+            scraper,
         }: Followers,
     ) -> Reloader {
         Reloader {
             selector,
             route,
+            scraper,
             config_path: config_path.to_owned(),
             applied: Mutex::new(Applied {
                 config,
@@ -208,6 +213,7 @@ impl Reloader {
             }
         }
         self.selector.set_config(config.select.clone());
+        self.scraper.reload(&config);
         // An engine asked at the same API keeps its last good answer: a reload does not drop
         // its ranks until it has answered again.
         let old = &applied.config;

@@ -194,15 +194,28 @@ impl Flushed {
 /// connection itself.
 pub(super) struct InFlight {
     figures: Arc<Figures>,
+    rank: usize,
     closed_by_server: Arc<AtomicBool>,
     finished: bool,
 }
 
 impl InFlight {
-    pub(super) fn new(figures: &Arc<Figures>, closed_by_server: Arc<AtomicBool>) -> InFlight {
+    pub(super) fn new(
+        figures: &Arc<Figures>,
+        rank: u32,
+        closed_by_server: Arc<AtomicBool>,
+    ) -> InFlight {
         figures.open_streams.fetch_add(1, Ordering::Relaxed);
+        let rank = rank as usize;
+        let mut running = figures.running.lock();
+        if running.len() <= rank {
+            running.resize(rank + 1, 0);
+        }
+        running[rank] += 1;
+        drop(running);
         InFlight {
             figures: Arc::clone(figures),
+            rank,
             closed_by_server,
             finished: false,
         }
@@ -217,6 +230,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.figures.open_streams.fetch_sub(1, Ordering::Relaxed);
+        if let Some(running) = self.figures.running.lock().get_mut(self.rank) {
+            *running = running.saturating_sub(1);
+        }
         if !self.finished && !self.closed_by_server.load(Ordering::Relaxed) {
             self.figures.disconnects.fetch_add(1, Ordering::Relaxed);
         }

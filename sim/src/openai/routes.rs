@@ -114,12 +114,15 @@ pub(super) async fn answer(
             .await
             .unwrap_or_else(Refusal::into_response),
         (&Method::GET, "/v1/models", _) => models(inner),
+        (&Method::GET, "/metrics", _) => metrics(inner),
         (&Method::GET, "/health", _) => {
             let mut response = Response::new(AnswerBody::empty());
             *response.status_mut() = StatusCode::OK;
             response
         }
-        (_, "/v1/models" | "/health", _) | (_, _, Some(_)) => detail(405, "Method Not Allowed"),
+        (_, "/v1/models" | "/health" | "/metrics", _) | (_, _, Some(_)) => {
+            detail(405, "Method Not Allowed")
+        }
         _ => detail(404, "Not Found"),
     }
 }
@@ -231,7 +234,7 @@ async fn generate(
             cache_salt: asked.cache_salt,
         }),
     };
-    let mut flight = InFlight::new(&inner.figures, closed_by_server);
+    let mut flight = InFlight::new(&inner.figures, rank, closed_by_server);
     if asked.stream {
         let mut response = Response::new(AnswerBody::events(generation, break_after, flight));
         response.headers_mut().insert(
@@ -401,6 +404,22 @@ fn models(inner: &Inner) -> Response<AnswerBody> {
         }],
     });
     json_response(200, AnswerBody::whole(Bytes::from(body.to_string())))
+}
+
+/// vLLM's Prometheus text, or the status a test set (`OpenAiServer::fail_metrics`).
+fn metrics(inner: &Inner) -> Response<AnswerBody> {
+    let status = inner.metrics_status.load(Ordering::Relaxed);
+    if let Ok(status @ 1..) = u16::try_from(status) {
+        return detail(status, "injected fault: /metrics");
+    }
+    let mut response = Response::new(AnswerBody::whole(Bytes::from(super::metrics::exposition(
+        inner,
+    ))));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    response
 }
 
 /// FastAPI's own answers (no such path, wrong method).

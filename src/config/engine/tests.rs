@@ -299,3 +299,44 @@ fn an_openai_url_written_as_the_apis_base_is_the_servers() {
         );
     }
 }
+
+#[test]
+fn metrics_url_is_the_openai_servers_unless_written_and_empty_turns_it_off() {
+    let metrics_url = |extra: &str| {
+        let text = format!("{extra}{ENGINE_A}openai_url = \"http://h:8000/v1\"\n");
+        let config = Config::parse(&text, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+        config.engines[0]
+            .metrics_url
+            .as_ref()
+            .map(|url| url.base.clone())
+    };
+    assert_eq!(metrics_url("").as_deref(), Some("http://h:8000/metrics"));
+    assert_eq!(metrics_url("[defaults]\nmetrics_url = \"\"\n"), None);
+    let own = format!("{ENGINE_A}metrics_url = \"http://h:9100/metrics\"\n");
+    let config = Config::parse(&own, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+    let url = config.engines[0]
+        .metrics_url
+        .as_ref()
+        .expect("a metrics_url");
+    assert_eq!(
+        url.base, "http://h:9100/metrics",
+        "also without an openai_url"
+    );
+    let off = format!("{ENGINE_A}openai_url = \"http://h:8000\"\nmetrics_url = \"\"\n");
+    let config = Config::parse(&off, "indexer.toml").unwrap_or_else(|err| panic!("{err}"));
+    assert_eq!(config.engines[0].metrics_url, None);
+    let found = problems(&format!("{ENGINE_A}metrics_url = \"https://h/metrics\"\n"));
+    find(
+        &found,
+        &[
+            "engine \"a\"",
+            "metrics_url",
+            "https",
+            "turns the scrape off",
+        ],
+    );
+    let found = problems(&format!(
+        "[defaults]\nmetrics_url = \"http://h/m\"\n{ENGINE_A}"
+    ));
+    find(&found, &["[defaults]", "metrics_url", "may only be \"\""]);
+}
