@@ -13,11 +13,13 @@
 //! a rank of the engine after restarts too.
 //!
 //! A request fails when its status is not 200, or its body is not whole (a stream without
-//! `[DONE]`, a whole answer that is not JSON). With one server of three down at most, a healthy
-//! engine could always have served it: the target is 0. Prints each minute: requests answered,
-//! failed (with the first few causes), clients gone, the front end's RSS and peak (MiB),
-//! descriptors and threads, and its open reservations (`GET /loads`). At the end, after the
-//! clients stop, reservations must be back to 0.
+//! `[DONE]`, a whole answer without its usage). A failure on the engine a fault struck, within
+//! `FAULT_WINDOW` of it, was delivered to an engine that died under it (the answer's
+//! `x-kv-indexer-rank` names the engine): no router can serve it, it is counted apart. Any
+//! other failure is one a healthy engine could have served: the target is 0. Prints each
+//! minute: requests answered, failed (struck by a fault, and others), clients gone, the front
+//! end's RSS and peak (MiB), descriptors and threads, and its open reservations (`GET /loads`).
+//! At the end, after the clients stop, reservations must be back to 0.
 //!
 //! ```text
 //! cargo run --release --example soak_route -- --minutes 10
@@ -58,29 +60,56 @@ struct Args {
 }
 
 const MODEL: &str = "sim-model";
+/// How long after a fault a failure on the engine it struck is taken for the fault's.
+const FAULT_WINDOW: Duration = Duration::from_secs(3);
 const DOCUMENTS: u32 = 64;
 const DOCUMENT_TOKENS: u32 = 512;
 
-/// What the clients saw.
+/// What the clients saw, and the faults struck.
 #[derive(Default)]
 struct Tally {
     answered: AtomicU64,
-    failed: AtomicU64,
     gone: AtomicU64,
-    causes: Mutex<Vec<String>>,
+    failures: Mutex<Vec<Failure>>,
+    /// When each fault struck, and the engine it struck (`sim-N`).
+    faults: Mutex<Vec<(Instant, String)>>,
+}
+
+/// A request that failed: when, on which engine (if the answer named one), and why.
+struct Failure {
+    at: Instant,
+    engine: Option<String>,
+    cause: String,
 }
 
 impl Tally {
-    fn fail(&self, cause: String) {
-        self.failed.fetch_add(1, Ordering::Relaxed);
-        let mut causes = self
-            .causes
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        if causes.len() < 20 {
-            causes.push(cause);
-        }
+    fn fault(&self, engine: usize) {
+        lock(&self.faults).push((Instant::now(), Fleet::name(engine)));
     }
+
+    /// The failures: how many a fault struck, and the causes of the others.
+    fn failed(&self) -> (usize, Vec<String>) {
+        let faults = lock(&self.faults);
+        let failures = lock(&self.failures);
+        let struck = |failure: &Failure| {
+            faults.iter().any(|(at, engine)| {
+                failure.engine.as_deref() == Some(engine.as_str())
+                    && failure.at >= *at
+                    && failure.at <= *at + FAULT_WINDOW
+            })
+        };
+        let by_faults = failures.iter().filter(|f| struck(f)).count();
+        let others = failures
+            .iter()
+            .filter(|f| !struck(f))
+            .map(|f| f.cause.clone())
+            .collect();
+        (by_faults, others)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
 fn main() -> Result<()> {
@@ -141,23 +170,27 @@ fn main() -> Result<()> {
             .openai()
             .context("an OpenAI server")?;
         sleep_until(at(10));
+        tally.fault(dead);
         server.stop_listening()?;
         sleep_until(at(25));
         server.resume_listening()?;
         sleep_until(at(35));
         let next = (dead + 1) % args.engines;
+        tally.fault(next);
         fleet.engines[next].restart_rank(0)?;
         sleep_until(at(45));
         let after = (dead + 2) % args.engines;
+        tally.fault(after);
         fleet.engines[after].restart_rank(args.dp_size - 1)?;
         sleep_until(at(60));
         let holdings = indexer.holdings()?;
         let reservations = reservations(api)?;
+        let (by_faults, others) = tally.failed();
         println!(
-            "minute {:>2}: answered {:>6}, failed {}, clients gone {:>4}; RSS {:.1} MiB (peak {:.1}), {} descriptors, {} threads, {} reservations open",
+            "minute {:>2}: answered {:>6}, failed {by_faults} struck by a fault and {} others, clients gone {:>4}; RSS {:.1} MiB (peak {:.1}), {} descriptors, {} threads, {} reservations open",
             minute + 1,
             tally.answered.load(Ordering::Relaxed),
-            tally.failed.load(Ordering::Relaxed),
+            others.len(),
             tally.gone.load(Ordering::Relaxed),
             holdings.resident_kib as f64 / 1024.0,
             holdings.peak_resident_kib as f64 / 1024.0,
@@ -180,10 +213,11 @@ fn main() -> Result<()> {
         open = reservations(api)?;
     }
     let end = indexer.holdings()?;
-    let failed = tally.failed.load(Ordering::Relaxed);
+    let (by_faults, others) = tally.failed();
     println!(
-        "soak_route: {} answered, {failed} failed, {} clients gone; reservations after the clients stopped: {open}",
+        "soak_route: {} answered, {by_faults} failed on an engine a fault struck, {} failed that a healthy engine could have served, {} clients gone; reservations after the clients stopped: {open}",
         tally.answered.load(Ordering::Relaxed),
+        others.len(),
         tally.gone.load(Ordering::Relaxed),
     );
     if let Some(first) = baseline {
@@ -197,16 +231,14 @@ fn main() -> Result<()> {
             end.threads,
         );
     }
-    for cause in tally
-        .causes
-        .lock()
-        .unwrap_or_else(|poison| poison.into_inner())
-        .iter()
-    {
+    for cause in others.iter().take(20) {
         println!("  failed: {cause}");
     }
-    if failed > 0 || open > 0 {
-        bail!("{failed} requests failed, {open} reservations left open");
+    if !others.is_empty() || open > 0 {
+        bail!(
+            "{} requests failed that a healthy engine could have served, {open} reservations left open",
+            others.len()
+        );
     }
     Ok(())
 }
@@ -233,13 +265,18 @@ fn run_client(route: SocketAddr, seed: u64, tally: &Tally, stop: &AtomicBool) {
         })
         .to_string();
         match exchange(route, &body, stream, leave) {
-            Ok(Outcome::Answered) => tally.answered.fetch_add(1, Ordering::Relaxed),
-            Ok(Outcome::Left) => tally.gone.fetch_add(1, Ordering::Relaxed),
-            Err(cause) => {
-                tally.fail(format!("{cause:#}"));
-                0
+            Ok(Outcome::Answered) => {
+                tally.answered.fetch_add(1, Ordering::Relaxed);
             }
-        };
+            Ok(Outcome::Left) => {
+                tally.gone.fetch_add(1, Ordering::Relaxed);
+            }
+            Err((engine, cause)) => lock(&tally.failures).push(Failure {
+                at: Instant::now(),
+                engine,
+                cause: format!("{cause:#}"),
+            }),
+        }
     }
 }
 
@@ -248,8 +285,25 @@ enum Outcome {
     Left,
 }
 
-/// One request on its own connection; `leave`: go away after the first event.
-fn exchange(route: SocketAddr, body: &str, stream: bool, leave: bool) -> Result<Outcome> {
+/// One request on its own connection; `leave`: go away after the first event. A failure comes
+/// with the engine the answer named (`x-kv-indexer-rank`), if it named one.
+fn exchange(
+    route: SocketAddr,
+    body: &str,
+    stream: bool,
+    leave: bool,
+) -> Result<Outcome, (Option<String>, anyhow::Error)> {
+    let mut engine = None;
+    attempt(route, body, stream, leave, &mut engine).map_err(|error| (engine, error))
+}
+
+fn attempt(
+    route: SocketAddr,
+    body: &str,
+    stream: bool,
+    leave: bool,
+    engine: &mut Option<String>,
+) -> Result<Outcome> {
     let mut socket = TcpStream::connect(route).context("connecting to the front end")?;
     socket.set_read_timeout(Some(Duration::from_secs(30)))?;
     write!(
@@ -266,6 +320,13 @@ fn exchange(route: SocketAddr, body: &str, stream: bool, leave: bool) -> Result<
         let mut line = String::new();
         if reader.read_line(&mut line)? == 0 || line == "\r\n" {
             break;
+        }
+        if let Some(rank) = line
+            .to_ascii_lowercase()
+            .strip_prefix("x-kv-indexer-rank:")
+            .map(|rank| rank.trim().to_owned())
+        {
+            *engine = rank.split('/').next().map(str::to_owned);
         }
         headers.push(line);
     }

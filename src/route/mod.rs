@@ -287,7 +287,8 @@ impl RouteFront {
         // The servers tried: a retry goes to another one, never to a sibling rank behind the
         // server that just failed.
         let mut tried: Vec<String> = Vec::with_capacity(MAX_TRIES);
-        let mut last_failure: Option<Failure> = None;
+        // The last try's failure, and the rank it was for (named in the answer).
+        let mut last_failure: Option<(Failure, WorkerKey)> = None;
         let mut place = Some(place);
         // An engine's 502 or 503, passed on when no other server takes the request.
         let mut held: Option<(Sent, Ticket, Selection)> = None;
@@ -371,7 +372,7 @@ impl RouteFront {
                         ),
                     }
                     let retry = failure.retryable();
-                    last_failure = Some(failure);
+                    last_failure = Some((failure, key));
                     if !retry {
                         break;
                     }
@@ -385,10 +386,11 @@ impl RouteFront {
                 .await;
         }
         match last_failure {
-            Some(failure) => {
+            Some((failure, key)) => {
                 let (status, outcome) = failure.status();
                 self.metrics.route_outcome(outcome);
-                self.error_with(status, "upstream_error", &failure.to_string(), None)
+                let why = format!("engine {}/{}: {failure}", key.engine, key.dp_rank);
+                self.error_with(status, "upstream_error", &why, Some(&key))
             }
             None => {
                 if let Some(model) = prompt.model.as_deref().filter(|&m| !self.serves(m)) {
