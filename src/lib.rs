@@ -41,5 +41,6 @@ pub mod select;
 pub mod service;
 pub mod socket_monitor;
 pub mod state;
+pub mod thread_priority;
 pub mod tokenize;
 pub mod wire;

@@ -563,12 +563,7 @@ fn serve_rank(rank: &mut Subscription) -> anyhow::Result<Drained> {
 /// would starve of ingestion.
 const POLLER_NICENESS: i32 = 10;
 
-/// Lowers this thread's priority by `POLLER_NICENESS` (a thread may lower its own priority
-/// without privileges; on Linux `setpriority` of a thread id sets that thread alone); logged
-/// and left alone when refused.
+/// Lowers this thread's priority by `POLLER_NICENESS`.
 fn lower_own_priority() {
-    let this_thread = rustix::thread::gettid();
-    if let Err(error) = rustix::process::setpriority_process(Some(this_thread), POLLER_NICENESS) {
-        log::debug!("poller: setpriority refused: {error}");
-    }
+    crate::thread_priority::lower_this_thread(POLLER_NICENESS, "poller");
 }

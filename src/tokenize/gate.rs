@@ -239,11 +239,7 @@ impl Gate {
 
 /// A tokenizing thread: niced, it runs the queue's jobs until the gate is dropped.
 fn tokenizing_thread(queue: &Mutex<mpsc::Receiver<Job>>) {
-    let this_thread = rustix::thread::gettid();
-    if let Err(error) = rustix::process::setpriority_process(Some(this_thread), TOKENIZING_NICENESS)
-    {
-        log::debug!("tokenizing thread: setpriority refused: {error}");
-    }
+    crate::thread_priority::lower_this_thread(TOKENIZING_NICENESS, "tokenizing thread");
     loop {
         let job = queue.lock().recv();
         match job {
