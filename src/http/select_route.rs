@@ -23,6 +23,8 @@ struct SelectAnswer<'a> {
     /// The prompt's tokens: what a text or chat prompt became.
     query_tokens: usize,
     query_blocks: u32,
+    /// The `[select] policy` that chose, and ordered `candidates`.
+    policy: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     reservation_id: Option<u64>,
     candidates: Vec<CandidateJson<'a>>,
@@ -93,6 +95,7 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8]) -> Reply {
                     instance_id: selection.chosen.instance_id,
                     query_tokens: query.token_ids.len(),
                     query_blocks: selection.query_blocks,
+                    policy: selection.policy,
                     reservation_id: selection.reservation_id,
                     candidates: selection
                         .candidates
