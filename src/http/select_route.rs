@@ -30,8 +30,10 @@ struct SelectAnswer<'a> {
     candidates: Vec<CandidateJson<'a>>,
 }
 
+/// One candidate's cost terms, as `/select` lists them and the route front end explains a
+/// choice (`x-kv-indexer-explain`).
 #[derive(Serialize)]
-struct CandidateJson<'a> {
+pub(crate) struct CandidateJson<'a> {
     instance: &'a str,
     dp_rank: u32,
     matched_blocks: u32,
@@ -47,7 +49,7 @@ struct CandidateJson<'a> {
 }
 
 impl<'a> CandidateJson<'a> {
-    fn new(ranked: &'a Ranked) -> CandidateJson<'a> {
+    pub(crate) fn new(ranked: &'a Ranked) -> CandidateJson<'a> {
         let costed = &ranked.costed;
         let load = &costed.candidate.load;
         CandidateJson {
