@@ -6,9 +6,11 @@
 //! Owns the header's name and its text. Never: chooses, shows a term the selection did not
 //! weigh, or decides who may ask (every request past the route's token may).
 
+use hyper::header::HeaderValue;
+use hyper::Response;
 use serde::Serialize;
 
-use crate::http::{CandidateJson, Request};
+use crate::http::{AnswerBody, CandidateJson, Request};
 use crate::select::Selection;
 
 /// The request header that asks, and the response header that answers.
@@ -29,9 +31,22 @@ pub fn asked(request: &Request) -> bool {
         .is_some_and(|value| value.trim() == "1")
 }
 
+/// `answer`, with the choice explained when the request asked: `asked` is then its selection.
+pub fn explaining(
+    mut answer: Response<AnswerBody>,
+    asked: Option<&Selection>,
+) -> Response<AnswerBody> {
+    if let Some(value) =
+        asked.and_then(|selection| HeaderValue::from_str(&explained(selection)).ok())
+    {
+        answer.headers_mut().insert(HEADER, value);
+    }
+    answer
+}
+
 /// `selection` explained, as a header's value: JSON with every character past ASCII escaped
 /// (an engine's name or a stale scrape's reason may hold one, and a header may not).
-pub fn explained(selection: &Selection) -> String {
+fn explained(selection: &Selection) -> String {
     let explained = Explained {
         policy: selection.policy,
         query_blocks: selection.query_blocks,

@@ -362,7 +362,7 @@ impl RouteFront {
                     let answer = self
                         .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                         .await;
-                    return explaining(answer, explain.then_some(&selection));
+                    return explain::explaining(answer, explain.then_some(&selection));
                 }
                 Err(failure) => {
                     // The ticket is dropped here: the reservation is released.
@@ -388,7 +388,7 @@ impl RouteFront {
             let answer = self
                 .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                 .await;
-            return explaining(answer, explain.then_some(&selection));
+            return explain::explaining(answer, explain.then_some(&selection));
         }
         match last_failure {
             Some((failure, key)) => {
@@ -795,15 +795,6 @@ fn json_answer(status: StatusCode, body: Vec<u8>) -> Response<AnswerBody> {
     *response.status_mut() = status;
     insert(response.headers_mut(), "content-type", "application/json");
     response
-}
-
-/// `answer`, with its choice explained when the request asked (`explain`).
-fn explaining(mut answer: Response<AnswerBody>, asked: Option<&Selection>) -> Response<AnswerBody> {
-    if let Some(selection) = asked {
-        let text = explain::explained(selection);
-        insert(answer.headers_mut(), explain::HEADER, &text);
-    }
-    answer
 }
 
 fn insert(headers: &mut hyper::HeaderMap, name: &'static str, value: &str) {

@@ -5,9 +5,10 @@
 //!
 //! Beside `http`, which calls it: it reads the index (`Index::query_prompt`, the public query
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
-//! for bookkeeping only (the index is read before it is taken). `cost` is the formula and the
-//! choice, `reservations` the open reservations and each rank's load, `engine_load` the
-//! engines' own load as last scraped (`route::Scraper` records it; docs.md "Engine load"),
+//! for bookkeeping only (the index is read before it is taken). `cost` is the formula, `policy`
+//! the order and the pick (`[select] policy`, `cost` its default), `reservations` the open
+//! reservations and each rank's load, `engine_load` the engines' own load as last scraped
+//! (`route::Scraper` records it; docs.md "Engine load"),
 //! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on.
 //!
 //! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
