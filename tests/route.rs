@@ -1966,3 +1966,52 @@ fn a_reload_turns_an_engines_scrape_off() {
         "{scrape}"
     );
 }
+
+/// `x-kv-indexer-explain: 1` answers with the policy and the chosen and runner-up ranks'
+/// cost terms; a request that does not ask gets no such header.
+#[test]
+fn a_request_that_asks_has_its_choice_explained_with_the_runner_up() {
+    let routed = routed(2, 1, OpenAiConfig::default(), &[]);
+    let body = chat("tidal pools", false);
+    routed.warm(1, 0, "/v1/chat/completions", &body);
+    let plain = routed.send("/v1/chat/completions", &body);
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    assert_eq!(plain.header("x-kv-indexer-explain"), None);
+    routed.all_released("the unexplained answer");
+
+    let reply = Connection::open(routed.route).send_with(
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("Content-Type", "application/json"),
+            ("x-kv-indexer-explain", "1"),
+        ],
+        Some(body.to_string().as_bytes()),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(1, 0).as_str())
+    );
+    let text = reply
+        .header("x-kv-indexer-explain")
+        .expect("the explain header");
+    let explained: Value = serde_json::from_str(text).expect("JSON");
+    assert_eq!(explained["policy"], "cost", "{explained}");
+    let query_blocks = explained["query_blocks"].as_u64().expect("query_blocks");
+    let (chosen, runner_up) = (&explained["chosen"], &explained["runner_up"]);
+    assert_eq!(chosen["instance"], Fleet::name(1), "{explained}");
+    assert_eq!(runner_up["instance"], Fleet::name(0), "{explained}");
+    assert!(query_blocks > 0, "{explained}");
+    assert_eq!(chosen["matched_blocks"], query_blocks, "{explained}");
+    assert_eq!(runner_up["matched_blocks"], 0, "{explained}");
+    // The first answer's reservation is released; its prediction may still count on sim-1.
+    for terms in [chosen, runner_up] {
+        assert_eq!(terms["reservations"], 0, "{explained}");
+        assert_eq!(terms["outside_requests"], 0.0, "{explained}");
+        assert!(terms["predicted_blocks"].is_u64(), "{explained}");
+        assert!(terms.get("engine_load").is_some(), "{explained}");
+    }
+    let cost = |terms: &Value| terms["cost"].as_f64().expect("a cost");
+    assert!(cost(chosen) < cost(runner_up), "{explained}");
+}

@@ -170,6 +170,7 @@ fn the_worked_example_reservation_load_and_prediction() {
         answer,
         json!({
             "instance": "a", "dp_rank": 0, "instance_id": answer["instance_id"], "query_tokens": 128, "query_blocks": 8,
+            "policy": "cost",
             "candidates": [
                 {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "predicted_blocks": 0,
                  "overlap_blocks": 5.0, "prefill_blocks": 3.0, "active_prefill_blocks": 0.0,
@@ -623,4 +624,62 @@ fn a_long_prompt_is_predicted_up_to_max_predicted_blocks() {
         10,
         "{answer}"
     );
+}
+
+/// Which instance each of `selections` reserving selections of `tokens` chose, each answer
+/// naming `policy`.
+fn chosen_by(addr: SocketAddr, tokens: &[u32], selections: usize, policy: &str) -> Vec<String> {
+    (0..selections)
+        .map(|_| {
+            let answer = select(addr, json!({ "token_ids": tokens, "reserve": true }));
+            assert_eq!(answer["policy"], policy, "{answer}");
+            answer["instance"].as_str().expect("instance").to_owned()
+        })
+        .collect()
+}
+
+/// Rewrites `[select]` to `policy = name` and reloads.
+fn reload_policy(setup: &Setup, original: &str, name: &str) {
+    let file = original.replace("[select]\n", &format!("[select]\npolicy = \"{name}\"\n"));
+    std::fs::write(setup.running.config_path(), file).expect("rewrite the config");
+    assert_eq!(post(setup.addr(), "/reload", b"").status, 200);
+}
+
+/// `round_robin`: each selection the next rank in turn, whatever one holds or carries.
+#[test]
+fn round_robin_cycles_through_the_ranks_whatever_they_hold() {
+    let mut setup = Setup::start(3, "", &[("policy", "\"round_robin\"")]);
+    let tokens = prompt(4_000, 4);
+    setup.store(1, &tokens, 4);
+    let chosen = chosen_by(setup.addr(), &tokens, 6, "round_robin");
+    assert_eq!(chosen, ["a", "b", "c", "a", "b", "c"]);
+}
+
+/// The warm rank `a` takes every reservation under `cost`; after a reload `least_load` sends
+/// the same prompt to the idle ranks until they carry as much, and `prefix` sends it back to
+/// `a`, the longest match, loaded as it is.
+#[test]
+fn least_load_avoids_the_loaded_rank_and_prefix_takes_the_longest_match() {
+    let mut setup = Setup::start(3, "", &[]);
+    let addr = setup.addr();
+    let original = std::fs::read_to_string(setup.running.config_path()).expect("the config");
+    let tokens = prompt(5_000, 4);
+    setup.store(0, &tokens, 4);
+    setup.store(1, &tokens, 2);
+    assert_eq!(chosen_by(addr, &tokens, 3, "cost"), ["a", "a", "a"]);
+
+    reload_policy(&setup, &original, "least_load");
+    let mut chosen = chosen_by(addr, &tokens, 4, "least_load");
+    chosen.sort();
+    assert_eq!(chosen, ["b", "b", "c", "c"]);
+
+    // The reservations stay; their predictions (the prompt on b and c) expire.
+    setup.clock.advance(Duration::from_secs(3));
+    reload_policy(&setup, &original, "prefix");
+    let answer = select(addr, json!({ "token_ids": tokens }));
+    assert_eq!(answer["policy"], "prefix");
+    assert_eq!(answer["instance"], "a", "{answer}");
+    assert_eq!(candidate(&answer, "a")["reservations"], 3, "{answer}");
+    let order: Vec<String> = costs(&answer).into_iter().map(|(name, _)| name).collect();
+    assert_eq!(order, ["a", "b", "c"], "by overlap 4, 2, 0: {answer}");
 }

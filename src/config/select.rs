@@ -10,6 +10,7 @@ use toml::Spanned;
 
 use super::diagnostics::Problems;
 use super::keys::{as_table, read_table, Int};
+use crate::select::{known_policy, policy_names, DEFAULT_POLICY};
 
 const SECTION: &str = "[select]";
 /// The longest interval between two scrapes of an engine's load: an hour (a figure older than
@@ -46,6 +47,8 @@ pub struct Select {
     pub engine_request_weight: f64,
     /// Between two scrapes of each engine's load (`metrics_url`); 0: no scrapes.
     pub load_interval_ms: u64,
+    /// How the candidates are ordered and one chosen: a name in `select::policy`'s table.
+    pub policy: &'static str,
 }
 
 impl Default for Select {
@@ -62,6 +65,7 @@ impl Default for Select {
             max_candidates: 16,
             engine_request_weight: 10.0,
             load_interval_ms: 500,
+            policy: DEFAULT_POLICY,
         }
     }
 }
@@ -105,6 +109,7 @@ struct RawSelect {
     max_candidates: Option<Spanned<Int>>,
     engine_request_weight: Option<Spanned<Number>>,
     load_interval_ms: Option<Spanned<Int>>,
+    policy: Option<Spanned<String>>,
 }
 
 /// Reads `[select]`; `None` when a key is wrong (each reported).
@@ -227,6 +232,21 @@ pub(super) fn check_select(
             }
         }
     }
+    if let Some(policy) = raw.policy {
+        match known_policy(policy.get_ref()) {
+            Some(known) => select.policy = known,
+            None => {
+                let names: Vec<&str> = policy_names().collect();
+                let why = format!(
+                    "`policy` must be one of {}, found {:?}",
+                    names.join(", "),
+                    policy.get_ref()
+                );
+                problems.add(Some(policy.span()), SECTION, why);
+                ok = false;
+            }
+        }
+    }
     ok.then_some(select)
 }
 
@@ -258,6 +278,10 @@ mod tests {
         .unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(scraped.select.load_interval_ms, 0);
         assert_eq!(scraped.select.engine_request_weight, 2.5);
+        assert_eq!(plain.select.policy, "cost");
+        let policy = Config::parse("[select]\npolicy = \"least_load\"\n", "f")
+            .unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(policy.select.policy, "least_load");
     }
 
     #[test]
@@ -279,6 +303,15 @@ mod tests {
         let found = problems("[select]\nload_interval_ms = -1\nengine_request_weight = -2\n");
         find(&found, &["load_interval_ms", "0 (no scrapes)", "-1"]);
         find(&found, &["engine_request_weight", "finite number >= 0"]);
+        let found = problems("[select]\npolicy = \"fastest\"\n");
+        find(
+            &found,
+            &[
+                "policy",
+                "cost, round_robin, least_load, prefix",
+                "\"fastest\"",
+            ],
+        );
         problems("select = 3\n");
     }
 }

@@ -35,6 +35,7 @@ pub use request::Request;
 mod routes;
 mod select_body;
 mod select_route;
+pub(crate) use select_route::CandidateJson;
 mod server;
 mod snapshot_route;
 pub(crate) mod table;

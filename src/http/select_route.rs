@@ -23,13 +23,17 @@ struct SelectAnswer<'a> {
     /// The prompt's tokens: what a text or chat prompt became.
     query_tokens: usize,
     query_blocks: u32,
+    /// The `[select] policy` that chose, and ordered `candidates`.
+    policy: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     reservation_id: Option<u64>,
     candidates: Vec<CandidateJson<'a>>,
 }
 
+/// One candidate's cost terms, as `/select` lists them and the route front end explains a
+/// choice (`x-kv-indexer-explain`).
 #[derive(Serialize)]
-struct CandidateJson<'a> {
+pub(crate) struct CandidateJson<'a> {
     instance: &'a str,
     dp_rank: u32,
     matched_blocks: u32,
@@ -45,7 +49,7 @@ struct CandidateJson<'a> {
 }
 
 impl<'a> CandidateJson<'a> {
-    fn new(ranked: &'a Ranked) -> CandidateJson<'a> {
+    pub(crate) fn new(ranked: &'a Ranked) -> CandidateJson<'a> {
         let costed = &ranked.costed;
         let load = &costed.candidate.load;
         CandidateJson {
@@ -93,6 +97,7 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8]) -> Reply {
                     instance_id: selection.chosen.instance_id,
                     query_tokens: query.token_ids.len(),
                     query_blocks: selection.query_blocks,
+                    policy: selection.policy,
                     reservation_id: selection.reservation_id,
                     candidates: selection
                         .candidates

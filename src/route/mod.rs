@@ -8,7 +8,8 @@
 //! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
 //! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
 //! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
-//! and the reservation is released however the answer ends. The failure domain is the engine's
+//! and the reservation is released however the answer ends; a request that asks has its choice
+//! explained in a header (`explain`). The failure domain is the engine's
 //! server (`servers`): one that cannot be reached, answers 502/503 or fails its health checks
 //! takes every rank behind it out. A request goes to another server only when it provably
 //! never reached the first, at most `MAX_TRIES` in all. A rank whose event link is down or
@@ -20,6 +21,7 @@
 //! trusts a client's proxy headers, or holds a request past its timeouts.
 
 mod engine_http;
+mod explain;
 mod passing;
 mod request;
 mod scrape;
@@ -292,6 +294,7 @@ impl RouteFront {
         let mut place = Some(place);
         // An engine's 502 or 503, passed on when no other server takes the request.
         let mut held: Option<(Sent, Ticket, Selection)> = None;
+        let explain = explain::asked(&request);
         for attempt in 0..MAX_TRIES {
             // Inline: a bounded in-memory read of the index and the selector's lock, shorter
             // than the hop to a blocking thread and back.
@@ -356,9 +359,10 @@ impl RouteFront {
                         self.answered(&server, &key, status);
                     }
                     ticket.place = place.take();
-                    return self
+                    let answer = self
                         .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                         .await;
+                    return explain::explaining(answer, explain.then_some(&selection));
                 }
                 Err(failure) => {
                     // The ticket is dropped here: the reservation is released.
@@ -381,9 +385,10 @@ impl RouteFront {
         }
         if let Some((sent, mut ticket, selection)) = held {
             ticket.place = place.take();
-            return self
+            let answer = self
                 .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
                 .await;
+            return explain::explaining(answer, explain.then_some(&selection));
         }
         match last_failure {
             Some((failure, key)) => {

@@ -5,9 +5,10 @@
 //!
 //! Beside `http`, which calls it: it reads the index (`Index::query_prompt`, the public query
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
-//! for bookkeeping only (the index is read before it is taken). `cost` is the formula and the
-//! choice, `reservations` the open reservations and each rank's load, `engine_load` the
-//! engines' own load as last scraped (`route::Scraper` records it; docs.md "Engine load"),
+//! for bookkeeping only (the index is read before it is taken). `cost` is the formula, `policy`
+//! the order and the pick (`[select] policy`, `cost` its default), `reservations` the open
+//! reservations and each rank's load, `engine_load` the engines' own load as last scraped
+//! (`route::Scraper` records it; docs.md "Engine load"),
 //! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on.
 //!
 //! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
@@ -25,6 +26,7 @@ mod backoff;
 mod clock;
 mod cost;
 mod engine_load;
+mod policy;
 mod predictions;
 mod reservations;
 
@@ -46,12 +48,12 @@ use crate::registry::{RankBoard, RunningRank};
 use backoff::Backoffs;
 pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use clock::Clock;
-use cost::choose;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder/main.rs`).
 pub use cost::{best_first, cost, Candidate, Costed, Load};
 use engine_load::EngineLoads;
 pub use engine_load::{scrape_timeout, EngineLoad, RankFigures};
+pub use policy::{known as known_policy, names as policy_names, DEFAULT_POLICY};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
 
@@ -98,6 +100,10 @@ pub struct Ranked {
 pub struct Selection {
     pub query_blocks: u32,
     pub chosen: Ranked,
+    /// The best of the others in the policy's order, when there is another.
+    pub runner_up: Option<Ranked>,
+    /// The `[select] policy` that chose.
+    pub policy: &'static str,
     pub reservation_id: Option<u64>,
     /// The prefix the chosen rank is expected to find cached, in tokens: matched, predicted
     /// or held on disk, whichever is longest.
@@ -322,9 +328,15 @@ impl Selector {
             };
             costed.push(cost(query_blocks, candidate, &state.config));
         }
-        costed.sort_unstable_by(best_first);
-        let chosen_at = choose(&costed, state.config.temperature, &mut state.rng);
+        let (policy_name, policy) = policy::configured(state.config.policy);
+        costed.sort_unstable_by(|a, b| policy.order(a, b));
+        let chosen_at = policy.pick(&costed, &state.config, &mut state.rng);
         let chosen = &costed[chosen_at];
+        let runner_up = costed
+            .iter()
+            .enumerate()
+            .find(|(at, _)| *at != chosen_at)
+            .map(|(_, costed)| costed);
         let ranked = |costed: &Costed| {
             let rank = &gathered[costed.candidate.position];
             Ranked {
@@ -370,6 +382,8 @@ impl Selector {
         Some(Selection {
             query_blocks,
             chosen: ranked(chosen),
+            runner_up: runner_up.map(ranked),
+            policy: policy_name,
             reservation_id,
             predicted_cached_tokens,
             candidates: costed[..shown].iter().map(ranked).collect(),
