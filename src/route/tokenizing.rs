@@ -10,7 +10,7 @@ use std::sync::Arc;
 use hyper::{Response, StatusCode};
 
 use super::request::{OpenAiRequest, PromptSource};
-use super::{insert, RouteFront, Tokenized};
+use super::{insert, RouteFront};
 use crate::http::AnswerBody;
 use crate::metrics::LoadOnly;
 use crate::tokenize::gate::{Cancel, Refused};
@@ -151,4 +151,30 @@ pub(super) enum NotTokenized {
     /// The tokenizing gate was full for longer than it waits (429).
     #[error(transparent)]
     Busy(Refused),
+}
+
+/// A prompt as routing weighs it.
+pub(super) struct Tokenized {
+    pub(super) tokens: Vec<u32>,
+    pub(super) model: Option<String>,
+    /// Why it is routed by load alone (no tokens).
+    pub(super) load_only: Option<(LoadOnly, String)>,
+}
+
+impl Tokenized {
+    pub(super) fn ids(tokens: Vec<u32>, model: Option<String>) -> Tokenized {
+        Tokenized {
+            tokens,
+            model,
+            load_only: None,
+        }
+    }
+
+    pub(super) fn load_only(reason: LoadOnly, why: String, model: Option<String>) -> Tokenized {
+        Tokenized {
+            tokens: Vec::new(),
+            model,
+            load_only: Some((reason, why)),
+        }
+    }
 }
