@@ -478,7 +478,12 @@ fn a_large_snapshot_read_slowly_for_60_s_arrives_whole() {
         let tokens: Vec<u32> = (prompt * PROMPT_TOKENS..(prompt + 1) * PROMPT_TOKENS).collect();
         fleet.engine(rank).serve(0, &tokens).expect("served");
     }
-    let views = settle(&fleet, &mut OverHttp::new(indexer.address), DEADLINE);
+    // 102,400 blocks: a debug build on a busy 2-core machine ingests them in tens of seconds.
+    let views = settle(
+        &fleet,
+        &mut OverHttp::new(indexer.address),
+        Duration::from_secs(120),
+    );
     let held = views
         .iter()
         .find(|view| view.engine == "sim-0" && view.dp_rank == 0)
