@@ -281,7 +281,16 @@ impl Passing {
         if self.event.len() > MAX_EVENT_BYTES {
             out.extend_from_slice(&self.event.split());
         }
+        self.release_event();
         out.freeze()
+    }
+
+    /// Gives back the event buffer's allocation once no event is under way: a stream that waits
+    /// for its next chunk holds no buffer.
+    fn release_event(&mut self) {
+        if self.event.is_empty() {
+            self.event = BytesMut::new();
+        }
     }
 
     /// `pass`, and the answer's end when `data` was its last bytes: a server that knows the
@@ -334,6 +343,7 @@ impl Passing {
         if self.event.len() > MAX_EVENT_BYTES {
             self.event.clear();
         }
+        self.release_event();
     }
 
     /// Whether `event` is the usage chunk (`"choices": []` and a usage), which it reports.

@@ -275,7 +275,10 @@ impl Body for EngineBody {
             if !this.pending.is_empty() {
                 let mut pending = std::mem::take(&mut this.pending);
                 let framed = this.frame(&mut pending, &mut out);
-                this.pending = pending;
+                // Framed whole, its allocation goes: a stream that waits holds no buffer.
+                if !pending.is_empty() {
+                    this.pending = pending;
+                }
                 if let Err(err) = framed {
                     this.stream = None;
                     return Poll::Ready(Some(Err(err)));
