@@ -4,8 +4,8 @@
 //! Owns: the cap on open connections (past it a connection is answered 503 and closed,
 //! counted), the descriptors held in reserve so that accept can run when the process has none
 //! left, the back-off on accept errors, the bound on requests answered at once (routes run on
-//! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry),
-//! and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
+//! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry)
+//! and on those of large bodies (a core kept free of them), and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
 //! the request they are answering (hyper's graceful shutdown: an idle one closes at once) until
 //! the stop's grace is up, then are dropped.
 //! Never: gives up the listening socket (an accept error is logged, waited out and retried),
@@ -86,7 +86,17 @@ struct Shared {
     uploads: Uploads,
     /// `POOL_THREADS` places to answer synchronous routes in.
     answering: Arc<Semaphore>,
+    /// Places to answer a request of a large body in (`LARGE_BODY_BYTES`): one core fewer than
+    /// the machine's, so that parsing them leaves a core to every other request.
+    large: Arc<Semaphore>,
+    large_places: usize,
 }
+
+/// A body at least this large is parsed in one of `Shared::large`'s places: a 16 MiB `/select`
+/// body takes tens of milliseconds of a core to parse.
+const LARGE_BODY_BYTES: usize = 1 << 20;
+/// How long a large body waits for a place before it is refused (503, `Retry-After: 1`).
+const LARGE_BODY_WAIT: Duration = Duration::from_secs(2);
 
 /// Descriptors held so that accept can run out of descriptors and still get one.
 pub(super) struct Reserve(Vec<File>);
@@ -249,11 +259,15 @@ pub(super) fn spawn_accept(
         let _entered = runtime.enter();
         TcpListener::from_std(listener)?
     };
+    let large_places = std::thread::available_parallelism()
+        .map_or(1, |cores| cores.get().saturating_sub(1).max(1));
     let shared = Arc::new(Shared {
         answerer,
         uploads: Uploads::new(limits.uploads),
         limits,
         answering: Arc::new(Semaphore::new(POOL_THREADS)),
+        large: Arc::new(Semaphore::new(large_places)),
+        large_places,
     });
     Ok(runtime.spawn(async move {
         accept_loop(listener, reserve, shared, &live, stage).await;
@@ -504,6 +518,32 @@ async fn answer(
         Answerer::Routes(routes) => Arc::clone(routes),
         Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
     };
+    let large = match bytes.len() >= LARGE_BODY_BYTES {
+        true => {
+            let waiting = Arc::clone(&shared.large).acquire_owned();
+            match tokio::time::timeout(LARGE_BODY_WAIT, waiting).await {
+                Ok(Ok(place)) => Some(place),
+                Ok(Err(_)) => {
+                    return Reply::error(503, "the server is stopping").into_response(shape)
+                }
+                Err(_) => {
+                    shared.answerer.metrics().http_error(503);
+                    let mut reply = Reply::error(
+                        503,
+                        format!(
+                            "{} large bodies (1 MiB or more) are being answered, one a core but \
+                             one, and this one waited {}s for its turn; retry shortly",
+                            shared.large_places,
+                            LARGE_BODY_WAIT.as_secs()
+                        ),
+                    );
+                    reply.header = Some(("Retry-After", "1"));
+                    return reply.into_response(shape);
+                }
+            }
+        }
+        false => None,
+    };
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
         return Reply::error(503, "the server is stopping").into_response(shape);
     };
@@ -514,6 +554,7 @@ async fn answer(
     let reply =
         answered.unwrap_or_else(|err| Reply::error(500, format!("the route failed: {err}")));
     drop(_place);
+    drop(large);
     let metrics = shared.answerer.metrics();
     if reply.status >= 400 {
         metrics.http_error(reply.status);
