@@ -95,7 +95,7 @@ struct Shared {
 /// A body at least this large is parsed in one of `Shared::large`'s places: a 16 MiB `/select`
 /// body takes tens of milliseconds of a core to parse.
 const LARGE_BODY_BYTES: usize = 1 << 20;
-/// How long a large body waits for a place before it is refused (503, `Retry-After: 1`).
+/// How long a large body waits for a place before it is refused (429, `Retry-After: 1`).
 const LARGE_BODY_WAIT: Duration = Duration::from_secs(2);
 
 /// Descriptors held so that accept can run out of descriptors and still get one.
@@ -527,9 +527,11 @@ async fn answer(
                     return Reply::error(503, "the server is stopping").into_response(shape)
                 }
                 Err(_) => {
-                    shared.answerer.metrics().http_error(503);
+                    // As the tokenizing gate answers a prompt that waited (a text prompt's body
+                    // waits here first): busy now, try again.
+                    shared.answerer.metrics().http_error(429);
                     let mut reply = Reply::error(
-                        503,
+                        429,
                         format!(
                             "{} large bodies (1 MiB or more) are being answered, one a core but \
                              one, and this one waited {}s for its turn; retry shortly",
