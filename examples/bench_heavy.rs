@@ -174,6 +174,32 @@ fn new_agent() -> ureq::Agent {
 }
 
 /// A POST's status, routing header and time.
+/// Replies of one load generator: status, routing header, time.
+type Replies = Vec<(u16, Option<String>, Duration)>;
+
+/// `count` niced load generators posting `body` to `url` back to back until `stop`.
+fn flood(
+    count: usize,
+    url: &str,
+    body: &Arc<String>,
+    stop: &Arc<AtomicBool>,
+) -> Vec<std::thread::JoinHandle<Replies>> {
+    (0..count)
+        .map(|_| {
+            let (body, url, stop) = (Arc::clone(body), url.to_owned(), Arc::clone(stop));
+            std::thread::spawn(move || {
+                nice_load_generator();
+                let agent = new_agent();
+                let mut replies = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    replies.push(post(&agent, &url, body.as_bytes()));
+                }
+                replies
+            })
+        })
+        .collect()
+}
+
 fn post(agent: &ureq::Agent, url: &str, body: &[u8]) -> (u16, Option<String>, Duration) {
     let started = Instant::now();
     match agent
@@ -276,20 +302,7 @@ fn health_under_load(route: SocketAddr, api: SocketAddr) -> Result<()> {
     );
     let url = format!("http://{route}/v1/completions");
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..16)
-        .map(|_| {
-            let (body, url, stop) = (Arc::clone(&body), url.clone(), Arc::clone(&stop));
-            std::thread::spawn(move || {
-                nice_load_generator();
-                let agent = new_agent();
-                let mut replies = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    replies.push(post(&agent, &url, body.as_bytes()));
-                }
-                replies
-            })
-        })
-        .collect();
+    let clients = flood(16, &url, &body, &stop);
     let agent = new_agent();
     let (on_route, on_api) = health_samples(&agent, route, api);
     stop.store(true, Ordering::Relaxed);
@@ -356,20 +369,7 @@ fn small_request_under_selects(route: SocketAddr, api: SocketAddr, reserve: bool
     drop(ids);
     let select_url = format!("http://{api}/select");
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..60)
-        .map(|_| {
-            let (body, url, stop) = (Arc::clone(&body), select_url.clone(), Arc::clone(&stop));
-            std::thread::spawn(move || {
-                nice_load_generator();
-                let agent = new_agent();
-                let mut replies = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    replies.push(post(&agent, &url, body.as_bytes()));
-                }
-                replies
-            })
-        })
-        .collect();
+    let clients = flood(60, &select_url, &body, &stop);
     let mut loaded = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(LOAD_SECONDS);
     while Instant::now() < deadline {
