@@ -1,4 +1,4 @@
-//! The HTTP API (`docs/design.md`, "HTTP API"): the server and its replies. `server` accepts
+//! The HTTP API (`docs/design.md`, "HTTP server"): the server and its replies. `server` accepts
 //! and serves connections with hyper on the service's tokio runtime, `guard` keeps the byte
 //! rules and deadlines of request heads on each socket, `body` reads a request's body against
 //! its limits, `request` is the head as routes read it, and `routes` answers each path with

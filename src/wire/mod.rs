@@ -228,7 +228,7 @@ const END_SEQ: u64 = u64::MAX;
 
 /// A batch's identity across the engine's live stream and its replay, which send the same
 /// payload bytes for one seq: a saved rank is trusted only once the replay of its last batch
-/// digests the same (docs/design.md "Restart").
+/// digests the same (docs/design.md "Joining a publisher").
 pub fn payload_digest(payload: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(payload)
 }
