@@ -340,20 +340,9 @@ fn deploy_tomls_pass_config_validation() {
 #[test]
 fn systemd_unit_runs_the_installed_binary_and_reloads_with_sighup() {
     let unit = read("deploy/kv-indexer.service");
-    let service: Vec<(&str, &str)> = unit
-        .lines()
-        .skip_while(|l| l.trim() != "[Service]")
-        .skip(1)
-        .take_while(|l| !l.starts_with('['))
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split_once('='))
-        .collect();
+    let service = service_section(&unit);
     let value = |key: &str| {
-        let values: Vec<&str> = service
-            .iter()
-            .filter(|(k, _)| *k == key)
-            .map(|(_, v)| *v)
-            .collect();
+        let values = all(&service, key);
         assert_eq!(values.len(), 1, "[Service] {key} once");
         values[0]
     };
@@ -366,15 +355,108 @@ fn systemd_unit_runs_the_installed_binary_and_reloads_with_sighup() {
     );
     assert_eq!(value("ExecReload"), "/bin/kill -HUP $MAINPID");
     assert_eq!(value("Restart"), "on-failure");
-    for hardening in [
-        "DynamicUser",
-        "NoNewPrivileges",
-        "ProtectHome",
-        "PrivateTmp",
-    ] {
+    for hardening in ["DynamicUser", "NoNewPrivileges", "PrivateTmp"] {
         assert_eq!(value(hardening), "yes", "{hardening}");
     }
     assert_eq!(value("ProtectSystem"), "strict");
+    assert_eq!(
+        value("ProtectHome"),
+        "tmpfs",
+        "homes hidden, but for what is bound back"
+    );
+}
+
+/// The `[Service]` section's `key=value` lines, comments left out, in order.
+fn service_section(unit: &str) -> Vec<(&str, &str)> {
+    unit.lines()
+        .skip_while(|l| l.trim() != "[Service]")
+        .skip(1)
+        .take_while(|l| !l.starts_with('['))
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .collect()
+}
+
+/// Every value of a key that may repeat (`LoadCredential=`, `Environment=`).
+fn all<'a>(service: &[(&str, &'a str)], key: &str) -> Vec<&'a str> {
+    service
+        .iter()
+        .filter(|(k, _)| *k == key)
+        .map(|(_, v)| *v)
+        .collect()
+}
+
+/// docs.md "systemd": secrets stay 0600 and root's, handed over as credentials that the
+/// documented `indexer.toml` names; a tokenizer in a home cache is readable through a
+/// read-only bind of that cache, the one `HF_HOME` names.
+#[test]
+fn the_systemd_unit_hands_over_secrets_as_credentials_and_binds_the_model_cache_read_only() {
+    let unit = read("deploy/kv-indexer.service");
+    let service = service_section(&unit);
+    let docs = read("docs.md");
+    let section = docs
+        .split("\n### systemd\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("docs.md has a systemd section");
+
+    let credentials = all(&service, "LoadCredential");
+    assert!(
+        !credentials.is_empty(),
+        "the unit loads its secrets as credentials"
+    );
+    for credential in &credentials {
+        let (id, source) = credential
+            .split_once(':')
+            .unwrap_or_else(|| panic!("LoadCredential={credential}: ID:PATH"));
+        assert!(
+            source.starts_with("/etc/kv-indexer/"),
+            "{credential}: a root-owned file beside the configuration"
+        );
+        let copy = format!("/run/credentials/kv-indexer.service/{id}");
+        assert!(
+            section.contains(&format!("\"{copy}\"")),
+            "docs.md \"systemd\" names {copy} in its indexer.toml"
+        );
+        assert!(
+            unit.contains("# Secrets stay 0600") && unit.contains(&copy),
+            "the unit's own comment names {copy}"
+        );
+    }
+    let toml = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("docs.md \"systemd\" shows the indexer.toml lines");
+    let file = format!(
+        "{toml}\n[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nopenai_url = \"http://127.0.0.1:8001\"\n"
+    );
+    let config = kv_indexer::config::Config::parse(&file, "docs.md \"systemd\"")
+        .unwrap_or_else(|e| panic!("docs.md \"systemd\"'s indexer.toml: {e}"));
+    assert!(config.route.is_some(), "the example routes");
+
+    let environment = all(&service, "Environment");
+    let hf_home = environment
+        .iter()
+        .find_map(|e| e.strip_prefix("HF_HOME="))
+        .expect("the unit sets HF_HOME");
+    let binds: Vec<&str> = all(&service, "BindReadOnlyPaths")
+        .into_iter()
+        .map(|b| b.trim_start_matches('-'))
+        .collect();
+    assert!(
+        binds.iter().any(|b| hf_home.starts_with(b)),
+        "HF_HOME={hf_home} is bound read-only (binds: {binds:?})"
+    );
+    assert!(
+        hf_home.starts_with("/root/") || hf_home.starts_with("/home/"),
+        "the shipped cache is a home cache, hidden but for the bind"
+    );
+    assert!(
+        section.contains(&format!("BindReadOnlyPaths=-{hf_home}"))
+            || section.contains("BindReadOnlyPaths=-/home/"),
+        "docs.md shows how to bind another cache"
+    );
 }
 
 /// docs.md "Restarts": the systemd unit gives the service `/var/lib/kv-indexer`
