@@ -25,7 +25,7 @@ use clap::{Parser, ValueEnum};
 use log::info;
 
 use kv_indexer_sim::encode::Form;
-use kv_indexer_sim::openai::OpenAiConfig;
+use kv_indexer_sim::openai::{OpenAiConfig, TokensDetails};
 use kv_indexer_sim::server::{SimConfig, SimEngine};
 use kv_indexer_sim::tokenizer_dir;
 use kv_indexer_sim::workload::{Conversations, Route, Router, Trace};
@@ -40,6 +40,16 @@ enum Workload {
 enum RouteArg {
     RoundRobin,
     Sticky,
+}
+
+/// When answers carry `usage.prompt_tokens_details`: vLLM 0.33 with
+/// `--enable-prompt-tokens-details` (always), before 0.33 (when something was cached), or
+/// without the flag (never).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DetailsArg {
+    Always,
+    WhenCached,
+    Never,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -89,6 +99,9 @@ struct Args {
     /// Time between two output tokens, in microseconds.
     #[arg(long, default_value_t = micros(OpenAiConfig::default().inter_token))]
     inter_token_us: u64,
+    /// When the OpenAI server's answers carry `usage.prompt_tokens_details`.
+    #[arg(long, value_enum, default_value_t = DetailsArg::Always)]
+    prompt_tokens_details: DetailsArg,
     /// Host to bind: an IP, `*` or an IPv6 literal.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
@@ -225,6 +238,11 @@ fn openai_config(args: &Args) -> Result<OpenAiConfig> {
         first_token_floor: Duration::from_micros(args.first_token_floor_us),
         prefill_per_token: Duration::from_micros(args.prefill_per_token_us),
         inter_token: Duration::from_micros(args.inter_token_us),
+        prompt_tokens_details: match args.prompt_tokens_details {
+            DetailsArg::Always => TokensDetails::Always,
+            DetailsArg::WhenCached => TokensDetails::WhenCached,
+            DetailsArg::Never => TokensDetails::Never,
+        },
         ..OpenAiConfig::default()
     })
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use kv_indexer::select::Clock;
 use kv_indexer_sim::fleet::{Fleet, RankRef};
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
-use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
+use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer, TokensDetails};
 use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::server::SimConfig;
@@ -2014,4 +2014,102 @@ fn a_request_that_asks_has_its_choice_explained_with_the_runner_up() {
     }
     let cost = |terms: &Value| terms["cost"].as_f64().expect("a cost");
     assert!(cost(chosen) < cost(runner_up), "{explained}");
+}
+
+/// `/workers`' `cached_tokens` for `instance`: `None` before the front end passed on an answer.
+fn cached_tokens_reporting(api: SocketAddr, instance: &str) -> Option<String> {
+    let workers = get(api, "/workers").json();
+    let engine = workers
+        .as_array()?
+        .iter()
+        .find(|engine| engine["instance"] == instance)?
+        .clone();
+    engine["cached_tokens"].as_str().map(str::to_owned)
+}
+
+/// vLLM before 0.33 leaves `prompt_tokens_details` out when nothing was cached: once the engine
+/// has reported the details, an answer without them counts as 0 cached tokens, so the hit ratio
+/// covers every answer rather than the hits alone.
+#[test]
+fn an_omitted_prompt_tokens_details_counts_as_0_once_the_engine_has_reported_them() {
+    let openai = OpenAiConfig {
+        prompt_tokens_details: TokensDetails::WhenCached,
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(1, 1, openai, &[]);
+    let prompt_tokens = "kv_indexer_route_prompt_tokens_total{instance=\"sim-0\",dp_rank=\"0\"}";
+    let reported =
+        "kv_indexer_route_reported_cached_tokens_total{instance=\"sim-0\",dp_rank=\"0\"}";
+    assert_eq!(cached_tokens_reporting(routed.api, "sim-0"), None);
+
+    let cold = routed.send("/v1/chat/completions", &chat("otters", false));
+    assert_eq!(cold.status, 200, "{}", cold.text());
+    assert!(cold.json()["usage"].get("prompt_tokens_details").is_none());
+    routed.all_released("the cold answer");
+    assert_eq!(
+        cached_tokens_reporting(routed.api, "sim-0").as_deref(),
+        Some("not_reporting")
+    );
+    assert_eq!(
+        routed.metric(prompt_tokens),
+        0.0,
+        "not taken for a miss yet"
+    );
+
+    let warm = routed.send("/v1/chat/completions", &chat("otters", false));
+    let warm = warm.json();
+    let cached = cached_tokens(&warm);
+    assert!(cached > 0, "{warm}");
+    routed.all_released("the warm answer");
+    assert_eq!(
+        cached_tokens_reporting(routed.api, "sim-0").as_deref(),
+        Some("reporting")
+    );
+    let warm_prompt = warm["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("prompt_tokens");
+    assert_eq!(routed.metric(prompt_tokens), warm_prompt as f64);
+    assert_eq!(routed.metric(reported), cached as f64);
+
+    let other = routed.send("/v1/chat/completions", &chat("badgers", false));
+    let other = other.json();
+    assert!(
+        other["usage"].get("prompt_tokens_details").is_none(),
+        "{other}"
+    );
+    routed.all_released("the other cold answer");
+    let other_prompt = other["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("prompt_tokens");
+    assert_eq!(
+        routed.metric(prompt_tokens),
+        (warm_prompt + other_prompt) as f64,
+        "the miss counts, as 0 cached tokens"
+    );
+    assert_eq!(routed.metric(reported), cached as f64);
+}
+
+/// vLLM without `--enable-prompt-tokens-details` never reports: `/workers` says so, and its
+/// answers stay out of the hit ratio rather than counting as misses.
+#[test]
+fn an_engine_that_never_reports_cached_tokens_is_shown_not_reporting() {
+    let openai = OpenAiConfig {
+        prompt_tokens_details: TokensDetails::Never,
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(1, 1, openai, &[]);
+    for _ in 0..2 {
+        let reply = routed.send("/v1/chat/completions", &chat("herons", false));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(reply.json()["usage"].get("prompt_tokens_details").is_none());
+    }
+    routed.all_released("both answers");
+    assert_eq!(
+        cached_tokens_reporting(routed.api, "sim-0").as_deref(),
+        Some("not_reporting")
+    );
+    assert_eq!(
+        routed.metric("kv_indexer_route_prompt_tokens_total{instance=\"sim-0\",dp_rank=\"0\"}"),
+        0.0
+    );
 }

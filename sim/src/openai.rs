@@ -63,6 +63,20 @@ pub struct OpenAiConfig {
     pub inter_token: Duration,
     /// Prompt plus output tokens a request may ask for (vLLM's `--max-model-len`).
     pub max_model_len: u32,
+    /// When `usage.prompt_tokens_details` is in an answer.
+    pub prompt_tokens_details: TokensDetails,
+}
+
+/// When an answer's usage carries `prompt_tokens_details`, as each vLLM does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TokensDetails {
+    /// vLLM 0.33 with `--enable-prompt-tokens-details`: always, `cached_tokens: 0` included.
+    #[default]
+    Always,
+    /// vLLM before 0.33 with the flag: only when something was cached.
+    WhenCached,
+    /// vLLM without `--enable-prompt-tokens-details`: never.
+    Never,
 }
 
 impl Default for OpenAiConfig {
@@ -74,6 +88,7 @@ impl Default for OpenAiConfig {
             prefill_per_token: Duration::from_micros(20),
             inter_token: Duration::from_millis(2),
             max_model_len: 131_072,
+            prompt_tokens_details: TokensDetails::Always,
         }
     }
 }

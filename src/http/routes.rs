@@ -227,6 +227,10 @@ struct InstanceJson<'a> {
     /// A fixed engine's publisher past its last rank: `null` when none answers.
     #[serde(skip_serializing_if = "Option::is_none")]
     neighbour: Option<Option<NeighbourReport>>,
+    /// Whether its answers report their cached tokens (`reporting`, `not_reporting`), once
+    /// the route front end has passed one on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cached_tokens: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -352,6 +356,7 @@ fn workers(api: &Api) -> Reply {
                 listeners: vec![listener],
                 discovery: None,
                 neighbour: None,
+                cached_tokens: None,
             }),
         }
     }
@@ -368,6 +373,7 @@ fn workers(api: &Api) -> Reply {
                     listeners: Vec::new(),
                     discovery: None,
                     neighbour: None,
+                    cached_tokens: None,
                 });
                 instances.len() - 1
             }
@@ -377,6 +383,10 @@ fn workers(api: &Api) -> Reply {
             Some(discovery) => instance.discovery = Some(discovery.clone()),
             None => instance.neighbour = Some(report.neighbour.clone()),
         }
+    }
+    let reports = api.selector.cached_token_reports();
+    for instance in &mut instances {
+        instance.cached_tokens = reports.reporting(instance.instance).map(|r| r.as_str());
     }
     instances.sort_by(|a, b| a.instance.cmp(b.instance));
     Reply::json(200, &instances)

@@ -56,7 +56,7 @@ use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector, Unindexed};
 use crate::tokenize::SharedTokenizers;
-use passing::{NoFirstBytes, Passing, ReportingEngines, Shape, Ticket};
+use passing::{NoFirstBytes, Passing, Shape, Ticket};
 use request::{with_usage, Kind, OpenAiRequest};
 use servers::Servers;
 use tokenizing::Tokenized;
@@ -118,8 +118,6 @@ pub struct RouteFront {
     upstream: Upstream,
     in_flight: Arc<Semaphore>,
     max_concurrent: usize,
-    /// Which engines report their cached tokens, so that an answer without them counts.
-    reporting: Arc<ReportingEngines>,
 }
 
 /// What the front end reads, handed over by the service.
@@ -153,7 +151,6 @@ impl RouteFront {
             upstream: Upstream::new(Settings::of(route)),
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
             max_concurrent: route.max_concurrent_requests,
-            reporting: Arc::default(),
         })
     }
 
@@ -324,7 +321,6 @@ impl RouteFront {
             let mut ticket = Ticket {
                 selector: Arc::clone(&self.selector),
                 metrics: Arc::clone(&self.metrics),
-                reporting: Arc::clone(&self.reporting),
                 key: key.clone(),
                 reservation: selection.reservation_id,
                 predicted_tokens: selection.predicted_cached_tokens,

@@ -35,34 +35,10 @@ const MAX_EVENT_BYTES: usize = 1 << 20;
 /// choices, in the last few hundred bytes.
 const USAGE_TAIL_BYTES: usize = 64 << 10;
 
-/// The engines that have reported `usage.prompt_tokens_details` at least once. vLLM before
-/// 0.33 leaves the details out of an answer when nothing was cached: from such an engine an
-/// answer without them reports 0 cached tokens. One that never sent them (vLLM without
-/// `--enable-prompt-tokens-details`) reports nothing, and its answers are left out.
-#[derive(Default)]
-pub(super) struct ReportingEngines(parking_lot::Mutex<std::collections::HashSet<String>>);
-
-impl ReportingEngines {
-    /// The cached tokens of an answer of `engine`, as that engine reports them.
-    fn cached_tokens(&self, engine: &str, usage: &Usage) -> Option<u64> {
-        let mut reporting = self.0.lock();
-        match usage.cached_tokens() {
-            Some(cached) => {
-                if !reporting.contains(engine) {
-                    reporting.insert(engine.to_owned());
-                }
-                Some(cached)
-            }
-            None => reporting.contains(engine).then_some(0),
-        }
-    }
-}
-
 /// The reservation of one routed request on its rank, released when dropped.
 pub(super) struct Ticket {
     pub(super) selector: Arc<Selector>,
     pub(super) metrics: Arc<Metrics>,
-    pub(super) reporting: Arc<ReportingEngines>,
     pub(super) key: WorkerKey,
     pub(super) reservation: Option<u64>,
     pub(super) predicted_tokens: u64,
@@ -87,7 +63,9 @@ impl Ticket {
 
     /// What the engine reported of the prompt: weighed against the prediction, once.
     pub(super) fn usage(&mut self, usage: &Usage) {
-        let Some(cached) = self.reporting.cached_tokens(&self.key.engine, usage) else {
+        let reported = usage.cached_tokens();
+        let reports = self.selector.cached_token_reports();
+        let Some(cached) = reports.as_reported(&self.key.engine, reported) else {
             return;
         };
         if usage.prompt_tokens > MAX_CONTEXT_TOKENS {
@@ -521,7 +499,6 @@ mod tests {
     struct Answers {
         metrics: Arc<Metrics>,
         selector: Arc<Selector>,
-        reporting: Arc<ReportingEngines>,
     }
 
     impl Answers {
@@ -532,11 +509,7 @@ mod tests {
                 Arc::clone(&metrics),
                 crate::select::Clock::manual(),
             ));
-            Answers {
-                metrics,
-                selector,
-                reporting: Arc::default(),
-            }
+            Answers { metrics, selector }
         }
 
         /// An answer of `engine`'s rank 0 whose body is `body`.
@@ -544,7 +517,6 @@ mod tests {
             let mut ticket = Ticket {
                 selector: Arc::clone(&self.selector),
                 metrics: Arc::clone(&self.metrics),
-                reporting: Arc::clone(&self.reporting),
                 key: WorkerKey {
                     engine: engine.into(),
                     dp_rank: 0,

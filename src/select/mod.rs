@@ -9,7 +9,8 @@
 //! the order and the pick (`[select] policy`, `cost` its default), `reservations` the open
 //! reservations and each rank's load, `engine_load` the engines' own load as last scraped
 //! (`route::Scraper` records it; docs.md "Engine load"),
-//! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on.
+//! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on,
+//! `cached_reports` whether each engine reports its answers' cached tokens.
 //!
 //! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
 //! service's is `Clock::real()`; a test makes it with `Clock::manual()`, keeps a clone and
@@ -23,6 +24,7 @@
 //! reader of the index.
 
 mod backoff;
+mod cached_reports;
 mod clock;
 mod cost;
 mod engine_load;
@@ -47,6 +49,7 @@ use crate::plan::WorkerKey;
 use crate::registry::{RankBoard, RunningRank};
 use backoff::Backoffs;
 pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
+pub use cached_reports::{CachedTokenReports, Reporting};
 pub use clock::Clock;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder/main.rs`).
@@ -159,6 +162,7 @@ pub struct UnknownReservation;
 /// The selection state: one per indexer, shared by every HTTP thread.
 pub struct Selector {
     state: Mutex<SelectState>,
+    cached_reports: CachedTokenReports,
     metrics: Arc<Metrics>,
     clock: Clock,
 }
@@ -188,6 +192,7 @@ impl Selector {
     /// The selection on `config`, its time-to-lives measured on `clock`.
     pub fn new(config: Select, metrics: Arc<Metrics>, clock: Clock) -> Selector {
         Selector {
+            cached_reports: CachedTokenReports::default(),
             state: Mutex::new(SelectState {
                 rng: seeded(config.seed),
                 config,
@@ -514,6 +519,11 @@ impl Selector {
     }
 
     /// How long rank `key` is still left out, if it is (for `/workers`).
+    /// Whether each engine reports its answers' cached tokens (the route front end tells it).
+    pub fn cached_token_reports(&self) -> &CachedTokenReports {
+        &self.cached_reports
+    }
+
     pub fn backoff_left(&self, key: &WorkerKey) -> Option<Duration> {
         let state = self.state.lock();
         let slot = *state.slots.get(key)?;

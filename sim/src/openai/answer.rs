@@ -18,6 +18,8 @@ use tokio::time::Instant;
 use crate::cache::Request;
 use crate::server::Shared;
 
+use super::TokensDetails;
+
 /// The simulated output: token `k` is `WORDS[k % WORDS.len()]`.
 const WORDS: [&str; 8] = [
     " the", " cache", " holds", " this", " prefix", " so", " it", " is",
@@ -38,6 +40,7 @@ pub(super) struct Generation {
     pub(super) model: String,
     pub(super) prompt_tokens: u32,
     pub(super) cached_tokens: u32,
+    pub(super) details: TokensDetails,
     pub(super) max_tokens: u32,
     pub(super) include_usage: bool,
     /// When the first token is due; token `k` is due `k * inter_token` later.
@@ -214,13 +217,21 @@ impl Generation {
         })
     }
 
-    /// vLLM's usage with `--enable-prompt-tokens-details` (here also when nothing was cached).
+    /// vLLM's usage, with `prompt_tokens_details` when the engine's version and flags send it.
     fn usage(&self) -> Value {
-        json!({
+        let mut usage = json!({
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + self.max_tokens,
             "completion_tokens": self.max_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        })
+        });
+        let details = match self.details {
+            TokensDetails::Always => true,
+            TokensDetails::WhenCached => self.cached_tokens > 0,
+            TokensDetails::Never => false,
+        };
+        if details {
+            usage["prompt_tokens_details"] = json!({"cached_tokens": self.cached_tokens});
+        }
+        usage
     }
 }

@@ -223,6 +223,7 @@ async fn generate(
         model: config.model.clone(),
         prompt_tokens,
         cached_tokens,
+        details: config.prompt_tokens_details,
         max_tokens: asked.max_tokens,
         include_usage: asked.include_usage,
         first_token_at: Instant::now() + prefill,
