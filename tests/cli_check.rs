@@ -43,6 +43,50 @@ fn the_shipped_file_checks_clean_and_subscribes_to_the_vllm_default_endpoint() {
     );
 }
 
+/// The shipped file names the routing keys in its comments: uncommenting them (but the files
+/// they point to) gives a file that routes.
+#[test]
+fn the_shipped_file_routes_once_its_routing_lines_are_uncommented() {
+    let shipped =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("indexer.toml"))
+            .unwrap_or_else(|err| panic!("reading indexer.toml: {err}"));
+    let mut in_route = false;
+    let mut uncommented = 0;
+    let routing: Vec<String> = shipped
+        .lines()
+        .map(|line| {
+            if line.starts_with("# [") {
+                in_route = line == "# [route]" || line == "# [select]";
+            }
+            let key = |prefix: &str| line.starts_with(prefix);
+            let wanted = key("# openai_url = ")
+                || key("# metrics_url = ")
+                || (in_route && !key("# auth_token_file") && line.contains(" = "))
+                || line == "# [route]"
+                || line == "# [select]";
+            if wanted {
+                uncommented += 1;
+                line.trim_start_matches("# ").to_owned()
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect();
+    assert!(
+        uncommented >= 6,
+        "the routing lines are in indexer.toml's comments"
+    );
+    let (_dir, path) = temp_config(&routing.join("\n"));
+    let output = check(&path, &[]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    assert!(stdout.contains("route: listen 127.0.0.1:8080"), "{stdout}");
+    assert!(
+        stdout.contains("  local -> http://127.0.0.1:8000"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn every_rank_gets_a_row_on_port_plus_rank() {
     let (_dir, path) = temp_config(

@@ -551,3 +551,20 @@ fn a_stop_has_room_for_the_drain_and_the_save_under_systemd_and_compose() {
         );
     }
 }
+
+/// Every `indexer.toml` example in the README is a file the indexer accepts, as written.
+#[test]
+fn the_readmes_toml_examples_parse() {
+    let readme = read("README.md");
+    let examples: Vec<&str> = readme
+        .split("```toml\n")
+        .skip(1)
+        .filter_map(|rest| rest.split("```").next())
+        .collect();
+    assert!(examples.len() >= 3, "the README shows its examples");
+    for example in examples {
+        if let Err(e) = Config::parse(example, "README.md") {
+            panic!("README.md's example does not parse:\n{example}\n{e}");
+        }
+    }
+}
