@@ -2113,3 +2113,103 @@ fn an_engine_that_never_reports_cached_tokens_is_shown_not_reporting() {
         0.0
     );
 }
+
+/// docs.md "Engine load": a warm rank keeps its prompt while its engine is lightly loaded from
+/// outside, and yields it to an idle cold rank once the outside load costs more than the
+/// prefill the cache saves (each outside request weighs `engine_request_weight`, 10 blocks).
+#[test]
+fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
+    let slow = OpenAiConfig {
+        inter_token: Duration::from_millis(50),
+        ..OpenAiConfig::default()
+    };
+    let routed = routed(2, 1, slow, &[]);
+    let body = chat("lighthouses", false);
+    routed.warm(0, 0, "/v1/chat/completions", &body);
+    let engine: SocketAddr = routed
+        .server(0)
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IP:port");
+    let outside = json!({ "model": MODEL, "prompt": "outside traffic", "max_tokens": 20_000, "stream": true });
+    let hold = |streams: usize| -> Vec<Answer> {
+        let held: Vec<Answer> = (0..streams)
+            .map(|_| stream(engine, "/v1/completions", &outside))
+            .collect();
+        wait_for(
+            20,
+            &format!("sim-0's scrape to show {streams} outside streams"),
+            || {
+                let rank = rank_load(&routed, 0)?;
+                (rank["outside_requests"].as_f64()? == streams as f64).then_some(())
+            },
+        );
+        held
+    };
+    let routed_to = || {
+        let reply = Connection::open(routed.route).send_with(
+            "POST",
+            "/v1/chat/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("x-kv-indexer-explain", "1"),
+            ],
+            Some(body.to_string().as_bytes()),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        routed.all_released("the warm prompt");
+        let explained: Value = serde_json::from_str(
+            reply
+                .header("x-kv-indexer-explain")
+                .expect("the choice explained"),
+        )
+        .expect("the explanation is JSON");
+        let rank = reply
+            .header("x-kv-indexer-rank")
+            .unwrap_or_default()
+            .to_owned();
+        (rank, explained)
+    };
+
+    let light = hold(1);
+    let (rank, explained) = routed_to();
+    assert_eq!(
+        rank,
+        rank_name(0, 0),
+        "one outside request costs less than the cache saves: {explained}"
+    );
+    let blocks = explained["query_blocks"].as_u64().expect("query_blocks");
+    assert_eq!(
+        explained["chosen"]["matched_blocks"],
+        json!(blocks),
+        "{explained}"
+    );
+    assert_eq!(explained["chosen"]["cost"], json!(10.0), "{explained}");
+    assert_eq!(
+        explained["runner_up"]["cost"],
+        json!(blocks as f64),
+        "{explained}"
+    );
+    drop(light);
+    wait_for(20, "sim-0's outside stream to end", || {
+        (rank_load(&routed, 0)?["outside_requests"].as_f64()? == 0.0).then_some(())
+    });
+
+    // Enough outside requests to cost more than prefilling the whole prompt cold.
+    let outside_requests = blocks / 10 + 2;
+    let heavy = hold(outside_requests as usize);
+    let (rank, explained) = routed_to();
+    assert_eq!(rank, rank_name(1, 0), "the warm rank yields: {explained}");
+    assert_eq!(
+        explained["chosen"]["prefill_blocks"],
+        json!(blocks as f64),
+        "{explained}"
+    );
+    assert_eq!(
+        explained["runner_up"]["cost"],
+        json!((outside_requests * 10) as f64),
+        "the warm rank's cost is its outside load: {explained}"
+    );
+    drop(heavy);
+}
