@@ -25,6 +25,7 @@
 //! engine that tests, examples and benchmarks use as a peer is not here: it is the workspace's
 //! `sim` crate (`kv-indexer-sim`), a dev-dependency, so the product never compiles it.
 
+pub mod auth;
 pub mod config;
 pub mod discover;
 pub mod endpoint;

@@ -21,7 +21,7 @@
 //! `MAX_UPLOADS` bodies read at once, and `POOL_THREADS` requests answered at once.
 
 pub(crate) mod auth;
-pub use auth::{constant_time_eq, is_authorized};
+pub use auth::is_authorized;
 mod body;
 pub mod dynamo;
 mod guard;
@@ -60,10 +60,10 @@ use serde_json::json;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
+use crate::auth::CurrentSecret;
 use crate::config::ConfigError;
 use crate::discover::Board;
 use crate::index::Index;
-use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use crate::select::Selector;

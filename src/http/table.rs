@@ -11,7 +11,7 @@ use http::Method;
 
 use super::auth::{is_authorized, unauthorized};
 use super::{Reply, Request};
-use crate::listener::CurrentSecret;
+use crate::auth::CurrentSecret;
 
 /// The method a route answers. `Get` answers `HEAD` too (without the body).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

@@ -80,7 +80,7 @@ use crate::socket_monitor::Monitored;
 use applier::Applier;
 use contents::Contents;
 use live::Subscription;
-pub use peers::{CurrentSecret, Replication, Secret};
+pub use peers::Replication;
 use poller::Mailbox;
 pub use poller::Pollers;
 use status::StatusCell;

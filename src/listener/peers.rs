@@ -1,63 +1,19 @@
 //! The other indexers a rank may recover from (docs/design.md "Recovery from a peer"): the
-//! reloadable `peers` list, the shared secret sent to them, and whether ranks keep the block
-//! contents a snapshot needs; and where this indexer's own saved states are (`state_dir`,
-//! docs/design.md "Saved state"). Shared by every listener (and read by the HTTP APIs for the
-//! secret, `CurrentSecret`); a reload swaps the list and the secret without touching any
+//! reloadable `peers` list, the shared secret in effect (`crate::auth`'s, sent to them and
+//! checked by the HTTP APIs), and whether ranks keep the block contents a snapshot needs; and
+//! where this indexer's own saved states are (`state_dir`, docs/design.md "Saved state").
+//! Shared by every listener; a reload swaps the list and the secret without touching any
 //! listener.
 //!
-//! Owns: the list, the secret (never printed: its `Debug` is redacted) and the snapshot URL of
-//! a rank at a peer. Never: fetches anything (`recovery` does) or decides whether an answer is
+//! Owns: the list, the handle on the secret and the snapshot URL of a rank at a peer. Never: fetches anything (`recovery` does) or decides whether an answer is
 //! usable (`applier` does).
 
-use std::fmt;
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use crate::auth::{CurrentSecret, Secret};
 use crate::plan::WorkerKey;
-
-/// The shared secret of `auth_token_file`. Never logged: `Debug` prints a placeholder.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// The token as read from its file, trimmed of surrounding whitespace (the file's final
-    /// newline); `None` when nothing is left.
-    pub fn from_file_text(text: &str) -> Option<Secret> {
-        let token = text.trim();
-        (!token.is_empty()).then(|| Secret(token.to_owned()))
-    }
-
-    /// The token itself, for the `Authorization` header and the constant-time comparison.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
-
-/// The secret in effect: read by every guarded route and peer fetch, replaced by a reload
-/// that re-read `auth_token_file`.
-#[derive(Default)]
-pub struct CurrentSecret(RwLock<Option<Secret>>);
-
-impl CurrentSecret {
-    pub fn get(&self) -> Option<Secret> {
-        self.0.read().clone()
-    }
-
-    /// Puts `secret` in effect; whether it differs from the one it replaces.
-    pub fn set(&self, secret: Option<Secret>) -> bool {
-        let mut current = self.0.write();
-        let changed = *current != secret;
-        *current = secret;
-        changed
-    }
-}
 
 /// What every listener of the process shares about its replicas.
 pub struct Replication {
@@ -84,7 +40,7 @@ impl Replication {
     ) -> Arc<Replication> {
         Arc::new(Replication {
             peers: RwLock::new(peers.into()),
-            secret: Arc::new(CurrentSecret(RwLock::new(secret))),
+            secret: Arc::new(CurrentSecret::new(secret)),
             retain,
             state_dir,
         })
@@ -134,14 +90,6 @@ pub(super) fn snapshot_url(peer: &str, key: &WorkerKey) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_secret_never_prints_and_is_trimmed() {
-        let secret = Secret::from_file_text("  s3cret\n").expect("a token");
-        assert_eq!(secret.expose(), "s3cret");
-        assert!(!format!("{secret:?}").contains("s3cret"));
-        assert_eq!(Secret::from_file_text(" \n"), None);
-    }
 
     #[test]
     fn engine_names_are_percent_encoded_in_the_snapshot_url() {

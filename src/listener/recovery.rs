@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
 
-use super::peers::Secret;
 use super::stop::Stop;
+use crate::auth::Secret;
 use crate::wire::{self, ReplayItem};
 
 /// How long the first reply frame may take (docs/protocol.md "How a reply is read").

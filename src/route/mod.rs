@@ -44,13 +44,13 @@ use parking_lot::RwLock;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
 use crate::http::table::{find, Guard, Route, Verb};
 use crate::http::{
-    constant_time_eq, openai_error, AnswerBody, AsyncRoutes, ErrorShape, Reply, Request,
+    is_authorized, openai_error, AnswerBody, AsyncRoutes, ErrorShape, Reply, Request,
 };
 use crate::index::{Index, Prompt};
-use crate::listener::{CurrentSecret, Secret};
 use crate::metrics::{LoadOnly, Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
@@ -195,15 +195,7 @@ impl RouteFront {
     }
 
     fn authorized(&self, request: &Request) -> bool {
-        let Some(secret) = self.token.get() else {
-            return true;
-        };
-        let presented = request.header("Authorization").and_then(|value| {
-            let (scheme, token) = value.trim().split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-        });
-        presented
-            .is_some_and(|token| constant_time_eq(token.as_bytes(), secret.expose().as_bytes()))
+        is_authorized(request, self.token.get().as_ref())
     }
 
     async fn answer_request(

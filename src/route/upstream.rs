@@ -22,10 +22,10 @@ use tokio::time::Instant;
 use super::engine_http::{Connections, EngineBody, SendError};
 use super::request::Kind;
 use super::servers::Thresholds;
+use crate::auth::Secret;
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
 use crate::http::Request;
-use crate::listener::Secret;
 use crate::metrics::RouteOutcome;
 
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).

@@ -38,12 +38,13 @@ use log::{info, warn};
 use parking_lot::Mutex;
 use tokio::runtime::{Handle, Runtime};
 
+use crate::auth::Secret;
 use crate::config::{is_loopback_listen, Config, ConfigError};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
 use crate::http::dynamo::DynamoApi;
 use crate::http::{Api, BoundHttp, DrainCut, HttpServer, Limits as ServerLimits};
 use crate::index::Index;
-use crate::listener::{Replication, Secret};
+use crate::listener::Replication;
 use crate::metrics::Metrics;
 use crate::plan;
 use crate::registry::{self, Reconciler, Registry, ReloadDiff, Runner, ShutdownSignal};

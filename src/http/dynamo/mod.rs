@@ -18,9 +18,9 @@ use std::sync::Arc;
 use crate::http::Request;
 
 use super::{Reply, Routes};
+use crate::auth::CurrentSecret;
 use crate::discover::EndpointPolicy;
 use crate::index::Index;
-use crate::listener::CurrentSecret;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
 use crate::registry::Reconciler;
