@@ -15,10 +15,10 @@ type U64Gauge = Gauge<u64, AtomicU64>;
 /// What a thread of the process is, by the name it was given (`/proc/self/task/*/comm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum ThreadKind {
-    /// The tokio runtime's workers, one a core (HTTP connections, background tasks).
+    /// The tokio runtime's threads (`kv-runtime`): its workers, one a core (HTTP connections,
+    /// background tasks), and its blocking pool (routes and blocking jobs; a blocking thread
+    /// ends 10 s after its last).
     Runtime,
-    /// The runtime's blocking threads: routes and blocking jobs; one ends 10 s after its last.
-    Blocking,
     /// The pollers that drain every rank's SUB socket (`kvi-poller-N`).
     Poller,
     /// Recovery workers (`kvi-recovery-N`) and snapshot fetches (`kvi-snapshot`).
@@ -34,9 +34,8 @@ enum ThreadKind {
 }
 
 impl ThreadKind {
-    const ALL: [ThreadKind; 7] = [
+    const ALL: [ThreadKind; 6] = [
         ThreadKind::Runtime,
-        ThreadKind::Blocking,
         ThreadKind::Poller,
         ThreadKind::Recovery,
         ThreadKind::Zmq,
@@ -47,8 +46,6 @@ impl ThreadKind {
     fn of(name: &str) -> ThreadKind {
         if name.starts_with("kv-runtime") {
             ThreadKind::Runtime
-        } else if name.starts_with("kv-blocking") {
-            ThreadKind::Blocking
         } else if name.starts_with("kvi-poller") {
             ThreadKind::Poller
         } else if name.starts_with("kvi-recovery") || name.starts_with("kvi-snapshot") {
@@ -65,7 +62,6 @@ impl ThreadKind {
     fn label(self) -> &'static str {
         match self {
             ThreadKind::Runtime => "runtime",
-            ThreadKind::Blocking => "blocking",
             ThreadKind::Poller => "poller",
             ThreadKind::Recovery => "recovery",
             ThreadKind::Zmq => "zmq",
@@ -161,7 +157,6 @@ mod tests {
         use super::ThreadKind;
         for (name, kind) in [
             ("kv-runtime", ThreadKind::Runtime),
-            ("kv-blocking", ThreadKind::Blocking),
             ("kvi-poller-1", ThreadKind::Poller),
             ("kvi-recovery-3", ThreadKind::Recovery),
             ("kvi-snapshot", ThreadKind::Recovery),

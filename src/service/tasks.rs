@@ -7,14 +7,9 @@
 //! (`blocking`). Never: decides what a task does, or bounds how long a stop may take (each
 //! task's own stop says what it waits for).
 
-use std::cell::Cell;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use parking_lot::{Condvar, Mutex};
 use tokio::runtime::{Handle, Runtime};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -30,69 +25,17 @@ use tokio::task::JoinHandle;
 /// and ends after 10 s idle, so an idle service keeps none of them.
 const MAX_BLOCKING_THREADS: usize = 256;
 
-/// How long `build_runtime` waits for the workers to start (they do in microseconds): past it,
-/// only the names of the threads may be wrong.
-const WORKERS_START: Duration = Duration::from_secs(1);
-
-/// The one multi-thread runtime of the process: a worker thread per core (`kv-runtime`), and
-/// the blocking pool (`kv-blocking`, at most `MAX_BLOCKING_THREADS`), with I/O and time.
+/// The one multi-thread runtime of the process: a worker thread per core and the blocking
+/// pool (at most `MAX_BLOCKING_THREADS`), all named `kv-runtime`, with I/O and time.
 pub fn build_runtime() -> anyhow::Result<Runtime> {
     let workers = std::thread::available_parallelism().map_or(1, usize::from);
-    // Each worker runs on a thread of the pool, spawned first, as the runtime is built: the
-    // first `workers` threads named are the workers once each has taken its worker, which
-    // `first_parks` tells (a thread spawned before that could take a worker's place).
-    let named = AtomicUsize::new(0);
-    let first_parks = Arc::new(FirstParks::default());
-    let parked = Arc::clone(&first_parks);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .max_blocking_threads(MAX_BLOCKING_THREADS)
-        .thread_name_fn(move || {
-            if named.fetch_add(1, Ordering::Relaxed) < workers {
-                "kv-runtime".into()
-            } else {
-                "kv-blocking".into()
-            }
-        })
-        .on_thread_park(move || parked.park())
+        .thread_name("kv-runtime")
         .enable_all()
         .build()
-        .context("starting the tokio runtime")?;
-    first_parks.wait_for(workers, WORKERS_START);
-    Ok(runtime)
-}
-
-/// How many workers have parked once: a worker parks only from inside its worker, so one that
-/// has parked has taken it for good.
-#[derive(Default)]
-struct FirstParks {
-    count: Mutex<usize>,
-    changed: Condvar,
-}
-
-impl FirstParks {
-    /// Every park of a worker (the runtime calls it on workers only); counts its first.
-    fn park(&self) {
-        thread_local! {
-            static PARKED: Cell<bool> = const { Cell::new(false) };
-        }
-        if PARKED.replace(true) {
-            return;
-        }
-        *self.count.lock() += 1;
-        self.changed.notify_all();
-    }
-
-    /// Until `workers` have parked, or for `bound` at most.
-    fn wait_for(&self, workers: usize, bound: Duration) {
-        let deadline = Instant::now() + bound;
-        let mut count = self.count.lock();
-        while *count < workers {
-            if self.changed.wait_until(&mut count, deadline).timed_out() {
-                return;
-            }
-        }
-    }
+        .context("starting the tokio runtime")
 }
 
 /// A background task and its stop signal. `stop` signals and waits for its end; dropping it
@@ -171,33 +114,27 @@ where
 mod tests {
     use super::*;
 
-    /// Without the wait for the workers' first parks it fails now and then: a blocking thread
-    /// spawned at once can take a worker (and its name).
+    /// `kv_indexer_threads_by_kind{kind="runtime"}` counts the threads by this name.
     #[test]
-    fn tasks_run_on_kv_runtime_threads_and_blocking_work_on_kv_blocking_threads() {
+    fn tasks_and_blocking_work_run_on_threads_named_kv_runtime() {
         let runtime = build_runtime().expect("the runtime");
         let name = || std::thread::current().name().map(str::to_string);
         let names = runtime.block_on(async {
-            let tasks: Vec<_> = (0..64)
+            let tasks: Vec<_> = (0..16)
                 .map(|_| tokio::spawn(async move { name() }))
                 .collect();
             let blocking: Vec<_> = (0..4).map(|_| tokio::task::spawn_blocking(name)).collect();
             let mut names = Vec::new();
             for handle in tasks {
-                names.push(("task", handle.await.expect("a task")));
+                names.push(handle.await.expect("a task"));
             }
             for handle in blocking {
-                names.push(("blocking", handle.await.expect("blocking work")));
+                names.push(handle.await.expect("blocking work"));
             }
             names
         });
-        for (what, name) in names {
-            let expected = if what == "task" {
-                "kv-runtime"
-            } else {
-                "kv-blocking"
-            };
-            assert_eq!(name.as_deref(), Some(expected), "{what}");
+        for name in names {
+            assert_eq!(name.as_deref(), Some("kv-runtime"));
         }
         runtime.shutdown_background();
     }
