@@ -170,6 +170,18 @@ pub trait Routes: Send + Sync + 'static {
     /// Answers `request`, whose whole body is `body`.
     fn route(&self, request: &Request, body: &[u8]) -> Reply;
     fn metrics(&self) -> &Metrics;
+    /// Whether `request` is answered where it was read, on the runtime's thread, rather than
+    /// on a blocking thread: a route that only reads a flag or a published value, so that a
+    /// load balancer's check never waits for a place among the routes doing work.
+    fn answers_at_once(&self, _request: &Request) -> bool {
+        false
+    }
+}
+
+/// `GET` or `HEAD` of one of `paths`.
+pub(crate) fn is_check(request: &Request, paths: &[&str]) -> bool {
+    matches!(*request.method(), http::Method::GET | http::Method::HEAD)
+        && paths.contains(&request.path())
 }
 
 impl Routes for Api {
@@ -179,6 +191,10 @@ impl Routes for Api {
 
     fn route(&self, request: &Request, body: &[u8]) -> Reply {
         table::dispatch(API_ROUTES, self, &self.secret, request, body)
+    }
+
+    fn answers_at_once(&self, request: &Request) -> bool {
+        is_check(request, &["/health", "/ready"])
     }
 
     fn metrics(&self) -> &Metrics {
@@ -458,5 +474,40 @@ impl Reply {
             headers.insert(name, http::HeaderValue::from_static(value));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod checks {
+    use super::{is_check, Request};
+
+    fn request(method: &str, target: &str) -> Request {
+        let (parts, ()) = http::Request::builder()
+            .method(method)
+            .uri(target)
+            .body(())
+            .expect("a request")
+            .into_parts();
+        Request::new(parts, "127.0.0.1:1".parse().expect("an address"))
+    }
+
+    /// Only a read of a check is answered where it was read, never a route that works.
+    #[test]
+    fn only_a_get_or_head_of_a_check_is_answered_at_once() {
+        let checks = ["/health", "/ready"];
+        for (method, target, at_once) in [
+            ("GET", "/health", true),
+            ("HEAD", "/ready", true),
+            ("GET", "/ready?verbose=1", true),
+            ("POST", "/health", false),
+            ("GET", "/workers", false),
+            ("GET", "/healthz", false),
+        ] {
+            assert_eq!(
+                is_check(&request(method, target), &checks),
+                at_once,
+                "{method} {target}"
+            );
+        }
     }
 }

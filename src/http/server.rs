@@ -518,6 +518,13 @@ async fn answer(
         Answerer::Routes(routes) => Arc::clone(routes),
         Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
     };
+    if routes.answers_at_once(&request) {
+        let reply = routes.route(&request, &bytes);
+        if reply.status >= 400 {
+            shared.answerer.metrics().http_error(reply.status);
+        }
+        return reply.into_response(shape);
+    }
     let large = match bytes.len() >= LARGE_BODY_BYTES {
         true => {
             let waiting = Arc::clone(&shared.large).acquire_owned();

@@ -48,6 +48,10 @@ impl Routes for DynamoApi {
         crate::http::table::dispatch(routes::DYNAMO_ROUTES, self, &self.secret, request, body)
     }
 
+    fn answers_at_once(&self, request: &Request) -> bool {
+        crate::http::is_check(request, &["/health"])
+    }
+
     fn metrics(&self) -> &Metrics {
         &self.metrics
     }
