@@ -4,8 +4,10 @@
 //! `--recover-port + r`, and vLLM's API server on `--api-port`: `GET /kv_event_sources` (what
 //! the indexer's `discover` asks) and `POST /scale_elastic_ep` to add or remove ranks while it
 //! runs; with `--openai-port`, vLLM's OpenAI API (`/v1/completions`, `/v1/chat/completions`,
-//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`). It runs a
-//! workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
+//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`), each rank
+//! contending as one GPU near an 8B model (`OpenAiConfig::gpu_8b`: a batch of `--max-running`,
+//! a queue, prefills sharing `--prefill-tokens-per-s`, decode steps slowing with the batch). It
+//! runs a workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
 //!
 //! ```text
 //! cargo run --example mock_engine -- --dp-size 2 --requests 500 --rate 50
@@ -188,10 +190,17 @@ fn main() -> Result<()> {
     }
     if let Some(server) = engine.openai() {
         info!(
-            "OpenAI API {}/v1 (port {}), model {:?}",
+            "OpenAI API {}/v1 (port {}), model {:?}; each rank: prefill {} tokens/s shared, \
+             first token floor {} µs, {} µs a token alone (+{}% per other request in the batch), \
+             {} requests a batch",
             server.url(),
             server.port(),
-            server.model()
+            server.model(),
+            args.prefill_tokens_per_s,
+            args.first_token_floor_us,
+            args.inter_token_us,
+            args.decode_slowdown * 100.0,
+            args.max_running
         );
     }
     info!(

@@ -231,7 +231,7 @@ impl Rank {
             if free == 0 {
                 break;
             }
-            job.phase = Phase::Floor(at + limits.floor);
+            job.phase = Phase::Floor(after(at, limits.floor.as_secs_f64()));
             job.admitted = Some(at);
             free -= 1;
             admitted = true;
@@ -250,8 +250,8 @@ impl Rank {
                 let at = match job.phase {
                     Phase::Waiting => return None,
                     Phase::Floor(until) => until,
-                    Phase::Prefill => clock + seconds(job.work * prefilling),
-                    Phase::Decode => clock + seconds((job.last() - job.made) * step),
+                    Phase::Prefill => after(clock, job.work * prefilling),
+                    Phase::Decode => after(clock, (job.last() - job.made) * step),
                 };
                 Some((at, index))
             })
@@ -316,10 +316,10 @@ impl Rank {
         let token = f64::from(token);
         match job.phase {
             Phase::Decode if token <= job.made + TOKEN_EPSILON => Due::Ready,
-            Phase::Decode => Due::At(clock + seconds((token - job.made) * step)),
+            Phase::Decode => Due::At(after(clock, (token - job.made) * step)),
             Phase::Prefill => {
                 let prefill = job.work * self.prefilling() as f64;
-                Due::At(clock + seconds(prefill + token * step))
+                Due::At(after(clock, prefill + token * step))
             }
             Phase::Floor(until) => Due::At(until),
             // Looks again at the rank's next event: a place may free then.
@@ -330,8 +330,13 @@ impl Rank {
     }
 }
 
-fn seconds(seconds: f64) -> Duration {
-    Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)
+/// `seconds` after `clock`; a time past what an instant holds is a year away, as good as never.
+fn after(clock: Instant, seconds: f64) -> Instant {
+    let never = || clock + Duration::from_secs(365 * 24 * 3600);
+    Duration::try_from_secs_f64(seconds.max(0.0))
+        .ok()
+        .and_then(|wait| clock.checked_add(wait))
+        .unwrap_or_else(never)
 }
 
 /// Every rank's batch; shared by the server's answers.
