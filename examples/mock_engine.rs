@@ -87,7 +87,7 @@ struct Args {
     first_token_floor_us: u64,
     /// A rank's prefill throughput, in uncached prompt tokens a second, shared by the prefills
     /// in flight.
-    #[arg(long, default_value_t = 1.0 / OpenAiConfig::gpu_8b().prefill_per_token.as_secs_f64())]
+    #[arg(long, default_value_t = (1.0 / OpenAiConfig::gpu_8b().prefill_per_token.as_secs_f64()).round())]
     prefill_tokens_per_s: f64,
     /// Time between two output tokens of a request alone on its rank, in microseconds.
     #[arg(long, default_value_t = micros(OpenAiConfig::gpu_8b().inter_token))]
