@@ -6,7 +6,8 @@
 //! runs; with `--openai-port`, vLLM's OpenAI API (`/v1/completions`, `/v1/chat/completions`,
 //! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`), each rank
 //! contending as one GPU near an 8B model (`OpenAiConfig::gpu_8b`: a batch of `--max-running`,
-//! a queue, prefills sharing `--prefill-tokens-per-s`, decode steps slowing with the batch). It
+//! a queue, prefills sharing `--prefill-tokens-per-s`, decode steps slowing with the batch and
+//! with the `--prefill-chunk` computed beside them). It
 //! runs a workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
 //!
 //! ```text
@@ -99,6 +100,11 @@ struct Args {
     /// inter_token × (1 + slowdown × (batch − 1)).
     #[arg(long, default_value_t = OpenAiConfig::gpu_8b().decode_slowdown)]
     decode_slowdown: f64,
+    /// Prompt tokens a rank's step computes beside its decodes (vLLM's chunked prefill,
+    /// --max-num-batched-tokens): such a step is that much longer; 0: prefills and decodes do
+    /// not slow each other.
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().prefill_chunk.unwrap_or(0))]
+    prefill_chunk: u32,
     /// Host to bind: an IP, `*` or an IPv6 literal.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
@@ -192,7 +198,7 @@ fn main() -> Result<()> {
         info!(
             "OpenAI API {}/v1 (port {}), model {:?}; each rank: prefill {} tokens/s shared, \
              first token floor {} µs, {} µs a token alone (+{}% per other request in the batch), \
-             {} requests a batch",
+             {} requests a batch, {} prompt tokens a step beside the decodes (0: off)",
             server.url(),
             server.port(),
             server.model(),
@@ -200,7 +206,8 @@ fn main() -> Result<()> {
             args.first_token_floor_us,
             args.inter_token_us,
             args.decode_slowdown * 100.0,
-            args.max_running
+            args.max_running,
+            args.prefill_chunk
         );
     }
     info!(
@@ -250,6 +257,7 @@ fn openai_config(args: &Args) -> Result<OpenAiConfig> {
         inter_token: Duration::from_micros(args.inter_token_us),
         max_running: args.max_running,
         decode_slowdown: args.decode_slowdown,
+        prefill_chunk: (args.prefill_chunk != 0).then_some(args.prefill_chunk),
         ..OpenAiConfig::gpu_8b()
     })
 }

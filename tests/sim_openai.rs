@@ -733,3 +733,43 @@ fn decode_steps_slow_with_the_batch() {
     // Ten steps of the four at 2.5 times the lone step: the stream waited for each token.
     assert!(streamed > inter_token * 15, "{streamed:?}: {timings:?}");
 }
+
+/// With a prefill chunk, a prompt prefilled beside a decoding stream shares each step with it:
+/// the prefill goes at the chunk's share of the step (half here: 10 ms of prompt a 10 ms
+/// decode step) and the stream's tokens come a step of 20 ms apart meanwhile (the rank's own
+/// figures).
+#[test]
+fn a_prefill_beside_a_decode_shares_its_steps() {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            first_token_floor: Duration::from_millis(1),
+            prefill_per_token: Duration::from_millis(1),
+            inter_token: Duration::from_millis(10),
+            prefill_chunk: Some(10),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let decoding = completion(
+        json!(token_prompt(30_000, 5)),
+        json!({"max_tokens": 101, "stream": true}),
+    );
+    let mut stream = post(addr, "/v1/completions", &[], &decoding);
+    stream.next_event().expect("read").expect("the first token");
+    all_at_once(addr, &[31_000], 300, 1);
+    while stream.next_event().expect("read").is_some() {}
+    let timings = server.timings();
+    assert_eq!(timings.len(), 2, "{timings:?}");
+    let prefill = timings
+        .iter()
+        .find(|t| t.tokens == 1)
+        .expect("the prefill's timing");
+    assert!(prefill.prefill > Duration::from_millis(450), "{timings:?}");
+    let decode = timings
+        .iter()
+        .find(|t| t.tokens == 101)
+        .expect("the stream's timing");
+    let inter = decode.inter_token().expect("steps");
+    assert!(inter > Duration::from_micros(11_500), "{timings:?}");
+}

@@ -4,8 +4,11 @@
 //! (`1 / prefill_per_token`) shared evenly with the other prefills in flight (processor
 //! sharing: n prefills each progress at throughput / n); its first token comes at the end of its
 //! prefill, then one token each decode step of `inter_token × (1 + decode_slowdown × (batch −
-//! 1))`, the batch being every admitted request of the rank. A request leaves the batch at its
-//! last token or when its client goes away, and the first waiting one takes its place.
+//! 1))`, the batch being every admitted request of the rank. With a `prefill_chunk`, a step
+//! taken while prefills and decodes are both in flight also computes that many prompt tokens
+//! (vLLM's chunked prefill): it is longer by their time, and the prefills go at the chunk's
+//! share of it. A request leaves the batch at its last token or when its client goes away, and
+//! the first waiting one takes its place.
 //!
 //! The state is advanced lazily, to the exact instant of each event in turn, by whoever looks
 //! (a waiting answer, `/metrics`, a request arriving or leaving): a lone request's timeline is
@@ -74,6 +77,18 @@ struct Limits {
     inter_token: f64,
     max_running: usize,
     decode_slowdown: f64,
+    /// Seconds of a lone prefill a step computes beside the decodes (`prefill_chunk` tokens);
+    /// `None`: prefills and decodes do not slow each other.
+    chunk: Option<f64>,
+}
+
+/// How fast the rank goes as its batch is now.
+#[derive(Clone, Copy, Debug)]
+struct Rates {
+    /// Seconds of a decode step.
+    step: f64,
+    /// Seconds of a lone prefill each prefill computes a second.
+    prefill: f64,
 }
 
 impl Limits {
@@ -91,13 +106,35 @@ impl Limits {
             inter_token: config.inter_token.as_secs_f64(),
             max_running: usize::try_from(config.max_running).unwrap_or(usize::MAX),
             decode_slowdown: slowdown,
+            chunk: match config.prefill_chunk {
+                Some(0) => bail!("prefill_chunk is 0: a prefill beside a decode would never end"),
+                Some(tokens) => Some(f64::from(tokens) * config.prefill_per_token.as_secs_f64()),
+                None => None,
+            },
         })
     }
 
-    /// Seconds of a decode step with `batch` requests admitted.
-    fn step(&self, batch: usize) -> f64 {
+    /// The rates with `batch` requests admitted, `prefilling` of them computing their prompt
+    /// and `decoding` making tokens. Prefills share the throughput evenly; with a chunk, a step
+    /// beside prefills also computes a chunk of them (vLLM's chunked prefill), so it is longer
+    /// and the prefills get the chunk's share of it.
+    fn rates(&self, batch: usize, prefilling: usize, decoding: usize) -> Rates {
         let others = batch.saturating_sub(1) as f64;
-        self.inter_token * (1.0 + self.decode_slowdown * others)
+        let step = self.inter_token * (1.0 + self.decode_slowdown * others);
+        let shares = prefilling.max(1) as f64;
+        match self.chunk {
+            Some(chunk) if prefilling > 0 && decoding > 0 => {
+                let step = step + chunk;
+                Rates {
+                    step,
+                    prefill: chunk / step / shares,
+                }
+            }
+            _ => Rates {
+                step,
+                prefill: 1.0 / shares,
+            },
+        }
     }
 }
 
@@ -158,11 +195,9 @@ impl Rank {
             .count()
     }
 
-    fn prefilling(&self) -> usize {
-        self.jobs
-            .iter()
-            .filter(|j| j.phase == Phase::Prefill)
-            .count()
+    fn rates(&self, limits: &Limits) -> Rates {
+        let count = |phase| self.jobs.iter().filter(|j| j.phase == phase).count();
+        limits.rates(self.running(), count(Phase::Prefill), count(Phase::Decode))
     }
 
     /// Brings the state to `now`, event by event; finished jobs go to `finished` with the
@@ -241,8 +276,7 @@ impl Rank {
 
     /// The earliest event from `clock` at the current rates, and the job it happens to.
     fn next_event(&self, clock: Instant, limits: &Limits) -> Option<(Instant, usize)> {
-        let prefilling = self.prefilling() as f64;
-        let step = limits.step(self.running());
+        let rates = self.rates(limits);
         self.jobs
             .iter()
             .enumerate()
@@ -250,8 +284,8 @@ impl Rank {
                 let at = match job.phase {
                     Phase::Waiting => return None,
                     Phase::Floor(until) => until,
-                    Phase::Prefill => after(clock, job.work * prefilling),
-                    Phase::Decode => after(clock, (job.last() - job.made) * step),
+                    Phase::Prefill => after(clock, job.work / rates.prefill),
+                    Phase::Decode => after(clock, (job.last() - job.made) * rates.step),
                 };
                 Some((at, index))
             })
@@ -264,12 +298,11 @@ impl Rank {
             return;
         }
         let elapsed = elapsed.as_secs_f64();
-        let prefilling = self.prefilling() as f64;
-        let step = limits.step(self.running());
+        let rates = self.rates(limits);
         for job in &mut self.jobs {
             match job.phase {
-                Phase::Prefill => job.work = (job.work - elapsed / prefilling).max(0.0),
-                Phase::Decode => job.made += elapsed / step,
+                Phase::Prefill => job.work = (job.work - elapsed * rates.prefill).max(0.0),
+                Phase::Decode => job.made += elapsed / rates.step,
                 Phase::Waiting | Phase::Floor(_) => {}
             }
         }
@@ -312,14 +345,14 @@ impl Rank {
         let Some(clock) = self.clock else {
             return Due::Unknown;
         };
-        let step = limits.step(self.running());
+        let rates = self.rates(limits);
         let token = f64::from(token);
         match job.phase {
             Phase::Decode if token <= job.made + TOKEN_EPSILON => Due::Ready,
-            Phase::Decode => Due::At(after(clock, (token - job.made) * step)),
+            Phase::Decode => Due::At(after(clock, (token - job.made) * rates.step)),
             Phase::Prefill => {
-                let prefill = job.work * self.prefilling() as f64;
-                Due::At(after(clock, prefill + token * step))
+                let prefill = job.work / rates.prefill;
+                Due::At(after(clock, prefill + token * rates.step))
             }
             Phase::Floor(until) => Due::At(until),
             // Looks again at the rank's next event: a place may free then.
