@@ -24,7 +24,7 @@ mod metrics;
 mod routes;
 mod scheduler;
 
-pub use scheduler::RequestTiming;
+pub use scheduler::{BatchConfigError, RequestTiming};
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;

@@ -25,7 +25,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use anyhow::{bail, Result};
 use parking_lot::Mutex;
 use tokio::time::{Instant, Sleep};
 
@@ -40,6 +39,17 @@ const WORK_EPSILON: f64 = 1e-9;
 
 /// Output tokens this close to the next count as made, for the same reason.
 const TOKEN_EPSILON: f64 = 1e-6;
+
+/// A batch setting no rank could run with.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BatchConfigError {
+    #[error("max_running is 0: no request could ever run")]
+    NoPlace,
+    #[error("decode_slowdown must be a finite number ≥ 0, got {0}")]
+    Slowdown(f64),
+    #[error("prefill_chunk is 0: a prefill beside a decode would never end")]
+    EmptyChunk,
+}
 
 /// How a finished request's time went, as the rank measured it.
 #[derive(Clone, Debug, PartialEq)]
@@ -92,13 +102,13 @@ struct Rates {
 }
 
 impl Limits {
-    fn new(config: &OpenAiConfig) -> Result<Limits> {
+    fn new(config: &OpenAiConfig) -> Result<Limits, BatchConfigError> {
         if config.max_running == 0 {
-            bail!("max_running is 0: no request could ever run");
+            return Err(BatchConfigError::NoPlace);
         }
         let slowdown = config.decode_slowdown;
         if !slowdown.is_finite() || slowdown < 0.0 {
-            bail!("decode_slowdown must be a finite number ≥ 0, got {slowdown}");
+            return Err(BatchConfigError::Slowdown(slowdown));
         }
         Ok(Limits {
             floor: config.first_token_floor,
@@ -107,7 +117,7 @@ impl Limits {
             max_running: usize::try_from(config.max_running).unwrap_or(usize::MAX),
             decode_slowdown: slowdown,
             chunk: match config.prefill_chunk {
-                Some(0) => bail!("prefill_chunk is 0: a prefill beside a decode would never end"),
+                Some(0) => return Err(BatchConfigError::EmptyChunk),
                 Some(tokens) => Some(f64::from(tokens) * config.prefill_per_token.as_secs_f64()),
                 None => None,
             },
@@ -417,7 +427,7 @@ impl State {
 }
 
 impl Scheduler {
-    pub(super) fn new(config: &OpenAiConfig) -> Result<Arc<Scheduler>> {
+    pub(super) fn new(config: &OpenAiConfig) -> Result<Arc<Scheduler>, BatchConfigError> {
         Ok(Arc::new(Scheduler {
             limits: Limits::new(config)?,
             state: Mutex::new(State::default()),

@@ -209,3 +209,32 @@ fn a_chunked_prefill_beside_decodes_slows_them_and_goes_at_the_chunks_share() {
     model.run_to(1_000.0);
     assert_ms("first", model.first_token(0), 210.0);
 }
+
+#[test]
+fn settings_no_rank_could_run_with_are_refused() {
+    let refused = |config: OpenAiConfig| Limits::new(&config).err();
+    assert_eq!(refused(OpenAiConfig::default()), None);
+    assert_eq!(refused(OpenAiConfig::gpu_8b()), None);
+    let config = |max_running, decode_slowdown, prefill_chunk| OpenAiConfig {
+        max_running,
+        decode_slowdown,
+        prefill_chunk,
+        ..OpenAiConfig::gpu_8b()
+    };
+    assert_eq!(
+        refused(config(0, 0.0, None)),
+        Some(BatchConfigError::NoPlace)
+    );
+    assert_eq!(
+        refused(config(1, -0.5, None)),
+        Some(BatchConfigError::Slowdown(-0.5))
+    );
+    assert!(matches!(
+        refused(config(1, f64::NAN, None)),
+        Some(BatchConfigError::Slowdown(_))
+    ));
+    assert_eq!(
+        refused(config(1, 0.0, Some(0))),
+        Some(BatchConfigError::EmptyChunk)
+    );
+}
