@@ -205,14 +205,30 @@ impl Rank {
             .count()
     }
 
+    /// One pass over the jobs: the rates as the batch is now.
     fn rates(&self, limits: &Limits) -> Rates {
-        let count = |phase| self.jobs.iter().filter(|j| j.phase == phase).count();
-        limits.rates(self.running(), count(Phase::Prefill), count(Phase::Decode))
+        let (mut running, mut prefilling, mut decoding) = (0, 0, 0);
+        for job in &self.jobs {
+            match job.phase {
+                Phase::Waiting => continue,
+                Phase::Floor(_) => {}
+                Phase::Prefill => prefilling += 1,
+                Phase::Decode => decoding += 1,
+            }
+            running += 1;
+        }
+        limits.rates(running, prefilling, decoding)
+    }
+
+    /// Job `id`'s place: the jobs are in arrival order, so in the order of their ids.
+    fn find(&self, id: u64) -> Option<usize> {
+        self.jobs.binary_search_by_key(&id, |job| job.id).ok()
     }
 
     /// Brings the state to `now`, event by event; finished jobs go to `finished` with the
-    /// instant of their last token. Returns whether anything but progress happened (then the
-    /// answers waiting are woken, some being due sooner).
+    /// instant of their last token. Returns whether an event may have brought a job's next
+    /// token sooner (then the answers waiting are woken to look again; one slowed down wakes
+    /// at the instant it was given and looks again then).
     fn advance(
         &mut self,
         now: Instant,
@@ -232,9 +248,8 @@ impl Rank {
             }
             self.progress(at - clock, limits);
             clock = at;
-            self.settle(index, at, finished);
-            self.admit(at, limits);
-            changed = true;
+            changed |= self.settle(index, at, finished);
+            changed |= self.admit(at, limits);
         }
         self.progress(now - clock, limits);
         self.clock = Some(now);
@@ -319,8 +334,9 @@ impl Rank {
     }
 
     /// The steps done at `at`: the one `next_event` found for `index` exactly, and the others
-    /// within rounding.
-    fn settle(&mut self, index: usize, at: Instant, finished: &mut Vec<(Job, Instant)>) {
+    /// within rounding. Returns whether one may speed the others up: a prefill over (one
+    /// sharer fewer) or a request gone (a smaller batch); a floor over only slows them.
+    fn settle(&mut self, index: usize, at: Instant, finished: &mut Vec<(Job, Instant)>) -> bool {
         if let Some(job) = self.jobs.get_mut(index) {
             match job.phase {
                 Phase::Prefill => job.work = 0.0,
@@ -328,7 +344,7 @@ impl Rank {
                 Phase::Waiting | Phase::Floor(_) => {}
             }
         }
-        let mut index = 0;
+        let (mut index, mut sooner) = (0, false);
         while let Some(job) = self.jobs.get_mut(index) {
             if matches!(job.phase, Phase::Floor(until) if until <= at) {
                 job.phase = Phase::Prefill;
@@ -337,18 +353,21 @@ impl Rank {
                 job.phase = Phase::Decode;
                 job.first_token = Some(at);
                 job.made = 0.0;
+                sooner = true;
             }
             if job.phase == Phase::Decode && job.made >= job.last() - TOKEN_EPSILON {
                 finished.push((self.jobs.remove(index), at));
+                sooner = true;
                 continue;
             }
             index += 1;
         }
+        sooner
     }
 
     /// When the answer of job `id` can have its token `token` (0: the first).
     fn due(&self, id: u64, token: u32, limits: &Limits) -> Due {
-        let Some(job) = self.jobs.iter().find(|j| j.id == id) else {
+        let Some(job) = self.find(id).map(|index| &self.jobs[index]) else {
             // Finished: every token is made.
             return Due::Ready;
         };
@@ -500,8 +519,8 @@ impl Slot {
                 // Rounding: the event is this instant.
                 Due::At(at) if at <= now => return Poll::Ready(()),
                 Due::At(_) | Due::Unknown => {
-                    if let Some(job) = rank.jobs.iter_mut().find(|j| j.id == self.id) {
-                        job.waker = Some(cx.waker().clone());
+                    if let Some(index) = rank.find(self.id) {
+                        rank.jobs[index].waker = Some(cx.waker().clone());
                     }
                 }
             }
@@ -529,7 +548,7 @@ impl Drop for Slot {
         let limits = &self.scheduler.limits;
         let mut state = self.scheduler.state.lock();
         let rank = state.rank_at(self.rank, now, limits);
-        let Some(index) = rank.jobs.iter().position(|j| j.id == self.id) else {
+        let Some(index) = rank.find(self.id) else {
             return;
         };
         // The others go faster now, and a waiting one may take the place.
