@@ -4,8 +4,11 @@
 //! `--recover-port + r`, and vLLM's API server on `--api-port`: `GET /kv_event_sources` (what
 //! the indexer's `discover` asks) and `POST /scale_elastic_ep` to add or remove ranks while it
 //! runs; with `--openai-port`, vLLM's OpenAI API (`/v1/completions`, `/v1/chat/completions`,
-//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`). It runs a
-//! workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
+//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`), each rank
+//! contending as one GPU near an 8B model (`OpenAiConfig::gpu_8b`: a batch of `--max-running`,
+//! a queue, prefills sharing `--prefill-tokens-per-s`, decode steps slowing with the batch and
+//! with the `--prefill-chunk` computed beside them). It
+//! runs a workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
 //!
 //! ```text
 //! cargo run --example mock_engine -- --dp-size 2 --requests 500 --rate 50
@@ -20,7 +23,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use log::info;
 
@@ -91,14 +94,27 @@ struct Args {
     #[arg(long)]
     write_tokenizers: Option<PathBuf>,
     /// Time to a request's first token with nothing to compute, in microseconds.
-    #[arg(long, default_value_t = micros(OpenAiConfig::default().first_token_floor))]
+    #[arg(long, default_value_t = micros(OpenAiConfig::gpu_8b().first_token_floor))]
     first_token_floor_us: u64,
-    /// Prefill time per uncached prompt token, in microseconds.
-    #[arg(long, default_value_t = micros(OpenAiConfig::default().prefill_per_token))]
-    prefill_per_token_us: u64,
-    /// Time between two output tokens, in microseconds.
-    #[arg(long, default_value_t = micros(OpenAiConfig::default().inter_token))]
+    /// A rank's prefill throughput, in uncached prompt tokens a second, shared by the prefills
+    /// in flight.
+    #[arg(long, default_value_t = (1.0 / OpenAiConfig::gpu_8b().prefill_per_token.as_secs_f64()).round())]
+    prefill_tokens_per_s: f64,
+    /// Time between two output tokens of a request alone on its rank, in microseconds.
+    #[arg(long, default_value_t = micros(OpenAiConfig::gpu_8b().inter_token))]
     inter_token_us: u64,
+    /// Requests a rank runs at once (vLLM's --max-num-seqs); the next wait their turn.
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().max_running)]
+    max_running: u32,
+    /// How much each other request in a rank's batch lengthens its decode step:
+    /// inter_token × (1 + slowdown × (batch − 1)).
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().decode_slowdown)]
+    decode_slowdown: f64,
+    /// Prompt tokens a rank's step computes beside its decodes (vLLM's chunked prefill,
+    /// --max-num-batched-tokens): such a step is that much longer; 0: prefills and decodes do
+    /// not slow each other.
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().prefill_chunk.unwrap_or(0))]
+    prefill_chunk: u32,
     /// When the OpenAI server's answers carry `usage.prompt_tokens_details`.
     #[arg(long, value_enum, default_value_t = DetailsArg::Always)]
     prompt_tokens_details: DetailsArg,
@@ -193,10 +209,18 @@ fn main() -> Result<()> {
     }
     if let Some(server) = engine.openai() {
         info!(
-            "OpenAI API {}/v1 (port {}), model {:?}",
+            "OpenAI API {}/v1 (port {}), model {:?}; each rank: prefill {} tokens/s shared, \
+             first token floor {} µs, {} µs a token alone (+{}% per other request in the batch), \
+             {} requests a batch, {} prompt tokens a step beside the decodes (0: off)",
             server.url(),
             server.port(),
-            server.model()
+            server.model(),
+            args.prefill_tokens_per_s,
+            args.first_token_floor_us,
+            args.inter_token_us,
+            args.decode_slowdown * 100.0,
+            args.max_running,
+            args.prefill_chunk
         );
     }
     info!(
@@ -232,18 +256,27 @@ fn openai_config(args: &Args) -> Result<OpenAiConfig> {
         info!("tokenizer directories written under {}", root.display());
         tokenizer.get_or_insert_with(|| root.join("chatml"));
     }
+    let throughput = args.prefill_tokens_per_s;
+    if !(throughput.is_finite() && throughput > 0.0) {
+        bail!("--prefill-tokens-per-s must be a positive number of tokens, got {throughput}");
+    }
+    let prefill_per_token = Duration::try_from_secs_f64(1.0 / throughput)
+        .with_context(|| format!("--prefill-tokens-per-s {throughput} is too slow"))?;
     Ok(OpenAiConfig {
         model: args.model.clone(),
         tokenizer,
         first_token_floor: Duration::from_micros(args.first_token_floor_us),
-        prefill_per_token: Duration::from_micros(args.prefill_per_token_us),
+        prefill_per_token,
         inter_token: Duration::from_micros(args.inter_token_us),
         prompt_tokens_details: match args.prompt_tokens_details {
             DetailsArg::Always => TokensDetails::Always,
             DetailsArg::WhenCached => TokensDetails::WhenCached,
             DetailsArg::Never => TokensDetails::Never,
         },
-        ..OpenAiConfig::default()
+        max_running: args.max_running,
+        decode_slowdown: args.decode_slowdown,
+        prefill_chunk: (args.prefill_chunk != 0).then_some(args.prefill_chunk),
+        ..OpenAiConfig::gpu_8b()
     })
 }
 

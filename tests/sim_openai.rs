@@ -2,7 +2,8 @@
 //! chats answered with the cached tokens their rank really held (prompts tokenized as the
 //! indexer tokenizes them), the rank chosen by `X-data-parallel-rank` or round-robin, answers
 //! streamed one event at a time, a client leaving mid-stream stopping its generation, and each
-//! injected fault.
+//! injected fault; a rank contending: prefills sharing its throughput, requests past
+//! `max_running` waiting their turn, decode steps slowing with the batch.
 
 mod support;
 
@@ -594,4 +595,181 @@ fn metrics_report_each_ranks_running_requests_and_cache_usage_as_vllm_does() {
     assert_eq!(get(addr, "/metrics").status, 500);
     server.fail_metrics(None);
     assert_eq!(get(addr, "/metrics").status, 200);
+}
+
+/// A one-rank engine whose lone request prefills `ms_per_token` a prompt token and makes a
+/// token each `inter_token`; `max_running` and `decode_slowdown` as given.
+fn contending(
+    ms_per_token: u64,
+    inter_token: Duration,
+    max_running: u32,
+    decode_slowdown: f64,
+) -> (SimEngine, OpenAiServer, SocketAddr) {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            first_token_floor: Duration::from_millis(1),
+            prefill_per_token: Duration::from_millis(ms_per_token),
+            inter_token,
+            max_running,
+            decode_slowdown,
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    (engine, server, addr)
+}
+
+/// Whole completions of `prompts` (their first token ids) sent at once, each on its own
+/// connection; returns once all are answered.
+fn all_at_once(addr: SocketAddr, prompts: &[u32], tokens: u32, max_tokens: u32) {
+    std::thread::scope(|scope| {
+        for &first in prompts {
+            scope.spawn(move || {
+                let body = completion(
+                    json!(token_prompt(first, tokens)),
+                    json!({ "max_tokens": max_tokens }),
+                );
+                let mut answer = post(addr, "/v1/completions", &[], &body);
+                assert_eq!(answer.status, 200);
+                answer.json();
+            });
+        }
+    });
+}
+
+/// Two prompts prefilled at once on one rank share its throughput: each takes about twice
+/// as long as one alone (the rank's own figures; 600 ms of prefill alone).
+#[test]
+fn concurrent_prefills_on_a_rank_share_its_throughput() {
+    let (_engine, server, addr) = contending(1, Duration::from_millis(1), 256, 0.0);
+    all_at_once(addr, &[20_000], 600, 1);
+    all_at_once(addr, &[21_000, 22_000], 600, 1);
+    let timings = server.timings();
+    assert_eq!(timings.len(), 3, "{timings:?}");
+    let alone = timings[0].prefill;
+    assert!(alone >= Duration::from_millis(600), "{timings:?}");
+    for pair in &timings[1..] {
+        let ratio = pair.prefill.as_secs_f64() / alone.as_secs_f64();
+        assert!(ratio > 1.5 && ratio < 2.5, "{ratio}: {timings:?}");
+        assert!(pair.queued.is_zero(), "{timings:?}");
+    }
+}
+
+/// With `max_running` 1 a second request waits while the first runs, `/metrics` showing one
+/// running and one waiting; the first's client leaving gives the place to the second.
+#[test]
+fn past_max_running_a_request_waits_until_a_place_frees() {
+    let (_engine, server, addr) = contending(0, Duration::from_millis(20), 1, 0.0);
+    let long = completion(
+        json!(token_prompt(23_000, 20)),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    let mut first = post(addr, "/v1/completions", &[], &long);
+    first.next_event().expect("read").expect("an event");
+    let gauges = || {
+        let running = gauge(addr, "vllm:num_requests_running", 0);
+        (running, gauge(addr, "vllm:num_requests_waiting", 0))
+    };
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| all_at_once(addr, &[24_000], 20, 2));
+        wait_for(10, "the second request to wait", || {
+            (gauges() == (1.0, 1.0)).then_some(())
+        });
+        let waited_from = Instant::now();
+        assert_eq!(server.waiting_per_rank(), [1]);
+        first
+            .next_event()
+            .expect("read")
+            .expect("the first still runs");
+        let held = waited_from.elapsed();
+        drop(first);
+        second.join().expect("the second is answered");
+        let timings = server.timings();
+        assert_eq!(timings.len(), 1, "only the second finished: {timings:?}");
+        assert!(timings[0].queued >= held, "{timings:?} after {held:?}");
+    });
+    assert_eq!(gauges(), (0.0, 0.0));
+    wait_for(10, "the first's client to count as gone", || {
+        (server.disconnects() == 1).then_some(())
+    });
+}
+
+/// Decode steps slow with the batch: with a slowdown of 0.5 a token takes twice as long as
+/// alone with three requests decoding, 2.5 times with four (the rank's own figures), and a
+/// stream among them gets its events that far apart.
+#[test]
+fn decode_steps_slow_with_the_batch() {
+    let inter_token = Duration::from_millis(20);
+    let (_engine, server, addr) = contending(0, inter_token, 256, 0.5);
+    all_at_once(addr, &[25_000], 20, 11);
+    let streamed = std::thread::scope(|scope| {
+        scope.spawn(|| all_at_once(addr, &[26_000, 27_000, 28_000], 20, 41));
+        wait_for(10, "three requests in the batch", || {
+            (server.running_per_rank() == [3]).then_some(())
+        });
+        let body = completion(
+            json!(token_prompt(29_000, 20)),
+            json!({"max_tokens": 11, "stream": true}),
+        );
+        let mut answer = post(addr, "/v1/completions", &[], &body);
+        answer.next_event().expect("read").expect("the first token");
+        let first = Instant::now();
+        let mut tokens = 1;
+        while let Some(event) = answer.next_event().expect("read") {
+            tokens += u32::from(event != "[DONE]");
+        }
+        assert_eq!(tokens, 11);
+        first.elapsed()
+    });
+    let timings = server.timings();
+    assert_eq!(timings.len(), 5, "{timings:?}");
+    let lone = timings[0].inter_token().expect("ten steps");
+    assert!(lone >= inter_token, "{timings:?}");
+    for timing in &timings[1..] {
+        let ratio = timing.inter_token().expect("steps").as_secs_f64() / lone.as_secs_f64();
+        assert!(ratio > 1.5 && ratio < 2.6, "{ratio}: {timings:?}");
+    }
+    // Ten steps of the four at 2.5 times the lone step: the stream waited for each token.
+    assert!(streamed > inter_token * 15, "{streamed:?}: {timings:?}");
+}
+
+/// With a prefill chunk, a prompt prefilled beside a decoding stream shares each step with it:
+/// the prefill goes at the chunk's share of the step (half here: 10 ms of prompt a 10 ms
+/// decode step) and the stream's tokens come a step of 20 ms apart meanwhile (the rank's own
+/// figures).
+#[test]
+fn a_prefill_beside_a_decode_shares_its_steps() {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            first_token_floor: Duration::from_millis(1),
+            prefill_per_token: Duration::from_millis(1),
+            inter_token: Duration::from_millis(10),
+            prefill_chunk: Some(10),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let decoding = completion(
+        json!(token_prompt(30_000, 5)),
+        json!({"max_tokens": 101, "stream": true}),
+    );
+    let mut stream = post(addr, "/v1/completions", &[], &decoding);
+    stream.next_event().expect("read").expect("the first token");
+    all_at_once(addr, &[31_000], 300, 1);
+    while stream.next_event().expect("read").is_some() {}
+    let timings = server.timings();
+    assert_eq!(timings.len(), 2, "{timings:?}");
+    let prefill = timings
+        .iter()
+        .find(|t| t.tokens == 1)
+        .expect("the prefill's timing");
+    assert!(prefill.prefill > Duration::from_millis(450), "{timings:?}");
+    let decode = timings
+        .iter()
+        .find(|t| t.tokens == 101)
+        .expect("the stream's timing");
+    let inter = decode.inter_token().expect("steps");
+    assert!(inter > Duration::from_micros(11_500), "{timings:?}");
 }
