@@ -6,6 +6,10 @@
 //! then stores its blocks on that rank (which publishes their KV events) and streams its output
 //! tokens; `usage.prompt_tokens_details.cached_tokens` reports what the rank held.
 //!
+//! It also answers, as the engine it plays (`OpenAiConfig::sources`), vLLM's
+//! `GET /kv_event_sources` or SGLang's `GET /server_info` (`sources`), so that its one URL is
+//! all kv-indexer's `--engine` needs.
+//!
 //! `routes` reads requests and chooses the rank, `answer` writes the JSON of an answer and of
 //! its events, `body` is a generating answer's body (each event made when due, and only when
 //! the connection takes it). This file owns the runtime, the listener (closed and reopened on
@@ -19,6 +23,7 @@ mod answer;
 mod body;
 mod metrics;
 mod routes;
+mod sources;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -63,6 +68,21 @@ pub struct OpenAiConfig {
     pub inter_token: Duration,
     /// Prompt plus output tokens a request may ask for (vLLM's `--max-model-len`).
     pub max_model_len: u32,
+    /// Which engine's route tells where the ranks publish.
+    pub sources: EventSources,
+}
+
+/// The route that tells an indexer where the ranks publish their KV events, as each engine
+/// serves it on its OpenAI port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSources {
+    /// vLLM's `GET /kv_event_sources` (0.33 and later).
+    Vllm,
+    /// SGLang's `GET /server_info`: `dp_size` and `kv_events_config`, rank r on port + r (so
+    /// with more than one rank the ranks' ports must be fixed: `SimConfig::port`).
+    Sglang,
+    /// Neither: an engine that publishes no events, or one too old to say where (404).
+    None,
 }
 
 impl Default for OpenAiConfig {
@@ -74,6 +94,7 @@ impl Default for OpenAiConfig {
             prefill_per_token: Duration::from_micros(20),
             inter_token: Duration::from_millis(2),
             max_model_len: 131_072,
+            sources: EventSources::Vllm,
         }
     }
 }
