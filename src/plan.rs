@@ -5,8 +5,8 @@
 //! (`dp_rank_start..dp_rank_start + dp_size`, for one deployment spread over several nodes), its
 //! URLs on `config::rank_port` (the one place "rank r lives on port + r" is written); for a
 //! discovered engine one per rank of its last good answer (endpoint, replay and topic from the
-//! engine, recover port and model from the file). Owns how a spec and its key read in messages
-//! and in the `--check` table. It never opens a socket nor asks an engine: it only computes what
+//! engine, recover port and model from the file, the model else from the engine's answer).
+//! Owns how a spec and its key read in messages and in the `--check` table. It never opens a socket nor asks an engine: it only computes what
 //! the registry should be running, from the file and the answers it is given.
 
 use std::collections::BTreeMap;
@@ -121,7 +121,11 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
             .recover_port
             .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, dp_rank))),
         topic: topic.to_string(),
-        model: engine.model.clone(),
+        // The file's, else the one the engine said it serves: a route picks servers by it.
+        model: engine
+            .model
+            .clone()
+            .or_else(|| discovery.and_then(|discovery| discovery.model.clone())),
         instance_id: engine.instance_id,
         registered_at_runtime: false,
         reports_reused: engine.reports_reused,
@@ -522,7 +526,26 @@ mod tests {
                     topic: "kv".into(),
                 })
                 .collect(),
+            model: None,
         }
+    }
+
+    #[test]
+    fn a_discovered_engines_model_is_the_files_else_the_one_it_serves() {
+        let mut asked = discovered_engine("asked");
+        let served = Discovery {
+            model: Some("served".into()),
+            ..answer(&[(0, "tcp://10.0.0.5:5557", None)])
+        };
+        let models = |engine: &EngineConfig| -> Vec<Option<String>> {
+            expand_engine(engine, Some(&served))
+                .into_iter()
+                .map(|spec| spec.model)
+                .collect()
+        };
+        assert_eq!(models(&asked), [Some("m".to_string())]);
+        asked.model = None;
+        assert_eq!(models(&asked), [Some("served".to_string())]);
     }
 
     #[test]

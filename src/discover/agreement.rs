@@ -123,6 +123,7 @@ mod tests {
                     topic: String::new(),
                 })
                 .collect(),
+            model: None,
         }
     }
 
