@@ -1,0 +1,259 @@
+//! One command to route: the real binary started from engines' URLs alone (`--engine`,
+//! `--route-listen`, or their environment variables), no file, against simulated engines on
+//! 127.0.0.1 whose one OpenAI port also says where their ranks publish: a vLLM-style one
+//! (`GET /kv_event_sources`) and an SGLang-style one (`GET /server_info`, rank r on port + r).
+//! Every wait has a deadline.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use kv_indexer_sim::openai::{EventSources, OpenAiConfig};
+use kv_indexer_sim::ports::free_port_range;
+use kv_indexer_sim::process::IndexerProcess;
+use kv_indexer_sim::server::{SimConfig, SimEngine};
+use kv_indexer_sim::tokenizer_dir;
+use serde_json::json;
+use support::http_client::{get, post};
+use support::{free_port, indexer_binary};
+
+const VLLM_MODEL: &str = "vllm-model";
+const SGLANG_MODEL: &str = "sglang-model";
+
+/// Two ranks behind one OpenAI port serving `model`, saying where they publish as `sources`
+/// does, each with its replay socket (the index is trusted, `active`, once the replay confirms
+/// it). SGLang's answer gives rank 0's ports only (rank r is on port + r), so its ranks are
+/// bound on consecutive ports.
+fn engine(model: &str, sources: EventSources, tokenizers: &Path) -> SimEngine {
+    let consecutive = || free_port_range(2).expect("two consecutive free ports");
+    let (port, replay) = match sources {
+        EventSources::Sglang => (consecutive(), consecutive()),
+        EventSources::Vllm | EventSources::None => (0, 0),
+    };
+    SimEngine::start(SimConfig {
+        dp_size: 2,
+        port,
+        replay_port: Some(replay),
+        recover_port: None,
+        openai_port: Some(0),
+        openai: OpenAiConfig {
+            model: model.into(),
+            // The engine's own; kv-indexer is given none, and routes by load.
+            tokenizer: Some(tokenizers.join("chatml")),
+            sources,
+            ..OpenAiConfig::default()
+        },
+        seed: 11,
+        ..SimConfig::default()
+    })
+    .expect("a simulated engine")
+}
+
+/// The simulator's tokenizer directories, for the engines' own tokenizing.
+fn tokenizers() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(dir.path()).expect("tokenizer directories");
+    dir
+}
+
+fn url(engine: &SimEngine) -> String {
+    engine.openai_url().expect("its OpenAI server runs")
+}
+
+/// The name kv-indexer derives from the engine's URL: host-port.
+fn name(engine: &SimEngine) -> String {
+    format!("127.0.0.1-{}", engine.openai_port().expect("its OpenAI server"))
+}
+
+fn chat(model: &str) -> Vec<u8> {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Which rank answers?"}],
+        "max_tokens": 2,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// `kv-indexer ARGS` in an empty directory (no `indexer.toml` there), with `env`.
+fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().expect("temp dir");
+    Command::new(indexer_binary())
+        .current_dir(dir.path())
+        .args(args)
+        .env_remove("KV_INDEXER_ENGINES")
+        .env_remove("KV_INDEXER_ROUTE_LISTEN")
+        .envs(env.iter().copied())
+        .output()
+        .expect("running kv-indexer")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
+    let tokenizers = tokenizers();
+    let vllm = engine(VLLM_MODEL, EventSources::Vllm, tokenizers.path());
+    let sglang = engine(SGLANG_MODEL, EventSources::Sglang, tokenizers.path());
+    let route = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args = [
+        "--engine".to_string(),
+        url(&vllm),
+        "--engine".to_string(),
+        url(&sglang),
+        "--route-listen".to_string(),
+        route.to_string(),
+    ];
+    let indexer = IndexerProcess::launch(indexer_binary(), "")
+        .without_file()
+        .args(&args)
+        .log_filter("info")
+        .start(Duration::from_secs(20))
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    let api = indexer.address;
+    // Ready: both engines discovered, their four ranks' event links up.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = get(api, "/ready");
+        if ready.status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not ready in 30 s: {}\n{}",
+            ready.text(),
+            indexer.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = indexer.log();
+    assert!(log.contains("no --config and no indexer.toml here"), "{log}");
+    let workers = get(api, "/workers").json();
+    let engines: Vec<(String, String, usize)> = workers
+        .as_array()
+        .expect("a list of engines")
+        .iter()
+        .map(|engine| {
+            let listeners = engine["listeners"].as_array().map_or(0, Vec::len);
+            let name = engine["instance"].as_str().unwrap_or_default().to_string();
+            let model = engine["model"].as_str().unwrap_or_default().to_string();
+            (name, model, listeners)
+        })
+        .collect();
+    let mut expected = vec![
+        (name(&vllm), VLLM_MODEL.to_string(), 2),
+        (name(&sglang), SGLANG_MODEL.to_string(), 2),
+    ];
+    expected.sort();
+    assert_eq!(engines, expected, "{workers}");
+
+    // The front end lists the models the engines said they serve.
+    let models = get(route, "/v1/models").json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .expect("a list of models")
+        .iter()
+        .filter_map(|model| model["id"].as_str())
+        .collect();
+    assert_eq!(ids, [SGLANG_MODEL, VLLM_MODEL], "{models}");
+
+    for (engine, model) in [(&vllm, VLLM_MODEL), (&sglang, SGLANG_MODEL)] {
+        let openai = engine.openai().expect("its OpenAI server");
+        for _ in 0..2 {
+            let reply = post(route, "/v1/chat/completions", &chat(model));
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            // Only the engine serving the model, at the rank the indexer chose, by its header.
+            let chosen = reply.header("x-kv-indexer-rank").expect("the rank chosen");
+            let (engine_name, rank) = chosen.rsplit_once('/').expect("ENGINE/RANK");
+            assert_eq!(engine_name, name(engine), "{model}");
+            let seen = openai.last_request().expect("the engine saw the request");
+            assert_eq!(seen.header("x-data-parallel-rank"), Some(rank), "{model}");
+            // No tokenizer for this model here: routed by load, and the answer says so.
+            let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+            assert!(routing.starts_with("load only"), "{routing}");
+        }
+        assert_eq!(openai.requests(), 2, "{model}: each of its requests, no other");
+    }
+}
+
+#[test]
+fn the_environment_names_the_engines_and_check_prints_what_they_answer() {
+    let tokenizers = tokenizers();
+    let vllm = engine(VLLM_MODEL, EventSources::Vllm, tokenizers.path());
+    let sglang = engine(SGLANG_MODEL, EventSources::Sglang, tokenizers.path());
+    let engines = format!("{}, {}", url(&vllm), url(&sglang));
+    let output = run(
+        &["--check", "--discover"],
+        &[
+            ("KV_INDEXER_ENGINES", &engines),
+            ("KV_INDEXER_ROUTE_LISTEN", "127.0.0.1:18080"),
+        ],
+    );
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    for (engine, model, kind) in [(&vllm, VLLM_MODEL, "vllm"), (&sglang, SGLANG_MODEL, "sglang")] {
+        let rows: Vec<Vec<&str>> = stdout
+            .lines()
+            .filter(|line| line.starts_with(&format!("{} ", name(engine))))
+            .map(|line| line.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows.len(), 2, "{stdout}");
+        for (rank, row) in rows.iter().enumerate() {
+            assert_eq!(row[1], rank.to_string(), "{stdout}");
+            assert_eq!(row[row.len() - 2..], [model, kind], "{stdout}");
+        }
+        assert!(
+            stdout.contains(&format!("  {} -> {}\n", name(engine), url(engine))),
+            "{stdout}"
+        );
+    }
+    assert!(stdout.contains("route: listen 127.0.0.1:18080"), "{stdout}");
+}
+
+#[test]
+fn an_engine_given_by_url_that_clashes_with_a_file_engine_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("indexer.toml");
+    std::fs::write(
+        &file,
+        "[[engine]]\nname = \"127.0.0.1-9\"\nhost = \"127.0.0.1\"\n",
+    )
+    .expect("writing the file");
+    let file = file.display().to_string();
+    let output = run(
+        &[
+            "--check",
+            "--config",
+            &file,
+            "--engine",
+            "http://127.0.0.1:9",
+            "--engine",
+            "http://127.0.0.1:10",
+        ],
+        &[],
+    );
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(
+        stderr.contains(
+            "--engine http://127.0.0.1:9: its name \"127.0.0.1-9\" is an [[engine]] of the file \
+             already"
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("1 problem found; nothing started"), "{stderr}");
+
+    // Without the clash, the file's engine and the flag's are both in the plan.
+    let output = run(
+        &["--check", "--config", &file, "--engine", "http://127.0.0.1:10"],
+        &[],
+    );
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    assert!(stdout.contains("2 engines, 1 listener"), "{stdout}");
+}
