@@ -10,12 +10,12 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kv_indexer::config::{self, Config, Flags, Source};
-use log::info;
 use kv_indexer::discover::{Client, DiscoverError, Limits};
 use kv_indexer::plan::{self, Discoveries};
 use kv_indexer::preflight;
 use kv_indexer::route::RouteFront;
 use kv_indexer::service;
+use log::info;
 
 /// The file read when `--config` is not given, if it exists.
 const DEFAULT_CONFIG: &str = "indexer.toml";
@@ -178,7 +178,11 @@ fn source(args: &Args) -> Source {
             None
         }
     };
-    let env = |name: &str| std::env::var(name).ok().filter(|value| !value.trim().is_empty());
+    let env = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .filter(|value| !value.trim().is_empty())
+    };
     let engines = match args.engines.is_empty() {
         true => env(ENGINES_ENV).map_or_else(Vec::new, |urls| Flags::split_urls(&urls)),
         false => args.engines.clone(),

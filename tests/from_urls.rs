@@ -65,7 +65,10 @@ fn url(engine: &SimEngine) -> String {
 
 /// The name kv-indexer derives from the engine's URL: host-port.
 fn name(engine: &SimEngine) -> String {
-    format!("127.0.0.1-{}", engine.openai_port().expect("its OpenAI server"))
+    format!(
+        "127.0.0.1-{}",
+        engine.openai_port().expect("its OpenAI server")
+    )
 }
 
 fn chat(model: &str) -> Vec<u8> {
@@ -132,7 +135,10 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let log = indexer.log();
-    assert!(log.contains("no --config and no indexer.toml here"), "{log}");
+    assert!(
+        log.contains("no --config and no indexer.toml here"),
+        "{log}"
+    );
     let workers = get(api, "/workers").json();
     let engines: Vec<(String, String, usize)> = workers
         .as_array()
@@ -177,7 +183,11 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
             let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
             assert!(routing.starts_with("load only"), "{routing}");
         }
-        assert_eq!(openai.requests(), 2, "{model}: each of its requests, no other");
+        assert_eq!(
+            openai.requests(),
+            2,
+            "{model}: each of its requests, no other"
+        );
     }
 }
 
@@ -196,7 +206,10 @@ fn the_environment_names_the_engines_and_check_prints_what_they_answer() {
     );
     let stdout = text(&output.stdout);
     assert!(output.status.success(), "{output:?}");
-    for (engine, model, kind) in [(&vllm, VLLM_MODEL, "vllm"), (&sglang, SGLANG_MODEL, "sglang")] {
+    for (engine, model, kind) in [
+        (&vllm, VLLM_MODEL, "vllm"),
+        (&sglang, SGLANG_MODEL, "sglang"),
+    ] {
         let rows: Vec<Vec<&str>> = stdout
             .lines()
             .filter(|line| line.starts_with(&format!("{} ", name(engine))))
@@ -246,11 +259,20 @@ fn an_engine_given_by_url_that_clashes_with_a_file_engine_is_refused_by_name() {
         ),
         "{stderr}"
     );
-    assert!(stderr.contains("1 problem found; nothing started"), "{stderr}");
+    assert!(
+        stderr.contains("1 problem found; nothing started"),
+        "{stderr}"
+    );
 
     // Without the clash, the file's engine and the flag's are both in the plan.
     let output = run(
-        &["--check", "--config", &file, "--engine", "http://127.0.0.1:10"],
+        &[
+            "--check",
+            "--config",
+            &file,
+            "--engine",
+            "http://127.0.0.1:10",
+        ],
         &[],
     );
     let stdout = text(&output.stdout);

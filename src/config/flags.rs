@@ -11,8 +11,8 @@
 use std::path::{Path, PathBuf};
 
 use super::{
-    derived_instance_id, validate_listen, Config, ConfigError, DiscoverConfig, EngineConfig,
-    Ranks, Route, DEFAULT_DISCOVER_INTERVAL_S,
+    derived_instance_id, validate_listen, Config, ConfigError, DiscoverConfig, EngineConfig, Ranks,
+    Route, DEFAULT_DISCOVER_INTERVAL_S,
 };
 use crate::discover::{BaseUrl, EngineApi, FileLayout};
 

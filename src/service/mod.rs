@@ -63,12 +63,7 @@ use tasks::Task;
 pub fn run(source: Source, config: Config, listen: Option<String>) -> anyhow::Result<()> {
     let runtime = build_runtime()?;
     let trim = trim::spawn(runtime.handle());
-    let served = runtime.block_on(signals::serve(
-        runtime.handle(),
-        source,
-        config,
-        listen,
-    ));
+    let served = runtime.block_on(signals::serve(runtime.handle(), source, config, listen));
     // Outside `block_on`: `shutdown` waits for the service's tasks with a `block_on` of its own.
     let outcome = served.map(Service::shutdown);
     if let Some(trim) = trim {

@@ -155,7 +155,10 @@ impl Reloader {
         let mut guard = self.applied.lock();
         let applied = &mut *guard;
         let path = self.source.describe();
-        let mut config = self.source.load().map_err(|rejected| self.rejected(rejected))?;
+        let mut config = self
+            .source
+            .load()
+            .map_err(|rejected| self.rejected(rejected))?;
         // Read before anything is applied: a token file that cannot be read rejects the reload
         // whole, and the token in effect stays.
         let secret = match config.replicas.read_auth_token() {
