@@ -25,12 +25,14 @@ const ENGINES_ENV: &str = "KV_INDEXER_ENGINES";
 /// The route front end's address when no `--route-listen` is given.
 const ROUTE_LISTEN_ENV: &str = "KV_INDEXER_ROUTE_LISTEN";
 
-/// A KV-cache indexer and router for LLM serving: it follows every data-parallel rank of vLLM,
-/// SGLang and TensorRT-LLM engines through their KV events, answers prefix-hit queries, and
-/// routes OpenAI-compatible requests to the rank that holds the most of their prompt
-/// (`kv-indexer --engine http://HOST:8000 --route-listen 0.0.0.0:8080`).
+/// The command line; `--help`'s first line is the package's description (it says it routes),
+/// its example is `after_help`.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(
+    version,
+    about,
+    after_help = "Route with no file: kv-indexer --engine http://HOST:8000 --route-listen 0.0.0.0:8080"
+)]
 struct Args {
     /// The configuration file (default: indexer.toml, when it exists; without one every
     /// default applies and the engines come from --engine).

@@ -279,3 +279,21 @@ fn an_engine_given_by_url_that_clashes_with_a_file_engine_is_refused_by_name() {
     assert!(output.status.success(), "{output:?}");
     assert!(stdout.contains("2 engines, 1 listener"), "{stdout}");
 }
+
+#[test]
+fn help_says_it_routes_and_how_to_start_from_urls() {
+    let output = run(&["--help"], &[]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("indexer and router") && first.contains("routes OpenAI-compatible"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("--engine <URL>"), "{stdout}");
+    assert!(stdout.contains("KV_INDEXER_ENGINES"), "{stdout}");
+    assert!(
+        stdout.contains("kv-indexer --engine http://HOST:8000 --route-listen 0.0.0.0:8080"),
+        "{stdout}"
+    );
+}
