@@ -17,7 +17,7 @@ use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::server::{SimConfig, SimEngine};
 use kv_indexer_sim::tokenizer_dir;
 use serde_json::json;
-use support::http_client::{get, post};
+use support::http_client::{get, post, wait_for};
 use support::{free_port, indexer_binary};
 
 const VLLM_MODEL: &str = "vllm-model";
@@ -189,6 +189,20 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
             "{model}: each of its requests, no other"
         );
     }
+
+    // A reload reads the same source again (no file, the same flags): nothing leaves.
+    indexer
+        .signal(libc::SIGHUP)
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    let applied = wait_for(10, "the reload to be applied", || {
+        let log = indexer.log();
+        log.lines()
+            .find(|line| line.contains("reload of (no file: defaults and the command line) applied"))
+            .map(str::to_string)
+    });
+    assert!(applied.contains("removed [], replaced []"), "{applied}");
+    let reply = post(route, "/v1/chat/completions", &chat(SGLANG_MODEL));
+    assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
 #[test]
