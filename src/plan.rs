@@ -45,6 +45,11 @@ pub struct ListenerSpec {
     pub registered_at_runtime: bool,
     /// The engine announces the blocks a request reuses again (`kv_cache_report_mode`).
     pub reports_reused: bool,
+    /// `false` for the one rank of an engine that publishes no KV events
+    /// (`discover::NO_EVENTS`): its listener subscribes to nothing (`endpoint` is the engine's
+    /// host on port 0, never connected to), it holds no block, and the route front end weighs
+    /// it by load alone.
+    pub publishes_events: bool,
 }
 
 impl fmt::Display for WorkerKey {
@@ -72,6 +77,7 @@ impl ListenerSpec {
             instance_id: 0,
             registered_at_runtime: false,
             reports_reused: false,
+            publishes_events: true,
         }
     }
 
@@ -129,6 +135,7 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
         instance_id: engine.instance_id,
         registered_at_runtime: false,
         reports_reused: engine.reports_reused,
+        publishes_events: true,
     };
     match &engine.ranks {
         Ranks::Fixed(fixed) => {
@@ -149,6 +156,12 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
                     Some(spec(rank, endpoint, replay, &engine.topic))
                 })
                 .collect()
+        }
+        Ranks::Discovered(_) if discovery.is_some_and(|d| !d.publishes_events) => {
+            vec![ListenerSpec {
+                publishes_events: false,
+                ..spec(0, Endpoint::new(engine.host.clone(), 0), None, "")
+            }]
         }
         Ranks::Discovered(_) => discovery
             .map_or(&[][..], |discovery| &discovery.ranks)
@@ -316,6 +329,7 @@ mod tests {
                 instance_id: crate::config::derived_instance_id("local"),
                 registered_at_runtime: false,
                 reports_reused: false,
+                publishes_events: true,
             }]
         );
     }
@@ -527,6 +541,7 @@ mod tests {
                 })
                 .collect(),
             model: None,
+            publishes_events: true,
         }
     }
 
@@ -546,6 +561,34 @@ mod tests {
         assert_eq!(models(&asked), [Some("m".to_string())]);
         asked.model = None;
         assert_eq!(models(&asked), [Some("served".to_string())]);
+    }
+
+    #[test]
+    fn an_engine_that_publishes_no_events_is_one_rank_with_no_event_link() {
+        let silent = Discovery {
+            ranks: Vec::new(),
+            publishes_events: false,
+            model: Some("served".into()),
+            ..answer(&[])
+        };
+        let mut asked = discovered_engine("asked");
+        asked.model = None;
+        let specs = expand_engine(&asked, Some(&silent));
+        let shown: Vec<_> = specs
+            .iter()
+            .map(|s| {
+                (
+                    s.key.to_string(),
+                    s.publishes_events,
+                    s.endpoint.port,
+                    s.model.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            shown,
+            [("asked/0".to_string(), false, 0, Some("served".into()))]
+        );
     }
 
     #[test]
@@ -577,6 +620,7 @@ mod tests {
                 instance_id: crate::config::derived_instance_id("asked"),
                 registered_at_runtime: false,
                 reports_reused: false,
+                publishes_events: true,
             }
         );
         assert_eq!(

@@ -17,7 +17,7 @@ use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::server::{SimConfig, SimEngine};
 use kv_indexer_sim::tokenizer_dir;
 use serde_json::json;
-use support::http_client::{get, post, wait_for};
+use support::http_client::{get, metric_value, post, wait_for};
 use support::{free_port, indexer_binary};
 
 const VLLM_MODEL: &str = "vllm-model";
@@ -26,30 +26,40 @@ const SGLANG_MODEL: &str = "sglang-model";
 /// Two ranks behind one OpenAI port serving `model`, saying where they publish as `sources`
 /// does, each with its replay socket (the index is trusted, `active`, once the replay confirms
 /// it). SGLang's answer gives rank 0's ports only (rank r is on port + r), so its ranks are
-/// bound on consecutive ports.
+/// bound on consecutive ports: picked free, and picked again when another process took one
+/// meanwhile.
 fn engine(model: &str, sources: EventSources, tokenizers: &Path) -> SimEngine {
-    let consecutive = || free_port_range(2).expect("two consecutive free ports");
-    let (port, replay) = match sources {
-        EventSources::Sglang => (consecutive(), consecutive()),
-        EventSources::Vllm | EventSources::None => (0, 0),
-    };
-    SimEngine::start(SimConfig {
-        dp_size: 2,
-        port,
-        replay_port: Some(replay),
-        recover_port: None,
-        openai_port: Some(0),
-        openai: OpenAiConfig {
-            model: model.into(),
-            // The engine's own; kv-indexer is given none, and routes by load.
-            tokenizer: Some(tokenizers.join("chatml")),
-            sources,
-            ..OpenAiConfig::default()
-        },
-        seed: 11,
-        ..SimConfig::default()
-    })
-    .expect("a simulated engine")
+    let mut failures = Vec::new();
+    for _ in 0..20 {
+        let (port, replay) = match sources {
+            EventSources::Sglang => match (free_port_range(2), free_port_range(2)) {
+                (Some(port), Some(replay)) => (port, replay),
+                _ => continue,
+            },
+            EventSources::Vllm | EventSources::None => (0, 0),
+        };
+        let started = SimEngine::start(SimConfig {
+            dp_size: 2,
+            port,
+            replay_port: Some(replay),
+            recover_port: None,
+            openai_port: Some(0),
+            openai: OpenAiConfig {
+                model: model.into(),
+                // The engine's own; kv-indexer is given none, and routes by load.
+                tokenizer: Some(tokenizers.join("chatml")),
+                sources,
+                ..OpenAiConfig::default()
+            },
+            seed: 11,
+            ..SimConfig::default()
+        });
+        match started {
+            Ok(engine) => return engine,
+            Err(error) => failures.push(format!("{error:#}")),
+        }
+    }
+    panic!("no simulated engine started in 20 tries: {failures:#?}");
 }
 
 /// The simulator's tokenizer directories, for the engines' own tokenizing.
@@ -197,12 +207,80 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
     let applied = wait_for(10, "the reload to be applied", || {
         let log = indexer.log();
         log.lines()
-            .find(|line| line.contains("reload of (no file: defaults and the command line) applied"))
+            .find(|line| {
+                line.contains("reload of (no file: defaults and the command line) applied")
+            })
             .map(str::to_string)
     });
     assert!(applied.contains("removed [], replaced []"), "{applied}");
     let reply = post(route, "/v1/chat/completions", &chat(SGLANG_MODEL));
     assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+#[test]
+fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
+    let tokenizers = tokenizers();
+    let silent = engine(VLLM_MODEL, EventSources::None, tokenizers.path());
+    let route = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args = [
+        "--engine".to_string(),
+        url(&silent),
+        "--route-listen".to_string(),
+        route.to_string(),
+    ];
+    let indexer = IndexerProcess::launch(indexer_binary(), "")
+        .without_file()
+        .args(&args)
+        .start(Duration::from_secs(20))
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    let api = indexer.address;
+    // One rank, with no event link, and /workers says why.
+    let listeners = wait_for(10, "the engine's one rank", || {
+        let workers = get(api, "/workers").json();
+        let listeners = workers[0]["listeners"].as_array()?.clone();
+        (!listeners.is_empty()).then_some(listeners)
+    });
+    assert_eq!(listeners.len(), 1, "{listeners:?}");
+    assert_eq!(listeners[0]["dp_rank"], 0);
+    assert_eq!(listeners[0]["connected"], false);
+    let reason = listeners[0]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("publishes no KV events"), "{reason}");
+    // Not waited for: the indexer is ready.
+    assert_eq!(get(api, "/ready").status, 200);
+
+    // A prompt of token ids: what the index would be asked, had the rank an event link.
+    let completion =
+        json!({"model": VLLM_MODEL, "prompt": (1..=64).collect::<Vec<u32>>(), "max_tokens": 2})
+            .to_string()
+            .into_bytes();
+    let reply = post(route, "/v1/completions", &completion);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(format!("{}/0", name(&silent)).as_str())
+    );
+    let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+    assert!(
+        routing.starts_with(&format!(
+            "load only: rank {}/0: the engine publishes no KV events",
+            name(&silent)
+        )),
+        "{routing}"
+    );
+    let openai = silent.openai().expect("its OpenAI server");
+    let seen = openai.last_request().expect("the engine saw the request");
+    assert_eq!(seen.header("x-data-parallel-rank"), Some("0"));
+    let counted = metric_value(
+        api,
+        "kv_indexer_route_load_only_total{reason=\"no_events\"}",
+    );
+    assert_eq!(counted, Some(1.0));
+    // Nothing matched: the rank holds no block (a later request may still be predicted to
+    // find what this one left there, as on any rank).
+    assert_eq!(
+        reply.header("x-kv-indexer-predicted-cached-tokens"),
+        Some("0")
+    );
 }
 
 #[test]

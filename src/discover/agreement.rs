@@ -124,6 +124,7 @@ mod tests {
                 })
                 .collect(),
             model: None,
+            publishes_events: true,
         }
     }
 

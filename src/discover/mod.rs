@@ -109,7 +109,16 @@ pub struct Discovery {
     /// The model the engine serves, from its `GET /v1/models`, when the engine was asked
     /// (`EngineApi::asks_model`): `plan` gives it to every rank, as a file's `model`.
     pub model: Option<String>,
+    /// `false` when the engine answered neither route (404 to both) and was given by URL
+    /// alone (`EngineApi::asks_model`): it publishes no KV events, and `plan` gives it one rank
+    /// with no event link (`NO_EVENTS`), routed by load.
+    pub publishes_events: bool,
 }
+
+/// Why a rank of an engine that publishes no KV events has no event link (`/workers`, the
+/// route front end's `x-kv-indexer-routing`).
+pub const NO_EVENTS: &str =
+    "the engine publishes no KV events (its server answers 404 to /kv_event_sources and /server_info)";
 
 /// One engine's HTTP server as discovery addresses it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -177,7 +186,8 @@ impl std::error::Error for DiscoverError {}
 
 impl Client {
     /// Asks the engine for its ranks (and, when `api.asks_model`, its model: a failure to
-    /// answer that fails the whole question, retried as any), on the route of `hint` first (the kind that answered
+    /// answer that fails the whole question, retried as any; and then an engine that answers
+    /// neither route is one that publishes no events), on the route of `hint` first (the kind that answered
     /// last time; vLLM's when `None`) and on the other kind's route when that one answers 404,
     /// so an engine replaced by the other kind is still found. Blocks for at most
     /// `Limits::whole` per route asked: call it off any shared thread.
@@ -207,6 +217,7 @@ impl Client {
                     },
                     url,
                     ranks,
+                    publishes_events: true,
                 }),
                 Err(reason) => Err(DiscoverError {
                     engine: api.engine.clone(),
@@ -217,6 +228,17 @@ impl Client {
             };
         }
         let [asked, other] = <[String; 2]>::try_from(missing).unwrap_or_default();
+        if api.asks_model {
+            // Given by its URL alone: an OpenAI server that says nothing of KV events is
+            // still routed, by load (`NO_EVENTS`).
+            return Ok(Discovery {
+                kind: first,
+                model: Some(self.served_model(api)?),
+                url: asked,
+                ranks: Vec::new(),
+                publishes_events: false,
+            });
+        }
         Err(DiscoverError {
             engine: api.engine.clone(),
             url: asked,

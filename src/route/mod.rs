@@ -512,6 +512,7 @@ impl RouteFront {
             (None, Some(unindexed)) => Some((
                 match unindexed {
                     Unindexed::LinkDown => LoadOnly::event_link_down,
+                    Unindexed::NoEvents => LoadOnly::no_events,
                     Unindexed::NotScored(_) => LoadOnly::index_not_ready,
                 },
                 format!("rank {}/{}: {unindexed}", chosen.engine, chosen.dp_rank),

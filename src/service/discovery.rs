@@ -421,7 +421,8 @@ impl RankLooks {
     fn look(&mut self, views: &[ListenerView]) -> BTreeSet<String> {
         let mut suspects = BTreeSet::new();
         let mut seen = BTreeMap::new();
-        for view in views {
+        // A rank with no event link (its engine publishes none) is never connected.
+        for view in views.iter().filter(|view| view.spec.publishes_events) {
             let Some(status) = &view.status else { continue };
             let key = &view.spec.key;
             let (gaps, looks) = self.seen.get(key).copied().unwrap_or((status.gaps, 0));
