@@ -280,7 +280,12 @@ impl Asking {
         }
         let ranks: Vec<u32> = discovery.ranks.iter().map(|rank| rank.dp_rank).collect();
         let changed = self.last_ranks.as_ref() != Some(&ranks) || self.hint != Some(discovery.kind);
-        if changed {
+        if changed && !discovery.publishes_events {
+            info!(
+                "engine {engine}: {}: one rank with no event link, routed by load alone",
+                crate::discover::NO_EVENTS
+            );
+        } else if changed {
             info!(
                 "engine {engine}: {} reports {} rank{} {ranks:?}",
                 discovery.url,
