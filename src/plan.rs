@@ -187,7 +187,8 @@ const MAX_COLUMN_WIDTH: usize = 80;
 
 /// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
 /// With `discovered` answers a last column, SOURCE, marks each row: the engine kind that
-/// reported the rank (its endpoint, replay and topic are the engine's) or `file`.
+/// reported the rank (its endpoint, replay and topic are the engine's), `file`, or `no-events`
+/// for the one rank, without an endpoint, of an engine that publishes none.
 pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String {
     const HEADER: [&str; 9] = [
         "ENGINE",
@@ -210,14 +211,20 @@ pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String 
                 };
                 discovery.ranks.iter().any(reported)
             };
-            let source = discovered
-                .get(&spec.key.engine)
-                .filter(from_engine)
-                .map_or("file", |discovery| discovery.kind.label());
+            let source = match spec.publishes_events {
+                true => discovered
+                    .get(&spec.key.engine)
+                    .filter(from_engine)
+                    .map_or("file", |discovery| discovery.kind.label()),
+                false => "no-events",
+            };
             [
                 spec.key.engine.clone(),
                 spec.key.dp_rank.to_string(),
-                spec.endpoint.to_string(),
+                match spec.publishes_events {
+                    true => spec.endpoint.to_string(),
+                    false => "-".to_string(),
+                },
                 spec.replay
                     .as_ref()
                     .map_or_else(|| "-".into(), ToString::to_string),
@@ -589,6 +596,15 @@ mod tests {
             shown,
             [("asked/0".to_string(), false, 0, Some("served".into()))]
         );
+        let discovered = Discoveries::from([("asked".to_string(), silent)]);
+        let table = render_table(&specs, &discovered);
+        let row: Vec<&str> = table
+            .lines()
+            .nth(1)
+            .expect("a row")
+            .split_whitespace()
+            .collect();
+        assert_eq!((row[2], row[row.len() - 1]), ("-", "no-events"), "{table}");
     }
 
     #[test]

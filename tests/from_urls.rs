@@ -275,6 +275,18 @@ fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
         "kv_indexer_route_load_only_total{reason=\"no_events\"}",
     );
     assert_eq!(counted, Some(1.0));
+    // `--check --discover` shows it so.
+    let checked = run(&["--check", "--discover", "--engine", &url(&silent)], &[]);
+    let stdout = text(&checked.stdout);
+    assert!(checked.status.success(), "{checked:?}");
+    let row: Vec<&str> = stdout
+        .lines()
+        .find(|line| line.starts_with(&name(&silent)))
+        .expect("its row")
+        .split_whitespace()
+        .collect();
+    assert_eq!((row[2], row[row.len() - 1]), ("-", "no-events"), "{stdout}");
+
     // Nothing matched: the rank holds no block (a later request may still be predicted to
     // find what this one left there, as on any rank).
     assert_eq!(
