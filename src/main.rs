@@ -1,26 +1,53 @@
-//! The `kv-indexer` command: reads the command line, sets up logging, loads and validates the
-//! configuration, then either prints the expanded plan (`--check`, offline; with `--discover`
-//! after asking every discovered engine) or hands everything to `service::run`. It never serves
-//! anything itself, and starts nothing from a broken file.
+//! The `kv-indexer` command: reads the command line (and `KV_INDEXER_ENGINES`,
+//! `KV_INDEXER_ROUTE_LISTEN`), sets up logging, loads and validates the configuration (the file,
+//! or the defaults without one, plus the engines given by URL), then either prints the expanded
+//! plan (`--check`, offline; with `--discover` after asking every discovered engine) or hands
+//! everything to `service::run`. It never serves anything itself, and starts nothing from a
+//! broken file.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
-use kv_indexer::config::{self, Config};
+use kv_indexer::config::{self, Config, Flags, Source};
 use kv_indexer::discover::{Client, DiscoverError, Limits};
 use kv_indexer::plan::{self, Discoveries};
 use kv_indexer::preflight;
 use kv_indexer::route::RouteFront;
 use kv_indexer::service;
+use log::info;
 
-/// A standalone KV-cache indexer for LLM serving.
+/// The file read when `--config` is not given, if it exists.
+const DEFAULT_CONFIG: &str = "indexer.toml";
+
+/// The engines' URLs when no `--engine` is given: separated by commas or spaces.
+const ENGINES_ENV: &str = "KV_INDEXER_ENGINES";
+/// The route front end's address when no `--route-listen` is given.
+const ROUTE_LISTEN_ENV: &str = "KV_INDEXER_ROUTE_LISTEN";
+
+/// The command line; `--help`'s first line is the package's description (it says it routes),
+/// its example is `after_help`.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(
+    version,
+    about,
+    after_help = "Route with no file: kv-indexer --engine http://HOST:8000 --route-listen 0.0.0.0:8080"
+)]
 struct Args {
-    /// The configuration file.
-    #[arg(long, value_name = "PATH", default_value = "indexer.toml")]
-    config: PathBuf,
+    /// The configuration file (default: indexer.toml, when it exists; without one every
+    /// default applies and the engines come from --engine).
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// An engine's OpenAI server, e.g. http://10.0.0.5:8000 (repeatable; env
+    /// KV_INDEXER_ENGINES, comma- or space-separated): its ranks are asked of its
+    /// /kv_event_sources (vLLM) or /server_info (SGLang), its model of its /v1/models, and
+    /// requests are routed to it; added to the file's engines.
+    #[arg(long = "engine", value_name = "URL")]
+    engines: Vec<String>,
+    /// Serve the OpenAI-compatible route front end here, IP:port (env KV_INDEXER_ROUTE_LISTEN);
+    /// overrides the file's [route] listen.
+    #[arg(long, value_name = "ADDR")]
+    route_listen: Option<String>,
     /// HTTP API address (IP:port or hostname:port); overrides the file's `listen`.
     #[arg(long, value_name = "ADDR")]
     listen: Option<String>,
@@ -62,14 +89,15 @@ fn main() -> ExitCode {
     let args = Args::parse();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
 
-    let (config, problems) = load(&args);
+    let source = source(&args);
+    let (config, problems) = load(&args, &source);
     let Some(config) = config.filter(|_| problems.is_empty()) else {
         for problem in &problems {
             eprintln!("{problem}");
         }
         eprintln!(
             "{}: {} found; nothing started",
-            args.config.display(),
+            source.describe(),
             count(problems.len(), "problem", "problems")
         );
         return ExitCode::FAILURE;
@@ -93,8 +121,12 @@ fn main() -> ExitCode {
         if let Some(route) = &config.route {
             print!("{}", route_plan(&config, route));
         }
-        let origin = args.config.display().to_string();
-        let text = std::fs::read_to_string(&args.config).unwrap_or_default();
+        let origin = source.describe();
+        let text = source
+            .path
+            .as_ref()
+            .and_then(|path| std::fs::read_to_string(path).ok())
+            .unwrap_or_default();
         let listen = args.listen.as_deref().unwrap_or(&config.listen);
         let findings = preflight::check(&config, listen, &text, &origin);
         for warning in &findings.warnings {
@@ -118,13 +150,13 @@ fn main() -> ExitCode {
         }
         eprintln!(
             "{}: {} could not be asked; their ranks are missing above",
-            args.config.display(),
+            source.describe(),
             count(failed.len(), "engine", "engines")
         );
         return ExitCode::FAILURE;
     }
 
-    match service::run(&args.config, config, args.listen) {
+    match service::run(source, config, args.listen) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("kv-indexer: {err:#}");
@@ -133,15 +165,49 @@ fn main() -> ExitCode {
     }
 }
 
+/// Where the configuration comes from: `--config`, else `indexer.toml` when it exists, else no
+/// file (said in the log); the engines of `--engine`, else of `KV_INDEXER_ENGINES`; the route
+/// listener of `--route-listen`, else of `KV_INDEXER_ROUTE_LISTEN`.
+fn source(args: &Args) -> Source {
+    let path = match &args.config {
+        Some(path) => Some(path.clone()),
+        None if Path::new(DEFAULT_CONFIG).exists() => Some(PathBuf::from(DEFAULT_CONFIG)),
+        None => {
+            info!(
+                "no --config and no {DEFAULT_CONFIG} here: every default applies (docs.md \
+                 \"Configuration reference\"), the engines are those of --engine"
+            );
+            None
+        }
+    };
+    let env = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .filter(|value| !value.trim().is_empty())
+    };
+    let engines = match args.engines.is_empty() {
+        true => env(ENGINES_ENV).map_or_else(Vec::new, |urls| Flags::split_urls(&urls)),
+        false => args.engines.clone(),
+    };
+    let route_listen = args.route_listen.clone().or_else(|| env(ROUTE_LISTEN_ENV));
+    Source {
+        path,
+        flags: Flags {
+            engines,
+            route_listen,
+        },
+    }
+}
+
 /// The configuration, and every problem with it and with `--listen`.
-fn load(args: &Args) -> (Option<Config>, Vec<String>) {
+fn load(args: &Args, source: &Source) -> (Option<Config>, Vec<String>) {
     let mut problems = Vec::new();
     if let Some(listen) = &args.listen {
         if let Err(why) = config::validate_listen(listen) {
             problems.push(format!("--listen: {why}"));
         }
     }
-    match Config::load(&args.config) {
+    match source.load() {
         Ok(config) => (Some(config), problems),
         Err(err) => {
             problems.extend(err.problems);

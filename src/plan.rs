@@ -5,8 +5,8 @@
 //! (`dp_rank_start..dp_rank_start + dp_size`, for one deployment spread over several nodes), its
 //! URLs on `config::rank_port` (the one place "rank r lives on port + r" is written); for a
 //! discovered engine one per rank of its last good answer (endpoint, replay and topic from the
-//! engine, recover port and model from the file). Owns how a spec and its key read in messages
-//! and in the `--check` table. It never opens a socket nor asks an engine: it only computes what
+//! engine, recover port and model from the file, the model else from the engine's answer).
+//! Owns how a spec and its key read in messages and in the `--check` table. It never opens a socket nor asks an engine: it only computes what
 //! the registry should be running, from the file and the answers it is given.
 
 use std::collections::BTreeMap;
@@ -45,6 +45,11 @@ pub struct ListenerSpec {
     pub registered_at_runtime: bool,
     /// The engine announces the blocks a request reuses again (`kv_cache_report_mode`).
     pub reports_reused: bool,
+    /// `false` for the one rank of an engine that publishes no KV events
+    /// (`discover::NO_EVENTS`): its listener subscribes to nothing (`endpoint` is the engine's
+    /// host on port 0, never connected to), it holds no block, and the route front end weighs
+    /// it by load alone.
+    pub publishes_events: bool,
 }
 
 impl fmt::Display for WorkerKey {
@@ -72,6 +77,7 @@ impl ListenerSpec {
             instance_id: 0,
             registered_at_runtime: false,
             reports_reused: false,
+            publishes_events: true,
         }
     }
 
@@ -121,10 +127,15 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
             .recover_port
             .map(|port| format!("http://{host}:{}/kv_recover", rank_port(port, dp_rank))),
         topic: topic.to_string(),
-        model: engine.model.clone(),
+        // The file's, else the one the engine said it serves: a route picks servers by it.
+        model: engine
+            .model
+            .clone()
+            .or_else(|| discovery.and_then(|discovery| discovery.model.clone())),
         instance_id: engine.instance_id,
         registered_at_runtime: false,
         reports_reused: engine.reports_reused,
+        publishes_events: true,
     };
     match &engine.ranks {
         Ranks::Fixed(fixed) => {
@@ -145,6 +156,12 @@ pub fn expand_engine(engine: &EngineConfig, discovery: Option<&Discovery>) -> Ve
                     Some(spec(rank, endpoint, replay, &engine.topic))
                 })
                 .collect()
+        }
+        Ranks::Discovered(_) if discovery.is_some_and(|d| !d.publishes_events) => {
+            vec![ListenerSpec {
+                publishes_events: false,
+                ..spec(0, Endpoint::new(engine.host.clone(), 0), None, "")
+            }]
         }
         Ranks::Discovered(_) => discovery
             .map_or(&[][..], |discovery| &discovery.ranks)
@@ -170,7 +187,8 @@ const MAX_COLUMN_WIDTH: usize = 80;
 
 /// The plan as a text table, one row per global rank, columns aligned; absent values are `-`.
 /// With `discovered` answers a last column, SOURCE, marks each row: the engine kind that
-/// reported the rank (its endpoint, replay and topic are the engine's) or `file`.
+/// reported the rank (its endpoint, replay and topic are the engine's), `file`, or `no-events`
+/// for the one rank, without an endpoint, of an engine that publishes none.
 pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String {
     const HEADER: [&str; 9] = [
         "ENGINE",
@@ -193,14 +211,20 @@ pub fn render_table(specs: &[ListenerSpec], discovered: &Discoveries) -> String 
                 };
                 discovery.ranks.iter().any(reported)
             };
-            let source = discovered
-                .get(&spec.key.engine)
-                .filter(from_engine)
-                .map_or("file", |discovery| discovery.kind.label());
+            let source = match spec.publishes_events {
+                true => discovered
+                    .get(&spec.key.engine)
+                    .filter(from_engine)
+                    .map_or("file", |discovery| discovery.kind.label()),
+                false => "no-events",
+            };
             [
                 spec.key.engine.clone(),
                 spec.key.dp_rank.to_string(),
-                spec.endpoint.to_string(),
+                match spec.publishes_events {
+                    true => spec.endpoint.to_string(),
+                    false => "-".to_string(),
+                },
                 spec.replay
                     .as_ref()
                     .map_or_else(|| "-".into(), ToString::to_string),
@@ -312,6 +336,7 @@ mod tests {
                 instance_id: crate::config::derived_instance_id("local"),
                 registered_at_runtime: false,
                 reports_reused: false,
+                publishes_events: true,
             }]
         );
     }
@@ -522,7 +547,64 @@ mod tests {
                     topic: "kv".into(),
                 })
                 .collect(),
+            model: None,
+            publishes_events: true,
         }
+    }
+
+    #[test]
+    fn a_discovered_engines_model_is_the_files_else_the_one_it_serves() {
+        let mut asked = discovered_engine("asked");
+        let served = Discovery {
+            model: Some("served".into()),
+            ..answer(&[(0, "tcp://10.0.0.5:5557", None)])
+        };
+        let models = |engine: &EngineConfig| -> Vec<Option<String>> {
+            expand_engine(engine, Some(&served))
+                .into_iter()
+                .map(|spec| spec.model)
+                .collect()
+        };
+        assert_eq!(models(&asked), [Some("m".to_string())]);
+        asked.model = None;
+        assert_eq!(models(&asked), [Some("served".to_string())]);
+    }
+
+    #[test]
+    fn an_engine_that_publishes_no_events_is_one_rank_with_no_event_link() {
+        let silent = Discovery {
+            ranks: Vec::new(),
+            publishes_events: false,
+            model: Some("served".into()),
+            ..answer(&[])
+        };
+        let mut asked = discovered_engine("asked");
+        asked.model = None;
+        let specs = expand_engine(&asked, Some(&silent));
+        let shown: Vec<_> = specs
+            .iter()
+            .map(|s| {
+                (
+                    s.key.to_string(),
+                    s.publishes_events,
+                    s.endpoint.port,
+                    s.model.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            shown,
+            [("asked/0".to_string(), false, 0, Some("served".into()))]
+        );
+        let discovered = Discoveries::from([("asked".to_string(), silent)]);
+        let table = render_table(&specs, &discovered);
+        let row: Vec<&str> = table
+            .lines()
+            .nth(1)
+            .expect("a row")
+            .split_whitespace()
+            .collect();
+        assert_eq!((row[2], row[row.len() - 1]), ("-", "no-events"), "{table}");
     }
 
     #[test]
@@ -554,6 +636,7 @@ mod tests {
                 instance_id: crate::config::derived_instance_id("asked"),
                 registered_at_runtime: false,
                 reports_reused: false,
+                publishes_events: true,
             }
         );
         assert_eq!(

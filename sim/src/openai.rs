@@ -8,6 +8,10 @@
 //! tokens, a decode step slower the larger the batch; `usage.prompt_tokens_details.cached_tokens`
 //! reports what the rank held.
 //!
+//! It also answers, as the engine it plays (`OpenAiConfig::sources`), vLLM's
+//! `GET /kv_event_sources` or SGLang's `GET /server_info` (`sources`), so that its one URL is
+//! all kv-indexer's `--engine` needs.
+//!
 //! `routes` reads requests and chooses the rank, `scheduler` runs each rank's batch (when a
 //! request is admitted, makes its tokens and leaves), `answer` writes the JSON of an answer and
 //! of its events, `body` is a generating answer's body (each event made when its token is, and
@@ -25,6 +29,7 @@ mod routes;
 mod scheduler;
 
 pub use scheduler::{BatchConfigError, RequestTiming};
+mod sources;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -86,6 +91,8 @@ pub struct OpenAiConfig {
     pub prefill_chunk: Option<u32>,
     /// When `usage.prompt_tokens_details` is in an answer.
     pub prompt_tokens_details: TokensDetails,
+    /// Which engine's route tells where the ranks publish.
+    pub sources: EventSources,
 }
 
 /// When an answer's usage carries `prompt_tokens_details`, as each vLLM does.
@@ -100,6 +107,19 @@ pub enum TokensDetails {
     Never,
 }
 
+/// The route that tells an indexer where the ranks publish their KV events, as each engine
+/// serves it on its OpenAI port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSources {
+    /// vLLM's `GET /kv_event_sources` (0.33 and later).
+    Vllm,
+    /// SGLang's `GET /server_info`: `dp_size` and `kv_events_config`, rank r on port + r (so
+    /// with more than one rank the ranks' ports must be fixed: `SimConfig::port`).
+    Sglang,
+    /// Neither: an engine that publishes no events, or one too old to say where (404).
+    None,
+}
+
 impl Default for OpenAiConfig {
     fn default() -> Self {
         Self {
@@ -109,6 +129,7 @@ impl Default for OpenAiConfig {
             prefill_per_token: Duration::from_micros(20),
             inter_token: Duration::from_millis(2),
             max_model_len: 131_072,
+            sources: EventSources::Vllm,
             prompt_tokens_details: TokensDetails::Always,
             max_running: 256,
             decode_slowdown: 0.0,

@@ -44,6 +44,8 @@ pub struct Launch<'a> {
     env: &'a [(String, String)],
     open_files: Option<u64>,
     address: Option<SocketAddr>,
+    args: &'a [String],
+    without_file: bool,
 }
 
 impl<'a> Launch<'a> {
@@ -63,6 +65,20 @@ impl<'a> Launch<'a> {
     pub fn open_files(self, limit: u64) -> Self {
         Launch {
             open_files: Some(limit),
+            ..self
+        }
+    }
+
+    /// More arguments after `--config` and `--listen` (`--engine URL`, `--route-listen`).
+    pub fn args(self, args: &'a [String]) -> Self {
+        Launch { args, ..self }
+    }
+
+    /// No file: no `--config`, and the child runs in an empty directory of its own, so that
+    /// no `indexer.toml` is read either (the toml given to `launch` is not written).
+    pub fn without_file(self) -> Self {
+        Launch {
+            without_file: true,
             ..self
         }
     }
@@ -107,18 +123,22 @@ impl<'a> Launch<'a> {
 
     fn spawn_in(&self, dir: PrivateDir) -> Result<IndexerProcess> {
         let config = dir.0.join("indexer.toml");
-        std::fs::write(&config, self.toml)
-            .with_context(|| format!("writing {}", config.display()))?;
+        let mut command = Command::new(self.binary);
+        if self.without_file {
+            command.current_dir(&dir.0);
+        } else {
+            std::fs::write(&config, self.toml)
+                .with_context(|| format!("writing {}", config.display()))?;
+            command.arg("--config").arg(&config);
+        }
         let address = match self.address {
             Some(address) => address,
             None => SocketAddr::from(([127, 0, 0, 1], free_port()?)),
         };
-        let mut command = Command::new(self.binary);
         command
-            .arg("--config")
-            .arg(&config)
             .arg("--listen")
             .arg(address.to_string())
+            .args(self.args)
             .env("RUST_LOG", self.log_filter)
             .envs(self.env.iter().map(|(name, value)| (name, value)))
             .stdin(Stdio::null())
@@ -170,6 +190,8 @@ impl IndexerProcess {
             env: &[],
             open_files: None,
             address: None,
+            args: &[],
+            without_file: false,
         }
     }
 

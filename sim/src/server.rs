@@ -441,7 +441,46 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// SGLang's answer (0.5's `/server_info`, the keys kv-indexer reads): `dp_size`, and
+    /// `kv_events_config` as SGLang keeps it, the command line's JSON as a string, with rank 0's
+    /// ports (SGLang puts rank r on port + r). An OS-picked base reads as rank 0's bound port.
+    pub(super) fn server_info(&self, model: &str) -> serde_json::Value {
+        let config = &self.config;
+        let ranks = self.ranks.lock();
+        let first = ranks.first().map(|running| running.ports);
+        let base = |configured: u16, bound: Option<u16>| match configured {
+            0 => bound.unwrap_or(0),
+            port => port,
+        };
+        let mut events = serde_json::json!({
+            "publisher": "zmq",
+            "endpoint": format!("tcp://*:{}", base(config.port, first.map(|p| p.publish))),
+            "topic": config.topic,
+        });
+        if let Some(replay) = config.replay_port {
+            let port = base(replay, first.and_then(|p| p.replay));
+            events["replay_endpoint"] = format!("tcp://*:{port}").into();
+        }
+        serde_json::json!({
+            "model_path": model,
+            "served_model_name": model,
+            "dp_size": ranks.len(),
+            "enable_dp_attention": false,
+            "kv_events_config": events.to_string(),
+            "version": "0.5.23",
+        })
+    }
+}
+
 fn validate(config: &SimConfig) -> Result<()> {
+    if config.openai.sources == openai::EventSources::Sglang && config.dp_size > 1 {
+        ensure!(
+            config.port != 0 && config.replay_port != Some(0),
+            "SGLang's /server_info puts rank r on port + r: with dp_size > 1, give port (and \
+             replay_port) a fixed base"
+        );
+    }
     ensure!(config.dp_size >= 1, "dp_size must be at least 1");
     ensure!(config.block_size >= 1, "block_size must be at least 1");
     ensure!(

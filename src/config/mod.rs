@@ -14,11 +14,13 @@
 //! - `replicas`: `peers`, `serve_snapshots` and `auth_token_file`;
 //! - `restart_only`: the top-level keys only a restart changes, listed once;
 //! - `select`: the `[select]` knobs of `POST /select`;
-//! - `route`: the `[route]` table of the OpenAI-compatible front end.
+//! - `route`: the `[route]` table of the OpenAI-compatible front end;
+//! - `flags`: the engines and route listener of the command line, and a configuration's source.
 
 mod diagnostics;
 mod discovered;
 mod engine;
+mod flags;
 mod instance;
 mod keys;
 mod ports;
@@ -42,6 +44,7 @@ use crate::discover::{BaseUrl, EngineApi, FileLayout};
 use crate::endpoint::Host;
 use diagnostics::Problems;
 use engine::{check_defaults, check_engines, EngineFields, Engines};
+pub use flags::{derived_name, Flags, Source};
 pub use instance::derived_instance_id;
 use keys::{read_table, Checked, Int, SectionChecker};
 use ports::check_port_overlaps;

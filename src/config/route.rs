@@ -64,6 +64,26 @@ pub struct Route {
     pub drain_s: u32,
 }
 
+impl Route {
+    /// The front end on `listen` with every other key at its default (`--route-listen`
+    /// without a `[route]` table).
+    pub fn listening_on(listen: String) -> Route {
+        Route {
+            listen,
+            auth_token_file: None,
+            max_concurrent_requests: DEFAULT_MAX_CONCURRENT_REQUESTS,
+            first_byte_timeout_s: DEFAULT_FIRST_BYTE_TIMEOUT_S,
+            idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
+            connect_timeout_s: DEFAULT_CONNECT_TIMEOUT_S,
+            health_interval_s: DEFAULT_HEALTH_INTERVAL_S,
+            health_timeout_s: DEFAULT_HEALTH_TIMEOUT_S,
+            unhealthy_threshold: DEFAULT_UNHEALTHY_THRESHOLD,
+            healthy_threshold: DEFAULT_HEALTHY_THRESHOLD,
+            drain_s: DEFAULT_DRAIN_S,
+        }
+    }
+}
+
 /// What a reload from `old` to `new` changes of the front end's reloadable settings, each as
 /// `"key: from -> to"` (the secrets' files are named, never their text).
 pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {

@@ -123,6 +123,8 @@ mod tests {
                     topic: String::new(),
                 })
                 .collect(),
+            model: None,
+            publishes_events: true,
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! Owns: the two answers kv-indexer understands, vLLM's `GET /kv_event_sources` (`vllm.rs`)
 //! and SGLang's `GET /server_info` (`sglang.rs`), telling them apart by the route that answers,
-//! the bounded HTTP fetch (`fetch.rs`), the `discover` URL (`url.rs`), and
+//! the bounded HTTP fetch (`fetch.rs`), the `discover` URL (`url.rs`), the served model of an
+//! engine named only by its URL (`models.rs`, vLLM's and SGLang's `GET /v1/models`), and
 //! the neighbour-port probe that makes a too-small static `dp_size` loud (`probe.rs`), the
 //! comparison of the file's ports and `dp_size` with the engine's answer (`agreement.rs`), and
 //! the board of what each engine's discovery and probe last found (`board.rs`, for `/workers`),
@@ -22,6 +23,7 @@ mod agreement;
 mod board;
 mod endpoint_policy;
 mod fetch;
+mod models;
 mod probe;
 mod sglang;
 mod url;
@@ -104,7 +106,19 @@ pub struct Discovery {
     /// The URL that answered.
     pub url: String,
     pub ranks: Vec<DiscoveredRank>,
+    /// The model the engine serves, from its `GET /v1/models`, when the engine was asked
+    /// (`EngineApi::asks_model`): `plan` gives it to every rank, as a file's `model`.
+    pub model: Option<String>,
+    /// `false` when the engine answered neither route (404 to both) and was given by URL
+    /// alone (`EngineApi::asks_model`): it publishes no KV events, and `plan` gives it one rank
+    /// with no event link (`NO_EVENTS`), routed by load.
+    pub publishes_events: bool,
 }
+
+/// Why a rank of an engine that publishes no KV events has no event link (`/workers`, the
+/// route front end's `x-kv-indexer-routing`).
+pub const NO_EVENTS: &str =
+    "the engine publishes no KV events (its server answers 404 to /kv_event_sources and /server_info)";
 
 /// One engine's HTTP server as discovery addresses it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,6 +127,9 @@ pub struct EngineApi {
     pub url: BaseUrl,
     /// The host that replaces a wildcard in the engine's endpoints.
     pub host: Host,
+    /// Also ask the engine which model it serves (`GET /v1/models`): an engine given by its
+    /// URL alone (`--engine`), whose file names no `model`.
+    pub asks_model: bool,
 }
 
 impl EngineApi {
@@ -125,6 +142,7 @@ impl EngineApi {
             engine: engine.to_string(),
             url,
             host,
+            asks_model: false,
         })
     }
 }
@@ -167,7 +185,9 @@ impl fmt::Display for DiscoverError {
 impl std::error::Error for DiscoverError {}
 
 impl Client {
-    /// Asks the engine for its ranks, on the route of `hint` first (the kind that answered
+    /// Asks the engine for its ranks (and, when `api.asks_model`, its model: a failure to
+    /// answer that fails the whole question, retried as any; and then an engine that answers
+    /// neither route is one that publishes no events), on the route of `hint` first (the kind that answered
     /// last time; vLLM's when `None`) and on the other kind's route when that one answers 404,
     /// so an engine replaced by the other kind is still found. Blocks for at most
     /// `Limits::whole` per route asked: call it off any shared thread.
@@ -189,7 +209,16 @@ impl Client {
                 EngineKind::Sglang => sglang::ranks(&body, &api.host),
             };
             return match ranks {
-                Ok(ranks) => Ok(Discovery { kind, url, ranks }),
+                Ok(ranks) => Ok(Discovery {
+                    kind,
+                    model: match api.asks_model {
+                        true => Some(self.served_model(api)?),
+                        false => None,
+                    },
+                    url,
+                    ranks,
+                    publishes_events: true,
+                }),
                 Err(reason) => Err(DiscoverError {
                     engine: api.engine.clone(),
                     url,
@@ -199,6 +228,17 @@ impl Client {
             };
         }
         let [asked, other] = <[String; 2]>::try_from(missing).unwrap_or_default();
+        if api.asks_model {
+            // Given by its URL alone: an OpenAI server that says nothing of KV events is
+            // still routed, by load (`NO_EVENTS`).
+            return Ok(Discovery {
+                kind: first,
+                model: Some(self.served_model(api)?),
+                url: asked,
+                ranks: Vec::new(),
+                publishes_events: false,
+            });
+        }
         Err(DiscoverError {
             engine: api.engine.clone(),
             url: asked,

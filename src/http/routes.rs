@@ -251,7 +251,8 @@ struct ListenerJson<'a> {
     /// `replay`, `peer <url>` or `engine snapshot`: how the last hole was filled.
     recovered_by: Option<String>,
     /// Why a `failed` rank was dropped, or why a `degraded` rank is when it is for a reason
-    /// with a name (the rank cap); `null` otherwise.
+    /// with a name (the rank cap), or why a rank has no event link (its engine publishes no
+    /// KV events); `null` otherwise.
     reason: Option<&'a str>,
     last_event_ms_ago: Option<u64>,
     /// The KV-cache groups the rank's stores named (none for a plain rank's).
@@ -319,12 +320,15 @@ impl<'a> ListenerJson<'a> {
             lost_batches: status.map_or(0, |s| s.lost_batches),
             parent_missing: status.map_or(0, |s| s.parent_missing),
             recovered_by: status.and_then(|s| s.recovered_by.as_ref().map(|by| by.to_string())),
-            reason: status.and_then(|s| {
-                s.failed
-                    .as_ref()
-                    .map(|f| f.reason.as_str())
-                    .or(s.degraded_reason.as_deref())
-            }),
+            reason: match spec.publishes_events {
+                true => status.and_then(|s| {
+                    s.failed
+                        .as_ref()
+                        .map(|f| f.reason.as_str())
+                        .or(s.degraded_reason.as_deref())
+                }),
+                false => Some(crate::discover::NO_EVENTS),
+            },
             last_event_ms_ago: status.and_then(|s| s.last_event_ms_ago),
             groups: status
                 .map_or_else(Vec::new, |s| s.groups.iter().map(GroupJson::from).collect()),
@@ -399,6 +403,8 @@ fn ready(api: &Api) -> Reply {
     let views = snapshot(api);
     let not_ready: Vec<Value> = views
         .iter()
+        // A rank whose engine publishes no events never connects: routed by load, not waited for.
+        .filter(|v| v.spec.publishes_events)
         .filter(|v| {
             !v.status
                 .as_ref()

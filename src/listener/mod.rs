@@ -45,6 +45,8 @@
 //! and dropping its `WorkerBlocks` removed every block of the rank from the index. Nor does a
 //! rank end silently: one dropped without a stop request (a socket error, its poller failing)
 //! is `failed` with the reason (`failure`), for the registry to start again.
+//! The one rank of an engine that publishes no KV events (`ListenerSpec::publishes_events`)
+//! is a listener with no socket and an empty worker: never connected, never read by a query.
 //! A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
@@ -73,7 +75,7 @@ use std::sync::{mpsc, Arc};
 use anyhow::Context as _;
 use parking_lot::Mutex;
 
-use crate::index::{Index, WorkerId};
+use crate::index::{Index, WorkerBlocks, WorkerId};
 use crate::metrics::Metrics;
 use crate::plan::ListenerSpec;
 use crate::socket_monitor::Monitored;
@@ -253,9 +255,12 @@ pub struct Listener {
     block_size: u32,
     metrics: Arc<Metrics>,
     stop: StopHandle,
-    /// The rank's poller, and the rank's token there.
-    poller: Arc<Mailbox>,
+    /// The rank's poller, and the rank's token there; none for a rank with no event link.
+    poller: Option<Arc<Mailbox>>,
     token: u64,
+    /// A rank with no event link holds its (empty) worker here, so that the worker's id is
+    /// its own while it runs (ids are reused); a subscribed rank's is its `Subscription`'s.
+    _unlinked_worker: Option<WorkerBlocks>,
     /// Disconnected once the rank's state (sockets, `WorkerBlocks`) is dropped, wherever it is
     /// (in a mutex only to make `Listener` shareable: only `drop` reads it).
     gone: Mutex<mpsc::Receiver<()>>,
@@ -284,6 +289,9 @@ impl Listener {
         replication: &Arc<Replication>,
         pollers: &Pollers,
     ) -> anyhow::Result<Listener> {
+        if !spec.publishes_events {
+            return Ok(Listener::unlinked(spec, index, metrics));
+        }
         let what = format!(
             "engine {} rank {} endpoint {}",
             spec.key.engine, spec.key.dp_rank, spec.endpoint
@@ -354,10 +362,39 @@ impl Listener {
             block_size: index.block_size(),
             metrics: Arc::clone(metrics),
             stop: stop_handle,
-            poller,
+            poller: Some(poller),
             token,
+            _unlinked_worker: None,
             gone: Mutex::new(gone),
         })
+    }
+
+    /// The rank of an engine that publishes no KV events (`ListenerSpec::publishes_events`):
+    /// no socket, no poller, an empty worker of its own. It is never connected, so no query
+    /// reads it and the route front end weighs it by load alone; it exports no rank series (it
+    /// has no event link to be down, and no alert should say so).
+    fn unlinked(spec: ListenerSpec, index: &Arc<Index>, metrics: &Arc<Metrics>) -> Listener {
+        let blocks = index.add_worker();
+        let status = Arc::new(StatusCell::new(
+            metrics.rank(&spec.key.engine, spec.key.dp_rank),
+        ));
+        metrics.forget_rank(&spec.key.engine, spec.key.dp_rank);
+        let (_, stop) = Stop::new();
+        // Nothing else holds the rank: `drop` has nothing to wait for.
+        let (_, gone) = mpsc::sync_channel(0);
+        Listener {
+            worker: blocks.id(),
+            spec,
+            status,
+            contents: None,
+            block_size: index.block_size(),
+            metrics: Arc::clone(metrics),
+            stop,
+            poller: None,
+            token: 0,
+            _unlinked_worker: Some(blocks),
+            gone: Mutex::new(gone),
+        }
     }
 
     pub fn spec(&self) -> &ListenerSpec {
@@ -384,8 +421,8 @@ impl Listener {
     /// Asks the rank to stop without waiting for it; `stop` or dropping then waits. Stopping
     /// thousands, the registry asks them all first, so that their pollers drop them together.
     pub fn request_stop(&self) {
-        if self.stop.raise() {
-            self.poller.remove(self.token);
+        if let (true, Some(poller)) = (self.stop.raise(), &self.poller) {
+            poller.remove(self.token);
         }
     }
 

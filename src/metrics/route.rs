@@ -65,14 +65,17 @@ pub enum LoadOnly {
     event_link_down,
     /// The chosen rank's index is not `active` or `partial`.
     index_not_ready,
+    /// The chosen rank's engine publishes no KV events.
+    no_events,
 }
 
 impl LoadOnly {
-    pub const ALL: [LoadOnly; 4] = [
+    pub const ALL: [LoadOnly; 5] = [
         LoadOnly::no_tokenizer,
         LoadOnly::prompt_not_tokenized,
         LoadOnly::event_link_down,
         LoadOnly::index_not_ready,
+        LoadOnly::no_events,
     ];
 }
 

@@ -293,7 +293,10 @@ impl Registry {
         if let Some(first) = started.first() {
             let endpoints: Vec<String> = started
                 .iter()
-                .map(|r| r.listener.spec().endpoint.to_string())
+                .map(|r| match r.listener.spec().publishes_events {
+                    true => r.listener.spec().endpoint.to_string(),
+                    false => "(none: it publishes no KV events)".to_string(),
+                })
                 .collect();
             info!(
                 "engine {}: listening to {} ranks at {}",

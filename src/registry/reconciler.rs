@@ -315,6 +315,7 @@ mod tests {
             instance_id,
             registered_at_runtime: runtime,
             reports_reused: false,
+            publishes_events: true,
         }
     }
 

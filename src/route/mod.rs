@@ -219,10 +219,15 @@ impl RouteFront {
         }
     }
 
+    /// The models the ranks serve: each engine's `model`, or the one it said it serves.
     fn models(&self) -> Response<AnswerBody> {
-        let fleet = self.fleet.read().clone();
-        let data: Vec<_> = fleet
-            .models()
+        let mut models: Vec<String> = (self.ranks.current().views().iter())
+            .filter_map(|rank| rank.spec.model.clone())
+            .collect();
+        models.sort();
+        models.dedup();
+        let data: Vec<_> = models
+            .iter()
             .map(|model| json!({ "id": model, "object": "model", "owned_by": "kv-indexer" }))
             .collect();
         json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
@@ -495,6 +500,7 @@ impl RouteFront {
             (None, Some(unindexed)) => Some((
                 match unindexed {
                     Unindexed::LinkDown => LoadOnly::event_link_down,
+                    Unindexed::NoEvents => LoadOnly::no_events,
                     Unindexed::NotScored(_) => LoadOnly::index_not_ready,
                 },
                 format!("rank {}/{}: {unindexed}", chosen.engine, chosen.dp_rank),

@@ -37,10 +37,9 @@ pub(super) struct Server {
     api_key: Option<Secret>,
 }
 
-/// Each engine's OpenAI server and the models the fleet serves, from the file.
+/// Each engine's OpenAI server, from the file.
 pub(super) struct Fleet {
     servers: Vec<(String, Option<Arc<Server>>)>,
-    models: Vec<String>,
 }
 
 impl Fleet {
@@ -58,14 +57,7 @@ impl Fleet {
             };
             servers.push((engine.name.clone(), server));
         }
-        let mut models: Vec<String> = config
-            .engines
-            .iter()
-            .filter_map(|engine| engine.model.clone())
-            .collect();
-        models.sort();
-        models.dedup();
-        Ok(Fleet { servers, models })
+        Ok(Fleet { servers })
     }
 
     /// The server of `engine`, if it has one.
@@ -98,10 +90,6 @@ impl Fleet {
             let server = server.as_ref()?;
             (server.url.base == base).then_some(name.as_str())
         })
-    }
-
-    pub(super) fn models(&self) -> impl Iterator<Item = &str> {
-        self.models.iter().map(String::as_str)
     }
 }
 

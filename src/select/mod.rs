@@ -123,6 +123,8 @@ pub struct Selection {
 pub enum Unindexed {
     /// Its event link is down.
     LinkDown,
+    /// It has none: its engine publishes no KV events (`discover::NO_EVENTS`).
+    NoEvents,
     /// Its link is up but its index cannot be trusted yet (or any more): its state.
     NotScored(ListenerState),
 }
@@ -141,6 +143,7 @@ impl std::fmt::Display for Unindexed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Unindexed::LinkDown => f.write_str("its event link is down"),
+            Unindexed::NoEvents => f.write_str(crate::discover::NO_EVENTS),
             Unindexed::NotScored(state) => write!(f, "its index is {}", state.as_str()),
         }
     }
@@ -257,8 +260,10 @@ impl Selector {
         }
         // The index is read only for linked ranks whose every held block is held by the engine
         // (`active`, `partial`).
-        let unindexed =
-            |rank: &RunningRank| Unindexed::of(rank.status.connected, rank.status.state);
+        let unindexed = |rank: &RunningRank| match rank.spec.publishes_events {
+            true => Unindexed::of(rank.status.connected, rank.status.state),
+            false => Some(Unindexed::NoEvents),
+        };
         let mut trusted = Vec::new();
         for rank in ranks.iter().filter(|rank| unindexed(rank).is_none()) {
             let at = rank.worker as usize;

@@ -280,7 +280,12 @@ impl Asking {
         }
         let ranks: Vec<u32> = discovery.ranks.iter().map(|rank| rank.dp_rank).collect();
         let changed = self.last_ranks.as_ref() != Some(&ranks) || self.hint != Some(discovery.kind);
-        if changed {
+        if changed && !discovery.publishes_events {
+            info!(
+                "engine {engine}: {}: one rank with no event link, routed by load alone",
+                crate::discover::NO_EVENTS
+            );
+        } else if changed {
             info!(
                 "engine {engine}: {} reports {} rank{} {ranks:?}",
                 discovery.url,
@@ -421,7 +426,8 @@ impl RankLooks {
     fn look(&mut self, views: &[ListenerView]) -> BTreeSet<String> {
         let mut suspects = BTreeSet::new();
         let mut seen = BTreeMap::new();
-        for view in views {
+        // A rank with no event link (its engine publishes none) is never connected.
+        for view in views.iter().filter(|view| view.spec.publishes_events) {
             let Some(status) = &view.status else { continue };
             let key = &view.spec.key;
             let (gaps, looks) = self.seen.get(key).copied().unwrap_or((status.gaps, 0));

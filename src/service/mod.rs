@@ -39,7 +39,7 @@ use parking_lot::Mutex;
 use tokio::runtime::{Handle, Runtime};
 
 use crate::auth::Secret;
-use crate::config::{is_loopback_listen, Config, ConfigError};
+use crate::config::{is_loopback_listen, Config, ConfigError, Source};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
 use crate::http::dynamo::DynamoApi;
 use crate::http::{Api, BoundHttp, DrainCut, HttpServer, Limits as ServerLimits};
@@ -59,17 +59,12 @@ use saver::{Saver, Saving};
 pub use tasks::build_runtime;
 use tasks::Task;
 
-/// Serves `config` (loaded from `config_path`, which SIGHUP and `POST /reload` re-read) until
+/// Serves `config` (loaded from `source`, which SIGHUP and `POST /reload` read again) until
 /// SIGTERM or SIGINT. `listen` overrides the file's `listen`.
-pub fn run(config_path: &Path, config: Config, listen: Option<String>) -> anyhow::Result<()> {
+pub fn run(source: Source, config: Config, listen: Option<String>) -> anyhow::Result<()> {
     let runtime = build_runtime()?;
     let trim = trim::spawn(runtime.handle());
-    let served = runtime.block_on(signals::serve(
-        runtime.handle(),
-        config_path,
-        config,
-        listen,
-    ));
+    let served = runtime.block_on(signals::serve(runtime.handle(), source, config, listen));
     // Outside `block_on`: `shutdown` waits for the service's tasks with a `block_on` of its own.
     let outcome = served.map(Service::shutdown);
     if let Some(trim) = trim {
@@ -137,14 +132,14 @@ impl Service {
     /// async context (`run` calls it in `spawn_blocking`).
     pub fn start_on(
         runtime: Handle,
-        config_path: &Path,
+        source: &Source,
         config: Config,
         listen: Option<String>,
         shutdown_signal: ShutdownSignal,
     ) -> anyhow::Result<Service> {
         Service::start_all(
             runtime,
-            config_path,
+            source,
             config,
             listen,
             shutdown_signal,
@@ -168,7 +163,7 @@ impl Service {
         let shutdown_signal = ShutdownSignal::default();
         let mut service = Service::start_all(
             handle,
-            config_path,
+            &Source::file(config_path),
             config,
             listen,
             shutdown_signal,
@@ -180,7 +175,7 @@ impl Service {
 
     fn start_all(
         runtime: Handle,
-        config_path: &Path,
+        source: &Source,
         config: Config,
         listen: Option<String>,
         shutdown_signal: ShutdownSignal,
@@ -206,7 +201,7 @@ impl Service {
         let plan = plan::expand(&config);
         info!(
             "configuration {}: block_size {}, {} shards, {} engines, {} ranks",
-            config_path.display(),
+            source.describe(),
             config.block_size,
             config.shards,
             config.engines.len(),
@@ -265,7 +260,7 @@ impl Service {
             stopped.unless(scraping.run()).await;
         });
         let reloader = Arc::new(Reloader::new(
-            config_path,
+            source.clone(),
             config.clone(),
             engines.clone(),
             metrics.clone(),

@@ -10,7 +10,6 @@
 //! Its calls block (the file, the registry's lock, listener starts): tasks make them on the
 //! runtime's blocking pool.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +20,7 @@ use super::discovery::Askers;
 use super::load_tokenizers;
 use super::neighbours::NeighbourWatch;
 use crate::auth::Secret;
-use crate::config::{self, keep_restart_only, Config, ConfigError};
+use crate::config::{self, keep_restart_only, Config, ConfigError, Source};
 use crate::discover::{Board, Discovery, EngineApi};
 use crate::listener::Replication;
 use crate::metrics::Metrics;
@@ -44,7 +43,8 @@ struct Applied {
 /// Applies the configuration file and the discovered engines' answers to the registry; its
 /// lock serializes reloads and answers.
 pub(super) struct Reloader {
-    config_path: PathBuf,
+    /// The file (if any) and the command line's engines: what a reload reads again.
+    source: Source,
     applied: Mutex<Applied>,
     /// The one road to the registry: every plan, the file's and a discovered engine's new
     /// answer, is applied together with the runtime registrations.
@@ -80,7 +80,7 @@ impl Reloader {
     /// The reloader of `config` as just applied at start-up; its askers come with `set_askers`
     /// (they hold a weak reference back to it).
     pub(super) fn new(
-        config_path: &Path,
+        source: Source,
         config: Config,
         engines: Arc<Reconciler>,
         metrics: Arc<Metrics>,
@@ -98,7 +98,7 @@ impl Reloader {
             selector,
             route,
             scraper,
-            config_path: config_path.to_owned(),
+            source,
             applied: Mutex::new(Applied {
                 config,
                 discovered: Discoveries::new(),
@@ -155,9 +155,11 @@ impl Reloader {
     pub(super) fn reload(&self) -> Result<ReloadDiff, ConfigError> {
         let mut guard = self.applied.lock();
         let applied = &mut *guard;
-        let path = self.config_path.display();
-        let mut config =
-            Config::load(&self.config_path).map_err(|rejected| self.rejected(rejected))?;
+        let path = self.source.describe();
+        let mut config = self
+            .source
+            .load()
+            .map_err(|rejected| self.rejected(rejected))?;
         // Read before anything is applied: a token file that cannot be read rejects the reload
         // whole, and the token in effect stays.
         let secret = match config.replicas.read_auth_token() {
@@ -265,7 +267,7 @@ impl Reloader {
         }
         error!(
             "reload of {} rejected; the running configuration is unchanged",
-            self.config_path.display()
+            self.source.describe()
         );
         self.metrics.reload(false);
         rejected

@@ -5,7 +5,6 @@
 //! Owns: the signal handlers and what each signal asks for. Never: reloads or stops anything
 //! itself (the reloader and the service do), or waits for a drain.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -17,14 +16,14 @@ use tokio::sync::Notify;
 use super::reload::Reloader;
 use super::tasks::{blocking, Task};
 use super::Service;
-use crate::config::Config;
+use crate::config::{Config, Source};
 use crate::registry::ShutdownSignal;
 
 /// Installs the signal handlers, starts the service beside them and answers the signals until
 /// SIGTERM or SIGINT; returns the service, for `run` to shut down.
 pub(super) async fn serve(
     runtime: &Handle,
-    config_path: &Path,
+    source: Source,
     config: Config,
     listen: Option<String>,
 ) -> anyhow::Result<Service> {
@@ -37,13 +36,9 @@ pub(super) async fn serve(
     // start (no engine starts after it) and exits within a second.
     let shutdown_signal = ShutdownSignal::default();
     let mut start = {
-        let (path, signal, runtime) = (
-            config_path.to_owned(),
-            shutdown_signal.clone(),
-            runtime.clone(),
-        );
+        let (source, signal, runtime) = (source.clone(), shutdown_signal.clone(), runtime.clone());
         tokio::task::spawn_blocking(move || {
-            Service::start_on(runtime, &path, config, listen, signal)
+            Service::start_on(runtime, &source, config, listen, signal)
         })
     };
     let (started, stop_early) = tokio::select! {
@@ -62,7 +57,7 @@ pub(super) async fn serve(
     loop {
         tokio::select! {
             _ = hangup.recv() => {
-                info!("SIGHUP: reloading {}", config_path.display());
+                info!("SIGHUP: reloading {}", source.describe());
                 hangups.ask();
             }
             name = stop_requested(&mut terminate, &mut interrupt) => {

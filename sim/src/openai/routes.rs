@@ -119,6 +119,9 @@ pub(super) async fn answer(
             *response.status_mut() = StatusCode::OK;
             response
         }
+        (&Method::GET, path, None) if super::sources::serves(inner, path) => {
+            super::sources::answer(inner)
+        }
         (_, "/v1/models" | "/health" | "/metrics", _) | (_, _, Some(_)) => {
             detail(405, "Method Not Allowed")
         }
@@ -415,12 +418,12 @@ fn metrics(inner: &Inner) -> Response<AnswerBody> {
 }
 
 /// FastAPI's own answers (no such path, wrong method).
-fn detail(status: u16, detail: &str) -> Response<AnswerBody> {
+pub(super) fn detail(status: u16, detail: &str) -> Response<AnswerBody> {
     let body = json!({ "detail": detail }).to_string();
     json_response(status, AnswerBody::whole(Bytes::from(body)))
 }
 
-fn json_response(status: u16, body: AnswerBody) -> Response<AnswerBody> {
+pub(super) fn json_response(status: u16, body: AnswerBody) -> Response<AnswerBody> {
     let mut response = Response::new(body);
     *response.status_mut() =
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

@@ -333,6 +333,7 @@ fn register(api: &DynamoApi, request: &Request, body: DynamoBody) -> Answer {
         instance_id,
         registered_at_runtime: true,
         reports_reused: false,
+        publishes_events: true,
     };
     Ok(match api.engines.register(vec![spec]) {
         Ok(()) => Reply::json(201, &json!({ "status": "ok" })),
