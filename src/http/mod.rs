@@ -69,6 +69,7 @@ use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 pub use routes::diff_json;
+pub(crate) use routes::metrics_text;
 use routes::API_ROUTES;
 use server::{spawn_accept, Answerer, Live, Reserve, Stage};
 

@@ -3,7 +3,8 @@
 //! client's headers but the hop-by-hop, proxy and `Authorization` ones, `Host` rewritten, the
 //! engine's own key and `X-data-parallel-rank` set, under the connect and first-byte timeouts,
 //! through `engine_http`'s pooled connections; a server's `GET /health`; and a whole small
-//! answer to a `GET` (`get_body`: an engine's load, bounded in time and size).
+//! answer to a `GET`, bounded in time and size (`get_body`: an engine's load, without a key;
+//! `Upstream::get`: its `/v1/models`, with its key).
 //!
 //! Owns: the headers an engine gets, the timeouts, and what each failure is (sent again or
 //! not, whether it says the server is down, and the status it ends in). Never: chooses a rank,
@@ -20,7 +21,6 @@ use parking_lot::RwLock;
 use tokio::time::Instant;
 
 use super::engine_http::{Connections, EngineBody, SendError};
-use super::request::Kind;
 use super::servers::Thresholds;
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
@@ -37,10 +37,9 @@ pub(super) struct Server {
     api_key: Option<Secret>,
 }
 
-/// Each engine's OpenAI server and the models the fleet serves, from the file.
+/// Each engine's OpenAI server, from the file.
 pub(super) struct Fleet {
     servers: Vec<(String, Option<Arc<Server>>)>,
-    models: Vec<String>,
 }
 
 impl Fleet {
@@ -58,14 +57,7 @@ impl Fleet {
             };
             servers.push((engine.name.clone(), server));
         }
-        let mut models: Vec<String> = config
-            .engines
-            .iter()
-            .filter_map(|engine| engine.model.clone())
-            .collect();
-        models.sort();
-        models.dedup();
-        Ok(Fleet { servers, models })
+        Ok(Fleet { servers })
     }
 
     /// The server of `engine`, if it has one.
@@ -98,10 +90,6 @@ impl Fleet {
             let server = server.as_ref()?;
             (server.url.base == base).then_some(name.as_str())
         })
-    }
-
-    pub(super) fn models(&self) -> impl Iterator<Item = &str> {
-        self.models.iter().map(String::as_str)
     }
 }
 
@@ -227,12 +215,12 @@ impl Upstream {
         *self.settings.write() = settings;
     }
 
-    /// Sends `body` for rank `dp_rank` to `server`, with `request`'s headers but those that
+    /// Sends `body` to `path` for rank `dp_rank` on `server`, with `request`'s headers but those that
     /// are the front end's; the head (of any status) within the first-byte timeout.
     pub(super) async fn send(
         &self,
         server: &Server,
-        kind: Kind,
+        path: &str,
         request: &Request,
         body: Bytes,
         dp_rank: u32,
@@ -244,7 +232,7 @@ impl Upstream {
         strip_clients(&mut headers);
         let (authority, head) = build(
             server,
-            Line::post(kind.path(), query),
+            Line::post(path, query),
             &headers,
             body.len(),
             Some(dp_rank),
@@ -294,12 +282,36 @@ pub(super) async fn get_body(
     timeout: Duration,
     cap: usize,
 ) -> Result<Bytes, String> {
-    use http_body_util::{BodyExt, Limited};
     let server = Server {
         url: url.clone(),
         api_key: None,
     };
-    let (authority, head) = build(&server, Line::get(""), &HeaderMap::new(), 0, None)?;
+    get_whole(connections, &server, "", timeout, cap).await
+}
+
+impl Upstream {
+    /// `GET path` on `server`, with the engine's key, as `get_body` reads it.
+    pub(super) async fn get(
+        &self,
+        server: &Server,
+        path: &str,
+        timeout: Duration,
+        cap: usize,
+    ) -> Result<Bytes, String> {
+        get_whole(&self.connections, server, path, timeout, cap).await
+    }
+}
+
+/// `GET path` under `server`'s URL within `timeout`, its whole answer at most `cap` bytes.
+async fn get_whole(
+    connections: &Arc<Connections>,
+    server: &Server,
+    path: &str,
+    timeout: Duration,
+    cap: usize,
+) -> Result<Bytes, String> {
+    use http_body_util::{BodyExt, Limited};
+    let (authority, head) = build(server, Line::get(path), &HeaderMap::new(), 0, None)?;
     let no_body = Bytes::new();
     let fetching = async {
         let (parts, body) = connections
