@@ -17,15 +17,17 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode};
 use kv_indexer::tokenize::Prompt;
+use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::answer::{Endpoint, Event, Generation, Prefill};
 use super::body::{AnswerBody, InFlight};
-use super::{Fault, Inner, SeenRequest};
+use super::{tokenization, Fault, Inner, SeenRequest};
 use crate::cache;
 
 /// Largest request body read: far above any prompt the tests send.
@@ -39,24 +41,24 @@ const DEFAULT_MAX_TOKENS: u32 = 16;
 const RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// A request refused, with vLLM's error body.
-struct Refusal {
+pub(super) struct Refusal {
     status: u16,
     message: String,
 }
 
 impl Refusal {
-    fn new(status: u16, message: impl Into<String>) -> Refusal {
+    pub(super) fn new(status: u16, message: impl Into<String>) -> Refusal {
         Refusal {
             status,
             message: message.into(),
         }
     }
 
-    fn bad(message: impl Into<String>) -> Refusal {
+    pub(super) fn bad(message: impl Into<String>) -> Refusal {
         Refusal::new(400, message)
     }
 
-    fn into_response(self) -> Response<AnswerBody> {
+    pub(super) fn into_response(self) -> Response<AnswerBody> {
         let kind = match self.status {
             404 => "NotFoundError",
             500.. => "InternalServerError",
@@ -113,6 +115,8 @@ pub(super) async fn answer(
         (&Method::POST, _, Some(endpoint)) => generate(inner, endpoint, request, closed_by_server)
             .await
             .unwrap_or_else(Refusal::into_response),
+        (&Method::POST, "/tokenize", _) => tokenization::tokenize(inner, request).await,
+        (&Method::POST, "/detokenize", _) => tokenization::detokenize(inner, request).await,
         (&Method::GET, "/v1/models", _) => models(inner),
         (&Method::GET, "/metrics", _) => metrics(inner),
         (&Method::GET, "/health", _) => {
@@ -120,9 +124,8 @@ pub(super) async fn answer(
             *response.status_mut() = StatusCode::OK;
             response
         }
-        (_, "/v1/models" | "/health" | "/metrics", _) | (_, _, Some(_)) => {
-            detail(405, "Method Not Allowed")
-        }
+        (_, "/v1/models" | "/health" | "/metrics" | "/tokenize" | "/detokenize", _)
+        | (_, _, Some(_)) => detail(405, "Method Not Allowed"),
         _ => detail(404, "Not Found"),
     }
 }
@@ -134,33 +137,7 @@ async fn generate(
     closed_by_server: Arc<AtomicBool>,
 ) -> Result<Response<AnswerBody>, Refusal> {
     inner.figures.received.fetch_add(1, Ordering::Relaxed);
-    let (parts, body) = request.into_parts();
-    let bytes = match Limited::new(body, MAX_BODY_BYTES).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => {
-            return Err(Refusal::new(
-                413,
-                format!("the body is above {MAX_BODY_BYTES} bytes"),
-            ))
-        }
-        Err(error) => return Err(Refusal::bad(format!("reading the body: {error}"))),
-    };
-    *inner.last_request.lock() = Some(SeenRequest {
-        method: parts.method.to_string(),
-        path: parts
-            .uri
-            .path_and_query()
-            .map_or_else(|| parts.uri.path().to_string(), ToString::to_string),
-        headers: parts
-            .headers
-            .iter()
-            .map(|(name, value)| {
-                let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
-                (name.as_str().to_string(), value)
-            })
-            .collect(),
-        body: bytes.clone(),
-    });
+    let (parts, bytes) = read_body(request, Some(&inner.last_request)).await?;
 
     let fault = inner.faults.lock().pop_front();
     let mut break_after = None;
@@ -255,6 +232,43 @@ async fn generate(
         None => AnswerBody::whole(whole),
     };
     Ok(json_response(200, body))
+}
+
+/// The request's head and whole body (at most `MAX_BODY_BYTES`), kept in `seen` when given.
+pub(super) async fn read_body(
+    request: Request<Incoming>,
+    seen: Option<&Mutex<Option<SeenRequest>>>,
+) -> Result<(Parts, Bytes), Refusal> {
+    let (parts, body) = request.into_parts();
+    let bytes = match Limited::new(body, MAX_BODY_BYTES).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return Err(Refusal::new(
+                413,
+                format!("the body is above {MAX_BODY_BYTES} bytes"),
+            ))
+        }
+        Err(error) => return Err(Refusal::bad(format!("reading the body: {error}"))),
+    };
+    if let Some(seen) = seen {
+        *seen.lock() = Some(SeenRequest {
+            method: parts.method.to_string(),
+            path: parts
+                .uri
+                .path_and_query()
+                .map_or_else(|| parts.uri.path().to_string(), ToString::to_string),
+            headers: parts
+                .headers
+                .iter()
+                .map(|(name, value)| {
+                    let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+                    (name.as_str().to_string(), value)
+                })
+                .collect(),
+            body: bytes.clone(),
+        });
+    }
+    Ok((parts, bytes))
 }
 
 /// Waits for `due` unless it has passed: a timer has a millisecond's grain, which an engine
@@ -428,7 +442,7 @@ fn detail(status: u16, detail: &str) -> Response<AnswerBody> {
     json_response(status, AnswerBody::whole(Bytes::from(body)))
 }
 
-fn json_response(status: u16, body: AnswerBody) -> Response<AnswerBody> {
+pub(super) fn json_response(status: u16, body: AnswerBody) -> Response<AnswerBody> {
     let mut response = Response::new(body);
     *response.status_mut() =
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
