@@ -1,7 +1,8 @@
 //! The simulated engine's OpenAI-compatible server, as vLLM 0.33's: `POST /v1/completions` and
 //! `POST /v1/chat/completions` (whole, or streamed as server-sent events), `GET /v1/models`,
 //! `GET /health`, `GET /metrics` (vLLM's load gauges per rank, `metrics`) and `POST /tokenize`,
-//! `POST /detokenize` (`tokenization`), answered from the ranks' real prefix caches. A request goes to the rank its
+//! `POST /detokenize` (`tokenization`), `POST /v1/embeddings` and `POST /v1/responses`
+//! (`surface`), answered from the ranks' real prefix caches. A request goes to the rank its
 //! `X-data-parallel-rank` header names (round-robin without one), is tokenized as kv-indexer
 //! tokenizes (`kv_indexer::tokenize`), waits a prefill time proportional to its uncached tokens,
 //! then stores its blocks on that rank (which publishes their KV events) and streams its output
@@ -20,6 +21,7 @@ mod answer;
 mod body;
 mod metrics;
 mod routes;
+mod surface;
 mod tokenization;
 
 use std::collections::VecDeque;
@@ -137,6 +139,8 @@ struct Inner {
     next_rank: AtomicU32,
     next_id: AtomicU64,
     last_request: Mutex<Option<SeenRequest>>,
+    /// The ids of the `/v1/responses` answers this server made (`surface`).
+    responses: Mutex<std::collections::HashSet<String>>,
     /// The model's `tokenizer.json` alone, for `/detokenize` and `token_strs`.
     decoder: Option<tokenizers::Tokenizer>,
     tokenize_faults: Mutex<VecDeque<Fault>>,
@@ -236,6 +240,7 @@ pub(crate) fn start(
         next_rank: AtomicU32::new(0),
         next_id: AtomicU64::new(0),
         last_request: Mutex::new(None),
+        responses: Mutex::default(),
         decoder,
         tokenize_faults: Mutex::new(VecDeque::new()),
         last_tokenize: Mutex::new(None),
@@ -344,13 +349,14 @@ impl OpenAiServer {
         self.inner.figures.received.load(Ordering::Relaxed)
     }
 
-    /// Generating requests served by each rank, indexed by rank: a request counts on the rank
-    /// chosen for it once it is accepted (before its prefill).
+    /// Generating, embeddings and responses requests served by each rank, indexed by rank: a
+    /// request counts on the rank chosen for it once it is accepted (before its prefill).
     pub fn served_per_rank(&self) -> Vec<u64> {
         self.inner.figures.served.lock().clone()
     }
 
-    /// The last generating request as it arrived (`/health` and `/v1/models` are not kept).
+    /// The last generating, embeddings or responses request as it arrived (`/health`,
+    /// `/v1/models` and the tokenizing routes are not kept).
     pub fn last_request(&self) -> Option<SeenRequest> {
         self.inner.last_request.lock().clone()
     }

@@ -429,9 +429,9 @@ impl RouteFront {
                             continue;
                         }
                     } else {
-                        // A pass-through's 404 is the path's or the item's, not a sign of a
-                        // misconfigured engine.
-                        let seen = match out.generating {
+                        // A pass-through's 404 is the path's, a follow-up's its earlier
+                        // response's: neither says the engine is misconfigured.
+                        let seen = match out.generating && out.previous_response_id.is_none() {
                             true => status,
                             false => StatusCode::OK,
                         };

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::answer::{Endpoint, Event, Generation, Prefill};
 use super::body::{AnswerBody, InFlight};
-use super::{tokenization, Fault, Inner, SeenRequest};
+use super::{surface, tokenization, Fault, Inner, SeenRequest};
 use crate::cache;
 
 /// Largest request body read: far above any prompt the tests send.
@@ -117,6 +117,8 @@ pub(super) async fn answer(
             .unwrap_or_else(Refusal::into_response),
         (&Method::POST, "/tokenize", _) => tokenization::tokenize(inner, request).await,
         (&Method::POST, "/detokenize", _) => tokenization::detokenize(inner, request).await,
+        (&Method::POST, "/v1/embeddings", _) => surface::embeddings(inner, request).await,
+        (&Method::POST, "/v1/responses", _) => surface::responses(inner, request).await,
         (&Method::GET, "/v1/models", _) => models(inner),
         (&Method::GET, "/metrics", _) => metrics(inner),
         (&Method::GET, "/health", _) => {
@@ -125,6 +127,7 @@ pub(super) async fn answer(
             response
         }
         (_, "/v1/models" | "/health" | "/metrics" | "/tokenize" | "/detokenize", _)
+        | (_, "/v1/embeddings" | "/v1/responses", _)
         | (_, _, Some(_)) => detail(405, "Method Not Allowed"),
         _ => detail(404, "Not Found"),
     }
@@ -384,7 +387,11 @@ fn encode(inner: &Inner, prompt: &Prompt<'_>, tokens: &mut Vec<u32>) -> Result<(
 }
 
 /// The rank `X-data-parallel-rank` names, or the next in round-robin order.
-fn choose_rank(inner: &Inner, headers: &HeaderMap, dp_size: u32) -> Result<u32, Refusal> {
+pub(super) fn choose_rank(
+    inner: &Inner,
+    headers: &HeaderMap,
+    dp_size: u32,
+) -> Result<u32, Refusal> {
     if dp_size == 0 {
         return Err(Refusal::new(503, "the engine has no rank running"));
     }
@@ -452,7 +459,7 @@ pub(super) fn json_response(status: u16, body: AnswerBody) -> Response<AnswerBod
     response
 }
 
-fn unix_seconds() -> u64 {
+pub(super) fn unix_seconds() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs())
