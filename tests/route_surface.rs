@@ -157,9 +157,14 @@ fn a_response_named_as_previous_goes_back_to_the_engine_that_made_it_whole_or_st
     assert!(text.contains("event: response.completed"), "{text}");
     assert_ne!(whole_engine, streamed_engine, "in turn");
 
-    // Each follow-up goes where its response is, however the turn falls.
+    // Each follow-up goes where its response is, however the turn falls: each id twice in a
+    // row, so that taking turns would send one of the two to the other engine.
     for round in 0..3 {
-        for (id, engine) in [(&whole_id, whole_engine), (&streamed_id, streamed_engine)] {
+        for (id, engine) in [
+            (&whole_id, whole_engine),
+            (&whole_id, whole_engine),
+            (&streamed_id, streamed_engine),
+        ] {
             let reply = routed.send(
                 "/v1/responses",
                 &json!({ "model": MODEL, "input": format!("More, {round}."), "previous_response_id": id }),
@@ -173,7 +178,7 @@ fn a_response_named_as_previous_goes_back_to_the_engine_that_made_it_whole_or_st
     }
     assert_eq!(
         routed.metric("kv_indexer_route_previous_response_total{outcome=\"found\"}"),
-        6.0
+        9.0
     );
 
     // An id nobody passed on is routed as any other, counted: the engine says it does not
