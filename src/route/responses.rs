@@ -392,6 +392,14 @@ mod tests {
     }
 
     #[test]
+    fn a_whole_answers_usage_is_read_as_a_chats() {
+        let body = br#"{"id":"resp_1","output":[],"usage":{"input_tokens":48,
+            "input_tokens_details":{"cached_tokens":32},"output_tokens":2},"user":null}"#;
+        let usage = super::super::passing::usage_in_tail(body).expect("usage");
+        assert_eq!(usage.prompt_tokens, 48);
+    }
+
+    #[test]
     fn a_streams_id_is_its_response_created_events() {
         let event = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_9\",\"status\":\"in_progress\"},\"sequence_number\":0}\n\n";
         assert_eq!(created_id(event).as_deref(), Some("resp_9"));
