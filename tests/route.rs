@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_indexer::select::Clock;
-use kv_indexer_sim::fleet::{Fleet, RankRef};
+use kv_indexer_sim::fleet::Fleet;
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
-use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer};
+use kv_indexer_sim::openai::{Fault, OpenAiConfig};
 use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::server::SimConfig;

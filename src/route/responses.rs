@@ -442,9 +442,9 @@ mod tests {
             let parsed = read(other).expect("routed by load");
             assert!(matches!(parsed.prompt, PromptSource::Unreadable(_)));
         }
-        let err = read(json!({"model": "m"})).err().expect("no input");
+        let err = read(json!({"model": "m"})).expect_err("no input");
         assert!(err.contains("`input` is missing"), "{err}");
-        let err = read(json!({"input": 3})).err().expect("a number");
+        let err = read(json!({"input": 3})).expect_err("a number");
         assert!(err.contains("`input` must be"), "{err}");
     }
 
