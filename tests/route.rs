@@ -493,9 +493,9 @@ fn refusals_are_json_errors_naming_their_cause() {
     let reply = send("/v1/completions", &authorized, &huge);
     assert_eq!(reply.status, 413, "{}", reply.text());
     assert!(error_message(&reply).contains("limit"), "{}", reply.text());
-    let reply = send("/v1/embeddings", &authorized, body.as_bytes());
+    let reply = send("/sleep", &authorized, body.as_bytes());
     assert_eq!(reply.status, 404, "{}", reply.text());
-    assert!(error_message(&reply).contains("/v1/embeddings"));
+    assert!(error_message(&reply).contains("/sleep"));
     let reply =
         Connection::open(routed.route).send_with("GET", "/v1/completions", &authorized, None);
     assert_eq!(reply.status, 405, "{}", reply.text());
