@@ -92,6 +92,10 @@ fn embeddings_tokenize_and_detokenize_are_passed_to_a_rank_of_their_model() {
         assert_eq!(refused.status, 404, "{path}: {}", refused.text());
         assert!(refused.json()["error"]["message"].is_string());
     }
+    // A declared path asked with another method is a 405, never passed.
+    let refused = routed.send("/v1/responses/resp_1", &json!({ "model": MODEL }));
+    assert_eq!(refused.status, 405, "{}", refused.text());
+    assert_eq!(get(routed.route, "/v1/embeddings").status, 404);
     assert_eq!(served(&routed, 0) + served(&routed, 1), before);
     routed.all_released("passed-through answers");
 }
@@ -176,9 +180,21 @@ fn a_response_named_as_previous_goes_back_to_the_engine_that_made_it_whole_or_st
             assert!(routing.contains("previous_response_id"), "{routing}");
         }
     }
+    // A stored response is fetched where it is stored too.
+    for (id, engine) in [
+        (&whole_id, whole_engine),
+        (&whole_id, whole_engine),
+        (&streamed_id, streamed_engine),
+    ] {
+        let reply =
+            Connection::open(routed.route).send("GET", &format!("/v1/responses/{id}"), None);
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.json()["id"], id.as_str());
+        assert_eq!(engine_of(&reply), engine);
+    }
     assert_eq!(
         routed.metric("kv_indexer_route_previous_response_total{outcome=\"found\"}"),
-        9.0
+        12.0
     );
 
     // An id nobody passed on is routed as any other, counted: the engine says it does not

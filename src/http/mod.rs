@@ -438,6 +438,10 @@ impl Reply {
         }
     }
 
+    pub(crate) fn status(&self) -> u16 {
+        self.status
+    }
+
     /// The response hyper writes, an error in `shape`: always a Content-Length (hyper's for a
     /// whole body), never chunked, so every client reads it simply; hyper leaves the body out
     /// of a HEAD's answer.

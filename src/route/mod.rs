@@ -81,6 +81,8 @@ enum Action {
     Forward(Kind),
     /// Another `POST` of the engines' API (`surface`), routed by load.
     Pass(Passed),
+    /// A stored response asked for by its id, at the engine that created it.
+    Stored,
     Models,
     Metrics,
     Health,
@@ -104,6 +106,18 @@ static ROUTE_ROUTES: &[Route<Action>] = &[
         pattern: "/v1/responses",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Responses),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/v1/responses/{id}",
+        guard: Guard::Open,
+        handler: Action::Stored,
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/v1/responses/{id}/cancel",
+        guard: Guard::Open,
+        handler: Action::Stored,
     },
     Route {
         verb: Verb::Get,
@@ -245,16 +259,16 @@ impl RouteFront {
     ) -> Response<AnswerBody> {
         let action = match find(ROUTE_ROUTES, &CurrentSecret::default(), &request) {
             Ok((action, _)) => *action,
-            Err(refused) => {
-                let path = request.path();
-                let declared = ROUTE_ROUTES.iter().any(|route| route.pattern == path);
-                match surface::passed(path) {
-                    Some(passed) if request.method() == hyper::Method::POST && !declared => {
-                        Action::Pass(passed)
-                    }
-                    _ => return self.refused(refused),
+            // A path no route declares (not one asked with another method: 405) may be one
+            // of the engines' to pass through.
+            Err(refused) => match surface::passed(request.path()) {
+                Some(passed)
+                    if request.method() == hyper::Method::POST && refused.status() == 404 =>
+                {
+                    Action::Pass(passed)
                 }
-            }
+                _ => return self.refused(refused),
+            },
         };
         match action {
             Action::Health => json_response(StatusCode::OK, &json!({ "status": "ok" })),
@@ -267,6 +281,7 @@ impl RouteFront {
             Action::Metrics => self.metrics_text(),
             Action::Forward(kind) => self.forward(request, body, kind).await,
             Action::Pass(passed) => self.pass(request, body, passed).await,
+            Action::Stored => self.stored(request, body).await,
         }
     }
 

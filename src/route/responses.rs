@@ -2,8 +2,8 @@
 //! a system turn, `input` the user's text or a list of message items), the engine that created
 //! each response passed on remembered by the response's id (`Remembered`, learned as the
 //! answer passes by `Learning`: a whole answer's top-level `id`, a stream's `response.created`
-//! event's `response.id`), so that a request naming it as `previous_response_id` goes back
-//! there, where that response is stored.
+//! event's `response.id`), so that a request naming it as `previous_response_id` (or in its
+//! path, `surface`'s `stored`) goes back there, where that response is stored.
 //!
 //! Owns: what of a responses body routing reads, the id-to-engine map and its bound
 //! (`[route] responses_remembered`, least recently used forgotten first). Never: changes a

@@ -110,6 +110,40 @@ impl RouteFront {
         self.send(request, out, prompt, place).await
     }
 
+    /// `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: to the engine that
+    /// created the response, as a follow-up naming it goes.
+    pub(super) async fn stored(
+        self: Arc<Self>,
+        request: Request,
+        body: Vec<u8>,
+    ) -> Response<AnswerBody> {
+        let place = match self.admitted() {
+            Ok(place) => place,
+            Err(refused) => return refused,
+        };
+        let id = request
+            .path()
+            .strip_prefix("/v1/responses/")
+            .and_then(|rest| rest.split('/').next())
+            .map(str::to_owned);
+        let out = Outgoing {
+            path: request.path().to_owned(),
+            body: Bytes::from(body),
+            cache_salt: None,
+            max_tokens: 0,
+            stream: false,
+            strip: false,
+            generating: false,
+            previous_response_id: id,
+        };
+        let prompt = Tokenized {
+            tokens: Vec::new(),
+            model: None,
+            load_only: None,
+        };
+        self.send(request, out, prompt, place).await
+    }
+
     /// The API's `/metrics`, here for clients that reach only this listener.
     pub(super) fn metrics_text(&self) -> Response<AnswerBody> {
         let text =

@@ -215,7 +215,7 @@ impl Upstream {
         *self.settings.write() = settings;
     }
 
-    /// Sends `body` to `path` for rank `dp_rank` on `server`, with `request`'s headers but those that
+    /// Sends `body` to `path` for rank `dp_rank` on `server` (with `request`'s method), with `request`'s headers but those that
     /// are the front end's; the head (of any status) within the first-byte timeout.
     pub(super) async fn send(
         &self,
@@ -232,7 +232,7 @@ impl Upstream {
         strip_clients(&mut headers);
         let (authority, head) = build(
             server,
-            Line::post(path, query),
+            Line::of(request.method(), path, query),
             &headers,
             body.len(),
             Some(dp_rank),
@@ -346,9 +346,15 @@ struct Line<'a> {
 }
 
 impl<'a> Line<'a> {
-    fn post(path: &'a str, query: Option<&'a str>) -> Line<'a> {
+    /// The client's method: `GET` (and `HEAD`) as `GET`, anything else as `POST`, the only
+    /// two the front end's routes take.
+    fn of(method: &hyper::Method, path: &'a str, query: Option<&'a str>) -> Line<'a> {
+        let method = match *method {
+            hyper::Method::GET | hyper::Method::HEAD => "GET",
+            _ => "POST",
+        };
         Line {
-            method: "POST",
+            method,
             path,
             query,
         }

@@ -119,6 +119,9 @@ pub(super) async fn answer(
         (&Method::POST, "/detokenize", _) => tokenization::detokenize(inner, request).await,
         (&Method::POST, "/v1/embeddings", _) => surface::embeddings(inner, request).await,
         (&Method::POST, "/v1/responses", _) => surface::responses(inner, request).await,
+        (&Method::GET, path, _) if path.starts_with("/v1/responses/") => {
+            surface::retrieve(inner, request).await
+        }
         (&Method::GET, "/v1/models", _) => models(inner),
         (&Method::GET, "/metrics", _) => metrics(inner),
         (&Method::GET, "/health", _) => {

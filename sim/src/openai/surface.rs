@@ -9,7 +9,8 @@
 //! vLLM's 404, as a request sent to the wrong engine gets.
 //!
 //! Owns these two routes' shapes. Never: reads or fills a rank's cache (the answers report no
-//! cached tokens), or waits: the output is one fixed text.
+//! cached tokens), or waits: the output is one fixed text. `GET /v1/responses/{id}` answers a
+//! response it made with its id and status.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -219,6 +220,37 @@ async fn respond(
         HeaderValue::from_static("text/event-stream; charset=utf-8"),
     );
     Ok(answer)
+}
+
+/// `GET /v1/responses/{id}`: a response this server made (its id and status), else vLLM's 404.
+pub(super) async fn retrieve(
+    inner: &Arc<Inner>,
+    request: Request<Incoming>,
+) -> Response<AnswerBody> {
+    stored(inner, request)
+        .await
+        .unwrap_or_else(Refusal::into_response)
+}
+
+async fn stored(
+    inner: &Arc<Inner>,
+    request: Request<Incoming>,
+) -> Result<Response<AnswerBody>, Refusal> {
+    let (parts, _) = read_body(request, Some(&inner.last_request)).await?;
+    let id = parts.uri.path().trim_start_matches("/v1/responses/");
+    if !inner.responses.lock().contains(id) {
+        return Err(Refusal::new(
+            404,
+            format!("Response with id '{id}' not found."),
+        ));
+    }
+    served_on(inner, &parts.headers)?;
+    let answer = json!({ "id": id, "object": "response", "model": inner.config.model,
+                         "status": "completed" });
+    Ok(json_response(
+        200,
+        AnswerBody::whole(Bytes::from(answer.to_string())),
+    ))
 }
 
 /// `fields` with those of `at` added.
