@@ -68,7 +68,7 @@ impl RouteFront {
     }
 }
 
-pub(super) fn boxed(bytes: Bytes) -> AnswerBody {
+fn boxed(bytes: Bytes) -> AnswerBody {
     UnsyncBoxBody::new(Full::new(bytes).map_err(|never| match never {}))
 }
 

@@ -286,6 +286,7 @@ impl RouteFront {
     }
 
     /// The request's place among `max_concurrent_requests`, or the 429 that refuses it.
+    // The refusal is returned to the client at once: a large `Err` is moved once, not kept.
     #[allow(clippy::result_large_err)]
     fn admitted(&self) -> Result<OwnedSemaphorePermit, Response<AnswerBody>> {
         Arc::clone(&self.in_flight)
