@@ -400,3 +400,48 @@ fn responses_remembered_0_remembers_no_response() {
         0.0
     );
 }
+
+#[test]
+fn a_response_is_tokenized_as_the_chat_it_renders_and_goes_to_the_rank_holding_its_prefix() {
+    let routed = routed(2, 2, OpenAiConfig::default(), &[]);
+    let system = format!(
+        "You answer questions about lighthouses. {}",
+        "lighthouses: ".repeat(120)
+    );
+    let question = "Tell me about lighthouses.";
+    let chat = json!({
+        "model": MODEL,
+        "messages": [
+            { "role": "system", "content": system },
+            { "role": "user", "content": question },
+        ],
+        "max_tokens": 4,
+    });
+    routed.warm(1, 1, "/v1/chat/completions", &chat);
+    let reply = routed.send(
+        "/v1/responses",
+        &json!({ "model": MODEL, "instructions": system, "input": question }),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(1, 1).as_str())
+    );
+    let predicted: u64 = reply
+        .header("x-kv-indexer-predicted-cached-tokens")
+        .and_then(|n| n.parse().ok())
+        .expect("the prediction header");
+    assert!(predicted > 0, "the chat's blocks are the response's prefix");
+    assert_eq!(reply.header("x-kv-indexer-routing"), None, "tokenized");
+
+    // An item the front end does not render is weighed by load alone, and said so.
+    let reply = routed.send(
+        "/v1/responses",
+        &json!({ "model": MODEL, "input": [
+            { "type": "function_call_output", "call_id": "call_1", "output": "42" },
+        ] }),
+    );
+    let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+    assert!(routing.starts_with("load only: "), "{routing}");
+    routed.all_released("the responses");
+}
