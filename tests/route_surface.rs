@@ -445,3 +445,22 @@ fn a_response_is_tokenized_as_the_chat_it_renders_and_goes_to_the_rank_holding_i
     assert!(routing.starts_with("load only: "), "{routing}");
     routed.all_released("the responses");
 }
+
+#[test]
+fn a_pass_through_goes_to_another_server_when_the_first_cannot_be_reached() {
+    let routed = in_turn();
+    routed
+        .server(0)
+        .stop_listening()
+        .expect("engine 0 stops listening");
+    // Taking turns, one of the two is chosen for engine 0 first: it never got there, so it
+    // goes to engine 1.
+    for _ in 0..2 {
+        let reply = routed.send("/v1/embeddings", &json!({ "model": MODEL, "input": "x" }));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(engine_of(&reply), 1);
+    }
+    assert_eq!(served(&routed, 1), 2);
+    assert!(routed.metric("kv_indexer_route_retries_total") >= 1.0);
+    routed.all_released("the retried pass-throughs");
+}
