@@ -9,198 +9,20 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_indexer::select::Clock;
-use kv_indexer_sim::fleet::{Fleet, RankRef};
+use kv_indexer_sim::fleet::Fleet;
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
-use kv_indexer_sim::openai::{Fault, OpenAiConfig, OpenAiServer, TokensDetails};
+use kv_indexer_sim::openai::{Fault, OpenAiConfig, TokensDetails};
 use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::tokenizer_dir;
 use serde_json::{json, Value};
 use support::http_client::{get, metric_value, wait_for, Connection, Reply};
+use support::routed::{
+    fleet_toml, rank_name, raw_engine, routed, routed_with, routing_to, Routed, MODEL,
+};
 use support::sse_client::{self, Answer};
 use support::start_service_with_select_clock;
-
-const MODEL: &str = "chatml";
-
-/// Engines `sim-0`, `sim-1`, … of `dp_size` ranks each, with OpenAI servers, and an indexer routing
-/// to them on a clock the test advances.
-struct Routed {
-    running: RunningService,
-    fleet: Fleet,
-    clock: Clock,
-    route: SocketAddr,
-    api: SocketAddr,
-    _tokenizers: tempfile::TempDir,
-}
-
-fn routed(engines: usize, dp_size: u32, openai: OpenAiConfig, keys: &[(&str, &str)]) -> Routed {
-    routed_with(
-        engines,
-        dp_size,
-        openai,
-        keys,
-        &|_, engine| engine,
-        "/ready",
-    )
-}
-
-/// `routed`, each engine's table as `edit` makes it, ready when `GET ready_path` on the API
-/// answers 200.
-fn routed_with(
-    engines: usize,
-    dp_size: u32,
-    openai: OpenAiConfig,
-    keys: &[(&str, &str)],
-    edit: &dyn Fn(usize, EngineToml) -> EngineToml,
-    ready_path: &str,
-) -> Routed {
-    let (fleet, toml, tokenizers) = fleet_toml(engines, dp_size, openai, "127.0.0.1:0", keys, edit);
-    let clock = Clock::manual();
-    let running = start_service_with_select_clock(&toml, clock.clone());
-    let api = running.http_addr();
-    let route = running.route_addr().expect("[route] is set");
-    wait_for(30, &format!("{ready_path} to answer 200"), || {
-        (get(api, ready_path).status == 200).then_some(())
-    });
-    Routed {
-        running,
-        fleet,
-        clock,
-        route,
-        api,
-        _tokenizers: tokenizers,
-    }
-}
-
-/// The engines of `routed` and an indexer's file routing to them from `route_listen`, each
-/// engine's table as `edit` makes it; the tokenizers' directory lives as long as the returned
-/// guard.
-fn fleet_toml(
-    engines: usize,
-    dp_size: u32,
-    openai: OpenAiConfig,
-    route_listen: &str,
-    keys: &[(&str, &str)],
-    edit: &dyn Fn(usize, EngineToml) -> EngineToml,
-) -> (Fleet, String, tempfile::TempDir) {
-    let tokenizers = tempfile::tempdir().expect("temp dir");
-    tokenizer_dir::write_all(tokenizers.path()).expect("tokenizer directories");
-    let chatml = tokenizers.path().join(MODEL);
-    let fleet = Fleet::start_on_consecutive_ports(engines, |i| SimConfig {
-        dp_size,
-        block_size: 16,
-        capacity_blocks: 4_096,
-        openai_port: Some(0),
-        openai: OpenAiConfig {
-            model: MODEL.into(),
-            tokenizer: Some(chatml.clone()),
-            ..openai.clone()
-        },
-        seed: 0x20 + i as u64,
-        ..SimConfig::default()
-    })
-    .expect("simulated engines");
-    let tomls: Vec<EngineToml> = fleet
-        .engine_tomls()
-        .into_iter()
-        .enumerate()
-        .map(|(i, engine)| EngineToml {
-            model: Some(MODEL.into()),
-            tokenizer: Some(chatml.display().to_string()),
-            openai_url: fleet.engine(RankRef { engine: i, rank: 0 }).openai_url(),
-            ..engine
-        })
-        .enumerate()
-        .map(|(i, engine)| edit(i, engine))
-        .collect();
-    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table(route_listen, keys);
-    (fleet, toml, tokenizers)
-}
-
-impl Routed {
-    fn server(&self, engine: usize) -> OpenAiServer {
-        self.fleet
-            .engine(RankRef { engine, rank: 0 })
-            .openai()
-            .expect("an OpenAI server")
-    }
-
-    /// Serves `body` on `engine`'s rank `rank` directly (not through the front end), and waits
-    /// until the index shows that rank holding the prompt's blocks.
-    fn warm(&self, engine: usize, rank: u32, path: &str, body: &Value) {
-        let url = self.server(engine).url();
-        let addr: SocketAddr = url
-            .trim_start_matches("http://")
-            .parse()
-            .expect("an IP:port");
-        let rank_header = rank.to_string();
-        let reply = Connection::open(addr).send_with(
-            "POST",
-            path,
-            &[
-                ("Content-Type", "application/json"),
-                ("X-data-parallel-rank", &rank_header),
-            ],
-            Some(body.to_string().as_bytes()),
-        );
-        assert_eq!(reply.status, 200, "{}", reply.text());
-        let query = match path {
-            "/v1/chat/completions" => json!({ "model": MODEL, "messages": body["messages"] }),
-            _ => json!({ "model": MODEL, "prompt": body["prompt"] }),
-        };
-        let instance = Fleet::name(engine);
-        wait_for(20, "the index to hold the warmed prompt", || {
-            let answer = Connection::open(self.api).send(
-                "POST",
-                "/query",
-                Some(query.to_string().as_bytes()),
-            );
-            let scores = answer.json()["scores"].as_array()?.clone();
-            scores
-                .iter()
-                .any(|s| {
-                    s["instance"] == instance
-                        && s["dp_rank"] == rank
-                        && s["matched_blocks"].as_u64() > Some(0)
-                })
-                .then_some(())
-        });
-    }
-
-    /// `GET /loads`' reservations over every rank.
-    fn reservations(&self) -> u64 {
-        get(self.api, "/loads")
-            .json()
-            .as_array()
-            .expect("a list")
-            .iter()
-            .map(|rank| rank["reservations"].as_u64().unwrap_or(0))
-            .sum()
-    }
-
-    /// Waits until no reservation is open.
-    fn all_released(&self, after: &str) {
-        wait_for(
-            10,
-            &format!("reservations to be released after {after}"),
-            || (self.reservations() == 0).then_some(()),
-        );
-    }
-
-    fn metric(&self, series: &str) -> f64 {
-        metric_value(self.api, series).unwrap_or(0.0)
-    }
-
-    fn send(&self, path: &str, body: &Value) -> Reply {
-        Connection::open(self.route).send("POST", path, Some(body.to_string().as_bytes()))
-    }
-}
-
-/// How the front end names rank `rank` of engine `engine` (`x-kv-indexer-rank`).
-fn rank_name(engine: usize, rank: u32) -> String {
-    format!("{}/{rank}", Fleet::name(engine))
-}
 
 /// A chat of a few turns long enough to fill several 16-token blocks.
 fn chat(topic: &str, stream: bool) -> Value {
@@ -671,9 +493,9 @@ fn refusals_are_json_errors_naming_their_cause() {
     let reply = send("/v1/completions", &authorized, &huge);
     assert_eq!(reply.status, 413, "{}", reply.text());
     assert!(error_message(&reply).contains("limit"), "{}", reply.text());
-    let reply = send("/v1/embeddings", &authorized, body.as_bytes());
+    let reply = send("/sleep", &authorized, body.as_bytes());
     assert_eq!(reply.status, 404, "{}", reply.text());
-    assert!(error_message(&reply).contains("/v1/embeddings"));
+    assert!(error_message(&reply).contains("/sleep"));
     let reply =
         Connection::open(routed.route).send_with("GET", "/v1/completions", &authorized, None);
     assert_eq!(reply.status, 405, "{}", reply.text());
@@ -1117,59 +939,6 @@ fn an_engine_gets_its_own_api_key_rotated_on_reload_and_never_the_clients_token(
     let seen = routed.server(0).last_request().expect("a request");
     assert_eq!(seen.header("authorization"), Some("Bearer engine-key-2"));
     routed.all_released("answers");
-}
-
-/// An engine over a raw socket: it answers one request with `head` and the first part of a
-/// body, then the rest once the test says so; what it read of the request comes back.
-fn raw_engine(parts: [&'static [u8]; 2]) -> (SocketAddr, std::sync::mpsc::Sender<()>) {
-    use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("address");
-    let (go_on, rest_allowed) = std::sync::mpsc::channel::<()>();
-    std::thread::spawn(move || {
-        // The health checks come and go on connections of their own: the routed request is
-        // the one that POSTs.
-        for connection in listener.incoming() {
-            let Ok(mut connection) = connection else {
-                return;
-            };
-            let mut request = Vec::new();
-            let mut buffer = [0u8; 4096];
-            while memchr::memmem::find(&request, b"\r\n\r\n").is_none() {
-                match connection.read(&mut buffer) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => request.extend_from_slice(&buffer[..n]),
-                }
-            }
-            if !request.starts_with(b"POST") {
-                let _ = connection.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
-                continue;
-            }
-            let _ = connection.write_all(parts[0]);
-            if rest_allowed.recv_timeout(Duration::from_secs(20)).is_ok() {
-                let _ = connection.write_all(parts[1]);
-            }
-            return;
-        }
-    });
-    (addr, go_on)
-}
-
-/// The front end before a raw engine at `engine`, whose events nobody publishes (the rank is
-/// routed by load).
-fn routing_to(engine: SocketAddr) -> RunningService {
-    let dead_port = support::free_port();
-    let toml = indexer_toml(
-        None,
-        16,
-        8,
-        &[EngineToml {
-            model: Some(MODEL.into()),
-            openai_url: Some(format!("http://{engine}")),
-            ..EngineToml::new("raw", dead_port)
-        }],
-    ) + &route_table("127.0.0.1:0", &[("health_interval_s", "0")]);
-    support::start_service(&toml)
 }
 
 #[test]

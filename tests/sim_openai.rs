@@ -773,3 +773,108 @@ fn a_prefill_beside_a_decode_shares_its_steps() {
     let inter = decode.inter_token().expect("steps");
     assert!(inter > Duration::from_micros(11_500), "{timings:?}");
 }
+
+#[test]
+fn tokenize_answers_the_ids_the_generating_routes_cache_and_detokenize_reverses_them() {
+    let dirs = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(dirs.path()).expect("tokenizer directories");
+    let chatml = dirs.path().join("chatml");
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            tokenizer: Some(chatml.clone()),
+            max_model_len: 4_096,
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let tokenizers = Tokenizers::load([(MODEL, Path::new(&chatml))], &Tokenizers::default())
+        .expect("the same tokenizer");
+
+    let messages = json!([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "which rank holds the prefix of this question?"},
+    ]);
+    let mut chat_ids = Vec::new();
+    tokenizers
+        .encode(
+            Some(MODEL),
+            &Prompt::Chat {
+                messages: &messages,
+                tools: None,
+            },
+            &mut chat_ids,
+        )
+        .expect("encode the chat");
+    let body = json!({"model": MODEL, "messages": messages, "add_generation_prompt": true});
+    let mut answer = post_to(addr, "/tokenize", &[], body.to_string().as_bytes());
+    assert_eq!(answer.status, 200);
+    let answer = answer.json();
+    assert_eq!(
+        answer,
+        json!({
+            "count": chat_ids.len(),
+            "max_model_len": 4_096,
+            "tokens": chat_ids,
+            "token_strs": null,
+        })
+    );
+    assert_eq!(server.tokenize_requests(), 1);
+    let seen = server
+        .last_tokenize()
+        .expect("the tokenize request is kept");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&seen.body).expect("json"),
+        body
+    );
+
+    // A completion prompt: with the tokenizer's special tokens, as /v1/completions.
+    let text = "the prefix cache holds the blocks of every prompt";
+    let mut text_ids = Vec::new();
+    tokenizers
+        .encode(Some(MODEL), &Prompt::Text(text), &mut text_ids)
+        .expect("encode the text");
+    let body = json!({"model": MODEL, "prompt": text, "return_token_strs": true});
+    let mut answer = post_to(addr, "/tokenize", &[], body.to_string().as_bytes());
+    assert_eq!(answer.status, 200);
+    let answer = answer.json();
+    assert_eq!(answer["tokens"], json!(text_ids));
+    assert_eq!(answer["count"], text_ids.len());
+    assert_eq!(
+        answer["token_strs"].as_array().map(Vec::len),
+        Some(text_ids.len())
+    );
+
+    let body = json!({"model": MODEL, "tokens": text_ids});
+    let mut answer = post_to(addr, "/detokenize", &[], body.to_string().as_bytes());
+    assert_eq!(answer.status, 200);
+    let prompt = answer.json()["prompt"]
+        .as_str()
+        .expect("a prompt")
+        .to_string();
+    assert!(prompt.ends_with(text), "{prompt:?}");
+
+    // vLLM's refusals: another model, a form the simulation does not render.
+    let other = json!({"model": "other", "prompt": text});
+    let mut answer = post_to(addr, "/tokenize", &[], other.to_string().as_bytes());
+    assert_eq!(answer.status, 404);
+    assert_eq!(answer.json()["error"]["code"], 404);
+    let unrendered = json!({"messages": messages, "add_generation_prompt": false});
+    let answer = post_to(addr, "/tokenize", &[], unrendered.to_string().as_bytes());
+    assert_eq!(answer.status, 400);
+
+    // Faults: an engine without the route, one that stalls, one that breaks.
+    server.inject_tokenize(Fault::Status(404), 1);
+    let body = json!({"prompt": text}).to_string();
+    assert_eq!(post_to(addr, "/tokenize", &[], body.as_bytes()).status, 404);
+    server.inject_tokenize(Fault::Stall(Duration::from_millis(300)), 1);
+    let started = Instant::now();
+    assert_eq!(post_to(addr, "/tokenize", &[], body.as_bytes()).status, 200);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    server.inject_tokenize(Fault::BreakAfter(0), 1);
+    let mut broken = post_to(addr, "/tokenize", &[], body.as_bytes());
+    assert_eq!(broken.status, 200);
+    assert!(broken.body().is_err(), "the body is cut short");
+    assert_eq!(server.tokenize_requests(), 7);
+    assert_eq!(server.requests(), 0, "tokenizing is not generating");
+}

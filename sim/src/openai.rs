@@ -1,6 +1,8 @@
 //! The simulated engine's OpenAI-compatible server, as vLLM 0.33's: `POST /v1/completions` and
 //! `POST /v1/chat/completions` (whole, or streamed as server-sent events), `GET /v1/models`,
-//! `GET /health` and `GET /metrics` (vLLM's load gauges per rank, `metrics`), answered from the ranks' real prefix caches. A request goes to the rank its
+//! `GET /health`, `GET /metrics` (vLLM's load gauges per rank, `metrics`) and `POST /tokenize`,
+//! `POST /detokenize` (`tokenization`), `POST /v1/embeddings` and `POST /v1/responses`
+//! (`surface`), answered from the ranks' real prefix caches. A request goes to the rank its
 //! `X-data-parallel-rank` header names (round-robin without one), is tokenized as kv-indexer
 //! tokenizes (`kv_indexer::tokenize`), takes its place in that rank's batch (or waits for one),
 //! computes its uncached tokens sharing the rank's prefill throughput with the other prefills,
@@ -30,6 +32,8 @@ mod scheduler;
 
 pub use scheduler::{BatchConfigError, RequestTiming};
 mod sources;
+mod surface;
+mod tokenization;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -214,6 +218,12 @@ struct Inner {
     next_rank: AtomicU32,
     next_id: AtomicU64,
     last_request: Mutex<Option<SeenRequest>>,
+    /// The ids of the `/v1/responses` answers this server made (`surface`).
+    responses: Mutex<std::collections::HashSet<String>>,
+    /// The model's `tokenizer.json` alone, for `/detokenize` and `token_strs`.
+    decoder: Option<tokenizers::Tokenizer>,
+    tokenize_faults: Mutex<VecDeque<Fault>>,
+    last_tokenize: Mutex<Option<SeenRequest>>,
     /// When set, `GET /metrics` answers this status (a failing scrape).
     metrics_status: AtomicU32,
 }
@@ -249,6 +259,7 @@ pub(crate) struct Figures {
     served: Mutex<Vec<u64>>,
     open_streams: AtomicUsize,
     disconnects: AtomicU64,
+    tokenize_requests: AtomicU64,
 }
 
 /// Loads the tokenizer, binds `bind:port` (0: picked by the OS) and starts serving.
@@ -268,6 +279,16 @@ pub(crate) fn start(
     .with_context(|| format!("the OpenAI server's tokenizer for model {:?}", config.model))?;
     let scheduler = scheduler::Scheduler::new(config)
         .with_context(|| format!("the OpenAI server's batch for model {:?}", config.model))?;
+    let decoder = match &config.tokenizer {
+        Some(dir) => {
+            let path = dir.join("tokenizer.json");
+            Some(
+                tokenizers::Tokenizer::from_file(&path)
+                    .map_err(|error| anyhow!("{}: {error}", path.display()))?,
+            )
+        }
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("sim-openai")
@@ -299,6 +320,10 @@ pub(crate) fn start(
         next_rank: AtomicU32::new(0),
         next_id: AtomicU64::new(0),
         last_request: Mutex::new(None),
+        responses: Mutex::default(),
+        decoder,
+        tokenize_faults: Mutex::new(VecDeque::new()),
+        last_tokenize: Mutex::new(None),
         metrics_status: AtomicU32::new(0),
     });
     inner.accept_on(listener);
@@ -329,6 +354,26 @@ impl OpenAiServer {
             .extend(std::iter::repeat_n(fault, requests));
     }
 
+    /// Applies `fault` to each of the next `requests` `POST /tokenize` requests, after those
+    /// already queued: `Status(404)` is an engine without the route, `Stall` one that hangs,
+    /// `BreakAfter` closes the connection halfway through the answer's body.
+    pub fn inject_tokenize(&self, fault: Fault, requests: usize) {
+        self.inner
+            .tokenize_faults
+            .lock()
+            .extend(std::iter::repeat_n(fault, requests));
+    }
+
+    /// `POST /tokenize` requests received (faulted ones included).
+    pub fn tokenize_requests(&self) -> u64 {
+        self.inner.figures.tokenize_requests.load(Ordering::Relaxed)
+    }
+
+    /// The last `POST /tokenize` request whose body was read (one a fault answered is not kept).
+    pub fn last_tokenize(&self) -> Option<SeenRequest> {
+        self.inner.last_tokenize.lock().clone()
+    }
+
     /// Makes `GET /metrics` answer `status` with no figures (`None`: the figures again).
     pub fn fail_metrics(&self, status: Option<u16>) {
         let status = status.map_or(0, u32::from);
@@ -352,9 +397,10 @@ impl OpenAiServer {
         self.inner.scheduler.timings()
     }
 
-    /// Drops the faults not applied yet.
+    /// Drops the faults not applied yet (`/tokenize`'s too).
     pub fn clear_faults(&self) {
         self.inner.faults.lock().clear();
+        self.inner.tokenize_faults.lock().clear();
     }
 
     /// Closes the listener (a connection attempt is then refused) and every open connection,
@@ -395,13 +441,14 @@ impl OpenAiServer {
         self.inner.figures.received.load(Ordering::Relaxed)
     }
 
-    /// Generating requests served by each rank, indexed by rank: a request counts on the rank
-    /// chosen for it once it is accepted (before its prefill).
+    /// Generating, embeddings and responses requests served by each rank, indexed by rank: a
+    /// request counts on the rank chosen for it once it is accepted (before its prefill).
     pub fn served_per_rank(&self) -> Vec<u64> {
         self.inner.figures.served.lock().clone()
     }
 
-    /// The last generating request as it arrived (`/health` and `/v1/models` are not kept).
+    /// The last generating, embeddings or responses request as it arrived (`/health`,
+    /// `/v1/models` and the tokenizing routes are not kept).
     pub fn last_request(&self) -> Option<SeenRequest> {
         self.inner.last_request.lock().clone()
     }

@@ -42,6 +42,11 @@ pub const MAX_THRESHOLD: u32 = 100;
 /// How long a stop lets open requests and streams finish before it cuts them: a chat answer
 /// of a few hundred tokens ends within it.
 pub const DEFAULT_DRAIN_S: u32 = 30;
+/// The `/v1/responses` ids whose engine the front end remembers, for `previous_response_id`:
+/// an id is 40 bytes or so, and 100,000 of them a few MiB.
+pub const DEFAULT_RESPONSES_REMEMBERED: usize = 100_000;
+/// The most `responses_remembered` may be.
+pub const MAX_RESPONSES_REMEMBERED: usize = 10_000_000;
 
 /// The `[route]` table, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +67,9 @@ pub struct Route {
     pub healthy_threshold: u32,
     /// At a stop, how long open requests and streams may take to finish (0: cut at once).
     pub drain_s: u32,
+    /// `/v1/responses` ids remembered with the engine that created them (least recently used
+    /// forgotten first); 0 remembers none.
+    pub responses_remembered: usize,
 }
 
 impl Route {
@@ -80,6 +88,7 @@ impl Route {
             unhealthy_threshold: DEFAULT_UNHEALTHY_THRESHOLD,
             healthy_threshold: DEFAULT_HEALTHY_THRESHOLD,
             drain_s: DEFAULT_DRAIN_S,
+            responses_remembered: DEFAULT_RESPONSES_REMEMBERED,
         }
     }
 }
@@ -101,7 +110,7 @@ pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
             new.auth_token_file.clone().unwrap_or_else(none),
         );
         type Read = fn(&Route) -> u32;
-        let numbers: [(&str, Read); 8] = [
+        let numbers: [(&str, Read); 9] = [
             ("first_byte_timeout_s", |r| r.first_byte_timeout_s),
             ("idle_timeout_s", |r| r.idle_timeout_s),
             ("connect_timeout_s", |r| r.connect_timeout_s),
@@ -110,6 +119,9 @@ pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
             ("unhealthy_threshold", |r| r.unhealthy_threshold),
             ("healthy_threshold", |r| r.healthy_threshold),
             ("drain_s", |r| r.drain_s),
+            ("responses_remembered", |r| {
+                u32::try_from(r.responses_remembered).unwrap_or(u32::MAX)
+            }),
         ];
         for (key, value) in numbers {
             compare(
@@ -172,6 +184,7 @@ struct RawRoute {
     unhealthy_threshold: Option<Spanned<Int>>,
     healthy_threshold: Option<Spanned<Int>>,
     drain_s: Option<Spanned<Int>>,
+    responses_remembered: Option<Spanned<Int>>,
 }
 
 /// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
@@ -258,6 +271,16 @@ pub(super) fn check_route(
         &format!("0..={MAX_TIMEOUT_S} (seconds)"),
         |n| u32::try_from(n).ok().filter(|s| *s <= MAX_TIMEOUT_S),
     );
+    let responses_remembered = checker.int(
+        "responses_remembered",
+        raw.responses_remembered,
+        &format!("0..={MAX_RESPONSES_REMEMBERED} (response ids)"),
+        |n| {
+            usize::try_from(n)
+                .ok()
+                .filter(|n| *n <= MAX_RESPONSES_REMEMBERED)
+        },
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {
@@ -279,6 +302,7 @@ pub(super) fn check_route(
         unhealthy_threshold: unhealthy_threshold.or_default_to(DEFAULT_UNHEALTHY_THRESHOLD)?,
         healthy_threshold: healthy_threshold.or_default_to(DEFAULT_HEALTHY_THRESHOLD)?,
         drain_s: drain_s.or_default_to(DEFAULT_DRAIN_S)?,
+        responses_remembered: responses_remembered.or_default_to(DEFAULT_RESPONSES_REMEMBERED)?,
     })
 }
 
@@ -295,6 +319,23 @@ mod tests {
         Config::parse(&text, "indexer.toml")
             .map(|config| config.route.expect("[route]").drain_s)
             .map_err(|rejected| format!("{rejected:#}"))
+    }
+
+    #[test]
+    fn responses_remembered_defaults_to_100000_and_takes_0_to_10_million() {
+        let remembered = |keys: &str| {
+            let text = format!(
+                "[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nzmq_port = 5557\n\n[route]\n\
+                 listen = \"127.0.0.1:8080\"\n{keys}"
+            );
+            Config::parse(&text, "indexer.toml")
+                .map(|config| config.route.expect("[route]").responses_remembered)
+                .map_err(|rejected| format!("{rejected:#}"))
+        };
+        assert_eq!(remembered(""), Ok(super::DEFAULT_RESPONSES_REMEMBERED));
+        assert_eq!(remembered("responses_remembered = 0"), Ok(0));
+        let rejected = remembered("responses_remembered = 10000001").expect_err("too many");
+        assert!(rejected.contains("responses_remembered"), "{rejected}");
     }
 
     #[test]

@@ -69,6 +69,7 @@ use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 pub use routes::diff_json;
+pub(crate) use routes::metrics_text;
 use routes::API_ROUTES;
 use server::{spawn_accept, Answerer, Live, Reserve, Stage};
 
@@ -451,6 +452,10 @@ impl Reply {
             is_query: false,
             reason: Some(reason.into()),
         }
+    }
+
+    pub(crate) fn status(&self) -> u16 {
+        self.status
     }
 
     /// The response hyper writes, an error in `shape`: always a Content-Length (hyper's for a

@@ -19,10 +19,12 @@ use super::text_prompt::tokenize_prompt;
 use super::{Api, Reply};
 use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::endpoint::Endpoint;
-use crate::index::{GroupView, Inexact, PerTier};
+use crate::index::{GroupView, Index, Inexact, PerTier};
 use crate::listener::State;
+use crate::metrics::Metrics;
 use crate::registry::{ListenerView, ReloadDiff};
-use crate::select::EngineLoad;
+use crate::select::{EngineLoad, Selector};
+use crate::tokenize::SharedTokenizers;
 use crate::wire::SpecKind;
 
 /// Every path of the API, once (docs.md "HTTP API").
@@ -97,20 +99,28 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
 ];
 
 fn metrics(api: &Api) -> Reply {
-    api.metrics.set_index_keys(api.index.key_count());
-    let tokenizing = api.tokenizers.gate().bytes_admitted();
-    api.metrics
-        .set_tokenizing_bytes(u64::try_from(tokenizing).unwrap_or(u64::MAX));
-    // A back-off ends with time, not with an event: its gauge is brought up to date here.
-    for (key, left) in api.selector.backoffs() {
-        api.metrics
-            .route_rank_excluded(&key.engine, key.dp_rank, left.is_some());
-    }
     Reply::bytes(
         200,
-        api.metrics.render().into_bytes(),
+        metrics_text(&api.metrics, &api.index, &api.tokenizers, &api.selector).into_bytes(),
         crate::metrics::CONTENT_TYPE,
     )
+}
+
+/// `/metrics`' text, its gauges read now: the API's and the route front end's answer.
+pub(crate) fn metrics_text(
+    metrics: &Metrics,
+    index: &Index,
+    tokenizers: &SharedTokenizers,
+    selector: &Selector,
+) -> String {
+    metrics.set_index_keys(index.key_count());
+    let tokenizing = tokenizers.gate().bytes_admitted();
+    metrics.set_tokenizing_bytes(u64::try_from(tokenizing).unwrap_or(u64::MAX));
+    // A back-off ends with time, not with an event: its gauge is brought up to date here.
+    for (key, left) in selector.backoffs() {
+        metrics.route_rank_excluded(&key.engine, key.dp_rank, left.is_some());
+    }
+    metrics.render()
 }
 
 #[derive(Serialize)]

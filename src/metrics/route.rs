@@ -1,7 +1,8 @@
 //! The route front end's series (docs.md "Routing"): requests by outcome, retries, time to the
 //! engine's first byte, open streams, and per rank the ranks in back-off and the live KV ladder:
 //! the cached tokens the selection predicted against those the engine reported, and the share
-//! of prompt tokens the engine found cached; per engine, the scrapes of its load by outcome.
+//! of prompt tokens the engine found cached; per engine, the scrapes of its load by outcome;
+//! `previous_response_id`s by whether their engine was known.
 //!
 //! Owns: their names and the closed set of outcomes. Never: imports anything from the crate
 //! but its labels, or decides an outcome (the front end reports it).
@@ -79,6 +80,27 @@ impl LoadOnly {
     ];
 }
 
+/// What the front end knew of a `/v1/responses` request's `previous_response_id`.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum PreviousResponse {
+    /// Its engine was remembered and could take the request: sent there.
+    found,
+    /// Not remembered (never passed on here, or forgotten past `responses_remembered`):
+    /// routed as any other.
+    unknown,
+    /// Remembered, but its engine could take nothing now (down, backed off, unconfigured).
+    unavailable,
+}
+
+impl PreviousResponse {
+    pub const ALL: [PreviousResponse; 3] = [
+        PreviousResponse::found,
+        PreviousResponse::unknown,
+        PreviousResponse::unavailable,
+    ];
+}
+
 /// How a scrape of an engine's load ended.
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -99,6 +121,11 @@ struct ScrapeLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: RouteOutcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PreviousResponseLabels {
+    outcome: PreviousResponse,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -125,6 +152,7 @@ pub(super) struct RouteFamilies {
     prompt_tokens: Family<RankLabels, Counter>,
     hit_ratio: Family<RankLabels, RatioGauge>,
     scrapes: Family<ScrapeLabels, Counter>,
+    previous_responses: Family<PreviousResponseLabels, Counter>,
 }
 
 impl Default for RouteFamilies {
@@ -143,6 +171,7 @@ impl Default for RouteFamilies {
             prompt_tokens: Family::default(),
             hit_ratio: Family::default(),
             scrapes: Family::default(),
+            previous_responses: Family::default(),
         };
         // Every outcome from the start, so that the first failure is an increase.
         for outcome in RouteOutcome::ALL {
@@ -150,6 +179,11 @@ impl Default for RouteFamilies {
         }
         for reason in LoadOnly::ALL {
             let _ = families.load_only.get_or_create(&LoadOnlyLabels { reason });
+        }
+        for outcome in PreviousResponse::ALL {
+            let _ = families
+                .previous_responses
+                .get_or_create(&PreviousResponseLabels { outcome });
         }
         families
     }
@@ -223,6 +257,12 @@ impl RouteFamilies {
             "Scrapes of an engine's load (metrics_url) by outcome; a failed one leaves its ranks \
              weighed by reservations alone",
             self.scrapes.clone(),
+        );
+        r.register(
+            "route_previous_response",
+            "/v1/responses requests with a previous_response_id, by whether the engine that \
+             created it was known and could take them",
+            self.previous_responses.clone(),
         );
     }
 
@@ -363,6 +403,14 @@ impl super::Metrics {
     pub fn route_rank_excluded(&self, instance: &str, dp_rank: u32, excluded: bool) {
         self.route
             .rank_excluded(&rank_labels(instance, dp_rank), excluded);
+    }
+
+    /// A `/v1/responses` request's `previous_response_id` was looked up.
+    pub fn route_previous_response(&self, outcome: PreviousResponse) {
+        self.route
+            .previous_responses
+            .get_or_create(&PreviousResponseLabels { outcome })
+            .inc();
     }
 
     /// A scrape of engine `instance`'s load ended.

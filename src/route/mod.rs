@@ -2,31 +2,39 @@
 //! to the rank `/select` chooses and passes the engine's answer back unchanged.
 //!
 //! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
-//! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does,
-//! behind the same gate and length limit (`tokenizing`; a model without a tokenizer is routed
-//! by load alone, and the answer says so), chooses and
-//! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
-//! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
-//! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
-//! and the reservation is released however the answer ends; a request that asks has its choice
-//! explained in a header (`explain`). The failure domain is the engine's
-//! server (`servers`): one that cannot be reached, answers 502/503 or fails its health checks
-//! takes every rank behind it out. A request goes to another server only when it provably
-//! never reached the first, at most `MAX_TRIES` in all. A rank whose event link is down or
-//! whose index is not trusted is still routed, by load alone, and the answer says so.
+//! `POST /v1/chat/completions`, `/v1/completions` or `/v1/responses` (`responses`) it tokenizes
+//! the prompt as `/select` does, behind the same gate and length limit (`tokenizing`; a model
+//! without a tokenizer is routed by load alone, and the answer says so), chooses and reserves a
+//! rank with `select`, forwards the body to the rank's engine (`upstream`) with
+//! `X-data-parallel-rank`, and passes the answer on (`pass_on`, `passing`): the reservation is
+//! completed at the engine's first byte, the engine's `cached_tokens` is weighed against the
+//! prediction, and the reservation is released however the answer ends; a request that asks
+//! has its choice explained in a header (`explain`). Every other `POST` of the engines' API
+//! (`surface`) takes the same path untokenized, by load; `GET /v1/models` merges the engines'
+//! own lists (`models`); `/metrics` is the API's. The failure domain is the engine's server
+//! (`servers`): one that cannot be reached, answers 502/503 or fails its health checks takes
+//! every rank behind it out. A request goes to another server only when it provably never
+//! reached the first, at most `MAX_TRIES` in all. A rank whose event link is down or whose
+//! index is not trusted is still routed, by load alone, and the answer says so.
 //!
 //! Owns: the front end's routes, its admission bound (`max_concurrent_requests`, 429 beyond),
-//! its token, the engine servers' health checks, and every status it answers (400, 401, 429, 502, 503, 504, each a JSON error
-//! naming the cause). Never: writes the index, changes a body but to ask for the usage chunk,
+//! its token (every route but `/health` behind it), the engine servers' health checks, and
+//! every status it answers (400, 401, 404, 429, 502, 503, 504, each a JSON error naming the
+//! cause, `answers`). Never: writes the index, changes a body but to ask for the usage chunk,
 //! trusts a client's proxy headers, or holds a request past its timeouts.
 
+mod answers;
 mod engine_http;
 mod explain;
 mod health;
+mod models;
+mod pass_on;
 mod passing;
 mod request;
+mod responses;
 mod scrape;
 mod servers;
+mod surface;
 mod tokenizing;
 mod upstream;
 
@@ -36,10 +44,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode};
-use log::{debug, warn};
+use log::warn;
 use parking_lot::RwLock;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -47,18 +53,19 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
 use crate::http::table::{find, Guard, Route, Verb};
-use crate::http::{
-    is_authorized, openai_error, AnswerBody, AsyncRoutes, ErrorShape, Reply, Request,
-};
+use crate::http::{is_authorized, AnswerBody, AsyncRoutes, ErrorShape, Request};
 use crate::index::{Index, Prompt};
-use crate::metrics::{LoadOnly, Metrics, RouteOutcome};
+use crate::metrics::{Metrics, PreviousResponse, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
-use crate::select::{Options, Selection, Selector, Unindexed};
+use crate::select::{Options, Selection, Selector};
 use crate::tokenize::SharedTokenizers;
-use passing::{NoFirstBytes, Passing, Shape, Ticket};
+use answers::{insert, json_response};
+use passing::Ticket;
 use request::{with_usage, Kind, OpenAiRequest};
+use responses::Remembered;
 use servers::Servers;
+use surface::{Outgoing, Passed};
 use tokenizing::Tokenized;
 use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 
@@ -72,7 +79,12 @@ pub const MAX_TRIES: usize = 2;
 #[derive(Clone, Copy)]
 enum Action {
     Forward(Kind),
+    /// Another `POST` of the engines' API (`surface`), routed by load.
+    Pass(Passed),
+    /// A stored response asked for by its id, at the engine that created it.
+    Stored,
     Models,
+    Metrics,
     Health,
 }
 
@@ -90,6 +102,24 @@ static ROUTE_ROUTES: &[Route<Action>] = &[
         handler: Action::Forward(Kind::Completion),
     },
     Route {
+        verb: Verb::Post,
+        pattern: "/v1/responses",
+        guard: Guard::Open,
+        handler: Action::Forward(Kind::Responses),
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/v1/responses/{id}",
+        guard: Guard::Open,
+        handler: Action::Stored,
+    },
+    Route {
+        verb: Verb::Post,
+        pattern: "/v1/responses/{id}/cancel",
+        guard: Guard::Open,
+        handler: Action::Stored,
+    },
+    Route {
         verb: Verb::Get,
         pattern: "/v1/models",
         guard: Guard::Open,
@@ -100,6 +130,12 @@ static ROUTE_ROUTES: &[Route<Action>] = &[
         pattern: "/health",
         guard: Guard::Open,
         handler: Action::Health,
+    },
+    Route {
+        verb: Verb::Get,
+        pattern: "/metrics",
+        guard: Guard::Open,
+        handler: Action::Metrics,
     },
 ];
 
@@ -118,6 +154,10 @@ pub struct RouteFront {
     upstream: Upstream,
     in_flight: Arc<Semaphore>,
     max_concurrent: usize,
+    /// The engine that created each `/v1/responses` answer passed on.
+    remembered: Arc<Remembered>,
+    /// `/v1/models` as merged last (`models`).
+    listed: models::Listed,
 }
 
 /// What the front end reads, handed over by the service.
@@ -151,6 +191,8 @@ impl RouteFront {
             upstream: Upstream::new(Settings::of(route)),
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
             max_concurrent: route.max_concurrent_requests,
+            remembered: Arc::new(Remembered::new(route.responses_remembered)),
+            listed: models::Listed::default(),
         })
     }
 
@@ -173,6 +215,7 @@ impl RouteFront {
             .retain(&bases.iter().map(String::as_str).collect::<Vec<_>>());
         *self.fleet.write() = Arc::new(fleet);
         self.upstream.set(Settings::of(route));
+        self.remembered.set_capacity(route.responses_remembered);
         Ok(())
     }
 
@@ -205,7 +248,16 @@ impl RouteFront {
     ) -> Response<AnswerBody> {
         let action = match find(ROUTE_ROUTES, &CurrentSecret::default(), &request) {
             Ok((action, _)) => *action,
-            Err(refused) => return self.refused(refused),
+            // A path no route declares (not one asked with another method: 405) may be one
+            // of the engines' to pass through.
+            Err(refused) => match surface::passed(request.path()) {
+                Some(passed)
+                    if request.method() == hyper::Method::POST && refused.status() == 404 =>
+                {
+                    Action::Pass(passed)
+                }
+                _ => return self.refused(refused),
+            },
         };
         match action {
             Action::Health => json_response(StatusCode::OK, &json!({ "status": "ok" })),
@@ -214,23 +266,30 @@ impl RouteFront {
                 "authentication_error",
                 "this route requires Authorization: Bearer <token> (the [route] auth_token_file)",
             ),
-            Action::Models => self.models(),
+            Action::Models => self.models().await,
+            Action::Metrics => self.metrics_text(),
             Action::Forward(kind) => self.forward(request, body, kind).await,
+            Action::Pass(passed) => self.pass(request, body, passed).await,
+            Action::Stored => self.stored(request, body).await,
         }
     }
 
-    /// The models the ranks serve: each engine's `model`, or the one it said it serves.
-    fn models(&self) -> Response<AnswerBody> {
-        let mut models: Vec<String> = (self.ranks.current().views().iter())
-            .filter_map(|rank| rank.spec.model.clone())
-            .collect();
-        models.sort();
-        models.dedup();
-        let data: Vec<_> = models
-            .iter()
-            .map(|model| json!({ "id": model, "object": "model", "owned_by": "kv-indexer" }))
-            .collect();
-        json_response(StatusCode::OK, &json!({ "object": "list", "data": data }))
+    /// The request's place among `max_concurrent_requests`, or the 429 that refuses it.
+    // The refusal is returned to the client at once: a large `Err` is moved once, not kept.
+    #[allow(clippy::result_large_err)]
+    fn admitted(&self) -> Result<OwnedSemaphorePermit, Response<AnswerBody>> {
+        Arc::clone(&self.in_flight)
+            .try_acquire_owned()
+            .map_err(|_| {
+                self.error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    &format!(
+                        "{} requests are being routed (max_concurrent_requests); retry shortly",
+                        self.max_concurrent
+                    ),
+                )
+            })
     }
 
     async fn forward(
@@ -239,15 +298,9 @@ impl RouteFront {
         body: Vec<u8>,
         kind: Kind,
     ) -> Response<AnswerBody> {
-        let Ok(place) = Arc::clone(&self.in_flight).try_acquire_owned() else {
-            return self.error(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                &format!(
-                    "{} requests are being routed (max_concurrent_requests); retry shortly",
-                    self.max_concurrent
-                ),
-            );
+        let place = match self.admitted() {
+            Ok(place) => place,
+            Err(refused) => return refused,
         };
         let parsed = match OpenAiRequest::parse(&body, kind) {
             Ok(parsed) => parsed,
@@ -263,19 +316,24 @@ impl RouteFront {
             Ok(tokenized) => tokenized,
             Err(refused) => return self.not_tokenized(refused),
         };
-        self.send(request, body, kind, parsed, prompt, strip, place)
-            .await
+        let out = Outgoing {
+            path: request.path().to_owned(),
+            body,
+            cache_salt: parsed.cache_salt,
+            max_tokens: parsed.max_tokens.unwrap_or(0),
+            stream: parsed.stream,
+            strip,
+            generating: true,
+            previous_response_id: parsed.previous_response_id,
+        };
+        self.send(request, out, prompt, place).await
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn send(
         self: Arc<Self>,
         request: Request,
-        body: Bytes,
-        kind: Kind,
-        parsed: OpenAiRequest,
+        out: Outgoing,
         prompt: Tokenized,
-        strip: bool,
         place: OwnedSemaphorePermit,
     ) -> Response<AnswerBody> {
         let fleet = self.fleet.read().clone();
@@ -288,22 +346,48 @@ impl RouteFront {
         // An engine's 502 or 503, passed on when no other server takes the request.
         let mut held: Option<(Sent, Ticket, Selection)> = None;
         let explain = explain::asked(&request);
+        // The engine holding the earlier response: only its ranks are asked while it can take
+        // the request.
+        let mut pinned = out.previous_response_id.as_deref().and_then(|id| {
+            let engine = self.remembered.engine_of(id);
+            if engine.is_none() {
+                self.metrics
+                    .route_previous_response(PreviousResponse::unknown);
+            }
+            engine
+        });
         for attempt in 0..MAX_TRIES {
             // Inline: a bounded in-memory read of the index and the selector's lock, shorter
             // than the hop to a blocking thread and back.
-            let selection = self.choose(
-                &prompt.tokens,
-                prompt.model.as_deref(),
-                parsed.cache_salt.as_deref(),
-                parsed.max_tokens.unwrap_or(0),
-                &|key| match fleet.server(&key.engine) {
-                    Some(server) => {
-                        let base = &server.url.base;
-                        tried.contains(base) || self.servers.is_unhealthy(base)
-                    }
-                    None => true,
-                },
-            );
+            let choose = |pinned: Option<&str>| {
+                self.choose(
+                    &prompt.tokens,
+                    prompt.model.as_deref(),
+                    out.cache_salt.as_deref(),
+                    out.max_tokens,
+                    &|key| match fleet.server(&key.engine) {
+                        _ if pinned.is_some_and(|engine| engine != key.engine) => true,
+                        Some(server) => {
+                            let base = &server.url.base;
+                            tried.contains(base) || self.servers.is_unhealthy(base)
+                        }
+                        None => true,
+                    },
+                )
+            };
+            let mut selection = choose(pinned.as_deref());
+            if attempt == 0 && pinned.is_some() {
+                let outcome = match selection {
+                    Some(_) => PreviousResponse::found,
+                    None => PreviousResponse::unavailable,
+                };
+                self.metrics.route_previous_response(outcome);
+                if selection.is_none() {
+                    // Routed as any other: the engine that answers says what it knows.
+                    pinned = None;
+                    selection = choose(None);
+                }
+            }
             let Some(selection) = selection else {
                 break;
             };
@@ -322,13 +406,14 @@ impl RouteFront {
                 reservation: selection.reservation_id,
                 predicted_tokens: selection.predicted_cached_tokens,
                 prefilled: false,
-                reported: false,
+                // An answer that is not a generation reports no cache hit to weigh.
+                reported: !out.generating,
                 place: None,
             };
             let started = Instant::now();
             match self
                 .upstream
-                .send(&server, kind, &request, body.clone(), key.dp_rank)
+                .send(&server, &out.path, &request, out.body.clone(), key.dp_rank)
                 .await
             {
                 Ok(sent) => {
@@ -348,12 +433,16 @@ impl RouteFront {
                             continue;
                         }
                     } else {
-                        self.answered(&server, &key, status);
+                        // A pass-through's 404 is the path's, a follow-up's its earlier
+                        // response's: neither says the engine is misconfigured.
+                        let seen = match out.generating && out.previous_response_id.is_none() {
+                            true => status,
+                            false => StatusCode::OK,
+                        };
+                        self.answered(&server, &key, seen);
                     }
                     ticket.place = place.take();
-                    let answer = self
-                        .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
-                        .await;
+                    let answer = self.pass_on(sent, ticket, &selection, &prompt, &out).await;
                     return explain::explaining(answer, explain.then_some(&selection));
                 }
                 Err(failure) => {
@@ -377,9 +466,7 @@ impl RouteFront {
         }
         if let Some((sent, mut ticket, selection)) = held {
             ticket.place = place.take();
-            let answer = self
-                .pass_on(sent, ticket, &selection, &prompt, parsed.stream, strip)
-                .await;
+            let answer = self.pass_on(sent, ticket, &selection, &prompt, &out).await;
             return explain::explaining(answer, explain.then_some(&selection));
         }
         match last_failure {
@@ -427,19 +514,6 @@ impl RouteFront {
         })
     }
 
-    /// OpenAI's answer to a model nobody serves: 404, `code` `model_not_found`.
-    fn model_not_found(&self, model: &str) -> Response<AnswerBody> {
-        let status = StatusCode::NOT_FOUND;
-        self.metrics.http_error(status.as_u16());
-        let body = serde_json::json!({ "error": {
-            "message": format!("The model `{model}` does not exist: no engine in the configuration serves it."),
-            "type": "invalid_request_error",
-            "param": "model",
-            "code": "model_not_found",
-        }});
-        json_answer(status, body.to_string().into_bytes())
-    }
-
     /// Chooses and reserves a rank for `tokens`, leaving out what `excluded` says.
     fn choose(
         &self,
@@ -465,129 +539,6 @@ impl RouteFront {
         self.selector
             .select_but(&self.index, &board, &prompt, model, options, excluded)
     }
-
-    /// The engine's answer, on its way to the client.
-    async fn pass_on(
-        &self,
-        sent: Sent,
-        ticket: Ticket,
-        selection: &Selection,
-        prompt: &Tokenized,
-        stream: bool,
-        strip: bool,
-    ) -> Response<AnswerBody> {
-        let Sent {
-            head,
-            body,
-            first_byte_by,
-        } = sent;
-        let mut response = Response::from_parts(head, ());
-        let headers = response.headers_mut();
-        upstream::drop_hop_by_hop(headers);
-        let chosen = &selection.chosen.key;
-        insert(
-            headers,
-            "x-kv-indexer-rank",
-            &format!("{}/{}", chosen.engine, chosen.dp_rank),
-        );
-        insert(
-            headers,
-            "x-kv-indexer-predicted-cached-tokens",
-            &selection.predicted_cached_tokens.to_string(),
-        );
-        let load_only = match (&prompt.load_only, selection.unindexed) {
-            (Some((reason, why)), _) => Some((*reason, why.clone())),
-            (None, Some(unindexed)) => Some((
-                match unindexed {
-                    Unindexed::LinkDown => LoadOnly::event_link_down,
-                    Unindexed::NoEvents => LoadOnly::no_events,
-                    Unindexed::NotScored(_) => LoadOnly::index_not_ready,
-                },
-                format!("rank {}/{}: {unindexed}", chosen.engine, chosen.dp_rank),
-            )),
-            (None, None) => None,
-        };
-        if let Some((reason, why)) = load_only {
-            self.metrics.route_load_only(reason);
-            insert(
-                headers,
-                "x-kv-indexer-routing",
-                &format!("load only: {why}"),
-            );
-        }
-        let idle = self.upstream.settings().idle;
-        let shape = match stream && response.status().is_success() {
-            true => Shape::Events { strip },
-            false => Shape::Whole,
-        };
-        if matches!(shape, Shape::Events { strip: true }) {
-            // The stripped usage chunk changes the length.
-            response.headers_mut().remove(hyper::header::CONTENT_LENGTH);
-        }
-        let mut body = body;
-        let by = first_byte_by.max(tokio::time::Instant::now() + idle);
-        let first = match passing::first_bytes(&mut body, by).await {
-            Ok(first) => first,
-            Err(NoFirstBytes::Broken(why)) => {
-                self.metrics.route_outcome(RouteOutcome::upstream_failed);
-                return self.error_with(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    &format!(
-                        "engine {}/{}: the answer broke before its first byte: {why}",
-                        chosen.engine, chosen.dp_rank
-                    ),
-                    Some(chosen),
-                );
-            }
-            Err(NoFirstBytes::TimedOut) => {
-                self.metrics.route_outcome(RouteOutcome::timed_out);
-                return self.error_with(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "timeout",
-                    &format!(
-                        "engine {}/{}: the answer's first byte did not arrive in time",
-                        chosen.engine, chosen.dp_rank
-                    ),
-                    Some(chosen),
-                );
-            }
-        };
-        let passing = Passing::new(body, ticket, shape, first, idle);
-        response.map(|()| UnsyncBoxBody::new(passing))
-    }
-
-    /// A path or method no route declares (404, 405 with its `Allow`).
-    fn refused(&self, refused: Reply) -> Response<AnswerBody> {
-        self.metrics.route_outcome(RouteOutcome::refused);
-        refused.into_response(ErrorShape::OpenAi)
-    }
-
-    fn error(&self, status: StatusCode, kind: &str, message: &str) -> Response<AnswerBody> {
-        self.metrics.route_outcome(RouteOutcome::refused);
-        self.error_with(status, kind, message, None)
-    }
-
-    /// An OpenAI-shaped error (`{"error": {"message", "type", "code"}}`), counted by status.
-    fn error_with(
-        &self,
-        status: StatusCode,
-        kind: &str,
-        message: &str,
-        rank: Option<&WorkerKey>,
-    ) -> Response<AnswerBody> {
-        self.metrics.http_error(status.as_u16());
-        debug!("route: {status}: {message}");
-        let mut response = json_answer(status, openai_error(status.as_u16(), kind, message));
-        if let Some(rank) = rank {
-            insert(
-                response.headers_mut(),
-                "x-kv-indexer-rank",
-                &format!("{}/{}", rank.engine, rank.dp_rank),
-            );
-        }
-        response
-    }
 }
 
 impl AsyncRoutes for RouteFront {
@@ -609,26 +560,5 @@ impl AsyncRoutes for RouteFront {
         body: Vec<u8>,
     ) -> Pin<Box<dyn Future<Output = Response<AnswerBody>> + Send>> {
         Box::pin(self.answer_request(request, body))
-    }
-}
-
-fn boxed(bytes: Bytes) -> AnswerBody {
-    UnsyncBoxBody::new(Full::new(bytes).map_err(|never| match never {}))
-}
-
-fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<AnswerBody> {
-    json_answer(status, value.to_string().into_bytes())
-}
-
-fn json_answer(status: StatusCode, body: Vec<u8>) -> Response<AnswerBody> {
-    let mut response = Response::new(boxed(Bytes::from(body)));
-    *response.status_mut() = status;
-    insert(response.headers_mut(), "content-type", "application/json");
-    response
-}
-
-fn insert(headers: &mut hyper::HeaderMap, name: &'static str, value: &str) {
-    if let Ok(value) = hyper::header::HeaderValue::from_str(value) {
-        headers.insert(name, value);
     }
 }

@@ -109,11 +109,12 @@ impl Drop for Ticket {
     }
 }
 
-/// An answer's `usage`, as OpenAI-compatible engines report it.
+/// An answer's `usage`, as OpenAI-compatible engines report it (`/v1/responses`: `input_`).
 #[derive(Debug, Deserialize)]
 pub(super) struct Usage {
-    #[serde(default)]
+    #[serde(default, alias = "input_tokens")]
     pub(super) prompt_tokens: u64,
+    #[serde(alias = "input_tokens_details")]
     prompt_tokens_details: Option<PromptTokensDetails>,
 }
 

@@ -16,15 +16,8 @@ use serde_json::Value;
 pub(super) enum Kind {
     Chat,
     Completion,
-}
-
-impl Kind {
-    pub(super) fn path(self) -> &'static str {
-        match self {
-            Kind::Chat => "/v1/chat/completions",
-            Kind::Completion => "/v1/completions",
-        }
-    }
+    /// `/v1/responses`, read in `responses`.
+    Responses,
 }
 
 /// The prompt as the body gives it.
@@ -52,6 +45,8 @@ pub(super) struct OpenAiRequest {
     pub(super) max_tokens: Option<u64>,
     /// vLLM's `cache_salt`: blocks of a salted prompt are another tenant's than unsalted ones.
     pub(super) cache_salt: Option<String>,
+    /// A responses request's earlier response, stored by the engine that created it.
+    pub(super) previous_response_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -76,21 +71,23 @@ struct StreamOptions {
 impl OpenAiRequest {
     /// Reads `body` as a request to `kind`; the error names the field.
     pub(super) fn parse(body: &[u8], kind: Kind) -> Result<OpenAiRequest, String> {
+        if kind == Kind::Responses {
+            return super::responses::parse(body);
+        }
         let fields: Fields = serde_json::from_slice(body)
             .map_err(|err| format!("the body is not a JSON object of this route: {err}"))?;
-        let prompt = match kind {
-            Kind::Chat => PromptSource::Chat {
+        let prompt = if kind == Kind::Chat {
+            PromptSource::Chat {
                 messages: fields
                     .messages
                     .ok_or("`messages` is missing: a chat request needs them")?,
                 tools: fields.tools,
-            },
-            Kind::Completion => {
-                let prompt = fields
-                    .prompt
-                    .ok_or("`prompt` is missing: a completion request needs one")?;
-                completion_prompt(prompt)?
             }
+        } else {
+            let prompt = fields
+                .prompt
+                .ok_or("`prompt` is missing: a completion request needs one")?;
+            completion_prompt(prompt)?
         };
         Ok(OpenAiRequest {
             model: fields.model,
@@ -102,6 +99,7 @@ impl OpenAiRequest {
                 .unwrap_or(false),
             max_tokens: fields.max_completion_tokens.or(fields.max_tokens),
             cache_salt: fields.cache_salt,
+            previous_response_id: None,
         })
     }
 }

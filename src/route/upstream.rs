@@ -3,7 +3,8 @@
 //! client's headers but the hop-by-hop, proxy and `Authorization` ones, `Host` rewritten, the
 //! engine's own key and `X-data-parallel-rank` set, under the connect and first-byte timeouts,
 //! through `engine_http`'s pooled connections; a server's `GET /health`; and a whole small
-//! answer to a `GET` (`get_body`: an engine's load, bounded in time and size).
+//! answer to a `GET`, bounded in time and size (`get_body`: an engine's load, without a key;
+//! `Upstream::get`: its `/v1/models`, with its key).
 //!
 //! Owns: the headers an engine gets, the timeouts, and what each failure is (sent again or
 //! not, whether it says the server is down, and the status it ends in). Never: chooses a rank,
@@ -20,7 +21,6 @@ use parking_lot::RwLock;
 use tokio::time::Instant;
 
 use super::engine_http::{Connections, EngineBody, SendError};
-use super::request::Kind;
 use super::servers::Thresholds;
 use crate::auth::Secret;
 use crate::config::{self, Config};
@@ -215,12 +215,12 @@ impl Upstream {
         *self.settings.write() = settings;
     }
 
-    /// Sends `body` for rank `dp_rank` to `server`, with `request`'s headers but those that
+    /// Sends `body` to `path` for rank `dp_rank` on `server` (with `request`'s method), with `request`'s headers but those that
     /// are the front end's; the head (of any status) within the first-byte timeout.
     pub(super) async fn send(
         &self,
         server: &Server,
-        kind: Kind,
+        path: &str,
         request: &Request,
         body: Bytes,
         dp_rank: u32,
@@ -232,7 +232,7 @@ impl Upstream {
         strip_clients(&mut headers);
         let (authority, head) = build(
             server,
-            Line::post(kind.path(), query),
+            Line::of(request.method(), path, query),
             &headers,
             body.len(),
             Some(dp_rank),
@@ -282,12 +282,36 @@ pub(super) async fn get_body(
     timeout: Duration,
     cap: usize,
 ) -> Result<Bytes, String> {
-    use http_body_util::{BodyExt, Limited};
     let server = Server {
         url: url.clone(),
         api_key: None,
     };
-    let (authority, head) = build(&server, Line::get(""), &HeaderMap::new(), 0, None)?;
+    get_whole(connections, &server, "", timeout, cap).await
+}
+
+impl Upstream {
+    /// `GET path` on `server`, with the engine's key, as `get_body` reads it.
+    pub(super) async fn get(
+        &self,
+        server: &Server,
+        path: &str,
+        timeout: Duration,
+        cap: usize,
+    ) -> Result<Bytes, String> {
+        get_whole(&self.connections, server, path, timeout, cap).await
+    }
+}
+
+/// `GET path` under `server`'s URL within `timeout`, its whole answer at most `cap` bytes.
+async fn get_whole(
+    connections: &Arc<Connections>,
+    server: &Server,
+    path: &str,
+    timeout: Duration,
+    cap: usize,
+) -> Result<Bytes, String> {
+    use http_body_util::{BodyExt, Limited};
+    let (authority, head) = build(server, Line::get(path), &HeaderMap::new(), 0, None)?;
     let no_body = Bytes::new();
     let fetching = async {
         let (parts, body) = connections
@@ -322,9 +346,15 @@ struct Line<'a> {
 }
 
 impl<'a> Line<'a> {
-    fn post(path: &'a str, query: Option<&'a str>) -> Line<'a> {
+    /// The client's method: `GET` (and `HEAD`) as `GET`, anything else as `POST`, the only
+    /// two the front end's routes take.
+    fn of(method: &hyper::Method, path: &'a str, query: Option<&'a str>) -> Line<'a> {
+        let method = match *method {
+            hyper::Method::GET | hyper::Method::HEAD => "GET",
+            _ => "POST",
+        };
         Line {
-            method: "POST",
+            method,
             path,
             query,
         }

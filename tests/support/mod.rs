@@ -1,7 +1,8 @@
 //! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
 //! client (`http_client`), one reading answers as they stream (`sse_client`), the scripted
 //! engine rank (`fake_engine`), sample batches for the wire tests (`batches`), listeners
-//! in-process on scripted ranks (`listeners`), peers that misbehave on purpose (`hostile`), and,
+//! in-process on scripted ranks (`listeners`), engines with OpenAI servers and an indexer
+//! routing to them (`routed`), peers that misbehave on purpose (`hostile`), and,
 //! over the harness of `kv_indexer_sim` (`fleet`, `watch`, `process`, `running`), what only tests need:
 //! the shipped trace head, the binary and the in-process service started or the test fails, a
 //! registry-only indexer view (`InProcess`, no HTTP), one test at a time, and failing the test
@@ -18,6 +19,7 @@ pub mod fake_engine;
 pub mod hostile;
 pub mod http_client;
 pub mod listeners;
+pub mod routed;
 pub mod sse_client;
 
 use std::collections::HashMap;

@@ -17,14 +17,16 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode};
 use kv_indexer::tokenize::Prompt;
+use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::answer::{Endpoint, Event, Generation, Prefill};
 use super::body::{AnswerBody, InFlight};
-use super::{Fault, Inner, SeenRequest};
+use super::{surface, tokenization, Fault, Inner, SeenRequest};
 use crate::cache;
 
 /// Largest request body read: far above any prompt the tests send.
@@ -38,24 +40,24 @@ const DEFAULT_MAX_TOKENS: u32 = 16;
 const RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// A request refused, with vLLM's error body.
-struct Refusal {
+pub(super) struct Refusal {
     status: u16,
     message: String,
 }
 
 impl Refusal {
-    fn new(status: u16, message: impl Into<String>) -> Refusal {
+    pub(super) fn new(status: u16, message: impl Into<String>) -> Refusal {
         Refusal {
             status,
             message: message.into(),
         }
     }
 
-    fn bad(message: impl Into<String>) -> Refusal {
+    pub(super) fn bad(message: impl Into<String>) -> Refusal {
         Refusal::new(400, message)
     }
 
-    fn into_response(self) -> Response<AnswerBody> {
+    pub(super) fn into_response(self) -> Response<AnswerBody> {
         let kind = match self.status {
             404 => "NotFoundError",
             500.. => "InternalServerError",
@@ -112,6 +114,13 @@ pub(super) async fn answer(
         (&Method::POST, _, Some(endpoint)) => generate(inner, endpoint, request, closed_by_server)
             .await
             .unwrap_or_else(Refusal::into_response),
+        (&Method::POST, "/tokenize", _) => tokenization::tokenize(inner, request).await,
+        (&Method::POST, "/detokenize", _) => tokenization::detokenize(inner, request).await,
+        (&Method::POST, "/v1/embeddings", _) => surface::embeddings(inner, request).await,
+        (&Method::POST, "/v1/responses", _) => surface::responses(inner, request).await,
+        (&Method::GET, path, _) if path.starts_with("/v1/responses/") => {
+            surface::retrieve(inner, request).await
+        }
         (&Method::GET, "/v1/models", _) => models(inner),
         (&Method::GET, "/metrics", _) => metrics(inner),
         (&Method::GET, "/health", _) => {
@@ -122,9 +131,9 @@ pub(super) async fn answer(
         (&Method::GET, path, None) if super::sources::serves(inner, path) => {
             super::sources::answer(inner)
         }
-        (_, "/v1/models" | "/health" | "/metrics", _) | (_, _, Some(_)) => {
-            detail(405, "Method Not Allowed")
-        }
+        (_, "/v1/models" | "/health" | "/metrics" | "/tokenize" | "/detokenize", _)
+        | (_, "/v1/embeddings" | "/v1/responses", _)
+        | (_, _, Some(_)) => detail(405, "Method Not Allowed"),
         _ => detail(404, "Not Found"),
     }
 }
@@ -136,33 +145,7 @@ async fn generate(
     closed_by_server: Arc<AtomicBool>,
 ) -> Result<Response<AnswerBody>, Refusal> {
     inner.figures.received.fetch_add(1, Ordering::Relaxed);
-    let (parts, body) = request.into_parts();
-    let bytes = match Limited::new(body, MAX_BODY_BYTES).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => {
-            return Err(Refusal::new(
-                413,
-                format!("the body is above {MAX_BODY_BYTES} bytes"),
-            ))
-        }
-        Err(error) => return Err(Refusal::bad(format!("reading the body: {error}"))),
-    };
-    *inner.last_request.lock() = Some(SeenRequest {
-        method: parts.method.to_string(),
-        path: parts
-            .uri
-            .path_and_query()
-            .map_or_else(|| parts.uri.path().to_string(), ToString::to_string),
-        headers: parts
-            .headers
-            .iter()
-            .map(|(name, value)| {
-                let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
-                (name.as_str().to_string(), value)
-            })
-            .collect(),
-        body: bytes.clone(),
-    });
+    let (parts, bytes) = read_body(request, Some(&inner.last_request)).await?;
 
     let fault = inner.faults.lock().pop_front();
     let mut break_after = None;
@@ -258,6 +241,43 @@ async fn generate(
         None => AnswerBody::whole(whole),
     };
     Ok(json_response(200, body))
+}
+
+/// The request's head and whole body (at most `MAX_BODY_BYTES`), kept in `seen` when given.
+pub(super) async fn read_body(
+    request: Request<Incoming>,
+    seen: Option<&Mutex<Option<SeenRequest>>>,
+) -> Result<(Parts, Bytes), Refusal> {
+    let (parts, body) = request.into_parts();
+    let bytes = match Limited::new(body, MAX_BODY_BYTES).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return Err(Refusal::new(
+                413,
+                format!("the body is above {MAX_BODY_BYTES} bytes"),
+            ))
+        }
+        Err(error) => return Err(Refusal::bad(format!("reading the body: {error}"))),
+    };
+    if let Some(seen) = seen {
+        *seen.lock() = Some(SeenRequest {
+            method: parts.method.to_string(),
+            path: parts
+                .uri
+                .path_and_query()
+                .map_or_else(|| parts.uri.path().to_string(), ToString::to_string),
+            headers: parts
+                .headers
+                .iter()
+                .map(|(name, value)| {
+                    let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+                    (name.as_str().to_string(), value)
+                })
+                .collect(),
+            body: bytes.clone(),
+        });
+    }
+    Ok((parts, bytes))
 }
 
 /// The request's prompt as token ids and its options, or vLLM's refusal.
@@ -365,7 +385,11 @@ fn encode(inner: &Inner, prompt: &Prompt<'_>, tokens: &mut Vec<u32>) -> Result<(
 }
 
 /// The rank `X-data-parallel-rank` names, or the next in round-robin order.
-fn choose_rank(inner: &Inner, headers: &HeaderMap, dp_size: u32) -> Result<u32, Refusal> {
+pub(super) fn choose_rank(
+    inner: &Inner,
+    headers: &HeaderMap,
+    dp_size: u32,
+) -> Result<u32, Refusal> {
     if dp_size == 0 {
         return Err(Refusal::new(503, "the engine has no rank running"));
     }
@@ -433,7 +457,7 @@ pub(super) fn json_response(status: u16, body: AnswerBody) -> Response<AnswerBod
     response
 }
 
-fn unix_seconds() -> u64 {
+pub(super) fn unix_seconds() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs())
