@@ -457,9 +457,10 @@ fn no_route_on_either_engine_names_both_urls() {
 
 #[test]
 fn a_discover_url_kv_indexer_cannot_ask_is_refused_up_front() {
-    let err = EngineApi::new("vllm-a", "https://10.0.0.5:8000", None).unwrap_err();
+    let err = EngineApi::new("vllm-a", "https://10.0.0.5:8000", None).expect_err("https");
     assert!(
-        err.starts_with("engine vllm-a: \"https://10.0.0.5:8000\": https is not supported"),
+        err.to_string()
+            .starts_with("engine vllm-a: \"https://10.0.0.5:8000\": https is not supported"),
         "{err}"
     );
 }

@@ -334,29 +334,46 @@ fn read_token_file(path: Option<&str>, key: &str, what: &str) -> anyhow::Result<
     Ok(Some(text))
 }
 
+/// What every refusal of an HTTP listen address ends with.
+const LISTEN_EXPECTED: &str = "expected IP:port or hostname:port (IPv6 in brackets: [::1]:8090)";
+
+/// Why an HTTP listen address is refused; each message quotes it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ListenError {
+    #[error("{0:?}: no port; {LISTEN_EXPECTED}")]
+    NoPort(String),
+    #[error("{addr:?}: port {port:?} is not a number 0..=65535")]
+    Port { addr: String, port: String },
+    #[error("{addr:?}: {host:?} is neither an IP nor a hostname; {LISTEN_EXPECTED}")]
+    Host { addr: String, host: String },
+}
+
 /// Checks an HTTP listen address: `IP:port` (IPv6 in brackets) or `hostname:port`.
-pub fn validate_listen(addr: &str) -> Result<(), String> {
+pub fn validate_listen(addr: &str) -> Result<(), ListenError> {
     listen_host_port(addr).map(|_| ())
 }
 
 /// An HTTP listen address (`listen`, `dynamo_listen`, a peer's authority) as its host and
 /// port: `IP:port` with IPv6 in brackets, or `hostname:port`, the host read by `Host::parse`
 /// (the grammar of endpoints). Not an `Endpoint`: no scheme, and port 0 binds a free port.
-fn listen_host_port(addr: &str) -> Result<(Host, u16), String> {
+fn listen_host_port(addr: &str) -> Result<(Host, u16), ListenError> {
     if let Ok(socket) = addr.parse::<SocketAddr>() {
         return Ok((Host::Ip(socket.ip()), socket.port()));
     }
-    let expected = "expected IP:port or hostname:port (IPv6 in brackets: [::1]:8090)";
     let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(format!("{addr:?}: no port; {expected}"));
+        return Err(ListenError::NoPort(addr.to_string()));
     };
     let Ok(port) = port.parse::<u16>() else {
-        return Err(format!("{addr:?}: port {port:?} is not a number 0..=65535"));
+        return Err(ListenError::Port {
+            addr: addr.to_string(),
+            port: port.to_string(),
+        });
     };
     match Host::parse(host) {
-        Ok(Host::Ip(IpAddr::V6(_))) | Err(_) => Err(format!(
-            "{addr:?}: {host:?} is neither an IP nor a hostname; {expected}"
-        )),
+        Ok(Host::Ip(IpAddr::V6(_))) | Err(_) => Err(ListenError::Host {
+            addr: addr.to_string(),
+            host: host.to_string(),
+        }),
         Ok(host) => Ok((host, port)),
     }
 }
