@@ -12,7 +12,9 @@ use kv_indexer_sim::procfs::Proc;
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank};
-use support::http_client::{errors_with_status, get, holds_for, post, wait_for, Connection, Reply};
+use support::http_client::{
+    errors_with_status, get, holds_for, metric_sum, post, wait_for, Connection, Reply,
+};
 use support::{free_port, start_service};
 
 fn engine(name: &str, port: u16, model: Option<&str>) -> EngineToml {
@@ -596,13 +598,9 @@ fn stores_past_max_blocks_per_rank_are_counted_not_indexed_and_the_rank_says_why
         (matched(&first), matched(&second), matched(&third)),
         (0, 0, 0)
     );
-    let metrics = get(addr, "/metrics").text();
-    assert!(
-        metrics
-            .lines()
-            .any(|line| line.starts_with("kv_indexer_blocks_over_cap_total{")
-                && line.ends_with(" 2")),
-        "{metrics}"
+    assert_eq!(
+        metric_sum(addr, "kv_indexer_blocks_over_cap_total", &[]),
+        2.0
     );
 }
 
