@@ -41,7 +41,7 @@ impl Replicas {
 
 /// Whether an HTTP `listen` address only accepts connections from this host.
 pub fn is_loopback_listen(listen: &str) -> bool {
-    super::listen_host_port(listen).is_ok_and(|(host, _)| host.is_loopback())
+    super::listen::listen_host_port(listen).is_ok_and(|(host, _)| host.is_loopback())
 }
 
 /// Checks `peers`, `serve_snapshots` and `auth_token_file`; `None` when any is wrong (reported).
