@@ -14,11 +14,59 @@ use std::net::{IpAddr, Ipv6Addr};
 use std::str::FromStr;
 
 use serde::{Serialize, Serializer};
+use thiserror::Error;
 
 /// The longest host name DNS carries, in bytes, without a trailing dot.
 const MAX_NAME_BYTES: usize = 253;
 /// The longest label of a host name, in bytes.
 const MAX_LABEL_BYTES: usize = 63;
+
+/// Why a host's text is refused.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum HostError {
+    #[error("{0:?} is the wildcard host: name the host or its IP address")]
+    Wildcard(String),
+    #[error("the host is empty")]
+    Empty,
+    #[error(
+        "host {0:?} is neither an IP address nor a host name (labels of letters, digits, - and \
+         _, joined by dots)"
+    )]
+    NotAHost(String),
+}
+
+/// Why an endpoint's text is refused: each message quotes the text and says what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum EndpointError {
+    #[error(
+        "{0:?} is not tcp://host:port (ipc:// and inproc:// cannot be reached from another \
+         process on another node)"
+    )]
+    LocalScheme(String),
+    #[error("{0:?} is not tcp://host:port")]
+    NotTcp(String),
+    #[error("{0:?}: no ] closes the IPv6 host")]
+    UnclosedBracket(String),
+    #[error("{text:?}: [{inside}] is not an IPv6 address (only one goes in brackets)")]
+    BracketedNotV6 { text: String, inside: String },
+    #[error("{text:?}: no :port after [{inside}]")]
+    NoPortAfterBracket { text: String, inside: String },
+    #[error("{0:?}: no port (tcp://host:port)")]
+    NoPort(String),
+    #[error(
+        "{text:?}: {host:?} is not an IPv6 address; an IPv6 host goes in brackets, \
+         tcp://[::1]:5557"
+    )]
+    UnbracketedNotV6 { text: String, host: String },
+    #[error("{0:?}: no host before the port")]
+    NoHost(String),
+    #[error("{text:?}: {source}")]
+    Host { text: String, source: HostError },
+    #[error("{0:?}: no port after the host's colon")]
+    EmptyPort(String),
+    #[error("{text:?}: port {port:?} is not a number 0..=65535")]
+    BadPort { text: String, port: String },
+}
 
 /// A host as a connect or a bind names it. Displays bare (IPv6 without brackets, as the file's
 /// `host` is written); `in_url` gives the form inside a URL or endpoint.
@@ -35,11 +83,9 @@ pub enum Host {
 impl Host {
     /// A host as the file's `host` or a URL's authority writes it: an IP address (IPv6 without
     /// brackets) or a name. The wildcard `*` is refused: nothing can be reached at it.
-    pub fn parse(text: &str) -> Result<Host, String> {
+    pub fn parse(text: &str) -> Result<Host, HostError> {
         match parse_host(text)? {
-            Host::Any => Err(format!(
-                "{text:?} is the wildcard host: name the host or its IP address"
-            )),
+            Host::Any => Err(HostError::Wildcard(text.to_string())),
             host => Ok(host),
         }
     }
@@ -79,9 +125,9 @@ impl fmt::Display for Host {
 }
 
 impl FromStr for Host {
-    type Err = String;
+    type Err = HostError;
 
-    fn from_str(text: &str) -> Result<Host, String> {
+    fn from_str(text: &str) -> Result<Host, HostError> {
         Host::parse(text)
     }
 }
@@ -115,52 +161,60 @@ impl Endpoint {
     /// Reads `tcp://host:port`: the host an IPv4 address, an IPv6 address in brackets (or
     /// bare, as ZMQ also takes it: `tcp://:::5557`, the port after the last colon), a name, or
     /// `*`; the port decimal, 0 included. The error quotes `text` and says what is wrong.
-    pub fn parse(text: &str) -> Result<Endpoint, String> {
+    pub fn parse(text: &str) -> Result<Endpoint, EndpointError> {
+        let owned = || text.to_string();
         let Some(authority) = text.strip_prefix("tcp://") else {
             let local = ["ipc://", "inproc://"]
                 .iter()
                 .any(|scheme| text.starts_with(scheme));
             return Err(if local {
-                format!(
-                    "{text:?} is not tcp://host:port (ipc:// and inproc:// cannot be reached \
-                     from another process on another node)"
-                )
+                EndpointError::LocalScheme(owned())
             } else {
-                format!("{text:?} is not tcp://host:port")
+                EndpointError::NotTcp(owned())
             });
         };
         let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
             let Some((inside, after)) = bracketed.split_once(']') else {
-                return Err(format!("{text:?}: no ] closes the IPv6 host"));
+                return Err(EndpointError::UnclosedBracket(owned()));
             };
-            let v6 = inside.parse::<Ipv6Addr>().map_err(|_| {
-                format!("{text:?}: [{inside}] is not an IPv6 address (only one goes in brackets)")
-            })?;
+            let v6 = inside
+                .parse::<Ipv6Addr>()
+                .map_err(|_| EndpointError::BracketedNotV6 {
+                    text: owned(),
+                    inside: inside.to_string(),
+                })?;
             let Some(port) = after.strip_prefix(':') else {
-                return Err(format!("{text:?}: no :port after [{inside}]"));
+                return Err(EndpointError::NoPortAfterBracket {
+                    text: owned(),
+                    inside: inside.to_string(),
+                });
             };
             (Host::Ip(IpAddr::V6(v6)), port)
         } else {
             let Some((host, port)) = authority.rsplit_once(':') else {
-                return Err(format!("{text:?}: no port (tcp://host:port)"));
+                return Err(EndpointError::NoPort(owned()));
             };
             if host.contains(':') {
-                let v6 = host.parse::<Ipv6Addr>().map_err(|_| {
-                    format!("{text:?}: {host:?} is not an IPv6 address; an IPv6 host goes in brackets, tcp://[::1]:5557")
-                })?;
+                let v6 = host
+                    .parse::<Ipv6Addr>()
+                    .map_err(|_| EndpointError::UnbracketedNotV6 {
+                        text: owned(),
+                        host: host.to_string(),
+                    })?;
                 (Host::Ip(IpAddr::V6(v6)), port)
             } else if host.is_empty() {
-                return Err(format!("{text:?}: no host before the port"));
+                return Err(EndpointError::NoHost(owned()));
             } else {
-                (
-                    parse_host(host).map_err(|why| format!("{text:?}: {why}"))?,
-                    port,
-                )
+                let host = parse_host(host).map_err(|source| EndpointError::Host {
+                    text: owned(),
+                    source,
+                })?;
+                (host, port)
             }
         };
         Ok(Endpoint {
             host,
-            port: parse_port(port).map_err(|why| format!("{text:?}: {why}"))?,
+            port: parse_port(text, port)?,
         })
     }
 
@@ -189,9 +243,9 @@ impl fmt::Display for Endpoint {
 }
 
 impl FromStr for Endpoint {
-    type Err = String;
+    type Err = EndpointError;
 
-    fn from_str(text: &str) -> Result<Endpoint, String> {
+    fn from_str(text: &str) -> Result<Endpoint, EndpointError> {
         Endpoint::parse(text)
     }
 }
@@ -204,7 +258,7 @@ impl Serialize for Endpoint {
 }
 
 /// A host without brackets: `*`, an IP address, or a name.
-fn parse_host(text: &str) -> Result<Host, String> {
+fn parse_host(text: &str) -> Result<Host, HostError> {
     if text == "*" {
         return Ok(Host::Any);
     }
@@ -222,27 +276,27 @@ fn parse_host(text: &str) -> Result<Host, String> {
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
     };
     if text.is_empty() {
-        Err("the host is empty".to_string())
+        Err(HostError::Empty)
     } else if name.len() > MAX_NAME_BYTES || !name.split('.').all(is_label) {
-        Err(format!(
-            "host {text:?} is neither an IP address nor a host name (labels of letters, \
-             digits, - and _, joined by dots)"
-        ))
+        Err(HostError::NotAHost(text.to_string()))
     } else {
         Ok(Host::Name(text.to_string()))
     }
 }
 
-/// A decimal port, 0 included (std would also take `+5557`).
-fn parse_port(text: &str) -> Result<u16, String> {
-    if text.is_empty() {
-        return Err("no port after the host's colon".to_string());
+/// `port`, the decimal port of `endpoint`, 0 included (std would also take `+5557`).
+fn parse_port(endpoint: &str, port: &str) -> Result<u16, EndpointError> {
+    if port.is_empty() {
+        return Err(EndpointError::EmptyPort(endpoint.to_string()));
     }
-    text.bytes()
+    port.bytes()
         .all(|b| b.is_ascii_digit())
-        .then(|| text.parse::<u16>().ok())
+        .then(|| port.parse::<u16>().ok())
         .flatten()
-        .ok_or_else(|| format!("port {text:?} is not a number 0..=65535"))
+        .ok_or_else(|| EndpointError::BadPort {
+            text: endpoint.to_string(),
+            port: port.to_string(),
+        })
 }
 
 #[cfg(test)]
@@ -348,7 +402,7 @@ mod tests {
             ("tcp://[::1]5557", "no :port after [::1]"),
             ("tcp://[fe80::1%eth0]:1", "is not an IPv6 address"),
         ] {
-            let why = Endpoint::parse(text).expect_err(text);
+            let why = Endpoint::parse(text).expect_err(text).to_string();
             assert!(why.contains(says), "{text}: {why}");
             assert!(why.contains(&format!("{text:?}")), "{text}: {why}");
         }
@@ -378,7 +432,7 @@ mod tests {
             ("[::1]", "neither an IP address nor a host name"),
             ("h:1", "neither an IP address nor a host name"),
         ] {
-            let why = Host::parse(text).expect_err(text);
+            let why = Host::parse(text).expect_err(text).to_string();
             assert!(why.contains(says), "{text:?}: {why}");
         }
     }

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! config (parse, validate) → plan (engines × ranks → listener specs)
-//!   → registry (running listeners; register / deregister / reload diff; published views)
+//!   → registry (running listeners; register / remove / reload diff; published views)
 //!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
 //! http (hyper with our limits, and the routes) reads the index and the registry's published views.
 //! select, beside http, weighs them with its own reservations to choose a rank (`/select`).

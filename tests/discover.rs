@@ -457,17 +457,49 @@ fn no_route_on_either_engine_names_both_urls() {
 
 #[test]
 fn a_discover_url_kv_indexer_cannot_ask_is_refused_up_front() {
-    let err = EngineApi::new("vllm-a", "https://10.0.0.5:8000", None).unwrap_err();
+    let err = EngineApi::new("vllm-a", "https://10.0.0.5:8000", None).expect_err("https");
     assert!(
-        err.starts_with("engine vllm-a: \"https://10.0.0.5:8000\": https is not supported"),
+        err.to_string()
+            .starts_with("engine vllm-a: \"https://10.0.0.5:8000\": https is not supported"),
         "{err}"
     );
 }
 
 #[test]
-fn one_client_serves_every_engine_from_any_thread() {
-    fn shared<T: Send + Sync>() {}
-    shared::<Client>();
-    shared::<EngineApi>();
-    shared::<DiscoverError>();
+fn one_client_serves_every_engine_from_many_threads_at_once() {
+    let vllm = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, "{}".into()))]);
+    let info = serde_json::json!({"dp_size": 1,
+        "kv_events_config": r#"{"publisher": "zmq", "endpoint": "tcp://*:5557"}"#});
+    let sglang = ApiServer::start(&[("/server_info", Reply::Json(200, info.to_string()))]);
+    let client = Arc::new(client());
+    let threads: Vec<JoinHandle<(Discovery, Discovery)>> = (0..4)
+        .map(|_| {
+            let (client, vllm, sglang) = (client.clone(), vllm.api(), sglang.api());
+            std::thread::spawn(move || {
+                let first = client.discover(&vllm, None).expect("vLLM discovered");
+                let second = client.discover(&sglang, None).expect("SGLang discovered");
+                (first, second)
+            })
+        })
+        .collect();
+    for thread in threads {
+        let (first, second) = thread.join().expect("a discovering thread");
+        assert_eq!((first.kind, first.ranks.len()), (EngineKind::Vllm, 0));
+        assert_eq!(second.kind, EngineKind::Sglang);
+        let endpoints: Vec<String> = second
+            .ranks
+            .iter()
+            .map(|r| r.endpoint.to_string())
+            .collect();
+        assert_eq!(endpoints, ["tcp://127.0.0.1:5557"]);
+    }
+    assert_eq!(vllm.hits("/kv_event_sources"), 4);
+    assert_eq!(
+        (
+            sglang.hits("/kv_event_sources"),
+            sglang.hits("/server_info")
+        ),
+        (4, 4),
+        "each thread asked vLLM's route first, then SGLang's"
+    );
 }

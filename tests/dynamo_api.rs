@@ -17,7 +17,7 @@ use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
 use support::fake_engine::{prompt, FakeRank, BLOCK_SIZE};
-use support::http_client::{get, metric_value, post, wait_for, Connection};
+use support::http_client::{errors_with_status, get, metric_value, post, wait_for, Connection};
 use support::start_service;
 
 fn engine(name: &str, port: u16, model: Option<&str>, instance_id: Option<u64>) -> String {
@@ -694,9 +694,5 @@ fn with_a_token_registration_needs_it_and_queries_do_not() {
     let right = Some("Bearer s3cret");
     assert_eq!(send("/register", &registration, right), 201);
     assert_eq!(send("/unregister", &unregistration, right), 200);
-    let metrics = get(servers.http_addr(), "/metrics").text();
-    assert!(
-        metrics.contains("kv_indexer_http_errors_total{status=\"401\"} 6"),
-        "{metrics}"
-    );
+    assert_eq!(errors_with_status(servers.http_addr(), 401), 6);
 }

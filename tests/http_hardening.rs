@@ -13,7 +13,7 @@ use kv_indexer::http::{HEAD_DEADLINE, MAX_BODY_BYTES, MAX_CONNECTIONS};
 use kv_indexer_sim::indexer_toml::indexer_toml;
 use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::procfs::Holdings;
-use support::http_client::{get, wait_for, Connection};
+use support::http_client::{errors_with_status, get, wait_for, Connection};
 use support::{indexer_binary, one_at_a_time};
 
 /// The indexer as a child process with no engines and at most `open_files` descriptors, one
@@ -310,11 +310,7 @@ fn connections_past_the_cap_are_refused_503_and_counted() {
     assert!(answer.contains("connections are open"), "{answer}");
     drop(held);
     indexer.answers_and_settles();
-    let metrics = get(addr, "/metrics").text();
-    assert!(
-        metrics.contains("kv_indexer_http_errors_total{status=\"503\"} 1"),
-        "{metrics}"
-    );
+    assert_eq!(errors_with_status(addr, 503), 1);
 }
 
 #[test]

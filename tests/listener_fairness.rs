@@ -14,9 +14,12 @@ use kv_indexer::listener::{Listener, State};
 use kv_indexer_sim::replay::{Layout, ReplayServer};
 use support::fake_engine::FakeRank;
 use support::hostile::{drip, send, RawHttpServer, ScriptedReplay};
+use support::http_client::wait_for as wait_until;
 use support::listeners::{applied_through, store, tokens, wait_for, Fixture};
 
-/// More hostile ranks than the 16 recovery workers.
+/// The listeners' recovery workers (`listener::recoveries`).
+const RECOVERY_WORKERS: usize = 16;
+/// More hostile ranks than the recovery workers.
 const HOSTILE: usize = 20;
 /// Batches each hostile rank loses: more than its turns can get one at a time from the stall.
 const HOSTILE_HOLE: u32 = 1_000;
@@ -58,8 +61,11 @@ fn hostile_fleet(fixture: &Fixture) -> HostileFleet {
             status.state == State::Recovering
         });
     }
-    // Long enough for every worker to be deep in a stalled replay or a dripping fetch.
-    std::thread::sleep(Duration::from_secs(2));
+    // Every worker holds a hostile rank: each has asked the stalling replay or the dripping
+    // server at least once (the first 16 asks are 16 workers' first turns).
+    wait_until(10, "every recovery worker on a hostile peer", || {
+        (stalling.requests() + dripping.connections() >= RECOVERY_WORKERS).then_some(())
+    });
     for (_, listener) in &ranks {
         assert_eq!(listener.status().state, State::Recovering);
     }

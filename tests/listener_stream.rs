@@ -10,6 +10,7 @@ use kv_indexer_sim::encode::message_frames;
 use std::time::{Duration, Instant};
 use support::fake_engine::{payload, FakeRank};
 use support::free_port;
+use support::http_client::holds_for;
 use support::listeners::{applied_through, spec, store, tokens, warnings_about, Fixture};
 
 #[test]
@@ -188,7 +189,12 @@ fn a_rank_never_reachable_gets_one_hint_of_what_to_check() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(live.status().connected);
-    std::thread::sleep(Duration::from_millis(300));
+    // Past its own hint time too, the rank that is up is told nothing, and the other no more.
+    holds_for(
+        Duration::from_millis(300),
+        "one hint, for the rank never connected",
+        || warnings_about("engine-down").len() == 1 && warnings_about("engine-up").is_empty(),
+    );
     dead.stop();
     live.stop();
 

@@ -109,11 +109,6 @@ fn subscribed(fleet: &Fleet, indexer: &IndexerProcess) {
     }
 }
 
-/// The counter `name{labels}` summed over every series that has all of `labels`.
-fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
-    metric_sum(indexer.address, name, labels)
-}
-
 /// Two replicas naming each other, started together on a fleet that drops 10% of its batches
 /// (repaired by replay): each is exact, so they answer identically.
 #[test]
@@ -183,8 +178,8 @@ fn a_replica_joining_or_restarted_recovers_from_its_peer_and_one_without_peers_d
         recovered_by(&joined)
     );
     assert!(
-        metric(
-            &joined,
+        metric_sum(
+            joined.address,
             "kv_indexer_recoveries_total",
             &["method=\"peer\"", "outcome=\"ok\""]
         ) >= 4.0
@@ -231,15 +226,15 @@ fn a_partial_peer_is_not_used() {
     let views = support::caught_up(&fleet, &asking, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert!(
-        metric(
-            &asking,
+        metric_sum(
+            asking.address,
             "kv_indexer_recoveries_total",
             &["method=\"peer\"", "outcome=\"failed\""]
         ) >= 4.0
     );
     assert_eq!(
-        metric(
-            &asking,
+        metric_sum(
+            asking.address,
             "kv_indexer_recoveries_total",
             &["method=\"peer\"", "outcome=\"ok\""]
         ),
@@ -316,8 +311,8 @@ fn with_a_token_only_a_peer_holding_it_gets_snapshots() {
         );
     }
     assert_eq!(
-        metric(
-            &guarded,
+        metric_sum(
+            guarded.address,
             "kv_indexer_http_errors_total",
             &["status=\"401\""]
         ),

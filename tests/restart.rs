@@ -87,10 +87,6 @@ fn free_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
-fn metric(indexer: &IndexerProcess, name: &str, labels: &[&str]) -> f64 {
-    metric_sum(indexer.address, name, labels)
-}
-
 /// An indexer of `toml` that sees `prompts` served, settles, and is stopped with SIGTERM: an
 /// indexer that ran in front of the fleet for a while.
 fn serve_then_stop(fleet: &Fleet, toml: &str, prompts: &[Vec<u32>]) {
@@ -139,8 +135,8 @@ fn a_restart_within_the_replay_buffer_comes_back_exact_after_sigterm_and_sigkill
         recovered_by(&second)
     );
     assert_eq!(
-        metric(
-            &second,
+        metric_sum(
+            second.address,
             "kv_indexer_state_loads_total",
             &["outcome=\"restored\""]
         ),
@@ -151,8 +147,8 @@ fn a_restart_within_the_replay_buffer_comes_back_exact_after_sigterm_and_sigkill
     serve(&fleet, &prompts[130..160]);
     settle(&fleet, &mut OverHttp::new(second.address), DEADLINE);
     let saved_after = Instant::now();
-    while metric(
-        &second,
+    while metric_sum(
+        second.address,
         "kv_indexer_state_writes_total",
         &["outcome=\"ok\""],
     ) < 2.0 * RANKS
@@ -168,8 +164,8 @@ fn a_restart_within_the_replay_buffer_comes_back_exact_after_sigterm_and_sigkill
     let views = settle(&fleet, &mut view, DEADLINE);
     assert_exact(&fleet, &mut view, &views, &prompts[..170], &[]);
     assert_eq!(
-        metric(
-            &third,
+        metric_sum(
+            third.address,
             "kv_indexer_state_loads_total",
             &["outcome=\"restored\""]
         ),
@@ -194,8 +190,8 @@ fn a_restart_beyond_the_replay_buffer_comes_back_partial_without_a_false_hit() {
     let views = support::caught_up(&fleet, &second, DEADLINE);
     assert!(views.iter().all(|v| v.state == "partial"), "{views:#?}");
     assert_eq!(
-        metric(
-            &second,
+        metric_sum(
+            second.address,
             "kv_indexer_state_loads_total",
             &["outcome=\"not_in_replay\""]
         ),
@@ -252,8 +248,8 @@ fn a_fresh_engine_behind_an_old_state_gives_no_false_hit() {
     let accuracy = assert_exact(&fleet, &mut view, &views, &prompts[..90], &[]);
     assert_eq!(accuracy.false_hits, 0);
     assert_eq!(
-        metric(
-            &second,
+        metric_sum(
+            second.address,
             "kv_indexer_state_loads_total",
             &["outcome=\"restarted\""]
         ),
@@ -292,8 +288,8 @@ fn broken_state_files_are_refused_without_a_crash_or_a_false_hit() {
     let accuracy = compare(&fleet, &second, &prompts);
     assert_eq!(accuracy.false_hits, 0, "{accuracy:#?}");
     assert_eq!(
-        metric(
-            &second,
+        metric_sum(
+            second.address,
             "kv_indexer_state_loads_total",
             &["outcome=\"restored\""]
         ),
@@ -302,8 +298,8 @@ fn broken_state_files_are_refused_without_a_crash_or_a_false_hit() {
     let refused: f64 = ["truncated", "corrupt", "not_a_state_file"]
         .iter()
         .map(|reason| {
-            metric(
-                &second,
+            metric_sum(
+                second.address,
                 "kv_indexer_state_loads_total",
                 &[&format!("outcome=\"{reason}\"")],
             )
@@ -412,8 +408,8 @@ fn a_replica_with_peers_and_state_takes_whichever_is_exact() {
         recovered_by(&b)
     );
     assert_eq!(
-        metric(
-            &b,
+        metric_sum(
+            b.address,
             "kv_indexer_state_loads_total",
             &["outcome=\"not_in_replay\""]
         ),

@@ -7,6 +7,7 @@
 //!
 //! - `diagnostics`: the `FILE:LINE: section: problem` list;
 //! - `keys`: reading one section's keys, each bad key reported and dropped;
+//! - `listen`: an HTTP listen address (`listen`, `dynamo_listen`, a peer's);
 //! - `engine`: `[defaults]` and the per-engine rules;
 //! - `discovered`: the keys of an engine whose ranks come from its own HTTP server;
 //! - `instance`: the engines' ids in the Dynamo API;
@@ -23,6 +24,7 @@ mod engine;
 mod flags;
 mod instance;
 mod keys;
+mod listen;
 mod ports;
 mod replicas;
 mod restart_only;
@@ -30,7 +32,6 @@ mod route;
 mod select;
 
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
 use anyhow::Context as _;
@@ -47,6 +48,7 @@ use engine::{check_defaults, check_engines, EngineFields, Engines};
 pub use flags::{derived_name, Flags, Source};
 pub use instance::derived_instance_id;
 use keys::{read_table, Checked, Int, SectionChecker};
+pub use listen::{validate_listen, ListenError};
 use ports::check_port_overlaps;
 pub use ports::rank_port;
 use replicas::check_replicas;
@@ -337,33 +339,6 @@ fn read_token_file(path: Option<&str>, key: &str, what: &str) -> anyhow::Result<
     Ok(Some(text))
 }
 
-/// Checks an HTTP listen address: `IP:port` (IPv6 in brackets) or `hostname:port`.
-pub fn validate_listen(addr: &str) -> Result<(), String> {
-    listen_host_port(addr).map(|_| ())
-}
-
-/// An HTTP listen address (`listen`, `dynamo_listen`, a peer's authority) as its host and
-/// port: `IP:port` with IPv6 in brackets, or `hostname:port`, the host read by `Host::parse`
-/// (the grammar of endpoints). Not an `Endpoint`: no scheme, and port 0 binds a free port.
-fn listen_host_port(addr: &str) -> Result<(Host, u16), String> {
-    if let Ok(socket) = addr.parse::<SocketAddr>() {
-        return Ok((Host::Ip(socket.ip()), socket.port()));
-    }
-    let expected = "expected IP:port or hostname:port (IPv6 in brackets: [::1]:8090)";
-    let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(format!("{addr:?}: no port; {expected}"));
-    };
-    let Ok(port) = port.parse::<u16>() else {
-        return Err(format!("{addr:?}: port {port:?} is not a number 0..=65535"));
-    };
-    match Host::parse(host) {
-        Ok(Host::Ip(IpAddr::V6(_))) | Err(_) => Err(format!(
-            "{addr:?}: {host:?} is neither an IP nor a hostname; {expected}"
-        )),
-        Ok(host) => Ok((host, port)),
-    }
-}
-
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.problems.join("\n"))
@@ -637,30 +612,6 @@ topic = ""
             (overrides.model.as_deref(), overrides.topic.as_str()),
             (Some("other"), "")
         );
-    }
-
-    #[test]
-    fn listen_must_parse_as_ip_port_or_hostname_port() {
-        for good in [
-            "127.0.0.1:8090",
-            "[::1]:8090",
-            "localhost:0",
-            "indexer.example.com:80",
-        ] {
-            assert_eq!(validate_listen(good), Ok(()), "{good}");
-        }
-        for bad in [
-            "nonsense",
-            "::1:8090",
-            "host:99999",
-            ":8090",
-            "bad host:80",
-            "-x:80",
-        ] {
-            assert!(validate_listen(bad).is_err(), "{bad}");
-        }
-        let found = problems("listen = \"::1:8090\"\n");
-        find(&found, &["indexer.toml:1:", "`listen`", "IP:port"]);
     }
 
     #[test]

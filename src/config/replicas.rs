@@ -41,7 +41,7 @@ impl Replicas {
 
 /// Whether an HTTP `listen` address only accepts connections from this host.
 pub fn is_loopback_listen(listen: &str) -> bool {
-    super::listen_host_port(listen).is_ok_and(|(host, _)| host.is_loopback())
+    super::listen::listen_host_port(listen).is_ok_and(|(host, _)| host.is_loopback())
 }
 
 /// Checks `peers`, `serve_snapshots` and `auth_token_file`; `None` when any is wrong (reported).
@@ -91,18 +91,37 @@ pub(super) fn check_replicas(
     })
 }
 
+/// What every refusal of a peer's URL ends with.
+const PEER_EXPECTED: &str = "expected http://host:port (another indexer's `listen`)";
+
+/// Why a `peers` entry is refused; each message quotes it.
+#[derive(Debug, thiserror::Error)]
+enum PeerUrlError {
+    #[error("{0:?} does not start with http://; {PEER_EXPECTED}")]
+    NotHttp(String),
+    #[error("{0:?} has a path; {PEER_EXPECTED}")]
+    Path(String),
+    #[error("{source} in {text:?}")]
+    Listen {
+        text: String,
+        source: super::ListenError,
+    },
+}
+
 /// `http://host:port` with an optional trailing slash, normalised without it. No path: the
 /// snapshot route is appended to it.
-fn peer_url(text: &str) -> Result<String, String> {
-    let expected = "expected http://host:port (another indexer's `listen`)";
+fn peer_url(text: &str) -> Result<String, PeerUrlError> {
     let Some(rest) = text.strip_prefix("http://") else {
-        return Err(format!("{text:?} does not start with http://; {expected}"));
+        return Err(PeerUrlError::NotHttp(text.to_string()));
     };
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     if authority.contains('/') || authority.contains('?') {
-        return Err(format!("{text:?} has a path; {expected}"));
+        return Err(PeerUrlError::Path(text.to_string()));
     }
-    super::validate_listen(authority).map_err(|why| format!("{why} in {text:?}"))?;
+    super::validate_listen(authority).map_err(|source| PeerUrlError::Listen {
+        text: text.to_string(),
+        source,
+    })?;
     Ok(format!("http://{authority}"))
 }
 

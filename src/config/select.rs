@@ -4,6 +4,7 @@
 //! bounded (a `Duration` is built from them), a temperature finite and non-negative. It never
 //! decides anything with them (that is `select`).
 
+use serde::de::IgnoredAny;
 use serde::{Deserialize, Deserializer};
 use toml::de::DeValue;
 use toml::Spanned;
@@ -37,8 +38,6 @@ pub struct Select {
     pub reservation_ttl_s: f64,
     /// 0: the lowest cost wins; above, a rank is drawn with softmax(−cost / temperature).
     pub temperature: f64,
-    /// The seed of that draw; absent, one from the clock.
-    pub seed: Option<u64>,
     /// How many of the lowest-cost candidates an answer lists (every rank is considered);
     /// 0 lists them all.
     pub max_candidates: usize,
@@ -61,7 +60,6 @@ impl Default for Select {
             predicted_ttl_s: 2.0,
             reservation_ttl_s: 600.0,
             temperature: 0.0,
-            seed: None,
             max_candidates: 16,
             engine_request_weight: 10.0,
             load_interval_ms: 500,
@@ -105,7 +103,8 @@ struct RawSelect {
     predicted_ttl_s: Option<Spanned<Number>>,
     reservation_ttl_s: Option<Spanned<Number>>,
     temperature: Option<Spanned<Number>>,
-    seed: Option<Spanned<Int>>,
+    /// A key no longer read: named so that its error says what to do, not "unknown key".
+    seed: Option<Spanned<IgnoredAny>>,
     max_candidates: Option<Spanned<Int>>,
     engine_request_weight: Option<Spanned<Number>>,
     load_interval_ms: Option<Spanned<Int>>,
@@ -197,14 +196,9 @@ pub(super) fn check_select(
         weight,
     );
     if let Some(seed) = raw.seed {
-        match u64::try_from(seed.get_ref().0) {
-            Ok(read) => select.seed = Some(read),
-            Err(_) => {
-                let why = format!("`seed` must be >= 0, found {}", seed.get_ref().0);
-                problems.add(Some(seed.span()), SECTION, why);
-                ok = false;
-            }
-        }
+        let why = "`seed` is no longer read (the draw is seeded from the clock): delete the line";
+        problems.add(Some(seed.span()), SECTION, why);
+        ok = false;
     }
     if let Some(shown) = raw.max_candidates {
         match usize::try_from(shown.get_ref().0) {
@@ -261,14 +255,13 @@ mod tests {
         let plain = Config::parse("", "f").unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(plain.select, Select::default());
         let set = Config::parse(
-            "[select]\nprefill_weight = 2\ndecode_weight = 0.5\ntemperature = 0.1\nseed = 7\n",
+            "[select]\nprefill_weight = 2\ndecode_weight = 0.5\ntemperature = 0.1\n",
             "f",
         )
         .unwrap_or_else(|err| panic!("{err}"));
         assert_eq!(set.select.prefill_weight, 2.0);
         assert_eq!(set.select.decode_weight, 0.5);
         assert_eq!(set.select.temperature, 0.1);
-        assert_eq!(set.select.seed, Some(7));
         assert_eq!(set.select.cpu_weight, 0.75);
         assert_eq!(set.select.load_interval_ms, 500);
         let scraped = Config::parse(
@@ -288,7 +281,7 @@ mod tests {
     fn every_bad_key_is_reported_with_its_line_and_range() {
         let found = problems(
             "[select]\nprefill_weight = -1\npredicted_ttl_s = 0\ntemperature = \"hot\"\n\
-             speed = 3\nreservation_ttl_s = 1e9\nseed = -2\n",
+             speed = 3\nreservation_ttl_s = 1e9\nseed = 7\n",
         );
         let line = find(
             &found,
@@ -299,7 +292,14 @@ mod tests {
         find(&found, &["temperature", "a number"]);
         find(&found, &["unknown key", "speed"]);
         find(&found, &["reservation_ttl_s", "1000000000"]);
-        find(&found, &["seed", ">= 0"]);
+        find(
+            &found,
+            &[
+                "indexer.toml:7:",
+                "`seed` is no longer read",
+                "delete the line",
+            ],
+        );
         let found = problems("[select]\nload_interval_ms = -1\nengine_request_weight = -2\n");
         find(&found, &["load_interval_ms", "0 (no scrapes)", "-1"]);
         find(&found, &["engine_request_weight", "finite number >= 0"]);

@@ -171,10 +171,22 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// Why the addresses a host name reaches cannot be known.
+#[derive(Debug, thiserror::Error)]
+enum Unresolvable {
+    #[error("host {host:?} does not resolve ({source})")]
+    Fails {
+        host: String,
+        source: std::io::Error,
+    },
+    #[error("host {0:?} resolves to no address")]
+    NoAddress(String),
+}
+
 /// The addresses a connect to `host` reaches: an address's own (the wildcard's are the
 /// unspecified ones), `localhost`'s two, a name `inet_aton` reads as an IPv4 address, or what
 /// the system resolver answers for another name.
-fn addresses(host: &Host) -> Result<Vec<IpAddr>, String> {
+fn addresses(host: &Host) -> Result<Vec<IpAddr>, Unresolvable> {
     let host = match host {
         Host::Any => {
             return Ok(vec![
@@ -197,11 +209,14 @@ fn addresses(host: &Host) -> Result<Vec<IpAddr>, String> {
     }
     let resolved: Vec<IpAddr> = (host, 0)
         .to_socket_addrs()
-        .map_err(|err| format!("host {host:?} does not resolve ({err})"))?
+        .map_err(|source| Unresolvable::Fails {
+            host: host.to_string(),
+            source,
+        })?
         .map(|address| canonical(address.ip()))
         .collect();
     if resolved.is_empty() {
-        return Err(format!("host {host:?} resolves to no address"));
+        return Err(Unresolvable::NoAddress(host.to_string()));
     }
     Ok(resolved)
 }

@@ -26,12 +26,14 @@ mod fetch;
 mod models;
 mod probe;
 mod sglang;
+mod shape;
 mod url;
 mod vllm;
 
 use std::fmt;
 
 use serde::Deserialize;
+use thiserror::Error;
 
 use crate::endpoint::{Endpoint, Host};
 
@@ -42,7 +44,8 @@ pub use board::{
 pub use endpoint_policy::{EndpointPolicy, Refusal};
 pub use fetch::{Client, Limits};
 pub use probe::{neighbour_port, neighbour_warning, publisher_answers};
-pub use url::BaseUrl;
+pub use shape::ShapeError;
+pub use url::{BaseUrl, UrlError};
 
 /// Global data-parallel ranks are below this: it bounds a file's `dp_size` and `dp_rank_start +
 /// dp_size` (re-exported as `config::MAX_DP_SIZE`) and the ranks an engine may announce. Here,
@@ -120,6 +123,14 @@ pub struct Discovery {
 pub const NO_EVENTS: &str =
     "the engine publishes no KV events (its server answers 404 to /kv_event_sources and /server_info)";
 
+/// An engine's `discover` URL refused; displays as `engine NAME: why`.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("engine {engine}: {source}")]
+pub struct EngineUrlError {
+    pub engine: String,
+    pub source: UrlError,
+}
+
 /// One engine's HTTP server as discovery addresses it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineApi {
@@ -135,8 +146,15 @@ pub struct EngineApi {
 impl EngineApi {
     /// `host` defaults to the URL's host: the HTTP server and the publishers are the same node.
     /// The error names the engine and says what URL would be accepted.
-    pub fn new(engine: &str, discover: &str, host: Option<Host>) -> Result<EngineApi, String> {
-        let url = BaseUrl::parse(discover).map_err(|err| format!("engine {engine}: {err}"))?;
+    pub fn new(
+        engine: &str,
+        discover: &str,
+        host: Option<Host>,
+    ) -> Result<EngineApi, EngineUrlError> {
+        let url = BaseUrl::parse(discover).map_err(|source| EngineUrlError {
+            engine: engine.to_string(),
+            source,
+        })?;
         let host = host.unwrap_or_else(|| url.host.clone());
         Ok(EngineApi {
             engine: engine.to_string(),
@@ -267,13 +285,10 @@ struct KvEventsConfig {
 impl KvEventsConfig {
     /// Refuses a publisher other than ZMQ: "null" (either engine's default when events are
     /// off) publishes nothing to subscribe to.
-    fn require_zmq(&self, default_publisher: &str) -> Result<(), String> {
+    fn require_zmq(&self, default_publisher: &str) -> Result<(), ShapeError> {
         match self.publisher.as_deref().unwrap_or(default_publisher) {
             "zmq" => Ok(()),
-            other => Err(format!(
-                "publisher is {other:?}: the engine publishes no KV events over ZMQ (give it \
-                 --kv-events-config with \"publisher\": \"zmq\")"
-            )),
+            other => Err(ShapeError::NotZmq(other.to_string())),
         }
     }
 
@@ -284,26 +299,28 @@ impl KvEventsConfig {
         endpoint: &Endpoint,
         offset: u32,
         engine_host: &Host,
-    ) -> Result<DiscoveredRank, String> {
-        let on_rank = |endpoint: &Endpoint, what: &str| {
+    ) -> Result<DiscoveredRank, ShapeError> {
+        let on_rank = |endpoint: &Endpoint, what: &'static str| {
             endpoint.on_node(engine_host, offset).ok_or_else(|| {
-                format!(
-                    "rank {dp_rank}: {what} port {} + {offset} is past 65535",
-                    endpoint.port
-                )
+                ShapeError::PortPast {
+                    what,
+                    port: endpoint.port,
+                    offset,
+                }
+                .in_rank(dp_rank)
             })
         };
         let replay = match self.replay_endpoint.as_deref() {
             None => None,
             Some(text) => {
+                let what = "replay_endpoint";
                 let replay = Endpoint::parse(text)
-                    .map_err(|err| format!("rank {dp_rank}: replay_endpoint {err}"))?;
+                    .map_err(|source| ShapeError::Endpoint { what, source }.in_rank(dp_rank))?;
                 if replay.port == 0 {
-                    return Err(format!(
-                        "rank {dp_rank}: replay_endpoint {text:?} has port 0, not the port bound"
-                    ));
+                    let text = text.to_string();
+                    return Err(ShapeError::UnboundPort { what, text }.in_rank(dp_rank));
                 }
-                Some(on_rank(&replay, "replay_endpoint")?)
+                Some(on_rank(&replay, what)?)
             }
         };
         Ok(DiscoveredRank {

@@ -12,60 +12,55 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, MAX_DP_SIZE};
+use super::{json_kind, DiscoveredRank, KvEventsConfig, ShapeError, MAX_DP_SIZE};
 use crate::endpoint::{Endpoint, Host};
 
 /// SGLang's `KVEventsConfig` default endpoint.
 const DEFAULT_ENDPOINT: &str = "tcp://*:5557";
 
 /// Ranks `0..dp_size` of a `/server_info` answer.
-pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRank>, String> {
+pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRank>, ShapeError> {
     let Value::Object(info) = body else {
-        return Err(format!(
-            "expected an object of server arguments, got {}",
-            json_kind(body)
-        ));
+        return Err(ShapeError::Unexpected {
+            expected: "an object of server arguments",
+            got: json_kind(body),
+        });
     };
     let dp_size = match info.get("dp_size") {
         Some(Value::Number(n)) => n
             .as_u64()
             .filter(|size| (1..=u64::from(MAX_DP_SIZE)).contains(size))
             .and_then(|size| u32::try_from(size).ok())
-            .ok_or_else(|| format!("dp_size {n} is not 1..={MAX_DP_SIZE}"))?,
-        Some(other) => return Err(format!("dp_size is {}, not a number", json_kind(other))),
-        None => {
-            return Err(
-                "has no dp_size: not SGLang's /server_info (a vLLM older than 0.33 \
-                        has no /kv_event_sources)"
-                    .to_string(),
-            )
-        }
+            .ok_or_else(|| ShapeError::DpSize(n.clone()))?,
+        Some(other) => return Err(ShapeError::DpSizeNotANumber(json_kind(other))),
+        None => return Err(ShapeError::NoDpSize),
     };
     let config = match info.get("kv_events_config") {
-        None | Some(Value::Null) => {
-            return Err(
-                "kv_events_config is null: start SGLang with --kv-events-config \
-                        '{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'"
-                    .to_string(),
-            )
-        }
+        None | Some(Value::Null) => return Err(ShapeError::NoEventsConfig),
         // What SGLang stores: the command-line JSON, unparsed.
-        Some(Value::String(text)) => serde_json::from_str::<KvEventsConfig>(text)
-            .map_err(|err| format!("kv_events_config {text:?} is not a kv-events config: {err}"))?,
-        Some(object) => {
-            KvEventsConfig::deserialize(object).map_err(|err| format!("kv_events_config: {err}"))?
+        Some(Value::String(text)) => {
+            serde_json::from_str::<KvEventsConfig>(text).map_err(|source| {
+                ShapeError::EventsConfigText {
+                    text: text.clone(),
+                    source,
+                }
+            })?
         }
+        Some(object) => KvEventsConfig::deserialize(object)
+            .map_err(|err| ShapeError::from(err).at("kv_events_config"))?,
     };
     // SGLang's default publisher is "null": no events.
     config.require_zmq("null")?;
     let text = config.endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT);
-    let endpoint =
-        Endpoint::parse(text).map_err(|err| format!("kv_events_config: endpoint {err}"))?;
+    let endpoint = Endpoint::parse(text).map_err(|source| {
+        ShapeError::Endpoint {
+            what: "endpoint",
+            source,
+        }
+        .at("kv_events_config")
+    })?;
     if endpoint.port == 0 {
-        return Err(format!(
-            "kv_events_config endpoint {text:?} has port 0: SGLang puts rank r on port + r and \
-             reports no bound port, so give it a fixed one"
-        ));
+        return Err(ShapeError::SglangUnboundPort(text.to_string()));
     }
     (0..dp_size)
         .map(|rank| config.rank(rank, &endpoint, rank, engine_host))
@@ -145,7 +140,9 @@ mod tests {
             ),
         ];
         for (body, expected) in cases {
-            let err = ranks(&body, &node("h")).expect_err(&body.to_string());
+            let err = ranks(&body, &node("h"))
+                .expect_err(&body.to_string())
+                .to_string();
             assert!(err.contains(expected), "{body}: {err}");
         }
     }

@@ -7,7 +7,31 @@
 
 use std::net::IpAddr;
 
-use crate::endpoint::Host;
+use thiserror::Error;
+
+use crate::endpoint::{Host, HostError};
+
+/// What every refusal of a `discover` URL ends with.
+const ACCEPTED: &str = "expected http://HOST[:PORT][/PATH], the engine's HTTP server";
+
+/// Why a `discover` URL is refused: each message quotes it and says what would be accepted.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum UrlError {
+    #[error("{0:?}: https is not supported (kv-indexer has no TLS); {ACCEPTED}")]
+    Https(String),
+    #[error("{0:?}: {ACCEPTED}")]
+    NotHttp(String),
+    #[error("{0:?}: a query, fragment, credentials or spaces have no place here; {ACCEPTED}")]
+    Extras(String),
+    #[error("{text:?}: no host in {authority:?}; {ACCEPTED}")]
+    NoHost { text: String, authority: String },
+    #[error("{text:?}: {source}; {ACCEPTED}")]
+    Host { text: String, source: HostError },
+    #[error("{0:?}: an IPv6 host goes in brackets, and nothing else does; {ACCEPTED}")]
+    Brackets(String),
+    #[error("{text:?}: port {port:?} is not 1..=65535")]
+    Port { text: String, port: String },
+}
 
 /// An engine's HTTP server as `discover` names it: `base` without a trailing `/` (routes are
 /// appended to it), `host` as written in the URL.
@@ -19,33 +43,40 @@ pub struct BaseUrl {
 
 impl BaseUrl {
     /// Checks `text` is `http://HOST[:PORT][/PATH]`; the error says what would be accepted.
-    pub fn parse(text: &str) -> Result<BaseUrl, String> {
-        let accepted = "expected http://HOST[:PORT][/PATH], the engine's HTTP server";
+    pub fn parse(text: &str) -> Result<BaseUrl, UrlError> {
+        let owned = || text.to_string();
         let Some(rest) = text.strip_prefix("http://") else {
             return Err(if text.starts_with("https://") {
-                format!("{text:?}: https is not supported (kv-indexer has no TLS); {accepted}")
+                UrlError::Https(owned())
             } else {
-                format!("{text:?}: {accepted}")
+                UrlError::NotHttp(owned())
             });
         };
         if rest.contains(['?', '#', '@']) || rest.chars().any(char::is_whitespace) {
-            return Err(format!(
-                "{text:?}: a query, fragment, credentials or spaces have no place here; {accepted}"
-            ));
+            return Err(UrlError::Extras(owned()));
         }
         let authority = rest.split('/').next().unwrap_or_default();
-        let (host, port, bracketed) = split_host_port(authority)
-            .ok_or_else(|| format!("{text:?}: no host in {authority:?}; {accepted}"))?;
-        let host = Host::parse(host).map_err(|why| format!("{text:?}: {why}; {accepted}"))?;
+        let (host, port, bracketed) =
+            split_host_port(authority).ok_or_else(|| UrlError::NoHost {
+                text: owned(),
+                authority: authority.to_string(),
+            })?;
+        let host = Host::parse(host).map_err(|source| UrlError::Host {
+            text: owned(),
+            source,
+        })?;
         if bracketed != matches!(host, Host::Ip(IpAddr::V6(_))) {
-            return Err(format!(
-                "{text:?}: an IPv6 host goes in brackets, and nothing else does; {accepted}"
-            ));
+            return Err(UrlError::Brackets(owned()));
         }
         if let Some(port) = port {
             match port.parse::<u16>() {
                 Ok(1..) => {}
-                _ => return Err(format!("{text:?}: port {port:?} is not 1..=65535")),
+                _ => {
+                    return Err(UrlError::Port {
+                        text: owned(),
+                        port: port.to_string(),
+                    })
+                }
             }
         }
         Ok(BaseUrl {
@@ -117,9 +148,10 @@ mod tests {
             "http://bad_host!:80",
             "http://*:80",
         ] {
-            let err = BaseUrl::parse(bad).expect_err(bad);
+            let err = BaseUrl::parse(bad).expect_err(bad).to_string();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
-        assert!(BaseUrl::parse("https://h").unwrap_err().contains("no TLS"));
+        let err = BaseUrl::parse("https://h").expect_err("https");
+        assert!(err.to_string().contains("no TLS"), "{err}");
     }
 }

@@ -9,16 +9,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{json_kind, DiscoveredRank, KvEventsConfig, MAX_DP_SIZE};
+use super::{json_kind, DiscoveredRank, KvEventsConfig, ShapeError, MAX_DP_SIZE};
 use crate::endpoint::{Endpoint, Host};
 
 /// The ranks of a `/kv_event_sources` answer, in rank order; `{}` is zero ranks.
-pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRank>, String> {
+pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRank>, ShapeError> {
     let Value::Object(entries) = body else {
-        return Err(format!(
-            "expected an object keyed by rank, got {}",
-            json_kind(body)
-        ));
+        return Err(ShapeError::Unexpected {
+            expected: "an object keyed by rank",
+            got: json_kind(body),
+        });
     };
     let mut by_rank = BTreeMap::new();
     for (key, entry) in entries {
@@ -26,53 +26,44 @@ pub(super) fn ranks(body: &Value, engine_host: &Host) -> Result<Vec<DiscoveredRa
             .parse::<u32>()
             .ok()
             .filter(|rank| key == &rank.to_string())
-            .ok_or_else(|| format!("key {key:?} is not a rank number"))?;
+            .ok_or_else(|| ShapeError::NotARank(key.clone()))?;
         if dp_rank >= MAX_DP_SIZE {
-            return Err(format!(
-                "rank {dp_rank} is past the largest kv-indexer takes ({})",
-                MAX_DP_SIZE - 1
-            ));
+            return Err(ShapeError::RankPastMax(dp_rank));
         }
         by_rank.insert(dp_rank, rank(dp_rank, entry, engine_host)?);
     }
     let mut endpoints = BTreeSet::new();
     for rank in by_rank.values() {
         if !endpoints.insert(&rank.endpoint) {
-            return Err(format!(
-                "two ranks on {}: each rank publishes on its own port",
-                rank.endpoint
-            ));
+            return Err(ShapeError::SharedEndpoint(rank.endpoint.clone()));
         }
     }
     Ok(by_rank.into_values().collect())
 }
 
-fn rank(dp_rank: u32, entry: &Value, engine_host: &Host) -> Result<DiscoveredRank, String> {
+fn rank(dp_rank: u32, entry: &Value, engine_host: &Host) -> Result<DiscoveredRank, ShapeError> {
     let config =
-        KvEventsConfig::deserialize(entry).map_err(|err| format!("rank {dp_rank}: {err}"))?;
+        KvEventsConfig::deserialize(entry).map_err(|err| ShapeError::from(err).in_rank(dp_rank))?;
     if config.enable_kv_cache_events != Some(true) {
-        return Err(format!(
-            "rank {dp_rank} has enable_kv_cache_events {}: start vLLM with --kv-events-config \
-             '{{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}}'",
-            config
-                .enable_kv_cache_events
-                .map_or("missing".to_string(), |on| format!("= {on}"))
-        ));
+        return Err(ShapeError::EventsOff {
+            dp_rank,
+            enabled: config.enable_kv_cache_events,
+        });
     }
     // vLLM's own default: "zmq" once events are enabled.
     config
         .require_zmq("zmq")
-        .map_err(|err| format!("rank {dp_rank}: {err}"))?;
+        .map_err(|err| err.in_rank(dp_rank))?;
     let text = config
         .endpoint
         .as_deref()
-        .ok_or_else(|| format!("rank {dp_rank} has no endpoint"))?;
-    let endpoint =
-        Endpoint::parse(text).map_err(|err| format!("rank {dp_rank}: endpoint {err}"))?;
+        .ok_or(ShapeError::NoEndpoint(dp_rank))?;
+    let what = "endpoint";
+    let endpoint = Endpoint::parse(text)
+        .map_err(|source| ShapeError::Endpoint { what, source }.in_rank(dp_rank))?;
     if endpoint.port == 0 {
-        return Err(format!(
-            "rank {dp_rank}: endpoint {text:?} has port 0, not the port the rank bound"
-        ));
+        let text = text.to_string();
+        return Err(ShapeError::UnboundPort { what, text }.in_rank(dp_rank));
     }
     config.rank(dp_rank, &endpoint, 0, engine_host)
 }
@@ -144,13 +135,15 @@ mod tests {
             ),
         ];
         for (body, expected) in cases {
-            let err = ranks(&body, &node("h")).expect_err(&body.to_string());
+            let err = ranks(&body, &node("h"))
+                .expect_err(&body.to_string())
+                .to_string();
             assert!(err.contains(expected), "{body}: {err}");
         }
     }
 
     #[test]
     fn an_empty_object_is_zero_ranks() {
-        assert_eq!(ranks(&json!({}), &node("h")), Ok(vec![]));
+        assert!(ranks(&json!({}), &node("h")).expect("{}").is_empty());
     }
 }

@@ -24,6 +24,8 @@ use serde::de::{self, DeserializeOwned, Deserializer, MapAccess, SeqAccess, Visi
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::BadBody;
+
 /// A value read from one JSON scalar: which numbers or strings become one, and the words of a
 /// rejection.
 pub(crate) trait Leaf: Sized {
@@ -67,24 +69,19 @@ pub(crate) trait Object: DeserializeOwned {
 }
 
 /// Parses `body`, a JSON object, into `T`; the error is the 400's message.
-pub(crate) fn parse_object<T: Object>(body: &[u8]) -> Result<T, String> {
+pub(crate) fn parse_object<T: Object>(body: &[u8]) -> Result<T, BadBody> {
     // serde_json skips the strings of ignored keys without checking their UTF-8: checked here,
     // so a body is valid JSON as a whole or refused.
-    let body = std::str::from_utf8(body).map_err(|err| {
-        format!(
-            "body is not valid JSON: not UTF-8 after byte {}",
-            err.valid_up_to()
-        )
-    })?;
+    let body = std::str::from_utf8(body).map_err(|err| BadBody::NotUtf8(err.valid_up_to()))?;
     // Tracking the path costs a long body more than the untracked reading itself
     // (docs/performance.md "Why one pass, and the path tracked only on a refusal"): a valid
     // body is read without it, and a refused one read again with it, to say where.
     match serde_json::from_str::<Whole<T>>(body) {
         Ok(whole) => Ok(whole.0),
         Err(untracked) => Err(match tracked::<T>(body) {
-            Err((place, err)) => message(&place, &err),
+            Err((place, err)) => refusal(place, &err),
             // The same reading of the same text cannot succeed; kept exact all the same.
-            Ok(()) => message("body", &untracked),
+            Ok(()) => refusal("body".to_owned(), &untracked),
         }),
     }
 }
@@ -103,16 +100,17 @@ fn tracked<T: Object>(body: &str) -> Result<(), (String, serde_json::Error)> {
     deserializer.end().map_err(|err| ("body".to_owned(), err))
 }
 
-/// The 400's message for `err` at `place`.
-fn message(place: &str, err: &serde_json::Error) -> String {
+/// The refusal of `err` at `place`.
+fn refusal(place: String, err: &serde_json::Error) -> BadBody {
     let text = err.to_string();
     // serde_json appends the position to every message; ours already say where.
     let position = format!(" at line {} column {}", err.line(), err.column());
     match err.classify() {
-        serde_json::error::Category::Data => {
-            format!("{place}: {}", text.strip_suffix(&position).unwrap_or(&text))
-        }
-        _ => format!("body is not valid JSON: {text}"),
+        serde_json::error::Category::Data => BadBody::Value {
+            place,
+            why: text.strip_suffix(&position).unwrap_or(&text).to_owned(),
+        },
+        _ => BadBody::NotJson(text),
     }
 }
 

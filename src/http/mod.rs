@@ -22,7 +22,9 @@
 
 pub(crate) mod auth;
 pub use auth::is_authorized;
+mod bad_body;
 mod body;
+pub use bad_body::BadBody;
 pub mod dynamo;
 mod guard;
 mod json_fields;
@@ -443,14 +445,14 @@ impl Reply {
         }
     }
 
-    fn error(status: u16, reason: impl Into<String>) -> Reply {
+    fn error(status: u16, reason: impl ToString) -> Reply {
         Reply {
             status,
             body: Vec::new(),
             content_type: "application/json",
             header: None,
             is_query: false,
-            reason: Some(reason.into()),
+            reason: Some(reason.to_string()),
         }
     }
 

@@ -9,8 +9,9 @@
 use serde::de::{Deserializer, Error as _};
 use serde::Deserialize;
 
-use super::query_body::{is_binary, parse_query_request, QueryRequest};
+use super::query_body::{form_decode, is_binary, parse_query_request, QueryRequest};
 use super::snapshot_route::percent_decode;
+use super::BadBody;
 use crate::select::Options;
 
 /// The extra parameters in the query string of a binary body.
@@ -23,7 +24,7 @@ pub(super) fn parse_select_request(
     query_string: Option<&str>,
     body: &[u8],
     tokens: Vec<u32>,
-) -> Result<(QueryRequest, Options), String> {
+) -> Result<(QueryRequest, Options), BadBody> {
     if is_binary(content_type) {
         let (options, rest) = query_string_options(query_string.unwrap_or_default())?;
         let query = parse_query_request(content_type, Some(&rest), body, tokens)?;
@@ -60,7 +61,7 @@ fn named(field: &str, err: impl std::fmt::Display) -> String {
 /// The options of a JSON body, which `parse_query_request` already found valid. Read with a
 /// second pass only when the body can hold them: either name, or an escape that could spell
 /// one, must be in it; a plain `/query` body costs one substring search.
-fn json_options(body: &[u8]) -> Result<Options, String> {
+fn json_options(body: &[u8]) -> Result<Options, BadBody> {
     let may_hold = memchr::memchr(b'\\', body).is_some()
         || memchr::memmem::find(body, b"\"reserve\"").is_some()
         || memchr::memmem::find(body, b"\"expected_output_tokens\"").is_some();
@@ -71,7 +72,7 @@ fn json_options(body: &[u8]) -> Result<Options, String> {
         let text = err.to_string();
         // serde_json appends the position; the message already names the field.
         let position = format!(" at line {} column {}", err.line(), err.column());
-        text.strip_suffix(&position).unwrap_or(&text).to_owned()
+        BadBody::Field(text.strip_suffix(&position).unwrap_or(&text).to_owned())
     })?;
     Ok(Options {
         reserve: read.reserve.unwrap_or(false),
@@ -82,14 +83,14 @@ fn json_options(body: &[u8]) -> Result<Options, String> {
 
 /// `reserve` and `expected_output_tokens` taken out of a binary body's query string (names
 /// decoded as `query_body` decodes them), and the rest of it for `parse_query_request`.
-fn query_string_options(query_string: &str) -> Result<(Options, String), String> {
+fn query_string_options(query_string: &str) -> Result<(Options, String), BadBody> {
     let mut options = Options::default();
     let (mut reserve, mut expected) = (None, None);
     let mut rest = Vec::new();
     for pair in query_string.split('&').filter(|pair| !pair.is_empty()) {
         let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
-        let decoded = |text: &str| percent_decode(&text.replace('+', " "));
-        let Some(name) = decoded(raw_name) else {
+        // A name that does not decode is none of these: `parse_query_request` refuses it.
+        let Some(name) = percent_decode(&raw_name.replace('+', " ")) else {
             rest.push(pair);
             continue;
         };
@@ -102,30 +103,21 @@ fn query_string_options(query_string: &str) -> Result<(Options, String), String>
             }
         };
         if slot.is_some() {
-            return Err(format!("query parameter {name} is given more than once"));
+            return Err(BadBody::RepeatedParameter(name));
         }
-        let value = decoded(raw_value)
-            .ok_or_else(|| format!("query parameter {pair:?} is not percent-encoded UTF-8"))?;
-        *slot = Some(value);
+        *slot = Some(form_decode(raw_value, pair)?);
     }
     if let Some(value) = reserve {
         options.reserve = match value.as_str() {
             "true" => true,
             "false" => false,
-            _ => {
-                return Err(format!(
-                    "query parameter {RESERVE}: expected true or false, got {value:?}"
-                ))
-            }
+            _ => return Err(BadBody::Reserve(value)),
         };
     }
     if let Some(value) = expected {
-        options.expected_output_tokens = value.parse().map_err(|_| {
-            format!(
-                "query parameter {EXPECTED_OUTPUT_TOKENS}: expected a non-negative integer, \
-                 got {value:?}"
-            )
-        })?;
+        options.expected_output_tokens = value
+            .parse()
+            .map_err(|_| BadBody::ExpectedOutputTokens(value))?;
     }
     Ok((options, rest.join("&")))
 }
@@ -133,7 +125,7 @@ fn query_string_options(query_string: &str) -> Result<(Options, String), String>
 /// The optional body of `POST /reservations/{id}/prefill_complete`: empty, or
 /// `{"cached_tokens": N}`, the engine's own count (vLLM's
 /// `usage.prompt_tokens_details.cached_tokens`).
-pub(super) fn parse_prefill_complete(body: &[u8]) -> Result<Option<u64>, String> {
+pub(super) fn parse_prefill_complete(body: &[u8]) -> Result<Option<u64>, BadBody> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Completed {
@@ -149,11 +141,14 @@ pub(super) fn parse_prefill_complete(body: &[u8]) -> Result<Option<u64>, String>
         None => return Ok(None),
         // serde reads a struct from an array too; this body is an object or nothing.
         Some(b'{') => {}
-        Some(_) => return Err("body: expected a JSON object or nothing".to_owned()),
+        Some(_) => return Err(BadBody::ObjectOrNothing),
     }
     match serde_json::from_slice::<Completed>(body) {
         Ok(completed) => Ok(completed.cached_tokens),
-        Err(err) => Err(format!("body: {err}")),
+        Err(err) => Err(BadBody::Value {
+            place: "body".to_owned(),
+            why: err.to_string(),
+        }),
     }
 }
 
@@ -161,7 +156,7 @@ pub(super) fn parse_prefill_complete(body: &[u8]) -> Result<Option<u64>, String>
 mod tests {
     use super::*;
 
-    fn json(body: &str) -> Result<Options, String> {
+    fn json(body: &str) -> Result<Options, BadBody> {
         parse_select_request(None, None, body.as_bytes(), Vec::new()).map(|(_, options)| options)
     }
 
@@ -206,7 +201,7 @@ mod tests {
             (r#"{"token_ids": ["a"], "reserve": true}"#, "token_ids"),
         ] {
             match json(body) {
-                Err(reason) => assert!(reason.starts_with(field), "{body}: {reason}"),
+                Err(reason) => assert!(reason.to_string().starts_with(field), "{body}: {reason}"),
                 Ok(options) => panic!("{body} accepted as {options:?}"),
             }
         }
@@ -252,7 +247,7 @@ mod tests {
             ),
         ] {
             match parse_select_request(binary, Some(query_string), &body, Vec::new()) {
-                Err(refused) => assert!(refused.starts_with(reason), "{refused}"),
+                Err(refused) => assert!(refused.to_string().starts_with(reason), "{refused}"),
                 Ok(accepted) => panic!("{query_string} accepted as {accepted:?}"),
             }
         }
@@ -276,7 +271,7 @@ mod tests {
             (b"[1]", "body: expected a JSON object"),
         ] {
             match parse_prefill_complete(body) {
-                Err(refused) => assert!(refused.starts_with(reason), "{refused}"),
+                Err(refused) => assert!(refused.to_string().starts_with(reason), "{refused}"),
                 Ok(accepted) => panic!("accepted as {accepted:?}"),
             }
         }

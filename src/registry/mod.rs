@@ -1,7 +1,7 @@
 //! The running listeners, one per (engine, dp_rank), and the only code that starts or stops them.
 //!
-//! Owns: `register` / `deregister` of whole engines, starting each engine all or nothing and
-//! stopping listeners many at once, the state the reload diff (`reload`: `apply`, the engines
+//! Owns: `register` of whole engines and `remove` of ranks, starting each engine all or nothing
+//! and stopping listeners many at once, the state the reload diff (`reload`: `apply`, the engines
 //! whose start failed and must be retried) works on, and the read-side views HTTP serves
 //! (`ranks` for `/workers` and `/ready`, `directory` for `/query`), published after every
 //! change so that no reader ever waits for the registry's lock (a reload holds it while it
@@ -147,24 +147,6 @@ impl Registry {
         let started = self.start_engine(specs, planned)?;
         self.insert_running(started);
         Ok(())
-    }
-
-    /// Stops every listener of `engine` (their blocks leave the index) and forgets any pending
-    /// start of it. Returns the keys that were running.
-    pub fn deregister(&mut self, engine: &str) -> Vec<WorkerKey> {
-        let rank = |dp_rank| WorkerKey {
-            engine: engine.to_owned(),
-            dp_rank,
-        };
-        let ranks = rank(0)..=rank(u32::MAX);
-        let keys: Vec<WorkerKey> = self.running.range(ranks).map(|(k, _)| k.clone()).collect();
-        self.remove(&keys);
-        if let Some((specs, _)) = self.pending.remove(engine) {
-            let keys: Vec<WorkerKey> = specs.into_iter().map(|spec| spec.key).collect();
-            self.publish_left(&[], &keys);
-            self.forget_failures(&keys);
-        }
-        keys
     }
 
     /// Stops the listeners of `keys` (their blocks leave the index); a key that does not run is
@@ -483,13 +465,13 @@ pub(crate) mod tests {
             directory.get(worker).map(|w| w.instance.as_str()),
             Some("a")
         );
-        assert_eq!(registry.deregister("a").len(), 1);
+        assert_eq!(registry.apply(Vec::new()).removed.len(), 1);
         assert!(registry.directory().current().get(worker).is_none());
         assert!(keys(&registry).is_empty());
     }
 
     #[test]
-    fn remove_and_deregister_take_ranks_out_of_both_views() {
+    fn remove_and_a_plan_without_an_engine_take_ranks_out_of_both_views() {
         let mut registry = registry();
         let (a0, a1, b0) = (quiet_endpoint(), quiet_endpoint(), quiet_endpoint());
         let pair = vec![spec("a", 0, &a0), spec("a", 1, &a1)];
@@ -504,13 +486,17 @@ pub(crate) mod tests {
         assert_eq!(keys(&registry), ["a/0", "b/0"]);
         assert!(registry.directory().current().get(a1_worker).is_none());
 
-        // A pending engine is on the board until it is deregistered.
+        // A pending engine is on the board until a plan leaves it out.
         let plan = vec![spec("a", 0, &a0), spec("b", 0, &b0), spec("bad", 0, BROKEN)];
         assert_eq!(registry.apply(plan).unchanged, 2);
         assert_eq!(keys(&registry), ["a/0", "b/0", "bad/0"]);
-        assert!(registry.deregister("bad").is_empty(), "bad/0 never ran");
+        let diff = registry.apply(vec![spec("a", 0, &a0), spec("b", 0, &b0)]);
+        assert!(diff.removed.is_empty(), "bad/0 never ran: {diff:?}");
+        assert_eq!(diff.unchanged, 2);
         assert!(!registry.has_pending());
-        assert_eq!(registry.deregister("a").len(), 1);
+        assert_eq!(keys(&registry), ["a/0", "b/0"]);
+        let diff = registry.apply(vec![spec("b", 0, &b0)]);
+        assert_eq!(diff.removed.len(), 1, "{diff:?}");
         assert_eq!(keys(&registry), ["b/0"]);
     }
 

@@ -310,7 +310,7 @@ mod tests {
             "kv_indexer_listener_failures_total{instance=\"a\",dp_rank=\"0\",reason=\"socket\"} 1";
         assert!(text.lines().any(|l| l == counted), "{text}");
 
-        registry.deregister("a");
+        registry.apply(Vec::new());
         assert!(
             !metrics
                 .render()

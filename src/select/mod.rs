@@ -197,7 +197,7 @@ impl Selector {
         Selector {
             cached_reports: CachedTokenReports::default(),
             state: Mutex::new(SelectState {
-                rng: seeded(config.seed),
+                rng: seeded_from_clock(),
                 config,
                 slots: HashMap::new(),
                 reservations: Reservations::default(),
@@ -211,13 +211,9 @@ impl Selector {
         }
     }
 
-    /// Applies reloaded knobs; a new seed restarts the draw.
+    /// Applies reloaded knobs.
     pub fn set_config(&self, config: Select) {
-        let mut state = self.state.lock();
-        if config.seed != state.config.seed {
-            state.rng = seeded(config.seed);
-        }
-        state.config = config;
+        self.state.lock().config = config;
     }
 
     /// Chooses a rank for `prompt` among the connected ranks on `board` serving `model`
@@ -576,12 +572,10 @@ impl SelectState {
     }
 }
 
-fn seeded(seed: Option<u64>) -> SmallRng {
-    let seed = seed.unwrap_or_else(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |since| since.as_nanos() as u64)
-    });
+fn seeded_from_clock() -> SmallRng {
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos() as u64);
     SmallRng::seed_from_u64(seed)
 }
 

@@ -29,6 +29,12 @@ pub struct ChatTemplate {
     content_format: ContentFormat,
 }
 
+/// A render refused: the template's own words (`raise_exception`) or where rendering failed,
+/// with the template line and the causes, in one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", describe(.0))]
+pub struct RenderError(Error);
+
 /// What a chat request gives the template.
 #[derive(Serialize)]
 pub struct ChatContext<'a> {
@@ -72,18 +78,15 @@ impl ChatTemplate {
     /// The prompt text for `context`, with `add_generation_prompt = true`, as vLLM's
     /// `/v1/chat/completions` renders it. The error is the template's own words (for
     /// `raise_exception`) or where rendering failed.
-    pub fn render(&self, context: &ChatContext<'_>) -> Result<String, String> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|error| describe(&error))?;
+    pub fn render(&self, context: &ChatContext<'_>) -> Result<String, RenderError> {
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(RenderError)?;
         let context = minijinja::context! {
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
             add_generation_prompt => true,
             ..Value::from(Serde(context)),
         };
-        template.render(context).map_err(|error| describe(&error))
+        template.render(context).map_err(RenderError)
     }
 }
 
@@ -250,10 +253,12 @@ mod tests {
     fn render(source: &str, messages: serde_json::Value) -> Result<String, String> {
         let template = ChatTemplate::new(source.to_string(), "<s>".into(), "</s>".into())
             .map_err(|error| format!("{error:#}"))?;
-        template.render(&ChatContext {
-            messages: &messages,
-            tools: None,
-        })
+        template
+            .render(&ChatContext {
+                messages: &messages,
+                tools: None,
+            })
+            .map_err(|error| error.to_string())
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //!
 //! It never asserts what a test expects; every thread it starts ends when its value is dropped.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,6 +25,7 @@ const STOP_POLL: Duration = Duration::from_millis(20);
 /// own limit). Every connection's count is recorded as it ends.
 pub struct RawHttpServer {
     pub url: String,
+    accepted: Arc<AtomicUsize>,
     written: Arc<Mutex<Vec<u64>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -40,8 +41,10 @@ impl RawHttpServer {
         listener.set_nonblocking(true).unwrap();
         let url = format!("http://{}/kv_recover", listener.local_addr().unwrap());
         let written: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let accepted = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let (thread_written, thread_stop) = (Arc::clone(&written), Arc::clone(&stop));
+        let thread_accepted = Arc::clone(&accepted);
         let thread = std::thread::spawn(move || {
             let mut connections = Vec::new();
             while !thread_stop.load(Ordering::Relaxed) {
@@ -49,6 +52,7 @@ impl RawHttpServer {
                     std::thread::sleep(Duration::from_millis(5));
                     continue;
                 };
+                thread_accepted.fetch_add(1, Ordering::Relaxed);
                 stream.set_nonblocking(false).unwrap();
                 stream
                     .set_write_timeout(Some(Duration::from_millis(100)))
@@ -65,10 +69,16 @@ impl RawHttpServer {
         });
         RawHttpServer {
             url,
+            accepted,
             written,
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.accepted.load(Ordering::Relaxed)
     }
 
     /// The bytes written to the first connection to end, once it has.
@@ -132,6 +142,7 @@ pub const STALLED_PROMPT: u32 = 777;
 /// hands each well-formed request `[identity, "", start_seq]` to a script until dropped.
 pub struct ScriptedReplay {
     pub endpoint: String,
+    requests: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -146,8 +157,9 @@ impl ScriptedReplay {
         router.set_linger(0).unwrap();
         router.bind("tcp://127.0.0.1:*").expect("bind ROUTER");
         let endpoint = router.get_last_endpoint().unwrap().unwrap();
+        let requests = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
+        let (thread_requests, thread_stop) = (Arc::clone(&requests), Arc::clone(&stop));
         let thread = std::thread::spawn(move || {
             while !thread_stop.load(Ordering::Relaxed) {
                 if router
@@ -162,15 +174,22 @@ impl ScriptedReplay {
                     continue;
                 };
                 if let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) {
+                    thread_requests.fetch_add(1, Ordering::Relaxed);
                     script(&router, identity, u64::from_be_bytes(start), &thread_stop);
                 }
             }
         });
         ScriptedReplay {
             endpoint,
+            requests,
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// Well-formed requests handed to the script so far.
+    pub fn requests(&self) -> usize {
+        self.requests.load(Ordering::Relaxed)
     }
 
     /// Answers each request with one batch at the seq asked for (storing `STALLED_PROMPT`),

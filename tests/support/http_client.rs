@@ -180,6 +180,16 @@ pub fn errors_with_status(addr: SocketAddr, status: u16) -> u64 {
     metric_value(addr, &series).map_or(0, |n| n as u64)
 }
 
+/// Polls `probe` for `duration`, failing the first time it is false: for a state that must not
+/// change, which has no event to wait for.
+pub fn holds_for(duration: Duration, what: &str, mut probe: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + duration;
+    while std::time::Instant::now() < deadline {
+        assert!(probe(), "{what} stopped holding");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Polls `probe` until it returns `Some`, failing after `seconds`.
 pub fn wait_for<T>(seconds: u64, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = std::time::Instant::now() + Duration::from_secs(seconds);

@@ -11,6 +11,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::config::MAX_INSTANCE_ID;
 use crate::http::json_fields::{leaves_or_null, or_null, parse_object, Leaf, Object};
+use crate::http::BadBody;
 
 /// Every field any Dynamo body has, each `None` when absent or `null`. A route takes the ones
 /// it reads (`required` names a missing one); a present field of the wrong type is refused
@@ -95,13 +96,13 @@ fn instance_id_or_null<'de, D: Deserializer<'de>>(
 }
 
 /// Parses a Dynamo body; the error is the 400's message.
-pub(super) fn parse_body(body: &[u8]) -> Result<DynamoBody, String> {
+pub(super) fn parse_body(body: &[u8]) -> Result<DynamoBody, BadBody> {
     parse_object(body)
 }
 
 /// `name: missing` unless present.
-pub(super) fn required<T>(value: Option<T>, name: &str) -> Result<T, String> {
-    value.ok_or_else(|| format!("{name}: missing"))
+pub(super) fn required<T>(value: Option<T>, name: &str) -> Result<T, BadBody> {
+    value.ok_or_else(|| BadBody::Missing(name.to_owned()))
 }
 
 #[cfg(test)]

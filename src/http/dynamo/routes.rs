@@ -13,9 +13,10 @@ use serde_json::json;
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
 use crate::config::MAX_DP_SIZE;
-use crate::endpoint::{Endpoint, Host};
+use crate::discover::Refusal;
+use crate::endpoint::{Endpoint, EndpointError, Host};
 use crate::http::table::{Guard, Handler, Route, Verb};
-use crate::http::Reply;
+use crate::http::{BadBody, Reply};
 use crate::index::{keys_of_local_hashes, Prompt, Score};
 use crate::metrics::EndpointSource;
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -74,12 +75,50 @@ pub(super) static DYNAMO_ROUTES: &[Route<Handler<DynamoApi>>] = &[
 /// The route's answer to its parsed body, or a 400 naming what is wrong with either.
 fn with_body(body: &[u8], answer: impl FnOnce(DynamoBody) -> Answer) -> Reply {
     parse_body(body)
+        .map_err(Refused::from)
         .and_then(answer)
         .unwrap_or_else(|reason| Reply::error(400, reason))
 }
 
 /// A route's answer, or the reason for a 400.
-type Answer = Result<Reply, String>;
+type Answer = Result<Reply, Refused>;
+
+/// Why a Dynamo request is a 400: its body, or what a field asks that this indexer cannot do.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error(transparent)]
+    Body(#[from] BadBody),
+    #[error(
+        "cache_salt: not accepted by /query_by_hash; hash the salt into block_hashes, or send \
+         the tokens to /query"
+    )]
+    SaltedHashes,
+    #[error("{field}: {source}")]
+    Endpoint {
+        field: &'static str,
+        source: EndpointError,
+    },
+    #[error("{field}: {text:?} has port 0")]
+    PortZero { field: &'static str, text: String },
+    #[error("{field}: {text:?} has the wildcard host *: name the host the engine publishes on")]
+    Wildcard { field: &'static str, text: String },
+    #[error("{field}: {bytes} bytes, more than the {limit} a registration takes")]
+    TooLong {
+        field: &'static str,
+        bytes: usize,
+        limit: usize,
+    },
+    #[error("refused: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Endpoints(Vec<Refusal>),
+    #[error("model_name: must not be empty")]
+    EmptyModelName,
+    #[error("block_size: {given} differs from this indexer's {ours}; every engine must use it")]
+    BlockSize { given: u32, ours: u32 },
+    #[error("dp_rank: {0} is past {max}", max = MAX_DP_SIZE - 1)]
+    DpRank(u32),
+    #[error("routing_group: kv-indexer has only the {ROUTING_GROUP:?} group, not {0:?}")]
+    RoutingGroup(String),
+}
 
 /// `routing_group`, else `tenant_id` (the older name Dynamo still reads), else the default.
 fn routing_group(body: &DynamoBody) -> &str {
@@ -135,11 +174,7 @@ fn query_by_hash(api: &DynamoApi, body: &DynamoBody) -> Answer {
     let hashes = required(body.block_hashes.as_deref(), "block_hashes")?;
     let model = required(body.model_name.as_deref(), "model_name")?;
     if body.cache_salt.is_some() {
-        return Err(
-            "cache_salt: not accepted by /query_by_hash; hash the salt into \
-                    block_hashes, or send the tokens to /query"
-                .into(),
-        );
+        return Err(Refused::SaltedHashes);
     }
     let group = routing_group(body);
     let directory = api.directory.current();
@@ -237,26 +272,26 @@ pub fn runtime_engine_name(instance_id: u64) -> String {
 
 /// `field`'s `tcp://host:port`, one a SUB or DEALER socket can connect to: neither port 0 nor
 /// the wildcard host, which only a bind takes.
-fn connect_endpoint(field: &str, text: &str) -> Result<Endpoint, String> {
-    let endpoint = Endpoint::parse(text).map_err(|why| format!("{field}: {why}"))?;
+fn connect_endpoint(field: &'static str, text: &str) -> Result<Endpoint, Refused> {
+    let endpoint = Endpoint::parse(text).map_err(|source| Refused::Endpoint { field, source })?;
+    let text = text.to_string();
     if endpoint.port == 0 {
-        return Err(format!("{field}: {text:?} has port 0"));
+        return Err(Refused::PortZero { field, text });
     }
     if endpoint.host == Host::Any {
-        return Err(format!(
-            "{field}: {text:?} has the wildcard host *: name the host the engine publishes on"
-        ));
+        return Err(Refused::Wildcard { field, text });
     }
     Ok(endpoint)
 }
 
 /// `text` unless it is longer than `limit` bytes.
-fn at_most(field: &str, text: &str, limit: usize) -> Result<(), String> {
+fn at_most(field: &'static str, text: &str, limit: usize) -> Result<(), Refused> {
     match text.len() > limit {
-        true => Err(format!(
-            "{field}: {} bytes, more than the {limit} a registration takes",
-            text.len()
-        )),
+        true => Err(Refused::TooLong {
+            field,
+            bytes: text.len(),
+            limit,
+        }),
         false => Ok(()),
     }
 }
@@ -268,7 +303,7 @@ fn check_endpoint_policy(
     request: &Request,
     instance_id: u64,
     endpoints: &[&Endpoint],
-) -> Result<(), String> {
+) -> Result<(), Refused> {
     let origin = Host::Ip(request.peer().ip());
     let endpoints = endpoints.iter().copied();
     let who = format!("/register of instance {instance_id}");
@@ -279,8 +314,7 @@ fn check_endpoint_policy(
                 api.metrics
                     .endpoint_refused(EndpointSource::register, refusal.reason);
             }
-            let named: Vec<String> = refused.iter().map(ToString::to_string).collect();
-            format!("refused: {}", named.join("; "))
+            Refused::Endpoints(refused)
         })
 }
 
@@ -303,22 +337,20 @@ fn register(api: &DynamoApi, request: &Request, body: DynamoBody) -> Answer {
     let endpoints: Vec<&Endpoint> = std::iter::once(&endpoint).chain(&replay).collect();
     check_endpoint_policy(api, request, instance_id, &endpoints)?;
     if model.is_empty() {
-        return Err("model_name: must not be empty".into());
+        return Err(Refused::EmptyModelName);
     }
     if block_size != api.index.block_size() {
-        return Err(format!(
-            "block_size: {block_size} differs from this indexer's {}; every engine must use it",
-            api.index.block_size()
-        ));
+        return Err(Refused::BlockSize {
+            given: block_size,
+            ours: api.index.block_size(),
+        });
     }
     if dp_rank >= MAX_DP_SIZE {
-        return Err(format!("dp_rank: {dp_rank} is past {}", MAX_DP_SIZE - 1));
+        return Err(Refused::DpRank(dp_rank));
     }
     let group = routing_group(&body);
     if group != ROUTING_GROUP {
-        return Err(format!(
-            "routing_group: kv-indexer has only the {ROUTING_GROUP:?} group, not {group:?}"
-        ));
+        return Err(Refused::RoutingGroup(group.to_string()));
     }
     let spec = ListenerSpec {
         key: WorkerKey {

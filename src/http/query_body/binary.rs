@@ -13,10 +13,11 @@
 
 use super::QueryRequest;
 use crate::http::snapshot_route::percent_decode;
+use crate::http::BadBody;
 
 /// The media type of the binary body; any other (or none) is JSON, so a client that names no
 /// type keeps the JSON body.
-const OCTET_STREAM: &str = "application/octet-stream";
+pub(in crate::http) const OCTET_STREAM: &str = "application/octet-stream";
 /// What a token id takes in the binary body.
 const TOKEN_BYTES: usize = std::mem::size_of::<u32>();
 
@@ -35,14 +36,10 @@ pub(super) fn parse_binary(
     query_string: Option<&str>,
     body: &[u8],
     mut tokens: Vec<u32>,
-) -> Result<QueryRequest, String> {
+) -> Result<QueryRequest, BadBody> {
     let mut query = options(query_string.unwrap_or_default())?;
     if body.len() % TOKEN_BYTES != 0 {
-        return Err(format!(
-            "body is {} bytes, not a multiple of {TOKEN_BYTES}: an {OCTET_STREAM} /query body \
-             is the prompt's token ids as little-endian u32",
-            body.len()
-        ));
+        return Err(BadBody::BinaryLength(body.len()));
     }
     tokens.clear();
     tokens.extend(
@@ -56,7 +53,7 @@ pub(super) fn parse_binary(
 /// `model`, `lora_name` and `cache_salt` from `name=value` pairs joined by `&`, decoded as
 /// HTML forms encode them (`%XX` of UTF-8 bytes, `+` a space: what Python's `requests` and
 /// browsers send); a name without `=` has the empty value, empty pairs are skipped.
-fn options(query_string: &str) -> Result<QueryRequest, String> {
+fn options(query_string: &str) -> Result<QueryRequest, BadBody> {
     let mut query = QueryRequest::default();
     for pair in query_string.split('&').filter(|pair| !pair.is_empty()) {
         let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -65,21 +62,11 @@ fn options(query_string: &str) -> Result<QueryRequest, String> {
             "model" => &mut query.model,
             "lora_name" => &mut query.lora_name,
             "cache_salt" => &mut query.cache_salt,
-            "mm_features" => {
-                return Err(format!(
-                    "query parameter mm_features: multimodal items are only accepted in a JSON \
-                     body (Content-Type: application/json), not with {OCTET_STREAM}"
-                ))
-            }
-            _ => {
-                return Err(format!(
-                    "query parameter {name:?} is not known: an {OCTET_STREAM} /query takes \
-                     model, lora_name and cache_salt"
-                ))
-            }
+            "mm_features" => return Err(BadBody::MmFeaturesInQueryString),
+            _ => return Err(BadBody::UnknownParameter(name)),
         };
         if slot.is_some() {
-            return Err(format!("query parameter {name} is given more than once"));
+            return Err(BadBody::RepeatedParameter(name));
         }
         *slot = Some(form_decode(raw_value, pair)?);
     }
@@ -88,13 +75,9 @@ fn options(query_string: &str) -> Result<QueryRequest, String> {
 
 /// One name or value of `pair` decoded; a broken escape or bytes that are not UTF-8 are
 /// refused with the pair as sent.
-fn form_decode(text: &str, pair: &str) -> Result<String, String> {
-    percent_decode(&text.replace('+', " ")).ok_or_else(|| {
-        format!(
-            "query parameter {pair:?} is not percent-encoded UTF-8 (each % must start an \
-             escape of two hex digits)"
-        )
-    })
+pub(in crate::http) fn form_decode(text: &str, pair: &str) -> Result<String, BadBody> {
+    percent_decode(&text.replace('+', " "))
+        .ok_or_else(|| BadBody::NotPercentEncoded(pair.to_owned()))
 }
 
 #[cfg(test)]
@@ -208,7 +191,7 @@ mod tests {
         for (query_string, length, reason) in cases {
             let refused = parse_binary(query_string, &vec![0; length], Vec::new());
             match refused {
-                Err(refused) => assert!(refused.starts_with(reason), "{refused}"),
+                Err(refused) => assert!(refused.to_string().starts_with(reason), "{refused}"),
                 Ok(query) => panic!("{query_string:?} accepted as {query:?}"),
             }
         }

@@ -11,6 +11,7 @@ use super::{QueryRequest, TextPrompt};
 use crate::http::json_fields::{
     json_array_or_null, leaves_or_null, objects_or_null, or_null, present, Object,
 };
+use crate::http::BadBody;
 use crate::index::MmFeature;
 
 /// Every field a `/query` body may carry, each `None` when absent (or `null`).
@@ -56,12 +57,12 @@ impl Object for MmFeatureFields {
 }
 
 /// Parses any JSON body serde_json reads; every rejection is the 400's message.
-pub(super) fn parse_fields(body: &[u8]) -> Result<QueryRequest, String> {
+pub(super) fn parse_fields(body: &[u8]) -> Result<QueryRequest, BadBody> {
     crate::http::json_fields::parse_object::<QueryFields>(body)?.into_request()
 }
 
 impl QueryFields {
-    fn into_request(mut self) -> Result<QueryRequest, String> {
+    fn into_request(mut self) -> Result<QueryRequest, BadBody> {
         let (token_ids, text) = match (self.token_ids, self.prompt, self.messages) {
             (Some(token_ids), None, None) => (token_ids, None),
             (None, Some(text), None) => (Vec::new(), Some(TextPrompt::Text(text))),
@@ -72,7 +73,7 @@ impl QueryFields {
                     tools: self.tools.take(),
                 }),
             ),
-            (None, None, None) => return Err("token_ids: missing".into()),
+            (None, None, None) => return Err(BadBody::Missing("token_ids".to_owned())),
             (token_ids, prompt, messages) => {
                 let given: Vec<&str> = [
                     token_ids.map(|_| "token_ids"),
@@ -82,15 +83,14 @@ impl QueryFields {
                 .into_iter()
                 .flatten()
                 .collect();
-                return Err(format!(
-                    "{}: given with {}; send exactly one of token_ids, prompt, messages",
-                    given[given.len() - 1],
-                    given[..given.len() - 1].join(" and ")
-                ));
+                return Err(BadBody::PromptTwice {
+                    given: given[given.len() - 1],
+                    others: given[..given.len() - 1].join(" and "),
+                });
             }
         };
         if self.tools.is_some() {
-            return Err("tools: only with messages (a chat prompt)".into());
+            return Err(BadBody::ToolsWithoutMessages);
         }
         let mm_features = self.mm_features.unwrap_or_default();
         let mm_features = mm_features
@@ -111,8 +111,8 @@ impl QueryFields {
 
 impl MmFeatureFields {
     /// The item at `mm_features[at]`, each missing field named.
-    fn into_feature(self, at: usize) -> Result<MmFeature, String> {
-        let missing = |field: &str| format!("mm_features[{at}].{field}: missing");
+    fn into_feature(self, at: usize) -> Result<MmFeature, BadBody> {
+        let missing = |field: &str| BadBody::Missing(format!("mm_features[{at}].{field}"));
         Ok(MmFeature {
             identifier: self.identifier.ok_or_else(|| missing("identifier"))?,
             offset: self.offset.ok_or_else(|| missing("offset"))?,

@@ -17,9 +17,10 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
+use crate::http::BadBody;
 use crate::index::{MmFeature, Prompt};
-pub(super) use binary::is_binary;
 use binary::parse_binary;
+pub(super) use binary::{form_decode, is_binary, OCTET_STREAM};
 use scan::scan_common_shape;
 
 /// A `/query` body.
@@ -62,21 +63,20 @@ impl QueryRequest {
 
 /// Parses a `/query` body in one pass, without building a JSON tree (a 16 MiB body of small
 /// numbers would make one of ~256 MiB); a rejection names the offending field or element.
-pub fn parse_query(body: &[u8]) -> Result<QueryRequest, String> {
+pub fn parse_query(body: &[u8]) -> Result<QueryRequest, BadBody> {
     parse_json(body, Vec::new())
 }
 
 /// Parses a `/query` request in the form its `Content-Type` names: the binary body for
 /// `application/octet-stream` (options from `query_string`, the URL after `?`), else JSON (a
 /// missing or other type included; the query string is then ignored). The tokens are read
-/// into `tokens`, given by the caller (cleared first); the error is the 400's
-/// message.
+/// into `tokens`, given by the caller (cleared first); the error is the 400's message.
 pub(super) fn parse_query_request(
     content_type: Option<&str>,
     query_string: Option<&str>,
     body: &[u8],
     tokens: Vec<u32>,
-) -> Result<QueryRequest, String> {
+) -> Result<QueryRequest, BadBody> {
     if is_binary(content_type) {
         parse_binary(query_string, body, tokens)
     } else {
@@ -84,7 +84,7 @@ pub(super) fn parse_query_request(
     }
 }
 
-fn parse_json(body: &[u8], tokens: Vec<u32>) -> Result<QueryRequest, String> {
+fn parse_json(body: &[u8], tokens: Vec<u32>) -> Result<QueryRequest, BadBody> {
     match scan_common_shape(body, tokens) {
         Some(query) => Ok(query),
         None => parse_any_shape(body),
@@ -92,6 +92,6 @@ fn parse_json(body: &[u8], tokens: Vec<u32>) -> Result<QueryRequest, String> {
 }
 
 /// The serde path: every shape serde_json reads, every rejection worded for the client.
-fn parse_any_shape(body: &[u8]) -> Result<QueryRequest, String> {
+fn parse_any_shape(body: &[u8]) -> Result<QueryRequest, BadBody> {
     fields::parse_fields(body)
 }

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 fn rejection(body: &str) -> String {
     match parse_query(body.as_bytes()) {
         Ok(query) => panic!("{body} was accepted as {query:?}"),
-        Err(reason) => reason,
+        Err(reason) => reason.to_string(),
     }
 }
 

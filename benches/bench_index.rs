@@ -1,7 +1,7 @@
 //! Index benchmark: apply rate, query latency and memory per (worker, block) pair, on a
 //! conversation workload where prompts share prefixes across workers.
 //!
-//! `cargo run --release --example bench_index` prints a table. The workload: 8 system prompts of
+//! `cargo bench --bench bench_index` prints a table. The workload: 8 system prompts of
 //! 32 blocks, each held by every worker that served one of its conversations; conversations of up
 //! to 15 further turns of 32 blocks (16 tokens each), each served by 1–3 workers that chain every
 //! turn from their own previous one. Beside it, the apply figure on its own: pre-built
@@ -361,11 +361,13 @@ fn stores_and_removals(stores_per_worker: usize) {
 fn main() {
     // `query`, `apply`, `drop` or `stores` runs one part alone (for profiling); no argument runs
     // all. `stores N` builds N stores per worker instead of 500 (smaller runs for callgrind).
-    let part = std::env::args().nth(1).unwrap_or_default();
-    let stores_per_worker = std::env::args()
-        .nth(2)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(500);
+    // `cargo bench` adds `--bench`: not a part.
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|arg| arg != "--bench")
+        .collect();
+    let part = args.first().cloned().unwrap_or_default();
+    let stores_per_worker = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(500);
     println!("load average before: {}", load_average());
     println!();
     println!("| measure | value | target |");

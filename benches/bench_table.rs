@@ -10,7 +10,7 @@
 //! the shard's lookup then a new entry or one more slot; a removal finds the engine hash, drops
 //! it and takes the worker's slot off the key, dropping the entry with its last slot.
 //!
-//! `cargo run --release --example bench_table [PAIRS]` (default 10 M) runs each implementation
+//! `cargo bench --bench bench_table [-- PAIRS]` (default 10 M) runs each implementation
 //! in its own process (so that one's freed memory cannot hide the other's RSS growth) and prints:
 //! - memory per (worker, block) pair at `PAIRS`: RSS growth and the tables' allocated bytes, and
 //!   the allocated bytes averaged over every millionth pair on the way (tables double or grow by
@@ -21,10 +21,12 @@
 //! - ours once more with the index's prefetch: each batch of 32 blocks starts its cache misses
 //!   first (`LockedShard::prefetch`); `HashTable` gives no way to name its probe's first line.
 //!
-//! Rates are per CPU second of the measuring thread (the machine is shared). `bench_table
-//! ours|hashbrown PAIRS` runs one implementation alone (for `valgrind --tool=callgrind`).
+//! Rates are per CPU second of the measuring thread (the machine is shared). `cargo bench --bench
+//! bench_table -- ours|hashbrown PAIRS` runs one implementation alone (for `valgrind --tool=callgrind`).
 
-#[allow(dead_code)]
+// `cargo check --benches` sets cfg(test) without a harness: the file's unit tests are dropped,
+// their imports left unused.
+#[allow(dead_code, unused_imports)]
 #[path = "../src/index/table.rs"]
 mod table;
 
@@ -566,7 +568,11 @@ fn run_child(which: &str, pairs: usize) -> BTreeMap<String, String> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo bench` adds `--bench`: not a number of pairs.
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|arg| arg != "--bench")
+        .collect();
     let number = |arg: Option<&String>| arg.and_then(|n| n.parse().ok());
     if let Some(which @ ("ours" | "hashbrown")) = args.first().map(String::as_str) {
         let pairs = number(args.get(1)).unwrap_or(10_000_000);

@@ -14,7 +14,7 @@
 //! `BatchDecoder`), untimed, for instruction counts: under
 //! `valgrind --tool=callgrind --toggle-collect='*decode_times*'`, Ir / N per payload.
 //!
-//! Run: `cargo run --release --example bench_wire [-- --only "map, 96" --batches 1000]`
+//! Run: `cargo bench --bench bench_wire [-- --only "map, 96" --batches 1000]`
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -46,6 +46,9 @@ struct Args {
     /// With `--batches`: decode with a `BatchDecoder` rather than `decode_batch`.
     #[arg(long)]
     reused: bool,
+    /// What `cargo bench` adds to every benchmark's arguments; changes nothing.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 /// One store of `blocks` blocks after a parent, and the evictions that made room for it.
