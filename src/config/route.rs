@@ -43,6 +43,13 @@ pub const MAX_THRESHOLD: u32 = 100;
 /// of a few hundred tokens ends within it.
 pub const DEFAULT_DRAIN_S: u32 = 30;
 
+/// How long the front end waits for an engine's `POST /tokenize` when no tokenizer of a model
+/// is local: vLLM answers in a few milliseconds, and every routed request of that model waits
+/// this long at worst before it is routed by load alone.
+pub const DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS: u32 = 500;
+/// The longest `engine_tokenize_timeout_ms` may be: the prompt waits for it before routing.
+pub const MAX_ENGINE_TOKENIZE_TIMEOUT_MS: u32 = 60_000;
+
 /// The `[route]` table, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Route {
@@ -62,6 +69,8 @@ pub struct Route {
     pub healthy_threshold: u32,
     /// At a stop, how long open requests and streams may take to finish (0: cut at once).
     pub drain_s: u32,
+    /// How long an engine's `POST /tokenize` may take (0: engines are never asked).
+    pub engine_tokenize_timeout_ms: u32,
 }
 
 /// What a reload from `old` to `new` changes of the front end's reloadable settings, each as
@@ -81,7 +90,7 @@ pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
             new.auth_token_file.clone().unwrap_or_else(none),
         );
         type Read = fn(&Route) -> u32;
-        let numbers: [(&str, Read); 8] = [
+        let numbers: [(&str, Read); 9] = [
             ("first_byte_timeout_s", |r| r.first_byte_timeout_s),
             ("idle_timeout_s", |r| r.idle_timeout_s),
             ("connect_timeout_s", |r| r.connect_timeout_s),
@@ -90,6 +99,9 @@ pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
             ("unhealthy_threshold", |r| r.unhealthy_threshold),
             ("healthy_threshold", |r| r.healthy_threshold),
             ("drain_s", |r| r.drain_s),
+            ("engine_tokenize_timeout_ms", |r| {
+                r.engine_tokenize_timeout_ms
+            }),
         ];
         for (key, value) in numbers {
             compare(
@@ -152,6 +164,7 @@ struct RawRoute {
     unhealthy_threshold: Option<Spanned<Int>>,
     healthy_threshold: Option<Spanned<Int>>,
     drain_s: Option<Spanned<Int>>,
+    engine_tokenize_timeout_ms: Option<Spanned<Int>>,
 }
 
 /// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
@@ -238,6 +251,16 @@ pub(super) fn check_route(
         &format!("0..={MAX_TIMEOUT_S} (seconds)"),
         |n| u32::try_from(n).ok().filter(|s| *s <= MAX_TIMEOUT_S),
     );
+    let engine_tokenize_timeout_ms = checker.int(
+        "engine_tokenize_timeout_ms",
+        raw.engine_tokenize_timeout_ms,
+        &format!("0..={MAX_ENGINE_TOKENIZE_TIMEOUT_MS} (milliseconds; 0: engines are never asked)"),
+        |n| {
+            u32::try_from(n)
+                .ok()
+                .filter(|ms| *ms <= MAX_ENGINE_TOKENIZE_TIMEOUT_MS)
+        },
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {
@@ -259,6 +282,8 @@ pub(super) fn check_route(
         unhealthy_threshold: unhealthy_threshold.or_default_to(DEFAULT_UNHEALTHY_THRESHOLD)?,
         healthy_threshold: healthy_threshold.or_default_to(DEFAULT_HEALTHY_THRESHOLD)?,
         drain_s: drain_s.or_default_to(DEFAULT_DRAIN_S)?,
+        engine_tokenize_timeout_ms: engine_tokenize_timeout_ms
+            .or_default_to(DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS)?,
     })
 }
 
@@ -266,15 +291,37 @@ pub(super) fn check_route(
 mod tests {
     use crate::config::Config;
 
-    /// `drain_s` of a file whose `[route]` table also has `keys`, or the rejection.
-    fn drain_s(keys: &str) -> Result<u32, String> {
+    /// The `[route]` table of a file whose `[route]` also has `keys`, or the rejection.
+    fn route(keys: &str) -> Result<super::Route, String> {
         let text = format!(
             "[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nzmq_port = 5557\n\n[route]\n\
              listen = \"127.0.0.1:8080\"\n{keys}"
         );
         Config::parse(&text, "indexer.toml")
-            .map(|config| config.route.expect("[route]").drain_s)
+            .map(|config| config.route.expect("[route]"))
             .map_err(|rejected| format!("{rejected:#}"))
+    }
+
+    fn drain_s(keys: &str) -> Result<u32, String> {
+        route(keys).map(|route| route.drain_s)
+    }
+
+    #[test]
+    fn engine_tokenize_timeout_ms_defaults_to_500_and_takes_0_to_a_minute() {
+        let timeout = |keys: &str| route(keys).map(|route| route.engine_tokenize_timeout_ms);
+        assert_eq!(timeout(""), Ok(super::DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS));
+        assert_eq!(timeout("engine_tokenize_timeout_ms = 0"), Ok(0));
+        assert_eq!(timeout("engine_tokenize_timeout_ms = 60000"), Ok(60_000));
+        for refused in [
+            "engine_tokenize_timeout_ms = -1",
+            "engine_tokenize_timeout_ms = 60001",
+        ] {
+            let rejected = timeout(refused).expect_err(refused);
+            assert!(
+                rejected.contains("engine_tokenize_timeout_ms"),
+                "{rejected}"
+            );
+        }
     }
 
     #[test]

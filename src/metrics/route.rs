@@ -65,14 +65,18 @@ pub enum LoadOnly {
     event_link_down,
     /// The chosen rank's index is not `active` or `partial`.
     index_not_ready,
+    /// No tokenizer is local and the engine's `POST /tokenize` failed (no answer in time, an
+    /// error status, an unreadable or oversized answer).
+    engine_tokenize_failed,
 }
 
 impl LoadOnly {
-    pub const ALL: [LoadOnly; 4] = [
+    pub const ALL: [LoadOnly; 5] = [
         LoadOnly::no_tokenizer,
         LoadOnly::prompt_not_tokenized,
         LoadOnly::event_link_down,
         LoadOnly::index_not_ready,
+        LoadOnly::engine_tokenize_failed,
     ];
 }
 

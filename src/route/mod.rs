@@ -3,8 +3,9 @@
 //!
 //! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
 //! `POST /v1/chat/completions` or `/v1/completions` it tokenizes the prompt as `/select` does,
-//! behind the same gate and length limit (`tokenizing`; a model without a tokenizer is routed
-//! by load alone, and the answer says so), chooses and
+//! behind the same gate and length limit (`tokenizing`; a model without a local tokenizer is
+//! tokenized by its engine's `/tokenize`, `engine_tokenize`, else routed by load alone, and the
+//! answer says which), chooses and
 //! reserves a rank with `select`, forwards the body to the rank's engine (`upstream`) with
 //! `X-data-parallel-rank`, and passes the answer on (`passing`): the reservation is completed
 //! at the engine's first byte, the engine's `cached_tokens` is weighed against the prediction,
@@ -21,6 +22,7 @@
 //! trusts a client's proxy headers, or holds a request past its timeouts.
 
 mod engine_http;
+mod engine_tokenize;
 mod explain;
 mod health;
 mod passing;
@@ -56,6 +58,7 @@ use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector, Unindexed};
 use crate::tokenize::SharedTokenizers;
+use engine_tokenize::EngineTokenizing;
 use passing::{NoFirstBytes, Passing, ReportingEngines, Shape, Ticket};
 use request::{with_usage, Kind, OpenAiRequest};
 use servers::Servers;
@@ -120,6 +123,7 @@ pub struct RouteFront {
     max_concurrent: usize,
     /// Which engines report their cached tokens, so that an answer without them counts.
     reporting: Arc<ReportingEngines>,
+    engine_tokenizing: EngineTokenizing,
 }
 
 /// What the front end reads, handed over by the service.
@@ -154,6 +158,7 @@ impl RouteFront {
             in_flight: Arc::new(Semaphore::new(route.max_concurrent_requests)),
             max_concurrent: route.max_concurrent_requests,
             reporting: Arc::default(),
+            engine_tokenizing: EngineTokenizing::default(),
         })
     }
 
@@ -265,7 +270,7 @@ impl RouteFront {
             Some(changed) => Bytes::from(changed),
             None => Bytes::from(body),
         };
-        let (parsed, prompt) = match self.tokenized(parsed).await {
+        let (parsed, prompt) = match self.tokenized(parsed, &body).await {
             Ok(tokenized) => tokenized,
             Err(refused) => return self.not_tokenized(refused),
         };
@@ -502,6 +507,7 @@ impl RouteFront {
             "x-kv-indexer-predicted-cached-tokens",
             &selection.predicted_cached_tokens.to_string(),
         );
+        insert(headers, "x-kv-indexer-tokenizer", prompt.from.name());
         let load_only = match (&prompt.load_only, selection.unindexed) {
             (Some((reason, why)), _) => Some((*reason, why.clone())),
             (None, Some(unindexed)) => Some((

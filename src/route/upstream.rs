@@ -3,7 +3,8 @@
 //! client's headers but the hop-by-hop, proxy and `Authorization` ones, `Host` rewritten, the
 //! engine's own key and `X-data-parallel-rank` set, under the connect and first-byte timeouts,
 //! through `engine_http`'s pooled connections; a server's `GET /health`; and a whole small
-//! answer to a `GET` (`get_body`: an engine's load, bounded in time and size).
+//! answer to a `GET` (`get_body`: an engine's load) or a JSON `POST` (`post_json`: an engine's
+//! `/tokenize`), bounded in time and size.
 //!
 //! Owns: the headers an engine gets, the timeouts, and what each failure is (sent again or
 //! not, whether it says the server is down, and the status it ends in). Never: chooses a rank,
@@ -31,10 +32,12 @@ use crate::metrics::RouteOutcome;
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
-/// An engine's OpenAI server: its URL, and the key it was started with (`api_key_file`).
+/// An engine's OpenAI server: its URL, the key it was started with (`api_key_file`), and the
+/// model its engine names (none: whatever it serves).
 pub(super) struct Server {
     pub(super) url: BaseUrl,
     api_key: Option<Secret>,
+    pub(super) model: Option<String>,
 }
 
 /// Each engine's OpenAI server and the models the fleet serves, from the file.
@@ -53,6 +56,7 @@ impl Fleet {
                 Some(url) => Some(Arc::new(Server {
                     url: url.clone(),
                     api_key: read_api_key(engine)?,
+                    model: engine.model.clone(),
                 })),
                 None => None,
             };
@@ -103,6 +107,27 @@ impl Fleet {
     pub(super) fn models(&self) -> impl Iterator<Item = &str> {
         self.models.iter().map(String::as_str)
     }
+
+    /// The servers that can tokenize a prompt of `model`: those whose engine names it, then
+    /// those whose engine names none. A request naming no model can be tokenized only where
+    /// the fleet serves at most one model (which one would be guessed otherwise).
+    pub(super) fn tokenizing_servers(&self, model: Option<&str>) -> Vec<&Arc<Server>> {
+        let servers = || {
+            self.servers
+                .iter()
+                .filter_map(|(_, server)| server.as_ref())
+        };
+        match model {
+            None if self.models.len() <= 1 => servers().collect(),
+            None => Vec::new(),
+            Some(model) => {
+                let naming = servers().filter(|server| server.model.as_deref() == Some(model));
+                naming
+                    .chain(servers().filter(|server| server.model.is_none()))
+                    .collect()
+            }
+        }
+    }
 }
 
 /// The key in `engine`'s `api_key_file`, if it has one.
@@ -123,6 +148,8 @@ pub(super) struct Settings {
     pub(super) health_interval: Duration,
     pub(super) health_timeout: Duration,
     pub(super) thresholds: Thresholds,
+    /// How long an engine's `POST /tokenize` may take; zero: engines are never asked.
+    pub(super) engine_tokenize: Duration,
 }
 
 impl Settings {
@@ -138,6 +165,7 @@ impl Settings {
                 unhealthy: route.unhealthy_threshold,
                 healthy: route.healthy_threshold,
             },
+            engine_tokenize: Duration::from_millis(u64::from(route.engine_tokenize_timeout_ms)),
         }
     }
 }
@@ -294,32 +322,94 @@ pub(super) async fn get_body(
     timeout: Duration,
     cap: usize,
 ) -> Result<Bytes, String> {
-    use http_body_util::{BodyExt, Limited};
     let server = Server {
         url: url.clone(),
         api_key: None,
+        model: None,
     };
-    let (authority, head) = build(&server, Line::get(""), &HeaderMap::new(), 0, None)?;
-    let no_body = Bytes::new();
+    let get = Line::get("");
+    whole_answer(
+        connections,
+        &server,
+        get,
+        HeaderMap::new(),
+        Bytes::new(),
+        timeout,
+        cap,
+    )
+    .await
+    .map_err(|failed| failed.to_string())
+}
+
+/// Why a whole answer was not read.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Fetch {
+    #[error("answered {0}")]
+    Status(StatusCode),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// `line` with `headers` and `body` to `server` within `timeout`, connecting and reading the
+/// whole answer: its body when the status is 200 and the body at most `cap` bytes.
+async fn whole_answer(
+    connections: &Arc<Connections>,
+    server: &Server,
+    line: Line<'_>,
+    headers: HeaderMap,
+    body: Bytes,
+    timeout: Duration,
+    cap: usize,
+) -> Result<Bytes, Fetch> {
+    use http_body_util::{BodyExt, Limited};
+    let (authority, head) =
+        build(server, line, &headers, body.len(), None).map_err(Fetch::Failed)?;
     let fetching = async {
-        let (parts, body) = connections
-            .send(&authority, timeout, &head, &no_body)
+        let (parts, answer) = connections
+            .send(&authority, timeout, &head, &body)
             .await
-            .map_err(|error| error.to_string())?;
+            .map_err(|error| Fetch::Failed(error.to_string()))?;
         if parts.status != StatusCode::OK {
-            return Err(format!("answered {}", parts.status));
+            // Dropped unread: its connection closes rather than go back to the pool.
+            return Err(Fetch::Status(parts.status));
         }
-        let collected = Limited::new(body, cap).collect().await.map_err(|err| {
-            match err.downcast_ref::<http_body_util::LengthLimitError>() {
-                Some(_) => format!("the answer is larger than {cap} bytes"),
-                None => format!("the answer broke: {err}"),
-            }
+        let collected = Limited::new(answer, cap).collect().await.map_err(|err| {
+            Fetch::Failed(
+                match err.downcast_ref::<http_body_util::LengthLimitError>() {
+                    Some(_) => format!("the answer is larger than {cap} bytes"),
+                    None => format!("the answer broke: {err}"),
+                },
+            )
         })?;
         Ok(collected.to_bytes())
     };
     match tokio::time::timeout(timeout, fetching).await {
-        Err(_) => Err(format!("no whole answer within {} ms", timeout.as_millis())),
+        Err(_) => Err(Fetch::Failed(format!(
+            "no whole answer within {} ms",
+            timeout.as_millis()
+        ))),
         Ok(fetched) => fetched,
+    }
+}
+
+impl Upstream {
+    /// `POST path` of `server` with the JSON `body` and the engine's key, its whole answer
+    /// within `timeout` and `cap` bytes (an engine's `/tokenize`).
+    pub(super) async fn post_json(
+        &self,
+        server: &Server,
+        path: &str,
+        body: Bytes,
+        timeout: Duration,
+        cap: usize,
+    ) -> Result<Bytes, Fetch> {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
+        let post = Line::post(path, None);
+        whole_answer(&self.connections, server, post, headers, body, timeout, cap).await
     }
 }
 
