@@ -233,6 +233,64 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_engines_tokenizer_is_its_models_dir_else_the_cache_else_its_server_else_none() {
+        let hub = tempfile::tempdir().expect("temp dir");
+        let snapshot = hub.path().join("models--org--cached/snapshots/abc");
+        std::fs::create_dir_all(&snapshot).expect("mkdir");
+        std::fs::write(snapshot.join("tokenizer.json"), "{}").expect("write");
+        let engine = |name: &str, model: &str, extra: &str| {
+            format!(
+                "[[engine]]\nname = \"{name}\"\nhost = \"127.0.0.1\"\nzmq_port = {}\n\
+                 model = \"{model}\"\n{extra}\n",
+                5557 + name.len()
+            )
+        };
+        let text = [
+            engine("a", "org/dir", "tokenizer = \"/models/dir\""),
+            engine("bb", "org/dir", "openai_url = \"http://127.0.0.1:8000\""),
+            engine(
+                "ccc",
+                "org/cached",
+                "openai_url = \"http://127.0.0.1:8001\"",
+            ),
+            engine(
+                "dddd",
+                "org/asked",
+                "openai_url = \"http://127.0.0.1:8002\"",
+            ),
+            engine("eeeee", "org/asked", ""),
+            "[route]\nlisten = \"127.0.0.1:8080\"\n".to_owned(),
+        ]
+        .concat();
+        let config = Config::parse(&text, "indexer.toml").expect("a valid file");
+        let sources: Vec<Source> = config
+            .engines
+            .iter()
+            .map(|engine| tokenizer_source(&config, engine, Some(hub.path())))
+            .collect();
+        assert_eq!(
+            sources,
+            [
+                Source::Configured("/models/dir".into()),
+                Source::Configured("/models/dir".into()),
+                Source::HfCache(snapshot),
+                Source::Engine,
+                Source::Nothing,
+            ]
+        );
+        let asks_none = Config::parse(
+            &text.replace(
+                "listen = \"127.0.0.1:8080\"",
+                "listen = \"127.0.0.1:8080\"\nengine_tokenize_timeout_ms = 0",
+            ),
+            "indexer.toml",
+        )
+        .expect("a valid file");
+        let asked = &asks_none.engines[3];
+        assert_eq!(tokenizer_source(&asks_none, asked, None), Source::Nothing);
+    }
+
+    #[test]
     fn a_key_is_found_on_its_line_and_not_on_a_longer_keys() {
         let text = "listen = \"a\"\n[route]\nlisten_backlog = \"b\"\n  listen = \"b\"\n";
         assert_eq!(line_of(text, "listen", "a"), Some(1));
