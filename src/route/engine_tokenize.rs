@@ -11,7 +11,8 @@
 //! gets, the bounds (`[route] engine_tokenize_timeout_ms`, `MAX_ANSWER_BYTES`), the servers
 //! whose `/tokenize` is absent (a 404 or 405: not asked again for `ABSENT_RECHECK`), and how
 //! often a failure is warned about. Never: asks a second server for the same request, waits
-//! past the timeout, or guesses ids: a failure is routed by load alone, and counted.
+//! past the timeout, asks for a chat with a part that is not text (its ids alone would match
+//! another media's blocks), or guesses ids: a failure is routed by load alone, and counted.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -136,9 +137,9 @@ impl RouteFront {
         body: &[u8],
     ) -> Tokenized {
         let model = parsed.model.clone();
-        let Some(request) = tokenize_body(parsed, body) else {
-            let why = "the prompt is not text or chat messages".to_owned();
-            return Tokenized::load_only(LoadOnly::prompt_not_tokenized, why, model);
+        let request = match tokenize_body(parsed, body) {
+            Ok(request) => request,
+            Err(why) => return Tokenized::load_only(LoadOnly::prompt_not_tokenized, why, model),
         };
         let timeout = self.upstream.settings().engine_tokenize;
         let base = &server.url.base;
@@ -194,13 +195,18 @@ impl RouteFront {
     }
 }
 
-/// The `/tokenize` body for `parsed`'s prompt: `None` for one that is not text or messages.
-fn tokenize_body(parsed: &OpenAiRequest, body: &[u8]) -> Option<Bytes> {
+/// The `/tokenize` body for `parsed`'s prompt, or why it is not asked: token ids or a batch
+/// need no asking, and a chat with a part that is not text (an image, audio, a file) is never
+/// asked: its blocks' keys hold the media's hashes, which ids alone would match falsely.
+fn tokenize_body(parsed: &OpenAiRequest, body: &[u8]) -> Result<Bytes, String> {
     // Read again for the fields routing does not keep: a body that parsed once parses again.
     let mut template: TemplateFields = serde_json::from_slice(body).unwrap_or_default();
     let model = parsed.model.as_deref();
     let json = match &parsed.prompt {
         PromptSource::Chat { messages, tools } => {
+            if let Some(why) = media_part(messages) {
+                return Err(why);
+            }
             template
                 .add_generation_prompt
                 .get_or_insert(Value::Bool(true));
@@ -216,9 +222,29 @@ fn tokenize_body(parsed: &OpenAiRequest, body: &[u8]) -> Option<Bytes> {
             prompt,
             add_special_tokens: template.add_special_tokens,
         }),
-        PromptSource::Tokens(_) | PromptSource::Unreadable(_) => return None,
+        PromptSource::Tokens(_) => return Err("the prompt is token ids".to_owned()),
+        PromptSource::Unreadable(why) => return Err((*why).to_owned()),
     };
-    json.ok().map(Bytes::from)
+    json.map(Bytes::from)
+        .map_err(|error| format!("the /tokenize body: {error}"))
+}
+
+/// The first content part of `messages` that is not text, named as the local tokenizer names
+/// it.
+fn media_part(messages: &Value) -> Option<String> {
+    let messages = messages.as_array()?;
+    messages.iter().enumerate().find_map(|(i, message)| {
+        let parts = message.get("content")?.as_array()?;
+        parts.iter().enumerate().find_map(|(j, part)| {
+            let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+            (kind != "text").then(|| {
+                format!(
+                    "messages[{i}].content[{j}] is a {kind:?} part: its ids alone would match \
+                     another media's blocks"
+                )
+            })
+        })
+    })
 }
 
 #[cfg(test)]
@@ -274,7 +300,23 @@ mod tests {
         for prompt in [json!([1, 2, 3]), json!(["a", "b"])] {
             let bytes = json!({"prompt": prompt}).to_string().into_bytes();
             let parsed = OpenAiRequest::parse(&bytes, Kind::Completion).expect("a request");
-            assert!(tokenize_body(&parsed, &bytes).is_none(), "{prompt}");
+            assert!(tokenize_body(&parsed, &bytes).is_err(), "{prompt}");
         }
+    }
+
+    #[test]
+    fn a_chat_with_an_image_is_never_asked_and_text_parts_are() {
+        let image = json!({"type": "image_url", "image_url": {"url": "http://x/cat.png"}});
+        let text = json!({"type": "text", "text": "what is this?"});
+        let asked = |content: Value| {
+            let bytes = json!({"messages": [{"role": "user", "content": content}]})
+                .to_string()
+                .into_bytes();
+            let parsed = OpenAiRequest::parse(&bytes, Kind::Chat).expect("a request");
+            tokenize_body(&parsed, &bytes)
+        };
+        assert!(asked(json!([text.clone()])).is_ok());
+        let refused = asked(json!([text, image])).expect_err("an image is not asked");
+        assert!(refused.contains("messages[0].content[1]"), "{refused}");
     }
 }
