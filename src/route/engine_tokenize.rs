@@ -44,9 +44,27 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// What the front end remembers of the engines' `/tokenize`.
 #[derive(Default)]
 pub(super) struct EngineTokenizing {
-    /// Servers (by base URL) whose `/tokenize` is absent, until when.
-    absent: Mutex<HashMap<String, Instant>>,
+    absent: Mutex<Absent>,
     last_warned: Mutex<Option<Instant>>,
+}
+
+/// Servers (by base URL) whose `/tokenize` is absent, and until when they are not asked.
+#[derive(Default)]
+struct Absent(HashMap<String, Instant>);
+
+impl Absent {
+    /// Whether `base` is not to be asked at `now`; forgets the servers whose time is up.
+    fn holds(&mut self, base: &str, now: Instant) -> bool {
+        self.0.retain(|_, until| *until > now);
+        self.0.contains_key(base)
+    }
+
+    /// `base` answered that it has no `/tokenize` at `now`: whether that is news.
+    fn remember(&mut self, base: &str, now: Instant) -> bool {
+        self.0
+            .insert(base.to_owned(), now + ABSENT_RECHECK)
+            .is_none()
+    }
 }
 
 /// The chat template fields of a request that change its ids, as vLLM's chat request and
@@ -113,10 +131,9 @@ impl RouteFront {
         }
         let now = Instant::now();
         let mut absent = self.engine_tokenizing.absent.lock();
-        absent.retain(|_, until| *until > now);
         let asked = candidates.into_iter().find(|server| {
             let base = &server.url.base;
-            !absent.contains_key(base) && !self.servers.is_unhealthy(base)
+            !absent.holds(base, now) && !self.servers.is_unhealthy(base)
         });
         match asked {
             Some(server) => Ok(Arc::clone(server)),
@@ -156,14 +173,12 @@ impl RouteFront {
             Err(Fetch::Status(
                 status @ (StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED),
             )) => {
-                let until = Instant::now() + ABSENT_RECHECK;
-                if self
+                let news = self
                     .engine_tokenizing
                     .absent
                     .lock()
-                    .insert(base.clone(), until)
-                    .is_none()
-                {
+                    .remember(base, Instant::now());
+                if news {
                     info!(
                         "route: {base} answered {status} to POST /tokenize: its prompts are \
                          routed by load alone when no tokenizer is local; asked again in {}s",
@@ -302,6 +317,23 @@ mod tests {
             let parsed = OpenAiRequest::parse(&bytes, Kind::Completion).expect("a request");
             assert!(tokenize_body(&parsed, &bytes).is_err(), "{prompt}");
         }
+    }
+
+    #[test]
+    fn a_server_without_tokenize_is_left_alone_for_a_minute_then_asked_again() {
+        let mut absent = Absent::default();
+        let at = Instant::now();
+        assert!(!absent.holds("http://a", at));
+        assert!(absent.remember("http://a", at), "news the first time");
+        assert!(!absent.remember("http://a", at), "not news again");
+        let almost = at + ABSENT_RECHECK - Duration::from_millis(1);
+        assert!(absent.holds("http://a", almost));
+        assert!(!absent.holds("http://b", almost));
+        assert!(!absent.holds("http://a", at + ABSENT_RECHECK));
+        assert!(
+            absent.remember("http://a", at + ABSENT_RECHECK),
+            "news once forgotten"
+        );
     }
 
     #[test]
