@@ -51,6 +51,11 @@
 //!    token ids' parsing and the choice are left in), no thread per request
 //!    (threads during 512 concurrent requests against before), 10,000 open streams in ≤ 200 MB;
 //!    the load average at the start and the end (the machine is shared) and the run's duration.
+//!
+//! `--engine-tokenize` runs one case alone: the ~1,000-token chat routed whole at concurrency
+//! 1 to an engine whose model has a local tokenizer and to one whose model has none (so the
+//! front end asks the engine's `POST /tokenize`), alternating `ROUNDS` times, and prints the
+//! latency the engine's tokenizing adds (p50, p99).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -116,6 +121,8 @@ const THREADS_SLACK: u64 = 8;
 const CHILD_FLAG: &str = "--open-streams";
 /// Runs only the body-size rows.
 const BODY_SIZES_FLAG: &str = "--body-sizes";
+/// Runs only the chat tokenized by the engine's `/tokenize` against a local tokenizer.
+const ENGINE_TOKENIZE_FLAG: &str = "--engine-tokenize";
 /// Request bodies of the body-size rows (issue #34: 64 KiB is where the engines' client wrote
 /// a request's head and body apart), and requests a way for each.
 const BODY_SIZES_KIB: [usize; 5] = [16, 64, 66, 128, 1_024];
@@ -131,6 +138,9 @@ enum Engine {
     Fast,
     Burst,
     Slow,
+    /// As `Fast`, but the indexer has no tokenizer of its model: the front end asks the
+    /// engine's `POST /tokenize`.
+    Asked,
 }
 
 impl Engine {
@@ -139,12 +149,13 @@ impl Engine {
             Engine::Fast => "fast",
             Engine::Burst => "burst",
             Engine::Slow => "slow",
+            Engine::Asked => "asked",
         }
     }
 
     fn openai(self) -> OpenAiConfig {
         let inter_token = match self {
-            Engine::Fast | Engine::Burst => Duration::ZERO,
+            Engine::Fast | Engine::Burst | Engine::Asked => Duration::ZERO,
             Engine::Slow => Duration::from_secs(1),
         };
         OpenAiConfig {
@@ -190,7 +201,7 @@ impl Bench {
             .enumerate()
             .map(|(i, engine)| EngineToml {
                 model: Some(engines[i].model().into()),
-                tokenizer: Some(chatml.display().to_string()),
+                tokenizer: (engines[i] != Engine::Asked).then(|| chatml.display().to_string()),
                 openai_url: fleet.engine(RankRef { engine: i, rank: 0 }).openai_url(),
                 ..engine
             })
@@ -326,6 +337,8 @@ struct Timed {
     whole: Duration,
     events: u64,
     rank: Option<String>,
+    /// Where the front end's ids came from (`x-kv-indexer-tokenizer`).
+    tokenizer: Option<String>,
 }
 
 type Sender = SendRequest<Full<Bytes>>;
@@ -368,11 +381,17 @@ async fn send(sender: &mut Sender, target: &Target, path: &str, body: &Bytes) ->
         .await
         .with_context(|| format!("POST {path} to {}", target.addr))?;
     let status = answer.status();
-    let rank = answer
-        .headers()
-        .get("x-kv-indexer-rank")
-        .and_then(|value| value.to_str().ok())
-        .map(str::to_owned);
+    let header = |name: &str| {
+        answer
+            .headers()
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    };
+    let (rank, tokenizer) = (
+        header("x-kv-indexer-rank"),
+        header("x-kv-indexer-tokenizer"),
+    );
     let mut body = answer.into_body();
     let (mut first_byte, mut events, mut ended_in_newline) = (None, 0, false);
     let mut refusal = Vec::new();
@@ -404,6 +423,7 @@ async fn send(sender: &mut Sender, target: &Target, path: &str, body: &Bytes) ->
         whole,
         events,
         rank,
+        tokenizer,
     })
 }
 
@@ -784,11 +804,15 @@ async fn body_size_rows(bench: &Bench, threads_idle: u64) -> Result<Vec<LatencyR
 }
 
 fn chat_body(stream: bool) -> Bytes {
+    chat_body_for(Engine::Fast, stream)
+}
+
+fn chat_body_for(engine: Engine, stream: bool) -> Bytes {
     let system = "You answer questions about lighthouses, their keepers and the ships they guide. "
         .repeat(20);
     Bytes::from(
         json!({
-            "model": Engine::Fast.model(),
+            "model": engine.model(),
             "messages": [
                 { "role": "system", "content": system },
                 { "role": "user", "content": "Tell me about the lighthouse at the end of the pier." },
@@ -1178,6 +1202,77 @@ fn streams_fitting(limit: u64) -> (usize, Option<String>) {
     (fit, Some(why))
 }
 
+/// `--engine-tokenize`: the chat routed whole at c=1 with a local tokenizer (`Fast`) and with
+/// none (`Asked`: the front end asks the engine's `POST /tokenize`), in alternating rounds, and
+/// the latency the engine's tokenizing adds.
+fn engine_tokenize_alone() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let load_at_start = load_average();
+    let bench = Bench::start(&[Engine::Fast, Engine::Asked], 1_000)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("the client's runtime")?;
+    let (local, asked) = runtime.block_on(async {
+        let route = Target::new(bench.route()?, None);
+        let case = |engine: Engine| Case {
+            label: engine.model().to_owned(),
+            path: "/v1/chat/completions",
+            body: chat_body_for(engine, false),
+            stream: false,
+            connections: 1,
+            per_connection: SERIAL_CHAT_REQUESTS / ROUNDS,
+            select_work: Duration::ZERO,
+            judged: false,
+        };
+        for (engine, wanted) in [(Engine::Fast, "config"), (Engine::Asked, "engine")] {
+            let mut probe = connect(route.addr).await?;
+            let timed = send(
+                &mut probe,
+                &route,
+                "/v1/chat/completions",
+                &case(engine).body,
+            )
+            .await?;
+            ensure!(
+                timed.tokenizer.as_deref() == Some(wanted),
+                "the {engine:?} chat's ids came from {:?}, not {wanted:?}",
+                timed.tokenizer
+            );
+        }
+        let (mut local, mut asked) = (Measured::default(), Measured::default());
+        for _ in 0..ROUNDS {
+            round(&route, &case(Engine::Fast), &mut local).await?;
+            round(&route, &case(Engine::Asked), &mut asked).await?;
+        }
+        local.latencies.sort_unstable();
+        asked.latencies.sort_unstable();
+        Ok::<_, anyhow::Error>((local, asked))
+    })?;
+    let added = |q: f64| (asked.p(q).as_secs_f64() - local.p(q).as_secs_f64()) * 1e6;
+    println!();
+    println!("| case | local tokenizer | the engine's POST /tokenize | added |");
+    println!("|---|---|---|---|");
+    println!(
+        "| chat ({} tokens), routed whole, c=1 ({} req a way) | {} | {} | p50 {:+.0} µs, p99 {:+.0} µs{} |",
+        chat_prompt_tokens(&bench)?,
+        asked.latencies.len(),
+        local.summary(),
+        asked.summary(),
+        added(0.5),
+        added(0.99),
+        match local.failures + asked.failures {
+            0 => String::new(),
+            failed => format!(" FAILED {failed}"),
+        }
+    );
+    println!(
+        "load average at start {load_at_start}, at end {}",
+        load_average()
+    );
+    Ok(())
+}
+
 /// `--body-sizes`: the body-size rows alone, and their table.
 fn body_sizes_alone() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
@@ -1208,9 +1303,11 @@ fn main() -> Result<()> {
             println!("bench_route: what the route front end adds to a request (see the example's header)");
             println!("  (no option)    every case: latency, body sizes, throughput, open streams");
             println!("  {BODY_SIZES_FLAG}   the body-size rows alone (added latency at {BODY_SIZES_KIB:?} KiB)");
+            println!("  {ENGINE_TOKENIZE_FLAG}   a chat tokenized by the engine's POST /tokenize against a local tokenizer");
             return Ok(());
         }
         Some(BODY_SIZES_FLAG) => return body_sizes_alone(),
+        Some(ENGINE_TOKENIZE_FLAG) => return engine_tokenize_alone(),
         Some(other) => bail!("unknown option {other:?} (--help lists them)"),
         None => {}
     }

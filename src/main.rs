@@ -15,6 +15,7 @@ use kv_indexer::plan::{self, Discoveries};
 use kv_indexer::preflight;
 use kv_indexer::route::RouteFront;
 use kv_indexer::service;
+use kv_indexer::tokenize::hf_cache;
 use log::info;
 
 /// The file read when `--config` is not given, if it exists.
@@ -74,9 +75,13 @@ fn route_plan(config: &Config, route: &config::Route) -> String {
         route.idle_timeout_s,
         if route.auth_token_file.is_some() { "required" } else { "none" },
     );
-    for (engine, server) in RouteFront::plan(config) {
+    let hub = hf_cache::hub_root();
+    for ((engine, server), engine_config) in
+        RouteFront::plan(config).into_iter().zip(&config.engines)
+    {
+        let tokenizer = preflight::tokenizer_source(config, engine_config, hub.as_deref());
         match server {
-            Some(url) => text.push_str(&format!("  {engine} -> {url}\n")),
+            Some(url) => text.push_str(&format!("  {engine} -> {url}; {tokenizer}\n")),
             None => text.push_str(&format!(
                 "  {engine}: no openai_url (and no discover): not routed to\n"
             )),

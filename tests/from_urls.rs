@@ -149,24 +149,29 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
         log.contains("no --config and no indexer.toml here"),
         "{log}"
     );
-    let workers = get(api, "/workers").json();
-    let engines: Vec<(String, String, usize)> = workers
-        .as_array()
-        .expect("a list of engines")
-        .iter()
-        .map(|engine| {
-            let listeners = engine["listeners"].as_array().map_or(0, Vec::len);
-            let name = engine["instance"].as_str().unwrap_or_default().to_string();
-            let model = engine["model"].as_str().unwrap_or_default().to_string();
-            (name, model, listeners)
-        })
-        .collect();
     let mut expected = vec![
         (name(&vllm), VLLM_MODEL.to_string(), 2),
         (name(&sglang), SGLANG_MODEL.to_string(), 2),
     ];
     expected.sort();
-    assert_eq!(engines, expected, "{workers}");
+    // Each engine's answer is applied on its own: wait until both are.
+    wait_for(20, "both engines' ranks, with their models", || {
+        let workers = get(api, "/workers").json();
+        let engines: Vec<(String, String, usize)> = workers
+            .as_array()?
+            .iter()
+            .map(|engine| {
+                let listeners = engine["listeners"].as_array().map_or(0, Vec::len);
+                let name = engine["instance"].as_str().unwrap_or_default().to_string();
+                let model = engine["model"].as_str().unwrap_or_default().to_string();
+                (name, model, listeners)
+            })
+            .collect();
+        (engines == expected).then_some(())
+    });
+    wait_for(20, "every rank ready", || {
+        (get(api, "/ready").status == 200).then_some(())
+    });
 
     // The front end lists the models the engines said they serve.
     let models = get(route, "/v1/models").json();
@@ -176,6 +181,8 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
         .iter()
         .filter_map(|model| model["id"].as_str())
         .collect();
+    let mut ids = ids;
+    ids.sort_unstable();
     assert_eq!(ids, [SGLANG_MODEL, VLLM_MODEL], "{models}");
 
     for (engine, model) in [(&vllm, VLLM_MODEL), (&sglang, SGLANG_MODEL)] {
@@ -189,9 +196,14 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
             assert_eq!(engine_name, name(engine), "{model}");
             let seen = openai.last_request().expect("the engine saw the request");
             assert_eq!(seen.header("x-data-parallel-rank"), Some(rank), "{model}");
-            // No tokenizer for this model here: routed by load, and the answer says so.
-            let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
-            assert!(routing.starts_with("load only"), "{routing}");
+            // No tokenizer for this model here: the engine's own `POST /tokenize` made the
+            // ids the choice was weighed on, and the answer says so.
+            assert_eq!(
+                reply.header("x-kv-indexer-tokenizer"),
+                Some("engine"),
+                "{model}"
+            );
+            assert_eq!(reply.header("x-kv-indexer-routing"), None, "{model}");
         }
         assert_eq!(
             openai.requests(),
@@ -325,7 +337,11 @@ fn the_environment_names_the_engines_and_check_prints_what_they_answer() {
             assert_eq!(row[row.len() - 2..], [model, kind], "{stdout}");
         }
         assert!(
-            stdout.contains(&format!("  {} -> {}\n", name(engine), url(engine))),
+            stdout.contains(&format!(
+                "  {} -> {}; tokenizer: the engine's POST /tokenize\n",
+                name(engine),
+                url(engine)
+            )),
             "{stdout}"
         );
     }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kv_indexer::select::Clock;
-use kv_indexer_sim::fleet::Fleet;
+use kv_indexer_sim::fleet::{Fleet, RankRef};
 use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, EngineToml};
 use kv_indexer_sim::openai::{Fault, OpenAiConfig, TokensDetails};
 use kv_indexer_sim::process::IndexerProcess;
@@ -19,7 +19,7 @@ use kv_indexer_sim::tokenizer_dir;
 use serde_json::{json, Value};
 use support::http_client::{get, metric_value, wait_for, Connection, Reply};
 use support::routed::{
-    fleet_toml, rank_name, raw_engine, routed, routed_with, routing_to, Routed, MODEL,
+    fleet_toml, rank_name, raw_engine, routed, routed_with, routing_to, warm_at, Routed, MODEL,
 };
 use support::sse_client::{self, Answer};
 use support::start_service_with_select_clock;
@@ -1981,4 +1981,243 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
         "the warm rank's cost is its outside load: {explained}"
     );
     drop(heavy);
+}
+
+/// `routed` with `engines` engines of two ranks each, the indexer given no tokenizer (the
+/// engines keep theirs, and serve `/tokenize` with it).
+fn routed_without_tokenizer(engines: usize, keys: &[(&str, &str)]) -> Routed {
+    let no_tokenizer = |_, engine| EngineToml {
+        tokenizer: None,
+        ..engine
+    };
+    routed_with(
+        engines,
+        2,
+        OpenAiConfig::default(),
+        keys,
+        &no_tokenizer,
+        "/ready",
+    )
+}
+
+fn load_only(routed: &Routed, reason: &str) -> f64 {
+    routed.metric(&format!(
+        "kv_indexer_route_load_only_total{{reason=\"{reason}\"}}"
+    ))
+}
+
+#[test]
+fn without_a_local_tokenizer_a_prompt_is_tokenized_by_its_engine_and_goes_to_the_warm_rank() {
+    let routed = routed_without_tokenizer(2, &[]);
+    let asked = |routed: &Routed| -> Vec<u64> {
+        (0..2)
+            .map(|engine| routed.server(engine).tokenize_requests())
+            .collect()
+    };
+    let body = chat("lighthouses", false);
+    routed.warm(1, 1, "/v1/chat/completions", &body);
+    let before = asked(&routed);
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(1, 1).as_str())
+    );
+    assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("engine"));
+    assert_eq!(reply.header("x-kv-indexer-routing"), None);
+    let predicted: u64 = reply
+        .header("x-kv-indexer-predicted-cached-tokens")
+        .and_then(|n| n.parse().ok())
+        .expect("the prediction header");
+    let cached = cached_tokens(&reply.json());
+    assert!(predicted > 0, "predicted {predicted}");
+    assert_eq!(predicted, cached, "the engine's ids are the ones it cached");
+
+    // One engine was asked, once, with vLLM's chat tokenize body.
+    let after = asked(&routed);
+    let grown: Vec<usize> = (0..2).filter(|&e| after[e] > before[e]).collect();
+    assert_eq!(grown.len(), 1, "{before:?} -> {after:?}");
+    assert_eq!(after[grown[0]], before[grown[0]] + 1);
+    let seen = routed
+        .server(grown[0])
+        .last_tokenize()
+        .expect("a /tokenize");
+    let sent: Value = serde_json::from_slice(&seen.body).expect("JSON");
+    assert_eq!(
+        sent,
+        json!({"model": MODEL, "messages": body["messages"], "add_generation_prompt": true})
+    );
+    assert_eq!(seen.header("content-type"), Some("application/json"));
+
+    let body = completion("a dragon slept");
+    routed.warm(0, 1, "/v1/completions", &body);
+    let reply = routed.send("/v1/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(0, 1).as_str())
+    );
+    assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("engine"));
+    assert!(cached_tokens(&reply.json()) > 0);
+    assert_eq!(load_only(&routed, "no_tokenizer"), 0.0);
+    assert_eq!(load_only(&routed, "engine_tokenize_failed"), 0.0);
+    routed.all_released("two answers");
+}
+
+#[test]
+fn an_engine_tokenize_that_hangs_or_fails_is_routed_by_load_alone_within_its_timeout() {
+    let routed = routed_without_tokenizer(1, &[("engine_tokenize_timeout_ms", "300")]);
+    let server = routed.server(0);
+    let body = chat("tides", false);
+    let faults = [
+        (
+            Fault::Stall(Duration::from_secs(5)),
+            "no whole answer within 300 ms",
+        ),
+        (Fault::Status(500), "answered 500"),
+        (Fault::BreakAfter(0), "the answer broke"),
+    ];
+    for (failed, (fault, why)) in faults.into_iter().enumerate() {
+        server.inject_tokenize(fault, 1);
+        let started = std::time::Instant::now();
+        let reply = routed.send("/v1/chat/completions", &body);
+        let took = started.elapsed();
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(took < Duration::from_secs(2), "{why}: {took:?}");
+        assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("none"));
+        let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+        assert!(
+            routing.starts_with("load only: POST http://") && routing.contains(why),
+            "{routing:?}"
+        );
+        assert_eq!(
+            load_only(&routed, "engine_tokenize_failed"),
+            (failed + 1) as f64
+        );
+    }
+    // A failure is not remembered: the next prompt is asked for, and tokenized.
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("engine"));
+    assert_eq!(server.tokenize_requests(), 4);
+    routed.all_released("four answers");
+}
+
+#[test]
+fn an_engine_without_tokenize_is_asked_once_and_then_left_alone() {
+    let routed = routed_without_tokenizer(1, &[]);
+    let server = routed.server(0);
+    server.inject_tokenize(Fault::Status(404), 1);
+    let body = chat("harbours", false);
+    let reply = routed.send("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+    assert!(routing.contains("answered 404"), "{routing:?}");
+    assert_eq!(load_only(&routed, "engine_tokenize_failed"), 1.0);
+    for _ in 0..3 {
+        let reply = routed.send("/v1/chat/completions", &body);
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("none"));
+        let routing = reply.header("x-kv-indexer-routing").unwrap_or_default();
+        assert!(routing.contains("POST /tokenize"), "{routing:?}");
+    }
+    assert_eq!(server.tokenize_requests(), 1, "asked once");
+    assert_eq!(load_only(&routed, "no_tokenizer"), 3.0);
+    assert_eq!(load_only(&routed, "engine_tokenize_failed"), 1.0);
+}
+
+#[test]
+fn a_tokenizer_in_the_hugging_face_cache_is_found_used_and_shown() {
+    // The hub's layout, holding the engines' own tokenizer files.
+    let files = tempfile::tempdir().expect("temp dir");
+    tokenizer_dir::write_all(files.path()).expect("tokenizer directories");
+    let hub = tempfile::tempdir().expect("temp dir");
+    let model_dir = hub.path().join(format!("models--{MODEL}"));
+    let snapshot = model_dir.join("snapshots/5e3a1c0ffee");
+    std::fs::create_dir_all(&snapshot).expect("mkdir");
+    for file in std::fs::read_dir(files.path().join(MODEL)).expect("the files") {
+        let file = file.expect("a file").path();
+        std::fs::copy(&file, snapshot.join(file.file_name().expect("a name"))).expect("copy");
+    }
+    std::fs::create_dir_all(model_dir.join("refs")).expect("mkdir");
+    std::fs::write(model_dir.join("refs/main"), "5e3a1c0ffee").expect("refs/main");
+
+    // Engines are never asked: the cache's tokenizer is the only one.
+    let route = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+    let no_tokenizer = |_, engine| EngineToml {
+        tokenizer: None,
+        ..engine
+    };
+    let keys = [("engine_tokenize_timeout_ms", "0")];
+    let (fleet, toml, _tokenizers) = fleet_toml(
+        1,
+        2,
+        OpenAiConfig::default(),
+        &route.to_string(),
+        &keys,
+        &no_tokenizer,
+    );
+    let env = [("HF_HUB_CACHE".to_owned(), hub.path().display().to_string())];
+    let process = IndexerProcess::launch(support::indexer_binary(), &toml)
+        .log_filter("info")
+        .env(&env)
+        .start(Duration::from_secs(10))
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    wait_for(30, "every rank to be active", || {
+        (get(process.address, "/ready").status == 200).then_some(())
+    });
+    let shown = format!("tokenizer {}", snapshot.display());
+    assert!(
+        process
+            .log()
+            .contains(&format!("{shown} (from the Hugging Face cache)")),
+        "{}",
+        process.log()
+    );
+
+    let server = fleet
+        .engine(RankRef { engine: 0, rank: 0 })
+        .openai()
+        .expect("an OpenAI server");
+    let body = chat("harbours", false);
+    warm_at(
+        &server,
+        process.address,
+        0,
+        1,
+        "/v1/chat/completions",
+        &body,
+    );
+    let warmed = server.tokenize_requests();
+    let reply = Connection::open(route).send(
+        "POST",
+        "/v1/chat/completions",
+        Some(body.to_string().as_bytes()),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-kv-indexer-rank"),
+        Some(rank_name(0, 1).as_str())
+    );
+    assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("hf_cache"));
+    assert!(cached_tokens(&reply.json()) > 0);
+    assert_eq!(
+        server.tokenize_requests(),
+        warmed,
+        "the engine was not asked"
+    );
+
+    // `--check` shows where the tokenizer comes from.
+    let check = std::process::Command::new(support::indexer_binary())
+        .arg("--check")
+        .arg("--config")
+        .arg(process.config_path())
+        .env("HF_HUB_CACHE", hub.path())
+        .output()
+        .expect("kv-indexer --check");
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{check:?}");
+    assert!(
+        stdout.contains(&format!("{shown} (Hugging Face cache)")),
+        "{stdout}"
+    );
 }

@@ -48,6 +48,13 @@ pub const DEFAULT_RESPONSES_REMEMBERED: usize = 100_000;
 /// The most `responses_remembered` may be.
 pub const MAX_RESPONSES_REMEMBERED: usize = 10_000_000;
 
+/// How long the front end waits for an engine's `POST /tokenize` when no tokenizer of a model
+/// is local: vLLM answers in a few milliseconds, and every routed request of that model waits
+/// this long at worst before it is routed by load alone.
+pub const DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS: u32 = 500;
+/// The longest `engine_tokenize_timeout_ms` may be: the prompt waits for it before routing.
+pub const MAX_ENGINE_TOKENIZE_TIMEOUT_MS: u32 = 60_000;
+
 /// The `[route]` table, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Route {
@@ -70,6 +77,8 @@ pub struct Route {
     /// `/v1/responses` ids remembered with the engine that created them (least recently used
     /// forgotten first); 0 remembers none.
     pub responses_remembered: usize,
+    /// How long an engine's `POST /tokenize` may take (0: engines are never asked).
+    pub engine_tokenize_timeout_ms: u32,
 }
 
 impl Route {
@@ -89,6 +98,7 @@ impl Route {
             healthy_threshold: DEFAULT_HEALTHY_THRESHOLD,
             drain_s: DEFAULT_DRAIN_S,
             responses_remembered: DEFAULT_RESPONSES_REMEMBERED,
+            engine_tokenize_timeout_ms: DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS,
         }
     }
 }
@@ -110,7 +120,7 @@ pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
             new.auth_token_file.clone().unwrap_or_else(none),
         );
         type Read = fn(&Route) -> u32;
-        let numbers: [(&str, Read); 9] = [
+        let numbers: [(&str, Read); 10] = [
             ("first_byte_timeout_s", |r| r.first_byte_timeout_s),
             ("idle_timeout_s", |r| r.idle_timeout_s),
             ("connect_timeout_s", |r| r.connect_timeout_s),
@@ -121,6 +131,9 @@ pub fn route_changes(old: &super::Config, new: &super::Config) -> Vec<String> {
             ("drain_s", |r| r.drain_s),
             ("responses_remembered", |r| {
                 u32::try_from(r.responses_remembered).unwrap_or(u32::MAX)
+            }),
+            ("engine_tokenize_timeout_ms", |r| {
+                r.engine_tokenize_timeout_ms
             }),
         ];
         for (key, value) in numbers {
@@ -185,6 +198,7 @@ struct RawRoute {
     healthy_threshold: Option<Spanned<Int>>,
     drain_s: Option<Spanned<Int>>,
     responses_remembered: Option<Spanned<Int>>,
+    engine_tokenize_timeout_ms: Option<Spanned<Int>>,
 }
 
 /// Reads `[route]`; `None` when a key is wrong or `listen` is missing (each reported).
@@ -281,6 +295,16 @@ pub(super) fn check_route(
                 .filter(|n| *n <= MAX_RESPONSES_REMEMBERED)
         },
     );
+    let engine_tokenize_timeout_ms = checker.int(
+        "engine_tokenize_timeout_ms",
+        raw.engine_tokenize_timeout_ms,
+        &format!("0..={MAX_ENGINE_TOKENIZE_TIMEOUT_MS} (milliseconds; 0: engines are never asked)"),
+        |n| {
+            u32::try_from(n)
+                .ok()
+                .filter(|ms| *ms <= MAX_ENGINE_TOKENIZE_TIMEOUT_MS)
+        },
+    );
     let listen = match listen.optional()? {
         Some(listen) => listen,
         None => {
@@ -303,37 +327,55 @@ pub(super) fn check_route(
         healthy_threshold: healthy_threshold.or_default_to(DEFAULT_HEALTHY_THRESHOLD)?,
         drain_s: drain_s.or_default_to(DEFAULT_DRAIN_S)?,
         responses_remembered: responses_remembered.or_default_to(DEFAULT_RESPONSES_REMEMBERED)?,
+        engine_tokenize_timeout_ms: engine_tokenize_timeout_ms
+            .or_default_to(DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS)?,
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{Config, ConfigError};
+    use crate::config::Config;
 
-    /// `drain_s` of a file whose `[route]` table also has `keys`, or the rejection.
-    fn drain_s(keys: &str) -> Result<u32, ConfigError> {
+    /// The `[route]` table of a file whose `[route]` also has `keys`, or the rejection.
+    fn route(keys: &str) -> Result<super::Route, String> {
         let text = format!(
             "[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nzmq_port = 5557\n\n[route]\n\
              listen = \"127.0.0.1:8080\"\n{keys}"
         );
-        Config::parse(&text, "indexer.toml").map(|config| config.route.expect("[route]").drain_s)
+        Config::parse(&text, "indexer.toml")
+            .map(|config| config.route.expect("[route]"))
+            .map_err(|rejected| format!("{rejected:#}"))
     }
 
     #[test]
     fn responses_remembered_defaults_to_100000_and_takes_0_to_10_million() {
-        let remembered = |keys: &str| {
-            let text = format!(
-                "[[engine]]\nname = \"a\"\nhost = \"127.0.0.1\"\nzmq_port = 5557\n\n[route]\n\
-                 listen = \"127.0.0.1:8080\"\n{keys}"
-            );
-            Config::parse(&text, "indexer.toml")
-                .map(|config| config.route.expect("[route]").responses_remembered)
-                .map_err(|rejected| format!("{rejected:#}"))
-        };
+        let remembered = |keys: &str| route(keys).map(|route| route.responses_remembered);
         assert_eq!(remembered(""), Ok(super::DEFAULT_RESPONSES_REMEMBERED));
         assert_eq!(remembered("responses_remembered = 0"), Ok(0));
         let rejected = remembered("responses_remembered = 10000001").expect_err("too many");
         assert!(rejected.contains("responses_remembered"), "{rejected}");
+    }
+
+    fn drain_s(keys: &str) -> Result<u32, String> {
+        route(keys).map(|route| route.drain_s)
+    }
+
+    #[test]
+    fn engine_tokenize_timeout_ms_defaults_to_500_and_takes_0_to_a_minute() {
+        let timeout = |keys: &str| route(keys).map(|route| route.engine_tokenize_timeout_ms);
+        assert_eq!(timeout(""), Ok(super::DEFAULT_ENGINE_TOKENIZE_TIMEOUT_MS));
+        assert_eq!(timeout("engine_tokenize_timeout_ms = 0"), Ok(0));
+        assert_eq!(timeout("engine_tokenize_timeout_ms = 60000"), Ok(60_000));
+        for refused in [
+            "engine_tokenize_timeout_ms = -1",
+            "engine_tokenize_timeout_ms = 60001",
+        ] {
+            let rejected = timeout(refused).expect_err(refused);
+            assert!(
+                rejected.contains("engine_tokenize_timeout_ms"),
+                "{rejected}"
+            );
+        }
     }
 
     #[test]

@@ -68,15 +68,19 @@ pub enum LoadOnly {
     index_not_ready,
     /// The chosen rank's engine publishes no KV events.
     no_events,
+    /// No tokenizer is local and the engine's `POST /tokenize` failed (no answer in time, an
+    /// error status, an unreadable or oversized answer).
+    engine_tokenize_failed,
 }
 
 impl LoadOnly {
-    pub const ALL: [LoadOnly; 5] = [
+    pub const ALL: [LoadOnly; 6] = [
         LoadOnly::no_tokenizer,
         LoadOnly::prompt_not_tokenized,
         LoadOnly::event_link_down,
         LoadOnly::index_not_ready,
         LoadOnly::no_events,
+        LoadOnly::engine_tokenize_failed,
     ];
 }
 

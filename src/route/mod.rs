@@ -4,7 +4,8 @@
 //! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
 //! `POST /v1/chat/completions`, `/v1/completions` or `/v1/responses` (`responses`) it tokenizes
 //! the prompt as `/select` does, behind the same gate and length limit (`tokenizing`; a model
-//! without a tokenizer is routed by load alone, and the answer says so), chooses and reserves a
+//! without a local tokenizer is tokenized by its engine's `/tokenize`, `engine_tokenize`, else
+//! routed by load alone, and the answer says which), chooses and reserves a
 //! rank with `select`, forwards the body to the rank's engine (`upstream`) with
 //! `X-data-parallel-rank`, and passes the answer on (`pass_on`, `passing`): the reservation is
 //! completed at the engine's first byte, the engine's `cached_tokens` is weighed against the
@@ -25,6 +26,7 @@
 
 mod answers;
 mod engine_http;
+mod engine_tokenize;
 mod explain;
 mod health;
 mod models;
@@ -61,6 +63,7 @@ use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector};
 use crate::tokenize::SharedTokenizers;
 use answers::{insert, json_response};
+use engine_tokenize::EngineTokenizing;
 use passing::Ticket;
 use request::{with_usage, Kind, OpenAiRequest};
 use responses::Remembered;
@@ -158,6 +161,7 @@ pub struct RouteFront {
     remembered: Arc<Remembered>,
     /// `/v1/models` as merged last (`models`).
     listed: models::Listed,
+    engine_tokenizing: EngineTokenizing,
 }
 
 /// What the front end reads, handed over by the service.
@@ -193,6 +197,7 @@ impl RouteFront {
             max_concurrent: route.max_concurrent_requests,
             remembered: Arc::new(Remembered::new(route.responses_remembered)),
             listed: models::Listed::default(),
+            engine_tokenizing: EngineTokenizing::default(),
         })
     }
 
@@ -312,7 +317,7 @@ impl RouteFront {
             Some(changed) => Bytes::from(changed),
             None => Bytes::from(body),
         };
-        let (parsed, prompt) = match self.tokenized(parsed).await {
+        let (parsed, prompt) = match self.tokenized(parsed, &body).await {
             Ok(tokenized) => tokenized,
             Err(refused) => return self.not_tokenized(refused),
         };

@@ -52,6 +52,7 @@ impl RouteFront {
             "x-kv-indexer-predicted-cached-tokens",
             &selection.predicted_cached_tokens.to_string(),
         );
+        insert(headers, "x-kv-indexer-tokenizer", prompt.from.name());
         let load_only = match (&prompt.load_only, selection.unindexed) {
             (Some((reason, why)), _) => Some((*reason, why.clone())),
             (None, Some(unindexed)) => Some((

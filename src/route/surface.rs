@@ -18,7 +18,7 @@ use hyper::{Response, StatusCode};
 use serde::Deserialize;
 
 use super::answers::{insert, json_answer};
-use super::tokenizing::Tokenized;
+use super::tokenizing::{Tokenized, TokensFrom};
 use super::RouteFront;
 use crate::http::{AnswerBody, Request};
 
@@ -106,6 +106,7 @@ impl RouteFront {
             tokens: Vec::new(),
             model,
             load_only: None,
+            from: TokensFrom::Nothing,
         };
         self.send(request, out, prompt, place).await
     }
@@ -140,6 +141,7 @@ impl RouteFront {
             tokens: Vec::new(),
             model: None,
             load_only: None,
+            from: TokensFrom::Nothing,
         };
         self.send(request, out, prompt, place).await
     }

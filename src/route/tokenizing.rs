@@ -1,15 +1,19 @@
 //! A routed request's prompt made token ids for the choice: as `/select` does, behind the same
-//! bounds (`tokenize::gate`, a model's length limit).
+//! bounds (`tokenize::gate`, a model's length limit), with its model's local tokenizer (its
+//! `tokenizer` directory, else the Hugging Face cache's), else by an engine's `POST /tokenize`
+//! (`engine_tokenize`).
 //!
 //! Owns: which prompts are tokenized, where (here for a short one, on the gate's threads for a
-//! long one), and the answer to one that is not (400, 413, 429). Never: tokenizes past the gate
-//! or waits for a client that has gone.
+//! long one, at the engine when no tokenizer is local), the `x-kv-indexer-tokenizer` header
+//! naming which, and the answer to one that is not (400, 413, 429). Never: tokenizes past the
+//! gate or waits for a client that has gone.
 
 use std::sync::Arc;
 
 use hyper::{Response, StatusCode};
 
 use super::request::{OpenAiRequest, PromptSource};
+use super::upstream::Server;
 use super::{insert, RouteFront};
 use crate::http::AnswerBody;
 use crate::metrics::LoadOnly;
@@ -26,9 +30,14 @@ impl RouteFront {
     pub(super) async fn tokenized(
         self: &Arc<Self>,
         parsed: OpenAiRequest,
+        body: &[u8],
     ) -> Result<(OpenAiRequest, Tokenized), NotTokenized> {
         let bytes = match self.work(&parsed) {
             Work::Done(tokenized) => return Ok((parsed, tokenized)),
+            Work::Engine(server) => {
+                let tokenized = self.engine_tokenized(&server, &parsed, body).await;
+                return Ok((parsed, tokenized));
+            }
             Work::Encode(tokenizers, prompt) => {
                 tokenizers
                     .check_length(parsed.model.as_deref(), &prompt)
@@ -65,12 +74,12 @@ impl RouteFront {
     }
 
     /// What `parsed`'s prompt needs: nothing more (token ids, or a reason to route by load
-    /// alone), or its model's tokenizer.
+    /// alone), its model's tokenizer, or an engine's.
     fn work<'a>(&self, parsed: &'a OpenAiRequest) -> Work<'a> {
         let model = parsed.model.clone();
         let text = match &parsed.prompt {
             PromptSource::Tokens(tokens) => {
-                return Work::Done(Tokenized::ids(tokens.clone(), model))
+                return Work::Done(Tokenized::ids(tokens.clone(), model, TokensFrom::Request))
             }
             PromptSource::Unreadable(why) => {
                 return Work::Done(Tokenized::load_only(
@@ -91,11 +100,10 @@ impl RouteFront {
             None => !tokenizers.is_empty(),
         };
         if !known {
-            let why = match &model {
-                Some(model) => format!("no tokenizer for model {model:?}"),
-                None => "no tokenizer in the configuration".to_owned(),
+            return match self.tokenizing_server(model.as_deref()) {
+                Ok(server) => Work::Engine(server),
+                Err(why) => Work::Done(Tokenized::load_only(LoadOnly::no_tokenizer, why, model)),
             };
-            return Work::Done(Tokenized::load_only(LoadOnly::no_tokenizer, why, model));
         }
         Work::Encode(tokenizers, text)
     }
@@ -104,11 +112,23 @@ impl RouteFront {
     fn tokenize(&self, parsed: &OpenAiRequest) -> Result<Tokenized, NotTokenized> {
         let (tokenizers, text) = match self.work(parsed) {
             Work::Done(tokenized) => return Ok(tokenized),
+            Work::Engine(_) => {
+                // The model's tokenizer went with a reload while the prompt waited.
+                let why = "its tokenizer was reloaded away while the prompt waited".to_owned();
+                let model = parsed.model.clone();
+                return Ok(Tokenized::load_only(LoadOnly::no_tokenizer, why, model));
+            }
             Work::Encode(tokenizers, text) => (tokenizers, text),
         };
         let mut ids = Vec::new();
         match tokenizers.encode(parsed.model.as_deref(), &text, &mut ids) {
-            Ok(model) => Ok(Tokenized::ids(ids, Some(model.to_owned()))),
+            Ok(model) => {
+                let from = match tokenizers.source(model) {
+                    Some(tokenize::Source::HfCache) => TokensFrom::HfCache,
+                    _ => TokensFrom::Configured,
+                };
+                Ok(Tokenized::ids(ids, Some(model.to_owned()), from))
+            }
             Err(tokenize::EncodeError::Unreadable(why)) => Ok(Tokenized::load_only(
                 LoadOnly::prompt_not_tokenized,
                 why,
@@ -137,6 +157,8 @@ impl RouteFront {
 enum Work<'a> {
     Done(Tokenized),
     Encode(Arc<tokenize::Tokenizers>, tokenize::Prompt<'a>),
+    /// No tokenizer is local: this engine server's `POST /tokenize`.
+    Engine(Arc<Server>),
 }
 
 /// Why a request's prompt was not tokenized, each its own status.
@@ -153,20 +175,50 @@ pub(super) enum NotTokenized {
     Busy(Refused),
 }
 
+/// Where a prompt's ids came from: `x-kv-indexer-tokenizer` on its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TokensFrom {
+    /// The request gave them (`prompt` as token ids).
+    Request,
+    /// The model's `tokenizer` directory.
+    Configured,
+    /// The model's snapshot in the local Hugging Face cache.
+    HfCache,
+    /// The engine's `POST /tokenize`.
+    Engine,
+    /// Nowhere: the request is routed by load alone.
+    Nothing,
+}
+
+impl TokensFrom {
+    /// The header's value.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            TokensFrom::Request => "token_ids",
+            TokensFrom::Configured => "config",
+            TokensFrom::HfCache => "hf_cache",
+            TokensFrom::Engine => "engine",
+            TokensFrom::Nothing => "none",
+        }
+    }
+}
+
 /// A prompt as routing weighs it.
 pub(super) struct Tokenized {
     pub(super) tokens: Vec<u32>,
     pub(super) model: Option<String>,
     /// Why it is routed by load alone (no tokens).
     pub(super) load_only: Option<(LoadOnly, String)>,
+    pub(super) from: TokensFrom,
 }
 
 impl Tokenized {
-    pub(super) fn ids(tokens: Vec<u32>, model: Option<String>) -> Tokenized {
+    pub(super) fn ids(tokens: Vec<u32>, model: Option<String>, from: TokensFrom) -> Tokenized {
         Tokenized {
             tokens,
             model,
             load_only: None,
+            from,
         }
     }
 
@@ -175,6 +227,7 @@ impl Tokenized {
             tokens: Vec::new(),
             model,
             load_only: Some((reason, why)),
+            from: TokensFrom::Nothing,
         }
     }
 }

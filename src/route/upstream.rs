@@ -3,8 +3,9 @@
 //! client's headers but the hop-by-hop, proxy and `Authorization` ones, `Host` rewritten, the
 //! engine's own key and `X-data-parallel-rank` set, under the connect and first-byte timeouts,
 //! through `engine_http`'s pooled connections; a server's `GET /health`; and a whole small
-//! answer to a `GET`, bounded in time and size (`get_body`: an engine's load, without a key;
-//! `Upstream::get`: its `/v1/models`, with its key).
+//! answer to a `GET` or a JSON `POST`, bounded in time and size (`get_body`: an engine's load,
+//! without a key; `Upstream::get`: its `/v1/models`, and `Upstream::post_json`: its
+//! `/tokenize`, with its key).
 //!
 //! Owns: the headers an engine gets, the timeouts, and what each failure is (sent again or
 //! not, whether it says the server is down, and the status it ends in). Never: chooses a rank,
@@ -111,6 +112,8 @@ pub(super) struct Settings {
     pub(super) health_interval: Duration,
     pub(super) health_timeout: Duration,
     pub(super) thresholds: Thresholds,
+    /// How long an engine's `POST /tokenize` may take; zero: engines are never asked.
+    pub(super) engine_tokenize: Duration,
 }
 
 impl Settings {
@@ -126,6 +129,7 @@ impl Settings {
                 unhealthy: route.unhealthy_threshold,
                 healthy: route.healthy_threshold,
             },
+            engine_tokenize: Duration::from_millis(u64::from(route.engine_tokenize_timeout_ms)),
         }
     }
 }
@@ -286,11 +290,22 @@ pub(super) async fn get_body(
         url: url.clone(),
         api_key: None,
     };
-    get_whole(connections, &server, "", timeout, cap).await
+    let get = Line::get("");
+    whole_answer(
+        connections,
+        &server,
+        get,
+        HeaderMap::new(),
+        Bytes::new(),
+        timeout,
+        cap,
+    )
+    .await
+    .map_err(|failed| failed.to_string())
 }
 
 impl Upstream {
-    /// `GET path` on `server`, with the engine's key, as `get_body` reads it.
+    /// `GET path` on `server`, with the engine's key, as `get_body` reads it (its `/v1/models`).
     pub(super) async fn get(
         &self,
         server: &Server,
@@ -298,40 +313,90 @@ impl Upstream {
         timeout: Duration,
         cap: usize,
     ) -> Result<Bytes, String> {
-        get_whole(&self.connections, server, path, timeout, cap).await
+        let get = Line::get(path);
+        whole_answer(
+            &self.connections,
+            server,
+            get,
+            HeaderMap::new(),
+            Bytes::new(),
+            timeout,
+            cap,
+        )
+        .await
+        .map_err(|failed| failed.to_string())
     }
 }
 
-/// `GET path` under `server`'s URL within `timeout`, its whole answer at most `cap` bytes.
-async fn get_whole(
+/// Why a whole answer was not read.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Fetch {
+    #[error("answered {0}")]
+    Status(StatusCode),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// `line` with `headers` and `body` to `server` within `timeout`, connecting and reading the
+/// whole answer: its body when the status is 200 and the body at most `cap` bytes.
+async fn whole_answer(
     connections: &Arc<Connections>,
     server: &Server,
-    path: &str,
+    line: Line<'_>,
+    headers: HeaderMap,
+    body: Bytes,
     timeout: Duration,
     cap: usize,
-) -> Result<Bytes, String> {
+) -> Result<Bytes, Fetch> {
     use http_body_util::{BodyExt, Limited};
-    let (authority, head) = build(server, Line::get(path), &HeaderMap::new(), 0, None)?;
-    let no_body = Bytes::new();
+    let (authority, head) =
+        build(server, line, &headers, body.len(), None).map_err(Fetch::Failed)?;
     let fetching = async {
-        let (parts, body) = connections
-            .send(&authority, timeout, &head, &no_body)
+        let (parts, answer) = connections
+            .send(&authority, timeout, &head, &body)
             .await
-            .map_err(|error| error.to_string())?;
+            .map_err(|error| Fetch::Failed(error.to_string()))?;
         if parts.status != StatusCode::OK {
-            return Err(format!("answered {}", parts.status));
+            // Dropped unread: its connection closes rather than go back to the pool.
+            return Err(Fetch::Status(parts.status));
         }
-        let collected = Limited::new(body, cap).collect().await.map_err(|err| {
-            match err.downcast_ref::<http_body_util::LengthLimitError>() {
-                Some(_) => format!("the answer is larger than {cap} bytes"),
-                None => format!("the answer broke: {err}"),
-            }
+        let collected = Limited::new(answer, cap).collect().await.map_err(|err| {
+            Fetch::Failed(
+                match err.downcast_ref::<http_body_util::LengthLimitError>() {
+                    Some(_) => format!("the answer is larger than {cap} bytes"),
+                    None => format!("the answer broke: {err}"),
+                },
+            )
         })?;
         Ok(collected.to_bytes())
     };
     match tokio::time::timeout(timeout, fetching).await {
-        Err(_) => Err(format!("no whole answer within {} ms", timeout.as_millis())),
+        Err(_) => Err(Fetch::Failed(format!(
+            "no whole answer within {} ms",
+            timeout.as_millis()
+        ))),
         Ok(fetched) => fetched,
+    }
+}
+
+impl Upstream {
+    /// `POST path` of `server` with the JSON `body` and the engine's key, its whole answer
+    /// within `timeout` and `cap` bytes (an engine's `/tokenize`).
+    pub(super) async fn post_json(
+        &self,
+        server: &Server,
+        path: &str,
+        body: Bytes,
+        timeout: Duration,
+        cap: usize,
+    ) -> Result<Bytes, Fetch> {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
+        let post = Line::of(&hyper::Method::POST, path, None);
+        whole_answer(&self.connections, server, post, headers, body, timeout, cap).await
     }
 }
 

@@ -50,7 +50,7 @@ use crate::plan;
 use crate::registry::{self, Reconciler, Registry, ReloadDiff, Runner, ShutdownSignal};
 use crate::route::{RouteFront, RouteParts, Scraper};
 use crate::select::{Clock, Selector};
-use crate::tokenize::{SharedTokenizers, Tokenizers};
+use crate::tokenize::{hf_cache, SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
 use reload::{board_engines, Followers, Reloader};
@@ -504,15 +504,18 @@ fn route_limits(route: &crate::config::Route) -> ServerLimits {
 /// Bodies over 1 KiB the route front end reads at once: 256 × 16 MiB bound their memory.
 const ROUTE_UPLOADS: usize = 256;
 
-/// Every engine's tokenizer, sharing what `previous` already holds; the error names the file.
+/// Every engine's tokenizer, sharing what `previous` already holds: its `tokenizer`
+/// directory (the error names the file), else its model's in the Hugging Face cache.
 pub(super) fn load_tokenizers(
     config: &Config,
     previous: &Tokenizers,
 ) -> anyhow::Result<Tokenizers> {
-    let tokenizers = Tokenizers::load(config.tokenizers(), previous)?;
+    let mut tokenizers = Tokenizers::load(config.tokenizers(), previous)?;
     for (model, dir) in tokenizers.dirs() {
         info!("model {model:?}: tokenizer {}", dir.display());
     }
+    let models = config.engines.iter().filter_map(|e| e.model.as_deref());
+    tokenizers.add_from_hf_cache(models, hf_cache::hub_root().as_deref(), previous);
     Ok(tokenizers)
 }
 

@@ -5,26 +5,30 @@
 //! does; `conversation` builds the messages a template is given as vLLM builds them, in the
 //! content form `content_format` finds for the template; `template` renders chat templates as
 //! transformers does; `pieces` tokenizes rendered text a piece at a time with a bounded cache;
-//! `limit` is the longest prompt a model takes; `gate` bounds the tokenizing that runs at once.
+//! `limit` is the longest prompt a model takes; `gate` bounds the tokenizing that runs at once;
+//! `hf_cache` finds a model's tokenizer in the local Hugging Face cache.
 //! This module keeps the set of loaded tokenizers, one for each model (engines serving the same
-//! `model` share it), loaded at start and on reload, with the one gate every route tokenizes
-//! behind. Owns: which model names have a tokenizer. Never: reads the index, or decides what a
+//! `model` share it), loaded at start and on reload (a configured directory first, else the
+//! Hugging Face cache's), with the one gate every route tokenizes behind. Owns: which model
+//! names have a tokenizer, and where each was found. Never: reads the index, or decides what a
 //! route answers (a `Refused` prompt is a 400 there, an `Unreadable` one is routed by load
 //! alone, a `TooLong` one is a 413).
 
 mod content_format;
 mod conversation;
 pub mod gate;
+pub mod hf_cache;
 mod limit;
 mod model;
 mod pieces;
 mod template;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+use log::{debug, info, warn};
 use parking_lot::RwLock;
 
 use gate::Gate;
@@ -35,6 +39,17 @@ pub use model::{EncodeError, ModelTokenizer, PromptError};
 #[derive(Default)]
 pub struct Tokenizers {
     by_model: BTreeMap<String, Arc<ModelTokenizer>>,
+    /// The models whose tokenizer was found in the Hugging Face cache, not configured.
+    from_hf_cache: BTreeSet<String>,
+}
+
+/// Where a model's tokenizer was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The engine's `tokenizer` directory.
+    Configured,
+    /// The model's snapshot in the local Hugging Face cache (`hf_cache`).
+    HfCache,
 }
 
 /// A request's prompt in one of the forms the JSON bodies accept instead of `token_ids`.
@@ -75,7 +90,63 @@ impl Tokenizers {
             };
             by_model.insert(model.to_string(), loaded);
         }
-        Ok(Tokenizers { by_model })
+        Ok(Tokenizers {
+            by_model,
+            from_hf_cache: BTreeSet::new(),
+        })
+    }
+
+    /// Adds the tokenizer of each of `models` that has none from its snapshot in the Hugging
+    /// Face cache at `root`, read-only, sharing what `previous` holds. A model not there is
+    /// left without (logged at debug); one whose files do not load is warned about and left
+    /// without: the cache is a fallback, never a reason to refuse a start or a reload.
+    pub fn add_from_hf_cache<'a>(
+        &mut self,
+        models: impl IntoIterator<Item = &'a str>,
+        root: Option<&Path>,
+        previous: &Tokenizers,
+    ) {
+        for model in models {
+            if self.by_model.contains_key(model) {
+                continue;
+            }
+            let found = root
+                .ok_or(hf_cache::Missing::NoRoot)
+                .and_then(|root| hf_cache::snapshot(root, model));
+            let dir = match found {
+                Ok(dir) => dir,
+                Err(missing) => {
+                    debug!("model {model:?}: not in the Hugging Face cache: {missing}");
+                    continue;
+                }
+            };
+            let loaded = match previous.by_model.get(model) {
+                Some(kept) if kept.dir() == dir => Ok(Arc::clone(kept)),
+                _ => ModelTokenizer::load(&dir).map(Arc::new),
+            };
+            match loaded {
+                Ok(tokenizer) => {
+                    info!(
+                        "model {model:?}: tokenizer {} (from the Hugging Face cache)",
+                        dir.display()
+                    );
+                    self.by_model.insert(model.to_owned(), tokenizer);
+                    self.from_hf_cache.insert(model.to_owned());
+                }
+                Err(error) => warn!(
+                    "model {model:?}: the Hugging Face cache's tokenizer does not load, so it is                      not used: {error:#}"
+                ),
+            }
+        }
+    }
+
+    /// Where `model`'s tokenizer was read from, if it has one.
+    pub fn source(&self, model: &str) -> Option<Source> {
+        self.by_model.get(model)?;
+        Some(match self.from_hf_cache.contains(model) {
+            true => Source::HfCache,
+            false => Source::Configured,
+        })
     }
 
     /// The models that have a tokenizer, sorted.

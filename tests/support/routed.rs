@@ -150,43 +150,7 @@ impl Routed {
     /// Serves `body` on `engine`'s rank `rank` directly (not through the front end), and waits
     /// until the index shows that rank holding the prompt's blocks.
     pub fn warm(&self, engine: usize, rank: u32, path: &str, body: &Value) {
-        let url = self.server(engine).url();
-        let addr: SocketAddr = url
-            .trim_start_matches("http://")
-            .parse()
-            .expect("an IP:port");
-        let rank_header = rank.to_string();
-        let reply = Connection::open(addr).send_with(
-            "POST",
-            path,
-            &[
-                ("Content-Type", "application/json"),
-                ("X-data-parallel-rank", &rank_header),
-            ],
-            Some(body.to_string().as_bytes()),
-        );
-        assert_eq!(reply.status, 200, "{}", reply.text());
-        let query = match path {
-            "/v1/chat/completions" => json!({ "model": MODEL, "messages": body["messages"] }),
-            _ => json!({ "model": MODEL, "prompt": body["prompt"] }),
-        };
-        let instance = Fleet::name(engine);
-        wait_for(20, "the index to hold the warmed prompt", || {
-            let answer = Connection::open(self.api).send(
-                "POST",
-                "/query",
-                Some(query.to_string().as_bytes()),
-            );
-            let scores = answer.json()["scores"].as_array()?.clone();
-            scores
-                .iter()
-                .any(|s| {
-                    s["instance"] == instance
-                        && s["dp_rank"] == rank
-                        && s["matched_blocks"].as_u64() > Some(0)
-                })
-                .then_some(())
-        });
+        warm_at(&self.server(engine), self.api, engine, rank, path, body);
     }
 
     /// `GET /loads`' reservations over every rank.
@@ -274,4 +238,54 @@ pub fn routing_to(engine: SocketAddr) -> RunningService {
         }],
     ) + &route_table("127.0.0.1:0", &[("health_interval_s", "0")]);
     super::start_service(&toml)
+}
+
+/// Serves `body` on rank `rank` of `server` (engine `engine`) directly, and waits until the
+/// index behind `api` shows that rank holding the prompt's blocks (its ids as the engine's
+/// `/tokenize` makes them: the indexer may have no tokenizer of its own).
+pub fn warm_at(
+    server: &OpenAiServer,
+    api: SocketAddr,
+    engine: usize,
+    rank: u32,
+    path: &str,
+    body: &Value,
+) {
+    let addr: SocketAddr = server
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IP:port");
+    let rank_header = rank.to_string();
+    let reply = Connection::open(addr).send_with(
+        "POST",
+        path,
+        &[
+            ("Content-Type", "application/json"),
+            ("X-data-parallel-rank", &rank_header),
+        ],
+        Some(body.to_string().as_bytes()),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let asked = match path {
+        "/v1/chat/completions" => json!({ "model": MODEL, "messages": body["messages"] }),
+        _ => json!({ "model": MODEL, "prompt": body["prompt"] }),
+    };
+    let ids = Connection::open(addr).send("POST", "/tokenize", Some(asked.to_string().as_bytes()));
+    assert_eq!(ids.status, 200, "{}", ids.text());
+    let query = json!({ "model": MODEL, "token_ids": ids.json()["tokens"] });
+    let instance = Fleet::name(engine);
+    wait_for(20, "the index to hold the warmed prompt", || {
+        let answer =
+            Connection::open(api).send("POST", "/query", Some(query.to_string().as_bytes()));
+        let scores = answer.json()["scores"].as_array()?.clone();
+        scores
+            .iter()
+            .any(|s| {
+                s["instance"] == instance
+                    && s["dp_rank"] == rank
+                    && s["matched_blocks"].as_u64() > Some(0)
+            })
+            .then_some(())
+    });
 }
