@@ -417,3 +417,115 @@ fn help_says_it_routes_and_how_to_start_from_urls() {
         "{stdout}"
     );
 }
+
+/// A child process killed when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// README "Quick start": the no-Docker routing demo, its three commands run as written but for
+/// their ports (free ones instead, so that tests run in parallel) and the tokenizers' directory
+/// (a temporary one): the simulated engine, the router from its URL alone, and the same chat
+/// twice, the second found cached on the rank the first went to.
+#[test]
+fn the_readmes_routing_demo_runs_as_written() {
+    let readme = include_str!("../README.md");
+    let demo: Vec<&str> = readme
+        .lines()
+        .skip_while(|line| {
+            !line.starts_with(
+                "cargo run --release --example mock_engine -- --dp-size 2 --openai-port",
+            )
+        })
+        .take(3)
+        .collect();
+    assert_eq!(
+        demo.len(),
+        3,
+        "the README's routing demo: engine, router, chat"
+    );
+    let engine_args = demo[0]
+        .strip_prefix("cargo run --release --example mock_engine -- ")
+        .expect("the engine's command");
+    let router_args = demo[1]
+        .strip_prefix("cargo run --release -- ")
+        .expect("the router's command");
+    let chat = demo[2]
+        .split_once("-d '")
+        .and_then(|(_, rest)| rest.strip_suffix('\''))
+        .expect("the chat's body");
+    let chat: serde_json::Value = serde_json::from_str(chat).expect("the chat is JSON");
+
+    let openai = free_port().to_string();
+    let route = free_port().to_string();
+    let events = free_port_range(2).expect("two free ports in a row");
+    let replay = free_port_range(2).expect("two free ports in a row");
+    let recover = free_port_range(2).expect("two free ports in a row");
+    let tokenizers = tempfile::tempdir().expect("temp dir");
+    let tokenizers = tokenizers.path().join("tokenizers");
+    let swap = |args: &str| -> Vec<String> {
+        args.split_whitespace()
+            .map(|arg| {
+                arg.replace("8000", &openai)
+                    .replace("8080", &route)
+                    .replace(
+                        "/tmp/kv-indexer-tokenizers",
+                        &tokenizers.display().to_string(),
+                    )
+            })
+            .collect()
+    };
+    let mock = indexer_binary()
+        .parent()
+        .expect("the build's directory")
+        .join("examples")
+        .join("mock_engine");
+    let mut engine_command = Command::new(&mock);
+    engine_command
+        .args(swap(engine_args))
+        .args(["--port", &events.to_string()])
+        .args(["--replay-port", &replay.to_string()])
+        .args(["--recover-port", &recover.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let _engine = Child(engine_command.spawn().unwrap_or_else(|error| {
+        panic!(
+            "{}: {error} (cargo test builds the examples)",
+            mock.display()
+        )
+    }));
+    let engine_url: SocketAddr = format!("127.0.0.1:{openai}").parse().expect("an address");
+    wait_for(30, "the simulated engine's OpenAI server", || {
+        std::net::TcpStream::connect(engine_url).ok()?;
+        (get(engine_url, "/health").status == 200).then_some(())
+    });
+
+    let router = IndexerProcess::launch(indexer_binary(), "")
+        .without_file()
+        .args(&swap(router_args))
+        .start(Duration::from_secs(20))
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    wait_for(30, "the engine's two ranks ready", || {
+        (get(router.address, "/ready").status == 200).then_some(())
+    });
+    let route: SocketAddr = format!("127.0.0.1:{route}").parse().expect("an address");
+    let send = || {
+        let reply = post(route, "/v1/chat/completions", chat.to_string().as_bytes());
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let rank = reply.header("x-kv-indexer-rank").map(str::to_owned);
+        assert_eq!(reply.header("x-kv-indexer-tokenizer"), Some("engine"));
+        let cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        (rank, cached)
+    };
+    let (first_rank, first_cached) = send();
+    assert_eq!(first_cached, Some(0), "nothing cached the first time");
+    wait_for(20, "the second send found cached", || {
+        let (rank, cached) = send();
+        (cached >= Some(16)).then(|| assert_eq!(rank, first_rank, "the warm rank"))
+    });
+}
