@@ -13,7 +13,7 @@ use hyper::StatusCode;
 use log::{info, warn};
 
 use super::servers::Change;
-use super::upstream::{Fleet, Server, Settings};
+use super::upstream::{Fetch, Fleet, Server, Settings};
 use super::RouteFront;
 use crate::plan::WorkerKey;
 
@@ -80,7 +80,7 @@ impl RouteFront {
         &self,
         fleet: &Fleet,
         server: &Server,
-        result: Result<StatusCode, String>,
+        result: Result<StatusCode, Fetch>,
         settings: &Settings,
     ) {
         let base = &server.url.base;
@@ -96,7 +96,7 @@ impl RouteFront {
             .collect();
         let outcome = match &result {
             Ok(status) => format!("answered {status}"),
-            Err(why) => why.clone(),
+            Err(why) => why.to_string(),
         };
         match change {
             Change::None => {}

@@ -51,6 +51,7 @@ impl RouteFront {
                     .upstream
                     .get(&server, "/v1/models", timeout, MAX_MODELS_BYTES)
                     .await
+                    .map_err(|failed| failed.to_string())
                     .and_then(|body| {
                         serde_json::from_slice::<ModelList>(&body)
                             .map_err(|err| format!("not a model list: {err}"))

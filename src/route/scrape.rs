@@ -132,7 +132,9 @@ impl Scraper {
     }
 
     async fn scrape(&self, target: &Target, timeout: Duration) {
-        let fetched = get_body(&self.connections, &target.url, timeout, MAX_BODY_BYTES).await;
+        let fetched = get_body(&self.connections, &target.url, timeout, MAX_BODY_BYTES)
+            .await
+            .map_err(|failed| failed.to_string());
         let read = fetched.and_then(|body| {
             let text = std::str::from_utf8(&body)
                 .map_err(|_| "the answer is not UTF-8 text".to_owned())?;

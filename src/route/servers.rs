@@ -16,6 +16,8 @@ use std::collections::HashMap;
 use hyper::StatusCode;
 use parking_lot::Mutex;
 
+use super::upstream::Fetch;
+
 /// One server's health as the checks and the requests saw it.
 #[derive(Default)]
 struct Health {
@@ -92,7 +94,7 @@ impl Servers {
     pub(super) fn checked(
         &self,
         base: &str,
-        result: &Result<StatusCode, String>,
+        result: &Result<StatusCode, Fetch>,
         thresholds: Thresholds,
     ) -> Change {
         let passed = matches!(result, Ok(status) if !status.is_server_error());
@@ -141,12 +143,12 @@ mod tests {
         healthy: 2,
     };
 
-    fn passing() -> Result<StatusCode, String> {
+    fn passing() -> Result<StatusCode, Fetch> {
         Ok(StatusCode::OK)
     }
 
-    fn failing() -> Result<StatusCode, String> {
-        Err("connection refused".into())
+    fn failing() -> Result<StatusCode, Fetch> {
+        Err(Fetch::Failed("connection refused".into()))
     }
 
     #[test]

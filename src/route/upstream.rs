@@ -264,13 +264,17 @@ impl Upstream {
         &self,
         server: &Server,
         timeout: Duration,
-    ) -> Result<StatusCode, String> {
-        let (authority, head) = build(server, Line::get(HEALTH_PATH), &HeaderMap::new(), 0, None)?;
+    ) -> Result<StatusCode, Fetch> {
+        let (authority, head) = build(server, Line::get(HEALTH_PATH), &HeaderMap::new(), 0, None)
+            .map_err(Fetch::Failed)?;
         let no_body = Bytes::new();
         let asking = self.connections.send(&authority, timeout, &head, &no_body);
         match tokio::time::timeout(timeout, asking).await {
-            Err(_) => Err(format!("no answer within {}s", timeout.as_secs())),
-            Ok(Err(error)) => Err(error.to_string()),
+            Err(_) => Err(Fetch::Failed(format!(
+                "no answer within {}s",
+                timeout.as_secs()
+            ))),
+            Ok(Err(error)) => Err(Fetch::Failed(error.to_string())),
             // The body is dropped unread: its connection closes rather than go back to the pool.
             Ok(Ok((parts, _body))) => Ok(parts.status),
         }
@@ -285,7 +289,7 @@ pub(super) async fn get_body(
     url: &BaseUrl,
     timeout: Duration,
     cap: usize,
-) -> Result<Bytes, String> {
+) -> Result<Bytes, Fetch> {
     let server = Server {
         url: url.clone(),
         api_key: None,
@@ -301,7 +305,6 @@ pub(super) async fn get_body(
         cap,
     )
     .await
-    .map_err(|failed| failed.to_string())
 }
 
 impl Upstream {
@@ -312,7 +315,7 @@ impl Upstream {
         path: &str,
         timeout: Duration,
         cap: usize,
-    ) -> Result<Bytes, String> {
+    ) -> Result<Bytes, Fetch> {
         let get = Line::get(path);
         whole_answer(
             &self.connections,
@@ -324,7 +327,6 @@ impl Upstream {
             cap,
         )
         .await
-        .map_err(|failed| failed.to_string())
     }
 }
 
