@@ -5,7 +5,7 @@
 //!
 //! `tests/data/tokenize/make_vectors.py` reads the same directories with transformers to make
 //! the checked-in token-id vectors, which keep the trained model beside them
-//! (`trained_model`): `tests/tokenize.rs` compares it, so a change in training is an error
+//! (`trained_model`): `tests/api/tokenize.rs` compares it, so a change in training is an error
 //! that says so, not a silent mismatch.
 
 use std::path::Path;
