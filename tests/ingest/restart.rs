@@ -41,7 +41,7 @@ fn fleet_caching(capacity_blocks: usize) -> Fleet {
 
 /// `report_reused_blocks`: the engines announce the blocks a request reuses again.
 fn fleet_of(capacity_blocks: usize, report_reused_blocks: bool) -> Fleet {
-    let _ = env_logger::builder().is_test(true).try_init();
+    crate::support::listeners::install_logger();
     Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
         report_reused_blocks,
         dp_size: DP_SIZE,

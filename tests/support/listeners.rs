@@ -239,8 +239,9 @@ impl log::Log for Recorder {
 
 static RECORDER: OnceLock<Recorder> = OnceLock::new();
 
-/// The recorder as this binary's logger, once.
-fn install_logger() {
+/// The recorder as this binary's logger, once: every test that wants logs calls this, never
+/// another logger's init, or the recorder would miss warnings in a binary of many files.
+pub fn install_logger() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
         let recorder = RECORDER.get_or_init(|| Recorder {
