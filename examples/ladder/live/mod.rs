@@ -1,0 +1,736 @@
+//! `ladder --live`: the ladder's workloads as real HTTP requests, on the wall clock. Each run
+//! has a fleet of its own (mock engines whose OpenAI servers answer from their real prefix
+//! caches, a prefill time proportional to the uncached tokens, the ladder's cache capacity,
+//! vLLM's load gauges on `/metrics`), so every run starts with empty caches, and its routers:
+//!
+//! - `one`: one route front end (an in-process indexer with `[route]`, `[select] policy` the
+//!   run's policy, scraping the engines' load);
+//! - `two`: two such front ends, each with an indexer of its own watching the same engines,
+//!   taking every other request (two replicas behind one address, each half the clients);
+//! - `bypass`: one front end, `--live-bypass` of the requests (drawn at random) sent straight
+//!   to a random engine with no rank header (the engine picks the rank): traffic the router
+//!   never sees but the engines' gauges show;
+//! - `--external NAME=COMMAND`: a published router (`external`) started in front of the same
+//!   kind of fleet, every request through it.
+//!
+//! Every request is `POST /v1/completions` with the prompt as token ids, streamed with
+//! `stream_options.include_usage`, so that the last chunk carries the engine's own
+//! `cached_tokens`; its TTFT is the time from sending it to its first server-sent event at the
+//! client. Requests leave at their arrival times (the trace's sped up by `--live-speedup`), at
+//! most N in flight for each N of `--live-concurrency`: one waiting for a free client leaves
+//! late, and is counted so (at 1, the run is a closed loop).
+//!
+//! Prints per workload, concurrency, set-up and policy the requests, the failed ones, the late
+//! ones, the hit ratio (engine-reported cached tokens over prompt tokens), TTFT p50/p99 of all
+//! requests and the p99 of those a router sent, the imbalance (max/mean requests a rank
+//! served), and for our front ends the predicted cached tokens (the
+//! `x-kv-indexer-predicted-cached-tokens` headers) against the reported; then, per row, what
+//! each front end says of itself (`front_end`).
+//!
+//! Owns: the live fleets, the routers in front of them, the clients' threads and what they
+//! measure. Never: reads an engine's cache (the engines' answers are the truth here), or
+//! retries a failed request.
+
+mod external;
+mod front_end;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use kv_indexer::select::policy_names;
+use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, select_table, EngineToml};
+use kv_indexer_sim::openai::OpenAiConfig;
+use kv_indexer_sim::rng::SplitMix64;
+use kv_indexer_sim::running::RunningService;
+use kv_indexer_sim::server::SimConfig;
+use kv_indexer_sim::watch::{warm_up, OverHttp};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+pub use external::External;
+use external::ExternalRouter;
+use front_end::FrontEnd;
+
+use crate::{engine_config, print_bounds, Args, Request, Workload, DEADLINE};
+
+/// The model the mock engines serve and the requests name.
+const MODEL: &str = "sim-model";
+
+/// Index shards of each live indexer: few, on a machine of few cores.
+const SHARDS: u32 = 8;
+
+/// A request sent at least this long after its arrival time counts as late.
+const LATE: Duration = Duration::from_millis(10);
+
+/// Error messages listed per row at most (each with its count).
+const ERRORS_LISTED: usize = 5;
+
+/// How the clients reach the fleet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SetUp {
+    One,
+    Two,
+    Bypass,
+}
+
+impl SetUp {
+    fn named(name: &str) -> Result<SetUp> {
+        Ok(match name {
+            "one" => SetUp::One,
+            "two" => SetUp::Two,
+            "bypass" => SetUp::Bypass,
+            other => bail!("unknown set-up {other:?}: one, two or bypass"),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            SetUp::One => "one",
+            SetUp::Two => "two",
+            SetUp::Bypass => "bypass",
+        }
+    }
+}
+
+/// What routes a run's requests.
+#[derive(Clone, Copy)]
+enum Routers<'a> {
+    /// Our route front ends, `[select] policy` this one.
+    Ours(SetUp, &'static str),
+    External(&'a External),
+}
+
+impl Routers<'_> {
+    fn set_up(&self) -> &'static str {
+        match self {
+            Routers::Ours(set_up, _) => set_up.name(),
+            Routers::External(_) => "one",
+        }
+    }
+
+    fn policy(&self) -> String {
+        match self {
+            Routers::Ours(_, policy) => policy.to_string(),
+            Routers::External(external) => external.name.clone(),
+        }
+    }
+}
+
+/// Where one request is sent.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// The run's router of this index.
+    Router(usize),
+    /// This engine's OpenAI server, with no rank header.
+    Engine(usize),
+}
+
+/// One mock fleet with OpenAI servers and the routers in front of it.
+struct LiveFleet {
+    // Declared first: the routers stop before the engines they route to.
+    ours: Vec<RunningService>,
+    external: Option<ExternalRouter>,
+    fleet: Fleet,
+    ranks: Vec<RankRef>,
+}
+
+/// What one request met.
+#[derive(Default)]
+struct Outcome {
+    late: bool,
+    routed: bool,
+    /// 0: no HTTP answer.
+    status: u16,
+    /// Why the request did not end as a whole 200 stream with its usage.
+    error: Option<String>,
+    ttft_s: Option<f64>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    /// Our front end's `x-kv-indexer-predicted-cached-tokens`.
+    predicted_tokens: Option<u64>,
+}
+
+struct LiveRow {
+    workload: &'static str,
+    clients: usize,
+    set_up: &'static str,
+    policy: String,
+    requests: usize,
+    failed: usize,
+    late: usize,
+    hit_ratio: f64,
+    ttft_p50_ms: f64,
+    ttft_p99_ms: f64,
+    /// The p99 of the requests a router sent (all of them but the bypass).
+    routed_p99_ms: f64,
+    imbalance: f64,
+    predicted: Option<u64>,
+    reported: u64,
+    prediction: Misses,
+    /// Error messages, each with how many requests met it.
+    errors: Vec<(String, usize)>,
+    front_ends: Vec<FrontEnd>,
+    seconds: f64,
+}
+
+/// How the front end's predictions met the engines' reports, request by request.
+#[derive(Default)]
+struct Misses {
+    exact: usize,
+    over: usize,
+    over_tokens: u64,
+    under: usize,
+    under_tokens: u64,
+}
+
+impl Misses {
+    fn of<'a>(answered: impl Iterator<Item = &'a Outcome>) -> Misses {
+        let mut misses = Misses::default();
+        for outcome in answered {
+            let Some(predicted) = outcome.predicted_tokens else {
+                continue;
+            };
+            let reported = outcome.cached_tokens;
+            if predicted > reported {
+                misses.over += 1;
+                misses.over_tokens += predicted - reported;
+            } else if predicted < reported {
+                misses.under += 1;
+                misses.under_tokens += reported - predicted;
+            } else {
+                misses.exact += 1;
+            }
+        }
+        misses
+    }
+}
+
+#[derive(Serialize)]
+struct CompletionBody<'a> {
+    model: &'a str,
+    prompt: &'a [u32],
+    max_tokens: u32,
+    stream: bool,
+    stream_options: StreamOptions,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// Every workload at every concurrency, under every set-up and policy, then every published
+/// router; printed as it goes.
+pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
+    let started = Instant::now();
+    let set_ups = args
+        .live_setups
+        .iter()
+        // `--live-setups ''`: only the published routers.
+        .filter(|name| !name.is_empty())
+        .map(|name| SetUp::named(name))
+        .collect::<Result<Vec<_>>>()?;
+    let policies = args
+        .live_policies
+        .iter()
+        .map(|name| {
+            policy_names().find(|known| known == name).ok_or_else(|| {
+                anyhow!(
+                    "unknown policy {name:?}: one of {:?}",
+                    policy_names().collect::<Vec<_>>()
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let prefill_tokens_per_s = 1e6 / args.live_prefill_us_per_token.max(1) as f64;
+    if !args.json {
+        println!(
+            "live: {} engines × {} ranks, {} blocks of cache a rank, prefill {} µs an uncached token (+{} ms), decode {} ms a token, max_tokens {}, bypass {:.0}%",
+            args.engines,
+            args.dp_size,
+            args.capacity_blocks,
+            args.live_prefill_us_per_token,
+            OpenAiConfig::default().first_token_floor.as_millis(),
+            args.decode_ms_per_token,
+            args.live_max_tokens,
+            args.live_bypass * 100.0
+        );
+    }
+    for workload in workloads {
+        let requests = &workload.requests[..workload.requests.len().min(args.live_requests)];
+        let speedup = speedup_of(args, workload);
+        if !args.json {
+            let span = requests.last().map_or(0.0, |r| r.arrival_s);
+            println!(
+                "{}: {} requests, arrivals over {span:.0} s sent over {:.1} s ({speedup}× faster)",
+                workload.name,
+                requests.len(),
+                span / speedup
+            );
+            print_bounds(prefill_tokens_per_s, workload);
+            println!(
+                "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>7} {:>8} {:>8} {:>10} {:>9} {:>8}",
+                "",
+                "conc",
+                "set-up",
+                "policy",
+                "failed",
+                "late",
+                "hit",
+                "p50 ms",
+                "p99 ms",
+                "routed p99",
+                "imbalance",
+                "pred/rep"
+            );
+        }
+        let mut rows = Vec::new();
+        for &clients in &args.live_concurrency {
+            let mut routers: Vec<Routers> = Vec::new();
+            for &set_up in &set_ups {
+                routers.extend(policies.iter().map(|&policy| Routers::Ours(set_up, policy)));
+            }
+            routers.extend(args.external.iter().map(Routers::External));
+            for routers in routers {
+                let row = run(args, workload.name, requests, speedup, clients, routers)?;
+                print_row(args, &row);
+                rows.push(row);
+            }
+        }
+        if !args.json {
+            for row in &rows {
+                print_details(row);
+            }
+        }
+    }
+    if !args.json {
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        println!(
+            "live run: {:.1} s; load average {}",
+            started.elapsed().as_secs_f64(),
+            load.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    Ok(())
+}
+
+/// The trace's arrivals are sped up (minutes of trace in seconds); the burst's are kept.
+fn speedup_of(args: &Args, workload: &Workload) -> f64 {
+    match workload.name {
+        "trace" => args.live_speedup,
+        _ => 1.0,
+    }
+}
+
+fn print_row(args: &Args, row: &LiveRow) {
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "live": true, "workload": row.workload, "concurrency": row.clients,
+                "set_up": row.set_up, "policy": row.policy,
+                "requests": row.requests, "failed": row.failed, "late": row.late,
+                "hit_ratio": row.hit_ratio, "ttft_p50_ms": row.ttft_p50_ms,
+                "ttft_p99_ms": row.ttft_p99_ms, "routed_ttft_p99_ms": row.routed_p99_ms,
+                "imbalance": row.imbalance,
+                "predicted_cached_tokens": row.predicted,
+                "reported_cached_tokens": row.reported,
+                "predicted_more": row.prediction.over, "predicted_less": row.prediction.under,
+                "reservations_at_end": row.front_ends.iter().map(|f| f.reservations_at_end).sum::<u64>(),
+                "errors": row.errors, "seconds": row.seconds,
+            })
+        );
+        return;
+    }
+    let ratio = row.predicted.map_or("-".to_string(), |predicted| {
+        format!("{:.3}", predicted as f64 / row.reported.max(1) as f64)
+    });
+    println!(
+        "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>6.1}% {:>8.0} {:>8.0} {:>10.0} {:>9.2} {:>8}",
+        row.workload,
+        row.clients,
+        row.set_up,
+        row.policy,
+        row.failed,
+        row.late,
+        row.hit_ratio * 100.0,
+        row.ttft_p50_ms,
+        row.ttft_p99_ms,
+        row.routed_p99_ms,
+        row.imbalance,
+        ratio
+    );
+}
+
+/// The run's time, its errors, and what our front ends say of themselves.
+fn print_details(row: &LiveRow) {
+    println!(
+        "  {} / {} clients / {} / {}: {} requests in {:.1} s",
+        row.workload, row.clients, row.set_up, row.policy, row.requests, row.seconds
+    );
+    for (message, count) in &row.errors {
+        println!("    error ×{count}: {message}");
+    }
+    if row.predicted.is_none() {
+        return;
+    }
+    let misses = &row.prediction;
+    println!(
+        "    predicted = reported on {} requests; predicted more on {} (by {} tokens), less on {} (by {} tokens)",
+        misses.exact, misses.over, misses.over_tokens, misses.under, misses.under_tokens
+    );
+    for (which, front_end) in row.front_ends.iter().enumerate() {
+        front_end.print(which);
+    }
+}
+
+impl LiveFleet {
+    fn start(args: &Args, routers: Routers) -> Result<LiveFleet> {
+        let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
+            openai_port: Some(0),
+            openai: OpenAiConfig {
+                model: MODEL.into(),
+                prefill_per_token: Duration::from_micros(args.live_prefill_us_per_token),
+                inter_token: Duration::from_secs_f64(args.decode_ms_per_token / 1e3),
+                // The trace's longest prompts are above vLLM's default.
+                max_model_len: 1 << 20,
+                ..OpenAiConfig::default()
+            },
+            ..engine_config(args, i)
+        })?;
+        let ranks = fleet.ranks();
+        let mut live = LiveFleet {
+            ours: Vec::new(),
+            external: None,
+            fleet,
+            ranks,
+        };
+        let workers: Vec<String> = (0..args.engines)
+            .map(|engine| live.engine_url(engine))
+            .collect::<Result<_>>()?;
+        let (set_up, policy) = match routers {
+            Routers::Ours(set_up, policy) => (set_up, policy),
+            Routers::External(external) => {
+                live.external = Some(ExternalRouter::start(external, &workers)?);
+                return Ok(live);
+            }
+        };
+        let tomls: Vec<EngineToml> = live
+            .fleet
+            .engine_tomls()
+            .into_iter()
+            .zip(&workers)
+            .map(|(toml, url)| EngineToml {
+                model: Some(MODEL.into()),
+                openai_url: Some(url.clone()),
+                ..toml
+            })
+            .collect();
+        let toml = indexer_toml(None, BLOCK_SIZE, SHARDS, &tomls)
+            + &route_table("127.0.0.1:0", &[])
+            + &select_table(&[("policy", &format!("{policy:?}"))]);
+        let replicas = if set_up == SetUp::Two { 2 } else { 1 };
+        for _ in 0..replicas {
+            let running = RunningService::start(&toml)?;
+            running.route_addr().context("[route] is set")?;
+            warm_up(
+                &live.fleet,
+                &mut OverHttp::new(running.http_addr()),
+                DEADLINE,
+            )?;
+            live.ours.push(running);
+        }
+        Ok(live)
+    }
+
+    fn engine_url(&self, engine: usize) -> Result<String> {
+        self.fleet
+            .engine(RankRef { engine, rank: 0 })
+            .openai_url()
+            .with_context(|| format!("{} has no OpenAI server", Fleet::name(engine)))
+    }
+
+    /// The URL a request sent `via` goes to.
+    fn target(&self, via: Via) -> Result<String> {
+        let base = match via {
+            Via::Engine(engine) => self.engine_url(engine)?,
+            Via::Router(index) => {
+                let addr = match &self.external {
+                    Some(external) => external.addr(),
+                    None => self
+                        .ours
+                        .get(index)
+                        .and_then(RunningService::route_addr)
+                        .context("[route] is set")?,
+                };
+                format!("http://{addr}")
+            }
+        };
+        Ok(format!("{base}/v1/completions"))
+    }
+
+    /// The position of the rank our front end names `engine/dp_rank`.
+    fn rank_named(&self, name: &str) -> Option<usize> {
+        let (instance, dp_rank) = name.rsplit_once('/')?;
+        let dp_rank: u32 = dp_rank.parse().ok()?;
+        self.ranks
+            .iter()
+            .position(|at| Fleet::name(at.engine) == instance && at.rank == dp_rank)
+    }
+
+    /// Requests each rank served, max over mean.
+    fn imbalance(&self) -> f64 {
+        let served: Vec<u64> = (0..self.fleet.engines.len())
+            .flat_map(|engine| {
+                let at = RankRef { engine, rank: 0 };
+                self.fleet
+                    .engine(at)
+                    .openai()
+                    .map(|server| server.served_per_rank())
+                    .unwrap_or_default()
+            })
+            .collect();
+        let mean = served.iter().sum::<u64>() as f64 / served.len().max(1) as f64;
+        let max = served.iter().copied().max().unwrap_or(0) as f64;
+        if mean > 0.0 {
+            max / mean
+        } else {
+            1.0
+        }
+    }
+}
+
+fn client() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(DEADLINE))
+        .max_idle_connections(1_024)
+        .max_idle_connections_per_host(512)
+        .build()
+        .into()
+}
+
+fn run(
+    args: &Args,
+    workload: &'static str,
+    requests: &[Request],
+    speedup: f64,
+    clients: usize,
+    routers: Routers,
+) -> Result<LiveRow> {
+    let started = Instant::now();
+    let live = LiveFleet::start(args, routers)?;
+    let agent = client();
+    // Every request's way is drawn up front: it depends on nothing measured.
+    let mut rng = SplitMix64::new(0x5A4D);
+    let via: Vec<Via> = (0..requests.len())
+        .map(|n| match routers {
+            Routers::Ours(SetUp::Two, _) => Via::Router(n % 2),
+            Routers::Ours(SetUp::Bypass, _) if rng.next_f64() < args.live_bypass => {
+                Via::Engine(rng.below(args.engines as u64) as usize)
+            }
+            _ => Via::Router(0),
+        })
+        .collect();
+    let next = AtomicUsize::new(0);
+    let clients = clients.clamp(1, requests.len().max(1));
+    let origin = Instant::now();
+    let outcomes: Vec<Outcome> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..clients)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(request) = requests.get(n) else {
+                            break;
+                        };
+                        let due = origin + Duration::from_secs_f64(request.arrival_s / speedup);
+                        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                        let late = Instant::now().saturating_duration_since(due) >= LATE;
+                        let body = CompletionBody {
+                            model: MODEL,
+                            prompt: &request.prompt,
+                            max_tokens: args.live_max_tokens,
+                            stream: true,
+                            stream_options: StreamOptions {
+                                include_usage: true,
+                            },
+                        };
+                        let mut outcome = send(&agent, &live, via[n], &body);
+                        outcome.late = late;
+                        mine.push(outcome);
+                    }
+                    mine
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| {
+                handle
+                    .join()
+                    .map_err(|_| anyhow!("a client thread panicked"))
+            })
+            .collect::<Result<Vec<Vec<Outcome>>>>()
+            .map(|per_client| per_client.into_iter().flatten().collect())
+    })?;
+    let front_ends = live
+        .ours
+        .iter()
+        .map(|running| FrontEnd::read(&agent, running.http_addr(), |rank| live.rank_named(rank)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut row = row(workload, clients, routers, outcomes, front_ends, started);
+    row.imbalance = live.imbalance();
+    drop(live);
+    Ok(row)
+}
+
+/// Sends one streamed completion `via` a router or straight to an engine, and reads it to
+/// the end.
+fn send(agent: &ureq::Agent, live: &LiveFleet, via: Via, body: &CompletionBody) -> Outcome {
+    let mut outcome = Outcome {
+        prompt_tokens: body.prompt.len() as u64,
+        routed: matches!(via, Via::Router(_)),
+        ..Outcome::default()
+    };
+    let text = match serde_json::to_string(body) {
+        Ok(text) => text,
+        Err(error) => {
+            outcome.error = Some(format!("serializing the body: {error}"));
+            return outcome;
+        }
+    };
+    let url = match live.target(via) {
+        Ok(url) => url,
+        Err(error) => {
+            outcome.error = Some(format!("{error:#}"));
+            return outcome;
+        }
+    };
+    let sent = Instant::now();
+    let mut reply = match agent
+        .post(&url)
+        .header("Content-Type", "application/json")
+        .send(&text)
+    {
+        Ok(reply) => reply,
+        Err(error) => {
+            outcome.error = Some(format!("POST {url}: {error}"));
+            return outcome;
+        }
+    };
+    outcome.status = reply.status().as_u16();
+    outcome.predicted_tokens = reply
+        .headers()
+        .get("x-kv-indexer-predicted-cached-tokens")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|n| n.parse().ok());
+    if outcome.status != 200 {
+        let text = reply.body_mut().read_to_string().unwrap_or_default();
+        outcome.error = Some(format!("POST {url}: {} {text}", outcome.status));
+        return outcome;
+    }
+    let mut usage = None;
+    for line in BufReader::new(reply.body_mut().as_reader()).lines() {
+        let line = match line {
+            Ok(line) => line,
+            Err(error) => {
+                outcome.error = Some(format!("POST {url}: the stream broke: {error}"));
+                return outcome;
+            }
+        };
+        let Some(data) = line.strip_prefix("data:") else {
+            continue;
+        };
+        let data = data.trim_start();
+        outcome.ttft_s.get_or_insert(sent.elapsed().as_secs_f64());
+        if data == "[DONE]" {
+            continue;
+        }
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            outcome.error = Some(format!("POST {url}: a chunk is not JSON: {data}"));
+            return outcome;
+        };
+        if chunk["usage"].is_object() {
+            usage = Some(chunk["usage"].clone());
+        }
+    }
+    match usage {
+        Some(usage) => {
+            outcome.prompt_tokens = usage["prompt_tokens"]
+                .as_u64()
+                .unwrap_or(outcome.prompt_tokens);
+            outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+        }
+        None => outcome.error = Some(format!("POST {url}: no usage chunk in the stream")),
+    }
+    outcome
+}
+
+/// The p-quantile of `sorted` seconds, in ms (NaN when empty).
+fn quantile_ms(sorted: &[f64], q: f64) -> f64 {
+    sorted
+        .get(((sorted.len().max(1) - 1) as f64 * q) as usize)
+        .map_or(f64::NAN, |s| s * 1e3)
+}
+
+fn row(
+    workload: &'static str,
+    clients: usize,
+    routers: Routers,
+    outcomes: Vec<Outcome>,
+    front_ends: Vec<FrontEnd>,
+    started: Instant,
+) -> LiveRow {
+    let answered: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
+    let prompt: u64 = answered.iter().map(|o| o.prompt_tokens).sum();
+    let reported: u64 = answered.iter().map(|o| o.cached_tokens).sum();
+    let sorted = |routed_only: bool| {
+        let mut ttft: Vec<f64> = answered
+            .iter()
+            .filter(|o| o.routed || !routed_only)
+            .filter_map(|o| o.ttft_s)
+            .collect();
+        ttft.sort_by(f64::total_cmp);
+        ttft
+    };
+    let (all, routed) = (sorted(false), sorted(true));
+    let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+    for error in outcomes.iter().filter_map(|o| o.error.as_ref()) {
+        *errors.entry(error.clone()).or_default() += 1;
+    }
+    let mut errors: Vec<(String, usize)> = errors.into_iter().collect();
+    errors.sort_by_key(|(_, count)| std::cmp::Reverse(*count));
+    errors.truncate(ERRORS_LISTED);
+    let ours = matches!(routers, Routers::Ours(..));
+    LiveRow {
+        workload,
+        clients,
+        set_up: routers.set_up(),
+        policy: routers.policy(),
+        requests: outcomes.len(),
+        failed: outcomes.len() - answered.len(),
+        late: outcomes.iter().filter(|o| o.late).count(),
+        hit_ratio: reported as f64 / prompt.max(1) as f64,
+        ttft_p50_ms: quantile_ms(&all, 0.5),
+        ttft_p99_ms: quantile_ms(&all, 0.99),
+        routed_p99_ms: quantile_ms(&routed, 0.99),
+        imbalance: 1.0,
+        predicted: ours.then(|| answered.iter().filter_map(|o| o.predicted_tokens).sum()),
+        reported,
+        prediction: Misses::of(answered.iter().copied()),
+        errors,
+        front_ends,
+        seconds: started.elapsed().as_secs_f64(),
+    }
+}
