@@ -122,6 +122,10 @@ struct Args {
     /// `{workers}` the engines' URLs space-separated), run as set-up `one`; repeatable.
     #[arg(long)]
     external: Vec<live::External>,
+    /// Live: prompts as text, one simulated tokenizer's word a token id (`live::text`), read
+    /// by the engines and our front ends with that tokenizer: for routers that take no ids.
+    #[arg(long)]
+    live_text: bool,
     /// Live: `max_tokens` of every request (its output's length).
     #[arg(long, default_value_t = 4)]
     live_max_tokens: u32,

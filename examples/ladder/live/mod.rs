@@ -33,9 +33,11 @@
 
 mod external;
 mod front_end;
+mod text;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -54,6 +56,7 @@ use serde_json::{json, Value};
 pub use external::External;
 use external::ExternalRouter;
 use front_end::FrontEnd;
+use text::TextPrompts;
 
 use crate::{engine_config, print_bounds, Args, Request, Workload, DEADLINE};
 
@@ -209,10 +212,27 @@ impl Misses {
     }
 }
 
+/// One workload as the live runs send it.
+struct LiveWorkload<'a> {
+    name: &'static str,
+    requests: &'a [Request],
+    /// `--live-text`: each request's prompt as text, and the tokenizer that reads it.
+    texts: Option<(Vec<String>, PathBuf)>,
+    /// The arrivals this many times faster than given.
+    speedup: f64,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Prompt<'a> {
+    Ids(&'a [u32]),
+    Text(&'a str),
+}
+
 #[derive(Serialize)]
 struct CompletionBody<'a> {
     model: &'a str,
-    prompt: &'a [u32],
+    prompt: Prompt<'a>,
     max_tokens: u32,
     stream: bool,
     stream_options: StreamOptions,
@@ -247,6 +267,7 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     let prefill_tokens_per_s = 1e6 / args.live_prefill_us_per_token.max(1) as f64;
+    let text = args.live_text.then(TextPrompts::new).transpose()?;
     if !args.json {
         println!(
             "live: {} engines × {} ranks, {} blocks of cache a rank, prefill {} µs an uncached token (+{} ms), decode {} ms a token, max_tokens {}, bypass {:.0}%",
@@ -263,6 +284,15 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
     for workload in workloads {
         let requests = &workload.requests[..workload.requests.len().min(args.live_requests)];
         let speedup = speedup_of(args, workload);
+        let live_workload = LiveWorkload {
+            name: workload.name,
+            requests,
+            texts: text.as_ref().map(|text| {
+                let texts = requests.iter().map(|r| text.text(&r.prompt)).collect();
+                (texts, text.tokenizer())
+            }),
+            speedup,
+        };
         if !args.json {
             let span = requests.last().map_or(0.0, |r| r.arrival_s);
             println!(
@@ -296,7 +326,7 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
             }
             routers.extend(args.external.iter().map(Routers::External));
             for routers in routers {
-                let row = run(args, workload.name, requests, speedup, clients, routers)?;
+                let row = run(args, &live_workload, clients, routers)?;
                 print_row(args, &row);
                 rows.push(row);
             }
@@ -392,11 +422,14 @@ fn print_details(row: &LiveRow) {
 }
 
 impl LiveFleet {
-    fn start(args: &Args, routers: Routers) -> Result<LiveFleet> {
+    /// A fresh fleet and `routers`; with `tokenizer`, the engines and our front ends read
+    /// text prompts with it.
+    fn start(args: &Args, routers: Routers, tokenizer: Option<&PathBuf>) -> Result<LiveFleet> {
         let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
             openai_port: Some(0),
             openai: OpenAiConfig {
                 model: MODEL.into(),
+                tokenizer: tokenizer.cloned(),
                 prefill_per_token: Duration::from_micros(args.live_prefill_us_per_token),
                 inter_token: Duration::from_secs_f64(args.decode_ms_per_token / 1e3),
                 // The trace's longest prompts are above vLLM's default.
@@ -429,6 +462,7 @@ impl LiveFleet {
             .zip(&workers)
             .map(|(toml, url)| EngineToml {
                 model: Some(MODEL.into()),
+                tokenizer: tokenizer.map(|dir| dir.display().to_string()),
                 openai_url: Some(url.clone()),
                 ..toml
             })
@@ -517,16 +551,11 @@ fn client() -> ureq::Agent {
         .into()
 }
 
-fn run(
-    args: &Args,
-    workload: &'static str,
-    requests: &[Request],
-    speedup: f64,
-    clients: usize,
-    routers: Routers,
-) -> Result<LiveRow> {
+fn run(args: &Args, workload: &LiveWorkload, clients: usize, routers: Routers) -> Result<LiveRow> {
     let started = Instant::now();
-    let live = LiveFleet::start(args, routers)?;
+    let (requests, speedup) = (workload.requests, workload.speedup);
+    let tokenizer = workload.texts.as_ref().map(|(_, dir)| dir);
+    let live = LiveFleet::start(args, routers, tokenizer)?;
     let agent = client();
     // Every request's way is drawn up front: it depends on nothing measured.
     let mut rng = SplitMix64::new(0x5A4D);
@@ -555,16 +584,20 @@ fn run(
                         let due = origin + Duration::from_secs_f64(request.arrival_s / speedup);
                         std::thread::sleep(due.saturating_duration_since(Instant::now()));
                         let late = Instant::now().saturating_duration_since(due) >= LATE;
+                        let prompt = match &workload.texts {
+                            Some((texts, _)) => Prompt::Text(&texts[n]),
+                            None => Prompt::Ids(&request.prompt),
+                        };
                         let body = CompletionBody {
                             model: MODEL,
-                            prompt: &request.prompt,
+                            prompt,
                             max_tokens: args.live_max_tokens,
                             stream: true,
                             stream_options: StreamOptions {
                                 include_usage: true,
                             },
                         };
-                        let mut outcome = send(&agent, &live, via[n], &body);
+                        let mut outcome = send(&agent, &live, via[n], &body, &request.prompt);
                         outcome.late = late;
                         mine.push(outcome);
                     }
@@ -587,7 +620,14 @@ fn run(
         .iter()
         .map(|running| FrontEnd::read(&agent, running.http_addr(), |rank| live.rank_named(rank)))
         .collect::<Result<Vec<_>>>()?;
-    let mut row = row(workload, clients, routers, outcomes, front_ends, started);
+    let mut row = row(
+        workload.name,
+        clients,
+        routers,
+        outcomes,
+        front_ends,
+        started,
+    );
     row.imbalance = live.imbalance();
     drop(live);
     Ok(row)
@@ -595,9 +635,15 @@ fn run(
 
 /// Sends one streamed completion `via` a router or straight to an engine, and reads it to
 /// the end.
-fn send(agent: &ureq::Agent, live: &LiveFleet, via: Via, body: &CompletionBody) -> Outcome {
+fn send(
+    agent: &ureq::Agent,
+    live: &LiveFleet,
+    via: Via,
+    body: &CompletionBody,
+    ids: &[u32],
+) -> Outcome {
     let mut outcome = Outcome {
-        prompt_tokens: body.prompt.len() as u64,
+        prompt_tokens: ids.len() as u64,
         routed: matches!(via, Via::Router(_)),
         ..Outcome::default()
     };
