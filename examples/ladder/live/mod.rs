@@ -27,16 +27,19 @@
 //! `x-kv-indexer-predicted-cached-tokens` headers) against the reported; then, per row, what
 //! each front end says of itself (`front_end`).
 //!
+//! `send` sends one request, `rows` sums a run's and prints them, `front_end` reads our front
+//! ends' own figures, `external` runs a published router and `text` writes text prompts.
+//!
 //! Owns: the live fleets, the routers in front of them, the clients' threads and what they
 //! measure. Never: reads an engine's cache (the engines' answers are the truth here), or
 //! retries a failed request.
 
 mod external;
 mod front_end;
+mod rows;
+mod send;
 mod text;
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -50,15 +53,16 @@ use kv_indexer_sim::rng::SplitMix64;
 use kv_indexer_sim::running::RunningService;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::watch::{warm_up, OverHttp};
-use serde::Serialize;
-use serde_json::{json, Value};
 
 pub use external::External;
 use external::ExternalRouter;
 use front_end::FrontEnd;
+use rows::{print_details, print_row, row, LiveRow};
+use send::{client, send, CompletionBody, Outcome, Prompt, StreamOptions};
 use text::TextPrompts;
 
-use crate::{engine_config, print_bounds, Args, Request, Workload, DEADLINE};
+use crate::workloads::print_bounds;
+use crate::{engine_config, Args, Request, Workload, DEADLINE};
 
 /// The model the mock engines serve and the requests name.
 const MODEL: &str = "sim-model";
@@ -68,9 +72,6 @@ const SHARDS: u32 = 8;
 
 /// A request sent at least this long after its arrival time counts as late.
 const LATE: Duration = Duration::from_millis(10);
-
-/// Error messages listed per row at most (each with its count).
-const ERRORS_LISTED: usize = 5;
 
 /// How the clients reach the fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,77 +142,6 @@ struct LiveFleet {
     ranks: Vec<RankRef>,
 }
 
-/// What one request met.
-#[derive(Default)]
-struct Outcome {
-    late: bool,
-    routed: bool,
-    /// 0: no HTTP answer.
-    status: u16,
-    /// Why the request did not end as a whole 200 stream with its usage.
-    error: Option<String>,
-    ttft_s: Option<f64>,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    /// Our front end's `x-kv-indexer-predicted-cached-tokens`.
-    predicted_tokens: Option<u64>,
-}
-
-struct LiveRow {
-    workload: &'static str,
-    clients: usize,
-    set_up: &'static str,
-    policy: String,
-    requests: usize,
-    failed: usize,
-    late: usize,
-    hit_ratio: f64,
-    ttft_p50_ms: f64,
-    ttft_p99_ms: f64,
-    /// The p99 of the requests a router sent (all of them but the bypass).
-    routed_p99_ms: f64,
-    imbalance: f64,
-    predicted: Option<u64>,
-    reported: u64,
-    prediction: Misses,
-    /// Error messages, each with how many requests met it.
-    errors: Vec<(String, usize)>,
-    front_ends: Vec<FrontEnd>,
-    seconds: f64,
-}
-
-/// How the front end's predictions met the engines' reports, request by request.
-#[derive(Default)]
-struct Misses {
-    exact: usize,
-    over: usize,
-    over_tokens: u64,
-    under: usize,
-    under_tokens: u64,
-}
-
-impl Misses {
-    fn of<'a>(answered: impl Iterator<Item = &'a Outcome>) -> Misses {
-        let mut misses = Misses::default();
-        for outcome in answered {
-            let Some(predicted) = outcome.predicted_tokens else {
-                continue;
-            };
-            let reported = outcome.cached_tokens;
-            if predicted > reported {
-                misses.over += 1;
-                misses.over_tokens += predicted - reported;
-            } else if predicted < reported {
-                misses.under += 1;
-                misses.under_tokens += reported - predicted;
-            } else {
-                misses.exact += 1;
-            }
-        }
-        misses
-    }
-}
-
 /// One workload as the live runs send it.
 struct LiveWorkload<'a> {
     name: &'static str,
@@ -220,27 +150,6 @@ struct LiveWorkload<'a> {
     texts: Option<(Vec<String>, PathBuf)>,
     /// The arrivals this many times faster than given.
     speedup: f64,
-}
-
-#[derive(Serialize)]
-#[serde(untagged)]
-enum Prompt<'a> {
-    Ids(&'a [u32]),
-    Text(&'a str),
-}
-
-#[derive(Serialize)]
-struct CompletionBody<'a> {
-    model: &'a str,
-    prompt: Prompt<'a>,
-    max_tokens: u32,
-    stream: bool,
-    stream_options: StreamOptions,
-}
-
-#[derive(Serialize)]
-struct StreamOptions {
-    include_usage: bool,
 }
 
 /// Every workload at every concurrency, under every set-up and policy, then every published
@@ -301,7 +210,7 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
                 requests.len(),
                 span / speedup
             );
-            print_bounds(prefill_tokens_per_s, workload);
+            print_bounds(prefill_tokens_per_s, workload.name, requests);
             println!(
                 "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>7} {:>8} {:>8} {:>10} {:>9} {:>8}",
                 "",
@@ -356,68 +265,6 @@ fn speedup_of(args: &Args, workload: &Workload) -> f64 {
     match workload.name {
         "trace" => args.live_speedup,
         _ => 1.0,
-    }
-}
-
-fn print_row(args: &Args, row: &LiveRow) {
-    if args.json {
-        println!(
-            "{}",
-            json!({
-                "live": true, "workload": row.workload, "concurrency": row.clients,
-                "set_up": row.set_up, "policy": row.policy,
-                "requests": row.requests, "failed": row.failed, "late": row.late,
-                "hit_ratio": row.hit_ratio, "ttft_p50_ms": row.ttft_p50_ms,
-                "ttft_p99_ms": row.ttft_p99_ms, "routed_ttft_p99_ms": row.routed_p99_ms,
-                "imbalance": row.imbalance,
-                "predicted_cached_tokens": row.predicted,
-                "reported_cached_tokens": row.reported,
-                "predicted_more": row.prediction.over, "predicted_less": row.prediction.under,
-                "reservations_at_end": row.front_ends.iter().map(|f| f.reservations_at_end).sum::<u64>(),
-                "errors": row.errors, "seconds": row.seconds,
-            })
-        );
-        return;
-    }
-    let ratio = row.predicted.map_or("-".to_string(), |predicted| {
-        format!("{:.3}", predicted as f64 / row.reported.max(1) as f64)
-    });
-    println!(
-        "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>6.1}% {:>8.0} {:>8.0} {:>10.0} {:>9.2} {:>8}",
-        row.workload,
-        row.clients,
-        row.set_up,
-        row.policy,
-        row.failed,
-        row.late,
-        row.hit_ratio * 100.0,
-        row.ttft_p50_ms,
-        row.ttft_p99_ms,
-        row.routed_p99_ms,
-        row.imbalance,
-        ratio
-    );
-}
-
-/// The run's time, its errors, and what our front ends say of themselves.
-fn print_details(row: &LiveRow) {
-    println!(
-        "  {} / {} clients / {} / {}: {} requests in {:.1} s",
-        row.workload, row.clients, row.set_up, row.policy, row.requests, row.seconds
-    );
-    for (message, count) in &row.errors {
-        println!("    error ×{count}: {message}");
-    }
-    if row.predicted.is_none() {
-        return;
-    }
-    let misses = &row.prediction;
-    println!(
-        "    predicted = reported on {} requests; predicted more on {} (by {} tokens), less on {} (by {} tokens)",
-        misses.exact, misses.over, misses.over_tokens, misses.under, misses.under_tokens
-    );
-    for (which, front_end) in row.front_ends.iter().enumerate() {
-        front_end.print(which);
     }
 }
 
@@ -541,16 +388,6 @@ impl LiveFleet {
     }
 }
 
-fn client() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(DEADLINE))
-        .max_idle_connections(1_024)
-        .max_idle_connections_per_host(512)
-        .build()
-        .into()
-}
-
 fn run(args: &Args, workload: &LiveWorkload, clients: usize, routers: Routers) -> Result<LiveRow> {
     let started = Instant::now();
     let (requests, speedup) = (workload.requests, workload.speedup);
@@ -631,152 +468,4 @@ fn run(args: &Args, workload: &LiveWorkload, clients: usize, routers: Routers) -
     row.imbalance = live.imbalance();
     drop(live);
     Ok(row)
-}
-
-/// Sends one streamed completion `via` a router or straight to an engine, and reads it to
-/// the end.
-fn send(
-    agent: &ureq::Agent,
-    live: &LiveFleet,
-    via: Via,
-    body: &CompletionBody,
-    ids: &[u32],
-) -> Outcome {
-    let mut outcome = Outcome {
-        prompt_tokens: ids.len() as u64,
-        routed: matches!(via, Via::Router(_)),
-        ..Outcome::default()
-    };
-    let text = match serde_json::to_string(body) {
-        Ok(text) => text,
-        Err(error) => {
-            outcome.error = Some(format!("serializing the body: {error}"));
-            return outcome;
-        }
-    };
-    let url = match live.target(via) {
-        Ok(url) => url,
-        Err(error) => {
-            outcome.error = Some(format!("{error:#}"));
-            return outcome;
-        }
-    };
-    let sent = Instant::now();
-    let mut reply = match agent
-        .post(&url)
-        .header("Content-Type", "application/json")
-        .send(&text)
-    {
-        Ok(reply) => reply,
-        Err(error) => {
-            outcome.error = Some(format!("POST {url}: {error}"));
-            return outcome;
-        }
-    };
-    outcome.status = reply.status().as_u16();
-    outcome.predicted_tokens = reply
-        .headers()
-        .get("x-kv-indexer-predicted-cached-tokens")
-        .and_then(|value| value.to_str().ok())
-        .and_then(|n| n.parse().ok());
-    if outcome.status != 200 {
-        let text = reply.body_mut().read_to_string().unwrap_or_default();
-        outcome.error = Some(format!("POST {url}: {} {text}", outcome.status));
-        return outcome;
-    }
-    let mut usage = None;
-    for line in BufReader::new(reply.body_mut().as_reader()).lines() {
-        let line = match line {
-            Ok(line) => line,
-            Err(error) => {
-                outcome.error = Some(format!("POST {url}: the stream broke: {error}"));
-                return outcome;
-            }
-        };
-        let Some(data) = line.strip_prefix("data:") else {
-            continue;
-        };
-        let data = data.trim_start();
-        outcome.ttft_s.get_or_insert(sent.elapsed().as_secs_f64());
-        if data == "[DONE]" {
-            continue;
-        }
-        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
-            outcome.error = Some(format!("POST {url}: a chunk is not JSON: {data}"));
-            return outcome;
-        };
-        if chunk["usage"].is_object() {
-            usage = Some(chunk["usage"].clone());
-        }
-    }
-    match usage {
-        Some(usage) => {
-            outcome.prompt_tokens = usage["prompt_tokens"]
-                .as_u64()
-                .unwrap_or(outcome.prompt_tokens);
-            outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0);
-        }
-        None => outcome.error = Some(format!("POST {url}: no usage chunk in the stream")),
-    }
-    outcome
-}
-
-/// The p-quantile of `sorted` seconds, in ms (NaN when empty).
-fn quantile_ms(sorted: &[f64], q: f64) -> f64 {
-    sorted
-        .get(((sorted.len().max(1) - 1) as f64 * q) as usize)
-        .map_or(f64::NAN, |s| s * 1e3)
-}
-
-fn row(
-    workload: &'static str,
-    clients: usize,
-    routers: Routers,
-    outcomes: Vec<Outcome>,
-    front_ends: Vec<FrontEnd>,
-    started: Instant,
-) -> LiveRow {
-    let answered: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
-    let prompt: u64 = answered.iter().map(|o| o.prompt_tokens).sum();
-    let reported: u64 = answered.iter().map(|o| o.cached_tokens).sum();
-    let sorted = |routed_only: bool| {
-        let mut ttft: Vec<f64> = answered
-            .iter()
-            .filter(|o| o.routed || !routed_only)
-            .filter_map(|o| o.ttft_s)
-            .collect();
-        ttft.sort_by(f64::total_cmp);
-        ttft
-    };
-    let (all, routed) = (sorted(false), sorted(true));
-    let mut errors: BTreeMap<String, usize> = BTreeMap::new();
-    for error in outcomes.iter().filter_map(|o| o.error.as_ref()) {
-        *errors.entry(error.clone()).or_default() += 1;
-    }
-    let mut errors: Vec<(String, usize)> = errors.into_iter().collect();
-    errors.sort_by_key(|(_, count)| std::cmp::Reverse(*count));
-    errors.truncate(ERRORS_LISTED);
-    let ours = matches!(routers, Routers::Ours(..));
-    LiveRow {
-        workload,
-        clients,
-        set_up: routers.set_up(),
-        policy: routers.policy(),
-        requests: outcomes.len(),
-        failed: outcomes.len() - answered.len(),
-        late: outcomes.iter().filter(|o| o.late).count(),
-        hit_ratio: reported as f64 / prompt.max(1) as f64,
-        ttft_p50_ms: quantile_ms(&all, 0.5),
-        ttft_p99_ms: quantile_ms(&all, 0.99),
-        routed_p99_ms: quantile_ms(&routed, 0.99),
-        imbalance: 1.0,
-        predicted: ours.then(|| answered.iter().filter_map(|o| o.predicted_tokens).sum()),
-        reported,
-        prediction: Misses::of(answered.iter().copied()),
-        errors,
-        front_ends,
-        seconds: started.elapsed().as_secs_f64(),
-    }
 }
