@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use log::info;
 
@@ -81,14 +81,22 @@ struct Args {
     #[arg(long)]
     write_tokenizers: Option<PathBuf>,
     /// Time to a request's first token with nothing to compute, in microseconds.
-    #[arg(long, default_value_t = micros(OpenAiConfig::default().first_token_floor))]
+    #[arg(long, default_value_t = micros(OpenAiConfig::gpu_8b().first_token_floor))]
     first_token_floor_us: u64,
-    /// Prefill time per uncached prompt token, in microseconds.
-    #[arg(long, default_value_t = micros(OpenAiConfig::default().prefill_per_token))]
-    prefill_per_token_us: u64,
-    /// Time between two output tokens, in microseconds.
-    #[arg(long, default_value_t = micros(OpenAiConfig::default().inter_token))]
+    /// A rank's prefill throughput, in uncached prompt tokens a second, shared by the prefills
+    /// in flight.
+    #[arg(long, default_value_t = 1.0 / OpenAiConfig::gpu_8b().prefill_per_token.as_secs_f64())]
+    prefill_tokens_per_s: f64,
+    /// Time between two output tokens of a request alone on its rank, in microseconds.
+    #[arg(long, default_value_t = micros(OpenAiConfig::gpu_8b().inter_token))]
     inter_token_us: u64,
+    /// Requests a rank runs at once (vLLM's --max-num-seqs); the next wait their turn.
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().max_running)]
+    max_running: u32,
+    /// How much each other request in a rank's batch lengthens its decode step:
+    /// inter_token × (1 + slowdown × (batch − 1)).
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().decode_slowdown)]
+    decode_slowdown: f64,
     /// Host to bind: an IP, `*` or an IPv6 literal.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
@@ -219,13 +227,21 @@ fn openai_config(args: &Args) -> Result<OpenAiConfig> {
         info!("tokenizer directories written under {}", root.display());
         tokenizer.get_or_insert_with(|| root.join("chatml"));
     }
+    let throughput = args.prefill_tokens_per_s;
+    if !(throughput.is_finite() && throughput > 0.0) {
+        bail!("--prefill-tokens-per-s must be a positive number of tokens, got {throughput}");
+    }
+    let prefill_per_token = Duration::try_from_secs_f64(1.0 / throughput)
+        .with_context(|| format!("--prefill-tokens-per-s {throughput} is too slow"))?;
     Ok(OpenAiConfig {
         model: args.model.clone(),
         tokenizer,
         first_token_floor: Duration::from_micros(args.first_token_floor_us),
-        prefill_per_token: Duration::from_micros(args.prefill_per_token_us),
+        prefill_per_token,
         inter_token: Duration::from_micros(args.inter_token_us),
-        ..OpenAiConfig::default()
+        max_running: args.max_running,
+        decode_slowdown: args.decode_slowdown,
+        ..OpenAiConfig::gpu_8b()
     })
 }
 

@@ -2,7 +2,8 @@
 //! chats answered with the cached tokens their rank really held (prompts tokenized as the
 //! indexer tokenizes them), the rank chosen by `X-data-parallel-rank` or round-robin, answers
 //! streamed one event at a time, a client leaving mid-stream stopping its generation, and each
-//! injected fault.
+//! injected fault; a rank contending: prefills sharing its throughput, requests past
+//! `max_running` waiting their turn, decode steps slowing with the batch.
 
 mod support;
 
@@ -594,4 +595,118 @@ fn metrics_report_each_ranks_running_requests_and_cache_usage_as_vllm_does() {
     assert_eq!(get(addr, "/metrics").status, 500);
     server.fail_metrics(None);
     assert_eq!(get(addr, "/metrics").status, 200);
+}
+
+/// A one-rank engine whose lone request prefills `ms_per_token` a prompt token and makes a
+/// token each `inter_token`; `max_running` and `decode_slowdown` as given.
+fn contending(
+    ms_per_token: u64,
+    inter_token: Duration,
+    max_running: u32,
+    decode_slowdown: f64,
+) -> (SimEngine, OpenAiServer, SocketAddr) {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            first_token_floor: Duration::from_millis(1),
+            prefill_per_token: Duration::from_millis(ms_per_token),
+            inter_token,
+            max_running,
+            decode_slowdown,
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    (engine, server, addr)
+}
+
+/// Whole completions of `prompts` (their first token ids) sent at once, each on its own
+/// connection; returns once all are answered.
+fn all_at_once(addr: SocketAddr, prompts: &[u32], tokens: u32, max_tokens: u32) {
+    std::thread::scope(|scope| {
+        for &first in prompts {
+            scope.spawn(move || {
+                let body = completion(
+                    json!(token_prompt(first, tokens)),
+                    json!({ "max_tokens": max_tokens }),
+                );
+                let mut answer = post(addr, "/v1/completions", &[], &body);
+                assert_eq!(answer.status, 200);
+                answer.json();
+            });
+        }
+    });
+}
+
+/// Two prompts prefilled at once on one rank share its throughput: each takes about twice
+/// as long as one alone (the rank's own figures; 600 ms of prefill alone).
+#[test]
+fn concurrent_prefills_on_a_rank_share_its_throughput() {
+    let (_engine, server, addr) = contending(1, Duration::from_millis(1), 256, 0.0);
+    all_at_once(addr, &[20_000], 600, 1);
+    all_at_once(addr, &[21_000, 22_000], 600, 1);
+    let timings = server.timings();
+    assert_eq!(timings.len(), 3, "{timings:?}");
+    let alone = timings[0].prefill;
+    assert!(alone >= Duration::from_millis(600), "{timings:?}");
+    for pair in &timings[1..] {
+        let ratio = pair.prefill.as_secs_f64() / alone.as_secs_f64();
+        assert!(ratio > 1.5 && ratio < 2.5, "{ratio}: {timings:?}");
+        assert!(pair.queued.is_zero(), "{timings:?}");
+    }
+}
+
+/// With `max_running` 1 a second request waits while the first runs, `/metrics` showing one
+/// running and one waiting; the first's client leaving gives the place to the second.
+#[test]
+fn past_max_running_a_request_waits_until_a_place_frees() {
+    let (_engine, server, addr) = contending(0, Duration::from_millis(20), 1, 0.0);
+    let long = completion(
+        json!(token_prompt(23_000, 20)),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    let mut first = post(addr, "/v1/completions", &[], &long);
+    first.next_event().expect("read").expect("an event");
+    let gauges = || {
+        let running = gauge(addr, "vllm:num_requests_running", 0);
+        (running, gauge(addr, "vllm:num_requests_waiting", 0))
+    };
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| all_at_once(addr, &[24_000], 20, 2));
+        wait_for(10, "the second request to wait", || {
+            (gauges() == (1.0, 1.0)).then_some(())
+        });
+        let waited_from = Instant::now();
+        assert_eq!(server.waiting_per_rank(), [1]);
+        first
+            .next_event()
+            .expect("read")
+            .expect("the first still runs");
+        let held = waited_from.elapsed();
+        drop(first);
+        second.join().expect("the second is answered");
+        let timings = server.timings();
+        assert_eq!(timings.len(), 1, "only the second finished: {timings:?}");
+        assert!(timings[0].queued >= held, "{timings:?} after {held:?}");
+    });
+    assert_eq!(gauges(), (0.0, 0.0));
+    wait_for(10, "the first's client to count as gone", || {
+        (server.disconnects() == 1).then_some(())
+    });
+}
+
+/// Decode steps slow with the batch: with four requests decoding together and a slowdown of
+/// 0.5 a token takes 2.5 times as long as alone (the rank's own figures).
+#[test]
+fn decode_steps_slow_with_the_batch() {
+    let (_engine, server, addr) = contending(0, Duration::from_millis(20), 256, 0.5);
+    all_at_once(addr, &[25_000], 20, 11);
+    all_at_once(addr, &[26_000, 27_000, 28_000, 29_000], 20, 11);
+    let timings = server.timings();
+    assert_eq!(timings.len(), 5, "{timings:?}");
+    let inter = |n: usize| timings[n].inter_token().expect("ten steps").as_secs_f64();
+    assert!(inter(0) >= 0.020, "{timings:?}");
+    let slowest = (1..5).map(inter).fold(0.0, f64::max);
+    assert!(slowest / inter(0) > 1.5, "{timings:?}");
+    assert!(slowest / inter(0) < 2.6, "{timings:?}");
 }

@@ -2,14 +2,17 @@
 //! `POST /v1/chat/completions` (whole, or streamed as server-sent events), `GET /v1/models`,
 //! `GET /health` and `GET /metrics` (vLLM's load gauges per rank, `metrics`), answered from the ranks' real prefix caches. A request goes to the rank its
 //! `X-data-parallel-rank` header names (round-robin without one), is tokenized as kv-indexer
-//! tokenizes (`kv_indexer::tokenize`), waits a prefill time proportional to its uncached tokens,
+//! tokenizes (`kv_indexer::tokenize`), takes its place in that rank's batch (or waits for one),
+//! computes its uncached tokens sharing the rank's prefill throughput with the other prefills,
 //! then stores its blocks on that rank (which publishes their KV events) and streams its output
-//! tokens; `usage.prompt_tokens_details.cached_tokens` reports what the rank held.
+//! tokens, a decode step slower the larger the batch; `usage.prompt_tokens_details.cached_tokens`
+//! reports what the rank held.
 //!
-//! `routes` reads requests and chooses the rank, `answer` writes the JSON of an answer and of
-//! its events, `body` is a generating answer's body (each event made when due, and only when
-//! the connection takes it). This file owns the runtime, the listener (closed and reopened on
-//! the same port for tests), the faults tests inject and the figures they read.
+//! `routes` reads requests and chooses the rank, `scheduler` runs each rank's batch (when a
+//! request is admitted, makes its tokens and leaves), `answer` writes the JSON of an answer and
+//! of its events, `body` is a generating answer's body (each event made when its token is, and
+//! only when the connection takes it). This file owns the runtime, the listener (closed and
+//! reopened on the same port for tests), the faults tests inject and the figures they read.
 //!
 //! Owns: the server's tasks and sockets. Never: a thread per request or connection (one
 //! runtime of two threads serves them all), a blocking sleep on the runtime, or a buffer that
@@ -19,6 +22,9 @@ mod answer;
 mod body;
 mod metrics;
 mod routes;
+mod scheduler;
+
+pub use scheduler::RequestTiming;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -47,7 +53,10 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// Connections waiting to be accepted.
 const BACKLOG: u32 = 4096;
 
-/// What the OpenAI-compatible server serves, and how fast.
+/// What the OpenAI-compatible server serves, and how fast. The times are a lone request's:
+/// concurrent requests on a rank share its prefill throughput, slow each other's decode steps
+/// (`decode_slowdown`) and queue past `max_running` (`scheduler`). `default()` is a fast engine
+/// for tests; `gpu_8b()` is near an 8B model on one GPU.
 #[derive(Clone, Debug)]
 pub struct OpenAiConfig {
     /// The served model: a request naming another gets vLLM's 404.
@@ -55,14 +64,21 @@ pub struct OpenAiConfig {
     /// The model's tokenizer directory (`tokenizer.json`, `tokenizer_config.json`), for prompts
     /// given as text and chat messages; a prompt given as token ids needs none.
     pub tokenizer: Option<PathBuf>,
-    /// Prefill time of a request with nothing to compute: its first token comes this much plus
-    /// `prefill_per_token` per uncached prompt token after it arrives.
+    /// Prefill time of a request with nothing to compute: alone on its rank, its first token
+    /// comes this much plus `prefill_per_token` per uncached prompt token after it arrives.
     pub first_token_floor: Duration,
+    /// Prefill time per uncached token alone: the rank's prefill throughput is its inverse,
+    /// shared evenly by the prefills in flight.
     pub prefill_per_token: Duration,
-    /// Time between two output tokens.
+    /// Time between two output tokens of a request alone on its rank.
     pub inter_token: Duration,
     /// Prompt plus output tokens a request may ask for (vLLM's `--max-model-len`).
     pub max_model_len: u32,
+    /// Requests a rank runs at once (vLLM's `--max-num-seqs`); the next wait in arrival order.
+    pub max_running: u32,
+    /// How much each other request in the batch lengthens a decode step: a token takes
+    /// `inter_token × (1 + decode_slowdown × (batch − 1))`.
+    pub decode_slowdown: f64,
 }
 
 impl Default for OpenAiConfig {
@@ -74,6 +90,24 @@ impl Default for OpenAiConfig {
             prefill_per_token: Duration::from_micros(20),
             inter_token: Duration::from_millis(2),
             max_model_len: 131_072,
+            max_running: 256,
+            decode_slowdown: 0.0,
+        }
+    }
+}
+
+impl OpenAiConfig {
+    /// Near Llama-3.1-8B in bf16 on one H100 under vLLM (docs.md's simulator section says where
+    /// each figure comes from): 15,000 prefill tokens/s, a 12 ms floor and 12 ms a token alone,
+    /// 256 requests a batch, each other one lengthening a step by 1%.
+    pub fn gpu_8b() -> OpenAiConfig {
+        OpenAiConfig {
+            first_token_floor: Duration::from_millis(12),
+            prefill_per_token: Duration::from_secs(1) / 15_000,
+            inter_token: Duration::from_millis(12),
+            max_running: 256,
+            decode_slowdown: 0.01,
+            ..OpenAiConfig::default()
         }
     }
 }
@@ -132,6 +166,7 @@ struct Inner {
     listening: Mutex<Option<Listening>>,
     faults: Mutex<VecDeque<Fault>>,
     figures: Arc<Figures>,
+    scheduler: Arc<scheduler::Scheduler>,
     next_rank: AtomicU32,
     next_id: AtomicU64,
     last_request: Mutex<Option<SeenRequest>>,
@@ -168,8 +203,6 @@ struct Listening {
 pub(crate) struct Figures {
     received: AtomicU64,
     served: Mutex<Vec<u64>>,
-    /// Requests in flight per rank: `/metrics`' `vllm:num_requests_running`.
-    running: Mutex<Vec<u64>>,
     open_streams: AtomicUsize,
     disconnects: AtomicU64,
 }
@@ -189,6 +222,8 @@ pub(crate) fn start(
         &Tokenizers::default(),
     )
     .with_context(|| format!("the OpenAI server's tokenizer for model {:?}", config.model))?;
+    let scheduler = scheduler::Scheduler::new(config)
+        .with_context(|| format!("the OpenAI server's batch for model {:?}", config.model))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("sim-openai")
@@ -216,6 +251,7 @@ pub(crate) fn start(
         listening: Mutex::new(None),
         faults: Mutex::new(VecDeque::new()),
         figures: Arc::new(Figures::default()),
+        scheduler,
         next_rank: AtomicU32::new(0),
         next_id: AtomicU64::new(0),
         last_request: Mutex::new(None),
@@ -255,9 +291,21 @@ impl OpenAiServer {
         self.inner.metrics_status.store(status, Ordering::Relaxed);
     }
 
-    /// Requests in flight on each rank now, as `/metrics` reports them (indexed by rank).
+    /// Requests in each rank's batch now, as `/metrics` reports them (indexed by rank): from
+    /// their admission until their last token or their client leaving.
     pub fn running_per_rank(&self) -> Vec<u64> {
-        self.inner.figures.running.lock().clone()
+        self.inner.scheduler.load().iter().map(|l| l.0).collect()
+    }
+
+    /// Requests waiting for a place in each rank's batch now (indexed by rank).
+    pub fn waiting_per_rank(&self) -> Vec<u64> {
+        self.inner.scheduler.load().iter().map(|l| l.1).collect()
+    }
+
+    /// How the last finished requests' time went (up to 4,096, oldest first), as the ranks
+    /// measured it: queued, prefill, tokens and decode.
+    pub fn timings(&self) -> Vec<RequestTiming> {
+        self.inner.scheduler.timings()
     }
 
     /// Drops the faults not applied yet.

@@ -1,19 +1,17 @@
-//! One generation as vLLM answers it: its timeline (first token after the prefill, then one
-//! token each `inter_token`), the blocks it stores at the end of its prefill, and the JSON of
+//! One generation as vLLM answers it: which output token each event waits for (the rank's
+//! `scheduler` says when that token is made), the blocks it stores at the end of its prefill, and the JSON of
 //! the whole answer and of each server-sent event, in vLLM's shapes (`serving_completion.py`,
 //! `serving_chat.py`: a completion's chunks carry `"usage": null`, a chat's first chunk carries
 //! `delta.role`, the usage chunk has `"choices": []`).
 //!
-//! Owns the events' order, timing and text. Never: sleeps (the body and the route wait for the
-//! times this gives), or reads a socket.
+//! Owns the events' order and text. Never: sleeps (the body and the route wait for the
+//! tokens this names), or reads a socket.
 
 use std::sync::Weak;
-use std::time::Duration;
 
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use tokio::time::Instant;
 
 use crate::cache::Request;
 use crate::server::Shared;
@@ -40,9 +38,6 @@ pub(super) struct Generation {
     pub(super) cached_tokens: u32,
     pub(super) max_tokens: u32,
     pub(super) include_usage: bool,
-    /// When the first token is due; token `k` is due `k * inter_token` later.
-    pub(super) first_token_at: Instant,
-    pub(super) inter_token: Duration,
     /// What the rank stores once the prefill is done; `None` after.
     pub(super) prefill: Option<Prefill>,
 }
@@ -84,15 +79,14 @@ impl Generation {
         }
     }
 
-    /// When `event` is produced: the role with the first token, the usage and `[DONE]` with the
-    /// last one.
-    pub(super) fn due(&self, event: Event) -> Instant {
-        let token = match event {
+    /// The output token `event` waits for: the role comes with the first token, the usage and
+    /// `[DONE]` with the last one.
+    pub(super) fn token_of(&self, event: Event) -> u32 {
+        match event {
             Event::Role => 0,
             Event::Token(k) => k,
             Event::Usage | Event::Done => self.max_tokens.saturating_sub(1),
-        };
-        self.first_token_at + self.inter_token * token
+        }
     }
 
     /// Stores the prompt's blocks on its rank (publishing their KV events), once.

@@ -1,12 +1,12 @@
 //! A response body of the OpenAI server: a whole JSON answer, one cut halfway by a fault, or a
 //! generation's server-sent events. The events are made one at a time when hyper asks for the
-//! next, not before it is due: a slow reader holds its generation back (the socket's buffers
-//! are all that is queued), and a client gone drops the body, which stops it.
+//! next, not before the rank's scheduler has made its token: a slow reader holds its events
+//! back (the socket's buffers are all that is queued), and a client gone drops the body, which
+//! gives its place in the batch back.
 //!
 //! Owns when a streamed generation stores its prompt (at its first token, the end of its
 //! prefill) and what counts as a disconnect. Never: renders JSON (`answer`), or spawns a task.
 
-use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +19,7 @@ use log::warn;
 use tokio::time::{Instant, Sleep};
 
 use super::answer::Generation;
+use super::scheduler::Slot;
 use super::Figures;
 
 /// A body of the server's answers.
@@ -41,10 +42,9 @@ struct Events {
     count: usize,
     /// Events sent before the connection is closed (a fault).
     break_after: Option<usize>,
-    /// The event the timer is set for, while it waits.
-    timer_for: Option<usize>,
     flushed: Flushed,
     timer: Pin<Box<Sleep>>,
+    slot: Slot,
     flight: InFlight,
 }
 
@@ -70,18 +70,19 @@ impl AnswerBody {
     pub(super) fn events(
         generation: Generation,
         break_after: Option<usize>,
+        slot: Slot,
         flight: InFlight,
     ) -> AnswerBody {
         let count = generation.event_count();
-        let timer = Box::pin(tokio::time::sleep_until(generation.first_token_at));
+        let timer = Box::pin(tokio::time::sleep_until(Instant::now()));
         AnswerBody(Kind::Events(Box::new(Events {
             generation,
             next: 0,
             count,
             break_after,
-            timer_for: None,
             flushed: Flushed(false),
             timer,
+            slot,
             flight,
         })))
     }
@@ -141,16 +142,8 @@ impl Events {
             return Poll::Ready(None);
         }
         let event = self.generation.event(self.next);
-        if self.timer_for != Some(self.next) {
-            let due = self.generation.due(event);
-            if due > Instant::now() {
-                self.timer.as_mut().reset(due);
-                self.timer_for = Some(self.next);
-            }
-        }
-        if self.timer_for == Some(self.next) {
-            ready!(self.timer.as_mut().poll(cx));
-        }
+        let token = self.generation.token_of(event);
+        ready!(self.slot.poll_token(cx, token, self.timer.as_mut()));
         if self.break_after == Some(self.next) {
             ready!(self.flushed.poll(cx));
             self.flight.finish();
@@ -194,28 +187,15 @@ impl Flushed {
 /// connection itself.
 pub(super) struct InFlight {
     figures: Arc<Figures>,
-    rank: usize,
     closed_by_server: Arc<AtomicBool>,
     finished: bool,
 }
 
 impl InFlight {
-    pub(super) fn new(
-        figures: &Arc<Figures>,
-        rank: u32,
-        closed_by_server: Arc<AtomicBool>,
-    ) -> InFlight {
+    pub(super) fn new(figures: &Arc<Figures>, closed_by_server: Arc<AtomicBool>) -> InFlight {
         figures.open_streams.fetch_add(1, Ordering::Relaxed);
-        let rank = rank as usize;
-        let mut running = figures.running.lock();
-        if running.len() <= rank {
-            running.resize(rank + 1, 0);
-        }
-        running[rank] += 1;
-        drop(running);
         InFlight {
             figures: Arc::clone(figures),
-            rank,
             closed_by_server,
             finished: false,
         }
@@ -230,9 +210,6 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.figures.open_streams.fetch_sub(1, Ordering::Relaxed);
-        if let Some(running) = self.figures.running.lock().get_mut(self.rank) {
-            *running = running.saturating_sub(1);
-        }
         if !self.finished && !self.closed_by_server.load(Ordering::Relaxed) {
             self.figures.disconnects.fetch_add(1, Ordering::Relaxed);
         }

@@ -3,10 +3,9 @@
 //! one series per data-parallel rank labelled `engine="<rank>"` and `model_name`, in the
 //! Prometheus text format.
 //!
-//! Owns: that text, from what the server really has in flight per rank (a request counts from
-//! its acceptance until its answer ends or its client leaves) and each rank's cache occupancy.
-//! Never: reports a waiting request (the simulated prefills do not queue) or a figure it did
-//! not read.
+//! Owns: that text, from each rank's batch as the scheduler runs it (running: admitted until
+//! its last token or its client leaving; waiting: queued for a place) and each rank's cache
+//! occupancy. Never: reports a figure it did not read.
 
 use std::fmt::Write;
 
@@ -24,18 +23,21 @@ pub(super) fn exposition(inner: &Inner) -> String {
         .replace('"', "\\\"");
     let engine = inner.engine.upgrade();
     let ranks = engine.as_ref().map_or(0, |engine| engine.dp_size());
-    let running = inner.figures.running.lock().clone();
+    let load = inner.scheduler.load();
+    let count = |rank: u32, pick: fn(&(u64, u64)) -> u64| {
+        load.get(rank as usize).map_or(0.0, |l| pick(l) as f64)
+    };
     let mut text = String::new();
     let gauges: [Gauge; 3] = [
         (
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            &|rank| running.get(rank as usize).copied().unwrap_or(0) as f64,
+            &|rank| count(rank, |l| l.0),
         ),
         (
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            &|_| 0.0,
+            &|rank| count(rank, |l| l.1),
         ),
         (
             "vllm:kv_cache_usage_perc",

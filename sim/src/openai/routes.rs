@@ -21,7 +21,6 @@ use hyper::{Method, Request, Response, StatusCode};
 use kv_indexer::tokenize::Prompt;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::time::Instant;
 
 use super::answer::{Endpoint, Event, Generation, Prefill};
 use super::body::{AnswerBody, InFlight};
@@ -197,9 +196,8 @@ async fn generate(
     // As vLLM, which recomputes at least the last token of a prompt it holds whole.
     let prompt_tokens = asked.tokens.len() as u32;
     let cached_tokens = hit_blocks.min((prompt_tokens - 1) / block_size) * block_size;
+    let uncached = prompt_tokens - cached_tokens;
     let config = &inner.config;
-    let prefill =
-        config.first_token_floor + config.prefill_per_token * (prompt_tokens - cached_tokens);
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
@@ -225,8 +223,6 @@ async fn generate(
         cached_tokens,
         max_tokens: asked.max_tokens,
         include_usage: asked.include_usage,
-        first_token_at: Instant::now() + prefill,
-        inter_token: config.inter_token,
         prefill: Some(Prefill {
             engine: inner.engine.clone(),
             rank,
@@ -234,20 +230,23 @@ async fn generate(
             cache_salt: asked.cache_salt,
         }),
     };
-    let mut flight = InFlight::new(&inner.figures, rank, closed_by_server);
+    let slot = inner.scheduler.enter(rank, uncached, asked.max_tokens);
+    let mut flight = InFlight::new(&inner.figures, closed_by_server);
     if asked.stream {
-        let mut response = Response::new(AnswerBody::events(generation, break_after, flight));
+        let body = AnswerBody::events(generation, break_after, slot, flight);
+        let mut response = Response::new(body);
         response.headers_mut().insert(
             CONTENT_TYPE,
             HeaderValue::from_static("text/event-stream; charset=utf-8"),
         );
         return Ok(response);
     }
-    sleep_until_due(generation.first_token_at).await;
+    slot.token(0).await;
     generation
         .finish_prefill()
         .map_err(|error| Refusal::new(500, format!("{error:#}")))?;
-    sleep_until_due(generation.due(Event::Done)).await;
+    slot.token(generation.token_of(Event::Done)).await;
+    drop(slot);
     flight.finish();
     let whole = generation.whole();
     let body = match break_after {
@@ -255,14 +254,6 @@ async fn generate(
         None => AnswerBody::whole(whole),
     };
     Ok(json_response(200, body))
-}
-
-/// Waits for `due` unless it has passed: a timer has a millisecond's grain, which an engine
-/// configured to take no time must not add to every whole answer.
-async fn sleep_until_due(due: Instant) {
-    if due > Instant::now() {
-        tokio::time::sleep_until(due).await;
-    }
 }
 
 /// The request's prompt as token ids and its options, or vLLM's refusal.
