@@ -128,9 +128,6 @@ struct Args {
     /// Live: `max_tokens` of every request (its output's length).
     #[arg(long, default_value_t = 4)]
     live_max_tokens: u32,
-    /// Live: the mock engines' prefill time per uncached prompt token, in µs.
-    #[arg(long, default_value_t = 20)]
-    live_prefill_us_per_token: u64,
 }
 
 const DEADLINE: Duration = Duration::from_secs(120);

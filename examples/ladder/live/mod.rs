@@ -1,7 +1,9 @@
 //! `ladder --live`: the ladder's workloads as real HTTP requests, on the wall clock. Each run
 //! has a fleet of its own (mock engines whose OpenAI servers answer from their real prefix
-//! caches, a prefill time proportional to the uncached tokens, the ladder's cache capacity,
-//! vLLM's load gauges on `/metrics`), so every run starts with empty caches, and its routers:
+//! caches and contend as an 8B model on one GPU would, `OpenAiConfig::gpu_8b`: each rank's
+//! prefill throughput shared by its prefills, a batch and a queue, decode steps slowing with
+//! the batch; the ladder's cache capacity; vLLM's load gauges on `/metrics`), so every run
+//! starts with empty caches, and its routers:
 //!
 //! - `one`: one route front end (an in-process indexer with `[route]`, `[select] policy` the
 //!   run's policy, scraping the engines' load);
@@ -175,19 +177,22 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let prefill_tokens_per_s = 1e6 / args.live_prefill_us_per_token.max(1) as f64;
+    let engine = engine_openai(None);
+    let prefill_tokens_per_s = 1.0 / engine.prefill_per_token.as_secs_f64();
     let text = args.live_text.then(TextPrompts::new).transpose()?;
     if !args.json {
         println!(
-            "live: {} engines × {} ranks, {} blocks of cache a rank, prefill {} µs an uncached token (+{} ms), decode {} ms a token, max_tokens {}, bypass {:.0}%",
+            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}; max_tokens {}, bypass {:.0}%{}",
             args.engines,
             args.dp_size,
             args.capacity_blocks,
-            args.live_prefill_us_per_token,
-            OpenAiConfig::default().first_token_floor.as_millis(),
-            args.decode_ms_per_token,
+            engine.first_token_floor.as_millis(),
+            engine.inter_token.as_millis(),
+            engine.max_running,
+            engine.decode_slowdown,
             args.live_max_tokens,
-            args.live_bypass * 100.0
+            args.live_bypass * 100.0,
+            if args.live_text { ", prompts as text" } else { "" }
         );
     }
     for workload in workloads {
@@ -274,15 +279,7 @@ impl LiveFleet {
     fn start(args: &Args, routers: Routers, tokenizer: Option<&PathBuf>) -> Result<LiveFleet> {
         let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {
             openai_port: Some(0),
-            openai: OpenAiConfig {
-                model: MODEL.into(),
-                tokenizer: tokenizer.cloned(),
-                prefill_per_token: Duration::from_micros(args.live_prefill_us_per_token),
-                inter_token: Duration::from_secs_f64(args.decode_ms_per_token / 1e3),
-                // The trace's longest prompts are above vLLM's default.
-                max_model_len: 1 << 20,
-                ..OpenAiConfig::default()
-            },
+            openai: engine_openai(tokenizer.cloned()),
             ..engine_config(args, i)
         })?;
         let ranks = fleet.ranks();
@@ -385,6 +382,19 @@ impl LiveFleet {
         } else {
             1.0
         }
+    }
+}
+
+/// The engines' OpenAI servers: near an 8B model on one GPU (`OpenAiConfig::gpu_8b`: a rank's
+/// prefill throughput shared by its prefills, a batch, a queue), the trace's longest prompts
+/// allowed.
+fn engine_openai(tokenizer: Option<PathBuf>) -> OpenAiConfig {
+    OpenAiConfig {
+        model: MODEL.into(),
+        tokenizer,
+        // Above vLLM's default: the trace's longest prompt has 134,773 tokens.
+        max_model_len: 1 << 20,
+        ..OpenAiConfig::gpu_8b()
     }
 }
 
