@@ -104,9 +104,9 @@ struct Args {
     /// Live: each workload's first requests sent (the trace's and the burst's).
     #[arg(long, default_value_t = 200)]
     live_requests: usize,
-    /// Live: requests in flight at most, one run each; a request whose arrival finds them all
-    /// busy waits.
-    #[arg(long, value_delimiter = ',', default_values_t = [1, 16])]
+    /// Live: requests in flight at most, one run each (`1,16`: both); a request whose arrival
+    /// finds them all busy waits.
+    #[arg(long, value_delimiter = ',', default_values_t = [16])]
     live_concurrency: Vec<usize>,
     /// Live: the set-ups (`one` router, `two` replicas, `bypass`), comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = ["one".to_string(), "two".to_string(), "bypass".to_string()])]

@@ -31,7 +31,9 @@ pub struct LiveRow {
     /// The p99 of the requests a router sent (all of them but the bypass).
     routed_p99_ms: f64,
     pub imbalance: f64,
-    predicted: Option<u64>,
+    /// Our front ends' predicted cached tokens, and the engines' reported ones of the same
+    /// requests (the bypass has no prediction).
+    predicted: Option<(u64, u64)>,
     reported: u64,
     prediction: Misses,
     /// Error messages, each with how many requests met it.
@@ -83,7 +85,7 @@ pub fn print_row(args: &Args, row: &LiveRow) {
                 "hit_ratio": row.hit_ratio, "ttft_p50_ms": row.ttft_p50_ms,
                 "ttft_p99_ms": row.ttft_p99_ms, "routed_ttft_p99_ms": row.routed_p99_ms,
                 "imbalance": row.imbalance,
-                "predicted_cached_tokens": row.predicted,
+                "predicted_cached_tokens": row.predicted.map(|(predicted, _)| predicted),
                 "reported_cached_tokens": row.reported,
                 "predicted_more": row.prediction.over, "predicted_less": row.prediction.under,
                 "reservations_at_end": row.front_ends.iter().map(|f| f.reservations_at_end).sum::<u64>(),
@@ -92,9 +94,11 @@ pub fn print_row(args: &Args, row: &LiveRow) {
         );
         return;
     }
-    let ratio = row.predicted.map_or("-".to_string(), |predicted| {
-        format!("{:.3}", predicted as f64 / row.reported.max(1) as f64)
-    });
+    let ratio = row
+        .predicted
+        .map_or("-".to_string(), |(predicted, reported)| {
+            format!("{:.3}", predicted as f64 / reported.max(1) as f64)
+        });
     println!(
         "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>6.1}% {:>8.0} {:>8.0} {:>10.0} {:>9.2} {:>8}",
         row.workload,
@@ -183,7 +187,14 @@ pub fn row(
         ttft_p99_ms: quantile_ms(&all, 0.99),
         routed_p99_ms: quantile_ms(&routed, 0.99),
         imbalance: 1.0,
-        predicted: ours.then(|| answered.iter().filter_map(|o| o.predicted_tokens).sum()),
+        predicted: ours.then(|| {
+            answered
+                .iter()
+                .filter_map(|o| Some((o.predicted_tokens?, o.cached_tokens)))
+                .fold((0, 0), |(p, r), (predicted, reported)| {
+                    (p + predicted, r + reported)
+                })
+        }),
         reported,
         prediction: Misses::of(answered.iter().copied()),
         errors,
