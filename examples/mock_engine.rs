@@ -4,8 +4,11 @@
 //! `--recover-port + r`, and vLLM's API server on `--api-port`: `GET /kv_event_sources` (what
 //! the indexer's `discover` asks) and `POST /scale_elastic_ep` to add or remove ranks while it
 //! runs; with `--openai-port`, vLLM's OpenAI API (`/v1/completions`, `/v1/chat/completions`,
-//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`). It runs a
-//! workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
+//! streamed or not) answered from the ranks' caches (`kv_indexer_sim::openai`), each rank
+//! contending as one GPU near an 8B model (`OpenAiConfig::gpu_8b`: a batch of `--max-running`,
+//! a queue, prefills sharing `--prefill-tokens-per-s`, decode steps slowing with the batch and
+//! with the `--prefill-chunk` computed beside them). It
+//! runs a workload (the Mooncake trace or synthetic conversations), then keeps serving until Ctrl-C.
 //!
 //! ```text
 //! cargo run --example mock_engine -- --dp-size 2 --requests 500 --rate 50
@@ -85,7 +88,7 @@ struct Args {
     first_token_floor_us: u64,
     /// A rank's prefill throughput, in uncached prompt tokens a second, shared by the prefills
     /// in flight.
-    #[arg(long, default_value_t = 1.0 / OpenAiConfig::gpu_8b().prefill_per_token.as_secs_f64())]
+    #[arg(long, default_value_t = (1.0 / OpenAiConfig::gpu_8b().prefill_per_token.as_secs_f64()).round())]
     prefill_tokens_per_s: f64,
     /// Time between two output tokens of a request alone on its rank, in microseconds.
     #[arg(long, default_value_t = micros(OpenAiConfig::gpu_8b().inter_token))]
@@ -97,6 +100,11 @@ struct Args {
     /// inter_token × (1 + slowdown × (batch − 1)).
     #[arg(long, default_value_t = OpenAiConfig::gpu_8b().decode_slowdown)]
     decode_slowdown: f64,
+    /// Prompt tokens a rank's step computes beside its decodes (vLLM's chunked prefill,
+    /// --max-num-batched-tokens): such a step is that much longer; 0: prefills and decodes do
+    /// not slow each other.
+    #[arg(long, default_value_t = OpenAiConfig::gpu_8b().prefill_chunk.unwrap_or(0))]
+    prefill_chunk: u32,
     /// Host to bind: an IP, `*` or an IPv6 literal.
     #[arg(long, default_value = "127.0.0.1")]
     bind: String,
@@ -188,10 +196,18 @@ fn main() -> Result<()> {
     }
     if let Some(server) = engine.openai() {
         info!(
-            "OpenAI API {}/v1 (port {}), model {:?}",
+            "OpenAI API {}/v1 (port {}), model {:?}; each rank: prefill {} tokens/s shared, \
+             first token floor {} µs, {} µs a token alone (+{}% per other request in the batch), \
+             {} requests a batch, {} prompt tokens a step beside the decodes (0: off)",
             server.url(),
             server.port(),
-            server.model()
+            server.model(),
+            args.prefill_tokens_per_s,
+            args.first_token_floor_us,
+            args.inter_token_us,
+            args.decode_slowdown * 100.0,
+            args.max_running,
+            args.prefill_chunk
         );
     }
     info!(
@@ -241,6 +257,7 @@ fn openai_config(args: &Args) -> Result<OpenAiConfig> {
         inter_token: Duration::from_micros(args.inter_token_us),
         max_running: args.max_running,
         decode_slowdown: args.decode_slowdown,
+        prefill_chunk: (args.prefill_chunk != 0).then_some(args.prefill_chunk),
         ..OpenAiConfig::gpu_8b()
     })
 }

@@ -695,18 +695,81 @@ fn past_max_running_a_request_waits_until_a_place_frees() {
     });
 }
 
-/// Decode steps slow with the batch: with four requests decoding together and a slowdown of
-/// 0.5 a token takes 2.5 times as long as alone (the rank's own figures).
+/// Decode steps slow with the batch: with a slowdown of 0.5 a token takes twice as long as
+/// alone with three requests decoding, 2.5 times with four (the rank's own figures), and a
+/// stream among them gets its events that far apart.
 #[test]
 fn decode_steps_slow_with_the_batch() {
-    let (_engine, server, addr) = contending(0, Duration::from_millis(20), 256, 0.5);
+    let inter_token = Duration::from_millis(20);
+    let (_engine, server, addr) = contending(0, inter_token, 256, 0.5);
     all_at_once(addr, &[25_000], 20, 11);
-    all_at_once(addr, &[26_000, 27_000, 28_000, 29_000], 20, 11);
+    let streamed = std::thread::scope(|scope| {
+        scope.spawn(|| all_at_once(addr, &[26_000, 27_000, 28_000], 20, 41));
+        wait_for(10, "three requests in the batch", || {
+            (server.running_per_rank() == [3]).then_some(())
+        });
+        let body = completion(
+            json!(token_prompt(29_000, 20)),
+            json!({"max_tokens": 11, "stream": true}),
+        );
+        let mut answer = post(addr, "/v1/completions", &[], &body);
+        answer.next_event().expect("read").expect("the first token");
+        let first = Instant::now();
+        let mut tokens = 1;
+        while let Some(event) = answer.next_event().expect("read") {
+            tokens += u32::from(event != "[DONE]");
+        }
+        assert_eq!(tokens, 11);
+        first.elapsed()
+    });
     let timings = server.timings();
     assert_eq!(timings.len(), 5, "{timings:?}");
-    let inter = |n: usize| timings[n].inter_token().expect("ten steps").as_secs_f64();
-    assert!(inter(0) >= 0.020, "{timings:?}");
-    let slowest = (1..5).map(inter).fold(0.0, f64::max);
-    assert!(slowest / inter(0) > 1.5, "{timings:?}");
-    assert!(slowest / inter(0) < 2.6, "{timings:?}");
+    let lone = timings[0].inter_token().expect("ten steps");
+    assert!(lone >= inter_token, "{timings:?}");
+    for timing in &timings[1..] {
+        let ratio = timing.inter_token().expect("steps").as_secs_f64() / lone.as_secs_f64();
+        assert!(ratio > 1.5 && ratio < 2.6, "{ratio}: {timings:?}");
+    }
+    // Ten steps of the four at 2.5 times the lone step: the stream waited for each token.
+    assert!(streamed > inter_token * 15, "{streamed:?}: {timings:?}");
+}
+
+/// With a prefill chunk, a prompt prefilled beside a decoding stream shares each step with it:
+/// the prefill goes at the chunk's share of the step (half here: 10 ms of prompt a 10 ms
+/// decode step) and the stream's tokens come a step of 20 ms apart meanwhile (the rank's own
+/// figures).
+#[test]
+fn a_prefill_beside_a_decode_shares_its_steps() {
+    let engine = engine(
+        1,
+        OpenAiConfig {
+            first_token_floor: Duration::from_millis(1),
+            prefill_per_token: Duration::from_millis(1),
+            inter_token: Duration::from_millis(10),
+            prefill_chunk: Some(10),
+            ..OpenAiConfig::default()
+        },
+    );
+    let (server, addr) = server(&engine);
+    let decoding = completion(
+        json!(token_prompt(30_000, 5)),
+        json!({"max_tokens": 101, "stream": true}),
+    );
+    let mut stream = post(addr, "/v1/completions", &[], &decoding);
+    stream.next_event().expect("read").expect("the first token");
+    all_at_once(addr, &[31_000], 300, 1);
+    while stream.next_event().expect("read").is_some() {}
+    let timings = server.timings();
+    assert_eq!(timings.len(), 2, "{timings:?}");
+    let prefill = timings
+        .iter()
+        .find(|t| t.tokens == 1)
+        .expect("the prefill's timing");
+    assert!(prefill.prefill > Duration::from_millis(450), "{timings:?}");
+    let decode = timings
+        .iter()
+        .find(|t| t.tokens == 101)
+        .expect("the stream's timing");
+    let inter = decode.inter_token().expect("steps");
+    assert!(inter > Duration::from_micros(11_500), "{timings:?}");
 }

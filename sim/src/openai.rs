@@ -24,7 +24,7 @@ mod metrics;
 mod routes;
 mod scheduler;
 
-pub use scheduler::RequestTiming;
+pub use scheduler::{BatchConfigError, RequestTiming};
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -79,6 +79,11 @@ pub struct OpenAiConfig {
     /// How much each other request in the batch lengthens a decode step: a token takes
     /// `inter_token × (1 + decode_slowdown × (batch − 1))`.
     pub decode_slowdown: f64,
+    /// Prompt tokens a step computes beside the decodes while both are in flight (vLLM's
+    /// chunked prefill, `--max-num-batched-tokens`): such a step takes `prefill_chunk ×
+    /// prefill_per_token` longer, and the prefills get that share of it. `None`: prefills and
+    /// decodes do not slow each other.
+    pub prefill_chunk: Option<u32>,
 }
 
 impl Default for OpenAiConfig {
@@ -92,6 +97,7 @@ impl Default for OpenAiConfig {
             max_model_len: 131_072,
             max_running: 256,
             decode_slowdown: 0.0,
+            prefill_chunk: None,
         }
     }
 }
@@ -99,7 +105,8 @@ impl Default for OpenAiConfig {
 impl OpenAiConfig {
     /// Near Llama-3.1-8B in bf16 on one H100 under vLLM (docs.md's simulator section says where
     /// each figure comes from): 15,000 prefill tokens/s, a 12 ms floor and 12 ms a token alone,
-    /// 256 requests a batch, each other one lengthening a step by 1%.
+    /// 256 requests a batch, each other one lengthening a step by 1%, 8,192 prompt tokens a
+    /// step beside the decodes.
     pub fn gpu_8b() -> OpenAiConfig {
         OpenAiConfig {
             first_token_floor: Duration::from_millis(12),
@@ -107,6 +114,7 @@ impl OpenAiConfig {
             inter_token: Duration::from_millis(12),
             max_running: 256,
             decode_slowdown: 0.01,
+            prefill_chunk: Some(8192),
             ..OpenAiConfig::default()
         }
     }

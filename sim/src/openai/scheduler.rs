@@ -4,8 +4,11 @@
 //! (`1 / prefill_per_token`) shared evenly with the other prefills in flight (processor
 //! sharing: n prefills each progress at throughput / n); its first token comes at the end of its
 //! prefill, then one token each decode step of `inter_token × (1 + decode_slowdown × (batch −
-//! 1))`, the batch being every admitted request of the rank. A request leaves the batch at its
-//! last token or when its client goes away, and the first waiting one takes its place.
+//! 1))`, the batch being every admitted request of the rank. With a `prefill_chunk`, a step
+//! taken while prefills and decodes are both in flight also computes that many prompt tokens
+//! (vLLM's chunked prefill): it is longer by their time, and the prefills go at the chunk's
+//! share of it. A request leaves the batch at its last token or when its client goes away, and
+//! the first waiting one takes its place.
 //!
 //! The state is advanced lazily, to the exact instant of each event in turn, by whoever looks
 //! (a waiting answer, `/metrics`, a request arriving or leaving): a lone request's timeline is
@@ -22,7 +25,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use anyhow::{bail, Result};
 use parking_lot::Mutex;
 use tokio::time::{Instant, Sleep};
 
@@ -37,6 +39,17 @@ const WORK_EPSILON: f64 = 1e-9;
 
 /// Output tokens this close to the next count as made, for the same reason.
 const TOKEN_EPSILON: f64 = 1e-6;
+
+/// A batch setting no rank could run with.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BatchConfigError {
+    #[error("max_running is 0: no request could ever run")]
+    NoPlace,
+    #[error("decode_slowdown must be a finite number ≥ 0, got {0}")]
+    Slowdown(f64),
+    #[error("prefill_chunk is 0: a prefill beside a decode would never end")]
+    EmptyChunk,
+}
 
 /// How a finished request's time went, as the rank measured it.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,16 +87,28 @@ struct Limits {
     inter_token: f64,
     max_running: usize,
     decode_slowdown: f64,
+    /// Seconds of a lone prefill a step computes beside the decodes (`prefill_chunk` tokens);
+    /// `None`: prefills and decodes do not slow each other.
+    chunk: Option<f64>,
+}
+
+/// How fast the rank goes as its batch is now.
+#[derive(Clone, Copy, Debug)]
+struct Rates {
+    /// Seconds of a decode step.
+    step: f64,
+    /// Seconds of a lone prefill each prefill computes a second.
+    prefill: f64,
 }
 
 impl Limits {
-    fn new(config: &OpenAiConfig) -> Result<Limits> {
+    fn new(config: &OpenAiConfig) -> Result<Limits, BatchConfigError> {
         if config.max_running == 0 {
-            bail!("max_running is 0: no request could ever run");
+            return Err(BatchConfigError::NoPlace);
         }
         let slowdown = config.decode_slowdown;
         if !slowdown.is_finite() || slowdown < 0.0 {
-            bail!("decode_slowdown must be a finite number ≥ 0, got {slowdown}");
+            return Err(BatchConfigError::Slowdown(slowdown));
         }
         Ok(Limits {
             floor: config.first_token_floor,
@@ -91,13 +116,35 @@ impl Limits {
             inter_token: config.inter_token.as_secs_f64(),
             max_running: usize::try_from(config.max_running).unwrap_or(usize::MAX),
             decode_slowdown: slowdown,
+            chunk: match config.prefill_chunk {
+                Some(0) => return Err(BatchConfigError::EmptyChunk),
+                Some(tokens) => Some(f64::from(tokens) * config.prefill_per_token.as_secs_f64()),
+                None => None,
+            },
         })
     }
 
-    /// Seconds of a decode step with `batch` requests admitted.
-    fn step(&self, batch: usize) -> f64 {
+    /// The rates with `batch` requests admitted, `prefilling` of them computing their prompt
+    /// and `decoding` making tokens. Prefills share the throughput evenly; with a chunk, a step
+    /// beside prefills also computes a chunk of them (vLLM's chunked prefill), so it is longer
+    /// and the prefills get the chunk's share of it.
+    fn rates(&self, batch: usize, prefilling: usize, decoding: usize) -> Rates {
         let others = batch.saturating_sub(1) as f64;
-        self.inter_token * (1.0 + self.decode_slowdown * others)
+        let step = self.inter_token * (1.0 + self.decode_slowdown * others);
+        let shares = prefilling.max(1) as f64;
+        match self.chunk {
+            Some(chunk) if prefilling > 0 && decoding > 0 => {
+                let step = step + chunk;
+                Rates {
+                    step,
+                    prefill: chunk / step / shares,
+                }
+            }
+            _ => Rates {
+                step,
+                prefill: 1.0 / shares,
+            },
+        }
     }
 }
 
@@ -158,16 +205,30 @@ impl Rank {
             .count()
     }
 
-    fn prefilling(&self) -> usize {
-        self.jobs
-            .iter()
-            .filter(|j| j.phase == Phase::Prefill)
-            .count()
+    /// One pass over the jobs: the rates as the batch is now.
+    fn rates(&self, limits: &Limits) -> Rates {
+        let (mut running, mut prefilling, mut decoding) = (0, 0, 0);
+        for job in &self.jobs {
+            match job.phase {
+                Phase::Waiting => continue,
+                Phase::Floor(_) => {}
+                Phase::Prefill => prefilling += 1,
+                Phase::Decode => decoding += 1,
+            }
+            running += 1;
+        }
+        limits.rates(running, prefilling, decoding)
+    }
+
+    /// Job `id`'s place: the jobs are in arrival order, so in the order of their ids.
+    fn find(&self, id: u64) -> Option<usize> {
+        self.jobs.binary_search_by_key(&id, |job| job.id).ok()
     }
 
     /// Brings the state to `now`, event by event; finished jobs go to `finished` with the
-    /// instant of their last token. Returns whether anything but progress happened (then the
-    /// answers waiting are woken, some being due sooner).
+    /// instant of their last token. Returns whether an event may have brought a job's next
+    /// token sooner (then the answers waiting are woken to look again; one slowed down wakes
+    /// at the instant it was given and looks again then).
     fn advance(
         &mut self,
         now: Instant,
@@ -187,9 +248,8 @@ impl Rank {
             }
             self.progress(at - clock, limits);
             clock = at;
-            self.settle(index, at, finished);
-            self.admit(at, limits);
-            changed = true;
+            changed |= self.settle(index, at, finished);
+            changed |= self.admit(at, limits);
         }
         self.progress(now - clock, limits);
         self.clock = Some(now);
@@ -231,7 +291,7 @@ impl Rank {
             if free == 0 {
                 break;
             }
-            job.phase = Phase::Floor(at + limits.floor);
+            job.phase = Phase::Floor(after(at, limits.floor.as_secs_f64()));
             job.admitted = Some(at);
             free -= 1;
             admitted = true;
@@ -241,8 +301,7 @@ impl Rank {
 
     /// The earliest event from `clock` at the current rates, and the job it happens to.
     fn next_event(&self, clock: Instant, limits: &Limits) -> Option<(Instant, usize)> {
-        let prefilling = self.prefilling() as f64;
-        let step = limits.step(self.running());
+        let rates = self.rates(limits);
         self.jobs
             .iter()
             .enumerate()
@@ -250,8 +309,8 @@ impl Rank {
                 let at = match job.phase {
                     Phase::Waiting => return None,
                     Phase::Floor(until) => until,
-                    Phase::Prefill => clock + seconds(job.work * prefilling),
-                    Phase::Decode => clock + seconds((job.last() - job.made) * step),
+                    Phase::Prefill => after(clock, job.work / rates.prefill),
+                    Phase::Decode => after(clock, (job.last() - job.made) * rates.step),
                 };
                 Some((at, index))
             })
@@ -264,20 +323,20 @@ impl Rank {
             return;
         }
         let elapsed = elapsed.as_secs_f64();
-        let prefilling = self.prefilling() as f64;
-        let step = limits.step(self.running());
+        let rates = self.rates(limits);
         for job in &mut self.jobs {
             match job.phase {
-                Phase::Prefill => job.work = (job.work - elapsed / prefilling).max(0.0),
-                Phase::Decode => job.made += elapsed / step,
+                Phase::Prefill => job.work = (job.work - elapsed * rates.prefill).max(0.0),
+                Phase::Decode => job.made += elapsed / rates.step,
                 Phase::Waiting | Phase::Floor(_) => {}
             }
         }
     }
 
     /// The steps done at `at`: the one `next_event` found for `index` exactly, and the others
-    /// within rounding.
-    fn settle(&mut self, index: usize, at: Instant, finished: &mut Vec<(Job, Instant)>) {
+    /// within rounding. Returns whether one may speed the others up: a prefill over (one
+    /// sharer fewer) or a request gone (a smaller batch); a floor over only slows them.
+    fn settle(&mut self, index: usize, at: Instant, finished: &mut Vec<(Job, Instant)>) -> bool {
         if let Some(job) = self.jobs.get_mut(index) {
             match job.phase {
                 Phase::Prefill => job.work = 0.0,
@@ -285,7 +344,7 @@ impl Rank {
                 Phase::Waiting | Phase::Floor(_) => {}
             }
         }
-        let mut index = 0;
+        let (mut index, mut sooner) = (0, false);
         while let Some(job) = self.jobs.get_mut(index) {
             if matches!(job.phase, Phase::Floor(until) if until <= at) {
                 job.phase = Phase::Prefill;
@@ -294,32 +353,35 @@ impl Rank {
                 job.phase = Phase::Decode;
                 job.first_token = Some(at);
                 job.made = 0.0;
+                sooner = true;
             }
             if job.phase == Phase::Decode && job.made >= job.last() - TOKEN_EPSILON {
                 finished.push((self.jobs.remove(index), at));
+                sooner = true;
                 continue;
             }
             index += 1;
         }
+        sooner
     }
 
     /// When the answer of job `id` can have its token `token` (0: the first).
     fn due(&self, id: u64, token: u32, limits: &Limits) -> Due {
-        let Some(job) = self.jobs.iter().find(|j| j.id == id) else {
+        let Some(job) = self.find(id).map(|index| &self.jobs[index]) else {
             // Finished: every token is made.
             return Due::Ready;
         };
         let Some(clock) = self.clock else {
             return Due::Unknown;
         };
-        let step = limits.step(self.running());
+        let rates = self.rates(limits);
         let token = f64::from(token);
         match job.phase {
             Phase::Decode if token <= job.made + TOKEN_EPSILON => Due::Ready,
-            Phase::Decode => Due::At(clock + seconds((token - job.made) * step)),
+            Phase::Decode => Due::At(after(clock, (token - job.made) * rates.step)),
             Phase::Prefill => {
-                let prefill = job.work * self.prefilling() as f64;
-                Due::At(clock + seconds(prefill + token * step))
+                let prefill = job.work / rates.prefill;
+                Due::At(after(clock, prefill + token * rates.step))
             }
             Phase::Floor(until) => Due::At(until),
             // Looks again at the rank's next event: a place may free then.
@@ -330,8 +392,13 @@ impl Rank {
     }
 }
 
-fn seconds(seconds: f64) -> Duration {
-    Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)
+/// `seconds` after `clock`; a time past what an instant holds is a year away, as good as never.
+fn after(clock: Instant, seconds: f64) -> Instant {
+    let never = || clock + Duration::from_secs(365 * 24 * 3600);
+    Duration::try_from_secs_f64(seconds.max(0.0))
+        .ok()
+        .and_then(|wait| clock.checked_add(wait))
+        .unwrap_or_else(never)
 }
 
 /// Every rank's batch; shared by the server's answers.
@@ -379,7 +446,7 @@ impl State {
 }
 
 impl Scheduler {
-    pub(super) fn new(config: &OpenAiConfig) -> Result<Arc<Scheduler>> {
+    pub(super) fn new(config: &OpenAiConfig) -> Result<Arc<Scheduler>, BatchConfigError> {
         Ok(Arc::new(Scheduler {
             limits: Limits::new(config)?,
             state: Mutex::new(State::default()),
@@ -452,8 +519,8 @@ impl Slot {
                 // Rounding: the event is this instant.
                 Due::At(at) if at <= now => return Poll::Ready(()),
                 Due::At(_) | Due::Unknown => {
-                    if let Some(job) = rank.jobs.iter_mut().find(|j| j.id == self.id) {
-                        job.waker = Some(cx.waker().clone());
+                    if let Some(index) = rank.find(self.id) {
+                        rank.jobs[index].waker = Some(cx.waker().clone());
                     }
                 }
             }
@@ -481,7 +548,7 @@ impl Drop for Slot {
         let limits = &self.scheduler.limits;
         let mut state = self.scheduler.state.lock();
         let rank = state.rank_at(self.rank, now, limits);
-        let Some(index) = rank.jobs.iter().position(|j| j.id == self.id) else {
+        let Some(index) = rank.find(self.id) else {
             return;
         };
         // The others go faster now, and a waiting one may take the place.

@@ -11,6 +11,7 @@ fn limits(max_running: usize, decode_slowdown: f64) -> Limits {
         inter_token: 10e-3,
         max_running,
         decode_slowdown,
+        chunk: None,
     }
 }
 
@@ -170,6 +171,7 @@ fn a_request_with_nothing_to_wait_for_is_done_at_once() {
         inter_token: 0.0,
         max_running: 1,
         decode_slowdown: 0.0,
+        chunk: None,
     });
     for id in 0..3 {
         model.arrive(id, 0.0, 50, 16);
@@ -178,4 +180,61 @@ fn a_request_with_nothing_to_wait_for_is_done_at_once() {
     for id in 0..3 {
         assert_ms("left", model.left(id), 0.0);
     }
+}
+
+#[test]
+fn a_chunked_prefill_beside_decodes_slows_them_and_goes_at_the_chunks_share() {
+    // 10 prompt tokens a step: 10 ms more a step, the prefill at half its lone speed.
+    let mut model = Model::new(Limits {
+        chunk: Some(10e-3),
+        ..limits(256, 0.0)
+    });
+    model.arrive(0, 0.0, 0, 101);
+    model.arrive(1, 50.0, 100, 1);
+    model.run_to(100.0);
+    // 0 made 5 tokens alone by 60 ms, then 2 a step of 20 ms.
+    assert_ms("0's 10th token due", model.due_ms(0, 10), 160.0);
+    model.run_to(2_000.0);
+    assert_ms("1's prefill at half speed", model.first_token(1), 260.0);
+    // 15 tokens by 260 ms, the last 85 alone at 10 ms.
+    assert_ms("0 leaves", model.left(0), 1_110.0);
+
+    // Prefills alone still go at the whole throughput.
+    let mut model = Model::new(Limits {
+        chunk: Some(10e-3),
+        ..limits(256, 0.0)
+    });
+    model.arrive(0, 0.0, 100, 1);
+    model.arrive(1, 0.0, 100, 1);
+    model.run_to(1_000.0);
+    assert_ms("first", model.first_token(0), 210.0);
+}
+
+#[test]
+fn settings_no_rank_could_run_with_are_refused() {
+    let refused = |config: OpenAiConfig| Limits::new(&config).err();
+    assert_eq!(refused(OpenAiConfig::default()), None);
+    assert_eq!(refused(OpenAiConfig::gpu_8b()), None);
+    let config = |max_running, decode_slowdown, prefill_chunk| OpenAiConfig {
+        max_running,
+        decode_slowdown,
+        prefill_chunk,
+        ..OpenAiConfig::gpu_8b()
+    };
+    assert_eq!(
+        refused(config(0, 0.0, None)),
+        Some(BatchConfigError::NoPlace)
+    );
+    assert_eq!(
+        refused(config(1, -0.5, None)),
+        Some(BatchConfigError::Slowdown(-0.5))
+    );
+    assert!(matches!(
+        refused(config(1, f64::NAN, None)),
+        Some(BatchConfigError::Slowdown(_))
+    ));
+    assert_eq!(
+        refused(config(1, 0.0, Some(0))),
+        Some(BatchConfigError::EmptyChunk)
+    );
 }
