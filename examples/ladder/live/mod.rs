@@ -182,7 +182,7 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
     let text = args.live_text.then(TextPrompts::new).transpose()?;
     if !args.json {
         println!(
-            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}; max_tokens {}, bypass {:.0}%{}",
+            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}, {} prompt tokens a step beside the decodes; max_tokens {}, bypass {:.0}%{}",
             args.engines,
             args.dp_size,
             args.capacity_blocks,
@@ -190,6 +190,9 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
             engine.inter_token.as_millis(),
             engine.max_running,
             engine.decode_slowdown,
+            engine
+                .prefill_chunk
+                .map_or("all".to_string(), |chunk| chunk.to_string()),
             args.live_max_tokens,
             args.live_bypass * 100.0,
             if args.live_text { ", prompts as text" } else { "" }
