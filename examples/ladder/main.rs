@@ -12,37 +12,37 @@
 //!
 //! Workloads: the Mooncake trace (`--trace FILE` in the same format, else the shipped one;
 //! its first `--requests`), and an agent fan-out burst (`--burst-requests` on two hot
-//! prefixes within `--burst-seconds`). Policies: round robin; longest prefix only (`/query`,
-//! ties to the least loaded rank: the fewest requests queued, prefilling or decoding there);
-//! `/select` (reserving, `prefill_complete` with the engine's cached tokens, `DELETE` when
-//! decoded); and an oracle that applies the same cost (`kv_indexer::select::cost`) to the
-//! engines' ground truth and true load (what is queued on a rank will be cached before the
-//! next prompt runs there).
+//! prefixes within `--burst-seconds`). Policies: the product's own (`[select] policy`: `cost`,
+//! `round_robin`, `least_load`, `prefix`), each by `/select` of an indexer configured with it
+//! (reserving, `prefill_complete` with the engine's cached tokens, `DELETE` when decoded), so
+//! the ladder weighs the code that routes; and an oracle that applies the same cost
+//! (`kv_indexer::select::cost`) to the engines' ground truth and true load (what is queued on a
+//! rank will be cached before the next prompt runs there): a yardstick, not a policy.
 //!
 //! Prints per workload and policy the engines' own prefix hit ratio (block-weighted), TTFT
 //! p50/p99, the load imbalance (max/mean prefill busy time) and the share of its decisions
 //! that had the oracle's lowest cost at the time; `--json` one object per row; `--sweep` the
-//! same for `/select` and the oracle over a grid of `decode_weight` (the cost is scale-free:
+//! same for `cost` and the oracle over a grid of `decode_weight` (the cost is scale-free:
 //! only its ratio to `prefill_weight` matters). Before a workload's rows, what no policy beats:
 //! the hit ratio of one unbounded cache and the p99 prompt's prefill with nothing cached.
 //!
 //! One clock is not virtual: the indexer's, which ends predictions after `predicted_ttl_s` of
 //! wall time. A run replays minutes of trace in seconds, so a prediction outlives its
-//! prompt's prefill there (as it should: the index then speaks for it) but `/select`'s rows
+//! prompt's prefill there (as it should: the index then speaks for it) but the indexer's rows
 //! can differ by a few tenths of a point of hit ratio from run to run; the oracle's do not.
 //!
 //! `--live` (`live`) sends the same workloads as real HTTP requests to mock engines' OpenAI
-//! servers instead: through the route front end, and straight to ranks round robin and at
-//! random, each on a fleet and an indexer of its own, timed on the wall clock.
+//! servers instead, through route front ends configured with each policy (one, two replicas,
+//! or one with some traffic bypassing it) and through published routers (`--external`), timed
+//! on the wall clock.
 //!
 //! `cargo run --release --example ladder [-- --json] [-- --sweep] [-- --live]`
 
 mod live;
+mod workloads;
 
 use std::cmp::Reverse;
-use std::collections::hash_map::DefaultHasher;
-use std::collections::{BinaryHeap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::collections::{BinaryHeap, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,14 +51,14 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use kv_indexer::config::{Config, Select};
 use kv_indexer::index::PerTier;
-use kv_indexer::select::{best_first, cost, Candidate, Costed, Load};
+use kv_indexer::select::{best_first, cost, policy_names, Candidate, Costed, Load, DEFAULT_POLICY};
 use kv_indexer::service::Service;
-use kv_indexer_sim::fleet::{load_benchmark_requests, Fleet, RankRef, BLOCK_SIZE};
+use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
 use kv_indexer_sim::indexer_toml::select_table;
-use kv_indexer_sim::rng::SplitMix64;
 use kv_indexer_sim::server::SimConfig;
 use kv_indexer_sim::watch::{settle, warm_up, OverHttp};
 use serde_json::{json, Value};
+use workloads::{burst, print_bounds, trace};
 
 #[derive(Parser, Clone)]
 #[command(about = "The KV ladder: routing policies judged by the engines' own prefix hits")]
@@ -101,40 +101,50 @@ struct Args {
     /// Live: the trace's arrivals this many times faster than recorded (the burst's as given).
     #[arg(long, default_value_t = 10.0)]
     live_speedup: f64,
-    /// Live: requests in flight at most; a request whose arrival finds them all busy waits.
-    #[arg(long, default_value_t = 64)]
-    live_concurrency: usize,
+    /// Live: each workload's first requests sent (the trace's and the burst's).
+    #[arg(long, default_value_t = 200)]
+    live_requests: usize,
+    /// Live: requests in flight at most, one run each (`1,16`: both); a request whose arrival
+    /// finds them all busy waits.
+    #[arg(long, value_delimiter = ',', default_values_t = [16])]
+    live_concurrency: Vec<usize>,
+    /// Live: the set-ups (`one` router, `two` replicas, `bypass`), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = ["one".to_string(), "two".to_string(), "bypass".to_string()])]
+    live_setups: Vec<String>,
+    /// Live: our front end's policies (`[select] policy`), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = kv_indexer::select::policy_names().map(String::from).collect::<Vec<_>>())]
+    live_policies: Vec<String>,
+    /// Live, set-up `bypass`: the share of requests sent straight to an engine.
+    #[arg(long, default_value_t = 0.3)]
+    live_bypass: f64,
+    /// Live: a published router, `NAME=COMMAND` (a shell line; `{port}` its port on 127.0.0.1,
+    /// `{workers}` the engines' URLs space-separated), run as set-up `one`; repeatable.
+    #[arg(long)]
+    external: Vec<live::External>,
+    /// Live: prompts as text, one simulated tokenizer's word a token id (`live::text`), read
+    /// by the engines and our front ends with that tokenizer: for routers that take no ids.
+    #[arg(long)]
+    live_text: bool,
     /// Live: `max_tokens` of every request (its output's length).
     #[arg(long, default_value_t = 4)]
     live_max_tokens: u32,
-    /// Live: the mock engines' prefill time per uncached prompt token, in µs.
-    #[arg(long, default_value_t = 20)]
-    live_prefill_us_per_token: u64,
 }
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Policy {
-    RoundRobin,
-    LongestPrefix,
-    Select,
+    /// `/select` of an indexer whose `[select] policy` is this.
+    Product(&'static str),
     Oracle,
 }
 
 impl Policy {
     fn name(self) -> &'static str {
         match self {
-            Policy::RoundRobin => "round_robin",
-            Policy::LongestPrefix => "longest_prefix",
-            Policy::Select => "select",
+            Policy::Product(name) => name,
             Policy::Oracle => "oracle",
         }
-    }
-
-    /// Whether it asks the indexer (and so needs it current).
-    fn asks_indexer(self) -> bool {
-        matches!(self, Policy::LongestPrefix | Policy::Select)
     }
 }
 
@@ -187,14 +197,9 @@ fn main() -> Result<()> {
     }
     for workload in &workloads {
         if !args.json {
-            print_bounds(args.prefill_tokens_per_s, workload);
+            print_bounds(args.prefill_tokens_per_s, workload.name, &workload.requests);
         }
-        for policy in [
-            Policy::RoundRobin,
-            Policy::LongestPrefix,
-            Policy::Select,
-            Policy::Oracle,
-        ] {
+        for policy in policy_names().map(Policy::Product).chain([Policy::Oracle]) {
             let row = run(&args, workload, policy, &defaults)?;
             print_row(&args, &row);
         }
@@ -204,7 +209,7 @@ fn main() -> Result<()> {
                     decode_weight,
                     ..Select::default()
                 };
-                for policy in [Policy::Select, Policy::Oracle] {
+                for policy in [Policy::Product(DEFAULT_POLICY), Policy::Oracle] {
                     let mut row = run(&args, workload, policy, &weights)?;
                     row.policy = format!("{} dw={decode_weight}", row.policy);
                     print_row(&args, &row);
@@ -236,83 +241,6 @@ fn print_row(args: &Args, row: &Row) {
             row.imbalance,
             row.oracle_agreement * 100.0
         );
-    }
-}
-
-/// What no policy beats: the hit ratio of one cache that holds everything, and the TTFT of the
-/// 99th-percentile prompt prefilled with nothing cached.
-fn print_bounds(prefill_tokens_per_s: f64, workload: &Workload) {
-    let block = BLOCK_SIZE as usize;
-    let mut seen = HashSet::new();
-    let (mut hit, mut blocks) = (0u64, 0u64);
-    for request in &workload.requests {
-        let mut chain = 0u64;
-        let mut cached = true;
-        for tokens in request.prompt.chunks_exact(block) {
-            let mut hasher = DefaultHasher::new();
-            (chain, tokens).hash(&mut hasher);
-            chain = hasher.finish();
-            cached &= !seen.insert(chain);
-            hit += u64::from(cached);
-            blocks += 1;
-        }
-    }
-    let mut lengths: Vec<usize> = workload.requests.iter().map(|r| r.prompt.len()).collect();
-    lengths.sort_unstable();
-    let p99 = lengths[((lengths.len() - 1) as f64 * 0.99) as usize];
-    println!(
-        "{}: {} requests; one unbounded cache would hit {:.1}%; the p99 prompt, {p99} tokens, prefills uncached in {:.0} ms",
-        workload.name,
-        workload.requests.len(),
-        100.0 * hit as f64 / blocks.max(1) as f64,
-        p99 as f64 / prefill_tokens_per_s * 1e3
-    );
-}
-
-fn trace(args: &Args) -> Result<Workload> {
-    let mut loaded = load_benchmark_requests(args.trace.as_deref())?;
-    loaded.truncate(args.requests);
-    let start = loaded.first().map_or(0, |first| first.timestamp_ms);
-    Ok(Workload {
-        name: "trace",
-        requests: loaded
-            .into_iter()
-            .map(|request| Request {
-                arrival_s: request.timestamp_ms.saturating_sub(start) as f64 / 1e3,
-                output_tokens: request.output_length,
-                prompt: request.prompt,
-            })
-            .collect(),
-    })
-}
-
-/// Agent fan-out: two hot 8,192-token prefixes, each request one of them and its own
-/// 1,024-token tail, 64 tokens out, arriving uniformly within `burst_seconds`.
-fn burst(args: &Args) -> Workload {
-    let mut rng = SplitMix64::new(0xB0257);
-    let hot: Vec<Vec<u32>> = (0..2)
-        .map(|p| (0..8_192).map(|t| 1_000_000 * (p + 1) + t).collect())
-        .collect();
-    let mut arrivals: Vec<f64> = (0..args.burst_requests)
-        .map(|_| rng.next_f64() * args.burst_seconds)
-        .collect();
-    arrivals.sort_by(f64::total_cmp);
-    let requests = arrivals
-        .into_iter()
-        .enumerate()
-        .map(|(n, arrival_s)| {
-            let mut prompt = hot[rng.below(2) as usize].clone();
-            prompt.extend((0..1_024).map(|t| 50_000_000 + n as u32 * 1_024 + t));
-            Request {
-                arrival_s,
-                output_tokens: 64,
-                prompt,
-            }
-        })
-        .collect();
-    Workload {
-        name: "burst",
-        requests,
     }
 }
 
@@ -363,7 +291,6 @@ struct Run<'a> {
     scheduled: u64,
     /// Something was published since the indexer last caught up.
     dirty: bool,
-    round_robin: usize,
     /// Decisions whose rank had the oracle's lowest cost.
     agreed: usize,
 }
@@ -389,6 +316,17 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         ("prefill_weight", weights.prefill_weight.to_string()),
         ("decode_weight", weights.decode_weight.to_string()),
         ("max_candidates", "0".to_string()),
+        // The oracle asks nothing of it: any policy serves.
+        (
+            "policy",
+            format!(
+                "{:?}",
+                match policy {
+                    Policy::Product(name) => name,
+                    Policy::Oracle => DEFAULT_POLICY,
+                }
+            ),
+        ),
     ];
     let knobs: Vec<(&str, &str)> = knobs.iter().map(|(k, v)| (*k, v.as_str())).collect();
     std::fs::write(
@@ -420,7 +358,6 @@ fn run(args: &Args, workload: &Workload, policy: Policy, weights: &Select) -> Re
         events: BinaryHeap::new(),
         scheduled: 0,
         dirty: false,
-        round_robin: 0,
         agreed: 0,
     };
     for (n, request) in workload.requests.iter().enumerate() {
@@ -526,44 +463,20 @@ impl Run<'_> {
     }
 
     fn route(&mut self, n: usize) -> Result<usize> {
-        if self.policy.asks_indexer() && self.dirty {
+        if self.policy == Policy::Oracle {
+            return Ok(0);
+        }
+        if self.dirty {
             settle(&self.fleet, &mut self.indexer, DEADLINE)?;
             self.dirty = false;
         }
-        let prompt = &self.requests[n].prompt;
-        match self.policy {
-            Policy::RoundRobin => {
-                self.round_robin += 1;
-                Ok(self.round_robin % self.ranks.len())
-            }
-            Policy::LongestPrefix => {
-                let answer = self.post("/query", &json!({ "token_ids": prompt }).to_string())?;
-                let mut matched = vec![0u64; self.ranks.len()];
-                for score in answer["scores"].as_array().context("scores")? {
-                    let rank = self.rank_of(score)?;
-                    matched[rank] = score["matched_blocks"].as_u64().unwrap_or(0);
-                }
-                // What a router knows of a rank's load: the requests it sent there and has not
-                // seen finish (queued, prefilling or decoding).
-                let outstanding = |rank: usize| {
-                    let state = &self.state[rank];
-                    state.queue.len() + usize::from(state.prefilling.is_some()) + state.decoding
-                };
-                Ok((0..self.ranks.len())
-                    .min_by_key(|&rank| (Reverse(matched[rank]), outstanding(rank), rank))
-                    .unwrap_or(0))
-            }
-            Policy::Select => {
-                let body = json!({
-                    "token_ids": prompt, "reserve": true,
-                    "expected_output_tokens": self.requests[n].output_tokens,
-                });
-                let answer = self.post("/select", &body.to_string())?;
-                self.fates[n].reservation = answer["reservation_id"].as_u64();
-                self.rank_of(&answer)
-            }
-            Policy::Oracle => Ok(0),
-        }
+        let body = json!({
+            "token_ids": self.requests[n].prompt, "reserve": true,
+            "expected_output_tokens": self.requests[n].output_tokens,
+        });
+        let answer = self.post("/select", &body.to_string())?;
+        self.fates[n].reservation = answer["reservation_id"].as_u64();
+        self.rank_of(&answer)
     }
 
     /// Weighs `policy`'s choice `rank` for request `n` by the oracle's cost: the oracle takes
