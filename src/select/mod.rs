@@ -39,7 +39,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use crate::config::Select;
 use crate::index::{prompt_keys, Index, PerTier, Prompt, Score, WorkerId};
@@ -178,7 +178,8 @@ struct SelectState {
     predictions: Predictions,
     backoffs: Backoffs,
     engine_loads: EngineLoads,
-    /// Selections made: where this one's rotation of the board starts.
+    /// Where the next selection's rotation of the board starts: a random rank at first, one
+    /// further at each selection.
     rotation: usize,
 }
 
@@ -194,17 +195,21 @@ struct Gathered<'a> {
 impl Selector {
     /// The selection on `config`, its time-to-lives measured on `clock`.
     pub fn new(config: Select, metrics: Arc<Metrics>, clock: Clock) -> Selector {
+        let mut rng = seeded_from_clock();
+        // Two replicas started together must not walk the board in the same order: each
+        // rotation starts at a rank of its own.
+        let rotation = rng.random::<u32>() as usize;
         Selector {
             cached_reports: CachedTokenReports::default(),
             state: Mutex::new(SelectState {
-                rng: seeded_from_clock(),
+                rng,
                 config,
                 slots: HashMap::new(),
                 reservations: Reservations::default(),
                 predictions: Predictions::default(),
                 backoffs: Backoffs::default(),
                 engine_loads: EngineLoads::default(),
-                rotation: 0,
+                rotation,
             }),
             metrics,
             clock,
