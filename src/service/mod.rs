@@ -188,6 +188,7 @@ impl Service {
         let replication = start_replication(&config, &listen)?;
         let tokenizers = Arc::new(SharedTokenizers::new(load_tokenizers(
             &config,
+            &plan::Discoveries::new(),
             &Tokenizers::default(),
         )?));
         let registry = Registry::new(registry::new_context(), index.clone(), metrics.clone())
@@ -505,17 +506,23 @@ fn route_limits(route: &crate::config::Route) -> ServerLimits {
 const ROUTE_UPLOADS: usize = 256;
 
 /// Every engine's tokenizer, sharing what `previous` already holds: its `tokenizer`
-/// directory (the error names the file), else its model's in the Hugging Face cache.
+/// directory (the error names the file), else its model's in the Hugging Face cache, the
+/// file's `model` or the one a discovered engine answered (`discovered`).
 pub(super) fn load_tokenizers(
     config: &Config,
+    discovered: &plan::Discoveries,
     previous: &Tokenizers,
 ) -> anyhow::Result<Tokenizers> {
     let mut tokenizers = Tokenizers::load(config.tokenizers(), previous)?;
     for (model, dir) in tokenizers.dirs() {
-        info!("model {model:?}: tokenizer {}", dir.display());
+        if previous.source(model).is_none() {
+            info!("model {model:?}: tokenizer {}", dir.display());
+        }
     }
-    let models = config.engines.iter().filter_map(|e| e.model.as_deref());
-    tokenizers.add_from_hf_cache(models, hf_cache::hub_root().as_deref(), previous);
+    let named = config.engines.iter().filter_map(|e| e.model.as_deref());
+    let answered = discovered.values().filter_map(|d| d.model.as_deref());
+    let root = hf_cache::hub_root();
+    tokenizers.add_from_hf_cache(named.chain(answered), root.as_deref(), previous);
     Ok(tokenizers)
 }
 

@@ -182,7 +182,8 @@ impl Reloader {
             }
         }
         // Read before anything changes: a tokenizer that does not load rejects the whole file.
-        let tokenizers = match load_tokenizers(&config, &self.tokenizers.current()) {
+        let discovered = &applied.discovered;
+        let tokenizers = match load_tokenizers(&config, discovered, &self.tokenizers.current()) {
             Ok(tokenizers) => tokenizers,
             Err(failed) => {
                 return Err(self.rejected(ConfigError {
@@ -289,7 +290,17 @@ impl Reloader {
         {
             return;
         }
+        let model = discovery.model.clone();
         applied.discovered.insert(api.engine.clone(), discovery);
+        // A model first known from the engine's answer: its tokenizer from the Hugging Face
+        // cache, as a model the file names gets at start, in place before its ranks start.
+        let current = self.tokenizers.current();
+        if model.is_some_and(|model| current.source(&model).is_none()) {
+            match load_tokenizers(&applied.config, &applied.discovered, &current) {
+                Ok(tokenizers) => self.tokenizers.replace(tokenizers),
+                Err(failed) => warn!("engine {}: tokenizers: {failed:#}", api.engine),
+            }
+        }
         let plan = plan::expand_with(&applied.config, &applied.discovered);
         let what = format!("engine {}: its new answer", api.engine);
         self.apply_plan(plan.clone(), &what);

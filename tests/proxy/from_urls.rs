@@ -527,3 +527,45 @@ fn the_readmes_routing_demo_runs_as_written() {
         (cached >= Some(16)).then(|| assert_eq!(rank, first_rank, "the warm rank"))
     });
 }
+
+/// An engine given by URL alone whose model (from its `/v1/models`) has a snapshot in the local
+/// Hugging Face cache: the router tokenizes with that tokenizer, never asking the engine.
+#[test]
+fn an_engine_given_by_url_is_tokenized_from_the_hugging_face_cache_when_its_model_is_there() {
+    let tokenizers = tokenizers();
+    let vllm = engine(VLLM_MODEL, EventSources::Vllm, tokenizers.path());
+    let hub = crate::support::hf_hub_with(VLLM_MODEL, &tokenizers.path().join("chatml"));
+    let route = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args = [
+        "--engine".to_string(),
+        url(&vllm),
+        "--route-listen".to_string(),
+        route.to_string(),
+    ];
+    let env = [("HF_HUB_CACHE".to_owned(), hub.path().display().to_string())];
+    let indexer = IndexerProcess::launch(indexer_binary(), "")
+        .without_file()
+        .args(&args)
+        .env(&env)
+        .log_filter("info")
+        .start(Duration::from_secs(20))
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    wait_for(30, "the engine's ranks ready, its model known", || {
+        let workers = get(indexer.address, "/workers").json();
+        let known = workers.as_array()?.iter().any(|e| e["model"] == VLLM_MODEL);
+        (known && get(indexer.address, "/ready").status == 200).then_some(())
+    });
+    let openai = vllm.openai().expect("its OpenAI server");
+    let reply = wait_for(20, "the cache's tokenizer in use", || {
+        let reply = post(route, "/v1/chat/completions", &chat(VLLM_MODEL));
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        (reply.header("x-kv-indexer-tokenizer") == Some("hf_cache")).then_some(reply)
+    });
+    assert_eq!(reply.header("x-kv-indexer-routing"), None);
+    assert!(
+        indexer.log().contains("(from the Hugging Face cache)"),
+        "{}",
+        indexer.log()
+    );
+    assert_eq!(openai.tokenize_requests(), 0, "the engine is never asked");
+}

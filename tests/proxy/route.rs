@@ -2128,16 +2128,10 @@ fn a_tokenizer_in_the_hugging_face_cache_is_found_used_and_shown() {
     // The hub's layout, holding the engines' own tokenizer files.
     let files = tempfile::tempdir().expect("temp dir");
     tokenizer_dir::write_all(files.path()).expect("tokenizer directories");
-    let hub = tempfile::tempdir().expect("temp dir");
-    let model_dir = hub.path().join(format!("models--{MODEL}"));
-    let snapshot = model_dir.join("snapshots/5e3a1c0ffee");
-    std::fs::create_dir_all(&snapshot).expect("mkdir");
-    for file in std::fs::read_dir(files.path().join(MODEL)).expect("the files") {
-        let file = file.expect("a file").path();
-        std::fs::copy(&file, snapshot.join(file.file_name().expect("a name"))).expect("copy");
-    }
-    std::fs::create_dir_all(model_dir.join("refs")).expect("mkdir");
-    std::fs::write(model_dir.join("refs/main"), "5e3a1c0ffee").expect("refs/main");
+    let hub = crate::support::hf_hub_with(MODEL, &files.path().join(MODEL));
+    let snapshot = hub
+        .path()
+        .join(format!("models--{MODEL}/snapshots/5e3a1c0ffee"));
 
     // Engines are never asked: the cache's tokenizer is the only one.
     let route = SocketAddr::from(([127, 0, 0, 1], crate::support::free_port()));

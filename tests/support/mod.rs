@@ -241,3 +241,21 @@ pub fn assert_exact(
     );
     accuracy
 }
+
+/// A Hugging Face hub cache (`HF_HUB_CACHE`) holding `model`'s snapshot: the files of the
+/// tokenizer directory `files`, under `models--ORG--NAME/snapshots/REV`, with `refs/main`.
+pub fn hf_hub_with(model: &str, files: &Path) -> tempfile::TempDir {
+    let hub = tempfile::tempdir().expect("temp dir");
+    let model_dir = hub
+        .path()
+        .join(format!("models--{}", model.replace('/', "--")));
+    let snapshot = model_dir.join("snapshots/5e3a1c0ffee");
+    std::fs::create_dir_all(&snapshot).expect("mkdir");
+    for file in std::fs::read_dir(files).expect("the files") {
+        let file = file.expect("a file").path();
+        std::fs::copy(&file, snapshot.join(file.file_name().expect("a name"))).expect("copy");
+    }
+    std::fs::create_dir_all(model_dir.join("refs")).expect("mkdir");
+    std::fs::write(model_dir.join("refs/main"), "5e3a1c0ffee").expect("refs/main");
+    hub
+}
