@@ -1,5 +1,5 @@
 //! What an open stream costs in hyper's HTTP/1.1 client, default and tuned (issue #34): the
-//! measurement the front end's own client to the engines (`route::engine_http`) is weighed
+//! measurement the front end's own client to the engines (`proxy::engine_http`) is weighed
 //! against (docs/performance.md "Why the front end has its own client to the engines").
 //!
 //! `--streams` (2,000) connections to a local server that answers each request's head and one

@@ -13,7 +13,7 @@ use kv_indexer::config::{self, Config, Flags, Source};
 use kv_indexer::discover::{Client, DiscoverError, Limits};
 use kv_indexer::plan::{self, Discoveries};
 use kv_indexer::preflight;
-use kv_indexer::route::RouteFront;
+use kv_indexer::proxy::Proxy;
 use kv_indexer::service;
 use kv_indexer::tokenize::hf_cache;
 use log::info;
@@ -76,9 +76,7 @@ fn route_plan(config: &Config, route: &config::Route) -> String {
         if route.auth_token_file.is_some() { "required" } else { "none" },
     );
     let hub = hf_cache::hub_root();
-    for ((engine, server), engine_config) in
-        RouteFront::plan(config).into_iter().zip(&config.engines)
-    {
+    for ((engine, server), engine_config) in Proxy::plan(config).into_iter().zip(&config.engines) {
         let tokenizer = preflight::tokenizer_source(config, engine_config, hub.as_deref());
         match server {
             Some(url) => text.push_str(&format!("  {engine} -> {url}; {tokenizer}\n")),

@@ -1,5 +1,5 @@
 //! The engines' own load (docs.md "Engine load"): the last figures each engine's Prometheus
-//! endpoint gave for each of its ranks, as the scraper (`route::scrape`) hands them over, and
+//! endpoint gave for each of its ranks, as the scraper (`proxy::scrape`) hands them over, and
 //! the part of them selection weighs.
 //!
 //! Owns: each engine's last scrape (its figures per rank, or why it failed), its time, and the

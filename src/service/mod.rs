@@ -47,8 +47,8 @@ use crate::index::Index;
 use crate::listener::Replication;
 use crate::metrics::Metrics;
 use crate::plan;
+use crate::proxy::{Proxy, ProxyParts, Scraper};
 use crate::registry::{self, Reconciler, Registry, ReloadDiff, Runner, ShutdownSignal};
-use crate::route::{RouteFront, RouteParts, Scraper};
 use crate::select::{Clock, Selector};
 use crate::tokenize::{hf_cache, SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
@@ -239,14 +239,14 @@ impl Service {
         ));
         let route = match &config.route {
             Some(settings) => {
-                let parts = RouteParts {
+                let parts = ProxyParts {
                     index: index.clone(),
                     selector: selector.clone(),
                     ranks: ranks.clone(),
                     tokenizers: tokenizers.clone(),
                     metrics: metrics.clone(),
                 };
-                Some(Arc::new(RouteFront::new(parts, &config, settings)?))
+                Some(Arc::new(Proxy::new(parts, &config, settings)?))
             }
             None => None,
         };

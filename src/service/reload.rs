@@ -25,9 +25,9 @@ use crate::discover::{Board, Discovery, EngineApi};
 use crate::listener::Replication;
 use crate::metrics::Metrics;
 use crate::plan::{self, Discoveries, ListenerSpec};
+use crate::proxy::{Proxy, Scraper};
 use crate::registry::Reconciler;
 use crate::registry::ReloadDiff;
-use crate::route::{RouteFront, Scraper};
 use crate::select::Selector;
 use crate::tokenize::SharedTokenizers;
 
@@ -58,7 +58,7 @@ pub(super) struct Reloader {
     replication: Arc<Replication>,
     /// `/select`'s state; its `[select]` knobs follow the file.
     selector: Arc<Selector>,
-    route: Option<Arc<RouteFront>>,
+    route: Option<Arc<Proxy>>,
     /// The engines' load scrapes: their `metrics_url` and interval follow the file.
     scraper: Arc<Scraper>,
     /// The models' tokenizers, swapped whole once a reload is accepted.
@@ -72,7 +72,7 @@ pub(super) struct Followers {
     pub tokenizers: Arc<SharedTokenizers>,
     pub selector: Arc<Selector>,
     /// The route front end, when `[route]` was in the file at start.
-    pub route: Option<Arc<RouteFront>>,
+    pub route: Option<Arc<Proxy>>,
     pub scraper: Arc<Scraper>,
 }
 
@@ -172,10 +172,7 @@ impl Reloader {
         };
         // The route's token and the engines' keys too: read before anything is applied.
         if let Some(route) = &config.route {
-            if let Err(error) = route
-                .read_token()
-                .and_then(|_| RouteFront::check_files(&config))
-            {
+            if let Err(error) = route.read_token().and_then(|_| Proxy::check_files(&config)) {
                 return Err(self.rejected(ConfigError {
                     problems: vec![format!("{error:#}")],
                 }));

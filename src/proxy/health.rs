@@ -14,13 +14,13 @@ use log::{info, warn};
 
 use super::servers::Change;
 use super::upstream::{Fetch, Fleet, Server, Settings};
-use super::RouteFront;
+use super::Proxy;
 use crate::plan::WorkerKey;
 
 /// How often checks turned off (`health_interval_s = 0`) look whether a reload turned them on.
 const HEALTH_PAUSED_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
-impl RouteFront {
+impl Proxy {
     /// Rank `key` behind `server` answered `status` (not a 502 or 503): a 404 says the engine
     /// does not serve the routed path; any answer ends the rank's back-off.
     pub(super) fn answered(&self, server: &Server, key: &WorkerKey, status: StatusCode) {

@@ -1,5 +1,6 @@
-//! The route front end (docs.md "Routing"): an OpenAI-compatible server that sends each request
-//! to the rank `/select` chooses and passes the engine's answer back unchanged.
+//! The proxy: the route front end of `[route]` (docs.md "Routing"), an OpenAI-compatible server
+//! that sends each request to the rank `/select` chooses and passes the engine's answer back
+//! unchanged.
 //!
 //! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
 //! `POST /v1/chat/completions`, `/v1/completions` or `/v1/responses` (`responses`) it tokenizes
@@ -143,7 +144,7 @@ static ROUTE_ROUTES: &[Route<Action>] = &[
 ];
 
 /// The front end, as its server runs it.
-pub struct RouteFront {
+pub struct Proxy {
     index: Arc<Index>,
     selector: Arc<Selector>,
     ranks: RanksReader,
@@ -165,7 +166,7 @@ pub struct RouteFront {
 }
 
 /// What the front end reads, handed over by the service.
-pub struct RouteParts {
+pub struct ProxyParts {
     pub index: Arc<Index>,
     pub selector: Arc<Selector>,
     pub ranks: RanksReader,
@@ -173,9 +174,9 @@ pub struct RouteParts {
     pub metrics: Arc<Metrics>,
 }
 
-impl RouteFront {
+impl Proxy {
     /// The front end of `config`'s `[route]` (which the caller has checked is there).
-    pub fn new(parts: RouteParts, config: &Config, route: &config::Route) -> anyhow::Result<Self> {
+    pub fn new(parts: ProxyParts, config: &Config, route: &config::Route) -> anyhow::Result<Self> {
         let token = CurrentSecret::default();
         token.set(
             route
@@ -183,7 +184,7 @@ impl RouteFront {
                 .as_deref()
                 .and_then(Secret::from_file_text),
         );
-        Ok(RouteFront {
+        Ok(Proxy {
             index: parts.index,
             selector: parts.selector,
             ranks: parts.ranks,
@@ -546,7 +547,7 @@ impl RouteFront {
     }
 }
 
-impl AsyncRoutes for RouteFront {
+impl AsyncRoutes for Proxy {
     fn name(&self) -> &'static str {
         "route front end"
     }

@@ -18,12 +18,12 @@ use super::responses::Learning;
 use super::surface::Outgoing;
 use super::tokenizing::Tokenized;
 use super::upstream::{self, Sent};
-use super::RouteFront;
+use super::Proxy;
 use crate::http::AnswerBody;
 use crate::metrics::{LoadOnly, RouteOutcome};
 use crate::select::{Selection, Unindexed};
 
-impl RouteFront {
+impl Proxy {
     /// The engine's answer, on its way to the client.
     pub(super) async fn pass_on(
         &self,

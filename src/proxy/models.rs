@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::answers::json_answer;
-use super::RouteFront;
+use super::Proxy;
 use crate::http::AnswerBody;
 
 /// The largest `/v1/models` answer read from one server: a server lists a few models.
@@ -32,7 +32,7 @@ struct ModelList {
     data: Vec<Value>,
 }
 
-impl RouteFront {
+impl Proxy {
     /// The models every engine server answers with, merged.
     pub(super) async fn models(self: &Arc<Self>) -> Response<AnswerBody> {
         if let Some((made, listed)) = &*self.listed.lock() {

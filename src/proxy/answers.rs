@@ -11,12 +11,12 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode};
 use log::debug;
 
-use super::RouteFront;
+use super::Proxy;
 use crate::http::{openai_error, AnswerBody, ErrorShape, Reply};
 use crate::metrics::RouteOutcome;
 use crate::plan::WorkerKey;
 
-impl RouteFront {
+impl Proxy {
     /// OpenAI's answer to a model nobody serves: 404, `code` `model_not_found`.
     pub(super) fn model_not_found(&self, model: &str) -> Response<AnswerBody> {
         let status = StatusCode::NOT_FOUND;

@@ -14,13 +14,13 @@ use hyper::{Response, StatusCode};
 
 use super::request::{OpenAiRequest, PromptSource};
 use super::upstream::Server;
-use super::{insert, RouteFront};
+use super::{insert, Proxy};
 use crate::http::AnswerBody;
 use crate::metrics::LoadOnly;
 use crate::tokenize::gate::{Cancel, Refused};
 use crate::tokenize::{self, TooLong};
 
-impl RouteFront {
+impl Proxy {
     /// `parsed` and its prompt as routing weighs it. A text or chat prompt longer than its
     /// model takes is refused before anything else (413); then it passes the tokenizing gate
     /// (a short one is tokenized here, a long one on a tokenizing thread): a prompt that waited

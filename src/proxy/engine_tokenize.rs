@@ -28,7 +28,7 @@ use serde_json::Value;
 use super::request::{OpenAiRequest, PromptSource};
 use super::tokenizing::{Tokenized, TokensFrom};
 use super::upstream::{Fetch, Server};
-use super::RouteFront;
+use super::Proxy;
 use crate::metrics::LoadOnly;
 
 /// The largest answer read: a million tokens as JSON (at most 11 bytes each, most far fewer),
@@ -113,7 +113,7 @@ struct TokenizeAnswer {
     tokens: Vec<u32>,
 }
 
-impl RouteFront {
+impl Proxy {
     /// The engine server to ask for `model`'s ids, or why none is (the request is then routed
     /// by load alone, as one without a tokenizer).
     pub(super) fn tokenizing_server(&self, model: Option<&str>) -> Result<Arc<Server>, String> {
@@ -300,7 +300,7 @@ fn media_part(messages: &Value) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::request::Kind;
+    use crate::proxy::request::Kind;
     use serde_json::json;
 
     fn body_for(request: Value, kind: Kind) -> Value {

@@ -19,7 +19,7 @@ use serde::Deserialize;
 
 use super::answers::{insert, json_answer};
 use super::tokenizing::{Tokenized, TokensFrom};
-use super::RouteFront;
+use super::Proxy;
 use crate::http::{AnswerBody, Request};
 
 /// vLLM's endpoints passed through whatever their body names.
@@ -71,7 +71,7 @@ pub(super) struct Outgoing {
     pub(super) previous_response_id: Option<String>,
 }
 
-impl RouteFront {
+impl Proxy {
     /// A `POST` of the engines' API passed through (`surface`): to a rank serving the body's
     /// model, chosen by load; a path only passed with a model is 404 without a served one.
     pub(super) async fn pass(
