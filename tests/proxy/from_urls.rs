@@ -468,13 +468,13 @@ fn the_readmes_routing_demo_runs_as_written() {
     let tokenizers = tokenizers.path().join("tokenizers");
     let swap = |args: &str| -> Vec<String> {
         args.split_whitespace()
-            .map(|arg| {
-                arg.replace("8000", &openai)
-                    .replace("8080", &route)
-                    .replace(
-                        "/tmp/kv-indexer-tokenizers",
-                        &tokenizers.display().to_string(),
-                    )
+            .map(|arg| match arg {
+                // Whole arguments and `:PORT`s only: a free port may contain "8000" or "8080".
+                "8000" => openai.clone(),
+                "/tmp/kv-indexer-tokenizers" => tokenizers.display().to_string(),
+                _ => arg
+                    .replace(":8000", &format!(":{openai}"))
+                    .replace(":8080", &format!(":{route}")),
             })
             .collect()
     };
