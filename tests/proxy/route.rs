@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use crate::support::http_client::{get, metric_value, wait_for, Connection, Reply};
 use crate::support::routed::{
-    fleet_toml, rank_name, raw_engine, routed, routed_with, routing_to, warm_at, Routed, MODEL,
+    fleet_toml, one_answered_and_released, rank_name, raw_engine, routed, routed_with, routing_to,
+    warm_at, Routed, MODEL,
 };
 use crate::support::sse_client::{self, Answer};
 use crate::support::start_service_with_select_clock;
@@ -972,16 +973,7 @@ fn a_whole_answer_is_passed_on_as_it_arrives_and_its_usage_read_on_the_way() {
     go_on.send(()).expect("the engine waits");
     got.extend_from_slice(&answer.body().expect("the rest"));
     assert_eq!(got, [FIRST, REST].concat());
-    let api = running.http_addr();
-    wait_for(10, "the answer to be counted", || {
-        (metric_value(api, "kv_indexer_route_requests_total{outcome=\"answered\"}") == Some(1.0))
-            .then_some(())
-    });
-    assert_eq!(
-        get(api, "/loads").json()[0]["reservations"].as_u64(),
-        Some(0),
-        "released at the answer's end"
-    );
+    one_answered_and_released(running.http_addr());
 }
 
 #[test]

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use crate::support::http_client::{get, metric_value, wait_for, Connection, Reply};
 use crate::support::routed::{
-    fleet_toml_of, rank_name, raw_engine, routed, routed_with, routing_to, start_routed, Routed,
-    MODEL,
+    fleet_toml_of, one_answered_and_released, rank_name, raw_engine, routed, routed_with,
+    routing_to, start_routed, Routed, MODEL,
 };
 use crate::support::sse_client;
 use kv_indexer_sim::openai::OpenAiConfig;
@@ -358,16 +358,7 @@ fn a_streamed_pass_through_is_passed_on_as_it_arrives_and_arrives_whole() {
     let mut got = answer.body().expect("the rest");
     got.splice(0..0, FIRST.iter().copied());
     assert_eq!(got, [FIRST, REST].concat(), "whole, every byte as sent");
-    let api = running.http_addr();
-    wait_for(10, "the answer to be counted", || {
-        (metric_value(api, "kv_indexer_route_requests_total{outcome=\"answered\"}") == Some(1.0))
-            .then_some(())
-    });
-    assert_eq!(
-        get(api, "/loads").json()[0]["reservations"].as_u64(),
-        Some(0),
-        "released at the answer's end"
-    );
+    one_answered_and_released(running.http_addr());
 }
 
 #[test]

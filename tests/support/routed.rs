@@ -289,3 +289,16 @@ pub fn warm_at(
             .then_some(())
     });
 }
+
+/// The front end behind `api` has counted one answered request and released its reservation.
+pub fn one_answered_and_released(api: SocketAddr) {
+    wait_for(10, "the answer to be counted", || {
+        (metric_value(api, "kv_indexer_route_requests_total{outcome=\"answered\"}") == Some(1.0))
+            .then_some(())
+    });
+    assert_eq!(
+        get(api, "/loads").json()[0]["reservations"].as_u64(),
+        Some(0),
+        "released at the answer's end"
+    );
+}
