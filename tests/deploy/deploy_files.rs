@@ -568,3 +568,35 @@ fn the_readmes_toml_examples_parse() {
         }
     }
 }
+
+/// docs.md "Routing": the cached tokens a router weighs are what vLLM reports with
+/// `--enable-prompt-tokens-details`; every `vllm serve` the docs show starts it so.
+#[test]
+fn every_vllm_the_docs_start_reports_its_cached_tokens() {
+    for file in ["README.md", "docs.md"] {
+        let text = read(file);
+        let commands: Vec<String> = text
+            .split("vllm serve ")
+            .skip(1)
+            .map(|rest| {
+                // A command runs to the first line that does not end in a backslash.
+                let mut command = String::new();
+                for line in rest.lines() {
+                    command.push_str(line);
+                    if !line.trim_end().ends_with('\\') {
+                        break;
+                    }
+                }
+                command
+            })
+            .filter(|command| command.contains("--"))
+            .collect();
+        assert!(!commands.is_empty(), "{file} shows how to start vLLM");
+        for command in commands {
+            assert!(
+                command.contains("--enable-prompt-tokens-details"),
+                "{file}: vllm serve {command}"
+            );
+        }
+    }
+}
