@@ -428,8 +428,14 @@ fn ready(api: &Api) -> Reply {
             })
         })
         .chain(api.board.all().into_iter().filter_map(|(name, report)| {
-            let never = report.discovery?.state == DiscoveryState::NeverDiscovered;
-            never.then(|| json!({ "instance": name, "state": "never_discovered" }))
+            let discovery = report.discovery?;
+            if discovery.state == DiscoveryState::NeverDiscovered {
+                return Some(json!({ "instance": name, "state": "never_discovered" }));
+            }
+            // Answered, its ranks not in the plan yet: the answer is being applied.
+            let planned = views.iter().any(|v| v.spec.key.engine == name);
+            (discovery.ranks > Some(0) && !planned)
+                .then(|| json!({ "instance": name, "state": "applying" }))
         }))
         .collect();
     if not_ready.is_empty() {
