@@ -4,6 +4,7 @@
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -411,6 +412,7 @@ fn ready(api: &Api) -> Reply {
         return Reply::json(503, &json!({ "ready": false, "draining": true }));
     }
     let views = snapshot(api);
+    let planned: HashSet<&str> = views.iter().map(|v| v.spec.key.engine.as_str()).collect();
     let not_ready: Vec<Value> = views
         .iter()
         // A rank whose engine publishes no events never connects: routed by load, not waited for.
@@ -428,20 +430,27 @@ fn ready(api: &Api) -> Reply {
             })
         })
         .chain(api.board.all().into_iter().filter_map(|(name, report)| {
-            let discovery = report.discovery?;
-            if discovery.state == DiscoveryState::NeverDiscovered {
-                return Some(json!({ "instance": name, "state": "never_discovered" }));
-            }
-            // Answered, its ranks not in the plan yet: the answer is being applied.
-            let planned = views.iter().any(|v| v.spec.key.engine == name);
-            (discovery.ranks > Some(0) && !planned)
-                .then(|| json!({ "instance": name, "state": "applying" }))
+            let planned = planned.contains(name.as_str());
+            let state = discovery_not_ready(&report.discovery?, planned)?;
+            Some(json!({ "instance": name, "state": state }))
         }))
         .collect();
     if not_ready.is_empty() {
         Reply::json(200, &json!({ "ready": true }))
     } else {
         Reply::json(503, &json!({ "ready": false, "not_ready": not_ready }))
+    }
+}
+
+/// Why a discovered engine keeps `/ready` at 503, if it does: it never answered, or it answered
+/// ranks that are not in the plan yet (`planned`: some are) while the answer is being applied.
+fn discovery_not_ready(discovery: &DiscoveryReport, planned: bool) -> Option<&'static str> {
+    if discovery.state == DiscoveryState::NeverDiscovered {
+        Some("never_discovered")
+    } else if discovery.ranks > Some(0) && !planned {
+        Some("applying")
+    } else {
+        None
     }
 }
 
@@ -476,5 +485,33 @@ fn reload(api: &Api) -> Reply {
                 "problems": rejected.problems,
             }),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(state: DiscoveryState, ranks: Option<usize>) -> DiscoveryReport {
+        DiscoveryReport {
+            url: "http://10.0.0.5:8000".into(),
+            state,
+            kind: Some("vllm"),
+            ranks,
+            last_error: None,
+            failures: 0,
+            disagreements: Vec::new(),
+        }
+    }
+
+    /// docs.md "GET /ready": an engine that never answered, or whose answered ranks are not in
+    /// the plan yet, keeps the indexer not ready; one whose ranks are planned does not.
+    #[test]
+    fn a_discovered_engine_is_ready_once_answered_and_its_ranks_planned() {
+        let never = report(DiscoveryState::NeverDiscovered, None);
+        assert_eq!(discovery_not_ready(&never, false), Some("never_discovered"));
+        let answered = report(DiscoveryState::Ok, Some(2));
+        assert_eq!(discovery_not_ready(&answered, false), Some("applying"));
+        assert_eq!(discovery_not_ready(&answered, true), None);
     }
 }

@@ -60,6 +60,15 @@ impl fmt::Display for WorkerKey {
 }
 
 impl ListenerSpec {
+    /// Whether the rank may take a request for `model`: any rank when the request names none,
+    /// else one whose engine names that model or names none.
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        match (model, self.model.as_deref()) {
+            (Some(wanted), Some(served)) => wanted == served,
+            _ => true,
+        }
+    }
+
     /// The rank `engine/dp_rank` subscribed at `endpoint` and nothing more: no replay, no
     /// snapshot, every topic, no model, instance id 0 (what tests and benchmarks start from:
     /// `ListenerSpec { replay: .., ..ListenerSpec::subscribing(..) }` for the rest).

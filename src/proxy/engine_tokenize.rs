@@ -158,16 +158,16 @@ impl Proxy {
         let (mut serving, mut unnamed, mut models) = (Vec::new(), Vec::new(), Vec::new());
         for rank in views.iter() {
             let engine = &rank.spec.key.engine;
-            let list = match rank.spec.model.as_deref() {
-                Some(served) => {
-                    if !models.contains(&served) {
-                        models.push(served);
-                    }
-                    match model {
-                        Some(wanted) if wanted != served => continue,
-                        _ => &mut serving,
-                    }
+            if let Some(served) = rank.spec.model.as_deref() {
+                if !models.contains(&served) {
+                    models.push(served);
                 }
+            }
+            if !rank.spec.serves(model) {
+                continue;
+            }
+            let list = match rank.spec.model {
+                Some(_) => &mut serving,
                 None => &mut unnamed,
             };
             if !list.contains(engine) {

@@ -512,12 +512,8 @@ impl Proxy {
     /// Whether a configured rank (whatever its state) serves `model`: one that names it, or
     /// one that names none.
     fn serves(&self, model: &str) -> bool {
-        self.ranks.current().views().iter().any(|rank| {
-            rank.spec
-                .model
-                .as_deref()
-                .is_none_or(|served| served == model)
-        })
+        let views = self.ranks.current().views();
+        views.iter().any(|rank| rank.spec.serves(Some(model)))
     }
 
     /// Chooses and reserves a rank for `tokens`, leaving out what `excluded` says.

@@ -251,10 +251,7 @@ impl Selector {
             .running()
             .filter(|rank| (rank.status.connected || options.unlinked) && !excluded(&rank.spec.key))
             .filter(|rank| !backed_off.contains(&rank.spec.key))
-            .filter(|rank| {
-                let served = rank.spec.model.as_deref();
-                model.is_none() || served.is_none() || served == model
-            })
+            .filter(|rank| rank.spec.serves(model))
             .collect();
         if ranks.is_empty() {
             return None;

@@ -361,7 +361,7 @@ mod end_to_end {
     /// tier's blocks.
     #[test]
     fn the_binary_scores_every_tier_as_the_offloading_engine_holds_it() {
-        crate::support::listeners::install_logger();
+        crate::support::logs::install_logger();
         let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
         let fleet = Fleet::start_on_consecutive_ports(1, |_| SimConfig {
             dp_size: 2,

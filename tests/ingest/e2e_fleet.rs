@@ -58,7 +58,7 @@ struct Setup {
 }
 
 fn setup(faults: Faults) -> Setup {
-    crate::support::listeners::install_logger();
+    crate::support::logs::install_logger();
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let fleet = Fleet::start(ENGINES, |i| engine_config(i, faults)).expect("fleet");
     let mut indexer = InProcess::start(&fleet).expect("listeners");
@@ -200,7 +200,7 @@ fn a_rank_restarted_mid_run_loses_its_old_blocks_and_stays_exact() {
 
 #[test]
 fn the_binary_over_http_is_exact() {
-    crate::support::listeners::install_logger();
+    crate::support::logs::install_logger();
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let fleet =
         Fleet::start_on_consecutive_ports(ENGINES, |i| engine_config(i, CLEAN)).expect("fleet");
@@ -230,7 +230,7 @@ fn served_exactly_over_http(fleet: &Fleet, prompts: &[Vec<u32>]) -> IndexerProce
 /// holds more, and `/workers` shows each rank's groups as exact.
 #[test]
 fn a_hybrid_fleet_with_two_windows_over_http_is_exact() {
-    crate::support::listeners::install_logger();
+    crate::support::logs::install_logger();
     let prompts = trace_prompts(env!("CARGO_MANIFEST_DIR"), REQUESTS);
     let windows = [32, 64];
     let fleet = Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {

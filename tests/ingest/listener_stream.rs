@@ -6,7 +6,8 @@
 use crate::support::fake_engine::{payload, FakeRank};
 use crate::support::free_port;
 use crate::support::http_client::holds_for;
-use crate::support::listeners::{applied_through, spec, store, tokens, warnings_about, Fixture};
+use crate::support::listeners::{applied_through, spec, store, tokens, Fixture};
+use crate::support::logs::warnings_about;
 use kv_indexer::listener::{Listener, State};
 use kv_indexer_sim::encode::message_frames;
 use std::time::{Duration, Instant};

@@ -30,7 +30,7 @@ const DEADLINE: Duration = Duration::from_secs(20);
 /// Engines that publish on consecutive ports (the indexer's `port + rank`); `helpful`: with a
 /// replay socket (else neither replay nor `/kv_recover`: a real vLLM long past its buffer).
 fn fleet(helpful: bool, drop_fraction: f64, capacity_blocks: usize) -> Fleet {
-    crate::support::listeners::install_logger();
+    crate::support::logs::install_logger();
     Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
         dp_size: DP_SIZE,
         replay_port: helpful.then_some(0),

@@ -41,7 +41,7 @@ fn fleet_caching(capacity_blocks: usize) -> Fleet {
 
 /// `report_reused_blocks`: the engines announce the blocks a request reuses again.
 fn fleet_of(capacity_blocks: usize, report_reused_blocks: bool) -> Fleet {
-    crate::support::listeners::install_logger();
+    crate::support::logs::install_logger();
     Fleet::start_on_consecutive_ports(ENGINES, |i| SimConfig {
         report_reused_blocks,
         dp_size: DP_SIZE,

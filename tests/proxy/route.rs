@@ -1940,6 +1940,10 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
     );
     let blocks = explained["query_blocks"].as_u64().expect("query_blocks");
     assert_eq!(
+        blocks, 93,
+        "docs.md \"Engine load\" works this 93-block chat"
+    );
+    assert_eq!(
         explained["chosen"]["matched_blocks"],
         json!(blocks),
         "{explained}"

@@ -1,8 +1,9 @@
-//! The one test kit, included by every test file that needs one as `mod support;`: the HTTP
-//! client (`http_client`), one reading answers as they stream (`sse_client`), the scripted
-//! engine rank (`fake_engine`), sample batches for the wire tests (`batches`), listeners
-//! in-process on scripted ranks (`listeners`), engines with OpenAI servers and an indexer
-//! routing to them (`routed`), peers that misbehave on purpose (`hostile`), and,
+//! The one test kit, included once by each test binary (`mod support;`, from an area's
+//! `main.rs` by `#[path = "../support/mod.rs"]`): the HTTP client (`http_client`), one reading
+//! answers as they stream (`sse_client`), the scripted engine rank (`fake_engine`), sample
+//! batches for the wire tests (`batches`), listeners in-process on scripted ranks
+//! (`listeners`), the one logger (`logs`), engines with OpenAI servers and an indexer routing
+//! to them (`routed`), peers that misbehave on purpose (`hostile`), and,
 //! over the harness of `kv_indexer_sim` (`fleet`, `watch`, `process`, `running`), what only tests need:
 //! the shipped trace head, the binary and the in-process service started or the test fails, a
 //! registry-only indexer view (`InProcess`, no HTTP), one test at a time, and failing the test
@@ -19,6 +20,7 @@ pub mod fake_engine;
 pub mod hostile;
 pub mod http_client;
 pub mod listeners;
+pub mod logs;
 pub mod routed;
 pub mod sse_client;
 
