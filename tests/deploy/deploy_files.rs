@@ -600,3 +600,27 @@ fn every_vllm_the_docs_start_reports_its_cached_tokens() {
         }
     }
 }
+
+/// docs.md "Two route front ends on one fleet": the router's file it shows is one the indexer
+/// accepts, with the engines' tables beside it.
+#[test]
+fn the_two_router_set_up_in_the_docs_parses() {
+    let docs = read("docs.md");
+    let section = docs
+        .split("### Two route front ends on one fleet\n")
+        .nth(1)
+        .expect("docs.md shows two route front ends");
+    let toml = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("its indexer.toml");
+    let (top, tables) = toml.split_once("\n[route]").expect("a [route] table");
+    let file = format!(
+        "{top}\n[[engine]]\nname = \"a\"\nhost = \"10.0.0.5\"\nopenai_url = \"http://10.0.0.5:8000\"\n\n[route]{tables}"
+    );
+    let config = Config::parse(&file, "docs.md")
+        .unwrap_or_else(|e| panic!("docs.md's two-router file: {e}"));
+    assert!(config.route.is_some());
+    assert_eq!(config.replicas.peers.len(), 1, "each names the other");
+}
