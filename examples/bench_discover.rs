@@ -52,7 +52,6 @@ fn main() -> Result<()> {
     let toml = indexer_toml(
         Some("127.0.0.1:0"),
         16,
-        64,
         &[EngineToml {
             discover_interval_s: Some(interval_s),
             ..EngineToml::discovered("sim", api_port)

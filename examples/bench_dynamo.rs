@@ -35,7 +35,7 @@ fn main() -> Result<()> {
         .map(|_| Publisher::bind(&zmq))
         .collect::<Result<Vec<_>>>()?;
     let mut toml = format!(
-        "dynamo_listen = \"127.0.0.1:0\"\nmax_runtime_ranks = {REGISTRATIONS}\nblock_size = 16\nshards = 64\n"
+        "dynamo_listen = \"127.0.0.1:0\"\nmax_runtime_ranks = {REGISTRATIONS}\nblock_size = 16\n"
     );
     for (i, publisher) in publishers.iter().enumerate() {
         toml += &format!(

@@ -85,7 +85,7 @@ fn main() -> Result<()> {
         })
         .collect();
     let route = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let toml = indexer_toml(None, 16, 8, &engines) + &route_table(&route.to_string(), &[]);
+    let toml = indexer_toml(None, 16, &engines) + &route_table(&route.to_string(), &[]);
     let indexer = IndexerProcess::launch(&binary, &toml).start(Duration::from_secs(30))?;
     let api = indexer.address;
     wait_ready(api)?;

@@ -105,7 +105,7 @@ fn main() {
         })
         .collect();
     let path = dir.path().join("indexer.toml");
-    std::fs::write(&path, indexer_toml(None, BLOCK_SIZE, 64, &engines)).expect("write config");
+    std::fs::write(&path, indexer_toml(None, BLOCK_SIZE, &engines)).expect("write config");
     let config = Config::load(&path).expect("valid config");
     let service = Service::start(&path, config, Some("127.0.0.1:0".into())).expect("service");
     let addr = service.http_addr();

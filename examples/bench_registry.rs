@@ -52,7 +52,6 @@ fn config(engines: u32) -> Config {
         dynamo_listen: None,
         max_runtime_ranks: kv_indexer::config::DEFAULT_MAX_RUNTIME_RANKS,
         block_size: 16,
-        shards: 64,
         max_blocks_per_rank: kv_indexer::config::DEFAULT_MAX_BLOCKS_PER_RANK,
         engines,
         replicas: Default::default(),
@@ -100,7 +99,7 @@ fn main() {
     let idle = holdings();
     let mut registry = Registry::new(
         zmq::Context::new(),
-        Index::new(config.block_size, config.shards),
+        Index::new(config.block_size, kv_indexer::index::SHARDS),
         Arc::new(Metrics::new()),
     );
     let started = Instant::now();

@@ -207,7 +207,7 @@ impl Bench {
             })
             .collect();
         let limit = max_concurrent_requests.to_string();
-        let toml = indexer_toml(None, BLOCK_SIZE, 8, &tomls)
+        let toml = indexer_toml(None, BLOCK_SIZE, &tomls)
             + &route_table("127.0.0.1:0", &[("max_concurrent_requests", &limit)]);
         let running = RunningService::start(&toml).context("starting the indexer")?;
         let bench = Bench {

@@ -51,7 +51,6 @@ fn main() -> Result<()> {
     let toml = indexer_toml(
         None,
         16,
-        8,
         &[EngineToml {
             model: Some(MODEL.into()),
             openai_url: Some(format!("http://{engine}")),

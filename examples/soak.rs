@@ -328,7 +328,7 @@ fn config(fleet: &Fleet, fixed: usize, api_port: u16, peer: SocketAddr, reloads:
     format!(
         "{}{}",
         replica_keys(&[peer], true, None),
-        indexer_toml(None, BLOCK_SIZE, 64, &engines)
+        indexer_toml(None, BLOCK_SIZE, &engines)
     )
 }
 

@@ -139,7 +139,7 @@ fn main() -> Result<()> {
         })
         .collect();
     let route: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let toml = indexer_toml(None, BLOCK_SIZE, 8, &tomls)
+    let toml = indexer_toml(None, BLOCK_SIZE, &tomls)
         + &route_table(&route.to_string(), &[("health_interval_s", "1")]);
     let indexer = IndexerProcess::launch(&binary, &toml).start(Duration::from_secs(30))?;
     let api = indexer.address;

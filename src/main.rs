@@ -114,12 +114,11 @@ fn main() -> ExitCode {
         let specs = plan::expand_with(&config, &discovered);
         print!("{}", plan::render_table(&specs, &discovered));
         println!(
-            "{}, {}; listen {}, block_size {}, shards {}",
+            "{}, {}; listen {}, block_size {}",
             count(config.engines.len(), "engine", "engines"),
             count(specs.len(), "listener", "listeners"),
             args.listen.as_deref().unwrap_or(&config.listen),
             config.block_size,
-            config.shards
         );
         if let Some(route) = &config.route {
             print!("{}", route_plan(&config, route));

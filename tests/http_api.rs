@@ -25,7 +25,7 @@ fn engine(name: &str, port: u16, model: Option<&str>) -> EngineToml {
 }
 
 fn config(engines: &[EngineToml]) -> String {
-    indexer_toml(Some("127.0.0.1:1"), 16, 8, engines)
+    indexer_toml(Some("127.0.0.1:1"), 16, engines)
 }
 
 fn query(addr: SocketAddr, body: Value) -> Value {

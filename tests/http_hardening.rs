@@ -29,7 +29,7 @@ struct Indexer {
 impl Indexer {
     fn start(open_files: u64) -> Indexer {
         let serial = one_at_a_time();
-        let process = IndexerProcess::launch(indexer_binary(), &indexer_toml(None, 16, 8, &[]))
+        let process = IndexerProcess::launch(indexer_binary(), &indexer_toml(None, 16, &[]))
             .open_files(open_files)
             .start(Duration::from_secs(30))
             .unwrap_or_else(|error| panic!("{error:#}"));

@@ -26,7 +26,7 @@ fn config(engines: usize) -> String {
             ..EngineToml::new(format!("e{n}"), 9)
         })
         .collect();
-    indexer_toml(Some("127.0.0.1:1"), 16, 8, &engines)
+    indexer_toml(Some("127.0.0.1:1"), 16, &engines)
 }
 
 /// The open descriptors of `process` (0 once it is gone): listeners run on a few pollers, so

@@ -19,9 +19,6 @@ use crate::workload::{Route, Router, TraceRequest};
 /// Tokens per block, for engines and indexer alike.
 pub const BLOCK_SIZE: u32 = 16;
 
-/// Index shards of the indexer a fleet's config starts.
-const SHARDS: u32 = 64;
-
 /// Environment variable naming the trace when it is not at `../shared/data/` of the crate.
 pub const TRACE_ENV: &str = "KV_INDEXER_TRACE";
 
@@ -240,7 +237,7 @@ impl Fleet {
     /// The `indexer.toml` for a fleet started by `start_on_consecutive_ports` (no `listen`: the
     /// caller gives `--listen`).
     pub fn indexer_config(&self) -> String {
-        indexer_toml(None, BLOCK_SIZE, SHARDS, &self.engine_tomls())
+        indexer_toml(None, BLOCK_SIZE, &self.engine_tomls())
     }
 
     /// Each engine's `[[engine]]` table, as `indexer_config` writes them: for a caller that

@@ -97,15 +97,10 @@ impl fmt::Display for EngineToml {
     }
 }
 
-/// A whole file: `listen` (when given), `block_size`, `shards`, then the engines.
-pub fn indexer_toml(
-    listen: Option<&str>,
-    block_size: u32,
-    shards: u32,
-    engines: &[EngineToml],
-) -> String {
+/// A whole file: `listen` (when given), `block_size`, then the engines.
+pub fn indexer_toml(listen: Option<&str>, block_size: u32, engines: &[EngineToml]) -> String {
     let mut toml = listen.map_or_else(String::new, |listen| format!("listen = \"{listen}\"\n"));
-    toml.push_str(&format!("block_size = {block_size}\nshards = {shards}\n"));
+    toml.push_str(&format!("block_size = {block_size}\n"));
     for engine in engines {
         toml.push_str(&format!("\n{engine}"));
     }

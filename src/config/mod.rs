@@ -71,8 +71,6 @@ pub struct Config {
     pub max_runtime_ranks: usize,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// Lock shards of the index (a power of two).
-    pub shards: usize,
     /// Blocks (engine hashes, every tier) one rank may hold in the index; its stores past it
     /// are counted, not indexed, and the rank is `degraded`.
     pub max_blocks_per_rank: u64,
@@ -219,7 +217,6 @@ pub struct ConfigError {
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8090";
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
-pub const DEFAULT_SHARDS: usize = 64;
 /// 16 Mi blocks (2^24), far above any real rank: a B200's 192 GB of HBM holds ~16 M tokens at
 /// the 12 KiB a token of a 0.5B model (the bound of a snapshot's size too), ~1 M blocks at 16
 /// tokens a block; with 2 TB of host RAM for CPU offload, ~11 M blocks in all. What one rank at
@@ -240,8 +237,6 @@ pub const DEFAULT_DISCOVER_INTERVAL_S: u32 = 30;
 /// A day: a longer interval would leave a scaled engine unindexed for longer than any operator
 /// would wait before asking why.
 pub const MAX_DISCOVER_INTERVAL_S: u32 = 86_400;
-/// More shards than this buys no concurrency on any real machine and costs memory.
-pub const MAX_SHARDS: usize = 1 << 16;
 /// The largest `instance_id` a file can write (TOML integers are i64), and so the largest the
 /// Dynamo API's `POST /register` takes: every registered id is one a file could take over.
 pub const MAX_INSTANCE_ID: u64 = i64::MAX as u64;
@@ -312,7 +307,6 @@ impl Config {
                 dynamo_listen: top.dynamo_listen,
                 max_runtime_ranks: top.max_runtime_ranks,
                 block_size: top.block_size,
-                shards: top.shards,
                 max_blocks_per_rank: top.max_blocks_per_rank,
                 engines: engines.valid,
                 replicas: top.replicas,
@@ -356,7 +350,8 @@ struct RawTop {
     dynamo_listen: Option<Spanned<String>>,
     max_runtime_ranks: Option<Spanned<Int>>,
     block_size: Option<Spanned<Int>>,
-    shards: Option<Spanned<Int>>,
+    /// No longer read: refused with the line to delete (`index::SHARDS` is fixed).
+    shards: Option<Spanned<IgnoredAny>>,
     max_blocks_per_rank: Option<Spanned<Int>>,
     peers: Option<Spanned<Vec<Spanned<String>>>>,
     serve_snapshots: Option<Spanned<bool>>,
@@ -378,7 +373,6 @@ struct Top {
     dynamo_listen: Option<String>,
     max_runtime_ranks: usize,
     block_size: u32,
-    shards: usize,
     max_blocks_per_rank: u64,
     replicas: Replicas,
     state: StateSettings,
@@ -418,16 +412,6 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
     let block_size = checker.int("block_size", raw.block_size, "1..=4294967295", |n| {
         u32::try_from(n).ok().filter(|&size| size > 0)
     });
-    let shards = checker.int(
-        "shards",
-        raw.shards,
-        &format!("a power of two 1..={MAX_SHARDS}"),
-        |n| {
-            usize::try_from(n)
-                .ok()
-                .filter(|&n| n.is_power_of_two() && n <= MAX_SHARDS)
-        },
-    );
     let max_blocks_per_rank = checker.int(
         "max_blocks_per_rank",
         raw.max_blocks_per_rank,
@@ -449,6 +433,13 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
                 .filter(|&n| (1..=MAX_STATE_INTERVAL_S).contains(&n))
         },
     );
+    if let Some(shards) = raw.shards {
+        let why = format!(
+            "`shards` is no longer read (the index always has {} lock shards): delete the line",
+            crate::index::SHARDS
+        );
+        problems.add(Some(shards.span()), "", why);
+    }
     let replicas = check_replicas(
         raw.peers,
         raw.serve_snapshots,
@@ -461,7 +452,6 @@ fn check_top(root: &Spanned<DeTable<'_>>, problems: &mut Problems<'_>) -> Option
         dynamo_listen: dynamo_listen.optional()?,
         max_runtime_ranks: max_runtime_ranks.or_default_to(DEFAULT_MAX_RUNTIME_RANKS)?,
         block_size: block_size.or_default_to(DEFAULT_BLOCK_SIZE)?,
-        shards: shards.or_default_to(DEFAULT_SHARDS)?,
         max_blocks_per_rank: max_blocks_per_rank.or_default_to(DEFAULT_MAX_BLOCKS_PER_RANK)?,
         replicas: replicas?,
         state: StateSettings {

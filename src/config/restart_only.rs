@@ -21,7 +21,7 @@ pub struct RestartOnlyKey {
 
 /// Every top-level key a reload cannot apply: what it sets is built once, at start (a bound
 /// socket, the index's shape and cap, the Dynamo API's limit, whether ranks keep contents).
-pub const RESTART_ONLY: [RestartOnlyKey; 11] = [
+pub const RESTART_ONLY: [RestartOnlyKey; 10] = [
     RestartOnlyKey {
         key: "listen",
         shown: |config| config.listen.clone(),
@@ -44,11 +44,6 @@ pub const RESTART_ONLY: [RestartOnlyKey; 11] = [
         key: "block_size",
         shown: |config| config.block_size.to_string(),
         keep: |into, running| into.block_size = running.block_size,
-    },
-    RestartOnlyKey {
-        key: "shards",
-        shown: |config| config.shards.to_string(),
-        keep: |into, running| into.shards = running.shards,
     },
     RestartOnlyKey {
         key: "max_blocks_per_rank",
@@ -158,7 +153,7 @@ mod tests {
 
     /// Each restart-only key: a running file, a file that changes only that key from it, and
     /// the new value as shown.
-    const CHANGED: [(&str, &str, &str, &str); 11] = [
+    const CHANGED: [(&str, &str, &str, &str); 10] = [
         (
             "listen",
             "",
@@ -173,7 +168,6 @@ mod tests {
         ),
         ("max_runtime_ranks", "", "max_runtime_ranks = 8", "8"),
         ("block_size", "", "block_size = 32", "32"),
-        ("shards", "", "shards = 8", "8"),
         (
             "max_blocks_per_rank",
             "",
@@ -210,7 +204,6 @@ mod tests {
             dynamo_listen: _,
             max_runtime_ranks: _,
             block_size: _,
-            shards: _,
             max_blocks_per_rank: _,
             replicas:
                 Replicas {
@@ -242,14 +235,15 @@ mod tests {
 
     #[test]
     fn the_warning_names_the_key_both_values_and_what_stays() {
-        let mut new = parse("block_size = 32\nshards = 8\npeers = [\"http://10.0.0.9:8090\"]\n");
+        let mut new =
+            parse("block_size = 32\nmax_runtime_ranks = 8\npeers = [\"http://10.0.0.9:8090\"]\n");
         let pending = keep_restart_only(&mut new, &parse(""));
         let warnings: Vec<String> = pending.iter().map(ToString::to_string).collect();
         assert_eq!(
             warnings,
             [
+                "max_runtime_ranks changed from 1024 to 8; restart kv-indexer to apply it (keeping 1024)",
                 "block_size changed from 16 to 32; restart kv-indexer to apply it (keeping 16)",
-                "shards changed from 64 to 8; restart kv-indexer to apply it (keeping 64)",
             ]
         );
         assert_eq!(new.replicas.peers, ["http://10.0.0.9:8090"], "peers reload");

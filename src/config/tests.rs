@@ -14,7 +14,6 @@ fn absent_keys_take_the_spec_defaults() {
             dynamo_listen: None,
             max_runtime_ranks: DEFAULT_MAX_RUNTIME_RANKS,
             block_size: 16,
-            shards: 64,
             max_blocks_per_rank: DEFAULT_MAX_BLOCKS_PER_RANK,
             state: StateSettings::default(),
             engines: vec![EngineConfig {
@@ -54,7 +53,6 @@ fn defaults_section_fills_what_an_engine_leaves_out_and_engines_override_it() {
     let text = r#"
 listen = "0.0.0.0:9000"
 block_size = 32
-shards = 8
 [defaults]
 zmq_port = 6000
 dp_size = 2
@@ -77,8 +75,8 @@ topic = ""
 "#;
     let config = Config::parse(text, "f").unwrap_or_else(|err| panic!("{err}"));
     assert_eq!(
-        (config.listen.as_str(), config.block_size, config.shards),
-        ("0.0.0.0:9000", 32, 8)
+        (config.listen.as_str(), config.block_size),
+        ("0.0.0.0:9000", 32)
     );
     let inherits = &config.engines[0];
     let fixed = inherits.fixed().expect("fixed ranks");
@@ -129,7 +127,7 @@ zmq_port = "5557"
     let found = problems(text);
     for words in [
         &["`listen`"][..],
-        &["`shards`"],
+        &["`shards` is no longer read", "delete the line"],
         &["`host` is empty"],
         &["`dp_size`"],
         &["duplicate"],

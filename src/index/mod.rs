@@ -143,6 +143,12 @@ struct WorkerStats {
     lookahead: AtomicU32,
 }
 
+/// Lock shards of the service's index. Not a setting: the listeners' pollers (one per core)
+/// and the query threads are the writers and readers that meet on a shard, and 64 is several
+/// times more shards than any of the machines this runs on has cores; a store's blocks scatter
+/// over them, so a writer seldom waits on another.
+pub const SHARDS: usize = 64;
+
 /// No worker: a rank without a CPU or disk tier.
 const NO_WORKER: WorkerId = WorkerId::MAX;
 

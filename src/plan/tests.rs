@@ -47,7 +47,6 @@ fn config(engines: Vec<EngineConfig>) -> Config {
         dynamo_listen: None,
         max_runtime_ranks: crate::config::DEFAULT_MAX_RUNTIME_RANKS,
         block_size: 16,
-        shards: 64,
         max_blocks_per_rank: crate::config::DEFAULT_MAX_BLOCKS_PER_RANK,
         engines,
         replicas: Default::default(),

@@ -181,7 +181,7 @@ impl Service {
         shutdown_signal: ShutdownSignal,
         select_clock: Clock,
     ) -> anyhow::Result<Service> {
-        let index = Index::new(config.block_size, config.shards);
+        let index = Index::new(config.block_size, crate::index::SHARDS);
         index.set_max_blocks_per_rank(config.max_blocks_per_rank);
         let metrics = Arc::new(Metrics::new());
         let listen = listen.unwrap_or_else(|| config.listen.clone());
@@ -201,10 +201,9 @@ impl Service {
 
         let plan = plan::expand(&config);
         info!(
-            "configuration {}: block_size {}, {} shards, {} engines, {} ranks",
+            "configuration {}: block_size {}, {} engines, {} ranks",
             source.describe(),
             config.block_size,
-            config.shards,
             config.engines.len(),
             plan.len()
         );

@@ -82,7 +82,7 @@ fn a_failed_rank_shows_failed_with_its_reason_holds_nothing_is_not_ready_and_is_
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("indexer.toml");
     let toml = format!(
-        "block_size = 4\nshards = 8\n\n[[engine]]\nname = \"vllm-a\"\nhost = \"127.0.0.1\"\nzmq_port = {port}\n"
+        "block_size = 4\n\n[[engine]]\nname = \"vllm-a\"\nhost = \"127.0.0.1\"\nzmq_port = {port}\n"
     );
     std::fs::write(&path, toml).expect("write the config");
     let config = Config::load(&path).expect("config");

@@ -27,10 +27,7 @@ fn engine(name: &str, port: u16, model: Option<&str>, instance_id: Option<u64>) 
 }
 
 fn config(engines: &[String]) -> String {
-    format!(
-        "block_size = {BLOCK_SIZE}\nshards = 8\n\n{}",
-        engines.join("\n")
-    )
+    format!("block_size = {BLOCK_SIZE}\n\n{}", engines.join("\n"))
 }
 
 /// Both APIs of one in-process service on `toml`, the Dynamo API on a port the OS picks.

@@ -24,7 +24,7 @@ fn config(ranks: &[FakeRank], extra: &str, select: &[(&str, &str)]) -> String {
         .enumerate()
         .map(|(at, rank)| EngineToml::new(((b'a' + at as u8) as char).to_string(), rank.port))
         .collect();
-    let file = indexer_toml(Some("127.0.0.1:1"), BLOCK_SIZE, 8, &engines);
+    let file = indexer_toml(Some("127.0.0.1:1"), BLOCK_SIZE, &engines);
     format!("{extra}{file}{}", select_table(select))
 }
 

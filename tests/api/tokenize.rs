@@ -132,7 +132,7 @@ impl Engines {
             model: Some("other".to_owned()),
             ..EngineToml::new("other", ranks[OTHER].port)
         });
-        let running = start_service(&indexer_toml(Some("127.0.0.1:1"), BLOCK, 8, &engines));
+        let running = start_service(&indexer_toml(Some("127.0.0.1:1"), BLOCK, &engines));
         for rank in &ranks {
             rank.wait_subscribed();
         }
@@ -453,7 +453,7 @@ fn a_tokenizer_that_does_not_load_rejects_the_reload_and_the_old_one_stays() {
         tokenizer: Some(tokenizer.display().to_string()),
         ..EngineToml::new("chatml", rank.port)
     };
-    let file = |tokenizer: &Path| indexer_toml(Some("127.0.0.1:1"), BLOCK, 8, &[engine(tokenizer)]);
+    let file = |tokenizer: &Path| indexer_toml(Some("127.0.0.1:1"), BLOCK, &[engine(tokenizer)]);
     let running = start_service(&file(&dir));
     let addr = running.http_addr();
     let chat = json!({"messages": [{"role": "user", "content": "hi"}]});

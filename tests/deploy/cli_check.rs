@@ -38,7 +38,7 @@ fn the_shipped_file_checks_clean_and_subscribes_to_the_vllm_default_endpoint() {
     assert_eq!(rows.len(), 1, "{stdout}");
     assert!(rows[0].contains("tcp://127.0.0.1:5557"), "{stdout}");
     assert!(
-        stdout.contains("1 engine, 1 listener; listen 127.0.0.1:8090, block_size 16, shards 64"),
+        stdout.contains("1 engine, 1 listener; listen 127.0.0.1:8090, block_size 16\n"),
         "{stdout}"
     );
 }

@@ -220,7 +220,6 @@ fn salted_and_multimodal_prompts_end_to_end() {
     let service = RunningService::start(&indexer_toml(
         None,
         4,
-        4,
         // With its replay: a first batch lost to the slow joiner is replayed, so the rank is
         // whole (`active`, the only state a query trusts) and not degraded from the start.
         &[EngineToml {

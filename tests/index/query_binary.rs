@@ -111,7 +111,6 @@ fn engines() -> Engines {
     let running = start_service(&indexer_toml(
         Some("127.0.0.1:1"),
         16,
-        8,
         &[
             engine("a", ranks[0].port, Some(MODEL_A)),
             engine("b", ranks[1].port, Some("m2")),

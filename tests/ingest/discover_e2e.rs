@@ -43,7 +43,7 @@ fn discovered(api_port: u16, interval_s: u32, dp_size: Option<u32>) -> String {
         dp_size,
         ..EngineToml::discovered(Fleet::name(0), api_port)
     };
-    indexer_toml(None, BLOCK_SIZE, 8, &[engine])
+    indexer_toml(None, BLOCK_SIZE, &[engine])
 }
 
 fn api_port(engine: &SimEngine) -> u16 {
@@ -392,7 +392,6 @@ fn a_fixed_dp_size_too_small_is_warned_with_the_fix_and_the_neighbour_is_never_i
     let toml = indexer_toml(
         None,
         BLOCK_SIZE,
-        8,
         &[EngineToml {
             dp_size: Some(1),
             ..EngineToml::new(Fleet::name(0), rank0)

@@ -21,7 +21,7 @@ fn engine(name: &str, port: u16, dp_size: u32) -> EngineToml {
 }
 
 fn config(engines: &[EngineToml]) -> String {
-    indexer_toml(None, 16, 8, engines)
+    indexer_toml(None, 16, engines)
 }
 
 /// `(instance, dp_rank, matched_blocks)` of every score for `tokens`.

@@ -23,7 +23,7 @@ fn sixteen_idle_ranks_run_on_the_pollers_the_runtime_and_libzmq_alone() {
         .enumerate()
         .map(|(i, rank)| EngineToml::new(format!("engine-{i}"), rank.port))
         .collect();
-    let indexer = start_indexer(&indexer_toml(None, 16, 8, &engines));
+    let indexer = start_indexer(&indexer_toml(None, 16, &engines));
     let addr = indexer.address;
     for rank in &ranks {
         rank.wait_subscribed();

@@ -1166,7 +1166,7 @@ fn an_answer_before_the_whole_body_was_read_reaches_the_client() {
         .collect();
     // No health checks, no load scrapes: every connection the proxy accepts is the routed
     // request's.
-    let toml = indexer_toml(None, 16, 8, &tomls)
+    let toml = indexer_toml(None, 16, &tomls)
         + &route_table("127.0.0.1:0", &[("health_interval_s", "0")])
         + "\n[select]\nload_interval_ms = 0\n";
     let running = start_service_with_select_clock(&toml, Clock::manual());
@@ -1259,7 +1259,7 @@ fn front_with_context(context: u64) -> (RunningService, tempfile::TempDir) {
         openai_url: Some("http://127.0.0.1:9".into()),
         ..EngineToml::new("sim-0", crate::support::free_port())
     };
-    let toml = indexer_toml(None, 16, 8, &[engine]) + &route_table("127.0.0.1:0", &[]);
+    let toml = indexer_toml(None, 16, &[engine]) + &route_table("127.0.0.1:0", &[]);
     (crate::support::start_service(&toml), tokenizers)
 }
 

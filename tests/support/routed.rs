@@ -135,7 +135,7 @@ pub fn fleet_toml_of(
         .enumerate()
         .map(|(i, engine)| edit(i, engine))
         .collect();
-    let toml = indexer_toml(None, 16, 8, &tomls) + &route_table(route_listen, keys);
+    let toml = indexer_toml(None, 16, &tomls) + &route_table(route_listen, keys);
     (fleet, toml, tokenizers)
 }
 
@@ -230,7 +230,6 @@ pub fn routing_to(engine: SocketAddr) -> RunningService {
     let toml = indexer_toml(
         None,
         16,
-        8,
         &[EngineToml {
             model: Some(MODEL.into()),
             openai_url: Some(format!("http://{engine}")),

@@ -69,9 +69,6 @@ use crate::{engine_config, Args, Request, Workload, DEADLINE};
 /// The model the mock engines serve and the requests name.
 const MODEL: &str = "sim-model";
 
-/// Index shards of each live indexer: few, on a machine of few cores.
-const SHARDS: u32 = 8;
-
 /// A request sent at least this long after its arrival time counts as late.
 const LATE: Duration = Duration::from_millis(10);
 
@@ -314,7 +311,7 @@ impl LiveFleet {
                 ..toml
             })
             .collect();
-        let toml = indexer_toml(None, BLOCK_SIZE, SHARDS, &tomls)
+        let toml = indexer_toml(None, BLOCK_SIZE, &tomls)
             + &route_table("127.0.0.1:0", &[])
             + &select_table(&[("policy", &format!("{policy:?}"))]);
         let replicas = if set_up == SetUp::Two { 2 } else { 1 };
