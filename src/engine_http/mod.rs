@@ -1,6 +1,8 @@
-//! The front end's HTTP/1.1 client to the engines' OpenAI servers: one request on a pooled
-//! keep-alive connection, its answer's head parsed by `httparse`, its body framed (length,
-//! chunked or to the close) and handed on as it arrives.
+//! The indexer's one HTTP/1.1 client, to engines' servers and peer indexers: one request on a
+//! pooled keep-alive connection, its answer's head parsed by `httparse`, its body framed
+//! (length, chunked or to the close) and handed on as it arrives: streamed by the front end,
+//! read whole under bounds by everyone else (`fetch`: discovery, snapshots, engines' load).
+//! Nothing in it reads the environment, so no request goes through an `HTTP_PROXY`.
 //!
 //! Hand-written, on a measurement (docs/performance.md, "Why the front end has its own client
 //! to the engines"): hyper's client holds its buffers and request queue for as long as a
