@@ -113,12 +113,15 @@ fn main() -> Result<()> {
     }
 
     let client = Client::new(Limits::default());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let api = EngineApi::new("sim", &format!("http://127.0.0.1:{api_port}"), None)
         .map_err(anyhow::Error::msg)?;
     let mut questions = Vec::with_capacity(trials);
     for _ in 0..trials {
         let started = Instant::now();
-        client.discover(&api, None)?;
+        runtime.block_on(client.discover(&api, None))?;
         questions.push(started.elapsed());
     }
 

@@ -17,6 +17,8 @@
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
 //! endpoint is a leaf: the typed `tcp://host:port` that config, discover, plan and http share.
+//! engine_http is the one HTTP client to engines and peers: the proxy's streams, discovery,
+//! snapshot fetches, engines' load.
 //! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
 //! state is beside index: a rank's saved state as a file (the listener saves and loads it).
 //! ```
@@ -29,11 +31,11 @@ pub mod auth;
 pub mod config;
 pub mod discover;
 pub mod endpoint;
+mod engine_http;
 pub mod http;
 pub mod index;
 pub mod listener;
 pub mod metrics;
-pub mod outbound;
 pub mod plan;
 pub mod preflight;
 pub mod proxy;

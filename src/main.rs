@@ -108,7 +108,13 @@ fn main() -> ExitCode {
 
     if args.check {
         let (discovered, failed) = match args.discover {
-            true => ask_engines(&config),
+            true => match ask_engines(&config) {
+                Ok(asked) => asked,
+                Err(err) => {
+                    eprintln!("--discover: no runtime to ask the engines on: {err}");
+                    return ExitCode::FAILURE;
+                }
+            },
             false => (Discoveries::new(), Vec::new()),
         };
         let specs = plan::expand_with(&config, &discovered);
@@ -218,39 +224,40 @@ fn load(args: &Args, source: &Source) -> (Option<Config>, Vec<String>) {
     }
 }
 
-/// Asks every engine with `discover` at once, one thread each (an engine may take
-/// `Limits::whole` to fail); a disagreement with the file is printed as a warning.
-fn ask_engines(config: &Config) -> (Discoveries, Vec<DiscoverError>) {
-    let client = Client::new(Limits::default());
-    let answers: Vec<(String, Result<_, DiscoverError>)> = std::thread::scope(|scope| {
-        let asking: Vec<_> = config
-            .engines
-            .iter()
-            .filter_map(|engine| Some((engine, engine.discover()?)))
-            .map(|(engine, discover)| {
-                let client = &client;
-                scope.spawn(move || {
-                    let answer = client.discover(&discover.api, None);
-                    if let Ok(discovery) = &answer {
-                        for disagreement in discovery.disagreements(&discover.file) {
-                            eprintln!(
-                                "warning: engine {}: {}; the engine wins",
-                                engine.name, disagreement.detail
-                            );
-                        }
+/// Asks every engine with `discover` at once, on a runtime of the check's own (an engine may
+/// take `Limits::whole` to fail); a disagreement with the file is printed as a warning.
+fn ask_engines(config: &Config) -> std::io::Result<(Discoveries, Vec<DiscoverError>)> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let client = std::sync::Arc::new(Client::new(Limits::default()));
+    let mut answers = runtime.block_on(async {
+        let mut asking = tokio::task::JoinSet::new();
+        for (at, engine) in config.engines.iter().enumerate() {
+            let Some(discover) = engine.discover().cloned() else {
+                continue;
+            };
+            let (client, name) = (client.clone(), engine.name.clone());
+            asking.spawn(async move {
+                let answer = client.discover(&discover.api, None).await;
+                if let Ok(discovery) = &answer {
+                    for disagreement in discovery.disagreements(&discover.file) {
+                        eprintln!(
+                            "warning: engine {name}: {}; the engine wins",
+                            disagreement.detail
+                        );
                     }
-                    (engine.name.clone(), answer)
-                })
-            })
-            .collect();
-        asking
-            .into_iter()
-            .filter_map(|thread| thread.join().ok())
-            .collect()
+                }
+                (at, name, answer)
+            });
+        }
+        asking.join_all().await
     });
+    // The file's order, whichever engine answered first.
+    answers.sort_by_key(|(at, _, _)| *at);
     let mut discovered = Discoveries::new();
     let mut failed = Vec::new();
-    for (engine, answer) in answers {
+    for (_, engine, answer) in answers {
         match answer {
             Ok(discovery) => {
                 discovered.insert(engine, discovery);
@@ -258,7 +265,7 @@ fn ask_engines(config: &Config) -> (Discoveries, Vec<DiscoverError>) {
             Err(error) => failed.push(error),
         }
     }
-    (discovered, failed)
+    Ok((discovered, failed))
 }
 
 fn count(n: usize, one: &str, many: &str) -> String {

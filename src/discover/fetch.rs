@@ -1,13 +1,15 @@
 //! The one HTTP GET discovery makes: bounded in time and size, no redirect followed, every
 //! failure a `DiscoverError` naming the engine and the URL.
 //!
-//! Owns: the `ureq` agent's limits (its shared settings, no proxy and no redirect among them,
-//! are `outbound`'s). Never: interprets a body beyond "is it JSON".
+//! Owns: the limits of a fetch (the client, `engine_http`, follows no redirect and reads no
+//! proxy from the environment) and what each failure is called. Never: interprets a body
+//! beyond "is it JSON".
 
-use std::io::Read;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{DiscoverError, Failure};
+use crate::engine_http::{Bounds, Connections, FetchError, Whole};
 
 /// What one fetch may cost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,9 +39,9 @@ impl Default for Limits {
     }
 }
 
-/// Asks engines' HTTP servers; one is shared by every engine (the agent pools connections).
+/// Asks engines' HTTP servers; one is shared by every engine (its connections are pooled).
 pub struct Client {
-    agent: ureq::Agent,
+    connections: Arc<Connections>,
     limits: Limits,
 }
 
@@ -49,19 +51,15 @@ const QUOTED_BODY_CHARS: usize = 160;
 
 impl Client {
     pub fn new(limits: Limits) -> Client {
-        let config = crate::outbound::agent_config()
-            .timeout_connect(Some(limits.connect))
-            .timeout_global(Some(limits.whole))
-            .build();
         Client {
-            agent: config.into(),
+            connections: Arc::default(),
             limits,
         }
     }
 
     /// GETs `url` and parses the body as JSON; `None` for a 404 (the route does not exist on
     /// this kind of engine).
-    pub(super) fn get_json(
+    pub(super) async fn get_json(
         &self,
         engine: &str,
         url: &str,
@@ -72,19 +70,26 @@ impl Client {
             failure,
             detail,
         };
-        let response = self
-            .agent
-            .get(url)
-            .header("Accept", "application/json")
-            .call()
+        let bounds = Bounds {
+            connect: self.limits.connect,
+            silence: None,
+            whole: self.limits.whole,
+            max_body: self.limits.max_body,
+            // A character is at most 4 bytes.
+            max_error_body: 4 * QUOTED_BODY_CHARS as u64,
+        };
+        let Whole { parts, body } = self
+            .connections
+            .get(url, &[("accept", "application/json")], &bounds)
+            .await
             .map_err(|err| {
                 let (failure, detail) = self.transport_failure(err);
                 fail(failure, detail)
             })?;
-        let status = response.status();
+        let status = parts.status;
         if status.is_redirection() {
-            let target = response
-                .headers()
+            let target = parts
+                .headers
                 .get("location")
                 .and_then(|value| value.to_str().ok())
                 .unwrap_or("nowhere given");
@@ -99,28 +104,13 @@ impl Client {
         if status.as_u16() == 404 {
             return Ok(None);
         }
-        let mut body = response.into_body();
         if !status.is_success() {
-            let mut quoted = Vec::new();
-            // Best effort: the status is the error; the body only helps to read it.
-            let _ = body
-                .as_reader()
-                .take(QUOTED_BODY_CHARS as u64)
-                .read_to_end(&mut quoted);
             return Err(fail(
                 Failure::Status(status.as_u16()),
-                format!("answered {status}{}", quote(&quoted)),
+                format!("answered {status}{}", quote(&body)),
             ));
         }
-        let bytes = body
-            .with_config()
-            .limit(self.limits.max_body)
-            .read_to_vec()
-            .map_err(|err| {
-                let (failure, detail) = self.transport_failure(err);
-                fail(failure, detail)
-            })?;
-        serde_json::from_slice(&bytes).map(Some).map_err(|err| {
+        serde_json::from_slice(&body).map(Some).map_err(|err| {
             fail(
                 Failure::NotJson,
                 format!("answered {status} with a body that is not JSON ({err}): is this the engine's HTTP server?"),
@@ -128,38 +118,39 @@ impl Client {
         })
     }
 
-    fn transport_failure(&self, err: ureq::Error) -> (Failure, String) {
+    fn transport_failure(&self, err: FetchError) -> (Failure, String) {
         let Limits {
             connect,
             whole,
             max_body,
         } = self.limits;
         match err {
-            ureq::Error::Timeout(ureq::Timeout::Connect) => (
+            FetchError::ConnectTimedOut(_) => (
                 Failure::Unreachable,
                 format!("cannot be reached: no connection within {connect:?}"),
             ),
-            ureq::Error::Timeout(_) => (
+            FetchError::TimedOut(_) | FetchError::Silent(_) => (
                 Failure::Timeout,
                 format!("gave no whole answer within {whole:?}"),
             ),
-            ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::TimedOut => (
-                Failure::Timeout,
-                format!("gave no whole answer within {whole:?} ({io})"),
-            ),
-            ureq::Error::BodyExceedsLimit(_) => (
+            FetchError::TooLarge { .. } => (
                 Failure::TooLarge,
                 format!(
                     "answered more than {}, refused: a real answer is at most some 256 KiB",
                     byte_size(max_body)
                 ),
             ),
-            ureq::Error::Protocol(err) => (
+            FetchError::Malformed(why) => (
                 Failure::NotHttp,
-                format!("answered something that is not HTTP ({err})"),
+                format!("answered something that is not HTTP ({why})"),
             ),
-            ureq::Error::Io(io) => (Failure::Unreachable, format!("cannot be reached: {io}")),
-            other => (Failure::Unreachable, format!("cannot be reached: {other}")),
+            FetchError::NotDelivered(why) | FetchError::Broken(why) | FetchError::Request(why) => {
+                (Failure::Unreachable, format!("cannot be reached: {why}"))
+            }
+            FetchError::BodyBroke { read, why } => (
+                Failure::Unreachable,
+                format!("cannot be reached: the answer broke {read} bytes in ({why})"),
+            ),
         }
     }
 }

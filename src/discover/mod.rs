@@ -208,8 +208,8 @@ impl Client {
     /// neither route is one that publishes no events), on the route of `hint` first (the kind that answered
     /// last time; vLLM's when `None`) and on the other kind's route when that one answers 404,
     /// so an engine replaced by the other kind is still found. Blocks for at most
-    /// `Limits::whole` per route asked: call it off any shared thread.
-    pub fn discover(
+    /// `Limits::whole` per route asked.
+    pub async fn discover(
         &self,
         api: &EngineApi,
         hint: Option<EngineKind>,
@@ -218,7 +218,7 @@ impl Client {
         let mut missing = Vec::new();
         for kind in [first, first.other()] {
             let url = api.url.join(kind.route());
-            let Some(body) = self.get_json(&api.engine, &url)? else {
+            let Some(body) = self.get_json(&api.engine, &url).await? else {
                 missing.push(url);
                 continue;
             };
@@ -230,7 +230,7 @@ impl Client {
                 Ok(ranks) => Ok(Discovery {
                     kind,
                     model: match api.asks_model {
-                        true => Some(self.served_model(api)?),
+                        true => Some(self.served_model(api).await?),
                         false => None,
                     },
                     url,
@@ -251,7 +251,7 @@ impl Client {
             // still routed, by load (`NO_EVENTS`).
             return Ok(Discovery {
                 kind: first,
-                model: Some(self.served_model(api)?),
+                model: Some(self.served_model(api).await?),
                 url: asked,
                 ranks: Vec::new(),
                 publishes_events: false,

@@ -16,7 +16,7 @@ const ROUTE: &str = "/v1/models";
 impl Client {
     /// The first model `GET /v1/models` lists (a vLLM or SGLang server serves one, and its
     /// LoRA adapters after it), bounded as every discovery fetch.
-    pub(super) fn served_model(&self, api: &EngineApi) -> Result<String, DiscoverError> {
+    pub(super) async fn served_model(&self, api: &EngineApi) -> Result<String, DiscoverError> {
         let url = api.url.join(ROUTE);
         let fail = |failure, detail: String| DiscoverError {
             engine: api.engine.clone(),
@@ -24,7 +24,7 @@ impl Client {
             failure,
             detail,
         };
-        let Some(body) = self.get_json(&api.engine, &url)? else {
+        let Some(body) = self.get_json(&api.engine, &url).await? else {
             return Err(fail(
                 Failure::Status(404),
                 "answered 404: is this URL an OpenAI-compatible server (vLLM's or SGLang's)? \

@@ -5,13 +5,16 @@
 //! Shared by every listener; a reload swaps the list and the secret without touching any
 //! listener.
 //!
-//! Owns: the list, the handle on the secret and the snapshot URL of a rank at a peer. Never: fetches anything (`recovery` does) or decides whether an answer is
-//! usable (`applier` does).
+//! Owns: the list, the handle on the secret, the snapshot URL of a rank at a peer, and the
+//! client snapshot fetches share (`recovery::Fetcher`). Never: fetches anything (`recovery`
+//! does) or decides whether an answer is usable (`applier` does).
 
 use std::sync::Arc;
 
 use parking_lot::RwLock;
+use tokio::runtime::Handle;
 
+use super::recovery::Fetcher;
 use crate::auth::{CurrentSecret, Secret};
 use crate::plan::WorkerKey;
 
@@ -22,27 +25,39 @@ pub struct Replication {
     retain: bool,
     /// Where this indexer saves its ranks' states (`state_dir`), read when a rank starts.
     state_dir: Option<std::path::PathBuf>,
+    /// The client every snapshot fetch (from a peer or an engine) goes through.
+    fetcher: Fetcher,
 }
 
 impl Replication {
     /// `peers` are base URLs (`http://host:port`); `retain`: whether ranks keep their block
     /// contents (decided at start: a rank cannot serve what it did not keep).
+    /// Its snapshots are fetched on a runtime of their own (`engine_http`'s standalone one).
     pub fn new(peers: Vec<String>, secret: Option<Secret>, retain: bool) -> Arc<Replication> {
-        Replication::with_state_dir(peers, secret, retain, None)
+        Arc::new(Replication {
+            peers: RwLock::new(peers.into()),
+            secret: Arc::new(CurrentSecret::new(secret)),
+            retain,
+            state_dir: None,
+            fetcher: Fetcher::on(None),
+        })
     }
 
-    /// `new`, for an indexer that saves its ranks' states in `state_dir`.
+    /// `new`, for a service's indexer, which saves its ranks' states in `state_dir` and fetches
+    /// snapshots on its `runtime`.
     pub fn with_state_dir(
         peers: Vec<String>,
         secret: Option<Secret>,
         retain: bool,
         state_dir: Option<std::path::PathBuf>,
+        runtime: Handle,
     ) -> Arc<Replication> {
         Arc::new(Replication {
             peers: RwLock::new(peers.into()),
             secret: Arc::new(CurrentSecret::new(secret)),
             retain,
             state_dir,
+            fetcher: Fetcher::on(Some(runtime)),
         })
     }
 
@@ -71,6 +86,10 @@ impl Replication {
 
     pub fn retains_contents(&self) -> bool {
         self.retain
+    }
+
+    pub(super) fn fetcher(&self) -> &Fetcher {
+        &self.fetcher
     }
 }
 

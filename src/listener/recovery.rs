@@ -8,15 +8,16 @@
 //! worker up once its fair share is used and another rank waits. It runs on a recovery worker
 //! (`recoveries`), never on a poller, and never buffers an answer above its cap.
 
-use std::io::Read;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _};
+use tokio::runtime::Handle;
 
 use super::stop::Stop;
 use crate::auth::Secret;
+use crate::engine_http::{self, Bounds, Connections, FetchError};
 use crate::wire::{self, ReplayItem};
 
 /// How long the first reply frame may take (docs/protocol.md "How a reply is read").
@@ -264,12 +265,28 @@ pub(super) enum Fetched {
     Interrupted(Interrupt),
 }
 
-/// `GET url` on a helper thread, so the recovery worker keeps watching the rank's stop signal
-/// and its turn: on either it returns at once and tells the helper to give up; the helper owns
-/// nothing of the listener and ends at its next chunk or its next timeout (`http_get`), never
-/// later than the turn's deadline. `bearer` is sent as `Authorization: Bearer` (peers that
-/// require `auth_token_file`).
+/// What snapshot fetches run with: one pool of connections, and the runtime their tasks run
+/// on (the service's; `None`: `engine_http`'s standalone one, for a listener started alone).
+pub(super) struct Fetcher {
+    connections: Arc<Connections>,
+    runtime: Option<Handle>,
+}
+
+impl Fetcher {
+    pub(super) fn on(runtime: Option<Handle>) -> Fetcher {
+        Fetcher {
+            connections: Arc::default(),
+            runtime,
+        }
+    }
+}
+
+/// `GET url` as a task on the fetcher's runtime, so the recovery worker keeps watching the
+/// rank's stop signal and its turn: on either it aborts the task (its connection closes) and
+/// returns at once. The task never outlives the turn's deadline either (`http_get`). `bearer`
+/// is sent as `Authorization: Bearer` (peers that require `auth_token_file`).
 pub(super) fn fetch_snapshot(
+    fetcher: &Fetcher,
     url: &str,
     bearer: Option<&Secret>,
     (stop, turn): (&Stop, &Turn),
@@ -281,31 +298,33 @@ pub(super) fn fetch_snapshot(
             ATTEMPT_DEADLINE.as_secs()
         )));
     }
+    let Some(runtime) = fetcher
+        .runtime
+        .clone()
+        .or_else(engine_http::standalone_runtime)
+    else {
+        return Fetched::Body(Err(anyhow!("GET {url}: no runtime to fetch on")));
+    };
     let (sender, receiver) = mpsc::channel();
-    let abandoned = Arc::new(AtomicBool::new(false));
-    let helper_abandoned = Arc::clone(&abandoned);
-    let helper_url = url.to_owned();
-    let header = bearer.map(|secret| format!("Bearer {}", secret.expose()));
-    let spawned = std::thread::Builder::new()
-        .name("kvi-snapshot".into())
-        .spawn(move || {
-            // The listener may have gone: nobody to tell then.
-            let _ = sender.send(http_get(&helper_url, header, within, &helper_abandoned));
-        });
-    if let Err(error) = spawned {
-        return Fetched::Body(Err(
-            anyhow!(error).context("spawning the snapshot fetch thread")
-        ));
-    }
+    let connections = Arc::clone(&fetcher.connections);
+    let task_url = url.to_owned();
+    let authorization = bearer.map(|secret| format!("Bearer {}", secret.expose()));
+    let task = runtime.spawn(async move {
+        let got = http_get(&connections, &task_url, authorization.as_deref(), within).await;
+        // The listener may have gone: nobody to tell then.
+        let _ = sender.send(got);
+    });
     loop {
         match receiver.recv_timeout(TICK) {
             Ok(body) => return Fetched::Body(body.with_context(|| format!("GET {url}"))),
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Fetched::Body(Err(anyhow!("GET {url}: the fetch thread died")))
+                return Fetched::Body(Err(anyhow!(
+                    "GET {url}: the fetch ended without an answer (the runtime is shutting down)"
+                )))
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if let Some(by) = turn.interrupt(stop) {
-                    abandoned.store(true, Ordering::Relaxed);
+                    task.abort();
                     return Fetched::Interrupted(by);
                 }
             }
@@ -313,70 +332,51 @@ pub(super) fn fetch_snapshot(
     }
 }
 
-/// `GET url` with ureq, read in chunks so that an abandoned fetch ends at its next chunk. ureq
-/// cannot be interrupted inside a read, so a server that goes silent holds this helper thread
-/// until `SNAPSHOT_SILENCE` passes (the listener itself does not wait for it), and the whole
-/// fetch never outlives `within` (ureq's global timeout, which a server dripping a byte at a
-/// time cannot stretch): an abandoned helper is gone within 5 s of silence.
-fn http_get(
+/// `GET url`, its body whole: connected within `SNAPSHOT_CONNECT`, given up after
+/// `SNAPSHOT_SILENCE` without a byte, and within `within` in all, which a server dripping a
+/// byte at a time cannot stretch.
+async fn http_get(
+    connections: &Arc<Connections>,
     url: &str,
-    authorization: Option<String>,
+    authorization: Option<&str>,
     within: Duration,
-    abandoned: &AtomicBool,
 ) -> anyhow::Result<Vec<u8>> {
-    // No proxy, whatever the environment says (`outbound`): the request may carry the bearer
-    // token, and the answer carries users' token ids.
-    let agent: ureq::Agent = crate::outbound::agent_config()
-        .timeout_connect(Some(SNAPSHOT_CONNECT))
-        .timeout_per_read(Some(SNAPSHOT_SILENCE))
-        .timeout_global(Some(within))
-        .build()
-        .into();
-    let mut request = agent.get(url).header("Accept", "application/json");
-    if let Some(authorization) = authorization {
-        request = request.header("Authorization", authorization);
-    }
-    let mut response = request.call().context("requesting the snapshot")?;
-    let status = response.status();
-    if status != 200 {
+    let bounds = Bounds {
+        connect: SNAPSHOT_CONNECT,
+        silence: Some(SNAPSHOT_SILENCE),
+        whole: within,
+        max_body: SNAPSHOT_MAX_BYTES,
         // The reason a peer gives ("rank degraded", "snapshots are off") is short JSON.
-        let reason = response
-            .body_mut()
-            .with_config()
-            .limit(ERROR_BODY_MAX_BYTES)
-            .read_to_string()
-            .unwrap_or_default();
-        bail!("answered {status}: {}", reason.trim());
+        max_error_body: ERROR_BODY_MAX_BYTES,
+    };
+    let mut headers = vec![("accept", "application/json")];
+    if let Some(authorization) = authorization {
+        headers.push(("authorization", authorization));
     }
-    if let Some(length) = response.body().content_length() {
-        anyhow::ensure!(
-            length <= SNAPSHOT_MAX_BYTES,
-            "the snapshot declares {length} bytes (Content-Length), more than the \
-             {SNAPSHOT_MAX_BYTES} a rank can hold: refused unread"
+    let whole = connections
+        .get(url, &headers, &bounds)
+        .await
+        .map_err(|error| match error {
+            FetchError::TooLarge {
+                declared: Some(length),
+                ..
+            } => anyhow!(
+                "the snapshot declares {length} bytes (Content-Length), more than the \
+                 {SNAPSHOT_MAX_BYTES} a rank can hold: refused unread"
+            ),
+            FetchError::TooLarge { declared: None, .. } => anyhow!(
+                "the snapshot runs past the {SNAPSHOT_MAX_BYTES} bytes a rank can hold: cut there"
+            ),
+            other => anyhow!(other).context("requesting the snapshot"),
+        })?;
+    let status = whole.parts.status;
+    if status != hyper::StatusCode::OK {
+        bail!(
+            "answered {status}: {}",
+            String::from_utf8_lossy(&whole.body).trim()
         );
     }
-    let mut reader = response
-        .body_mut()
-        .with_config()
-        .limit(SNAPSHOT_MAX_BYTES)
-        .reader();
-    let mut body = Vec::new();
-    let mut chunk = vec![0u8; 64 * 1024];
-    loop {
-        if abandoned.load(Ordering::Relaxed) {
-            bail!("abandoned: the listener stopped");
-        }
-        match reader.read(&mut chunk) {
-            Ok(0) => return Ok(body),
-            Ok(read) => body.extend_from_slice(chunk.get(..read).unwrap_or_default()),
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(error) => {
-                return Err(error).with_context(|| {
-                    format!("reading the snapshot body ({} bytes in)", body.len())
-                })
-            }
-        }
-    }
+    Ok(whole.body.into())
 }
 
 #[cfg(test)]
@@ -449,7 +449,7 @@ mod tests {
         let within = Duration::from_millis(400);
         let turn = Turn::new(Duration::ZERO, None).ending_by(Instant::now() + within);
         let started = Instant::now();
-        let fetched = fetch_snapshot(&url, None, (&stop, &turn));
+        let fetched = fetch_snapshot(&Fetcher::on(None), &url, None, (&stop, &turn));
         let took = started.elapsed();
         assert!(
             matches!(fetched, Fetched::Body(Err(_))),

@@ -356,8 +356,13 @@ impl Subscription {
         for peer in peers.iter() {
             let url = snapshot_url(peer, &self.applier.spec.key);
             let secret = self.replication.secret().get();
-            let checked = match recovery::fetch_snapshot(&url, secret.as_ref(), (&self.stop, turn))
-            {
+            let fetcher = self.replication.fetcher();
+            let checked = match recovery::fetch_snapshot(
+                fetcher,
+                &url,
+                secret.as_ref(),
+                (&self.stop, turn),
+            ) {
                 Fetched::Interrupted(by) => return SnapshotAttempt::Interrupted(by),
                 Fetched::Body(Ok(body)) => self.applier.usable_snapshot(&body, need..=newest),
                 Fetched::Body(Err(error)) => Err(error),
@@ -394,7 +399,8 @@ impl Subscription {
         let Some(url) = self.applier.spec.recover.clone() else {
             return SnapshotAttempt::Unusable;
         };
-        let outcome = match recovery::fetch_snapshot(&url, None, (&self.stop, turn)) {
+        let fetcher = self.replication.fetcher();
+        let outcome = match recovery::fetch_snapshot(fetcher, &url, None, (&self.stop, turn)) {
             Fetched::Interrupted(by) => return SnapshotAttempt::Interrupted(by),
             Fetched::Body(Ok(body)) => self.applier.apply_snapshot(&body, need),
             Fetched::Body(Err(error)) => Err(error),

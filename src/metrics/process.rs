@@ -21,7 +21,7 @@ enum ThreadKind {
     Runtime,
     /// The pollers that drain every rank's SUB socket (`kvi-poller-N`).
     Poller,
-    /// Recovery workers (`kvi-recovery-N`) and snapshot fetches (`kvi-snapshot`).
+    /// Recovery workers (`kvi-recovery-N`); their snapshot fetches are tasks on the runtime.
     Recovery,
     /// libzmq's own: each context's I/O thread and reaper (`kvi-zmq`, the name of the thread
     /// that started them, `registry::new_context`; or libzmq's `ZMQbg/...` where it names
@@ -48,7 +48,7 @@ impl ThreadKind {
             ThreadKind::Runtime
         } else if name.starts_with("kvi-poller") {
             ThreadKind::Poller
-        } else if name.starts_with("kvi-recovery") || name.starts_with("kvi-snapshot") {
+        } else if name.starts_with("kvi-recovery") {
             ThreadKind::Recovery
         } else if name.starts_with("kvi-zmq") || name.starts_with("ZMQbg") {
             ThreadKind::Zmq
@@ -159,7 +159,6 @@ mod tests {
             ("kv-runtime", ThreadKind::Runtime),
             ("kvi-poller-1", ThreadKind::Poller),
             ("kvi-recovery-3", ThreadKind::Recovery),
-            ("kvi-snapshot", ThreadKind::Recovery),
             ("ZMQbg/IO/0", ThreadKind::Zmq),
             ("ZMQbg/Reaper", ThreadKind::Zmq),
             ("kvi-zmq", ThreadKind::Zmq),

@@ -26,7 +26,6 @@
 //! trusts a client's proxy headers, or holds a request past its timeouts.
 
 mod answers;
-mod engine_http;
 mod engine_tokenize;
 mod explain;
 mod health;

@@ -23,7 +23,7 @@ use serde::Deserialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
-use super::engine_http::EngineBody;
+use crate::engine_http::EngineBody;
 use crate::http::BodyError;
 use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;

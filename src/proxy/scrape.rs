@@ -18,10 +18,10 @@ use parking_lot::RwLock;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::engine_http::Connections;
 use super::upstream::get_body;
 use crate::config::Config;
 use crate::discover::BaseUrl;
+use crate::engine_http::Connections;
 use crate::metrics::{Metrics, ScrapeOutcome};
 use crate::registry::RanksReader;
 use crate::select::{scrape_timeout, RankFigures, Selector};

@@ -21,11 +21,13 @@ use hyper::StatusCode;
 use parking_lot::RwLock;
 use tokio::time::Instant;
 
-use super::engine_http::{Connections, EngineBody, SendError};
 use super::servers::Thresholds;
 use crate::auth::Secret;
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
+use crate::engine_http::{
+    push_header, Bounds, Connections, EngineBody, FetchError, SendError, Target,
+};
 use crate::http::Request;
 use crate::metrics::RouteOutcome;
 
@@ -248,6 +250,12 @@ impl Upstream {
         let (head, body) = match tokio::time::timeout_at(first_byte_by, sending).await {
             Err(_) => return Err(Failure::TimedOut(settings.first_byte)),
             Ok(Err(SendError::NotDelivered(why))) => return Err(Failure::NotDelivered(why)),
+            Ok(Err(SendError::ConnectTimedOut { authority, after })) => {
+                return Err(Failure::NotDelivered(format!(
+                    "no connection to {authority} within {}s (connect_timeout_s)",
+                    after.as_secs()
+                )))
+            }
             Ok(Err(SendError::Broken(why))) => return Err(Failure::Broken(why)),
             Ok(Err(SendError::Malformed(why))) => return Err(Failure::Malformed(why)),
             Ok(Ok(answer)) => answer,
@@ -350,34 +358,32 @@ async fn whole_answer(
     timeout: Duration,
     cap: usize,
 ) -> Result<Bytes, Fetch> {
-    use http_body_util::{BodyExt, Limited};
     let (authority, head) =
         build(server, line, &headers, body.len(), None).map_err(Fetch::Failed)?;
-    let fetching = async {
-        let (parts, answer) = connections
-            .send(&authority, timeout, &head, &body)
-            .await
-            .map_err(|error| Fetch::Failed(error.to_string()))?;
-        if parts.status != StatusCode::OK {
-            // Dropped unread: its connection closes rather than go back to the pool.
-            return Err(Fetch::Status(parts.status));
-        }
-        let collected = Limited::new(answer, cap).collect().await.map_err(|err| {
-            Fetch::Failed(
-                match err.downcast_ref::<http_body_util::LengthLimitError>() {
-                    Some(_) => format!("the answer is larger than {cap} bytes"),
-                    None => format!("the answer broke: {err}"),
-                },
-            )
-        })?;
-        Ok(collected.to_bytes())
+    let bounds = Bounds {
+        connect: timeout,
+        silence: None,
+        whole: timeout,
+        max_body: cap as u64,
+        // Dropped unread: its connection closes rather than go back to the pool.
+        max_error_body: 0,
     };
-    match tokio::time::timeout(timeout, fetching).await {
-        Err(_) => Err(Fetch::Failed(format!(
-            "no whole answer within {} ms",
-            timeout.as_millis()
-        ))),
-        Ok(fetched) => fetched,
+    let whole = connections
+        .fetch(&authority, &head, &body, &bounds)
+        .await
+        .map_err(|error| {
+            Fetch::Failed(match error {
+                FetchError::TimedOut(_) => {
+                    format!("no whole answer within {} ms", timeout.as_millis())
+                }
+                FetchError::TooLarge { .. } => format!("the answer is larger than {cap} bytes"),
+                FetchError::BodyBroke { why, .. } => format!("the answer broke: {why}"),
+                other => other.to_string(),
+            })
+        })?;
+    match whole.parts.status {
+        StatusCode::OK => Ok(whole.body),
+        status => Err(Fetch::Status(status)),
     }
 }
 
@@ -471,28 +477,18 @@ fn build(
         Some(query) => format!("{}?{query}", server.url.join(line.path)),
         None => server.url.join(line.path),
     };
-    let uri: hyper::Uri = url.parse().map_err(|err| format!("{url}: {err}"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(format!("{url}: only http:// engine servers are reached"));
-    }
-    let host = uri.host().ok_or_else(|| format!("{url}: no host"))?;
-    let authority = format!("{host}:{}", uri.port_u16().unwrap_or(80));
-    let target = uri.path_and_query().map_or("/", |target| target.as_str());
-    let host_header = uri.authority().map_or(host, |authority| authority.as_str());
-    let mut head = format!(
-        "{} {target} HTTP/1.1\r\nhost: {host_header}\r\ncontent-length: {body_len}\r\n",
-        line.method
-    )
-    .into_bytes();
+    let target = Target::parse(&url)?;
+    let mut head = target.head(line.method, body_len);
     if let Some(rank) = dp_rank {
         head.extend_from_slice(format!("{DP_RANK_HEADER}: {rank}\r\n").as_bytes());
     }
     if let Some(key) = &server.api_key {
-        // A key read from a file: one with a CR or LF in it would add a line.
-        if key.expose().contains(['\r', '\n']) {
-            return Err("the engine's api_key_file holds more than one line".into());
-        }
-        head.extend_from_slice(format!("authorization: Bearer {}\r\n", key.expose()).as_bytes());
+        push_header(
+            &mut head,
+            "authorization",
+            &format!("Bearer {}", key.expose()),
+        )
+        .map_err(|_| "the engine's api_key_file holds more than one line".to_string())?;
     }
     for (name, value) in headers {
         // A `HeaderValue` holds no CR or LF: a client's header cannot add a line.
@@ -502,7 +498,7 @@ fn build(
         head.extend_from_slice(b"\r\n");
     }
     head.extend_from_slice(b"\r\n");
-    Ok((authority, head))
+    Ok((target.authority, head))
 }
 
 /// Removes the headers that belong to one connection (RFC 9110 section 7.6.1): those the

@@ -1,7 +1,7 @@
 //! Asking discovered engines for their ranks while the service runs: one task per engine with
-//! `discover`, its question on the runtime's blocking pool, so that an engine whose API server
-//! is slow or down (each question may take `Limits::whole`, 5 s) never delays another engine or
-//! the rest of the service.
+//! `discover`, its question asked on the runtime (the endpoints it names checked on the
+//! blocking pool), so that an engine whose API server is slow or down (each question may take
+//! `Limits::whole`, 5 s) never delays another engine or the rest of the service.
 //!
 //! Owns when each engine is asked: at start, on reload (SIGHUP, `POST /reload`), every
 //! `discover_interval_s`, early when one of its ranks looks restarted or stays disconnected
@@ -71,7 +71,7 @@ pub struct Askers {
     metrics: Arc<Metrics>,
     apply: Arc<ApplyFn>,
     /// One answer applied at a time: the reloader applies them one at a time anyway, and
-    /// waiting for that here, on the runtime, keeps the blocking pool's threads for questions.
+    /// waiting for that here, on the runtime, keeps the blocking pool's threads for other work.
     applying: Arc<tokio::sync::Mutex<()>>,
     engines: BTreeMap<String, Asker>,
 }
@@ -133,8 +133,8 @@ impl Askers {
 
     /// Stops every task and waits for them, which is at once: a task stops where it waits,
     /// even for a question under way (that may take `Limits::whole`, 5 s, and SIGTERM must end
-    /// the process within a second). The question finishes on the blocking pool and its answer
-    /// is dropped; an apply under way finishes against a registry whose shutdown signal is
+    /// the process within a second): the question is dropped with its task (its connection
+    /// closed); an apply under way finishes against a registry whose shutdown signal is
     /// raised (it starts nothing).
     pub async fn stop(self) {
         for asker in self.engines.into_values() {
@@ -235,18 +235,16 @@ impl Asking {
 
     /// One question; `Ok(true)` when the answer differs from the last one taken.
     async fn ask(&mut self) -> Result<bool, ()> {
-        let client = Arc::clone(&self.client);
         let policy = Arc::clone(&self.policy);
         let refusals = Arc::clone(&self.refusals);
         let api = self.settings.api.clone();
-        let hint = self.hint;
-        // The GET, and the endpoints' names resolved by the policy.
-        let checked = blocking(move || {
-            client
-                .discover(&api, hint)
-                .and_then(|discovery| check_endpoints(&policy, &refusals, &api, discovery))
-        })
-        .await;
+        let checked = match self.client.discover(&api, self.hint).await {
+            // The endpoints' names are resolved by the policy: a blocking lookup.
+            Ok(discovery) => {
+                blocking(move || check_endpoints(&policy, &refusals, &api, discovery)).await
+            }
+            Err(error) => Err(error),
+        };
         match checked {
             Ok(discovery) => Ok(self.answered(discovery).await),
             Err(error) => {
@@ -458,32 +456,35 @@ fn outcome(failure: Failure) -> DiscoveryOutcome {
 
 #[cfg(test)]
 mod tests {
-    use std::io::{Read, Write};
-    use std::net::TcpListener;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
 
     use super::*;
     use crate::discover::Limits;
 
     /// An engine's API server on 127.0.0.1 that answers 503 to its first `failures` questions
     /// and vLLM's `{}` (no ranks) to the rest, `questions` in all, telling `asked` of each
-    /// question as it arrives.
-    fn engine_api(
+    /// question as it arrives. It runs on the test's runtime, as the question does: a paused
+    /// clock then advances only when neither side has a byte to read, never under a question.
+    async fn engine_api(
         failures: usize,
         questions: usize,
         asked: mpsc::UnboundedSender<()>,
-    ) -> (u16, std::thread::JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the engine's API");
+    ) -> (u16, tokio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the engine's API");
         let port = listener.local_addr().expect("its address").port();
-        let server = std::thread::spawn(move || {
+        let server = tokio::spawn(async move {
             for n in 0..questions {
-                let (mut socket, _) = listener.accept().expect("a question");
-                socket
-                    .set_read_timeout(Some(Duration::from_secs(10)))
-                    .expect("read timeout");
+                let (mut socket, _) = listener.accept().await.expect("a question");
                 let mut head = Vec::new();
                 let mut byte = [0u8; 1];
                 while !head.ends_with(b"\r\n\r\n") {
-                    socket.read_exact(&mut byte).expect("the request head");
+                    socket
+                        .read_exact(&mut byte)
+                        .await
+                        .expect("the request head");
                     head.push(byte[0]);
                 }
                 assert!(head.starts_with(b"GET /kv_event_sources "), "{head:?}");
@@ -493,7 +494,7 @@ mod tests {
                 } else {
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
                 };
-                socket.write_all(reply).expect("the answer");
+                socket.write_all(reply).await.expect("the answer");
             }
         });
         (port, server)
@@ -501,11 +502,12 @@ mod tests {
 
     /// Paused time: the asker's waits are tokio's, so the test runs through half a minute of
     /// backoff and interval at once. Each question is reported as it arrives, while its GET
-    /// holds the paused clock still, so its time is the time it was asked.
+    /// and the engine's answer hold the paused clock still, so its time is the time it was
+    /// asked.
     #[tokio::test(start_paused = true)]
     async fn a_failing_engine_is_asked_again_after_1_2_4_s_then_every_interval() {
         let (asked, mut questions) = mpsc::unbounded_channel();
-        let (port, server) = engine_api(3, 6, asked);
+        let (port, server) = engine_api(3, 6, asked).await;
         let text = format!(
             "[[engine]]\nname = \"asked\"\ndiscover = \"http://127.0.0.1:{port}\"\n\
              discover_interval_s = 10\n"
@@ -529,7 +531,7 @@ mod tests {
             at.push(start.elapsed().as_secs());
         }
         askers.stop().await;
-        server.join().expect("the engine's API");
+        server.await.expect("the engine's API");
         // Three 503s: asked again after 1, 2 and 4 s; then answered, asked every 10 s.
         assert_eq!(at, [0, 1, 3, 7, 17, 27]);
     }

@@ -185,7 +185,7 @@ impl Service {
         index.set_max_blocks_per_rank(config.max_blocks_per_rank);
         let metrics = Arc::new(Metrics::new());
         let listen = listen.unwrap_or_else(|| config.listen.clone());
-        let replication = start_replication(&config, &listen)?;
+        let replication = start_replication(&config, &listen, runtime.clone())?;
         let tokenizers = Arc::new(SharedTokenizers::new(load_tokenizers(
             &config,
             &plan::Discoveries::new(),
@@ -528,7 +528,11 @@ pub(super) fn load_tokenizers(
 /// The peers, the secret (read from `auth_token_file` now) and whether ranks keep their
 /// contents (docs.md "Replicas"); warns loudly when the API is reachable from other hosts
 /// without a secret, as it then serves users' token ids to anyone.
-fn start_replication(config: &Config, listen: &str) -> anyhow::Result<Arc<Replication>> {
+fn start_replication(
+    config: &Config,
+    listen: &str,
+    runtime: Handle,
+) -> anyhow::Result<Arc<Replication>> {
     let replicas = &config.replicas;
     let secret = replicas
         .read_auth_token()?
@@ -567,6 +571,7 @@ fn start_replication(config: &Config, listen: &str) -> anyhow::Result<Arc<Replic
         secret,
         replicas.retains_contents(),
         config.state.dir.clone(),
+        runtime,
     ))
 }
 

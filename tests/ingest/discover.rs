@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::support::fake_engine::FakeRank;
-use crate::support::free_port;
+use crate::support::{block_on, free_port};
 use kv_indexer::discover::{
     Client, DiscoverError, Discovery, EngineApi, EngineKind, Failure, Limits,
 };
@@ -219,7 +219,7 @@ fn two_vllm_ranks_on_os_chosen_ports_are_found_as_reported() {
     let zmq = zmq::Context::new();
     // With `tcp://*:0` vLLM reports the node's IP and the port each rank bound.
     let (ranks, api) = vllm_with_two_ranks(&zmq, ["tcp://127.0.0.1", "tcp://127.0.0.1"]);
-    let discovery = client().discover(&api.api(), None).expect("discovered");
+    let discovery = block_on(client().discover(&api.api(), None)).expect("discovered");
     assert_eq!(discovery.kind, EngineKind::Vllm);
     assert_eq!(discovery.url, format!("{}/kv_event_sources", api.url));
     let found: Vec<_> = discovery
@@ -246,7 +246,7 @@ fn wildcard_hosts_are_replaced_by_the_engine_host() {
     let zmq = zmq::Context::new();
     let (ranks, api) = vllm_with_two_ranks(&zmq, ["tcp://*", "tcp://0.0.0.0"]);
     // The host defaults to the URL's (127.0.0.1) ...
-    let discovery = client().discover(&api.api(), None).expect("discovered");
+    let discovery = block_on(client().discover(&api.api(), None)).expect("discovered");
     assert!(discovery
         .ranks
         .iter()
@@ -255,7 +255,7 @@ fn wildcard_hosts_are_replaced_by_the_engine_host() {
     // ... and a configured host wins over it.
     let elsewhere = "10.0.0.5".parse().expect("a host");
     let api_elsewhere = EngineApi::new("e", &api.url, Some(elsewhere)).unwrap();
-    let discovery = client().discover(&api_elsewhere, None).expect("discovered");
+    let discovery = block_on(client().discover(&api_elsewhere, None)).expect("discovered");
     assert_eq!(
         discovery.ranks[1].endpoint.to_string(),
         format!("tcp://10.0.0.5:{}", ranks[1].port)
@@ -265,7 +265,7 @@ fn wildcard_hosts_are_replaced_by_the_engine_host() {
 #[test]
 fn an_empty_object_is_a_valid_answer_of_zero_ranks() {
     let api = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, "{}".into()))]);
-    let discovery = client().discover(&api.api(), None).expect("discovered");
+    let discovery = block_on(client().discover(&api.api(), None)).expect("discovered");
     assert_eq!(
         (discovery.kind, discovery.ranks.len()),
         (EngineKind::Vllm, 0)
@@ -284,7 +284,7 @@ fn sglang_is_told_apart_by_its_route_and_puts_rank_r_on_port_plus_r() {
     let info = serde_json::json!({"model_path": "m", "dp_size": 2, "tp_size": 2,
         "enable_dp_attention": true, "kv_events_config": config});
     let api = ApiServer::start(&[("/server_info", Reply::Json(200, info.to_string()))]);
-    let discovery = client().discover(&api.api(), None).expect("discovered");
+    let discovery = block_on(client().discover(&api.api(), None)).expect("discovered");
     assert_eq!(discovery.kind, EngineKind::Sglang);
     assert_eq!(discovery.url, format!("{}/server_info", api.url));
     let ports: Vec<_> = discovery
@@ -307,9 +307,7 @@ fn sglang_is_told_apart_by_its_route_and_puts_rank_r_on_port_plus_r() {
     );
 
     // Once the kind is known, its route is asked first, and alone when it answers.
-    client()
-        .discover(&api.api(), Some(EngineKind::Sglang))
-        .expect("discovered");
+    block_on(client().discover(&api.api(), Some(EngineKind::Sglang))).expect("discovered");
     assert_eq!(api.hits("/kv_event_sources"), 1);
     assert_eq!(api.hits("/server_info"), 2);
 }
@@ -317,9 +315,8 @@ fn sglang_is_told_apart_by_its_route_and_puts_rank_r_on_port_plus_r() {
 #[test]
 fn an_engine_replaced_by_the_other_kind_is_still_found() {
     let api = ApiServer::start(&[("/kv_event_sources", Reply::Json(200, "{}".into()))]);
-    let discovery = client()
-        .discover(&api.api(), Some(EngineKind::Sglang))
-        .expect("discovered");
+    let discovery =
+        block_on(client().discover(&api.api(), Some(EngineKind::Sglang))).expect("discovered");
     assert_eq!(discovery.kind, EngineKind::Vllm);
     assert_eq!(
         (api.hits("/server_info"), api.hits("/kv_event_sources")),
@@ -331,7 +328,7 @@ fn an_engine_replaced_by_the_other_kind_is_still_found() {
 fn a_server_that_is_down_is_unreachable_and_named() {
     let url = format!("http://127.0.0.1:{}", free_port());
     let api = EngineApi::new("vllm-a", &url, None).unwrap();
-    let err = expect_failure(client().discover(&api, None));
+    let err = expect_failure(block_on(client().discover(&api, None)));
     assert_eq!(err.failure, Failure::Unreachable);
     let text = err.to_string();
     assert!(
@@ -352,7 +349,7 @@ fn a_server_that_speaks_no_http_is_refused() {
         }
     });
     let api = EngineApi::new("e", &format!("http://127.0.0.1:{port}"), None).unwrap();
-    let err = expect_failure(client().discover(&api, None));
+    let err = expect_failure(block_on(client().discover(&api, None)));
     assert_eq!(err.failure, Failure::NotHttp, "{err}");
     server.join().unwrap();
 }
@@ -382,7 +379,7 @@ fn bad_answers_are_refused_whole_with_the_engine_the_url_and_why() {
     let api = ApiServer::start(&[]);
     for (reply, failure, expected) in cases {
         api.set("/kv_event_sources", reply);
-        let err = expect_failure(client().discover(&api.api(), None));
+        let err = expect_failure(block_on(client().discover(&api.api(), None)));
         let text = err.to_string();
         assert_eq!(err.failure, failure, "{text}");
         assert!(
@@ -404,7 +401,7 @@ fn bad_answers_are_refused_whole_with_the_engine_the_url_and_why() {
 fn a_body_slower_than_the_deadline_is_cut_off() {
     // Whole, the trickled body is a valid answer (`{}` with spaces): only the deadline fails it.
     let api = ApiServer::start(&[("/kv_event_sources", Reply::Trickle)]);
-    let err = expect_failure(client().discover(&api.api(), None));
+    let err = expect_failure(block_on(client().discover(&api.api(), None)));
     assert_eq!(err.failure, Failure::Timeout, "{err}");
     assert!(
         err.to_string().contains("no whole answer within 1s"),
@@ -416,16 +413,14 @@ fn a_body_slower_than_the_deadline_is_cut_off() {
 fn a_body_at_the_cap_is_taken() {
     // The cap refuses more than `max_body`, not `max_body` itself.
     let api = ApiServer::start(&[("/kv_event_sources", Reply::Padded(1 << 20))]);
-    let discovery = client()
-        .discover(&api.api(), None)
-        .expect("a 1 MiB answer is taken");
+    let discovery = block_on(client().discover(&api.api(), None)).expect("a 1 MiB answer is taken");
     assert!(discovery.ranks.is_empty());
 }
 
 #[test]
 fn no_route_on_either_engine_names_both_urls() {
     let api = ApiServer::start(&[]);
-    let err = expect_failure(client().discover(&api.api(), None));
+    let err = expect_failure(block_on(client().discover(&api.api(), None)));
     assert_eq!(err.failure, Failure::Status(404));
     let text = err.to_string();
     assert!(
@@ -443,7 +438,9 @@ fn no_route_on_either_engine_names_both_urls() {
         "{text}"
     );
     // With SGLang known, its route is named first.
-    let err = expect_failure(client().discover(&api.api(), Some(EngineKind::Sglang)));
+    let err = expect_failure(block_on(
+        client().discover(&api.api(), Some(EngineKind::Sglang)),
+    ));
     assert!(
         err.to_string().contains(&format!(
             "{}/server_info answered 404, and so did {}/kv_event_sources",
@@ -474,8 +471,8 @@ fn one_client_serves_every_engine_from_many_threads_at_once() {
         .map(|_| {
             let (client, vllm, sglang) = (client.clone(), vllm.api(), sglang.api());
             std::thread::spawn(move || {
-                let first = client.discover(&vllm, None).expect("vLLM discovered");
-                let second = client.discover(&sglang, None).expect("SGLang discovered");
+                let first = block_on(client.discover(&vllm, None)).expect("vLLM discovered");
+                let second = block_on(client.discover(&sglang, None)).expect("SGLang discovered");
                 (first, second)
             })
         })

@@ -30,7 +30,7 @@ fn api_addr(engine: &SimEngine) -> SocketAddr {
 fn discover(engine: &SimEngine) -> Result<Discovery, kv_indexer::discover::DiscoverError> {
     let url = format!("http://{}", api_addr(engine));
     let api = EngineApi::new("sim", &url, None).expect("URL");
-    Client::new(Limits::default()).discover(&api, None)
+    crate::support::block_on(Client::new(Limits::default()).discover(&api, None))
 }
 
 /// (rank, endpoint, replay) of each discovered rank.

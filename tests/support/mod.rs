@@ -43,6 +43,22 @@ use kv_indexer_sim::server::RankPorts;
 use kv_indexer_sim::watch::{self, Accuracy, IndexerView, RankView};
 use kv_indexer_sim::workload::load_trace;
 
+/// Runs `future` to its end on the binary's one runtime (two workers, started at its first
+/// use), for a synchronous test of an async API: one runtime, so that a client's pooled
+/// connections outlive the call that opened them.
+pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("the tests' runtime")
+        })
+        .block_on(future)
+}
+
 /// The first `count` requests of the trace shipped in `tests/data/mooncake_head.jsonl`, as
 /// token prompts.
 pub fn trace_prompts(manifest_dir: &str, count: usize) -> Vec<Vec<u32>> {

@@ -130,7 +130,7 @@ pub(super) fn framing(
 
 /// An engine's answer body as it arrives; its connection goes back to the pool once the body
 /// is read whole (when the answer allows), and closes when dropped before.
-pub(in crate::proxy) struct EngineBody {
+pub(crate) struct EngineBody {
     stream: Option<TcpStream>,
     framing: Framing,
     /// Bytes read but not yet framed (those that came with the head).

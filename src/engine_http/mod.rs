@@ -1,6 +1,8 @@
-//! The front end's HTTP/1.1 client to the engines' OpenAI servers: one request on a pooled
-//! keep-alive connection, its answer's head parsed by `httparse`, its body framed (length,
-//! chunked or to the close) and handed on as it arrives.
+//! The indexer's one HTTP/1.1 client, to engines' servers and peer indexers: one request on a
+//! pooled keep-alive connection, its answer's head parsed by `httparse`, its body framed
+//! (length, chunked or to the close) and handed on as it arrives: streamed by the front end,
+//! read whole under bounds by everyone else (`fetch`: discovery, snapshots, engines' load).
+//! Nothing in it reads the environment, so no request goes through an `HTTP_PROXY`.
 //!
 //! Hand-written, on a measurement (docs/performance.md, "Why the front end has its own client
 //! to the engines"): hyper's client holds its buffers and request queue for as long as a
@@ -30,11 +32,13 @@ mod body;
 #[cfg(test)]
 mod differential;
 mod exchange;
+mod fetch;
 #[cfg(test)]
 mod tests;
 
-pub(super) use body::EngineBody;
+pub(crate) use body::EngineBody;
 use exchange::{exchange, Answer, Unanswered};
+pub(crate) use fetch::{push_header, standalone_runtime, Bounds, FetchError, Target, Whole};
 
 /// Idle connections kept per engine server for the next request.
 const IDLE_PER_SERVER: usize = 256;
@@ -45,11 +49,14 @@ const IDLE_KEEP: Duration = Duration::from_secs(30);
 
 /// Why a request got no answer's head, and so whether it may be sent again.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum SendError {
+pub(crate) enum SendError {
     /// Nothing reached the engine: connect refused, connect timed out, or the connection
     /// failed before a byte of the request was written. May be sent to another server.
     #[error("not delivered: {0}")]
     NotDelivered(String),
+    /// No connection within the connect timeout: nothing reached the engine either.
+    #[error("not delivered: no connection to {authority} within {after:?}")]
+    ConnectTimedOut { authority: String, after: Duration },
     /// The request was (perhaps partly) written and the connection broke or reset before an
     /// answer's head: it may have been delivered. Never sent again.
     #[error(
@@ -63,7 +70,7 @@ pub(super) enum SendError {
 }
 
 /// Idle keep-alive connections, per engine server (`host:port`).
-pub(super) struct Connections {
+pub(crate) struct Connections {
     idle: Mutex<Pool>,
 }
 
@@ -91,7 +98,7 @@ impl Default for Connections {
 impl Connections {
     /// Sends `head` and `body` to `authority` and reads the answer's head; the body follows.
     /// A reused connection that closed before a byte of answer is replaced by a new one, once.
-    pub(super) async fn send(
+    pub(crate) async fn send(
         self: &Arc<Self>,
         authority: &str,
         connect_timeout: Duration,
@@ -108,11 +115,9 @@ impl Connections {
         }
         let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(authority))
             .await
-            .map_err(|_| {
-                SendError::NotDelivered(format!(
-                    "no connection to {authority} within {}s (connect_timeout_s)",
-                    connect_timeout.as_secs()
-                ))
+            .map_err(|_| SendError::ConnectTimedOut {
+                authority: authority.to_owned(),
+                after: connect_timeout,
             })?
             .map_err(|err| SendError::NotDelivered(format!("connecting to {authority}: {err}")))?;
         // Each chunk of a stream leaves at once, not after the engine's delayed ACK.

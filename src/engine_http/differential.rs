@@ -208,7 +208,9 @@ async fn ours(listener: &TcpListener, wire: &[u8], cuts: &[usize]) -> Outcome {
             Ok(answer) => answer,
             Err(SendError::Malformed(_)) => return Outcome::Refused,
             Err(SendError::Broken(_)) => return Outcome::Silent,
-            Err(err @ SendError::NotDelivered(_)) => panic!("{err}"),
+            Err(err @ (SendError::NotDelivered(_) | SendError::ConnectTimedOut { .. })) => {
+                panic!("{err}")
+            }
         };
         let mut data = Vec::new();
         let whole = loop {

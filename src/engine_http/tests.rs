@@ -424,3 +424,121 @@ fn heads_say_how_their_body_ends_and_whether_the_connection_is_kept() {
     ));
     assert!(parse_head(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
 }
+
+/// `Connections::get`'s bounds: at most 4 bytes of a 2xx body, 3 of any other, 300 ms of
+/// silence, 10 s in all.
+const SMALL: Bounds = Bounds {
+    connect: WITHIN,
+    silence: Some(Duration::from_millis(300)),
+    whole: WITHIN,
+    max_body: 4,
+    max_error_body: 3,
+};
+
+async fn fetch(authority: &str) -> Result<Whole, FetchError> {
+    let url = format!("http://{authority}/route?q=1");
+    Arc::new(Connections::default())
+        .get(&url, &[("accept", "application/json")], &SMALL)
+        .await
+}
+
+#[tokio::test]
+async fn a_fetch_takes_a_body_at_its_cap_and_cuts_an_error_body_at_its_own() {
+    let (authority, _) = answering(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nfour", 1).await;
+    let whole = fetch(&authority).await.expect("a body at the cap");
+    assert_eq!(
+        (whole.parts.status.as_u16(), &whole.body[..]),
+        (200, &b"four"[..])
+    );
+
+    let error = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 9\r\n\r\nbusy busy";
+    let (authority, _) = answering(error, 1).await;
+    let whole = fetch(&authority).await.expect("the status is the answer");
+    assert_eq!(
+        (whole.parts.status.as_u16(), &whole.body[..]),
+        (503, &b"bus"[..])
+    );
+}
+
+#[tokio::test]
+async fn a_body_over_the_cap_is_refused_unread_when_declared_and_cut_when_streamed() {
+    let declared = b"HTTP/1.1 200 OK\r\ncontent-length: 10000000000\r\n\r\nfive!";
+    let (authority, _) = answering(declared, 1).await;
+    assert!(matches!(
+        fetch(&authority).await,
+        Err(FetchError::TooLarge {
+            cap: 4,
+            declared: Some(10_000_000_000)
+        })
+    ));
+    let streamed =
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+    let (authority, _) = answering(streamed, 1).await;
+    assert!(matches!(
+        fetch(&authority).await,
+        Err(FetchError::TooLarge {
+            cap: 4,
+            declared: None
+        })
+    ));
+}
+
+#[tokio::test]
+async fn an_engine_silent_within_its_body_is_given_up_on_at_the_silence_bound() {
+    let (authority, _) = engine(|mut socket| async move {
+        if read_request(&mut socket, false).await {
+            let _ = socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nab")
+                .await;
+            // Holds the connection open, sending nothing more, until the client gives up.
+            let _ = socket.read(&mut [0u8; 1]).await;
+        }
+    })
+    .await;
+    let started = Instant::now();
+    let fetched = fetch(&authority).await;
+    assert!(
+        matches!(fetched, Err(FetchError::Silent(_))),
+        "{:?}",
+        fetched.map(|whole| whole.body)
+    );
+    assert!(started.elapsed() < WITHIN / 2, "{:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn a_fetch_sends_its_headers_and_the_user_agent_and_refuses_a_header_of_two_lines() {
+    let (sender, heads) = tokio::sync::mpsc::unbounded_channel();
+    let (authority, _) = engine(move |mut socket| {
+        let sender = sender.clone();
+        async move {
+            let mut head = vec![0u8; 4 << 10];
+            let read = socket.read(&mut head).await.unwrap_or(0);
+            let _ = sender.send(String::from_utf8_lossy(&head[..read]).into_owned());
+            let _ = socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await;
+        }
+    })
+    .await;
+    fetch(&authority).await.expect("an answer");
+    let mut heads = heads;
+    let head = heads.recv().await.expect("the request's head");
+    assert!(head.starts_with("GET /route?q=1 HTTP/1.1\r\n"), "{head}");
+    for line in [
+        format!("host: {authority}\r\n"),
+        "accept: application/json\r\n".to_string(),
+        format!("user-agent: kv-indexer/{}\r\n", env!("CARGO_PKG_VERSION")),
+    ] {
+        assert!(head.contains(&line), "{line:?} not in {head}");
+    }
+    let connections = Arc::new(Connections::default());
+    let url = format!("http://{authority}/");
+    let two_lines = connections
+        .get(&url, &[("authorization", "Bearer a\r\nx-evil: 1")], &SMALL)
+        .await;
+    assert!(matches!(two_lines, Err(FetchError::Request(_))));
+    assert!(matches!(
+        connections.get("https://example.com/", &[], &SMALL).await,
+        Err(FetchError::Request(_))
+    ));
+}
