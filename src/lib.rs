@@ -32,6 +32,7 @@ pub mod endpoint;
 pub mod http;
 pub mod index;
 pub mod listener;
+pub mod logs;
 pub mod metrics;
 pub mod outbound;
 pub mod plan;

@@ -26,7 +26,7 @@ pub(super) fn snapshot_route(api: &Api, engine: &str, dp_rank: &str) -> Reply {
     };
     match handle.snapshot() {
         Ok(served) => {
-            log::debug!(
+            tracing::debug!(
                 "served the snapshot of {engine}/{dp_rank}: {} blocks, {} orphans left out, \
                  {} bytes",
                 served.blocks,

@@ -49,7 +49,7 @@ impl Applier {
         match self.decoder.decode(payload) {
             Ok(batch) => Some(batch),
             Err(error) => {
-                log::warn!("{}: undecodable batch: {error}", self.who());
+                tracing::warn!("{}: undecodable batch: {error}", self.who());
                 self.status.malformed(MalformedReason::Payload);
                 None
             }
@@ -62,7 +62,7 @@ impl Applier {
         if let Some(payload_rank) = batch.dp_rank.filter(|&rank| rank != self.spec.key.dp_rank) {
             if !self.warned_dp_rank {
                 self.warned_dp_rank = true;
-                log::warn!(
+                tracing::warn!(
                     "{}: batches carry dp_rank {payload_rank}: another rank publishes on this \
                      port; check zmq_port and dp_size (applied to rank {} anyway)",
                     self.who(),
@@ -130,7 +130,7 @@ impl Applier {
             .dp_rank
             .filter(|&rank| rank != self.spec.key.dp_rank)
         {
-            log::warn!("{}: snapshot says dp_rank {rank}", self.who());
+            tracing::warn!("{}: snapshot says dp_rank {rank}", self.who());
             self.status.dp_rank_mismatch();
         }
         Ok(snapshot)
@@ -238,7 +238,7 @@ impl Applier {
             return true;
         }
         if self.status.over_cap(adding, cap) {
-            log::warn!(
+            tracing::warn!(
                 "{}: holds {} blocks, and a store of {adding} more would pass \
                  max_blocks_per_rank ({cap}): stores past it are counted \
                  (blocks_over_cap_total), not indexed; the rank is degraded until it restarts \
@@ -253,7 +253,7 @@ impl Applier {
     /// Logs a new publisher layout, and shows the rank's groups once its stores name any.
     fn note_groups(&mut self, outcome: &ApplyOutcome) {
         if outcome.layout_changes > 0 {
-            log::warn!(
+            tracing::warn!(
                 "{}: a KV-cache group changed its kind or window ({} times in the last batch): \
                  a new publisher layout, every group's blocks dropped and learned again",
                 self.who(),
@@ -274,7 +274,7 @@ impl Applier {
         }
         if !self.warned_block_size {
             self.warned_block_size = true;
-            log::error!(
+            tracing::error!(
                 "{}: stores with a block size other than the index's {}: nothing they say can \
                  match a prompt; set block_size to the engine's --block-size",
                 self.who(),

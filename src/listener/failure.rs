@@ -45,7 +45,7 @@ impl Drop for FailOnDrop {
         }
         let (reason, detail) = self.reason.take().unwrap_or_else(|| {
             let detail = "dropped without being asked to stop".to_owned();
-            log::error!("{}: listener failed: {detail}", self.who);
+            tracing::error!("{}: listener failed: {detail}", self.who);
             (FailureReason::Dropped, detail)
         });
         self.status.failed(reason, detail);

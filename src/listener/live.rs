@@ -154,7 +154,7 @@ impl Subscription {
     fn log_never_connected(&self) {
         let spec = &self.applier.spec;
         let port = spec.endpoint.port;
-        log::warn!(
+        tracing::warn!(
             "{}: no connection after {}s. Check: is the engine running? Does its \
              --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
              the base port + their rank)? Is {} reachable from here (host, firewall)? \
@@ -177,7 +177,7 @@ impl Subscription {
             return;
         }
         let endpoint = &self.applier.spec.endpoint.to_string();
-        log::info!(
+        tracing::info!(
             "{}: still disconnected {REVIVE_AFTER:?} after losing {endpoint}: connecting anew \
              (ZMQ does not reconnect after a message over ZMQ_MAXMSGSIZE, {} bytes)",
             self.applier.who(),
@@ -186,7 +186,7 @@ impl Subscription {
         // Gone already when ZMQ ended the connection itself: nothing to undo then.
         let _ = self.sub.socket().disconnect(endpoint);
         if let Err(error) = self.sub.socket().connect(endpoint) {
-            log::warn!(
+            tracing::warn!(
                 "{}: connecting to {endpoint} again: {error}",
                 self.applier.who()
             );
@@ -254,7 +254,7 @@ impl Subscription {
                 } else {
                     MalformedReason::Frames
                 };
-                log::debug!(
+                tracing::debug!(
                     "{}: dropped a malformed message: {error}",
                     self.applier.who()
                 );
@@ -286,7 +286,7 @@ impl Subscription {
         };
         status.gap(restart);
         if restart {
-            log::warn!(
+            tracing::warn!(
                 "{}: publisher restarted (seq {seq} after {:?}); dropping the rank's blocks",
                 self.applier.who(),
                 status.status().last_seq
@@ -296,7 +296,7 @@ impl Subscription {
             self.lost.publisher_restarted();
         } else if !missing.is_empty() {
             let what = if join { "joined mid-stream" } else { "gap" };
-            log::warn!(
+            tracing::warn!(
                 "{}: {what}: batches {}..={} missing",
                 self.applier.who(),
                 missing.start,
@@ -390,7 +390,7 @@ impl<'a> FirstLive<'a> {
             Ok(false) => return,
             Err(error) => {
                 // The poller meets the same error when the rank is back, and fails it.
-                log::debug!("{}: receiving during a join: {error:#}", applier.who());
+                tracing::debug!("{}: receiving during a join: {error:#}", applier.who());
                 return;
             }
         }

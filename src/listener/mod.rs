@@ -450,7 +450,7 @@ impl Drop for Listener {
 /// (logged, and counted in `state_loads_total`).
 fn saved_state(dir: &std::path::Path, applier: &Applier) -> Option<crate::state::RankState> {
     let refuse = |outcome: &'static str, why: &dyn std::fmt::Display| {
-        log::warn!("{}: saved state not used ({outcome}): {why}", applier.who());
+        tracing::warn!("{}: saved state not used ({outcome}): {why}", applier.who());
         applier.status.state_load(outcome);
         None
     };

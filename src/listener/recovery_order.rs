@@ -267,7 +267,7 @@ impl Subscription {
         let status = Arc::clone(&self.applier.status);
         match reached.filter(|&c| c >= through) {
             Some(c) => {
-                log::info!("{}: recovered batches through {c}", self.applier.who());
+                tracing::info!("{}: recovered batches through {c}", self.applier.who());
                 self.sequence.covered_through(c);
                 let whole = self.lost.since.is_none();
                 status.recovered(how, whole);
@@ -278,13 +278,13 @@ impl Subscription {
             }
             None => {
                 if through - from < MAX_PLAUSIBLE_GAP {
-                    log::warn!(
+                    tracing::warn!(
                         "{}: batches {from}..={through} lost and not recovered",
                         self.applier.who()
                     );
                     status.lost(through - from + 1);
                 } else {
-                    log::warn!(
+                    tracing::warn!(
                         "{}: the history before seq {} is unknown and not recovered",
                         self.applier.who(),
                         through.saturating_add(1)
@@ -369,7 +369,7 @@ impl Subscription {
                 Ok(_) => {}
                 Err(error) => {
                     self.applier.status.recovery(RecoveryMethod::Peer, false);
-                    log::warn!(
+                    tracing::warn!(
                         "{}: peer {peer} gave no usable snapshot: {error:#}",
                         self.applier.who()
                     );
@@ -381,7 +381,7 @@ impl Subscription {
         };
         let seq = self.applier.install_snapshot(snapshot);
         self.applier.status.recovery(RecoveryMethod::Peer, true);
-        log::info!(
+        tracing::info!(
             "{}: recovered from peer {peer}: its snapshot at seq {seq}",
             self.applier.who()
         );
@@ -407,7 +407,7 @@ impl Subscription {
             }
             Err(error) => {
                 status.recovery(RecoveryMethod::Snapshot, false);
-                log::warn!(
+                tracing::warn!(
                     "{}: snapshot recovery failed: {error:#}",
                     self.applier.who()
                 );
@@ -447,7 +447,7 @@ impl Subscription {
         match result {
             SnapshotAttempt::Interrupted(Interrupt::Stopped) => return Recovery::Stopped,
             SnapshotAttempt::Covered(seq, how) => {
-                log::info!(
+                tracing::info!(
                     "{}: lost history repaired by a snapshot at seq {seq}",
                     self.applier.who()
                 );
@@ -514,11 +514,11 @@ pub(super) fn replay_into(
         Ok(Replayed::Covered { through, ended }) => {
             let covered =
                 through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
-            log::info!("{}: replay from {from} covered {covered}", applier.who());
+            tracing::info!("{}: replay from {from} covered {covered}", applier.who());
             (through, None, ended)
         }
         Err(error) => {
-            log::warn!("{}: replay failed: {error:#}", applier.who());
+            tracing::warn!("{}: replay failed: {error:#}", applier.who());
             (None, None, false)
         }
     }

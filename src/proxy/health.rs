@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use hyper::StatusCode;
-use log::{info, warn};
+use tracing::{info, warn};
 
 use super::servers::Change;
 use super::upstream::{Fetch, Fleet, Server, Settings};

@@ -48,10 +48,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use hyper::{Response, StatusCode};
-use log::warn;
 use parking_lot::RwLock;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::warn;
 
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};

@@ -70,7 +70,7 @@ impl Ticket {
         };
         if usage.prompt_tokens > MAX_CONTEXT_TOKENS {
             // No engine's prompt is that long: a peer that lies poisons no load or metric.
-            log::debug!(
+            tracing::debug!(
                 "route: {}/{} reported {} prompt tokens: ignored",
                 self.key.engine,
                 self.key.dp_rank,

@@ -144,7 +144,7 @@ impl Scraper {
         let counted = match &outcome {
             Ok(_) => ScrapeOutcome::ok,
             Err(why) => {
-                log::debug!(
+                tracing::debug!(
                     "engine {}: scraping {} failed: {why}",
                     target.engine,
                     target.url.base

@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
-use log::{info, warn};
+use tracing::{info, warn};
 
 use crate::index::{Index, WorkerId};
 use crate::listener::{Listener, Pollers, Replication};

@@ -14,8 +14,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use log::{info, warn};
 use parking_lot::{Mutex, RwLock};
+use tracing::{info, warn};
 
 use super::ReloadDiff;
 use crate::plan::{ListenerSpec, WorkerKey};

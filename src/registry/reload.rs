@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use log::info;
+use tracing::info;
 
 use super::{EngineStart, Registry};
 use crate::plan::{ListenerSpec, WorkerKey};

@@ -16,10 +16,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{info, warn};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tracing::{info, warn};
 
 use super::tasks::{blocking, Stopped, Task};
 use crate::config::{Config, DiscoverConfig};

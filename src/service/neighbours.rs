@@ -12,9 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{info, warn};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
+use tracing::{info, warn};
 
 use super::tasks::{blocking, Stopped, Task};
 use crate::config::Config;

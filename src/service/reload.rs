@@ -13,8 +13,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{error, info, warn};
 use parking_lot::Mutex;
+use tracing::{error, info, warn};
 
 use super::discovery::Askers;
 use super::load_tokenizers;

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{info, warn};
 use tokio::runtime::Handle;
+use tracing::{info, warn};
 
 use super::tasks::{blocking, Task};
 use crate::listener::Pollers;

@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use log::{debug, info, warn};
 use parking_lot::RwLock;
+use tracing::{debug, info, warn};
 
 use gate::Gate;
 pub use limit::PromptLimit;
