@@ -189,7 +189,9 @@ fn unwatch(set: &mio::Registry, rank: &Subscription) {
 /// Drops a rank that was not asked to stop: its blocks leave the index, and its status says
 /// `failed` with the reason, which the registry's retry loop sees and starts the rank again.
 fn fail(mut rank: Box<Subscription>, reason: FailureReason, error: &anyhow::Error) {
-    tracing::error!(
+    rank_event!(
+        error,
+        &rank.applier.spec,
         "{}: listener failed ({}): {error:#}; its blocks leave the index",
         rank.who(),
         reason.as_str()

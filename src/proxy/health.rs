@@ -29,6 +29,8 @@ impl Proxy {
                 .route_engine_not_found(&key.engine, key.dp_rank);
             if self.servers.not_found(&server.url.base) {
                 warn!(
+                    engine = %key.engine,
+                    rank = key.dp_rank,
                     "route: engine {} at {} answers 404 to the routed path: is openai_url the \
                      engine's OpenAI server (vLLM's `vllm serve` port), and its model {:?}?",
                     key.engine,

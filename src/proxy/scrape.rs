@@ -145,6 +145,7 @@ impl Scraper {
             Ok(_) => ScrapeOutcome::ok,
             Err(why) => {
                 tracing::debug!(
+                    engine = %target.engine,
                     "engine {}: scraping {} failed: {why}",
                     target.engine,
                     target.url.base

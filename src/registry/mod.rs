@@ -281,6 +281,7 @@ impl Registry {
                 })
                 .collect();
             info!(
+                engine = %first.listener.spec().key.engine,
                 "engine {}: listening to {} ranks at {}",
                 first.listener.spec().key.engine,
                 started.len(),

@@ -127,7 +127,7 @@ impl Registry {
         {
             match outcome {
                 Ok(started) => {
-                    info!("engine {engine}: started on retry");
+                    info!(engine = %engine, "engine {engine}: started on retry");
                     self.insert_running(started);
                 }
                 Err(err) => {

@@ -295,7 +295,9 @@ impl Reloader {
         if model.is_some_and(|model| current.source(&model).is_none()) {
             match load_tokenizers(&applied.config, &applied.discovered, &current) {
                 Ok(tokenizers) => self.tokenizers.replace(tokenizers),
-                Err(failed) => warn!("engine {}: tokenizers: {failed:#}", api.engine),
+                Err(failed) => {
+                    warn!(engine = %api.engine, "engine {}: tokenizers: {failed:#}", api.engine)
+                }
             }
         }
         let plan = plan::expand_with(&applied.config, &applied.discovered);

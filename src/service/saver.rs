@@ -65,6 +65,8 @@ impl Saving {
                     failed += 1;
                     self.metrics.state_write(false);
                     warn!(
+                        engine = %state.identity.engine,
+                        rank = state.identity.dp_rank,
                         "engine {} rank {}: saving its state: {error}",
                         state.identity.engine, state.identity.dp_rank
                     );

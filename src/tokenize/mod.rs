@@ -134,7 +134,8 @@ impl Tokenizers {
                     self.from_hf_cache.insert(model.to_owned());
                 }
                 Err(error) => warn!(
-                    "model {model:?}: the Hugging Face cache's tokenizer does not load, so it is                      not used: {error:#}"
+                    "model {model:?}: the Hugging Face cache's tokenizer does not load, so it is \
+                     not used: {error:#}"
                 ),
             }
         }
