@@ -39,6 +39,7 @@ mod scrape;
 mod servers;
 mod surface;
 mod tokenizing;
+mod trace;
 mod upstream;
 
 use std::future::Future;
@@ -51,7 +52,7 @@ use hyper::{Response, StatusCode};
 use parking_lot::RwLock;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tracing::warn;
+use tracing::{warn, Instrument};
 
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
@@ -74,6 +75,7 @@ use tokenizing::Tokenized;
 use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 
 pub use scrape::Scraper;
+pub use trace::SPAN_ONLY_FIELDS;
 
 /// Servers a request is sent to at most: the chosen rank's and, if it never reached that one,
 /// the best rank's on another.
@@ -274,9 +276,18 @@ impl Proxy {
             ),
             Action::Models => self.models().await,
             Action::Metrics => self.metrics_text(),
-            Action::Forward(kind) => self.forward(request, body, kind).await,
-            Action::Pass(passed) => self.pass(request, body, passed).await,
-            Action::Stored => self.stored(request, body).await,
+            Action::Forward(kind) => {
+                let span = trace::span(&request);
+                self.forward(request, body, kind).instrument(span).await
+            }
+            Action::Pass(passed) => {
+                let span = trace::span(&request);
+                self.pass(request, body, passed).instrument(span).await
+            }
+            Action::Stored => {
+                let span = trace::span(&request);
+                self.stored(request, body).instrument(span).await
+            }
         }
     }
 
@@ -405,6 +416,8 @@ impl Proxy {
                 self.metrics.route_retry();
             }
             tried.push(server.url.base.clone());
+            let span = tracing::Span::current();
+            trace::chosen(&span, &selection);
             let mut ticket = Ticket {
                 selector: Arc::clone(&self.selector),
                 metrics: Arc::clone(&self.metrics),
@@ -415,6 +428,7 @@ impl Proxy {
                 // An answer that is not a generation reports no cache hit to weigh.
                 reported: !out.generating,
                 place: None,
+                span,
             };
             let started = Instant::now();
             match self
@@ -458,6 +472,8 @@ impl Proxy {
                     match failure.server_down() {
                         true => self.server_down(&fleet, &server, &failure.to_string()),
                         false => warn!(
+                            engine = %key.engine,
+                            rank = key.dp_rank,
                             "route: {}/{} at {}: {failure}",
                             key.engine, key.dp_rank, server.url.base
                         ),
