@@ -39,7 +39,7 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let trials: usize = args.next().map_or(Ok(20), |a| a.parse())?;
     let interval_s: u32 = args.next().map_or(Ok(1), |a| a.parse())?;
-    kv_indexer::logs::init("error");
+    let _logging = kv_indexer::logs::init("error");
 
     let engine = SimEngine::start(SimConfig {
         dp_size: 1,

@@ -84,7 +84,7 @@ struct Round {
 }
 
 fn main() -> Result<()> {
-    kv_indexer::logs::init("warn");
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     ensure!(args.generators >= 1, "--generators must be at least 1");
     let prompts = load_benchmark_trace(args.trace.as_deref())?;

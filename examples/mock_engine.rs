@@ -168,7 +168,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    kv_indexer::logs::init("info");
+    let _logging = kv_indexer::logs::init("info");
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(clock_seed);
     let (count, prompts) = workload(&args, seed)?;

@@ -108,7 +108,7 @@ struct Indexers<'a> {
 }
 
 fn main() -> Result<()> {
-    kv_indexer::logs::init("warn");
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     let binary = benchmark_binary(args.indexer.as_deref())?;
     let trace_file = args

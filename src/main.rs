@@ -90,7 +90,7 @@ fn route_plan(config: &Config, route: &config::Route) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    kv_indexer::logs::init("info");
+    let _logging = kv_indexer::logs::init("info");
 
     let source = source(&args);
     let (config, problems) = load(&args, &source);

@@ -82,7 +82,7 @@ pub fn chosen(span: &Span, selection: &Selection) {
     if span.is_disabled() {
         return;
     }
-    span.record("policy", selection.policy);
+    span.record("policy", tracing::field::display(selection.policy));
     span.record("query_blocks", selection.query_blocks);
     span.record("predicted_cached_tokens", selection.predicted_cached_tokens);
     let Ok(Value::Object(terms)) = serde_json::to_value(CandidateJson::new(&selection.chosen))
@@ -98,7 +98,7 @@ pub fn chosen(span: &Span, selection: &Selection) {
         match value {
             Value::Number(n) if n.is_u64() => span.record(field, n.as_u64()),
             Value::Number(n) => span.record(field, n.as_f64()),
-            Value::String(text) => span.record(field, text.as_str()),
+            Value::String(text) => span.record(field, tracing::field::display(text)),
             other => span.record(field, tracing::field::display(other)),
         };
     }

@@ -30,16 +30,48 @@ pub fn filter(default: &str) -> EnvFilter {
     }
 }
 
+#[cfg(feature = "otlp")]
+mod otlp;
+
+/// What keeps running after `init`: with the `otlp` feature and an endpoint set, the exporter,
+/// which flushes its last spans when dropped (hold it until the process ends).
+#[must_use = "dropping it stops the OTLP exporter"]
+pub struct Logging {
+    #[cfg(feature = "otlp")]
+    _exporter: Option<otlp::Exporter>,
+}
+
 /// Installs the subscriber for this process, with `default` as the filter when `RUST_LOG` is
 /// unset. A second call (or another subscriber already set) leaves the first in place.
-pub fn init(default: &str) {
+pub fn init(default: &str) -> Logging {
     let printer = tracing_subscriber::fmt::layer()
         .fmt_fields(LineFields)
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    let _ = tracing_subscriber::registry()
-        .with(printer.with_filter(filter(default)))
-        .try_init();
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(filter(default));
+    #[cfg(not(feature = "otlp"))]
+    {
+        let _ = tracing_subscriber::registry().with(printer).try_init();
+        Logging {}
+    }
+    #[cfg(feature = "otlp")]
+    {
+        let (layer, exporter, failed) = match otlp::start() {
+            otlp::Started::Off => (None, None, None),
+            otlp::Started::On(layer, exporter) => (Some(layer), Some(exporter), None),
+            otlp::Started::Failed(why) => (None, None, Some(why)),
+        };
+        let _ = tracing_subscriber::registry()
+            .with(printer)
+            .with(layer)
+            .try_init();
+        if let Some(why) = failed {
+            tracing::warn!("{why}; spans are not exported");
+        }
+        Logging {
+            _exporter: exporter,
+        }
+    }
 }
 
 /// A log line's fields as `tracing_subscriber`'s default shows them, less the routed request's
