@@ -19,6 +19,7 @@
 //! endpoint is a leaf: the typed `tcp://host:port` that config, discover, plan and http share.
 //! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
 //! state is beside index: a rank's saved state as a file (the listener saves and loads it).
+//! logs is beside main: the process's `tracing` subscriber and, with `otlp`, the exporter.
 //! ```
 //!
 //! `service` is on top: it wires these together, handles signals and reloads. The simulated

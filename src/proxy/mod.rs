@@ -19,6 +19,9 @@
 //! reached the first, at most `MAX_TRIES` in all. A rank whose event link is down or whose
 //! index is not trusted is still routed, by load alone, and the answer says so.
 //!
+//! Each routed request runs in one `route_request` span (`trace`): its id, the choice's terms
+//! and the cached tokens served; every log line of the request is inside it.
+//!
 //! Owns: the front end's routes, its admission bound (`max_concurrent_requests`, 429 beyond),
 //! its token (every route but `/health` behind it), the engine servers' health checks, and
 //! every status it answers (400, 401, 404, 429, 502, 503, 504, each a JSON error naming the
