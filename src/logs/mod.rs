@@ -66,7 +66,7 @@ pub fn init(default: &str) -> Logging {
             .with(layer)
             .try_init();
         if let Some(why) = failed {
-            tracing::warn!("{why}; spans are not exported");
+            tracing::warn!("OTLP exporter not started ({why}); spans are not exported");
         }
         Logging {
             _exporter: exporter,

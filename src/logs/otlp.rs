@@ -6,7 +6,9 @@
 //! the collector cannot be built or reached (a warning says so; the logs go on).
 
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::{OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT};
+use opentelemetry_otlp::{
+    ExporterBuildError, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
 use tracing::Subscriber;
@@ -32,7 +34,7 @@ impl Drop for Exporter {
 pub enum Started<S> {
     Off,
     On(Box<dyn Layer<S> + Send + Sync>, Exporter),
-    Failed(String),
+    Failed(ExporterBuildError),
 }
 
 /// The layer exporting this crate's spans (and the events inside them) at `info` and above,
@@ -50,7 +52,7 @@ where
         .build()
     {
         Ok(exporter) => exporter,
-        Err(error) => return Started::Failed(format!("OTLP exporter not started: {error}")),
+        Err(error) => return Started::Failed(error),
     };
     let mut resource = Resource::builder();
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
