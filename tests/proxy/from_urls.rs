@@ -227,8 +227,16 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
-#[test]
-fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
+/// An engine that publishes no KV events, its tokenizers' directory (kept while it runs), and
+/// kv-indexer started from its URL alone with `env`, routing on `route`.
+struct SilentRouted {
+    _tokenizers: tempfile::TempDir,
+    silent: SimEngine,
+    route: SocketAddr,
+    indexer: IndexerProcess,
+}
+
+fn routing_to_silent_engine(env: &[(String, String)]) -> SilentRouted {
     let tokenizers = tokenizers();
     let silent = engine(VLLM_MODEL, EventSources::None, tokenizers.path());
     let route = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -241,8 +249,26 @@ fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
     let indexer = IndexerProcess::launch(indexer_binary(), "")
         .without_file()
         .args(&args)
+        .env(env)
         .start(Duration::from_secs(20))
         .unwrap_or_else(|error| panic!("{error:#}"));
+    SilentRouted {
+        _tokenizers: tokenizers,
+        silent,
+        route,
+        indexer,
+    }
+}
+
+#[test]
+fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
+    // Every part bound: what a pattern leaves out of a temporary is dropped at once.
+    let SilentRouted {
+        _tokenizers,
+        silent,
+        route,
+        indexer,
+    } = routing_to_silent_engine(&[]);
     let api = indexer.address;
     // One rank, with no event link, and /workers says why.
     let listeners = wait_for(10, "the engine's one rank", || {
@@ -591,25 +617,16 @@ fn an_engine_given_by_url_is_tokenized_from_the_hugging_face_cache_when_its_mode
 fn the_otlp_feature_exports_a_routed_requests_span_to_the_collector() {
     let collector = tiny_http::Server::http("127.0.0.1:0").expect("the collector binds");
     let collector_addr = collector.server_addr().to_ip().expect("an IP address");
-    let tokenizers = tokenizers();
-    let silent = engine(VLLM_MODEL, EventSources::None, tokenizers.path());
-    let route = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let args = [
-        "--engine".to_string(),
-        url(&silent),
-        "--route-listen".to_string(),
-        route.to_string(),
-    ];
     let env = [(
         "OTEL_EXPORTER_OTLP_ENDPOINT".to_string(),
         format!("http://{collector_addr}"),
     )];
-    let mut indexer = IndexerProcess::launch(indexer_binary(), "")
-        .without_file()
-        .args(&args)
-        .env(&env)
-        .start(Duration::from_secs(20))
-        .unwrap_or_else(|error| panic!("{error:#}"));
+    let SilentRouted {
+        _tokenizers,
+        silent: _silent,
+        route,
+        mut indexer,
+    } = routing_to_silent_engine(&env);
     wait_for(10, "the engine's rank", || {
         (get(indexer.address, "/ready").status == 200).then_some(())
     });
