@@ -39,7 +39,7 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let trials: usize = args.next().map_or(Ok(20), |a| a.parse())?;
     let interval_s: u32 = args.next().map_or(Ok(1), |a| a.parse())?;
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("error")).init();
+    let _logging = kv_indexer::logs::init("error");
 
     let engine = SimEngine::start(SimConfig {
         dp_size: 1,

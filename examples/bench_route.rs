@@ -1206,7 +1206,7 @@ fn streams_fitting(limit: u64) -> (usize, Option<String>) {
 /// none (`Asked`: the front end asks the engine's `POST /tokenize`), in alternating rounds, and
 /// the latency the engine's tokenizing adds.
 fn engine_tokenize_alone() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let load_at_start = load_average();
     let bench = Bench::start(&[Engine::Fast, Engine::Asked], 1_000)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -1275,7 +1275,7 @@ fn engine_tokenize_alone() -> Result<()> {
 
 /// `--body-sizes`: the body-size rows alone, and their table.
 fn body_sizes_alone() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let load_at_start = load_average();
     let bench = Bench::start(&[Engine::Fast], 1_000)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -1311,7 +1311,7 @@ fn main() -> Result<()> {
         Some(other) => bail!("unknown option {other:?} (--help lists them)"),
         None => {}
     }
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let run_started = Instant::now();
     let load_at_start = load_average();
     println!("bench_route: load average at start {load_at_start}");

@@ -40,7 +40,7 @@ struct Args {
 const MODEL: &str = "m";
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     let binary = benchmark_binary(args.indexer.as_deref())?;
     let answer_bytes = args.answer_mib << 20;

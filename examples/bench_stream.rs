@@ -152,7 +152,7 @@ impl Latencies {
 }
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     ensure!(args.queries >= 1, "--queries must be at least 1");
     let mut prompts = load_benchmark_trace(args.trace.as_deref())?;

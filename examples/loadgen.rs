@@ -84,7 +84,7 @@ struct Round {
 }
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     ensure!(args.generators >= 1, "--generators must be at least 1");
     let prompts = load_benchmark_trace(args.trace.as_deref())?;

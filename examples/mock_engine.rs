@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use log::info;
+use tracing::info;
 
 use kv_indexer_sim::encode::Form;
 use kv_indexer_sim::openai::{OpenAiConfig, TokensDetails};
@@ -168,7 +168,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let _logging = kv_indexer::logs::init("info");
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(clock_seed);
     let (count, prompts) = workload(&args, seed)?;

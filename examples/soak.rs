@@ -108,7 +108,7 @@ struct Indexers<'a> {
 }
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     let binary = benchmark_binary(args.indexer.as_deref())?;
     let trace_file = args
@@ -293,7 +293,7 @@ fn check(fleet: &Fleet, address: SocketAddr, sample: &[Vec<u32>]) -> Result<Chec
     let (views, settled) = match settle(fleet, &mut indexer, SETTLE) {
         Ok(views) => (views, true),
         Err(error) => {
-            log::warn!("{address}: {error:#}");
+            tracing::warn!("{address}: {error:#}");
             (indexer.ranks()?, false)
         }
     };
@@ -303,7 +303,7 @@ fn check(fleet: &Fleet, address: SocketAddr, sample: &[Vec<u32>]) -> Result<Chec
         .count();
     let accuracy = compare(fleet, &mut indexer, &views, sample, &[])?;
     for mismatch in accuracy.mismatches.iter().take(3) {
-        log::warn!("{address}: {mismatch}");
+        tracing::warn!("{address}: {mismatch}");
     }
     Ok(Check {
         accuracy,

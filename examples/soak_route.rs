@@ -113,7 +113,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let _logging = kv_indexer::logs::init("warn");
     let args = Args::parse();
     let binary = benchmark_binary(args.indexer.as_deref())?;
     let fleet = Fleet::start_on_consecutive_ports(args.engines, |i| SimConfig {

@@ -21,6 +21,7 @@
 //! snapshot fetches, engines' load.
 //! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
 //! state is beside index: a rank's saved state as a file (the listener saves and loads it).
+//! logs is beside main: the process's `tracing` subscriber and, with `otlp`, the exporter.
 //! ```
 //!
 //! `service` is on top: it wires these together, handles signals and reloads. The simulated
@@ -35,6 +36,7 @@ mod engine_http;
 pub mod http;
 pub mod index;
 pub mod listener;
+pub mod logs;
 pub mod metrics;
 pub mod plan;
 pub mod preflight;

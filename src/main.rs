@@ -16,7 +16,7 @@ use kv_indexer::preflight;
 use kv_indexer::proxy::Proxy;
 use kv_indexer::service;
 use kv_indexer::tokenize::hf_cache;
-use log::info;
+use tracing::info;
 
 /// The file read when `--config` is not given, if it exists.
 const DEFAULT_CONFIG: &str = "indexer.toml";
@@ -90,7 +90,7 @@ fn route_plan(config: &Config, route: &config::Route) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let _logging = kv_indexer::logs::init("info");
 
     let source = source(&args);
     let (config, problems) = load(&args, &source);

@@ -111,7 +111,7 @@ impl Drop for Monitored {
     fn drop(&mut self) {
         if let Err(error) = self.turn_off() {
             // ETERM: the context is gone, and its I/O threads with it.
-            log::debug!("stopping the socket monitor {}: {error}", self.endpoint);
+            tracing::debug!("stopping the socket monitor {}: {error}", self.endpoint);
         }
     }
 }

@@ -11,6 +11,6 @@
 pub fn lower_this_thread(niceness: i32, what: &str) {
     let this_thread = rustix::thread::gettid();
     if let Err(error) = rustix::process::setpriority_process(Some(this_thread), niceness) {
-        log::debug!("{what}: setpriority refused: {error}");
+        tracing::debug!("{what}: setpriority refused: {error}");
     }
 }

@@ -15,8 +15,8 @@ use std::collections::HashSet;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 
-use log::info;
 use parking_lot::Mutex;
+use tracing::info;
 
 use crate::endpoint::{Endpoint, Host};
 pub use crate::metrics::EndpointRefusal as Reason;

@@ -258,7 +258,7 @@ pub(crate) fn standalone_runtime() -> Option<Handle> {
                 .thread_name("kvi-fetch")
                 .enable_all()
                 .build()
-                .map_err(|err| log::error!("no runtime for HTTP fetches: {err}"))
+                .map_err(|err| tracing::error!("no runtime for HTTP fetches: {err}"))
                 .ok()
         })
         .as_ref()

@@ -56,11 +56,11 @@ use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
-use log::{debug, info, warn};
 use serde::Serialize;
 use serde_json::json;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
+use tracing::{debug, info, warn};
 
 use crate::auth::CurrentSecret;
 use crate::config::ConfigError;

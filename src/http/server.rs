@@ -22,12 +22,12 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use log::{debug, warn};
 use parking_lot::{Condvar, Mutex};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio::sync::{watch, Semaphore};
+use tracing::{debug, warn};
 
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};

@@ -26,7 +26,9 @@ pub(super) fn snapshot_route(api: &Api, engine: &str, dp_rank: &str) -> Reply {
     };
     match handle.snapshot() {
         Ok(served) => {
-            log::debug!(
+            tracing::debug!(
+                engine = %engine,
+                rank = dp_rank,
                 "served the snapshot of {engine}/{dp_rank}: {} blocks, {} orphans left out, \
                  {} bytes",
                 served.blocks,

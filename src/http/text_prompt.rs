@@ -67,7 +67,7 @@ pub(super) fn tokenize_prompt(
     match encoded {
         Some((Ok(()), ids)) => query.token_ids = ids,
         Some((Err(EncodeError::Unreadable(why)), _)) => {
-            log::debug!("a chat for model {model:?} is scored as an empty prompt: {why}");
+            tracing::debug!("a chat for model {model:?} is scored as an empty prompt: {why}");
         }
         Some((Err(EncodeError::Refused(error)), _)) => return Err(refused(&error)),
         None => return Err(Reply::error(500, "the tokenizer failed")),

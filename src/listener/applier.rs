@@ -49,7 +49,12 @@ impl Applier {
         match self.decoder.decode(payload) {
             Ok(batch) => Some(batch),
             Err(error) => {
-                log::warn!("{}: undecodable batch: {error}", self.who());
+                rank_event!(
+                    warn,
+                    &self.spec,
+                    "{}: undecodable batch: {error}",
+                    self.who()
+                );
                 self.status.malformed(MalformedReason::Payload);
                 None
             }
@@ -62,7 +67,9 @@ impl Applier {
         if let Some(payload_rank) = batch.dp_rank.filter(|&rank| rank != self.spec.key.dp_rank) {
             if !self.warned_dp_rank {
                 self.warned_dp_rank = true;
-                log::warn!(
+                rank_event!(
+                    warn,
+                    &self.spec,
                     "{}: batches carry dp_rank {payload_rank}: another rank publishes on this \
                      port; check zmq_port and dp_size (applied to rank {} anyway)",
                     self.who(),
@@ -130,7 +137,12 @@ impl Applier {
             .dp_rank
             .filter(|&rank| rank != self.spec.key.dp_rank)
         {
-            log::warn!("{}: snapshot says dp_rank {rank}", self.who());
+            rank_event!(
+                warn,
+                &self.spec,
+                "{}: snapshot says dp_rank {rank}",
+                self.who()
+            );
             self.status.dp_rank_mismatch();
         }
         Ok(snapshot)
@@ -238,7 +250,9 @@ impl Applier {
             return true;
         }
         if self.status.over_cap(adding, cap) {
-            log::warn!(
+            rank_event!(
+                warn,
+                &self.spec,
                 "{}: holds {} blocks, and a store of {adding} more would pass \
                  max_blocks_per_rank ({cap}): stores past it are counted \
                  (blocks_over_cap_total), not indexed; the rank is degraded until it restarts \
@@ -253,7 +267,9 @@ impl Applier {
     /// Logs a new publisher layout, and shows the rank's groups once its stores name any.
     fn note_groups(&mut self, outcome: &ApplyOutcome) {
         if outcome.layout_changes > 0 {
-            log::warn!(
+            rank_event!(
+                warn,
+                &self.spec,
                 "{}: a KV-cache group changed its kind or window ({} times in the last batch): \
                  a new publisher layout, every group's blocks dropped and learned again",
                 self.who(),
@@ -274,7 +290,9 @@ impl Applier {
         }
         if !self.warned_block_size {
             self.warned_block_size = true;
-            log::error!(
+            rank_event!(
+                error,
+                &self.spec,
                 "{}: stores with a block size other than the index's {}: nothing they say can \
                  match a prompt; set block_size to the engine's --block-size",
                 self.who(),

@@ -12,20 +12,21 @@ use std::sync::Arc;
 use super::status::StatusCell;
 use super::stop::Stop;
 use crate::metrics::FailureReason;
+use crate::plan::ListenerSpec;
 
 /// The failure report a rank carries until it is dropped.
 pub(super) struct FailOnDrop {
     /// The rank, for the log.
-    who: String,
+    spec: ListenerSpec,
     status: Arc<StatusCell>,
     stop: Stop,
     reason: Option<(FailureReason, String)>,
 }
 
 impl FailOnDrop {
-    pub(super) fn new(who: String, status: Arc<StatusCell>, stop: Stop) -> FailOnDrop {
+    pub(super) fn new(spec: ListenerSpec, status: Arc<StatusCell>, stop: Stop) -> FailOnDrop {
         FailOnDrop {
-            who,
+            spec,
             status,
             stop,
             reason: None,
@@ -45,7 +46,12 @@ impl Drop for FailOnDrop {
         }
         let (reason, detail) = self.reason.take().unwrap_or_else(|| {
             let detail = "dropped without being asked to stop".to_owned();
-            log::error!("{}: listener failed: {detail}", self.who);
+            rank_event!(
+                error,
+                &self.spec,
+                "{}: listener failed: {detail}",
+                self.spec.describe()
+            );
             (FailureReason::Dropped, detail)
         });
         self.status.failed(reason, detail);

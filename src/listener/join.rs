@@ -127,7 +127,7 @@ impl Subscription {
                     Some(state) => match applier.restore(state) {
                         Ok(()) => true,
                         Err(error) => {
-                            log::warn!("{}: {error:#}", applier.who());
+                            rank_event!(warn, &applier.spec, "{}: {error:#}", applier.who());
                             false
                         }
                     },
@@ -158,7 +158,9 @@ impl Subscription {
                         if let Some(state) = state {
                             how = RecoveredBy::SavedState;
                             status.state_load("restored");
-                            log::info!(
+                            rank_event!(
+                                info,
+                                &applier.spec,
                                 "{}: restored {} blocks saved at seq {seq} {}s ago, confirmed \
                                  by the engine's replay; replayed through {through_seq}",
                                 applier.who(),
@@ -173,14 +175,18 @@ impl Subscription {
                     }
                     (Confirmation::Refused(reason), Some(_)) => {
                         status.state_load(reason);
-                        log::warn!(
+                        rank_event!(
+                            warn,
+                            &applier.spec,
                             "{}: saved state at seq {seq} discarded ({reason}): {}",
                             applier.who(),
                             refusal_explained(reason)
                         );
                     }
                     (Confirmation::Refused("restarted"), None) => {
-                        log::warn!(
+                        rank_event!(
+                            warn,
+                            &applier.spec,
                             "{}: the publisher restarted while the link was down (its replay \
                              of seq {seq} differs or is gone); dropping the rank's blocks",
                             applier.who()
@@ -224,7 +230,9 @@ impl Subscription {
                     if reached.is_some_and(|r| r >= seq) && !duplicate {
                         // Ahead of the live stream and contradicting it: not this publisher's
                         // history. The rank starts again from the live message.
-                        log::warn!(
+                        rank_event!(
+                            warn,
+                            &applier.spec,
                             "{}: the replay went past live seq {seq} with other batches: what \
                              it gave is dropped",
                             applier.who()
@@ -295,7 +303,9 @@ impl Subscription {
             status.recovered(how, whole);
         }
         if !whole {
-            log::warn!(
+            rank_event!(
+                warn,
+                &self.applier.spec,
                 "{}: joined mid-stream{}: the history before is unknown, so the rank is \
                  partial: scored on the blocks stored since (misses possible, never a false \
                  hit) until a snapshot or the engine's restart makes it whole",
@@ -407,7 +417,12 @@ fn confirm(
         }
         Ok(_) => Confirmation::Refused(refused.unwrap_or("replay_failed")),
         Err(error) => {
-            log::warn!("{}: replay failed: {error:#}", applier.who());
+            rank_event!(
+                warn,
+                &applier.spec,
+                "{}: replay failed: {error:#}",
+                applier.who()
+            );
             Confirmation::Refused("replay_failed")
         }
     }

@@ -93,7 +93,11 @@ impl Subscription {
         stop: Stop,
         gone: mpsc::SyncSender<()>,
     ) -> Subscription {
-        let failure = FailOnDrop::new(applier.who(), Arc::clone(&applier.status), stop.clone());
+        let failure = FailOnDrop::new(
+            applier.spec.clone(),
+            Arc::clone(&applier.status),
+            stop.clone(),
+        );
         Subscription {
             token,
             context,
@@ -154,7 +158,9 @@ impl Subscription {
     fn log_never_connected(&self) {
         let spec = &self.applier.spec;
         let port = spec.endpoint.port;
-        log::warn!(
+        rank_event!(
+            warn,
+            &self.applier.spec,
             "{}: no connection after {}s. Check: is the engine running? Does its \
              --kv-events-config \"endpoint\" give port {port} to rank {} (ranks publish on \
              the base port + their rank)? Is {} reachable from here (host, firewall)? \
@@ -177,7 +183,9 @@ impl Subscription {
             return;
         }
         let endpoint = &self.applier.spec.endpoint.to_string();
-        log::info!(
+        rank_event!(
+            info,
+            &self.applier.spec,
             "{}: still disconnected {REVIVE_AFTER:?} after losing {endpoint}: connecting anew \
              (ZMQ does not reconnect after a message over ZMQ_MAXMSGSIZE, {} bytes)",
             self.applier.who(),
@@ -186,7 +194,9 @@ impl Subscription {
         // Gone already when ZMQ ended the connection itself: nothing to undo then.
         let _ = self.sub.socket().disconnect(endpoint);
         if let Err(error) = self.sub.socket().connect(endpoint) {
-            log::warn!(
+            rank_event!(
+                warn,
+                &self.applier.spec,
                 "{}: connecting to {endpoint} again: {error}",
                 self.applier.who()
             );
@@ -254,7 +264,9 @@ impl Subscription {
                 } else {
                     MalformedReason::Frames
                 };
-                log::debug!(
+                rank_event!(
+                    debug,
+                    &self.applier.spec,
                     "{}: dropped a malformed message: {error}",
                     self.applier.who()
                 );
@@ -286,7 +298,9 @@ impl Subscription {
         };
         status.gap(restart);
         if restart {
-            log::warn!(
+            rank_event!(
+                warn,
+                &self.applier.spec,
                 "{}: publisher restarted (seq {seq} after {:?}); dropping the rank's blocks",
                 self.applier.who(),
                 status.status().last_seq
@@ -296,7 +310,9 @@ impl Subscription {
             self.lost.publisher_restarted();
         } else if !missing.is_empty() {
             let what = if join { "joined mid-stream" } else { "gap" };
-            log::warn!(
+            rank_event!(
+                warn,
+                &self.applier.spec,
                 "{}: {what}: batches {}..={} missing",
                 self.applier.who(),
                 missing.start,
@@ -390,7 +406,12 @@ impl<'a> FirstLive<'a> {
             Ok(false) => return,
             Err(error) => {
                 // The poller meets the same error when the rank is back, and fails it.
-                log::debug!("{}: receiving during a join: {error:#}", applier.who());
+                rank_event!(
+                    debug,
+                    &applier.spec,
+                    "{}: receiving during a join: {error:#}",
+                    applier.who()
+                );
                 return;
             }
         }

@@ -50,6 +50,20 @@
 //! A `parent_missing` store is counted but does not start a recovery:
 //! holes are detected by seq numbers, which also see the losses that carry no store.
 
+/// A log line about one rank: `tracing`'s `$level` macro with the rank's `engine`, `rank`
+/// (dp_rank) and `port` (its events' port) as fields, then the message as given.
+macro_rules! rank_event {
+    ($level:ident, $spec:expr, $($message:tt)+) => {{
+        let spec: &$crate::plan::ListenerSpec = $spec;
+        tracing::$level!(
+            engine = %spec.key.engine,
+            rank = spec.key.dp_rank,
+            port = spec.endpoint.port,
+            $($message)+
+        )
+    }};
+}
+
 mod applier;
 mod contents;
 mod failure;
@@ -450,7 +464,12 @@ impl Drop for Listener {
 /// (logged, and counted in `state_loads_total`).
 fn saved_state(dir: &std::path::Path, applier: &Applier) -> Option<crate::state::RankState> {
     let refuse = |outcome: &'static str, why: &dyn std::fmt::Display| {
-        log::warn!("{}: saved state not used ({outcome}): {why}", applier.who());
+        rank_event!(
+            warn,
+            &applier.spec,
+            "{}: saved state not used ({outcome}): {why}",
+            applier.who()
+        );
         applier.status.state_load(outcome);
         None
     };

@@ -146,7 +146,7 @@ impl Mailbox {
 
     fn ring(&self) {
         if let Err(error) = self.waker.wake() {
-            log::warn!("poller: waking it for a command failed: {error}");
+            tracing::warn!("poller: waking it for a command failed: {error}");
         }
     }
 }
@@ -189,7 +189,9 @@ fn unwatch(set: &mio::Registry, rank: &Subscription) {
 /// Drops a rank that was not asked to stop: its blocks leave the index, and its status says
 /// `failed` with the reason, which the registry's retry loop sees and starts the rank again.
 fn fail(mut rank: Box<Subscription>, reason: FailureReason, error: &anyhow::Error) {
-    log::error!(
+    rank_event!(
+        error,
+        &rank.applier.spec,
         "{}: listener failed ({}): {error:#}; its blocks leave the index",
         rank.who(),
         reason.as_str()
@@ -340,7 +342,7 @@ impl Poller {
     /// The thread cannot go on: every rank fails (and is started again by the registry, on
     /// another poller), and no rank is placed here again.
     fn fail_all(&mut self, error: &anyhow::Error) {
-        log::error!(
+        tracing::error!(
             "poller: {error:#}: the thread ends, and its {} ranks fail",
             self.ranks.len()
         );

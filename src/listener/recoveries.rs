@@ -92,7 +92,7 @@ impl Recoveries {
             Ok(_) => Ok(()),
             Err(error) => {
                 state.workers -= 1;
-                log::warn!("starting a recovery worker: {error}");
+                tracing::warn!("starting a recovery worker: {error}");
                 match state.workers {
                     0 => state.queue.pop_back().map_or(Ok(()), |handoff| {
                         self.shared.counted(&state);

@@ -248,7 +248,7 @@ pub(super) fn replay(
                 }
             }
             Err(error) => {
-                log::warn!("malformed replay reply from {endpoint}: {error}");
+                tracing::warn!("malformed replay reply from {endpoint}: {error}");
                 break;
             }
         }

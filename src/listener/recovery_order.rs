@@ -267,7 +267,12 @@ impl Subscription {
         let status = Arc::clone(&self.applier.status);
         match reached.filter(|&c| c >= through) {
             Some(c) => {
-                log::info!("{}: recovered batches through {c}", self.applier.who());
+                rank_event!(
+                    info,
+                    &self.applier.spec,
+                    "{}: recovered batches through {c}",
+                    self.applier.who()
+                );
                 self.sequence.covered_through(c);
                 let whole = self.lost.since.is_none();
                 status.recovered(how, whole);
@@ -278,13 +283,17 @@ impl Subscription {
             }
             None => {
                 if through - from < MAX_PLAUSIBLE_GAP {
-                    log::warn!(
+                    rank_event!(
+                        warn,
+                        &self.applier.spec,
                         "{}: batches {from}..={through} lost and not recovered",
                         self.applier.who()
                     );
                     status.lost(through - from + 1);
                 } else {
-                    log::warn!(
+                    rank_event!(
+                        warn,
+                        &self.applier.spec,
                         "{}: the history before seq {} is unknown and not recovered",
                         self.applier.who(),
                         through.saturating_add(1)
@@ -374,7 +383,9 @@ impl Subscription {
                 Ok(_) => {}
                 Err(error) => {
                     self.applier.status.recovery(RecoveryMethod::Peer, false);
-                    log::warn!(
+                    rank_event!(
+                        warn,
+                        &self.applier.spec,
                         "{}: peer {peer} gave no usable snapshot: {error:#}",
                         self.applier.who()
                     );
@@ -386,7 +397,9 @@ impl Subscription {
         };
         let seq = self.applier.install_snapshot(snapshot);
         self.applier.status.recovery(RecoveryMethod::Peer, true);
-        log::info!(
+        rank_event!(
+            info,
+            &self.applier.spec,
             "{}: recovered from peer {peer}: its snapshot at seq {seq}",
             self.applier.who()
         );
@@ -413,7 +426,9 @@ impl Subscription {
             }
             Err(error) => {
                 status.recovery(RecoveryMethod::Snapshot, false);
-                log::warn!(
+                rank_event!(
+                    warn,
+                    &self.applier.spec,
                     "{}: snapshot recovery failed: {error:#}",
                     self.applier.who()
                 );
@@ -453,7 +468,9 @@ impl Subscription {
         match result {
             SnapshotAttempt::Interrupted(Interrupt::Stopped) => return Recovery::Stopped,
             SnapshotAttempt::Covered(seq, how) => {
-                log::info!(
+                rank_event!(
+                    info,
+                    &self.applier.spec,
                     "{}: lost history repaired by a snapshot at seq {seq}",
                     self.applier.who()
                 );
@@ -520,11 +537,21 @@ pub(super) fn replay_into(
         Ok(Replayed::Covered { through, ended }) => {
             let covered =
                 through.map_or_else(|| "nothing".to_string(), |seq| format!("up to {seq}"));
-            log::info!("{}: replay from {from} covered {covered}", applier.who());
+            rank_event!(
+                info,
+                &applier.spec,
+                "{}: replay from {from} covered {covered}",
+                applier.who()
+            );
             (through, None, ended)
         }
         Err(error) => {
-            log::warn!("{}: replay failed: {error:#}", applier.who());
+            rank_event!(
+                warn,
+                &applier.spec,
+                "{}: replay failed: {error:#}",
+                applier.who()
+            );
             (None, None, false)
         }
     }

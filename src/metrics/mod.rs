@@ -553,7 +553,7 @@ impl Metrics {
         let mut text = String::new();
         // Writing to a String cannot fail, and no label of ours fails to encode.
         if let Err(err) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
-            log::error!("metrics: encoding the exposition failed: {err}");
+            tracing::error!("metrics: encoding the exposition failed: {err}");
         }
         text
     }

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode};
-use log::debug;
+use tracing::debug;
 
 use super::Proxy;
 use crate::http::{openai_error, AnswerBody, ErrorShape, Reply};

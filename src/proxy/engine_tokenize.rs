@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hyper::StatusCode;
-use log::{debug, info, warn};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tracing::{debug, info, warn};
 
 use super::request::{OpenAiRequest, PromptSource};
 use super::tokenizing::{Tokenized, TokensFrom};

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use hyper::StatusCode;
-use log::{info, warn};
+use tracing::{info, warn};
 
 use super::servers::Change;
 use super::upstream::{Fetch, Fleet, Server, Settings};
@@ -29,6 +29,8 @@ impl Proxy {
                 .route_engine_not_found(&key.engine, key.dp_rank);
             if self.servers.not_found(&server.url.base) {
                 warn!(
+                    engine = %key.engine,
+                    rank = key.dp_rank,
                     "route: engine {} at {} answers 404 to the routed path: is openai_url the \
                      engine's OpenAI server (vLLM's `vllm serve` port), and its model {:?}?",
                     key.engine,

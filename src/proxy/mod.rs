@@ -19,6 +19,9 @@
 //! reached the first, at most `MAX_TRIES` in all. A rank whose event link is down or whose
 //! index is not trusted is still routed, by load alone, and the answer says so.
 //!
+//! Each routed request runs in one `route_request` span (`trace`): its id, the choice's terms
+//! and the cached tokens served; every log line of the request is inside it.
+//!
 //! Owns: the front end's routes, its admission bound (`max_concurrent_requests`, 429 beyond),
 //! its token (every route but `/health` behind it), the engine servers' health checks, and
 //! every status it answers (400, 401, 404, 429, 502, 503, 504, each a JSON error naming the
@@ -38,6 +41,7 @@ mod scrape;
 mod servers;
 mod surface;
 mod tokenizing;
+mod trace;
 mod upstream;
 
 use std::future::Future;
@@ -47,10 +51,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use hyper::{Response, StatusCode};
-use log::warn;
 use parking_lot::RwLock;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::{warn, Instrument};
 
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
@@ -73,6 +77,7 @@ use tokenizing::Tokenized;
 use upstream::{Failure, Fleet, Sent, Settings, Upstream};
 
 pub use scrape::Scraper;
+pub use trace::SPAN_ONLY_FIELDS;
 
 /// Servers a request is sent to at most: the chosen rank's and, if it never reached that one,
 /// the best rank's on another.
@@ -273,9 +278,18 @@ impl Proxy {
             ),
             Action::Models => self.models().await,
             Action::Metrics => self.metrics_text(),
-            Action::Forward(kind) => self.forward(request, body, kind).await,
-            Action::Pass(passed) => self.pass(request, body, passed).await,
-            Action::Stored => self.stored(request, body).await,
+            Action::Forward(kind) => {
+                let span = trace::span(&request);
+                self.forward(request, body, kind).instrument(span).await
+            }
+            Action::Pass(passed) => {
+                let span = trace::span(&request);
+                self.pass(request, body, passed).instrument(span).await
+            }
+            Action::Stored => {
+                let span = trace::span(&request);
+                self.stored(request, body).instrument(span).await
+            }
         }
     }
 
@@ -404,6 +418,8 @@ impl Proxy {
                 self.metrics.route_retry();
             }
             tried.push(server.url.base.clone());
+            let span = tracing::Span::current();
+            trace::chosen(&span, &selection);
             let mut ticket = Ticket {
                 selector: Arc::clone(&self.selector),
                 metrics: Arc::clone(&self.metrics),
@@ -414,6 +430,7 @@ impl Proxy {
                 // An answer that is not a generation reports no cache hit to weigh.
                 reported: !out.generating,
                 place: None,
+                span,
             };
             let started = Instant::now();
             match self
@@ -457,6 +474,8 @@ impl Proxy {
                     match failure.server_down() {
                         true => self.server_down(&fleet, &server, &failure.to_string()),
                         false => warn!(
+                            engine = %key.engine,
+                            rank = key.dp_rank,
                             "route: {}/{} at {}: {failure}",
                             key.engine, key.dp_rank, server.url.base
                         ),

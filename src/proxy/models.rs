@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hyper::{Response, StatusCode};
-use log::warn;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use tracing::warn;
 
 use super::answers::json_answer;
 use super::Proxy;

@@ -47,6 +47,8 @@ pub(super) struct Ticket {
     /// The request's place among `max_concurrent_requests`, held by the answer once the
     /// engine answered (until then the request's own), given back with the ticket.
     pub(super) place: Option<OwnedSemaphorePermit>,
+    /// The request's `route_request` span: it ends with the answer (`trace`).
+    pub(super) span: tracing::Span,
 }
 
 impl Ticket {
@@ -70,7 +72,9 @@ impl Ticket {
         };
         if usage.prompt_tokens > MAX_CONTEXT_TOKENS {
             // No engine's prompt is that long: a peer that lies poisons no load or metric.
-            log::debug!(
+            tracing::debug!(
+                engine = %self.key.engine,
+                rank = self.key.dp_rank,
                 "route: {}/{} reported {} prompt tokens: ignored",
                 self.key.engine,
                 self.key.dp_rank,
@@ -90,6 +94,7 @@ impl Ticket {
             };
         }
         self.prefilled = true;
+        super::trace::served(&self.span, cached);
         self.metrics.route_cached_tokens(
             &self.key.engine,
             self.key.dp_rank,
@@ -527,6 +532,7 @@ mod tests {
                 prefilled: false,
                 reported: false,
                 place: None,
+                span: tracing::Span::none(),
             };
             ticket.usage(&usage_in_tail(body).expect("usage"));
         }

@@ -144,7 +144,8 @@ impl Scraper {
         let counted = match &outcome {
             Ok(_) => ScrapeOutcome::ok,
             Err(why) => {
-                log::debug!(
+                tracing::debug!(
+                    engine = %target.engine,
                     "engine {}: scraping {} failed: {why}",
                     target.engine,
                     target.url.base

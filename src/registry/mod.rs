@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
-use log::{info, warn};
+use tracing::{info, warn};
 
 use crate::index::{Index, WorkerId};
 use crate::listener::{Listener, Pollers, Replication};
@@ -281,6 +281,7 @@ impl Registry {
                 })
                 .collect();
             info!(
+                engine = %first.listener.spec().key.engine,
                 "engine {}: listening to {} ranks at {}",
                 first.listener.spec().key.engine,
                 started.len(),

@@ -14,8 +14,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use log::{info, warn};
 use parking_lot::{Mutex, RwLock};
+use tracing::{info, warn};
 
 use super::ReloadDiff;
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -193,6 +193,9 @@ impl Reconciler {
         for rank in claimed {
             if let Some(spec) = state.remove_runtime(rank) {
                 warn!(
+                    engine = %spec.key.engine,
+                    rank = spec.key.dp_rank,
+                    port = spec.endpoint.port,
                     "{}, registered at runtime, is now configured in the file: the file's runs",
                     spec.key
                 );
@@ -238,7 +241,7 @@ impl Reconciler {
         }
         let mut models = self.models.write();
         for spec in specs {
-            info!("{} registered at runtime ({})", spec.key, spec.endpoint);
+            info!(engine = %spec.key.engine, rank = spec.key.dp_rank, port = spec.endpoint.port, "{} registered at runtime ({})", spec.key, spec.endpoint);
             models.add(&spec);
             state.insert_runtime(spec);
         }

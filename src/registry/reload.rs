@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use log::info;
+use tracing::info;
 
 use super::{EngineStart, Registry};
 use crate::plan::{ListenerSpec, WorkerKey};
@@ -127,7 +127,7 @@ impl Registry {
         {
             match outcome {
                 Ok(started) => {
-                    info!("engine {engine}: started on retry");
+                    info!(engine = %engine, "engine {engine}: started on retry");
                     self.insert_running(started);
                 }
                 Err(err) => {

@@ -16,10 +16,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{info, warn};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tracing::{info, warn};
 
 use super::tasks::{blocking, Stopped, Task};
 use crate::config::{Config, DiscoverConfig};
@@ -267,6 +267,7 @@ impl Asking {
         if disagreements != self.reported {
             for disagreement in &disagreements {
                 warn!(
+                    engine = %engine,
                     "engine {engine}: {}; the engine wins: fix or remove `{}` in indexer.toml",
                     disagreement.detail, disagreement.key
                 );
@@ -274,17 +275,19 @@ impl Asking {
             self.reported = disagreements.clone();
         }
         if self.logged_error.take().is_some() {
-            info!("engine {engine}: {} answers again", discovery.url);
+            info!(engine = %engine, "engine {engine}: {} answers again", discovery.url);
         }
         let ranks: Vec<u32> = discovery.ranks.iter().map(|rank| rank.dp_rank).collect();
         let changed = self.last_ranks.as_ref() != Some(&ranks) || self.hint != Some(discovery.kind);
         if changed && !discovery.publishes_events {
             info!(
+                engine = %engine,
                 "engine {engine}: {}: one rank with no event link, routed by load alone",
                 crate::discover::NO_EVENTS
             );
         } else if changed {
             info!(
+                engine = %engine,
                 "engine {engine}: {} reports {} rank{} {ranks:?}",
                 discovery.url,
                 ranks.len(),
@@ -315,7 +318,7 @@ impl Asking {
         };
         let again = Some((error.failure, message.clone()));
         if self.logged_error != again {
-            warn!("{message}; {keeping}, retrying with backoff");
+            warn!(engine = %engine, "{message}; {keeping}, retrying with backoff");
             self.logged_error = again;
         }
         self.board.update(engine, |report| {

@@ -34,9 +34,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use log::{info, warn};
 use parking_lot::Mutex;
 use tokio::runtime::{Handle, Runtime};
+use tracing::{info, warn};
 
 use crate::auth::Secret;
 use crate::config::{is_loopback_listen, Config, ConfigError, Source};

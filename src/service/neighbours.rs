@@ -12,9 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{info, warn};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
+use tracing::{info, warn};
 
 use super::tasks::{blocking, Stopped, Task};
 use crate::config::Config;
@@ -160,6 +160,8 @@ impl Round {
                 Ok(answers) => answers,
                 Err(error) => {
                     warn!(
+                        engine = %target.engine,
+                        port = target.port,
                         "engine {}: probing {}: {error:#}",
                         target.engine, target.endpoint
                     );
@@ -170,7 +172,7 @@ impl Round {
             match (was, answers) {
                 (false, true) => {
                     let warning = neighbour_warning(&target.engine, target.port, target.dp_size);
-                    warn!("{warning} (nothing from that port is indexed)");
+                    warn!(engine = %target.engine, port = target.port, "{warning} (nothing from that port is indexed)");
                     metrics.engine(&target.engine).neighbour_publisher();
                     answering.insert(target.engine.clone(), target.port);
                     board.update(&target.engine, |report| {
@@ -182,6 +184,8 @@ impl Round {
                 }
                 (true, false) => {
                     info!(
+                        engine = %target.engine,
+                        port = target.port,
                         "engine {}: no publisher answers on {} any more",
                         target.engine, target.port
                     );

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::{error, info, warn};
 use parking_lot::Mutex;
+use tracing::{error, info, warn};
 
 use super::discovery::Askers;
 use super::load_tokenizers;
@@ -295,7 +295,9 @@ impl Reloader {
         if model.is_some_and(|model| current.source(&model).is_none()) {
             match load_tokenizers(&applied.config, &applied.discovered, &current) {
                 Ok(tokenizers) => self.tokenizers.replace(tokenizers),
-                Err(failed) => warn!("engine {}: tokenizers: {failed:#}", api.engine),
+                Err(failed) => {
+                    warn!(engine = %api.engine, "engine {}: tokenizers: {failed:#}", api.engine)
+                }
             }
         }
         let plan = plan::expand_with(&applied.config, &applied.discovered);

@@ -9,9 +9,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::warn;
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
+use tracing::warn;
 
 use super::tasks::{blocking, Task};
 use crate::registry::Registry;

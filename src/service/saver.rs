@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{info, warn};
 use tokio::runtime::Handle;
+use tracing::{info, warn};
 
 use super::tasks::{blocking, Task};
 use crate::listener::Pollers;
@@ -65,6 +65,8 @@ impl Saving {
                     failed += 1;
                     self.metrics.state_write(false);
                     warn!(
+                        engine = %state.identity.engine,
+                        rank = state.identity.dp_rank,
                         "engine {} rank {}: saving its state: {error}",
                         state.identity.engine, state.identity.dp_rank
                     );

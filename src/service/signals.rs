@@ -8,10 +8,10 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use log::{info, warn};
 use tokio::runtime::Handle;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::Notify;
+use tracing::{info, warn};
 
 use super::reload::Reloader;
 use super::tasks::{blocking, Task};

@@ -41,7 +41,7 @@ pub(super) fn spawn(runtime: &Handle) -> Option<Task> {
                 // arena in turn).
                 unsafe { libc::malloc_trim(0) };
                 let after = resident_bytes();
-                log::debug!(
+                tracing::debug!(
                     "returned {} KiB to the kernel",
                     now.saturating_sub(after) >> 10
                 );

@@ -446,7 +446,7 @@ pub fn remove_stale_temporaries(dir: &Path) {
         Ok(entries) => entries,
         Err(error) if error.kind() == io::ErrorKind::NotFound => return,
         Err(error) => {
-            log::warn!(
+            tracing::warn!(
                 "state_dir {}: cannot list it for stale temporaries: {error}",
                 dir.display()
             );
@@ -460,11 +460,11 @@ pub fn remove_stale_temporaries(dir: &Path) {
         }
         let path = entry.path();
         match fs::remove_file(&path) {
-            Ok(()) => log::info!(
+            Ok(()) => tracing::info!(
                 "removed {}, left by a state write a crash interrupted",
                 path.display()
             ),
-            Err(error) => log::warn!(
+            Err(error) => tracing::warn!(
                 "cannot remove {}, left by an interrupted state write: {error}",
                 path.display()
             ),

@@ -221,7 +221,9 @@ impl Gate {
                     .name(format!("kvi-tokenize-{n}"))
                     .spawn(move || tokenizing_thread(&queue));
                 if let Err(error) = spawned {
-                    log::warn!("tokenizing thread {n} not started ({error}); fewer run at once");
+                    tracing::warn!(
+                        "tokenizing thread {n} not started ({error}); fewer run at once"
+                    );
                 }
             }
             jobs

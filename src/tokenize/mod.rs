@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use log::{debug, info, warn};
 use parking_lot::RwLock;
+use tracing::{debug, info, warn};
 
 use gate::Gate;
 pub use limit::PromptLimit;
@@ -134,7 +134,8 @@ impl Tokenizers {
                     self.from_hf_cache.insert(model.to_owned());
                 }
                 Err(error) => warn!(
-                    "model {model:?}: the Hugging Face cache's tokenizer does not load, so it is                      not used: {error:#}"
+                    "model {model:?}: the Hugging Face cache's tokenizer does not load, so it is \
+                     not used: {error:#}"
                 ),
             }
         }

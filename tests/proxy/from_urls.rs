@@ -227,8 +227,16 @@ fn engines_given_by_url_alone_are_discovered_and_routed_to_the_rank_chosen() {
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
-#[test]
-fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
+/// An engine that publishes no KV events, its tokenizers' directory (kept while it runs), and
+/// kv-indexer started from its URL alone with `env`, routing on `route`.
+struct SilentRouted {
+    _tokenizers: tempfile::TempDir,
+    silent: SimEngine,
+    route: SocketAddr,
+    indexer: IndexerProcess,
+}
+
+fn routing_to_silent_engine(env: &[(String, String)]) -> SilentRouted {
     let tokenizers = tokenizers();
     let silent = engine(VLLM_MODEL, EventSources::None, tokenizers.path());
     let route = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -241,8 +249,26 @@ fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
     let indexer = IndexerProcess::launch(indexer_binary(), "")
         .without_file()
         .args(&args)
+        .env(env)
         .start(Duration::from_secs(20))
         .unwrap_or_else(|error| panic!("{error:#}"));
+    SilentRouted {
+        _tokenizers: tokenizers,
+        silent,
+        route,
+        indexer,
+    }
+}
+
+#[test]
+fn an_engine_that_publishes_no_events_is_routed_by_load_and_says_why() {
+    // Every part bound: what a pattern leaves out of a temporary is dropped at once.
+    let SilentRouted {
+        _tokenizers,
+        silent,
+        route,
+        indexer,
+    } = routing_to_silent_engine(&[]);
     let api = indexer.address;
     // One rank, with no event link, and /workers says why.
     let listeners = wait_for(10, "the engine's one rank", || {
@@ -581,4 +607,67 @@ fn an_engine_given_by_url_is_tokenized_from_the_hugging_face_cache_when_its_mode
         indexer.log()
     );
     assert_eq!(openai.tokenize_requests(), 0, "the engine is never asked");
+}
+
+/// Built with the `otlp` feature (`cargo test --features otlp`) and started with
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`, the binary sends a routed request's `route_request` span,
+/// with its id, to the collector there over HTTP/protobuf, by its clean stop at the latest.
+#[cfg(feature = "otlp")]
+#[test]
+fn the_otlp_feature_exports_a_routed_requests_span_to_the_collector() {
+    let collector = tiny_http::Server::http("127.0.0.1:0").expect("the collector binds");
+    let collector_addr = collector.server_addr().to_ip().expect("an IP address");
+    let env = [(
+        "OTEL_EXPORTER_OTLP_ENDPOINT".to_string(),
+        format!("http://{collector_addr}"),
+    )];
+    let SilentRouted {
+        _tokenizers,
+        silent: _silent,
+        route,
+        mut indexer,
+    } = routing_to_silent_engine(&env);
+    wait_for(10, "the engine's rank", || {
+        (get(indexer.address, "/ready").status == 200).then_some(())
+    });
+    let request_id = format!("otlp-{}", std::process::id());
+    let reply = crate::support::http_client::Connection::open(route).send_with(
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("Content-Type", "application/json"),
+            ("x-request-id", &request_id),
+        ],
+        Some(&chat(VLLM_MODEL)),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    indexer.signal(libc::SIGTERM).expect("SIGTERM");
+    let (status, _) = indexer
+        .wait_exit(Duration::from_secs(20))
+        .unwrap_or_else(|error| panic!("{error:#}\n{}", indexer.log()));
+    assert!(status.success(), "{status:?}\n{}", indexer.log());
+
+    // The export was sent before the exit: it waits in the collector's queue.
+    let mut exported = Vec::new();
+    while let Ok(Some(mut request)) = collector.recv_timeout(Duration::from_secs(1)) {
+        let mut body = Vec::new();
+        std::io::Read::read_to_end(request.as_reader(), &mut body).expect("the body");
+        let content_type = request
+            .headers()
+            .iter()
+            .find(|header| header.field.equiv("Content-Type"))
+            .map(|header| header.value.to_string());
+        exported.push((request.url().to_owned(), content_type, body));
+        let _ = request.respond(tiny_http::Response::empty(200));
+    }
+    let holds = |body: &[u8], text: &str| body.windows(text.len()).any(|w| w == text.as_bytes());
+    let span = exported
+        .iter()
+        .find(|(_, _, body)| holds(body, &request_id))
+        .unwrap_or_else(|| panic!("no export holds {request_id}: {} sent", exported.len()));
+    assert_eq!(span.0, "/v1/traces");
+    assert_eq!(span.1.as_deref(), Some("application/x-protobuf"));
+    for field in ["route_request", "served_cached_tokens", "kv-indexer"] {
+        assert!(holds(&span.2, field), "{field} missing from the export");
+    }
 }

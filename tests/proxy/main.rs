@@ -8,3 +8,4 @@ mod support;
 mod from_urls;
 mod route;
 mod route_surface;
+mod trace;
