@@ -55,13 +55,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
-use crate::http::table::{find, Guard, Route, Verb};
-use crate::http::{is_authorized, AnswerBody, AsyncRoutes, ErrorShape, Request};
 use crate::index::{Index, Prompt};
 use crate::metrics::{Metrics, PreviousResponse, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector};
+use crate::serve::table::{find, Entry, Guard, Verb};
+use crate::serve::{is_authorized, AnswerBody, ErrorShape, Request, StreamingApi};
 use crate::tokenize::SharedTokenizers;
 use answers::{insert, json_response};
 use engine_tokenize::EngineTokenizing;
@@ -92,50 +92,50 @@ enum Action {
     Health,
 }
 
-static ROUTE_ROUTES: &[Route<Action>] = &[
-    Route {
+static PROXY_PATHS: &[Entry<Action>] = &[
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/chat/completions",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Chat),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/completions",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Completion),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/responses",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Responses),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/v1/responses/{id}",
         guard: Guard::Open,
         handler: Action::Stored,
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/responses/{id}/cancel",
         guard: Guard::Open,
         handler: Action::Stored,
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/v1/models",
         guard: Guard::Open,
         handler: Action::Models,
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/health",
         guard: Guard::Open,
         handler: Action::Health,
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/metrics",
         guard: Guard::Open,
@@ -252,7 +252,7 @@ impl Proxy {
         request: Request,
         body: Vec<u8>,
     ) -> Response<AnswerBody> {
-        let action = match find(ROUTE_ROUTES, &CurrentSecret::default(), &request) {
+        let action = match find(PROXY_PATHS, &CurrentSecret::default(), &request) {
             Ok((action, _)) => *action,
             // A path no route declares (not one asked with another method: 405) may be one
             // of the engines' to pass through.
@@ -543,7 +543,7 @@ impl Proxy {
     }
 }
 
-impl AsyncRoutes for Proxy {
+impl StreamingApi for Proxy {
     fn name(&self) -> &'static str {
         "route front end"
     }

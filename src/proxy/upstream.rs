@@ -26,8 +26,8 @@ use super::servers::Thresholds;
 use crate::auth::Secret;
 use crate::config::{self, Config};
 use crate::discover::BaseUrl;
-use crate::http::Request;
 use crate::metrics::RouteOutcome;
+use crate::serve::Request;
 
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";

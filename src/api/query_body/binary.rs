@@ -12,18 +12,18 @@
 //! client sends.
 
 use super::QueryRequest;
-use crate::http::snapshot_route::percent_decode;
-use crate::http::BadBody;
+use crate::api::snapshot::percent_decode;
+use crate::api::BadBody;
 
 /// The media type of the binary body; any other (or none) is JSON, so a client that names no
 /// type keeps the JSON body.
-pub(in crate::http) const OCTET_STREAM: &str = "application/octet-stream";
+pub(in crate::api) const OCTET_STREAM: &str = "application/octet-stream";
 /// What a token id takes in the binary body.
 const TOKEN_BYTES: usize = std::mem::size_of::<u32>();
 
 /// Whether a `Content-Type` names the binary body: its media type, case-insensitive, with
 /// any parameters (`; charset=...`) ignored.
-pub(in crate::http) fn is_binary(content_type: Option<&str>) -> bool {
+pub(in crate::api) fn is_binary(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|value| {
         let media_type = value.split(';').next().unwrap_or_default();
         media_type.trim().eq_ignore_ascii_case(OCTET_STREAM)
@@ -75,7 +75,7 @@ fn options(query_string: &str) -> Result<QueryRequest, BadBody> {
 
 /// One name or value of `pair` decoded; a broken escape or bytes that are not UTF-8 are
 /// refused with the pair as sent.
-pub(in crate::http) fn form_decode(text: &str, pair: &str) -> Result<String, BadBody> {
+pub(in crate::api) fn form_decode(text: &str, pair: &str) -> Result<String, BadBody> {
     percent_decode(&text.replace('+', " "))
         .ok_or_else(|| BadBody::NotPercentEncoded(pair.to_owned()))
 }

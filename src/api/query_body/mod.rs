@@ -17,7 +17,7 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
-use crate::http::BadBody;
+use crate::api::BadBody;
 use crate::index::{MmFeature, Prompt};
 use binary::parse_binary;
 pub(super) use binary::{form_decode, is_binary, OCTET_STREAM};
@@ -33,7 +33,7 @@ pub struct QueryRequest {
     /// Multimodal items of the prompt (vLLM's `MultiModalFeatureSpec`: identifier, offset and
     /// length in tokens).
     pub mm_features: Vec<MmFeature>,
-    /// The prompt as text or chat messages, in place of `token_ids` (empty until the route
+    /// The prompt as text or chat messages, in place of `token_ids` (empty until the handler
     /// tokenizes it: docs.md "Prompts as text or chat messages").
     pub text: Option<TextPrompt>,
 }

@@ -3,7 +3,7 @@
 //!
 //! Owns: the cap on open connections (past it a connection is answered 503 and closed,
 //! counted), the descriptors held in reserve so that accept can run when the process has none
-//! left, the back-off on accept errors, the bound on requests answered at once (routes run on
+//! left, the back-off on accept errors, the bound on requests answered at once (handlers run on
 //! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry)
 //! and on those of large bodies (a core kept free of them), and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
 //! the request they are answering (hyper's graceful shutdown: an idle one closes at once) until
@@ -32,8 +32,8 @@ use tokio::sync::{watch, Semaphore};
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, MAX_HEADERS,
-    MAX_HEAD_BYTES, POOL_THREADS,
+    AnswerBody, Api, ErrorShape, Limits, Reply, Request, StreamingApi, MAX_HEADERS, MAX_HEAD_BYTES,
+    POOL_THREADS,
 };
 use crate::metrics::Metrics;
 
@@ -50,31 +50,31 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// What a server answers with.
 #[derive(Clone)]
 pub(super) enum Answerer {
-    /// Synchronous routes with whole answers, run on blocking threads.
-    Routes(Arc<dyn Routes>),
+    /// Synchronous handlers with whole answers, run on blocking threads.
+    Whole(Arc<dyn Api>),
     /// Asynchronous answers that may stream (the route front end).
-    Streams(Arc<dyn AsyncRoutes>),
+    Streams(Arc<dyn StreamingApi>),
 }
 
 impl Answerer {
     pub(super) fn name(&self) -> &'static str {
         match self {
-            Answerer::Routes(routes) => routes.name(),
-            Answerer::Streams(routes) => routes.name(),
+            Answerer::Whole(api) => api.name(),
+            Answerer::Streams(api) => api.name(),
         }
     }
 
     fn metrics(&self) -> &Metrics {
         match self {
-            Answerer::Routes(routes) => routes.metrics(),
-            Answerer::Streams(routes) => routes.metrics(),
+            Answerer::Whole(api) => api.metrics(),
+            Answerer::Streams(api) => api.metrics(),
         }
     }
 
     fn error_shape(&self) -> ErrorShape {
         match self {
-            Answerer::Routes(_) => ErrorShape::Api,
-            Answerer::Streams(routes) => routes.error_shape(),
+            Answerer::Whole(_) => ErrorShape::Api,
+            Answerer::Streams(api) => api.error_shape(),
         }
     }
 }
@@ -84,7 +84,7 @@ struct Shared {
     answerer: Answerer,
     limits: Limits,
     uploads: Uploads,
-    /// `POOL_THREADS` places to answer synchronous routes in.
+    /// `POOL_THREADS` places to answer synchronous handlers in.
     answering: Arc<Semaphore>,
     /// Places to answer a request of a large body in (`LARGE_BODY_BYTES`): one core fewer than
     /// the machine's, so that parsing them leaves a core to every other request.
@@ -244,7 +244,7 @@ impl Throttled {
     }
 }
 
-/// Starts accepting on `listener` with `routes`; the task ends, closing the listening socket,
+/// Starts accepting on `listener` with `answerer`; the task ends, closing the listening socket,
 /// once `stage` leaves `Serving`.
 pub(super) fn spawn_accept(
     runtime: &Handle,
@@ -514,12 +514,12 @@ async fn answer(
         );
         return response;
     }
-    let routes = match &shared.answerer {
-        Answerer::Routes(routes) => Arc::clone(routes),
-        Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
+    let api = match &shared.answerer {
+        Answerer::Whole(api) => Arc::clone(api),
+        Answerer::Streams(api) => return Arc::clone(api).answer(request, bytes).await,
     };
-    if routes.answers_at_once(&request) {
-        let reply = routes.route(&request, &bytes);
+    if api.answers_at_once(&request) {
+        let reply = api.answer(&request, &bytes);
         if reply.status >= 400 {
             shared.answerer.metrics().http_error(reply.status);
         }
@@ -537,7 +537,7 @@ async fn answer(
                     // As the tokenizing gate answers a prompt that waited (a text prompt's body
                     // waits here first): busy now, try again.
                     shared.answerer.metrics().http_error(429);
-                    let mut reply = Reply::error(
+                    let reply = Reply::error(
                         429,
                         format!(
                             "{} large bodies (1 MiB or more) are being answered, one a core but \
@@ -546,8 +546,7 @@ async fn answer(
                             LARGE_BODY_WAIT.as_secs()
                         ),
                     );
-                    reply.header = Some(("Retry-After", "1"));
-                    return reply.into_response(shape);
+                    return reply.with_header("Retry-After", "1").into_response(shape);
                 }
             }
         }
@@ -556,10 +555,10 @@ async fn answer(
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
         return Reply::error(503, "the server is stopping").into_response(shape);
     };
-    // Dropped with this future when the client goes: the blocking route sees it.
+    // Dropped with this future when the client goes: the blocking handler sees it.
     let _gone = request.gone().on_drop();
-    let answered = tokio::task::spawn_blocking(move || routes.route(&request, &bytes)).await;
-    // A route that panicked: a bug, answered as one.
+    let answered = tokio::task::spawn_blocking(move || api.answer(&request, &bytes)).await;
+    // A handler that panicked: a bug, answered as one.
     let reply =
         answered.unwrap_or_else(|err| Reply::error(500, format!("the route failed: {err}")));
     drop(_place);

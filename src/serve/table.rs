@@ -1,10 +1,10 @@
-//! Route tables: each API declares every path it answers once, with its method, its guard and
+//! Path tables: each API declares every path it answers once, with its method, its guard and
 //! its handler, and `dispatch` is the one place a request meets them.
 //!
 //! Owns: matching a path against the declared patterns (`/reservations/{id}`: literal segments
-//! equal, each `{param}` one non-empty segment), the 404 for a path no route declares, the 405
+//! equal, each `{param}` one non-empty segment), the 404 for a path no entry declares, the 405
 //! (with `Allow`) for a declared path asked with another method, and the 401 of a guarded
-//! route. Never: answers a path with another route's answer, or runs a handler before its
+//! path. Never: answers a path with another entry's answer, or runs a handler before its
 //! guard.
 
 use http::Method;
@@ -13,7 +13,7 @@ use super::auth::{is_authorized, unauthorized};
 use super::{Reply, Request};
 use crate::auth::CurrentSecret;
 
-/// The method a route answers. `Get` answers `HEAD` too (without the body).
+/// The method a path answers. `Get` answers `HEAD` too (without the body).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Verb {
     Get,
@@ -40,7 +40,7 @@ impl Verb {
     }
 }
 
-/// Who may call a route.
+/// Who may call a path.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Guard {
     Open,
@@ -51,9 +51,9 @@ pub(crate) enum Guard {
 /// What a handler is given: the request, its whole body, and the values of the pattern's
 /// `{params}`, in order.
 pub(crate) struct Call<'a> {
-    pub(super) request: &'a Request,
-    pub(super) body: &'a [u8],
-    pub(super) params: Params<'a>,
+    pub(crate) request: &'a Request,
+    pub(crate) body: &'a [u8],
+    pub(crate) params: Params<'a>,
 }
 
 /// A pattern's parameters: at most `MAX_PARAMS`.
@@ -63,14 +63,14 @@ pub(crate) struct Params<'a>([&'a str; MAX_PARAMS]);
 const MAX_PARAMS: usize = 2;
 
 impl<'a> Params<'a> {
-    pub(super) fn get(&self, n: usize) -> &'a str {
+    pub(crate) fn get(&self, n: usize) -> &'a str {
         self.0.get(n).copied().unwrap_or_default()
     }
 }
 
-/// One declared route; `H` is what answers it: a handler of an API `A` (`Handler<A>`), or what
+/// One declared path; `H` is what answers it: a handler of an API `A` (`Handler<A>`), or what
 /// an asynchronous front end matches on.
-pub(crate) struct Route<H: 'static> {
+pub(crate) struct Entry<H: 'static> {
     pub(crate) verb: Verb,
     /// The path, with `{name}` for a segment the handler reads.
     pub(crate) pattern: &'static str,
@@ -81,7 +81,7 @@ pub(crate) struct Route<H: 'static> {
 /// A synchronous API's handler.
 pub(crate) type Handler<A> = fn(&A, Call<'_>) -> Reply;
 
-impl<H> Route<H> {
+impl<H> Entry<H> {
     /// The pattern's parameters if `path` matches it.
     fn matches<'p>(&self, path: &'p str) -> Option<Params<'p>> {
         let mut params = Params::default();
@@ -105,10 +105,10 @@ impl<H> Route<H> {
     }
 }
 
-/// Answers `request` from `table`: the first route whose pattern and method match, behind its
-/// guard; else 405 if a route declares the path with another method, else 404.
-pub(super) fn dispatch<A>(
-    table: &[Route<Handler<A>>],
+/// Answers `request` from `table`: the first entry whose pattern and method match, behind its
+/// guard; else 405 if an entry declares the path with another method, else 404.
+pub(crate) fn dispatch<A>(
+    table: &[Entry<Handler<A>>],
     api: &A,
     secret: &CurrentSecret,
     request: &Request,
@@ -127,31 +127,31 @@ pub(super) fn dispatch<A>(
     }
 }
 
-/// The route of `table` that answers `request`, behind its guard, with the pattern's
+/// The entry of `table` that answers `request`, behind its guard, with the pattern's
 /// parameters; else the 401, 404 or 405 to answer.
 pub(crate) fn find<'t, 'r, H>(
-    table: &'t [Route<H>],
+    table: &'t [Entry<H>],
     secret: &CurrentSecret,
     request: &'r Request,
 ) -> Result<(&'t H, Params<'r>), Reply> {
     let path = request.path();
     let mut declared: Option<Verb> = None;
-    for route in table {
-        let Some(params) = route.matches(path) else {
+    for entry in table {
+        let Some(params) = entry.matches(path) else {
             continue;
         };
-        if !route.verb.allows(request.method()) {
-            declared.get_or_insert(route.verb);
+        if !entry.verb.allows(request.method()) {
+            declared.get_or_insert(entry.verb);
             continue;
         }
-        if route.guard == Guard::Secret && !is_authorized(request, secret.get().as_ref()) {
+        if entry.guard == Guard::Secret && !is_authorized(request, secret.get().as_ref()) {
             return Err(unauthorized());
         }
-        return Ok((&route.handler, params));
+        return Ok((&entry.handler, params));
     }
     Err(match declared {
         Some(verb) => {
-            let mut reply = Reply::error(
+            let reply = Reply::error(
                 405,
                 format!(
                     "{} {path}: method not allowed; use {}",
@@ -159,8 +159,7 @@ pub(crate) fn find<'t, 'r, H>(
                     verb.allow()
                 ),
             );
-            reply.header = Some(("Allow", verb.allow()));
-            reply
+            reply.with_header("Allow", verb.allow())
         }
         None => Reply::error(404, format!("no such path: {path}")),
     })
@@ -170,8 +169,8 @@ pub(crate) fn find<'t, 'r, H>(
 mod tests {
     use super::*;
 
-    fn route(pattern: &'static str) -> Route<()> {
-        Route {
+    fn entry(pattern: &'static str) -> Entry<()> {
+        Entry {
             verb: Verb::Get,
             pattern,
             guard: Guard::Open,
@@ -181,7 +180,7 @@ mod tests {
 
     #[test]
     fn a_pattern_matches_its_literals_and_one_segment_per_param() {
-        let reservation = route("/reservations/{id}/prefill_complete");
+        let reservation = entry("/reservations/{id}/prefill_complete");
         let params = reservation
             .matches("/reservations/17/prefill_complete")
             .expect("matches");
@@ -195,12 +194,12 @@ mod tests {
         ] {
             assert!(reservation.matches(other).is_none(), "{other}");
         }
-        let snapshot = route("/snapshot/{engine}/{dp_rank}");
+        let snapshot = entry("/snapshot/{engine}/{dp_rank}");
         let params = snapshot.matches("/snapshot/vllm-a/3").expect("matches");
         assert_eq!((params.get(0), params.get(1)), ("vllm-a", "3"));
         assert!(snapshot.matches("/snapshot/vllm-a").is_none());
-        assert!(route("/health").matches("/health").is_some());
-        assert!(route("/health").matches("/health/").is_none());
-        assert!(route("/health").matches("/healthz").is_none());
+        assert!(entry("/health").matches("/health").is_some());
+        assert!(entry("/health").matches("/health/").is_none());
+        assert!(entry("/health").matches("/healthz").is_none());
     }
 }

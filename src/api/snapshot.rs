@@ -2,15 +2,16 @@
 //! the other indexers that recover from this one (docs.md "Replicas", docs/design.md "Recovery
 //! from a peer").
 //!
-//! Owns: every status the route answers (its path and guard are `routes`' table). Never: serves a
-//! rank that is not whole (`active`), or a part of one.
+//! Owns: every status the path answers (its guard is `indexer`'s table). Never: serves a rank
+//! that is not whole (`active`), or a part of one.
 
-use super::{Api, Reply};
+use super::IndexerApi;
 use crate::listener::Unservable;
+use crate::serve::Reply;
 
 /// `engine` (percent-encoded) and `dp_rank` are the path's segments; the table has checked the
 /// method and the secret.
-pub(super) fn snapshot_route(api: &Api, engine: &str, dp_rank: &str) -> Reply {
+pub(super) fn snapshot(api: &IndexerApi, engine: &str, dp_rank: &str) -> Reply {
     let parsed = percent_decode(engine).zip(dp_rank.parse::<u32>().ok());
     let Some((engine, dp_rank)) = parsed else {
         return Reply::error(

@@ -1,19 +1,18 @@
-//! The HTTP API (`docs/design.md`, "HTTP server"): the server and its replies. `server` accepts
-//! and serves connections with hyper on the service's tokio runtime, `guard` keeps the byte
-//! rules and deadlines of request heads on each socket, `body` reads a request's body against
-//! its limits, `request` is the head as routes read it, and `routes` answers each path with
-//! its exact JSON; `snapshot_route` serves a rank's snapshot to peer indexers, `auth` guards
-//! the routes that reveal cache contents or change state, `query_body` parses `POST /query`
-//! and `json_fields` reads the JSON bodies of both APIs; `select_route` answers `POST /select`
-//! and the reservation routes (`select_body` parses what they add to the `/query` body),
-//! asking `select`; `text_prompt` has a text or chat prompt tokenized by its model's tokenizer
-//! before either scores it; `dynamo` is the Dynamo / Mooncake indexer API, served by the same
-//! server code on its own address (`Routes` says which API a server answers).
+//! The HTTP transport (`docs/design.md`, "Serving"): the server every API is answered on.
+//! `server` accepts and serves connections with hyper on the service's tokio runtime, `guard`
+//! keeps the byte rules and deadlines of request heads on each socket, `body` reads a request's
+//! body against its limits, `request` is the head as an API reads it, `table` matches a path
+//! against an API's declared paths (with `auth`'s guard), and `reply` is a whole answer and the
+//! shape of every error. What is answered is not here: `crate::api` (the indexer API, the
+//! Dynamo API) and `crate::proxy` (the route front end) plug in through `Api` and
+//! `StreamingApi`.
 //!
-//! Owns: the connection and upload bounds, every limit and deadline a request meets, and every
-//! status code the API returns. Never: changes the index or the registry except through the
-//! reload callback, panics on a request, waits for a client without a deadline, keeps a task
-//! or a descriptor for a connection that is done, or stops accepting while it runs.
+//! Owns: the connection and upload bounds, every limit and deadline a request meets, the
+//! statuses of what the transport refuses (heads, bodies, busy), and the counters of every
+//! refusal and error answered. Never: imports an API (the layering is one-way: `api` and
+//! `proxy` import this, never the reverse), panics on a request, waits for a client without a
+//! deadline, keeps a task or a descriptor for a connection that is done, or stops accepting
+//! while it runs.
 //!
 //! hyper parses (heads, Content-Length and chunked bodies, trailers, `Expect: 100-continue`,
 //! keep-alive); we own the policy on top (`guard`, `body`, `server`). Bounds: at most
@@ -22,57 +21,30 @@
 
 pub(crate) mod auth;
 pub use auth::is_authorized;
-mod bad_body;
 mod body;
-pub use bad_body::BadBody;
-pub mod dynamo;
 mod guard;
-mod json_fields;
-#[cfg(test)]
-mod json_mutation;
-mod query_body;
-pub use query_body::{parse_query, QueryRequest};
+mod reply;
+pub(crate) use reply::openai_error;
+pub use reply::{ErrorShape, Reply};
 mod request;
 pub use request::Request;
-mod routes;
-mod select_body;
-mod select_route;
-pub(crate) use select_route::CandidateJson;
 mod server;
-mod snapshot_route;
 pub(crate) mod table;
-mod text_prompt;
-pub use snapshot_route::percent_decode;
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
 use std::pin::Pin;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
-use http::StatusCode;
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
 use log::{debug, info, warn};
-use serde::Serialize;
-use serde_json::json;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
-use crate::auth::CurrentSecret;
-use crate::config::ConfigError;
-use crate::discover::Board;
-use crate::index::Index;
 use crate::metrics::Metrics;
-use crate::registry::{DirectoryReader, RanksReader, ReloadDiff};
-use crate::select::Selector;
-use crate::tokenize::SharedTokenizers;
-pub use routes::diff_json;
-pub(crate) use routes::metrics_text;
-use routes::API_ROUTES;
 use server::{spawn_accept, Answerer, Live, Reserve, Stage};
 
 /// A request line and headers together: 16 KiB is 4 times what any client of this API sends
@@ -117,9 +89,26 @@ pub type AnswerBody = UnsyncBoxBody<Bytes, BodyError>;
 /// Why a streamed answer ended early (the client sees the connection cut).
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
+/// What a server answers with whole replies: the indexer API or the Dynamo API
+/// (`crate::api`); one server implementation, so both get the same connection cap, head and
+/// body limits and deadlines.
+pub trait Api: Send + Sync + 'static {
+    /// What the logs call this API.
+    fn name(&self) -> &'static str;
+    /// Answers `request`, whose whole body is `body`.
+    fn answer(&self, request: &Request, body: &[u8]) -> Reply;
+    fn metrics(&self) -> &Metrics;
+    /// Whether `request` is answered where it was read, on the runtime's thread, rather than
+    /// on a blocking thread: a path that only reads a flag or a published value, so that a
+    /// load balancer's check never waits for a place among the requests doing work.
+    fn answers_at_once(&self, _request: &Request) -> bool {
+        false
+    }
+}
+
 /// An API whose answers are asynchronous and may stream (the route front end): it gets the
 /// request with its whole body, read under the same limits as every API's.
-pub trait AsyncRoutes: Send + Sync + 'static {
+pub trait StreamingApi: Send + Sync + 'static {
     /// What the logs call this API.
     fn name(&self) -> &'static str;
     fn metrics(&self) -> &Metrics;
@@ -140,69 +129,10 @@ const UNBIND_GRACE: Duration = Duration::from_secs(1);
 /// After a drain's grace, how long the connections still open may take to be dropped.
 const CUT_GRACE: Duration = Duration::from_secs(1);
 
-/// Re-reads the configuration and applies it (the same as SIGHUP).
-pub type ReloadFn = dyn Fn() -> Result<ReloadDiff, ConfigError> + Send + Sync;
-
-/// What the routes read and call.
-pub struct Api {
-    pub index: Arc<Index>,
-    pub metrics: Arc<Metrics>,
-    /// Read by `/workers` and `/ready`; never the registry itself, whose lock a reload holds.
-    pub ranks: RanksReader,
-    pub directory: DirectoryReader,
-    /// Each engine's discovery state and neighbour probe, for `/workers` and `/ready`.
-    pub board: Arc<Board>,
-    pub reload: Box<ReloadFn>,
-    /// The secret of the guarded routes (`auth`), when `auth_token_file` is set.
-    pub secret: Arc<CurrentSecret>,
-    /// `/select`'s reservations and predictions.
-    pub selector: Arc<Selector>,
-    /// The models' tokenizers, for prompts sent as text or chat messages.
-    pub tokenizers: Arc<SharedTokenizers>,
-    /// Raised when a stop begins: `/ready` answers 503 from then on, so that a load balancer
-    /// sends nothing more to this process while it drains.
-    pub draining: Arc<AtomicBool>,
-}
-
-/// What a server answers with: our API (`Api`) or the Dynamo API (`dynamo::DynamoApi`); one
-/// server implementation, so both get the same connection cap, head and body limits and
-/// deadlines.
-pub trait Routes: Send + Sync + 'static {
-    /// What the logs and thread names call this API.
-    fn name(&self) -> &'static str;
-    /// Answers `request`, whose whole body is `body`.
-    fn route(&self, request: &Request, body: &[u8]) -> Reply;
-    fn metrics(&self) -> &Metrics;
-    /// Whether `request` is answered where it was read, on the runtime's thread, rather than
-    /// on a blocking thread: a route that only reads a flag or a published value, so that a
-    /// load balancer's check never waits for a place among the routes doing work.
-    fn answers_at_once(&self, _request: &Request) -> bool {
-        false
-    }
-}
-
 /// `GET` or `HEAD` of one of `paths`.
 pub(crate) fn is_check(request: &Request, paths: &[&str]) -> bool {
     matches!(*request.method(), http::Method::GET | http::Method::HEAD)
         && paths.contains(&request.path())
-}
-
-impl Routes for Api {
-    fn name(&self) -> &'static str {
-        "HTTP API"
-    }
-
-    fn route(&self, request: &Request, body: &[u8]) -> Reply {
-        table::dispatch(API_ROUTES, self, &self.secret, request, body)
-    }
-
-    fn answers_at_once(&self, request: &Request) -> bool {
-        is_check(request, &["/health", "/ready"])
-    }
-
-    fn metrics(&self) -> &Metrics {
-        &self.metrics
-    }
 }
 
 /// The HTTP socket bound, not serving yet: bound before the engines start, so that they cannot
@@ -218,19 +148,19 @@ impl BoundHttp {
         self.addr
     }
 
-    /// Starts accepting and answering with `routes`, on `runtime`, within `Limits::API`.
-    pub fn serve(self, routes: Arc<dyn Routes>, runtime: &Handle) -> anyhow::Result<HttpServer> {
-        self.start(Answerer::Routes(routes), Limits::API, runtime)
+    /// Starts accepting and answering with `api`, on `runtime`, within `Limits::API`.
+    pub fn serve(self, api: Arc<dyn Api>, runtime: &Handle) -> anyhow::Result<HttpServer> {
+        self.start(Answerer::Whole(api), Limits::API, runtime)
     }
 
-    /// Starts accepting and answering with `routes`, whose answers may stream, within `limits`.
+    /// Starts accepting and answering with `api`, whose answers may stream, within `limits`.
     pub fn serve_streams(
         self,
-        routes: Arc<dyn AsyncRoutes>,
+        api: Arc<dyn StreamingApi>,
         limits: Limits,
         runtime: &Handle,
     ) -> anyhow::Result<HttpServer> {
-        self.start(Answerer::Streams(routes), limits, runtime)
+        self.start(Answerer::Streams(api), limits, runtime)
     }
 
     fn start(
@@ -368,119 +298,6 @@ pub struct DrainCut(Arc<watch::Sender<Stage>>);
 impl DrainCut {
     pub fn cut(&self) {
         self.0.send_if_modified(|stage| advance(stage, Stage::Cut));
-    }
-}
-
-/// The JSON shape a server writes its errors in, whoever refuses: a route, the body reader,
-/// the head guard or the connection cap.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ErrorShape {
-    /// The API's: `{"error": reason}`.
-    Api,
-    /// OpenAI's, which the front end's clients parse: `{"error": {"message": reason, "type":
-    /// kind, "code": status}}`.
-    OpenAi,
-}
-
-impl ErrorShape {
-    /// The body of an error answered `status` for `reason`.
-    pub(crate) fn body(self, status: u16, reason: &str) -> Vec<u8> {
-        match self {
-            ErrorShape::Api => json!({ "error": reason }).to_string().into_bytes(),
-            ErrorShape::OpenAi => openai_error(status, openai_kind(status), reason),
-        }
-    }
-}
-
-/// An OpenAI-shaped error of `kind`.
-pub(crate) fn openai_error(status: u16, kind: &str, reason: &str) -> Vec<u8> {
-    json!({ "error": { "message": reason, "type": kind, "code": status } })
-        .to_string()
-        .into_bytes()
-}
-
-/// OpenAI's error type for a status, where the front end does not name a more precise one.
-fn openai_kind(status: u16) -> &'static str {
-    match status {
-        401 => "authentication_error",
-        404 => "not_found_error",
-        408 | 504 => "timeout",
-        429 => "rate_limit_error",
-        502 => "upstream_error",
-        503 => "service_unavailable",
-        500.. => "server_error",
-        _ => "invalid_request_error",
-    }
-}
-
-/// A response.
-pub struct Reply {
-    status: u16,
-    body: Vec<u8>,
-    content_type: &'static str,
-    /// One more header: `Allow` on a 405, `WWW-Authenticate` on a 401.
-    header: Option<(&'static str, &'static str)>,
-    /// A `/query` answered (not an error): its latency is observed.
-    is_query: bool,
-    /// An error's reason, written in the server's `ErrorShape` when answered.
-    reason: Option<String>,
-}
-
-impl Reply {
-    fn json(status: u16, body: &impl Serialize) -> Reply {
-        match serde_json::to_vec(body) {
-            Ok(body) => Reply::bytes(status, body, "application/json"),
-            Err(err) => Reply::error(500, format!("encoding the response: {err}")),
-        }
-    }
-
-    fn bytes(status: u16, body: Vec<u8>, content_type: &'static str) -> Reply {
-        Reply {
-            status,
-            body,
-            content_type,
-            header: None,
-            is_query: false,
-            reason: None,
-        }
-    }
-
-    fn error(status: u16, reason: impl ToString) -> Reply {
-        Reply {
-            status,
-            body: Vec::new(),
-            content_type: "application/json",
-            header: None,
-            is_query: false,
-            reason: Some(reason.to_string()),
-        }
-    }
-
-    pub(crate) fn status(&self) -> u16 {
-        self.status
-    }
-
-    /// The response hyper writes, an error in `shape`: always a Content-Length (hyper's for a
-    /// whole body), never chunked, so every client reads it simply; hyper leaves the body out
-    /// of a HEAD's answer.
-    pub(crate) fn into_response(self, shape: ErrorShape) -> hyper::Response<AnswerBody> {
-        let bytes = match &self.reason {
-            Some(reason) => shape.body(self.status, reason),
-            None => self.body,
-        };
-        let body = Full::new(Bytes::from(bytes)).map_err(|never| match never {});
-        let mut response = hyper::Response::new(UnsyncBoxBody::new(body));
-        *response.status_mut() =
-            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let headers = response.headers_mut();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static(self.content_type),
-        );
-        if let Some((name, value)) = self.header {
-            headers.insert(name, http::HeaderValue::from_static(value));
-        }
-        response
     }
 }
 

@@ -10,7 +10,7 @@ use serde::de::{Deserializer, Error as _};
 use serde::Deserialize;
 
 use super::query_body::{form_decode, is_binary, parse_query_request, QueryRequest};
-use super::snapshot_route::percent_decode;
+use super::snapshot::percent_decode;
 use super::BadBody;
 use crate::select::Options;
 

@@ -1,0 +1,30 @@
+//! The APIs answered with whole replies (`docs/design.md`, "Serving"), each a path table for
+//! `crate::serve`'s transport: `indexer` is our own API (docs.md "HTTP API"), `select` its
+//! selection and reservation paths, `snapshot` a rank's snapshot for peer indexers, and
+//! `dynamo` the Dynamo / Mooncake indexer API on its own address. The body parsers are here
+//! too: `query_body` (`/query`'s JSON and binary bodies), `select_body` (what `/select` adds),
+//! `json_fields` (the JSON bodies of both APIs) and `bad_body` (the words of their 400s);
+//! `text_prompt` has a text or chat prompt tokenized before it is scored.
+//!
+//! Owns: which path answers which method, what each answer contains, and the status of every
+//! refusal of a request's meaning. Never: reads a socket or sets a limit (the transport does),
+//! imports the route front end (`crate::proxy` imports this, never the reverse), or changes the
+//! index or the registry except through the reload callback and the `Reconciler`.
+
+mod bad_body;
+pub use bad_body::BadBody;
+pub mod dynamo;
+mod indexer;
+pub(crate) use indexer::metrics_text;
+pub use indexer::{diff_json, IndexerApi, ReloadFn};
+mod json_fields;
+#[cfg(test)]
+mod json_mutation;
+mod query_body;
+pub use query_body::{parse_query, QueryRequest};
+mod select;
+pub(crate) use select::CandidateJson;
+mod select_body;
+mod snapshot;
+pub use snapshot::percent_decode;
+mod text_prompt;
