@@ -26,8 +26,8 @@ use crate::listener::State;
 use crate::metrics::Metrics;
 use crate::registry::{DirectoryReader, ListenerView, RanksReader, ReloadDiff};
 use crate::select::{EngineLoad, Selector};
-use crate::serve::table::{dispatch, Entry, Guard, Handler, Verb};
-use crate::serve::{is_check, Api, Reply, Request};
+use crate::serve::table::{dispatch, runs, Entry, Guard, Handler, Verb};
+use crate::serve::{Api, Reply, Request, Runs};
 use crate::tokenize::SharedTokenizers;
 use crate::wire::SpecKind;
 
@@ -64,8 +64,8 @@ impl Api for IndexerApi {
         dispatch(INDEXER_PATHS, self, &self.secret, request, body)
     }
 
-    fn answers_at_once(&self, request: &Request) -> bool {
-        is_check(request, &["/health", "/ready"])
+    fn runs(&self, request: &Request) -> Runs {
+        runs(INDEXER_PATHS, request)
     }
 
     fn metrics(&self) -> &Metrics {
@@ -79,68 +79,68 @@ static INDEXER_PATHS: &[Entry<Handler<IndexerApi>>] = &[
         verb: Verb::Post,
         pattern: "/query",
         guard: Guard::Open,
-        handler: |api, call| query(api, call.request, call.body),
+        handler: Handler::Pool(|api, call| query(api, call.request, call.body)),
     },
     Entry {
         verb: Verb::Post,
         pattern: "/select",
         // A reserving `/select` needs the secret: its body says so (`select`).
         guard: Guard::Open,
-        handler: |api, call| select(api, call.request, call.body),
+        handler: Handler::Pool(|api, call| select(api, call.request, call.body)),
     },
     Entry {
         verb: Verb::Post,
         pattern: "/reservations/{id}/prefill_complete",
         guard: Guard::Secret,
-        handler: |api, call| prefill_complete(api, call.params.get(0), call.body),
+        handler: Handler::Here(|api, call| prefill_complete(api, call.params.get(0), call.body)),
     },
     Entry {
         verb: Verb::Delete,
         pattern: "/reservations/{id}",
         guard: Guard::Secret,
-        handler: |api, call| release(api, call.params.get(0)),
+        handler: Handler::Here(|api, call| release(api, call.params.get(0))),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/loads",
         guard: Guard::Open,
-        handler: |api, _| loads(api),
+        handler: Handler::Here(|api, _| loads(api)),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/snapshot/{engine}/{dp_rank}",
         guard: Guard::Secret,
-        handler: |api, call| snapshot(api, call.params.get(0), call.params.get(1)),
+        handler: Handler::Pool(|api, call| snapshot(api, call.params.get(0), call.params.get(1))),
     },
     Entry {
         verb: Verb::Post,
         pattern: "/reload",
         guard: Guard::Secret,
-        handler: |api, _| reload(api),
+        handler: Handler::Pool(|api, _| reload(api)),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/workers",
         guard: Guard::Open,
-        handler: |api, _| workers(api),
+        handler: Handler::Pool(|api, _| workers(api)),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/health",
         guard: Guard::Open,
-        handler: |_, _| Reply::json(200, &json!({ "status": "ok" })),
+        handler: Handler::Here(|_, _| Reply::json(200, &json!({ "status": "ok" }))),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/ready",
         guard: Guard::Open,
-        handler: |api, _| ready(api),
+        handler: Handler::Here(|api, _| ready(api)),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/metrics",
         guard: Guard::Open,
-        handler: |api, _| metrics(api),
+        handler: Handler::Pool(|api, _| metrics(api)),
     },
 ];
 
@@ -534,6 +534,30 @@ fn reload(api: &IndexerApi) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::request::test_request;
+
+    /// docs/design.md "Serving": a check, the reservations and `/loads` are answered on the
+    /// runtime's thread, never waiting for a place in the pool; scoring, snapshots, a reload
+    /// and the answers that grow with the fleet on a blocking thread.
+    #[test]
+    fn each_path_runs_where_the_design_says() {
+        for (method, target, place) in [
+            ("GET", "/health", Runs::Here),
+            ("HEAD", "/ready", Runs::Here),
+            ("POST", "/reservations/7/prefill_complete", Runs::Here),
+            ("DELETE", "/reservations/7", Runs::Here),
+            ("GET", "/loads", Runs::Here),
+            ("POST", "/query", Runs::Pool),
+            ("POST", "/select?reserve=true", Runs::Pool),
+            ("GET", "/snapshot/vllm-a/0", Runs::Pool),
+            ("POST", "/reload", Runs::Pool),
+            ("GET", "/workers", Runs::Pool),
+            ("GET", "/metrics", Runs::Pool),
+        ] {
+            let request = test_request(method, target);
+            assert_eq!(runs(INDEXER_PATHS, &request), place, "{method} {target}");
+        }
+    }
 
     fn report(state: DiscoveryState, ranks: Option<usize>) -> DiscoveryReport {
         DiscoveryReport {

@@ -17,7 +17,8 @@
 //! hyper parses (heads, Content-Length and chunked bodies, trailers, `Expect: 100-continue`,
 //! keep-alive); we own the policy on top (`guard`, `body`, `server`). Bounds: at most
 //! `MAX_CONNECTIONS` open connections, `MAX_HEAD_BYTES` of head, `MAX_BODY_BYTES` of body,
-//! `MAX_UPLOADS` bodies read at once, and `POOL_THREADS` requests answered at once.
+//! `MAX_UPLOADS` bodies read at once, and `POOL_THREADS` requests answered on blocking threads
+//! at once (the rest are answered on the runtime, `table::Runs`).
 
 pub(crate) mod auth;
 pub use auth::is_authorized;
@@ -26,10 +27,11 @@ mod guard;
 mod reply;
 pub(crate) use reply::openai_error;
 pub use reply::{ErrorShape, Reply};
-mod request;
+pub(crate) mod request;
 pub use request::Request;
 mod server;
 pub(crate) mod table;
+pub use table::Runs;
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
@@ -58,9 +60,9 @@ pub const HEAD_DEADLINE: Duration = Duration::from_secs(10);
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Larger bodies are refused with 413.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
-/// Requests answered at once (routed and their reply built, on the runtime's blocking
-/// threads): a query is CPU work, and more at once than this only adds memory on a machine of
-/// a few cores.
+/// Requests answered at once on the runtime's blocking threads (those whose path runs on the
+/// pool, and every large body): a query is CPU work, and more at once than this only adds
+/// memory on a machine of a few cores.
 pub const POOL_THREADS: usize = 32;
 /// At most this many bodies are read from sockets at once (24 × 16 MiB bound their memory);
 /// an upload beyond it is refused 503 without being read.
@@ -95,15 +97,13 @@ pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 pub trait Api: Send + Sync + 'static {
     /// What the logs call this API.
     fn name(&self) -> &'static str;
-    /// Answers `request`, whose whole body is `body`.
+    /// Answers `request`, whose whole body is `body`, on the thread `runs` said.
     fn answer(&self, request: &Request, body: &[u8]) -> Reply;
+    /// Where `request` is answered: on the runtime's thread where it was read, or on a
+    /// blocking thread (its path table says, `table::Runs`). A body of 1 MiB or more is always
+    /// parsed on a blocking thread, whatever its path.
+    fn runs(&self, request: &Request) -> Runs;
     fn metrics(&self) -> &Metrics;
-    /// Whether `request` is answered where it was read, on the runtime's thread, rather than
-    /// on a blocking thread: a path that only reads a flag or a published value, so that a
-    /// load balancer's check never waits for a place among the requests doing work.
-    fn answers_at_once(&self, _request: &Request) -> bool {
-        false
-    }
 }
 
 /// An API whose answers are asynchronous and may stream (the route front end): it gets the
@@ -128,12 +128,6 @@ const STOP_GRACE: Duration = Duration::from_millis(500);
 const UNBIND_GRACE: Duration = Duration::from_secs(1);
 /// After a drain's grace, how long the connections still open may take to be dropped.
 const CUT_GRACE: Duration = Duration::from_secs(1);
-
-/// `GET` or `HEAD` of one of `paths`.
-pub(crate) fn is_check(request: &Request, paths: &[&str]) -> bool {
-    matches!(*request.method(), http::Method::GET | http::Method::HEAD)
-        && paths.contains(&request.path())
-}
 
 /// The HTTP socket bound, not serving yet: bound before the engines start, so that they cannot
 /// take the descriptors the API needs.
@@ -298,40 +292,5 @@ pub struct DrainCut(Arc<watch::Sender<Stage>>);
 impl DrainCut {
     pub fn cut(&self) {
         self.0.send_if_modified(|stage| advance(stage, Stage::Cut));
-    }
-}
-
-#[cfg(test)]
-mod checks {
-    use super::{is_check, Request};
-
-    fn request(method: &str, target: &str) -> Request {
-        let (parts, ()) = http::Request::builder()
-            .method(method)
-            .uri(target)
-            .body(())
-            .expect("a request")
-            .into_parts();
-        Request::new(parts, "127.0.0.1:1".parse().expect("an address"))
-    }
-
-    /// Only a read of a check is answered where it was read, never a route that works.
-    #[test]
-    fn only_a_get_or_head_of_a_check_is_answered_at_once() {
-        let checks = ["/health", "/ready"];
-        for (method, target, at_once) in [
-            ("GET", "/health", true),
-            ("HEAD", "/ready", true),
-            ("GET", "/ready?verbose=1", true),
-            ("POST", "/health", false),
-            ("GET", "/workers", false),
-            ("GET", "/healthz", false),
-        ] {
-            assert_eq!(
-                is_check(&request(method, target), &checks),
-                at_once,
-                "{method} {target}"
-            );
-        }
     }
 }

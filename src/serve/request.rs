@@ -79,3 +79,16 @@ impl Request {
         self.header_values(name).next()
     }
 }
+
+/// A request of `method` for `target`, from a loopback peer: for the tests of where a path is
+/// answered.
+#[cfg(test)]
+pub(crate) fn test_request(method: &str, target: &str) -> Request {
+    let (parts, ()) = http::Request::builder()
+        .method(method)
+        .uri(target)
+        .body(())
+        .expect("a request")
+        .into_parts();
+    Request::new(parts, SocketAddr::from(([127, 0, 0, 1], 1)))
+}

@@ -3,9 +3,10 @@
 //!
 //! Owns: the cap on open connections (past it a connection is answered 503 and closed,
 //! counted), the descriptors held in reserve so that accept can run when the process has none
-//! left, the back-off on accept errors, the bound on requests answered at once (handlers run on
-//! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry)
-//! and on those of large bodies (a core kept free of them), and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
+//! left, the back-off on accept errors, where each request is answered (on the runtime's thread where it
+//! was read, or, for a path whose handler is CPU work or waits for the registry and for every
+//! large body, on a blocking thread: at most `POOL_THREADS` at once, and those of large bodies
+//! one a core but one), and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
 //! the request they are answering (hyper's graceful shutdown: an idle one closes at once) until
 //! the stop's grace is up, then are dropped.
 //! Never: gives up the listening socket (an accept error is logged, waited out and retried),
@@ -32,8 +33,8 @@ use tokio::sync::{watch, Semaphore};
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    AnswerBody, Api, ErrorShape, Limits, Reply, Request, StreamingApi, MAX_HEADERS, MAX_HEAD_BYTES,
-    POOL_THREADS,
+    AnswerBody, Api, ErrorShape, Limits, Reply, Request, Runs, StreamingApi, MAX_HEADERS,
+    MAX_HEAD_BYTES, POOL_THREADS,
 };
 use crate::metrics::Metrics;
 
@@ -50,7 +51,7 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// What a server answers with.
 #[derive(Clone)]
 pub(super) enum Answerer {
-    /// Synchronous handlers with whole answers, run on blocking threads.
+    /// Handlers with whole answers, each run where its path table says.
     Whole(Arc<dyn Api>),
     /// Asynchronous answers that may stream (the route front end).
     Streams(Arc<dyn StreamingApi>),
@@ -84,7 +85,7 @@ struct Shared {
     answerer: Answerer,
     limits: Limits,
     uploads: Uploads,
-    /// `POOL_THREADS` places to answer synchronous handlers in.
+    /// `POOL_THREADS` places to answer on blocking threads in.
     answering: Arc<Semaphore>,
     /// Places to answer a request of a large body in (`LARGE_BODY_BYTES`): one core fewer than
     /// the machine's, so that parsing them leaves a core to every other request.
@@ -518,14 +519,12 @@ async fn answer(
         Answerer::Whole(api) => Arc::clone(api),
         Answerer::Streams(api) => return Arc::clone(api).answer(request, bytes).await,
     };
-    if api.answers_at_once(&request) {
+    let large_body = bytes.len() >= LARGE_BODY_BYTES;
+    if !large_body && api.runs(&request) == Runs::Here {
         let reply = api.answer(&request, &bytes);
-        if reply.status >= 400 {
-            shared.answerer.metrics().http_error(reply.status);
-        }
-        return reply.into_response(shape);
+        return counted(shared, reply, started).into_response(shape);
     }
-    let large = match bytes.len() >= LARGE_BODY_BYTES {
+    let large = match large_body {
         true => {
             let waiting = Arc::clone(&shared.large).acquire_owned();
             match tokio::time::timeout(LARGE_BODY_WAIT, waiting).await {
@@ -560,9 +559,14 @@ async fn answer(
     let answered = tokio::task::spawn_blocking(move || api.answer(&request, &bytes)).await;
     // A handler that panicked: a bug, answered as one.
     let reply =
-        answered.unwrap_or_else(|err| Reply::error(500, format!("the route failed: {err}")));
+        answered.unwrap_or_else(|err| Reply::error(500, format!("the handler failed: {err}")));
     drop(_place);
     drop(large);
+    counted(shared, reply, started).into_response(shape)
+}
+
+/// `reply` with its error counted, or its query's latency observed.
+fn counted(shared: &Shared, reply: Reply, started: Instant) -> Reply {
     let metrics = shared.answerer.metrics();
     if reply.status >= 400 {
         metrics.http_error(reply.status);
@@ -570,5 +574,5 @@ async fn answer(
     if reply.is_query {
         metrics.observe_query(started.elapsed().as_secs_f64());
     }
-    reply.into_response(shape)
+    reply
 }

@@ -78,8 +78,23 @@ pub(crate) struct Entry<H: 'static> {
     pub(crate) handler: H,
 }
 
-/// A synchronous API's handler.
-pub(crate) type Handler<A> = fn(&A, Call<'_>) -> Reply;
+/// A whole-answer API's handler, and where it runs: the table says it once for each path, so
+/// that only the work that needs a blocking thread waits for one.
+pub(crate) enum Handler<A: 'static> {
+    /// Reads a flag, a published value or a short lock: answered on the runtime's thread, as
+    /// soon as its body is read, never waiting for a place in the pool.
+    Here(fn(&A, Call<'_>) -> Reply),
+    /// Hashes and walks the index, tokenizes, writes an answer that grows with the fleet, or
+    /// waits on a lock a reload holds: answered on a blocking thread, one of `POOL_THREADS`.
+    Pool(fn(&A, Call<'_>) -> Reply),
+}
+
+/// Where a request is answered (`Handler`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runs {
+    Here,
+    Pool,
+}
 
 impl<H> Entry<H> {
     /// The pattern's parameters if `path` matches it.
@@ -115,7 +130,7 @@ pub(crate) fn dispatch<A>(
     body: &[u8],
 ) -> Reply {
     match find(table, secret, request) {
-        Ok((handler, params)) => {
+        Ok((Handler::Here(handler) | Handler::Pool(handler), params)) => {
             let call = Call {
                 request,
                 body,
@@ -124,6 +139,20 @@ pub(crate) fn dispatch<A>(
             handler(api, call)
         }
         Err(refused) => refused,
+    }
+}
+
+/// Where `request` is answered: its handler's place, or here for a path no entry answers
+/// with its method (a 404 or 405 costs nothing). The guard is not asked: a 401 is answered
+/// where its handler would run.
+pub(crate) fn runs<A>(table: &[Entry<Handler<A>>], request: &Request) -> Runs {
+    let path = request.path();
+    let entry = table
+        .iter()
+        .find(|entry| entry.verb.allows(request.method()) && entry.matches(path).is_some());
+    match entry.map(|entry| &entry.handler) {
+        Some(Handler::Pool(_)) => Runs::Pool,
+        Some(Handler::Here(_)) | None => Runs::Here,
     }
 }
 
@@ -201,5 +230,51 @@ mod tests {
         assert!(entry("/health").matches("/health").is_some());
         assert!(entry("/health").matches("/health/").is_none());
         assert!(entry("/health").matches("/healthz").is_none());
+    }
+}
+
+#[cfg(test)]
+mod placing {
+    use super::{runs, Entry, Guard, Handler, Runs, Verb};
+    use crate::serve::request::test_request;
+    use crate::serve::Reply;
+
+    fn ok(_: &(), _: super::Call<'_>) -> Reply {
+        Reply::error(200, "")
+    }
+
+    static TABLE: &[Entry<Handler<()>>] = &[
+        Entry {
+            verb: Verb::Get,
+            pattern: "/health",
+            guard: Guard::Open,
+            handler: Handler::Here(ok),
+        },
+        Entry {
+            verb: Verb::Post,
+            pattern: "/query/{model}",
+            guard: Guard::Secret,
+            handler: Handler::Pool(ok),
+        },
+    ];
+
+    /// A request is answered where its path's handler runs; one no entry answers (a 404 or a
+    /// 405) is refused at once, never waiting for a place in the pool.
+    #[test]
+    fn a_request_runs_where_its_entry_says_and_a_refusal_at_once() {
+        for (method, target, place) in [
+            ("GET", "/health", Runs::Here),
+            ("HEAD", "/health", Runs::Here),
+            ("GET", "/health?verbose=1", Runs::Here),
+            ("POST", "/query/m", Runs::Pool),
+            ("POST", "/query/m?x=1", Runs::Pool),
+            ("POST", "/health", Runs::Here),
+            ("GET", "/query/m", Runs::Here),
+            ("POST", "/query/", Runs::Here),
+            ("GET", "/healthz", Runs::Here),
+        ] {
+            let request = test_request(method, target);
+            assert_eq!(runs(TABLE, &request), place, "{method} {target}");
+        }
     }
 }

@@ -39,37 +39,39 @@ pub(super) static DYNAMO_PATHS: &[Entry<Handler<DynamoApi>>] = &[
         verb: Verb::Post,
         pattern: "/query",
         guard: Guard::Open,
-        handler: |api, call| with_body(call.body, |body| query(api, &body)),
+        handler: Handler::Pool(|api, call| with_body(call.body, |body| query(api, &body))),
     },
     Entry {
         verb: Verb::Post,
         pattern: "/query_by_hash",
         guard: Guard::Open,
-        handler: |api, call| with_body(call.body, |body| query_by_hash(api, &body)),
+        handler: Handler::Pool(|api, call| with_body(call.body, |body| query_by_hash(api, &body))),
     },
     Entry {
         verb: Verb::Post,
         pattern: "/register",
         guard: Guard::Secret,
-        handler: |api, call| with_body(call.body, |body| register(api, call.request, body)),
+        handler: Handler::Pool(|api, call| {
+            with_body(call.body, |body| register(api, call.request, body))
+        }),
     },
     Entry {
         verb: Verb::Post,
         pattern: "/unregister",
         guard: Guard::Secret,
-        handler: |api, call| with_body(call.body, |body| unregister(api, &body)),
+        handler: Handler::Pool(|api, call| with_body(call.body, |body| unregister(api, &body))),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/workers",
         guard: Guard::Open,
-        handler: |api, _| workers(api),
+        handler: Handler::Pool(|api, _| workers(api)),
     },
     Entry {
         verb: Verb::Get,
         pattern: "/health",
         guard: Guard::Open,
-        handler: |_, _| Reply::json(200, &json!({ "status": "ok" })),
+        handler: Handler::Here(|_, _| Reply::json(200, &json!({ "status": "ok" }))),
     },
 ];
 

@@ -21,8 +21,8 @@ use crate::index::Index;
 use crate::metrics::Metrics;
 use crate::registry::DirectoryReader;
 use crate::registry::Reconciler;
-use crate::serve::table::dispatch;
-use crate::serve::{is_check, Api, Reply, Request};
+use crate::serve::table::{dispatch, runs};
+use crate::serve::{Api, Reply, Request, Runs};
 pub use handlers::{runtime_engine_name, ROUTING_GROUP};
 
 /// What the Dynamo API's handlers read and call.
@@ -47,8 +47,8 @@ impl Api for DynamoApi {
         dispatch(handlers::DYNAMO_PATHS, self, &self.secret, request, body)
     }
 
-    fn answers_at_once(&self, request: &Request) -> bool {
-        is_check(request, &["/health"])
+    fn runs(&self, request: &Request) -> Runs {
+        runs(handlers::DYNAMO_PATHS, request)
     }
 
     fn metrics(&self) -> &Metrics {
