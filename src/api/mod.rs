@@ -3,7 +3,8 @@
 //! selection and reservation paths, `snapshot` a rank's snapshot for peer indexers, and
 //! `dynamo` the Dynamo / Mooncake indexer API on its own address. The body parsers are here
 //! too: `query_body` (`/query`'s JSON and binary bodies), `select_body` (what `/select` adds),
-//! `json_fields` (the JSON bodies of both APIs) and `bad_body` (the words of their 400s);
+//! `json_fields` (the JSON bodies of both APIs), `form` (query strings) and `bad_body` (the
+//! words of their 400s);
 //! `text_prompt` has a text or chat prompt tokenized before it is scored.
 //!
 //! Owns: which path answers which method, what each answer contains, and the status of every
@@ -14,6 +15,8 @@
 mod bad_body;
 pub use bad_body::BadBody;
 pub mod dynamo;
+mod form;
+pub use form::percent_decode;
 mod indexer;
 pub(crate) use indexer::metrics_text;
 pub use indexer::{diff_json, IndexerApi, ReloadFn};
@@ -26,5 +29,4 @@ mod select;
 pub(crate) use select::CandidateJson;
 mod select_body;
 mod snapshot;
-pub use snapshot::percent_decode;
 mod text_prompt;

@@ -12,7 +12,7 @@
 //! client sends.
 
 use super::QueryRequest;
-use crate::api::snapshot::percent_decode;
+use crate::api::form::form_pairs;
 use crate::api::BadBody;
 
 /// The media type of the binary body; any other (or none) is JSON, so a client that names no
@@ -50,14 +50,11 @@ pub(super) fn parse_binary(
     Ok(query)
 }
 
-/// `model`, `lora_name` and `cache_salt` from `name=value` pairs joined by `&`, decoded as
-/// HTML forms encode them (`%XX` of UTF-8 bytes, `+` a space: what Python's `requests` and
-/// browsers send); a name without `=` has the empty value, empty pairs are skipped.
+/// `model`, `lora_name` and `cache_salt` from the query string's pairs (`form`).
 fn options(query_string: &str) -> Result<QueryRequest, BadBody> {
     let mut query = QueryRequest::default();
-    for pair in query_string.split('&').filter(|pair| !pair.is_empty()) {
-        let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
-        let name = form_decode(raw_name, pair)?;
+    for pair in form_pairs(query_string) {
+        let name = pair.name()?;
         let slot = match name.as_str() {
             "model" => &mut query.model,
             "lora_name" => &mut query.lora_name,
@@ -65,19 +62,9 @@ fn options(query_string: &str) -> Result<QueryRequest, BadBody> {
             "mm_features" => return Err(BadBody::MmFeaturesInQueryString),
             _ => return Err(BadBody::UnknownParameter(name)),
         };
-        if slot.is_some() {
-            return Err(BadBody::RepeatedParameter(name));
-        }
-        *slot = Some(form_decode(raw_value, pair)?);
+        pair.fill(slot, name)?;
     }
     Ok(query)
-}
-
-/// One name or value of `pair` decoded; a broken escape or bytes that are not UTF-8 are
-/// refused with the pair as sent.
-pub(in crate::api) fn form_decode(text: &str, pair: &str) -> Result<String, BadBody> {
-    percent_decode(&text.replace('+', " "))
-        .ok_or_else(|| BadBody::NotPercentEncoded(pair.to_owned()))
 }
 
 #[cfg(test)]

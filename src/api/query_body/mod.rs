@@ -20,7 +20,7 @@ mod tests;
 use crate::api::BadBody;
 use crate::index::{MmFeature, Prompt};
 use binary::parse_binary;
-pub(super) use binary::{form_decode, is_binary, OCTET_STREAM};
+pub(super) use binary::{is_binary, OCTET_STREAM};
 use scan::scan_common_shape;
 
 /// A `/query` body.
