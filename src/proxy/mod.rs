@@ -2,7 +2,7 @@
 //! that sends each request to the rank `/select` chooses and passes the engine's answer back
 //! unchanged.
 //!
-//! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
+//! On `serve`, the APIs' transport (`StreamingApi`: answers that stream): for each
 //! `POST /v1/chat/completions`, `/v1/completions` or `/v1/responses` (`responses`) it tokenizes
 //! the prompt as `/select` does, behind the same gate and length limit (`tokenizing`; a model
 //! without a local tokenizer is tokenized by its engine's `/tokenize`, `engine_tokenize`, else

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use super::AnswerBody;
 
-/// The JSON shape a server writes its errors in, whoever refuses: a route, the body reader,
+/// The JSON shape a server writes its errors in, whoever refuses: a handler, the body reader,
 /// the head guard or the connection cap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorShape {

@@ -3,12 +3,13 @@
 //!
 //! Owns: the cap on open connections (past it a connection is answered 503 and closed,
 //! counted), the descriptors held in reserve so that accept can run when the process has none
-//! left, the back-off on accept errors, where each request is answered (on the runtime's thread where it
-//! was read, or, for a path whose handler is CPU work or waits for the registry and for every
-//! large body, on a blocking thread: at most `POOL_THREADS` at once, and those of large bodies
-//! one a core but one), and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
-//! the request they are answering (hyper's graceful shutdown: an idle one closes at once) until
-//! the stop's grace is up, then are dropped.
+//! left, the back-off on accept errors, where each request is answered (on the runtime's
+//! thread where it was read, or, for a path whose handler is CPU work or waits for the
+//! registry and for every large body, on a blocking thread: at most `POOL_THREADS` at once,
+//! and those of large bodies one a core but one), and stopping (`Stage`): accept ends and the
+//! listening socket closes, open connections finish the request they are answering (hyper's
+//! graceful shutdown: an idle one closes at once) until the stop's grace is up, then are
+//! dropped.
 //! Never: gives up the listening socket (an accept error is logged, waited out and retried),
 //! keeps a task or descriptor for a connection that is done, or blocks a runtime thread.
 

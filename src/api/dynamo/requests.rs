@@ -1,4 +1,4 @@
-//! The Dynamo API's request bodies: a derived struct read by `http::json_fields`, every
+//! The Dynamo API's request bodies: a derived struct read by `api::json_fields`, every
 //! rejection naming the offending field or element (`token_ids[3]: expected an integer in
 //! 0..=4294967295, got -1`), worded like our own `/query`'s.
 //!

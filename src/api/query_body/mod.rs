@@ -2,7 +2,7 @@
 //!
 //! The common shape (plain integers, strings without escapes, known keys once each) is read by
 //! a hand-written scanner; anything else, valid or not, goes to serde (a derived struct read
-//! through `http::json_fields`), which alone decides every other result and words every
+//! through `api::json_fields`), which alone decides every other result and words every
 //! rejection. The scanner must never accept what serde would reject or read differently.
 //!
 //! Never builds a JSON tree of the body and never panics on what a client sends.
