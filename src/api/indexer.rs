@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::health;
 use super::query_body::{parse_query_request, QueryRequest};
 use super::select::{engine_load_json, loads, prefill_complete, release, select};
 use super::snapshot::snapshot;
@@ -124,12 +125,7 @@ static INDEXER_PATHS: &[Entry<Handler<IndexerApi>>] = &[
         guard: Guard::Open,
         handler: Handler::Pool(|api, _| workers(api)),
     },
-    Entry {
-        verb: Verb::Get,
-        pattern: "/health",
-        guard: Guard::Open,
-        handler: Handler::Here(|_, _| Reply::json(200, &json!({ "status": "ok" }))),
-    },
+    health(),
     Entry {
         verb: Verb::Get,
         pattern: "/ready",

@@ -30,3 +30,22 @@ pub(crate) use select::CandidateJson;
 mod select_body;
 mod snapshot;
 mod text_prompt;
+
+use serde_json::json;
+
+use crate::serve::table::{Call, Entry, Guard, Handler, Verb};
+use crate::serve::Reply;
+
+/// `GET /health`, the same on every API: the process answers.
+const fn health<A>() -> Entry<Handler<A>> {
+    Entry {
+        verb: Verb::Get,
+        pattern: "/health",
+        guard: Guard::Open,
+        handler: Handler::Here(alive),
+    }
+}
+
+fn alive<A>(_: &A, _: Call<'_>) -> Reply {
+    Reply::json(200, &json!({ "status": "ok" }))
+}

@@ -12,6 +12,7 @@ use serde_json::json;
 
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
+use crate::api::health;
 use crate::api::BadBody;
 use crate::config::MAX_DP_SIZE;
 use crate::discover::Refusal;
@@ -67,12 +68,7 @@ pub(super) static DYNAMO_PATHS: &[Entry<Handler<DynamoApi>>] = &[
         guard: Guard::Open,
         handler: Handler::Pool(|api, _| workers(api)),
     },
-    Entry {
-        verb: Verb::Get,
-        pattern: "/health",
-        guard: Guard::Open,
-        handler: Handler::Here(|_, _| Reply::json(200, &json!({ "status": "ok" }))),
-    },
+    health(),
 ];
 
 /// The handler's answer to its parsed body, or a 400 naming what is wrong with either.
