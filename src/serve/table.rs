@@ -1,11 +1,12 @@
-//! Path tables: each API declares every path it answers once, with its method, its guard and
-//! its handler, and `dispatch` is the one place a request meets them.
+//! Path tables: each API declares every path it answers once, with its method, its guard, its
+//! handler and where the handler runs (`Handler::Here` or `Handler::Pool`), and `dispatch` is
+//! the one place a request meets them.
 //!
 //! Owns: matching a path against the declared patterns (`/reservations/{id}`: literal segments
 //! equal, each `{param}` one non-empty segment), the 404 for a path no entry declares, the 405
-//! (with `Allow`) for a declared path asked with another method, and the 401 of a guarded
-//! path. Never: answers a path with another entry's answer, or runs a handler before its
-//! guard.
+//! (with `Allow`) for a declared path asked with another method, the 401 of a guarded path,
+//! and where a request is answered (`runs`). Never: answers a path with another entry's
+//! answer, runs a handler before its guard, or sends a refusal to the pool.
 
 use http::Method;
 
