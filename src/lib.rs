@@ -11,12 +11,13 @@
 //! config (parse, validate) → plan (engines × ranks → listener specs)
 //!   → registry (running listeners; register / remove / reload diff; published views)
 //!   → listener (socket, seq, recovery) → wire (bytes → events) → index (keys, shards)
-//! http (hyper with our limits, and the routes) reads the index and the registry's published views.
-//! select, beside http, weighs them with its own reservations to choose a rank (`/select`).
-//! tokenize, beside http, turns a prompt sent as text or chat messages into token ids.
+//! serve is the HTTP transport (hyper with our limits); api (the indexer and Dynamo APIs) and
+//! proxy (the route front end) answer on it, reading the index and the registry's views.
+//! select, beside api, weighs them with its own reservations to choose a rank (`/select`).
+//! tokenize, beside api, turns a prompt sent as text or chat messages into token ids.
 //! metrics is a leaf: everyone pushes facts into it; it imports nothing from the crate.
 //! discover sits beside config: it asks an engine's HTTP server for its ranks, for plan.
-//! endpoint is a leaf: the typed `tcp://host:port` that config, discover, plan and http share.
+//! endpoint is a leaf: the typed `tcp://host:port` that config, discover, plan and api share.
 //! engine_http is the one HTTP client to engines and peers: the proxy's streams, discovery,
 //! snapshot fetches, engines' load.
 //! socket_monitor is a leaf: a ZMQ socket with a monitor that cannot stop ZMQ's I/O threads.
@@ -28,12 +29,12 @@
 //! engine that tests, examples and benchmarks use as a peer is not here: it is the workspace's
 //! `sim` crate (`kv-indexer-sim`), a dev-dependency, so the product never compiles it.
 
+pub mod api;
 pub mod auth;
 pub mod config;
 pub mod discover;
 pub mod endpoint;
 mod engine_http;
-pub mod http;
 pub mod index;
 pub mod listener;
 pub mod logs;
@@ -43,6 +44,7 @@ pub mod preflight;
 pub mod proxy;
 pub mod registry;
 pub mod select;
+pub mod serve;
 pub mod service;
 pub mod socket_monitor;
 pub mod state;

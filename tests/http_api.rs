@@ -6,7 +6,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
-use kv_indexer::http::{MAX_UPLOADS, POOL_THREADS};
+use kv_indexer::serve::{MAX_UPLOADS, POOL_THREADS};
 use kv_indexer_sim::indexer_toml::{indexer_toml, EngineToml};
 use kv_indexer_sim::procfs::Proc;
 use kv_indexer_sim::running::RunningService;

@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use kv_indexer::http::{HEAD_DEADLINE, MAX_BODY_BYTES, MAX_CONNECTIONS};
+use kv_indexer::serve::{HEAD_DEADLINE, MAX_BODY_BYTES, MAX_CONNECTIONS};
 use kv_indexer_sim::indexer_toml::indexer_toml;
 use kv_indexer_sim::process::IndexerProcess;
 use kv_indexer_sim::procfs::Holdings;

@@ -19,7 +19,7 @@ use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::{Connections, SendError};
-use crate::http::BodyError;
+use crate::serve::BodyError;
 
 /// A chunk-size line (with its extensions) or a trailer line longer than this is refused.
 pub(super) const MAX_LINE_BYTES: usize = 4 << 10;

@@ -2,7 +2,7 @@
 //! worker's block count, the key count) and the candidates a search starts from.
 //!
 //! Owns the answer's shape and its (lack of) order: scores come in no particular order, and the
-//! one caller that presents them (`/query` in `http::routes`) sorts them once. It never writes
+//! one caller that presents them (`/query` in `api::indexer`) sorts them once. It never writes
 //! the index and never holds a shard lock across probes.
 
 use std::sync::atomic::Ordering;

@@ -12,9 +12,9 @@ use hyper::{Response, StatusCode};
 use tracing::debug;
 
 use super::Proxy;
-use crate::http::{openai_error, AnswerBody, ErrorShape, Reply};
 use crate::metrics::RouteOutcome;
 use crate::plan::WorkerKey;
+use crate::serve::{openai_error, AnswerBody, ErrorShape, Reply};
 
 impl Proxy {
     /// OpenAI's answer to a model nobody serves: 404, `code` `model_not_found`.

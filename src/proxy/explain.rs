@@ -10,8 +10,9 @@ use hyper::header::HeaderValue;
 use hyper::Response;
 use serde::Serialize;
 
-use crate::http::{AnswerBody, CandidateJson, Request};
+use crate::api::CandidateJson;
 use crate::select::Selection;
+use crate::serve::{AnswerBody, Request};
 
 /// The request header that asks, and the response header that answers.
 pub const HEADER: &str = "x-kv-indexer-explain";

@@ -2,7 +2,7 @@
 //! that sends each request to the rank `/select` chooses and passes the engine's answer back
 //! unchanged.
 //!
-//! Beside `http`, whose server it runs on (`AsyncRoutes`: answers that stream): for each
+//! On `serve`, the APIs' transport (`StreamingApi`: answers that stream): for each
 //! `POST /v1/chat/completions`, `/v1/completions` or `/v1/responses` (`responses`) it tokenizes
 //! the prompt as `/select` does, behind the same gate and length limit (`tokenizing`; a model
 //! without a local tokenizer is tokenized by its engine's `/tokenize`, `engine_tokenize`, else
@@ -58,13 +58,13 @@ use tracing::{warn, Instrument};
 
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
-use crate::http::table::{find, Guard, Route, Verb};
-use crate::http::{is_authorized, AnswerBody, AsyncRoutes, ErrorShape, Request};
 use crate::index::{Index, Prompt};
 use crate::metrics::{Metrics, PreviousResponse, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
 use crate::select::{Options, Selection, Selector};
+use crate::serve::table::{find, Entry, Guard, Verb};
+use crate::serve::{is_authorized, AnswerBody, ErrorShape, Request, StreamingApi};
 use crate::tokenize::SharedTokenizers;
 use answers::{insert, json_response};
 use engine_tokenize::EngineTokenizing;
@@ -96,50 +96,50 @@ enum Action {
     Health,
 }
 
-static ROUTE_ROUTES: &[Route<Action>] = &[
-    Route {
+static PROXY_PATHS: &[Entry<Action>] = &[
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/chat/completions",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Chat),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/completions",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Completion),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/responses",
         guard: Guard::Open,
         handler: Action::Forward(Kind::Responses),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/v1/responses/{id}",
         guard: Guard::Open,
         handler: Action::Stored,
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/v1/responses/{id}/cancel",
         guard: Guard::Open,
         handler: Action::Stored,
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/v1/models",
         guard: Guard::Open,
         handler: Action::Models,
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/health",
         guard: Guard::Open,
         handler: Action::Health,
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/metrics",
         guard: Guard::Open,
@@ -256,7 +256,7 @@ impl Proxy {
         request: Request,
         body: Vec<u8>,
     ) -> Response<AnswerBody> {
-        let action = match find(ROUTE_ROUTES, &CurrentSecret::default(), &request) {
+        let action = match find(PROXY_PATHS, &CurrentSecret::default(), &request) {
             Ok((action, _)) => *action,
             // A path no route declares (not one asked with another method: 405) may be one
             // of the engines' to pass through.
@@ -561,7 +561,7 @@ impl Proxy {
     }
 }
 
-impl AsyncRoutes for Proxy {
+impl StreamingApi for Proxy {
     fn name(&self) -> &'static str {
         "route front end"
     }

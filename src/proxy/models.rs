@@ -17,7 +17,7 @@ use tracing::warn;
 
 use super::answers::json_answer;
 use super::Proxy;
-use crate::http::AnswerBody;
+use crate::serve::AnswerBody;
 
 /// The largest `/v1/models` answer read from one server: a server lists a few models.
 const MAX_MODELS_BYTES: usize = 1 << 20;

@@ -19,9 +19,9 @@ use super::surface::Outgoing;
 use super::tokenizing::Tokenized;
 use super::upstream::{self, Sent};
 use super::Proxy;
-use crate::http::AnswerBody;
 use crate::metrics::{LoadOnly, RouteOutcome};
 use crate::select::{Selection, Unindexed};
+use crate::serve::AnswerBody;
 
 impl Proxy {
     /// The engine's answer, on its way to the client.

@@ -24,10 +24,10 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
 use crate::engine_http::EngineBody;
-use crate::http::BodyError;
 use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::select::{Selector, MAX_CONTEXT_TOKENS};
+use crate::serve::BodyError;
 
 /// An event longer than this is passed on unscanned: no usage chunk is anywhere near it.
 const MAX_EVENT_BYTES: usize = 1 << 20;

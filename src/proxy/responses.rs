@@ -23,7 +23,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::request::{OpenAiRequest, PromptSource};
-use crate::http::{AnswerBody, BodyError};
+use crate::serve::{AnswerBody, BodyError};
 
 /// A response id longer than this is not one an engine made (vLLM's are `resp_` and 32 hex).
 const MAX_ID_BYTES: usize = 256;

@@ -20,7 +20,7 @@ use serde::Deserialize;
 use super::answers::{insert, json_answer};
 use super::tokenizing::{Tokenized, TokensFrom};
 use super::Proxy;
-use crate::http::{AnswerBody, Request};
+use crate::serve::{AnswerBody, Request};
 
 /// vLLM's endpoints passed through whatever their body names.
 const KNOWN: &[&str] = &[
@@ -149,7 +149,7 @@ impl Proxy {
     /// The API's `/metrics`, here for clients that reach only this listener.
     pub(super) fn metrics_text(&self) -> Response<AnswerBody> {
         let text =
-            crate::http::metrics_text(&self.metrics, &self.index, &self.tokenizers, &self.selector);
+            crate::api::metrics_text(&self.metrics, &self.index, &self.tokenizers, &self.selector);
         let mut response = json_answer(StatusCode::OK, text.into_bytes());
         insert(
             response.headers_mut(),

@@ -15,8 +15,8 @@ use hyper::{Response, StatusCode};
 use super::request::{OpenAiRequest, PromptSource};
 use super::upstream::Server;
 use super::{insert, Proxy};
-use crate::http::AnswerBody;
 use crate::metrics::LoadOnly;
+use crate::serve::AnswerBody;
 use crate::tokenize::gate::{Cancel, Refused};
 use crate::tokenize::{self, TooLong};
 

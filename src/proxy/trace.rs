@@ -17,8 +17,9 @@ use serde_json::Value;
 use tracing::field::Empty;
 use tracing::Span;
 
-use crate::http::{CandidateJson, Request};
+use crate::api::CandidateJson;
 use crate::select::Selection;
+use crate::serve::Request;
 
 /// The request header whose value, when usable, is the request's id.
 pub const REQUEST_ID: &str = "x-request-id";

@@ -28,8 +28,8 @@ use crate::discover::BaseUrl;
 use crate::engine_http::{
     push_header, Bounds, Connections, EngineBody, FetchError, SendError, Target,
 };
-use crate::http::Request;
 use crate::metrics::RouteOutcome;
+use crate::serve::Request;
 
 /// vLLM's header naming the data-parallel rank a request is for (vLLM 0.33's own dispatch).
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";

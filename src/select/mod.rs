@@ -3,7 +3,7 @@
 //! beyond them, with the blocks a reservation is about to store counted as predicted on its
 //! rank for a short while.
 //!
-//! Beside `http`, which calls it: it reads the index (`Index::query_prompt`, the public query
+//! Beside `api`, which calls it: it reads the index (`Index::query_prompt`, the public query
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
 //! for bookkeeping only (the index is read before it is taken). `cost` is the formula, `policy`
 //! the order and the pick (`[select] policy`, `cost` its default), `reservations` the open

@@ -38,11 +38,11 @@ use parking_lot::Mutex;
 use tokio::runtime::{Handle, Runtime};
 use tracing::{info, warn};
 
+use crate::api::dynamo::DynamoApi;
+use crate::api::IndexerApi;
 use crate::auth::Secret;
 use crate::config::{is_loopback_listen, Config, ConfigError, Source};
 use crate::discover::{Board, Client, Discovery, EndpointPolicy, EngineApi, Limits};
-use crate::http::dynamo::DynamoApi;
-use crate::http::{Api, BoundHttp, DrainCut, HttpServer, Limits as ServerLimits};
 use crate::index::Index;
 use crate::listener::Replication;
 use crate::metrics::Metrics;
@@ -50,6 +50,7 @@ use crate::plan;
 use crate::proxy::{Proxy, ProxyParts, Scraper};
 use crate::registry::{self, Reconciler, Registry, ReloadDiff, Runner, ShutdownSignal};
 use crate::select::{Clock, Selector};
+use crate::serve::{BoundHttp, DrainCut, HttpServer, Limits as ServerLimits};
 use crate::tokenize::{hf_cache, SharedTokenizers, Tokenizers};
 use discovery::{ApplyFn, Askers, RankWatch};
 use neighbours::NeighbourWatch;
@@ -308,7 +309,7 @@ impl Service {
         };
         let metrics_for_saving = metrics.clone();
         let draining = Arc::new(AtomicBool::new(false));
-        let api = Arc::new(Api {
+        let api = Arc::new(IndexerApi {
             draining: draining.clone(),
             index,
             metrics,
@@ -496,7 +497,7 @@ fn route_limits(route: &crate::config::Route) -> ServerLimits {
         connections: route
             .max_concurrent_requests
             .saturating_mul(2)
-            .max(crate::http::MAX_CONNECTIONS),
+            .max(crate::serve::MAX_CONNECTIONS),
         uploads: ROUTE_UPLOADS,
     }
 }

@@ -15,7 +15,7 @@ use crate::support::http_client::{
 };
 use crate::support::start_service;
 use kv_indexer::config::derived_instance_id;
-use kv_indexer::http::MAX_BODY_BYTES;
+use kv_indexer::serve::MAX_BODY_BYTES;
 use kv_indexer::wire::{BlockExtras, BlockStored, Event};
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};

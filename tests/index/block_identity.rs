@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use kv_indexer::http::parse_query;
+use kv_indexer::api::parse_query;
 use kv_indexer::index::{prompt_keys, ApplyOutcome, Index, MmFeature, Prompt, WorkerBlocks};
 use kv_indexer::wire::decode_batch;
 use kv_indexer_sim::cache::Request;

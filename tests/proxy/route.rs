@@ -558,7 +558,7 @@ fn a_connection_past_the_cap_is_refused_as_an_openai_error() {
         OpenAiConfig::default(),
         &[("max_concurrent_requests", "1")],
     );
-    let held: Vec<Connection> = (0..kv_indexer::http::MAX_CONNECTIONS)
+    let held: Vec<Connection> = (0..kv_indexer::serve::MAX_CONNECTIONS)
         .map(|_| Connection::open(routed.route))
         .collect();
     // Until the server has admitted every held connection, a probe is answered and closed.
@@ -788,7 +788,7 @@ fn malformed_heads_are_openai_errors_naming_their_cause() {
     let routed = routed(1, 1, OpenAiConfig::default(), &[]);
     let huge = format!(
         "GET /health HTTP/1.1\r\nX-Big: {}\r\n\r\n",
-        "a".repeat(kv_indexer::http::MAX_HEAD_BYTES)
+        "a".repeat(kv_indexer::serve::MAX_HEAD_BYTES)
     );
     let cases: [(&[u8], u16, &str); 6] = [
         (

@@ -1,6 +1,6 @@
-//! The request head as the routes see it: hyper's parsed head and the address it came from.
+//! The request head as an API's handlers see it: hyper's parsed head and the address it came from.
 //!
-//! Owns: how a route reads the method, the URL (path and query, as sent), headers and the
+//! Owns: how a handler reads the method, the URL (path and query, as sent), headers and the
 //! peer, and the flag that says its client has gone. Never: reads the body (the server hands it over whole), or parses a byte itself:
 //! hyper did, behind `guard`'s byte rules.
 
@@ -27,7 +27,7 @@ impl Request {
         }
     }
 
-    /// Set once the request's answer is dropped unwritten (its client has gone): a route's
+    /// Set once the request's answer is dropped unwritten (its client has gone): a handler's
     /// long step (tokenizing) stops at it.
     pub fn gone(&self) -> &Cancel {
         &self.gone
@@ -78,4 +78,17 @@ impl Request {
     pub fn header(&self, name: &str) -> Option<&str> {
         self.header_values(name).next()
     }
+}
+
+/// A request of `method` for `target`, from a loopback peer: for the tests of where a path is
+/// answered.
+#[cfg(test)]
+pub(crate) fn test_request(method: &str, target: &str) -> Request {
+    let (parts, ()) = http::Request::builder()
+        .method(method)
+        .uri(target)
+        .body(())
+        .expect("a request")
+        .into_parts();
+    Request::new(parts, SocketAddr::from(([127, 0, 0, 1], 1)))
 }

@@ -120,7 +120,7 @@ pub(super) async fn read_body(
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|err| body_error(&err))?;
             let Ok(data) = frame.into_data() else {
-                continue; // trailers: read, and of no use to any route
+                continue; // trailers: read, and of no use to any handler
             };
             if buffer.len() + data.len() > MAX_BODY_BYTES {
                 return Err(Reply::error(

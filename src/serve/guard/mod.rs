@@ -17,7 +17,7 @@
 //!   closes quietly), counted from the end of the last answer: while a request's answer is
 //!   produced (until `Link::answer_done`, when hyper has its last byte) and until hyper has
 //!   flushed it to the socket no idle deadline runs, so an answer lives as long as it takes
-//!   (the routes bound their own work, the write deadline a client that reads nothing); a head
+//!   (the handlers bound their own work, the write deadline a client that reads nothing); a head
 //!   that has begun must end within `HEAD_DEADLINE` (408);
 //! - a write that makes no progress for `WRITE_DEADLINE` fails the connection;
 //! - closing shuts the write side, then reads and drops what the client still sends for up to
@@ -388,7 +388,7 @@ mod tests {
         use tokio::time::{timeout, Instant};
 
         use super::{Guarded, Link, IDLE_TIMEOUT};
-        use crate::http::ErrorShape;
+        use crate::serve::ErrorShape;
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -429,7 +429,7 @@ mod tests {
         use tokio::time::{timeout, Instant};
 
         use super::{Guarded, Link, IDLE_TIMEOUT};
-        use crate::http::ErrorShape;
+        use crate::serve::ErrorShape;
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -2,7 +2,7 @@
 //!
 //! The common shape (plain integers, strings without escapes, known keys once each) is read by
 //! a hand-written scanner; anything else, valid or not, goes to serde (a derived struct read
-//! through `http::json_fields`), which alone decides every other result and words every
+//! through `api::json_fields`), which alone decides every other result and words every
 //! rejection. The scanner must never accept what serde would reject or read differently.
 //!
 //! Never builds a JSON tree of the body and never panics on what a client sends.
@@ -17,10 +17,10 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
-use crate::http::BadBody;
+use crate::api::BadBody;
 use crate::index::{MmFeature, Prompt};
 use binary::parse_binary;
-pub(super) use binary::{form_decode, is_binary, OCTET_STREAM};
+pub(super) use binary::{is_binary, OCTET_STREAM};
 use scan::scan_common_shape;
 
 /// A `/query` body.
@@ -33,7 +33,7 @@ pub struct QueryRequest {
     /// Multimodal items of the prompt (vLLM's `MultiModalFeatureSpec`: identifier, offset and
     /// length in tokens).
     pub mm_features: Vec<MmFeature>,
-    /// The prompt as text or chat messages, in place of `token_ids` (empty until the route
+    /// The prompt as text or chat messages, in place of `token_ids` (empty until the handler
     /// tokenizes it: docs.md "Prompts as text or chat messages").
     pub text: Option<TextPrompt>,
 }

@@ -1,105 +1,146 @@
-//! The routes of docs.md "HTTP API" and their exact JSON shapes.
+//! Our own API (docs.md "HTTP API"): what it reads and calls (`IndexerApi`), its path table
+//! and the exact JSON of each answer.
 //!
 //! Owns: which path answers which method, and what each answer contains. Never: reads a socket
 //! (it gets the whole body) or changes the index (only `POST /reload` acts, through the
 //! service's reload callback).
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::Request;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::health;
 use super::query_body::{parse_query_request, QueryRequest};
-use super::select_route;
-use super::snapshot_route::snapshot_route;
-use super::table::{Guard, Handler, Route, Verb};
+use super::select::{engine_load_json, loads, prefill_complete, release, select};
+use super::snapshot::snapshot;
 use super::text_prompt::tokenize_prompt;
-use super::{Api, Reply};
-use crate::discover::{DiscoveryReport, DiscoveryState, NeighbourReport};
+use crate::auth::CurrentSecret;
+use crate::config::ConfigError;
+use crate::discover::{Board, DiscoveryReport, DiscoveryState, NeighbourReport};
 use crate::endpoint::Endpoint;
 use crate::index::{GroupView, Index, Inexact, PerTier};
 use crate::listener::State;
 use crate::metrics::Metrics;
-use crate::registry::{ListenerView, ReloadDiff};
+use crate::registry::{DirectoryReader, ListenerView, RanksReader, ReloadDiff};
 use crate::select::{EngineLoad, Selector};
+use crate::serve::table::{dispatch, runs, Entry, Guard, Handler, Verb};
+use crate::serve::{Api, Reply, Request, Runs};
 use crate::tokenize::SharedTokenizers;
 use crate::wire::SpecKind;
 
+/// Re-reads the configuration and applies it (the same as SIGHUP).
+pub type ReloadFn = dyn Fn() -> Result<ReloadDiff, ConfigError> + Send + Sync;
+
+/// What the indexer API's handlers read and call.
+pub struct IndexerApi {
+    pub index: Arc<Index>,
+    pub metrics: Arc<Metrics>,
+    /// Read by `/workers` and `/ready`; never the registry itself, whose lock a reload holds.
+    pub ranks: RanksReader,
+    pub directory: DirectoryReader,
+    /// Each engine's discovery state and neighbour probe, for `/workers` and `/ready`.
+    pub board: Arc<Board>,
+    pub reload: Box<ReloadFn>,
+    /// The secret of the guarded paths (`serve::auth`), when `auth_token_file` is set.
+    pub secret: Arc<CurrentSecret>,
+    /// `/select`'s reservations and predictions.
+    pub selector: Arc<Selector>,
+    /// The models' tokenizers, for prompts sent as text or chat messages.
+    pub tokenizers: Arc<SharedTokenizers>,
+    /// Raised when a stop begins: `/ready` answers 503 from then on, so that a load balancer
+    /// sends nothing more to this process while it drains.
+    pub draining: Arc<AtomicBool>,
+}
+
+impl Api for IndexerApi {
+    fn name(&self) -> &'static str {
+        "HTTP API"
+    }
+
+    fn answer(&self, request: &Request, body: &[u8]) -> Reply {
+        dispatch(INDEXER_PATHS, self, &self.secret, request, body)
+    }
+
+    fn runs(&self, request: &Request) -> Runs {
+        runs(INDEXER_PATHS, request)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
 /// Every path of the API, once (docs.md "HTTP API").
-pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
-    Route {
+static INDEXER_PATHS: &[Entry<Handler<IndexerApi>>] = &[
+    Entry {
         verb: Verb::Post,
         pattern: "/query",
         guard: Guard::Open,
-        handler: |api, call| query(api, call.request, call.body),
+        handler: Handler::Pool(|api, call| query(api, call.request, call.body)),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/select",
-        // A reserving `/select` needs the secret: its body says so (`select_route`).
+        // A reserving `/select` needs the secret: its body says so (`select`).
         guard: Guard::Open,
-        handler: |api, call| select_route::select(api, call.request, call.body),
+        handler: Handler::Pool(|api, call| select(api, call.request, call.body)),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/reservations/{id}/prefill_complete",
         guard: Guard::Secret,
-        handler: |api, call| select_route::prefill_complete(api, call.params.get(0), call.body),
+        handler: Handler::Here(|api, call| prefill_complete(api, call.params.get(0), call.body)),
     },
-    Route {
+    Entry {
         verb: Verb::Delete,
         pattern: "/reservations/{id}",
         guard: Guard::Secret,
-        handler: |api, call| select_route::release(api, call.params.get(0)),
+        handler: Handler::Here(|api, call| release(api, call.params.get(0))),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/loads",
         guard: Guard::Open,
-        handler: |api, _| select_route::loads(api),
+        handler: Handler::Here(|api, _| loads(api)),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/snapshot/{engine}/{dp_rank}",
         guard: Guard::Secret,
-        handler: |api, call| snapshot_route(api, call.params.get(0), call.params.get(1)),
+        handler: Handler::Pool(|api, call| snapshot(api, call.params.get(0), call.params.get(1))),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/reload",
         guard: Guard::Secret,
-        handler: |api, _| reload(api),
+        handler: Handler::Pool(|api, _| reload(api)),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/workers",
         guard: Guard::Open,
-        handler: |api, _| workers(api),
+        handler: Handler::Pool(|api, _| workers(api)),
     },
-    Route {
-        verb: Verb::Get,
-        pattern: "/health",
-        guard: Guard::Open,
-        handler: |_, _| Reply::json(200, &json!({ "status": "ok" })),
-    },
-    Route {
+    health(),
+    Entry {
         verb: Verb::Get,
         pattern: "/ready",
         guard: Guard::Open,
-        handler: |api, _| ready(api),
+        handler: Handler::Here(|api, _| ready(api)),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/metrics",
         guard: Guard::Open,
-        handler: |api, _| metrics(api),
+        handler: Handler::Pool(|api, _| metrics(api)),
     },
 ];
 
-fn metrics(api: &Api) -> Reply {
+fn metrics(api: &IndexerApi) -> Reply {
     Reply::bytes(
         200,
         metrics_text(&api.metrics, &api.index, &api.tokenizers, &api.selector).into_bytes(),
@@ -162,7 +203,7 @@ impl<T: Copy> From<PerTier<T>> for TiersJson<T> {
 }
 
 /// `POST /query` in either form of the body (`query_body`).
-fn query(api: &Api, request: &Request, body: &[u8]) -> Reply {
+fn query(api: &IndexerApi, request: &Request, body: &[u8]) -> Reply {
     let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     match parse_query_request(content_type, query_string, body, Vec::new()) {
@@ -174,7 +215,7 @@ fn query(api: &Api, request: &Request, body: &[u8]) -> Reply {
     }
 }
 
-fn score(api: &Api, query: &QueryRequest) -> Reply {
+fn score(api: &IndexerApi, query: &QueryRequest) -> Reply {
     let directory = api.directory.current();
     let model = query.model.as_deref();
     let include = |worker| {
@@ -213,12 +254,10 @@ fn score(api: &Api, query: &QueryRequest) -> Reply {
         query_blocks: query.token_ids.len() / block_size.max(1) as usize,
         scores,
     };
-    let mut reply = Reply::json(200, &answer);
-    reply.is_query = reply.status == 200;
-    reply
+    Reply::json(200, &answer).scored()
 }
 
-fn snapshot(api: &Api) -> Vec<ListenerView> {
+fn rank_views(api: &IndexerApi) -> Vec<ListenerView> {
     api.ranks.current().views()
 }
 
@@ -345,15 +384,15 @@ impl<'a> ListenerJson<'a> {
                 .map_or_else(Vec::new, |s| s.groups.iter().map(GroupJson::from).collect()),
             route_backoff_ms: backoff
                 .map(|left| u64::try_from(left.as_millis()).unwrap_or(u64::MAX)),
-            engine_load: select_route::engine_load_json(engine_load),
+            engine_load: engine_load_json(engine_load),
             exact: status.is_none_or(|s| s.inexact.is_none()),
             inexact: status.and_then(|s| s.inexact.map(Inexact::name)),
         }
     }
 }
 
-fn workers(api: &Api) -> Reply {
-    let views = snapshot(api);
+fn workers(api: &IndexerApi) -> Reply {
+    let views = rank_views(api);
     let board = api.board.all();
     let mut instances: Vec<InstanceJson> = Vec::new();
     // Views come sorted by (engine, dp_rank): one run per engine.
@@ -407,11 +446,11 @@ fn workers(api: &Api) -> Reply {
     Reply::json(200, &instances)
 }
 
-fn ready(api: &Api) -> Reply {
+fn ready(api: &IndexerApi) -> Reply {
     if api.draining.load(Ordering::Relaxed) {
         return Reply::json(503, &json!({ "ready": false, "draining": true }));
     }
-    let views = snapshot(api);
+    let views = rank_views(api);
     let planned: HashSet<&str> = views.iter().map(|v| v.spec.key.engine.as_str()).collect();
     let not_ready: Vec<Value> = views
         .iter()
@@ -472,7 +511,7 @@ pub fn diff_json(diff: &ReloadDiff) -> Value {
     })
 }
 
-fn reload(api: &Api) -> Reply {
+fn reload(api: &IndexerApi) -> Reply {
     match (api.reload)() {
         Ok(diff) => Reply::json(200, &diff_json(&diff)),
         Err(rejected) => Reply::json(
@@ -491,6 +530,30 @@ fn reload(api: &Api) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::request::test_request;
+
+    /// docs/design.md "Serving": a check, the reservations and `/loads` are answered on the
+    /// runtime's thread, never waiting for a place in the pool; scoring, snapshots, a reload
+    /// and the answers that grow with the fleet on a blocking thread.
+    #[test]
+    fn each_path_runs_where_the_design_says() {
+        for (method, target, place) in [
+            ("GET", "/health", Runs::Here),
+            ("HEAD", "/ready", Runs::Here),
+            ("POST", "/reservations/7/prefill_complete", Runs::Here),
+            ("DELETE", "/reservations/7", Runs::Here),
+            ("GET", "/loads", Runs::Here),
+            ("POST", "/query", Runs::Pool),
+            ("POST", "/select?reserve=true", Runs::Pool),
+            ("GET", "/snapshot/vllm-a/0", Runs::Pool),
+            ("POST", "/reload", Runs::Pool),
+            ("GET", "/workers", Runs::Pool),
+            ("GET", "/metrics", Runs::Pool),
+        ] {
+            let request = test_request(method, target);
+            assert_eq!(runs(INDEXER_PATHS, &request), place, "{method} {target}");
+        }
+    }
 
     fn report(state: DiscoveryState, ranks: Option<usize>) -> DiscoveryReport {
         DiscoveryReport {

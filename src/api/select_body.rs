@@ -9,8 +9,8 @@
 use serde::de::{Deserializer, Error as _};
 use serde::Deserialize;
 
-use super::query_body::{form_decode, is_binary, parse_query_request, QueryRequest};
-use super::snapshot_route::percent_decode;
+use super::form::form_pairs;
+use super::query_body::{is_binary, parse_query_request, QueryRequest};
 use super::BadBody;
 use crate::select::Options;
 
@@ -87,25 +87,21 @@ fn query_string_options(query_string: &str) -> Result<(Options, String), BadBody
     let mut options = Options::default();
     let (mut reserve, mut expected) = (None, None);
     let mut rest = Vec::new();
-    for pair in query_string.split('&').filter(|pair| !pair.is_empty()) {
-        let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
+    for pair in form_pairs(query_string) {
         // A name that does not decode is none of these: `parse_query_request` refuses it.
-        let Some(name) = percent_decode(&raw_name.replace('+', " ")) else {
-            rest.push(pair);
+        let Ok(name) = pair.name() else {
+            rest.push(pair.text);
             continue;
         };
         let slot = match name.as_str() {
             RESERVE => &mut reserve,
             EXPECTED_OUTPUT_TOKENS => &mut expected,
             _ => {
-                rest.push(pair);
+                rest.push(pair.text);
                 continue;
             }
         };
-        if slot.is_some() {
-            return Err(BadBody::RepeatedParameter(name));
-        }
-        *slot = Some(form_decode(raw_value, pair)?);
+        pair.fill(slot, name)?;
     }
     if let Some(value) = reserve {
         options.reserve = match value.as_str() {

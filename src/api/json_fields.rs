@@ -6,13 +6,13 @@
 //! gives the place: `token_ids[3]`, `mm_features[0].offset`, `body` for the whole); each field
 //! names its type's reading with `#[serde(default, deserialize_with = "...")]` (`or_null`,
 //! `present`, `leaves_or_null`, `objects_or_null`), which words the rest: "expected <what>, got
-//! <what came>". A required field is an `Option` here, checked by the route after parsing, so
+//! <what came>". A required field is an `Option` here, checked by the handler after parsing, so
 //! a new optional field is one more line in its struct.
 //!
 //! Owns: the wording of every rejection of a JSON body's values, and the checks that a body is
 //! UTF-8 and one JSON value. Never: builds a JSON tree of a body (a 16 MiB body of small
 //! numbers would make one of ~256 MiB; only chat `messages` and `tools` are kept as JSON),
-//! decides what a route does with a field, or panics on
+//! decides what a handler does with a field, or panics on
 //! what a client sends. Unknown keys are ignored; a key given twice is refused (as by Dynamo's
 //! own serde structs), so no two readers of one body can see different values.
 
@@ -161,7 +161,7 @@ pub(crate) fn objects_or_null<'de, D: Deserializer<'de>, T: Object>(
 
 /// `#[serde(default, deserialize_with = "json_array_or_null")]`: absent, `null` or an array,
 /// kept as JSON (chat `messages` and `tools`, which a chat template reads as it likes). The
-/// only JSON tree made of a body: a field's, and only when a route needs the value whole.
+/// only JSON tree made of a body: a field's, and only when a handler needs the value whole.
 pub(crate) fn json_array_or_null<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<Value>, D::Error> {

@@ -2,7 +2,7 @@
 
 use super::scan::scan_common_shape;
 use super::*;
-use crate::http::json_mutation::mutate;
+use crate::api::json_mutation::mutate;
 use crate::index::MmFeature;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -1,19 +1,20 @@
-//! The selection routes (docs.md "Selection"): `POST /select`, `POST
+//! The selection paths of the indexer API (docs.md "Selection"): `POST /select`, `POST
 //! /reservations/{id}/prefill_complete`, `DELETE /reservations/{id}` and `GET /loads`, and
 //! their exact JSON.
 //!
-//! Owns: those paths, their guard (reserving and the reservation routes need the bearer token
+//! Owns: those paths, their guard (reserving and the reservation paths need the bearer token
 //! when `auth_token_file` is set; a `/select` that does not reserve is as open as `/query`) and
 //! every status they answer. Never: decides anything itself (`select` does) or reads a socket.
 
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::auth::{is_authorized, unauthorized};
 use super::select_body::{parse_prefill_complete, parse_select_request};
 use super::text_prompt::tokenize_prompt;
-use super::{Api, Reply, Request};
+use super::IndexerApi;
 use crate::select::{EngineLoad, Ranked, UnknownReservation};
+use crate::serve::auth::{is_authorized, unauthorized};
+use crate::serve::{Reply, Request};
 
 #[derive(Serialize)]
 struct SelectAnswer<'a> {
@@ -70,7 +71,7 @@ impl<'a> CandidateJson<'a> {
 }
 
 /// `POST /select`.
-pub(super) fn select(api: &Api, request: &Request, body: &[u8]) -> Reply {
+pub(super) fn select(api: &IndexerApi, request: &Request, body: &[u8]) -> Reply {
     let query_string = request.query_string();
     let content_type = request.header("Content-Type");
     let (mut query, options) =
@@ -120,7 +121,7 @@ pub(super) fn select(api: &Api, request: &Request, body: &[u8]) -> Reply {
 
 /// `POST /reservations/{id}/prefill_complete`: the engine has begun answering; the body may
 /// say how many tokens it found cached.
-pub(super) fn prefill_complete(api: &Api, id: &str, body: &[u8]) -> Reply {
+pub(super) fn prefill_complete(api: &IndexerApi, id: &str, body: &[u8]) -> Reply {
     let Ok(id) = id.parse::<u64>() else {
         return unknown(id);
     };
@@ -132,7 +133,7 @@ pub(super) fn prefill_complete(api: &Api, id: &str, body: &[u8]) -> Reply {
 }
 
 /// `DELETE /reservations/{id}`: the request is done.
-pub(super) fn release(api: &Api, id: &str) -> Reply {
+pub(super) fn release(api: &IndexerApi, id: &str) -> Reply {
     let Ok(id) = id.parse::<u64>() else {
         return unknown(id);
     };
@@ -166,7 +167,7 @@ struct LoadJson<'a> {
 }
 
 /// `GET /loads`: every running rank with what its reservations and predictions put on it.
-pub(super) fn loads(api: &Api) -> Reply {
+pub(super) fn loads(api: &IndexerApi) -> Reply {
     let loads = api.selector.loads(&api.ranks.current());
     let answer: Vec<LoadJson> = loads
         .iter()

@@ -12,18 +12,18 @@
 //! client sends.
 
 use super::QueryRequest;
-use crate::http::snapshot_route::percent_decode;
-use crate::http::BadBody;
+use crate::api::form::form_pairs;
+use crate::api::BadBody;
 
 /// The media type of the binary body; any other (or none) is JSON, so a client that names no
 /// type keeps the JSON body.
-pub(in crate::http) const OCTET_STREAM: &str = "application/octet-stream";
+pub(in crate::api) const OCTET_STREAM: &str = "application/octet-stream";
 /// What a token id takes in the binary body.
 const TOKEN_BYTES: usize = std::mem::size_of::<u32>();
 
 /// Whether a `Content-Type` names the binary body: its media type, case-insensitive, with
 /// any parameters (`; charset=...`) ignored.
-pub(in crate::http) fn is_binary(content_type: Option<&str>) -> bool {
+pub(in crate::api) fn is_binary(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|value| {
         let media_type = value.split(';').next().unwrap_or_default();
         media_type.trim().eq_ignore_ascii_case(OCTET_STREAM)
@@ -50,14 +50,11 @@ pub(super) fn parse_binary(
     Ok(query)
 }
 
-/// `model`, `lora_name` and `cache_salt` from `name=value` pairs joined by `&`, decoded as
-/// HTML forms encode them (`%XX` of UTF-8 bytes, `+` a space: what Python's `requests` and
-/// browsers send); a name without `=` has the empty value, empty pairs are skipped.
+/// `model`, `lora_name` and `cache_salt` from the query string's pairs (`form`).
 fn options(query_string: &str) -> Result<QueryRequest, BadBody> {
     let mut query = QueryRequest::default();
-    for pair in query_string.split('&').filter(|pair| !pair.is_empty()) {
-        let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
-        let name = form_decode(raw_name, pair)?;
+    for pair in form_pairs(query_string) {
+        let name = pair.name()?;
         let slot = match name.as_str() {
             "model" => &mut query.model,
             "lora_name" => &mut query.lora_name,
@@ -65,19 +62,9 @@ fn options(query_string: &str) -> Result<QueryRequest, BadBody> {
             "mm_features" => return Err(BadBody::MmFeaturesInQueryString),
             _ => return Err(BadBody::UnknownParameter(name)),
         };
-        if slot.is_some() {
-            return Err(BadBody::RepeatedParameter(name));
-        }
-        *slot = Some(form_decode(raw_value, pair)?);
+        pair.fill(slot, name)?;
     }
     Ok(query)
-}
-
-/// One name or value of `pair` decoded; a broken escape or bytes that are not UTF-8 are
-/// refused with the pair as sent.
-pub(in crate::http) fn form_decode(text: &str, pair: &str) -> Result<String, BadBody> {
-    percent_decode(&text.replace('+', " "))
-        .ok_or_else(|| BadBody::NotPercentEncoded(pair.to_owned()))
 }
 
 #[cfg(test)]

@@ -1,21 +1,21 @@
-//! The Dynamo API's request bodies: a derived struct read by `http::json_fields`, every
+//! The Dynamo API's request bodies: a derived struct read by `api::json_fields`, every
 //! rejection naming the offending field or element (`token_ids[3]: expected an integer in
 //! 0..=4294967295, got -1`), worded like our own `/query`'s.
 //!
 //! Owns the field names and types of every Dynamo body (docs.md, "Dynamo / Mooncake indexer API").
-//! Never builds a JSON tree of the body, never decides what a route does with a field, and never
+//! Never builds a JSON tree of the body, never decides what a handler does with a field, and never
 //! panics on what a client sends. Unknown keys are ignored and a repeated key is refused, as
 //! Dynamo's serde structs do.
 
 use serde::{Deserialize, Deserializer};
 
+use crate::api::json_fields::{leaves_or_null, or_null, parse_object, Leaf, Object};
+use crate::api::BadBody;
 use crate::config::MAX_INSTANCE_ID;
-use crate::http::json_fields::{leaves_or_null, or_null, parse_object, Leaf, Object};
-use crate::http::BadBody;
 
-/// Every field any Dynamo body has, each `None` when absent or `null`. A route takes the ones
+/// Every field any Dynamo body has, each `None` when absent or `null`. A handler takes the ones
 /// it reads (`required` names a missing one); a present field of the wrong type is refused
-/// whichever route it is sent to.
+/// whichever path it is sent to.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub(super) struct DynamoBody {
     #[serde(default, deserialize_with = "leaves_or_null")]

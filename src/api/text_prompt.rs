@@ -1,5 +1,5 @@
 //! A `/query` or `/select` prompt sent as text or chat messages, made token ids by its model's
-//! tokenizer (docs.md "Prompts as text or chat messages") before the route scores it.
+//! tokenizer (docs.md "Prompts as text or chat messages") before `/query` or `/select` scores it.
 //!
 //! Owns: which model a text prompt is scored for (the tokenizer's: a prompt's ids mean
 //! nothing to a rank of another model), the 400 of a prompt that is not a request the API
@@ -10,14 +10,15 @@
 //! itself (`tokenize` does), tokenizes past the gate, or reads the index.
 
 use super::query_body::{QueryRequest, TextPrompt};
-use super::{Api, Reply, Request};
+use super::IndexerApi;
+use crate::serve::{Reply, Request};
 use crate::tokenize::gate::Refused;
 use crate::tokenize::{EncodeError, Prompt};
 
 /// Tokenizes `query`'s text or chat prompt, if it has one, into its `token_ids`, and makes its
 /// `model` the one whose tokenizer read it. A query of token ids is left as it is.
 pub(super) fn tokenize_prompt(
-    api: &Api,
+    api: &IndexerApi,
     request: &Request,
     query: &mut QueryRequest,
 ) -> Result<(), Reply> {
@@ -48,11 +49,11 @@ pub(super) fn tokenize_prompt(
                 // Nobody reads it: nginx's "client closed request".
                 Refused::Cancelled => 499,
             };
-            let mut reply = Reply::error(status, refused.to_string());
-            if status == 429 {
-                reply.header = Some(("Retry-After", "1"));
+            let reply = Reply::error(status, refused.to_string());
+            match status {
+                429 => reply.with_header("Retry-After", "1"),
+                _ => reply,
             }
-            reply
         })?;
     let reading = model.clone();
     let encoded = gate

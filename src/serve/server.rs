@@ -3,11 +3,13 @@
 //!
 //! Owns: the cap on open connections (past it a connection is answered 503 and closed,
 //! counted), the descriptors held in reserve so that accept can run when the process has none
-//! left, the back-off on accept errors, the bound on requests answered at once (routes run on
-//! the runtime's blocking threads: a `/query` is CPU work, a `/reload` waits for the registry)
-//! and on those of large bodies (a core kept free of them), and stopping (`Stage`): accept ends and the listening socket closes, open connections finish
-//! the request they are answering (hyper's graceful shutdown: an idle one closes at once) until
-//! the stop's grace is up, then are dropped.
+//! left, the back-off on accept errors, where each request is answered (on the runtime's
+//! thread where it was read, or, for a path whose handler is CPU work or waits for the
+//! registry and for every large body, on a blocking thread: at most `POOL_THREADS` at once,
+//! and those of large bodies one a core but one), and stopping (`Stage`): accept ends and the
+//! listening socket closes, open connections finish the request they are answering (hyper's
+//! graceful shutdown: an idle one closes at once) until the stop's grace is up, then are
+//! dropped.
 //! Never: gives up the listening socket (an accept error is logged, waited out and retried),
 //! keeps a task or descriptor for a connection that is done, or blocks a runtime thread.
 
@@ -32,7 +34,7 @@ use tracing::{debug, warn};
 use super::body::{read_body, Uploads};
 use super::guard::{Guarded, Link};
 use super::{
-    AnswerBody, AsyncRoutes, ErrorShape, Limits, Reply, Request, Routes, MAX_HEADERS,
+    AnswerBody, Api, ErrorShape, Limits, Reply, Request, Runs, StreamingApi, MAX_HEADERS,
     MAX_HEAD_BYTES, POOL_THREADS,
 };
 use crate::metrics::Metrics;
@@ -50,31 +52,31 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// What a server answers with.
 #[derive(Clone)]
 pub(super) enum Answerer {
-    /// Synchronous routes with whole answers, run on blocking threads.
-    Routes(Arc<dyn Routes>),
+    /// Handlers with whole answers, each run where its path table says.
+    Whole(Arc<dyn Api>),
     /// Asynchronous answers that may stream (the route front end).
-    Streams(Arc<dyn AsyncRoutes>),
+    Streams(Arc<dyn StreamingApi>),
 }
 
 impl Answerer {
     pub(super) fn name(&self) -> &'static str {
         match self {
-            Answerer::Routes(routes) => routes.name(),
-            Answerer::Streams(routes) => routes.name(),
+            Answerer::Whole(api) => api.name(),
+            Answerer::Streams(api) => api.name(),
         }
     }
 
     fn metrics(&self) -> &Metrics {
         match self {
-            Answerer::Routes(routes) => routes.metrics(),
-            Answerer::Streams(routes) => routes.metrics(),
+            Answerer::Whole(api) => api.metrics(),
+            Answerer::Streams(api) => api.metrics(),
         }
     }
 
     fn error_shape(&self) -> ErrorShape {
         match self {
-            Answerer::Routes(_) => ErrorShape::Api,
-            Answerer::Streams(routes) => routes.error_shape(),
+            Answerer::Whole(_) => ErrorShape::Api,
+            Answerer::Streams(api) => api.error_shape(),
         }
     }
 }
@@ -84,7 +86,7 @@ struct Shared {
     answerer: Answerer,
     limits: Limits,
     uploads: Uploads,
-    /// `POOL_THREADS` places to answer synchronous routes in.
+    /// `POOL_THREADS` places to answer on blocking threads in.
     answering: Arc<Semaphore>,
     /// Places to answer a request of a large body in (`LARGE_BODY_BYTES`): one core fewer than
     /// the machine's, so that parsing them leaves a core to every other request.
@@ -244,7 +246,7 @@ impl Throttled {
     }
 }
 
-/// Starts accepting on `listener` with `routes`; the task ends, closing the listening socket,
+/// Starts accepting on `listener` with `answerer`; the task ends, closing the listening socket,
 /// once `stage` leaves `Serving`.
 pub(super) fn spawn_accept(
     runtime: &Handle,
@@ -514,18 +516,16 @@ async fn answer(
         );
         return response;
     }
-    let routes = match &shared.answerer {
-        Answerer::Routes(routes) => Arc::clone(routes),
-        Answerer::Streams(routes) => return Arc::clone(routes).answer(request, bytes).await,
+    let api = match &shared.answerer {
+        Answerer::Whole(api) => Arc::clone(api),
+        Answerer::Streams(api) => return Arc::clone(api).answer(request, bytes).await,
     };
-    if routes.answers_at_once(&request) {
-        let reply = routes.route(&request, &bytes);
-        if reply.status >= 400 {
-            shared.answerer.metrics().http_error(reply.status);
-        }
-        return reply.into_response(shape);
+    let large_body = bytes.len() >= LARGE_BODY_BYTES;
+    if !large_body && api.runs(&request) == Runs::Here {
+        let reply = api.answer(&request, &bytes);
+        return counted(shared, reply, started).into_response(shape);
     }
-    let large = match bytes.len() >= LARGE_BODY_BYTES {
+    let large = match large_body {
         true => {
             let waiting = Arc::clone(&shared.large).acquire_owned();
             match tokio::time::timeout(LARGE_BODY_WAIT, waiting).await {
@@ -537,7 +537,7 @@ async fn answer(
                     // As the tokenizing gate answers a prompt that waited (a text prompt's body
                     // waits here first): busy now, try again.
                     shared.answerer.metrics().http_error(429);
-                    let mut reply = Reply::error(
+                    let reply = Reply::error(
                         429,
                         format!(
                             "{} large bodies (1 MiB or more) are being answered, one a core but \
@@ -546,8 +546,7 @@ async fn answer(
                             LARGE_BODY_WAIT.as_secs()
                         ),
                     );
-                    reply.header = Some(("Retry-After", "1"));
-                    return reply.into_response(shape);
+                    return reply.with_header("Retry-After", "1").into_response(shape);
                 }
             }
         }
@@ -556,14 +555,19 @@ async fn answer(
     let Ok(_place) = Arc::clone(&shared.answering).acquire_owned().await else {
         return Reply::error(503, "the server is stopping").into_response(shape);
     };
-    // Dropped with this future when the client goes: the blocking route sees it.
+    // Dropped with this future when the client goes: the blocking handler sees it.
     let _gone = request.gone().on_drop();
-    let answered = tokio::task::spawn_blocking(move || routes.route(&request, &bytes)).await;
-    // A route that panicked: a bug, answered as one.
+    let answered = tokio::task::spawn_blocking(move || api.answer(&request, &bytes)).await;
+    // A handler that panicked: a bug, answered as one.
     let reply =
-        answered.unwrap_or_else(|err| Reply::error(500, format!("the route failed: {err}")));
+        answered.unwrap_or_else(|err| Reply::error(500, format!("the handler failed: {err}")));
     drop(_place);
     drop(large);
+    counted(shared, reply, started).into_response(shape)
+}
+
+/// `reply` with its error counted, or its query's latency observed.
+fn counted(shared: &Shared, reply: Reply, started: Instant) -> Reply {
     let metrics = shared.answerer.metrics();
     if reply.status >= 400 {
         metrics.http_error(reply.status);
@@ -571,5 +575,5 @@ async fn answer(
     if reply.is_query {
         metrics.observe_query(started.elapsed().as_secs_f64());
     }
-    reply.into_response(shape)
+    reply
 }

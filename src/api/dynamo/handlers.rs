@@ -1,27 +1,29 @@
-//! The Dynamo API's routes and their exact JSON shapes (docs.md, "Dynamo / Mooncake indexer API").
+//! The Dynamo API's paths and their exact JSON shapes (docs.md, "Dynamo / Mooncake indexer
+//! API").
 //!
-//! Owns the API's route table (each path once: method, guard, handler), how `model_name` and `routing_group` select ranks, and
-//! what each answer contains. Never reads a socket (it gets the whole body) and never changes
+//! Owns the API's path table (each path once: method, guard, handler), how `model_name` and
+//! `routing_group` select ranks, and what each answer contains. Never reads a socket (it gets the whole body) and never changes
 //! what runs except through `Reconciler`.
 
 use std::collections::BTreeMap;
 
-use crate::http::Request;
 use serde::Serialize;
 use serde_json::json;
 
 use super::requests::{parse_body, required, DynamoBody};
 use super::DynamoApi;
+use crate::api::health;
+use crate::api::BadBody;
 use crate::config::MAX_DP_SIZE;
 use crate::discover::Refusal;
 use crate::endpoint::{Endpoint, EndpointError, Host};
-use crate::http::table::{Guard, Handler, Route, Verb};
-use crate::http::{BadBody, Reply};
 use crate::index::{keys_of_local_hashes, Prompt, Score};
 use crate::metrics::EndpointSource;
 use crate::plan::{ListenerSpec, WorkerKey};
 use crate::registry::EngineChange;
 use crate::registry::WorkerDirectory;
+use crate::serve::table::{Entry, Guard, Handler, Verb};
+use crate::serve::{Reply, Request};
 
 /// kv-indexer has one routing group: every engine, the file's and the registered, is in it.
 pub const ROUTING_GROUP: &str = "default";
@@ -33,46 +35,43 @@ pub const MAX_MODEL_NAME_BYTES: usize = 256;
 pub const MAX_ENDPOINT_BYTES: usize = 256;
 
 /// Every path of the Dynamo API, once.
-pub(super) static DYNAMO_ROUTES: &[Route<Handler<DynamoApi>>] = &[
-    Route {
+pub(super) static DYNAMO_PATHS: &[Entry<Handler<DynamoApi>>] = &[
+    Entry {
         verb: Verb::Post,
         pattern: "/query",
         guard: Guard::Open,
-        handler: |api, call| with_body(call.body, |body| query(api, &body)),
+        handler: Handler::Pool(|api, call| with_body(call.body, |body| query(api, &body))),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/query_by_hash",
         guard: Guard::Open,
-        handler: |api, call| with_body(call.body, |body| query_by_hash(api, &body)),
+        handler: Handler::Pool(|api, call| with_body(call.body, |body| query_by_hash(api, &body))),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/register",
         guard: Guard::Secret,
-        handler: |api, call| with_body(call.body, |body| register(api, call.request, body)),
+        handler: Handler::Pool(|api, call| {
+            with_body(call.body, |body| register(api, call.request, body))
+        }),
     },
-    Route {
+    Entry {
         verb: Verb::Post,
         pattern: "/unregister",
         guard: Guard::Secret,
-        handler: |api, call| with_body(call.body, |body| unregister(api, &body)),
+        handler: Handler::Pool(|api, call| with_body(call.body, |body| unregister(api, &body))),
     },
-    Route {
+    Entry {
         verb: Verb::Get,
         pattern: "/workers",
         guard: Guard::Open,
-        handler: |api, _| workers(api),
+        handler: Handler::Pool(|api, _| workers(api)),
     },
-    Route {
-        verb: Verb::Get,
-        pattern: "/health",
-        guard: Guard::Open,
-        handler: |_, _| Reply::json(200, &json!({ "status": "ok" })),
-    },
+    health(),
 ];
 
-/// The route's answer to its parsed body, or a 400 naming what is wrong with either.
+/// The handler's answer to its parsed body, or a 400 naming what is wrong with either.
 fn with_body(body: &[u8], answer: impl FnOnce(DynamoBody) -> Answer) -> Reply {
     parse_body(body)
         .map_err(Refused::from)
@@ -80,7 +79,7 @@ fn with_body(body: &[u8], answer: impl FnOnce(DynamoBody) -> Answer) -> Reply {
         .unwrap_or_else(|reason| Reply::error(400, reason))
 }
 
-/// A route's answer, or the reason for a 400.
+/// A handler's answer, or the reason for a 400.
 type Answer = Result<Reply, Refused>;
 
 /// Why a Dynamo request is a 400: its body, or what a field asks that this indexer cannot do.
@@ -260,9 +259,7 @@ fn score_reply(api: &DynamoApi, directory: &WorkerDirectory, found: &[Score]) ->
         summary.cpu = summary.cpu.max(cpu);
         summary.disk = summary.disk.max(disk);
     }
-    let mut reply = Reply::json(200, &answer);
-    reply.is_query = reply.status == 200;
-    reply
+    Reply::json(200, &answer).scored()
 }
 
 /// The engine name a runtime registration's ranks run under (`/workers` of our API shows it).

@@ -3,8 +3,8 @@ use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 use super::*;
+use crate::api::json_mutation::mutate;
 use crate::config::MAX_INSTANCE_ID;
-use crate::http::json_mutation::mutate;
 
 fn rejection(body: &str) -> String {
     match parse_body(body.as_bytes()) {

@@ -8,10 +8,10 @@
 use serde::Deserialize;
 
 use super::{QueryRequest, TextPrompt};
-use crate::http::json_fields::{
+use crate::api::json_fields::{
     json_array_or_null, leaves_or_null, objects_or_null, or_null, present, Object,
 };
-use crate::http::BadBody;
+use crate::api::BadBody;
 use crate::index::MmFeature;
 
 /// Every field a `/query` body may carry, each `None` when absent (or `null`).
@@ -58,7 +58,7 @@ impl Object for MmFeatureFields {
 
 /// Parses any JSON body serde_json reads; every rejection is the 400's message.
 pub(super) fn parse_fields(body: &[u8]) -> Result<QueryRequest, BadBody> {
-    crate::http::json_fields::parse_object::<QueryFields>(body)?.into_request()
+    crate::api::json_fields::parse_object::<QueryFields>(body)?.into_request()
 }
 
 impl QueryFields {
