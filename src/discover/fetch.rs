@@ -144,9 +144,10 @@ impl Client {
                 Failure::NotHttp,
                 format!("answered something that is not HTTP ({why})"),
             ),
-            FetchError::NotDelivered(why) | FetchError::Broken(why) | FetchError::Request(why) => {
+            FetchError::NotDelivered(why) | FetchError::Broken(why) => {
                 (Failure::Unreachable, format!("cannot be reached: {why}"))
             }
+            FetchError::Request(why) => (Failure::Unreachable, format!("cannot be reached: {why}")),
             FetchError::BodyBroke { read, why } => (
                 Failure::Unreachable,
                 format!("cannot be reached: the answer broke {read} bytes in ({why})"),

@@ -24,6 +24,24 @@ use super::{Connections, SendError};
 /// What a request from the indexer says it is.
 const USER_AGENT: &str = concat!("kv-indexer/", env!("CARGO_PKG_VERSION"));
 
+/// Why a request cannot be written: its URL or one of its headers.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RequestError {
+    #[error("{url}: {why}")]
+    BadUrl {
+        url: String,
+        why: hyper::http::uri::InvalidUri,
+    },
+    #[error("{url}: only http:// servers are reached")]
+    NotHttp { url: String },
+    #[error("{url}: no host")]
+    NoHost { url: String },
+    /// A value with a CR or LF (a key read from a file with two lines) would add a line of
+    /// its own.
+    #[error("the {name} header holds more than one line")]
+    MultiLine { name: String },
+}
+
 /// Where a URL's request goes and what its head says.
 pub(crate) struct Target {
     /// `host:port`, as `Connections` takes it.
@@ -37,12 +55,17 @@ pub(crate) struct Target {
 impl Target {
     /// The target of `url`; only `http://` servers are reached (none of the engines' or
     /// peers' APIs is asked over TLS).
-    pub(crate) fn parse(url: &str) -> Result<Target, String> {
-        let uri: hyper::Uri = url.parse().map_err(|err| format!("{url}: {err}"))?;
+    pub(crate) fn parse(url: &str) -> Result<Target, RequestError> {
+        let owned = || url.to_owned();
+        let uri: hyper::Uri = url
+            .parse()
+            .map_err(|why| RequestError::BadUrl { url: owned(), why })?;
         if uri.scheme_str() != Some("http") {
-            return Err(format!("{url}: only http:// servers are reached"));
+            return Err(RequestError::NotHttp { url: owned() });
         }
-        let host = uri.host().ok_or_else(|| format!("{url}: no host"))?;
+        let host = uri
+            .host()
+            .ok_or_else(|| RequestError::NoHost { url: owned() })?;
         Ok(Target {
             authority: format!("{host}:{}", uri.port_u16().unwrap_or(80)),
             host: uri.authority().map_or(host, |a| a.as_str()).to_owned(),
@@ -61,11 +84,12 @@ impl Target {
     }
 }
 
-/// Appends `name: value` to a head; a value with a CR or LF (a key read from a file with two
-/// lines) would add a line of its own, and is refused.
-pub(crate) fn push_header(head: &mut Vec<u8>, name: &str, value: &str) -> Result<(), String> {
+/// Appends `name: value` to a head; a value with a CR or LF is refused.
+pub(crate) fn push_header(head: &mut Vec<u8>, name: &str, value: &str) -> Result<(), RequestError> {
     if value.contains(['\r', '\n']) {
-        return Err(format!("the {name} header holds more than one line"));
+        return Err(RequestError::MultiLine {
+            name: name.to_owned(),
+        });
     }
     head.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
     Ok(())
@@ -101,7 +125,7 @@ pub(crate) struct Whole {
 pub(crate) enum FetchError {
     /// The URL or a header cannot be sent.
     #[error("the request cannot be sent: {0}")]
-    Request(String),
+    Request(RequestError),
     #[error("no connection within {0:?}")]
     ConnectTimedOut(Duration),
     /// Refused, unresolvable, or closed before a byte of answer.

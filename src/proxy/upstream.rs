@@ -477,7 +477,7 @@ fn build(
         Some(query) => format!("{}?{query}", server.url.join(line.path)),
         None => server.url.join(line.path),
     };
-    let target = Target::parse(&url)?;
+    let target = Target::parse(&url).map_err(|why| why.to_string())?;
     let mut head = target.head(line.method, body_len);
     if let Some(rank) = dp_rank {
         head.extend_from_slice(format!("{DP_RANK_HEADER}: {rank}\r\n").as_bytes());
