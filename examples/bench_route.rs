@@ -45,6 +45,10 @@
 //!    In-process a routed stream holds 4 descriptors (client, front end's two, engine), so N is
 //!    what RLIMIT_NOFILE (raised to its hard limit) allows, at most 10,000. The front end's own
 //!    memory per stream is the routed child's growth per stream minus the direct child's.
+//!    The `slow` engine's `max_running` is unbounded: these streams measure what an open
+//!    stream holds, not how a rank queues, and with the default 256 a rank the 257th stream
+//!    of a rank would wait in its queue for a first chunk that never comes (they are all held
+//!    open at once).
 //! 4. A markdown table of all figures, one line a case, with the targets (MET or
 //!    MISSED): added p50 ≤ 300 µs and p99 ≤ 1 ms at concurrency 1 beyond the `/select` work
 //!    (for the chat, the median of tokenizing it alone in this process is taken off both; the
@@ -154,14 +158,18 @@ impl Engine {
     }
 
     fn openai(self) -> OpenAiConfig {
-        let inter_token = match self {
-            Engine::Fast | Engine::Burst | Engine::Asked => Duration::ZERO,
-            Engine::Slow => Duration::from_secs(1),
+        let (inter_token, max_running) = match self {
+            Engine::Fast | Engine::Burst | Engine::Asked => {
+                (Duration::ZERO, OpenAiConfig::default().max_running)
+            }
+            // The open streams are memory probes, not load: all in the batch at once.
+            Engine::Slow => (Duration::from_secs(1), u32::MAX),
         };
         OpenAiConfig {
             first_token_floor: Duration::ZERO,
             prefill_per_token: Duration::ZERO,
             inter_token,
+            max_running,
             ..OpenAiConfig::default()
         }
     }

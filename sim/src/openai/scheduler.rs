@@ -12,7 +12,9 @@
 //!
 //! The state is advanced lazily, to the exact instant of each event in turn, by whoever looks
 //! (a waiting answer, `/metrics`, a request arriving or leaving): a lone request's timeline is
-//! the old fixed one (floor + uncached × prefill_per_token, then inter_token a token).
+//! the old fixed one (floor + uncached × prefill_per_token, then inter_token a token). An event
+//! costs O(log n) in the requests on the rank and wakes a few answers, not all (`rank`), so a
+//! rank holds thousands of open streams.
 //!
 //! Owns: when each request is admitted, makes its first and later tokens and leaves; the
 //! running and waiting counts; each finished request's timing. Never: sleeps or spawns (the
@@ -22,13 +24,17 @@ use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::time::{Instant, Sleep};
 
 use super::OpenAiConfig;
+
+mod rank;
+
+use rank::{Job, Rank, Wait};
 
 /// Finished requests whose timing is kept (the oldest are dropped first).
 const TIMINGS_KEPT: usize = 4096;
@@ -148,250 +154,6 @@ impl Limits {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Phase {
-    Waiting,
-    /// Admitted, computing nothing until this instant.
-    Floor(Instant),
-    Prefill,
-    Decode,
-}
-
-struct Job {
-    id: u64,
-    phase: Phase,
-    /// Seconds of a lone prefill still to compute.
-    work: f64,
-    /// Tokens made after the first one (fractional between two steps).
-    made: f64,
-    max_tokens: u32,
-    arrived: Instant,
-    admitted: Option<Instant>,
-    first_token: Option<Instant>,
-    /// The answer waiting for this request's next token.
-    waker: Option<Waker>,
-}
-
-impl Job {
-    /// Tokens after the first it makes before it leaves.
-    fn last(&self) -> f64 {
-        f64::from(self.max_tokens.saturating_sub(1))
-    }
-}
-
-/// What an answer waits for.
-#[derive(Debug, PartialEq)]
-enum Due {
-    Ready,
-    /// Not before this instant, as the batch is now.
-    At(Instant),
-    /// Until the batch changes.
-    Unknown,
-}
-
-/// One rank's batch and waiting queue, in arrival order.
-#[derive(Default)]
-struct Rank {
-    /// The instant the state is exact at.
-    clock: Option<Instant>,
-    jobs: Vec<Job>,
-}
-
-impl Rank {
-    fn running(&self) -> usize {
-        self.jobs
-            .iter()
-            .filter(|j| j.phase != Phase::Waiting)
-            .count()
-    }
-
-    /// One pass over the jobs: the rates as the batch is now.
-    fn rates(&self, limits: &Limits) -> Rates {
-        let (mut running, mut prefilling, mut decoding) = (0, 0, 0);
-        for job in &self.jobs {
-            match job.phase {
-                Phase::Waiting => continue,
-                Phase::Floor(_) => {}
-                Phase::Prefill => prefilling += 1,
-                Phase::Decode => decoding += 1,
-            }
-            running += 1;
-        }
-        limits.rates(running, prefilling, decoding)
-    }
-
-    /// Job `id`'s place: the jobs are in arrival order, so in the order of their ids.
-    fn find(&self, id: u64) -> Option<usize> {
-        self.jobs.binary_search_by_key(&id, |job| job.id).ok()
-    }
-
-    /// Brings the state to `now`, event by event; finished jobs go to `finished` with the
-    /// instant of their last token. Returns whether an event may have brought a job's next
-    /// token sooner (then the answers waiting are woken to look again; one slowed down wakes
-    /// at the instant it was given and looks again then).
-    fn advance(
-        &mut self,
-        now: Instant,
-        limits: &Limits,
-        finished: &mut Vec<(Job, Instant)>,
-    ) -> bool {
-        let mut clock = match self.clock {
-            Some(clock) if clock <= now => clock,
-            Some(_) => return false,
-            None => now,
-        };
-        let mut changed = self.admit(clock, limits);
-        while let Some((at, index)) = self.next_event(clock, limits) {
-            let at = at.max(clock);
-            if at > now {
-                break;
-            }
-            self.progress(at - clock, limits);
-            clock = at;
-            changed |= self.settle(index, at, finished);
-            changed |= self.admit(at, limits);
-        }
-        self.progress(now - clock, limits);
-        self.clock = Some(now);
-        if changed {
-            self.wake_all();
-        }
-        changed
-    }
-
-    fn wake_all(&mut self) {
-        for job in &mut self.jobs {
-            if let Some(waker) = job.waker.take() {
-                waker.wake();
-            }
-        }
-    }
-
-    /// Job `id` arriving at `now` (the state's clock): admitted if the batch has room.
-    fn arrive(&mut self, id: u64, uncached: u32, max_tokens: u32, now: Instant, limits: &Limits) {
-        self.jobs.push(Job {
-            id,
-            phase: Phase::Waiting,
-            work: f64::from(uncached) * limits.per_token,
-            made: 0.0,
-            max_tokens,
-            arrived: now,
-            admitted: None,
-            first_token: None,
-            waker: None,
-        });
-        self.admit(now, limits);
-    }
-
-    /// Gives the free places of the batch to the first waiting jobs.
-    fn admit(&mut self, at: Instant, limits: &Limits) -> bool {
-        let mut free = limits.max_running.saturating_sub(self.running());
-        let mut admitted = false;
-        for job in self.jobs.iter_mut().filter(|j| j.phase == Phase::Waiting) {
-            if free == 0 {
-                break;
-            }
-            job.phase = Phase::Floor(after(at, limits.floor.as_secs_f64()));
-            job.admitted = Some(at);
-            free -= 1;
-            admitted = true;
-        }
-        admitted
-    }
-
-    /// The earliest event from `clock` at the current rates, and the job it happens to.
-    fn next_event(&self, clock: Instant, limits: &Limits) -> Option<(Instant, usize)> {
-        let rates = self.rates(limits);
-        self.jobs
-            .iter()
-            .enumerate()
-            .filter_map(|(index, job)| {
-                let at = match job.phase {
-                    Phase::Waiting => return None,
-                    Phase::Floor(until) => until,
-                    Phase::Prefill => after(clock, job.work / rates.prefill),
-                    Phase::Decode => after(clock, (job.last() - job.made) * rates.step),
-                };
-                Some((at, index))
-            })
-            .min_by_key(|(at, _)| *at)
-    }
-
-    /// Every job's progress over `elapsed` at the current rates.
-    fn progress(&mut self, elapsed: Duration, limits: &Limits) {
-        if elapsed.is_zero() {
-            return;
-        }
-        let elapsed = elapsed.as_secs_f64();
-        let rates = self.rates(limits);
-        for job in &mut self.jobs {
-            match job.phase {
-                Phase::Prefill => job.work = (job.work - elapsed * rates.prefill).max(0.0),
-                Phase::Decode => job.made += elapsed / rates.step,
-                Phase::Waiting | Phase::Floor(_) => {}
-            }
-        }
-    }
-
-    /// The steps done at `at`: the one `next_event` found for `index` exactly, and the others
-    /// within rounding. Returns whether one may speed the others up: a prefill over (one
-    /// sharer fewer) or a request gone (a smaller batch); a floor over only slows them.
-    fn settle(&mut self, index: usize, at: Instant, finished: &mut Vec<(Job, Instant)>) -> bool {
-        if let Some(job) = self.jobs.get_mut(index) {
-            match job.phase {
-                Phase::Prefill => job.work = 0.0,
-                Phase::Decode => job.made = job.last(),
-                Phase::Waiting | Phase::Floor(_) => {}
-            }
-        }
-        let (mut index, mut sooner) = (0, false);
-        while let Some(job) = self.jobs.get_mut(index) {
-            if matches!(job.phase, Phase::Floor(until) if until <= at) {
-                job.phase = Phase::Prefill;
-            }
-            if job.phase == Phase::Prefill && job.work <= WORK_EPSILON {
-                job.phase = Phase::Decode;
-                job.first_token = Some(at);
-                job.made = 0.0;
-                sooner = true;
-            }
-            if job.phase == Phase::Decode && job.made >= job.last() - TOKEN_EPSILON {
-                finished.push((self.jobs.remove(index), at));
-                sooner = true;
-                continue;
-            }
-            index += 1;
-        }
-        sooner
-    }
-
-    /// When the answer of job `id` can have its token `token` (0: the first).
-    fn due(&self, id: u64, token: u32, limits: &Limits) -> Due {
-        let Some(job) = self.find(id).map(|index| &self.jobs[index]) else {
-            // Finished: every token is made.
-            return Due::Ready;
-        };
-        let Some(clock) = self.clock else {
-            return Due::Unknown;
-        };
-        let rates = self.rates(limits);
-        let token = f64::from(token);
-        match job.phase {
-            Phase::Decode if token <= job.made + TOKEN_EPSILON => Due::Ready,
-            Phase::Decode => Due::At(after(clock, (token - job.made) * rates.step)),
-            Phase::Prefill => {
-                let prefill = job.work / rates.prefill;
-                Due::At(after(clock, prefill + token * rates.step))
-            }
-            Phase::Floor(until) => Due::At(until),
-            // Looks again at the rank's next event: a place may free then.
-            Phase::Waiting => self
-                .next_event(clock, limits)
-                .map_or(Due::Unknown, |(at, _)| Due::At(at)),
-        }
-    }
-}
-
 /// `seconds` after `clock`; a time past what an instant holds is a year away, as good as never.
 fn after(clock: Instant, seconds: f64) -> Instant {
     let never = || clock + Duration::from_secs(365 * 24 * 3600);
@@ -422,7 +184,7 @@ impl State {
         }
         let mut finished = Vec::new();
         self.ranks[rank].advance(now, limits, &mut finished);
-        for (job, last_token) in finished {
+        for (_, job, last_token) in finished {
             self.keep_timing(rank, &job, last_token);
         }
         &mut self.ranks[rank]
@@ -478,9 +240,7 @@ impl Scheduler {
         (0..state.ranks.len())
             .map(|rank| {
                 let rank = state.rank_at(rank, now, &self.limits);
-                let running = rank.running();
-                let waiting = rank.jobs.len() - running;
-                (running as u64, waiting as u64)
+                (rank.running() as u64, rank.waiting() as u64)
             })
             .collect()
     }
@@ -501,7 +261,8 @@ pub(super) struct Slot {
 
 impl Slot {
     /// Ready once the request's token `token` (0: the first, at the end of its prefill) is
-    /// made; `timer` is the caller's, set to the instant it is due as the batch is now.
+    /// made; `timer` is the caller's, set to the instant to look again at as the batch is now
+    /// (none while the request waits its turn in the queue: it is woken then).
     pub(super) fn poll_token(
         &self,
         cx: &mut Context<'_>,
@@ -512,21 +273,15 @@ impl Slot {
             let now = Instant::now();
             let limits = &self.scheduler.limits;
             let mut state = self.scheduler.state.lock();
-            let rank = state.rank_at(self.rank, now, limits);
-            let due = rank.due(self.id, token, limits);
-            match due {
-                Due::Ready => return Poll::Ready(()),
-                // Rounding: the event is this instant.
-                Due::At(at) if at <= now => return Poll::Ready(()),
-                Due::At(_) | Due::Unknown => {
-                    if let Some(index) = rank.find(self.id) {
-                        rank.jobs[index].waker = Some(cx.waker().clone());
-                    }
-                }
-            }
+            let wait =
+                state
+                    .rank_at(self.rank, now, limits)
+                    .wait(self.id, token, cx.waker(), now, limits);
             drop(state);
-            let Due::At(at) = due else {
-                return Poll::Pending;
+            let at = match wait {
+                Wait::Ready => return Poll::Ready(()),
+                Wait::Woken => return Poll::Pending,
+                Wait::Until(at) => at,
             };
             timer.as_mut().reset(at);
             if timer.as_mut().poll(cx).is_pending() {
@@ -547,14 +302,9 @@ impl Drop for Slot {
         let now = Instant::now();
         let limits = &self.scheduler.limits;
         let mut state = self.scheduler.state.lock();
-        let rank = state.rank_at(self.rank, now, limits);
-        let Some(index) = rank.find(self.id) else {
-            return;
-        };
-        // The others go faster now, and a waiting one may take the place.
-        rank.jobs.remove(index);
-        rank.admit(now, limits);
-        rank.wake_all();
+        state
+            .rank_at(self.rank, now, limits)
+            .leave(self.id, now, limits);
     }
 }
 

@@ -1,6 +1,10 @@
 //! The batch model on a clock of its own: each event at the instant the model says, to the
 //! microsecond.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Wake, Waker};
+
+use super::rank::{Due, WORK};
 use super::*;
 
 /// 10 ms floor, 1 ms a prefill token, 10 ms a decode step alone.
@@ -19,7 +23,7 @@ struct Model {
     rank: Rank,
     limits: Limits,
     start: Instant,
-    finished: Vec<(Job, Instant)>,
+    finished: Vec<(u64, Job, Instant)>,
 }
 
 impl Model {
@@ -55,9 +59,8 @@ impl Model {
     fn job(&self, id: u64) -> &Job {
         self.rank
             .jobs
-            .iter()
-            .chain(self.finished.iter().map(|(job, _)| job))
-            .find(|job| job.id == id)
+            .get(&id)
+            .or_else(|| self.finished.iter().find(|f| f.0 == id).map(|f| &f.1))
             .expect("the job is known")
     }
 
@@ -66,12 +69,33 @@ impl Model {
     }
 
     fn left(&self, id: u64) -> f64 {
-        let (_, at) = self
+        let (_, _, at) = self
             .finished
             .iter()
-            .find(|(job, _)| job.id == id)
+            .find(|(left, _, _)| *left == id)
             .expect("the job left");
         self.ms(*at)
+    }
+
+    /// Runs the rank to each of its events in turn, as the answers watching them would;
+    /// returns how many there were.
+    fn event_by_event(&mut self) -> u64 {
+        let mut events = 0;
+        while let Some((at, _)) = self
+            .rank
+            .clock
+            .and_then(|clock| self.rank.next_event(clock, &self.limits))
+        {
+            self.rank.advance(at, &self.limits, &mut self.finished);
+            events += 1;
+        }
+        events
+    }
+
+    /// Job `id`'s answer waiting now for token `token`, woken through `waker`.
+    fn wait(&mut self, id: u64, token: u32, waker: &Waker) -> Wait {
+        let now = self.rank.clock.expect("the rank has run");
+        self.rank.wait(id, token, waker, now, &self.limits)
     }
 
     fn due_ms(&self, id: u64, token: u32) -> f64 {
@@ -236,5 +260,90 @@ fn settings_no_rank_could_run_with_are_refused() {
     assert_eq!(
         refused(config(1, 0.0, Some(0))),
         Some(BatchConfigError::EmptyChunk)
+    );
+}
+
+/// Counts the wakes of every answer it is given to.
+#[derive(Default)]
+struct Wakes(AtomicU64);
+
+impl Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Work (marks compared, jobs visited) and wakes per event, with `n` decoding requests on a
+/// rank, each with its answer waiting for its next token and leaving at a step of its own,
+/// every departure speeding the others up.
+fn decoding_cost(n: u32) -> (f64, f64) {
+    let wakes = Arc::new(Wakes::default());
+    let waker = Waker::from(Arc::clone(&wakes));
+    let mut model = Model::new(limits(usize::MAX, 0.5));
+    for id in 0..n {
+        model.arrive(u64::from(id), 0.0, 0, 3 + id);
+    }
+    model.run_to(10.0);
+    assert_eq!(model.rank.running(), n as usize);
+    WORK.with(|work| work.set(0));
+    for id in 0..n {
+        assert!(matches!(
+            model.wait(u64::from(id), 1 + id, &waker),
+            Wait::Until(_)
+        ));
+    }
+    let events = model.event_by_event();
+    assert!(model.rank.jobs.is_empty());
+    assert_eq!(events, u64::from(n), "one event a request leaving");
+    let work = WORK.with(|work| work.get()) as f64 / events as f64;
+    let wakes = wakes.0.load(Ordering::Relaxed) as f64 / events as f64;
+    (work, wakes)
+}
+
+#[test]
+fn ten_thousand_decoding_requests_cost_a_logarithm_an_event() {
+    let (work_1k, wakes_1k) = decoding_cost(1_000);
+    let (work_10k, wakes_10k) = decoding_cost(10_000);
+    // A scan of the batch an event would be ten times the work at ten times the requests; a
+    // logarithm is 4/3 of it (log 10,000 / log 1,000).
+    assert!(
+        work_10k < 1.6 * work_1k,
+        "work an event: {work_1k} with 1,000 requests, {work_10k} with 10,000"
+    );
+    assert!(
+        work_10k < 4.0 * 10_000f64.log2(),
+        "work an event with 10,000 requests: {work_10k}"
+    );
+    // Its own answer and the next awaited token's, not every answer.
+    for wakes in [wakes_1k, wakes_10k] {
+        assert!(wakes <= 3.0, "wakes an event: {wakes}");
+    }
+}
+
+#[test]
+fn only_the_first_waiting_request_watches_for_its_turn() {
+    let wakes = Arc::new(Wakes::default());
+    let waker = Waker::from(Arc::clone(&wakes));
+    let mut model = Model::new(limits(1, 0.0));
+    let n = 1_000;
+    for id in 0..n {
+        model.arrive(id, 0.0, 10, 3);
+    }
+    assert!(matches!(model.wait(0, 0, &waker), Wait::Until(_)));
+    assert!(matches!(model.wait(1, 0, &waker), Wait::Until(_)));
+    for id in 2..n {
+        assert_eq!(model.wait(id, 0, &waker), Wait::Woken);
+    }
+    let events = model.event_by_event();
+    assert!(model.rank.jobs.is_empty());
+    // Each request: admitted, prefilling, first token, gone; and the firsts told of each event.
+    let wakes = wakes.0.load(Ordering::Relaxed);
+    assert!(
+        wakes <= 4 * n + 3 * events,
+        "{wakes} wakes for {n} requests in {events} events"
     );
 }
