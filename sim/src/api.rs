@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::{Context, Result};
-use log::warn;
+use tracing::warn;
 use serde::Deserialize;
 
 use crate::rank_http::{error_reply, path_of, respond};

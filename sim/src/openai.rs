@@ -48,7 +48,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use kv_indexer::tokenize::Tokenizers;
-use log::{debug, warn};
+use tracing::{debug, warn};
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::runtime::{Handle, Runtime};

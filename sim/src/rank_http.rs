@@ -6,7 +6,7 @@
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use log::{debug, warn};
+use tracing::{debug, warn};
 use serde::Deserialize;
 
 use crate::server::{Rank, STOP_POLL};

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use log::{debug, warn};
+use tracing::{debug, warn};
 use parking_lot::Mutex;
 
 use crate::encode::{replay_end_frames, replay_frames};

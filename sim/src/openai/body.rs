@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
-use log::warn;
+use tracing::warn;
 use tokio::time::{Instant, Sleep};
 
 use super::answer::Generation;

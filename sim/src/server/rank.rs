@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use log::warn;
+use tracing::warn;
 use parking_lot::Mutex;
 
 use super::bind::{bind_http, bind_zmq, offset_port};
