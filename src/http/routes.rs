@@ -23,6 +23,7 @@ use crate::endpoint::Endpoint;
 use crate::index::{GroupView, Index, Inexact, PerTier};
 use crate::listener::State;
 use crate::metrics::Metrics;
+use crate::proxy::peer_predictions;
 use crate::registry::{ListenerView, ReloadDiff};
 use crate::select::{EngineLoad, Selector};
 use crate::tokenize::SharedTokenizers;
@@ -69,6 +70,12 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
     },
     Route {
         verb: Verb::Post,
+        pattern: peer_predictions::PATH,
+        guard: Guard::Secret,
+        handler: |api, call| peer_predictions_route(api, call.body),
+    },
+    Route {
+        verb: Verb::Post,
         pattern: "/reload",
         guard: Guard::Secret,
         handler: |api, _| reload(api),
@@ -98,6 +105,17 @@ pub(super) static API_ROUTES: &[Route<Handler<Api>>] = &[
         handler: |api, _| metrics(api),
     },
 ];
+
+/// `POST /peer_predictions`: another route front end's predictions (docs.md "Two routers on
+/// one fleet").
+fn peer_predictions_route(api: &Api, body: &[u8]) -> Reply {
+    let board = api.ranks.current();
+    let block_size = api.index.block_size();
+    match peer_predictions::receive(&api.selector, &board, block_size, &api.metrics, body) {
+        Ok(received) => Reply::json(200, &received),
+        Err(refused) => Reply::error(refused.status(), refused),
+    }
+}
 
 fn metrics(api: &Api) -> Reply {
     Reply::bytes(

@@ -33,6 +33,7 @@ mod health;
 mod models;
 mod pass_on;
 mod passing;
+pub(crate) mod peer_predictions;
 mod request;
 mod responses;
 mod scrape;
@@ -58,6 +59,7 @@ use crate::config::{self, Config};
 use crate::http::table::{find, Guard, Route, Verb};
 use crate::http::{is_authorized, AnswerBody, AsyncRoutes, ErrorShape, Request};
 use crate::index::{Index, Prompt};
+use crate::listener::Replication;
 use crate::metrics::{Metrics, PreviousResponse, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
@@ -66,6 +68,7 @@ use crate::tokenize::SharedTokenizers;
 use answers::{insert, json_response};
 use engine_tokenize::EngineTokenizing;
 use passing::Ticket;
+use peer_predictions::PeerPredictions;
 use request::{with_usage, Kind, OpenAiRequest};
 use responses::Remembered;
 use servers::Servers;
@@ -163,6 +166,8 @@ pub struct Proxy {
     /// `/v1/models` as merged last (`models`).
     listed: models::Listed,
     engine_tokenizing: EngineTokenizing,
+    /// Each reservation's prediction, told to the `peers`.
+    peer_predictions: PeerPredictions,
 }
 
 /// What the front end reads, handed over by the service.
@@ -172,6 +177,8 @@ pub struct ProxyParts {
     pub ranks: RanksReader,
     pub tokenizers: Arc<SharedTokenizers>,
     pub metrics: Arc<Metrics>,
+    /// The `peers` the predictions are shared with, and the secret they are sent with.
+    pub replication: Arc<Replication>,
 }
 
 impl Proxy {
@@ -184,7 +191,13 @@ impl Proxy {
                 .as_deref()
                 .and_then(Secret::from_file_text),
         );
+        let peer_predictions = PeerPredictions::new(
+            parts.replication,
+            Arc::clone(&parts.metrics),
+            parts.index.block_size(),
+        );
         Ok(Proxy {
+            peer_predictions,
             index: parts.index,
             selector: parts.selector,
             ranks: parts.ranks,
@@ -241,6 +254,11 @@ impl Proxy {
                 (engine.name.clone(), base)
             })
             .collect()
+    }
+
+    /// Sends the predictions made here to the `peers`, until its task is stopped.
+    pub async fn share_predictions(&self) {
+        self.peer_predictions.run().await;
     }
 
     fn authorized(&self, request: &Request) -> bool {
@@ -403,6 +421,9 @@ impl Proxy {
             };
             if attempt > 0 {
                 self.metrics.route_retry();
+            }
+            if let Some(predicted) = &selection.predicted {
+                self.peer_predictions.share(&key, predicted);
             }
             tried.push(server.url.base.clone());
             let mut ticket = Ticket {

@@ -116,6 +116,16 @@ pub struct Selection {
     /// Why the chosen rank's index was not read, when it was not: it was weighed by load
     /// alone, as a miss.
     pub unindexed: Option<Unindexed>,
+    /// The blocks the reservation predicts on the chosen rank, when it made a prediction.
+    pub predicted: Option<Predicted>,
+}
+
+/// A prediction a reservation made: the prompt's chained block keys (at most
+/// `MAX_PREDICTED_BLOCKS`) and how long they count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Predicted {
+    pub keys: Arc<[u64]>,
+    pub ttl: Duration,
 }
 
 /// Why a rank was weighed by load alone.
@@ -288,12 +298,12 @@ impl Selector {
         let query_blocks =
             u32::try_from(prompt.tokens.len() / block_size.max(1) as usize).unwrap_or(u32::MAX);
         let needs_keys = options.reserve || !self.state.lock().predictions.is_empty();
-        let keys = if needs_keys {
+        let keys: Arc<[u64]> = if needs_keys {
             let mut keys = prompt_keys(prompt, block_size, 0);
             keys.truncate(MAX_PREDICTED_BLOCKS);
-            keys
+            keys.into()
         } else {
-            Vec::new()
+            Arc::from([])
         };
 
         let mut state = self.state.lock();
@@ -370,7 +380,7 @@ impl Selector {
             let config = &state.config;
             state.predictions.record(
                 slot,
-                keys.clone(),
+                Arc::clone(&keys),
                 now + Duration::from_secs_f64(config.predicted_ttl_s),
             );
             state.reservations.open(Reservation {
@@ -382,6 +392,10 @@ impl Selector {
                 predicted_tokens: predicted_cached_tokens,
                 reported: false,
             })
+        });
+        let predicted = (reservation_id.is_some() && !keys.is_empty()).then(|| Predicted {
+            keys,
+            ttl: Duration::from_secs_f64(state.config.predicted_ttl_s),
         });
         let shown = match state.config.max_candidates {
             0 => costed.len(),
@@ -396,7 +410,25 @@ impl Selector {
             predicted_cached_tokens,
             candidates: costed[..shown].iter().map(ranked).collect(),
             unindexed: gathered[chosen.candidate.position].unindexed,
+            predicted,
         })
+    }
+
+    /// A peer's prediction (`proxy::peer_predictions`): `keys` (a prompt's chained block keys,
+    /// as this index makes them) counted as predicted on `key` for `ttl`, at most this
+    /// selector's own `predicted_ttl_s`, exactly as one of its own. At most
+    /// `MAX_PREDICTED_BLOCKS` of them are kept.
+    pub fn record_peer_prediction(&self, key: &WorkerKey, mut keys: Vec<u64>, ttl: Duration) {
+        if keys.is_empty() {
+            return;
+        }
+        keys.truncate(MAX_PREDICTED_BLOCKS);
+        let mut state = self.state.lock();
+        let now = self.clock.now();
+        state.expire(now);
+        let ttl = ttl.min(Duration::from_secs_f64(state.config.predicted_ttl_s));
+        let slot = state.slot(key);
+        state.predictions.record(slot, keys.into(), now + ttl);
     }
 
     /// The engine has prefilled reservation `id`; `cached_tokens`, when it says how much of

@@ -6,5 +6,6 @@
 mod support;
 
 mod from_urls;
+mod peers;
 mod route;
 mod route_surface;
