@@ -128,6 +128,10 @@ struct Args {
     /// Live: `max_tokens` of every request (its output's length).
     #[arg(long, default_value_t = 4)]
     live_max_tokens: u32,
+    /// Live, set-up `two`: the replicas do not name each other in `peers`, so neither sees
+    /// the other's predictions (as before they were shared).
+    #[arg(long)]
+    live_unshared: bool,
 }
 
 const DEADLINE: Duration = Duration::from_secs(120);

@@ -8,7 +8,9 @@
 //! - `one`: one route front end (an in-process indexer with `[route]`, `[select] policy` the
 //!   run's policy, scraping the engines' load);
 //! - `two`: two such front ends, each with an indexer of its own watching the same engines,
-//!   taking every other request (two replicas behind one address, each half the clients);
+//!   taking every other request (two replicas behind one address, each half the clients),
+//!   each naming the other in `peers` so that they share their predictions (not with
+//!   `--live-unshared`);
 //! - `bypass`: one front end, `--live-bypass` of the requests (drawn at random) sent straight
 //!   to a random engine with no rank header (the engine picks the rank): traffic the router
 //!   never sees but the engines' gauges show;
@@ -49,7 +51,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use kv_indexer::select::policy_names;
 use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
-use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, select_table, EngineToml};
+use kv_indexer_sim::indexer_toml::{
+    indexer_toml, replica_keys, route_table, select_table, EngineToml,
+};
 use kv_indexer_sim::openai::OpenAiConfig;
 use kv_indexer_sim::rng::SplitMix64;
 use kv_indexer_sim::running::RunningService;
@@ -182,7 +186,7 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
     let text = args.live_text.then(TextPrompts::new).transpose()?;
     if !args.json {
         println!(
-            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}, {} prompt tokens a step beside the decodes; max_tokens {}, bypass {:.0}%{}",
+            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}, {} prompt tokens a step beside the decodes; max_tokens {}, bypass {:.0}%{}{}",
             args.engines,
             args.dp_size,
             args.capacity_blocks,
@@ -195,7 +199,8 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
                 .map_or("all".to_string(), |chunk| chunk.to_string()),
             args.live_max_tokens,
             args.live_bypass * 100.0,
-            if args.live_text { ", prompts as text" } else { "" }
+            if args.live_text { ", prompts as text" } else { "" },
+            if args.live_unshared { ", two replicas' predictions unshared" } else { "" }
         );
     }
     for workload in workloads {
@@ -327,6 +332,21 @@ impl LiveFleet {
                 DEADLINE,
             )?;
             live.ours.push(running);
+        }
+        if set_up == SetUp::Two && !args.live_unshared {
+            for (at, running) in live.ours.iter().enumerate() {
+                let others: Vec<_> = (live.ours.iter().enumerate())
+                    .filter(|(other, _)| *other != at)
+                    .map(|(_, other)| other.http_addr())
+                    .collect();
+                let shared = replica_keys(&others, false, None) + &toml;
+                std::fs::write(running.config_path(), shared)
+                    .with_context(|| format!("writing {}", running.config_path().display()))?;
+                running
+                    .service()
+                    .reload()
+                    .map_err(|error| anyhow!("reloading with peers: {error}"))?;
+            }
         }
         Ok(live)
     }
