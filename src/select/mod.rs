@@ -54,8 +54,8 @@ pub use clock::Clock;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder/main.rs`).
 pub use cost::{best_first, cost, Candidate, Costed, Load};
-use engine_load::EngineLoads;
 pub use engine_load::{scrape_timeout, EngineLoad, RankFigures};
+use engine_load::{EngineLoads, Own};
 pub use policy::{known as known_policy, names as policy_names, DEFAULT_POLICY};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
@@ -341,6 +341,7 @@ impl Selector {
                 predicted_blocks,
                 load: Load {
                     outside_requests: engine_loads[position].outside_requests(),
+                    outside_blocks: engine_loads[position].outside_blocks(),
                     ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
                 },
             };
@@ -491,6 +492,7 @@ impl Selector {
                     key: rank.spec.key.clone(),
                     load: Load {
                         outside_requests: engine_load.outside_requests(),
+                        outside_blocks: engine_load.outside_blocks(),
                         ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
                     },
                     predicted_prefixes: slot.map_or(0, |slot| state.predictions.held(slot)),
@@ -501,10 +503,11 @@ impl Selector {
     }
 
     /// Records the end of a scrape of `engine`'s load: its figures per dp rank, or why there
-    /// are none (docs.md "Engine load").
+    /// are none (docs.md "Engine load"); the index's blocks are of `block_size` tokens.
     pub fn record_engine_load(
         &self,
         engine: &str,
+        block_size: u32,
         scrape: Result<Vec<(u32, RankFigures)>, String>,
     ) {
         let mut state = self.state.lock();
@@ -517,11 +520,17 @@ impl Selector {
                 engine: engine.to_owned(),
                 dp_rank,
             };
-            slots
-                .get(&key)
-                .map_or(0, |&slot| reservations.load(slot).reservations)
+            slots.get(&key).map_or(Own::default(), |&slot| {
+                let load = reservations.load(slot);
+                Own {
+                    reservations: load.reservations,
+                    decode_blocks: load.active_decode_blocks,
+                }
+            })
         };
-        state.engine_loads.record(engine, now, scrape, own);
+        state
+            .engine_loads
+            .record(engine, now, scrape, block_size, own);
     }
 
     /// Forgets the scrapes of engines not in `engines` (gone from the file).
