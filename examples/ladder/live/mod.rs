@@ -24,7 +24,9 @@
 //! most N in flight for each N of `--live-concurrency`: one waiting for a free client leaves
 //! late, and is counted so (at 1, the run is a closed loop).
 //!
-//! Prints per workload, concurrency, set-up and policy the requests, the failed ones, the late
+//! Prints per workload its bounds and the TTFT floor no policy goes below (each request alone
+//! on an idle rank, cold and with its best cache hit: `workloads::print_floor`), then per
+//! concurrency, set-up and policy the requests, the failed ones, the late
 //! ones, the hit ratio (engine-reported cached tokens over prompt tokens), TTFT p50/p99 of all
 //! requests and the p99 of those a router sent, the imbalance (max/mean requests a rank
 //! served), and for our front ends the predicted cached tokens (the
@@ -67,7 +69,7 @@ use rows::{print_details, print_row, row, LiveRow};
 use send::{client, send, CompletionBody, Outcome, Prompt, StreamOptions};
 use text::TextPrompts;
 
-use crate::workloads::print_bounds;
+use crate::workloads::{print_bounds, print_floor};
 use crate::{engine_config, Args, Request, Workload, DEADLINE};
 
 /// The model the mock engines serve and the requests name.
@@ -224,6 +226,12 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
                 span / speedup
             );
             print_bounds(prefill_tokens_per_s, workload.name, requests);
+            print_floor(
+                engine.first_token_floor,
+                engine.prefill_per_token,
+                workload.name,
+                requests,
+            );
             println!(
                 "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>7} {:>8} {:>8} {:>10} {:>9} {:>8}",
                 "",
