@@ -1993,7 +1993,7 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
     );
     drop(light);
     wait_for(20, "sim-0's outside stream to end", || {
-        (rank_load(&routed, 0)?["outside_requests"].as_f64()? == 0.0).then_some(())
+        (rank_load(routed, 0)?["outside_requests"].as_f64()? == 0.0).then_some(())
     });
 
     // Enough outside requests to cost more than prefilling the whole prompt cold.
