@@ -1,16 +1,17 @@
 //! Selection (docs.md "Selection"): which rank a prompt should go to, from the index, the
-//! load `/select`'s own reservations put on each rank and the requests its engine reports
-//! beyond them, with the blocks a reservation is about to store counted as predicted on its
-//! rank for a short while.
+//! load `/select`'s own reservations put on each rank and the requests and blocks its engine
+//! reports beyond them, with the blocks a reservation is about to store counted as predicted
+//! on its rank for a short while.
 //!
 //! Beside `http`, which calls it: it reads the index (`Index::query_prompt`, the public query
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
 //! for bookkeeping only (the index is read before it is taken). `cost` is the formula, `policy`
 //! the order and the pick (`[select] policy`, `cost` its default), `reservations` the open
 //! reservations and each rank's load, `engine_load` the engines' own load as last scraped
-//! (`route::Scraper` records it; docs.md "Engine load"),
-//! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on,
-//! `cached_reports` whether each engine reports its answers' cached tokens.
+//! (`route::Scraper` records it; docs.md "Engine load"), `predictions` the predicted blocks
+//! (its own reservations', and those a peer route front end told it of,
+//! `record_peer_prediction`, counted alike), `clock` the time their time-to-lives are measured
+//! on, `cached_reports` whether each engine reports its answers' cached tokens.
 //!
 //! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
 //! service's is `Clock::real()`; a test makes it with `Clock::manual()`, keeps a clone and
