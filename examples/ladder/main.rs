@@ -132,6 +132,9 @@ struct Args {
     /// the other's predictions (as before they were shared).
     #[arg(long)]
     live_unshared: bool,
+    /// Live: our front ends' `[select] load_interval_ms` (how often they scrape the engines).
+    #[arg(long, default_value_t = 500)]
+    live_load_interval_ms: u64,
 }
 
 const DEADLINE: Duration = Duration::from_secs(120);

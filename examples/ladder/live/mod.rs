@@ -329,7 +329,10 @@ impl LiveFleet {
             .collect();
         let toml = indexer_toml(None, BLOCK_SIZE, SHARDS, &tomls)
             + &route_table("127.0.0.1:0", &[])
-            + &select_table(&[("policy", &format!("{policy:?}"))]);
+            + &select_table(&[
+                ("policy", &format!("{policy:?}")),
+                ("load_interval_ms", &args.live_load_interval_ms.to_string()),
+            ]);
         let replicas = if set_up == SetUp::Two { 2 } else { 1 };
         for _ in 0..replicas {
             let running = RunningService::start(&toml)?;
