@@ -166,8 +166,8 @@ pub struct Proxy {
     /// `/v1/models` as merged last (`models`).
     listed: models::Listed,
     engine_tokenizing: EngineTokenizing,
-    /// Each reservation's prediction, told to the `peers`.
-    peer_predictions: PeerPredictions,
+    /// Each reservation's prediction and the end of its prefill, told to the `peers`.
+    peer_predictions: Arc<PeerPredictions>,
 }
 
 /// What the front end reads, handed over by the service.
@@ -191,11 +191,11 @@ impl Proxy {
                 .as_deref()
                 .and_then(Secret::from_file_text),
         );
-        let peer_predictions = PeerPredictions::new(
+        let peer_predictions = Arc::new(PeerPredictions::new(
             parts.replication,
             Arc::clone(&parts.metrics),
             parts.index.block_size(),
-        );
+        ));
         Ok(Proxy {
             peer_predictions,
             index: parts.index,
@@ -422,8 +422,8 @@ impl Proxy {
             if attempt > 0 {
                 self.metrics.route_retry();
             }
-            if let Some(predicted) = &selection.predicted {
-                self.peer_predictions.share(&key, predicted);
+            if let (Some(predicted), Some(id)) = (&selection.predicted, selection.reservation_id) {
+                self.peer_predictions.share(&key, predicted, id);
             }
             tried.push(server.url.base.clone());
             let mut ticket = Ticket {
@@ -431,6 +431,10 @@ impl Proxy {
                 metrics: Arc::clone(&self.metrics),
                 key: key.clone(),
                 reservation: selection.reservation_id,
+                peers: selection
+                    .predicted
+                    .is_some()
+                    .then(|| Arc::clone(&self.peer_predictions)),
                 predicted_tokens: selection.predicted_cached_tokens,
                 prefilled: false,
                 // An answer that is not a generation reports no cache hit to weigh.

@@ -23,6 +23,8 @@ use serde::Deserialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
+use super::peer_predictions::PeerPredictions;
+
 use super::engine_http::EngineBody;
 use crate::http::BodyError;
 use crate::metrics::{Metrics, RouteOutcome};
@@ -41,6 +43,8 @@ pub(super) struct Ticket {
     pub(super) metrics: Arc<Metrics>,
     pub(super) key: WorkerKey,
     pub(super) reservation: Option<u64>,
+    /// The peers told of the reservation's prediction: told too when its prefill ends.
+    pub(super) peers: Option<Arc<PeerPredictions>>,
     pub(super) predicted_tokens: u64,
     pub(super) prefilled: bool,
     pub(super) reported: bool,
@@ -58,6 +62,14 @@ impl Ticket {
         if let Some(id) = self.reservation {
             // An expired reservation is nothing to complete.
             let _ = self.selector.prefill_complete(id, None);
+            self.tell_peers(id);
+        }
+    }
+
+    /// The peers weigh the reservation's prefill until told it is done.
+    fn tell_peers(&mut self, id: u64) {
+        if let Some(peers) = self.peers.take() {
+            peers.prefilled(id);
         }
     }
 
@@ -88,6 +100,7 @@ impl Ticket {
                 true => self.selector.report_cached_tokens(id, cached),
                 false => self.selector.prefill_complete(id, Some(cached)),
             };
+            self.tell_peers(id);
         }
         self.prefilled = true;
         self.metrics.route_cached_tokens(
@@ -105,6 +118,7 @@ impl Drop for Ticket {
         if let Some(id) = self.reservation {
             // Expired already (past its time-to-live): released all the same.
             let _ = self.selector.release(id);
+            self.tell_peers(id);
         }
     }
 }
@@ -523,6 +537,7 @@ mod tests {
                     dp_rank: 0,
                 },
                 reservation: None,
+                peers: None,
                 predicted_tokens: 0,
                 prefilled: false,
                 reported: false,

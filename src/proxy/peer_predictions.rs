@@ -1,16 +1,19 @@
 //! Predictions shared between route front ends (docs.md "Two routers on one fleet"): each
-//! prediction a reservation makes here (the rank, the prompt's block keys, its time-to-live) is
-//! sent to the `peers`, which count it as a prediction of their own, so that two replicas do
-//! not both prefill a hot prefix on two ranks while its first request is still prefilling.
+//! prediction a reservation makes here (the rank, the prompt's block keys, its time-to-live)
+//! and the prefill it puts on its rank are sent to the `peers`, then the end of that prefill;
+//! a peer counts the prediction as one of its own and the prefill as a reservation until told
+//! it ended, so that two replicas choose as one router would: neither prefills a hot prefix
+//! again beside its first prefill, nor on another rank once one holds it.
 //!
-//! Owns: the outbox, bounded in records and bytes (`share` only queues: a full one drops and
-//! counts); its batches (every `FLUSH_EVERY`, or `MAX_BATCH_RECORDS` / `MAX_BATCH_BYTES`); one
+//! Owns: the outbox, bounded in records and bytes (`share` and `prefilled` only queue: a full
+//! one drops, and counts the predictions it drops); its batches (every `FLUSH_EVERY`, or `MAX_BATCH_RECORDS` / `MAX_BATCH_BYTES`); one
 //! `POST /peer_predictions` per peer and batch, with the shared secret as its bearer (a peer
 //! still busy with the last batch, failing or slower than `PEER_TIMEOUT` has the batch dropped
 //! and counted); the batch's wire form; and the receiving side's checks: the peer's keys agree
 //! with ours (the same block size and the same key of a probe block) and the rank runs here.
 //! Never: makes a request wait on a peer, records a peer's prediction as cached blocks (it is
-//! a prediction here too, and expires as one), or keeps it beyond our own `predicted_ttl_s`.
+//! a prediction here too, and expires as one), or keeps it, or a peer's prefill, beyond our
+//! own `predicted_ttl_s`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,15 +35,16 @@ use crate::listener::Replication;
 use crate::metrics::{Metrics, PeerPrediction};
 use crate::plan::WorkerKey;
 use crate::registry::RankBoard;
-use crate::select::{Predicted, Selector};
+use crate::select::{PeerReservation, Predicted, Selector};
 
 /// The route, on every indexer's HTTP API (`listen`, where `peers` point), behind the shared
 /// secret.
 pub const PATH: &str = "/peer_predictions";
 
-/// How long a batch gathers records after its first: well under a prefill (tens to hundreds
-/// of milliseconds), so a peer knows of a prefix before its engine publishes it.
-const FLUSH_EVERY: Duration = Duration::from_millis(15);
+/// How long a batch gathers records after its first: short, because two replicas that choose
+/// a rank within it do not yet see each other's choice (on the ladder's burst, 15 ms left
+/// two cold prefills colliding on one rank; 2 ms, one pair in 200 requests).
+const FLUSH_EVERY: Duration = Duration::from_millis(2);
 /// A batch is sent at this many records, or at this many bytes, whichever comes first.
 const MAX_BATCH_RECORDS: usize = 64;
 const MAX_BATCH_BYTES: usize = 1 << 20;
@@ -80,12 +84,17 @@ impl KeyCheck {
     }
 }
 
-/// A batch as sent and read: the sender's key check and its records.
+/// A batch as sent and read: the sender's key check, who it is (a number drawn at its start),
+/// its predictions, and the ids of its reservations prefilled since.
 #[derive(Serialize, Deserialize)]
 struct Batch<R> {
     #[serde(flatten)]
     check: KeyCheck,
+    #[serde(default)]
+    sender: u64,
     records: Vec<R>,
+    #[serde(default)]
+    prefilled: Vec<u64>,
 }
 
 #[derive(Serialize)]
@@ -94,6 +103,8 @@ struct RecordOut<'a> {
     dp_rank: u32,
     ttl_ms: u64,
     keys: &'a [u64],
+    reservation: u64,
+    prefill_blocks: f64,
 }
 
 #[derive(Deserialize)]
@@ -102,18 +113,32 @@ struct RecordIn {
     dp_rank: u32,
     ttl_ms: u64,
     keys: Vec<u64>,
+    #[serde(default)]
+    reservation: u64,
+    #[serde(default)]
+    prefill_blocks: f64,
 }
 
-/// A prediction waiting in the outbox.
-struct Queued {
-    key: WorkerKey,
-    predicted: Predicted,
+/// What waits in the outbox: a prediction, with the reservation that made it, or the end of
+/// that reservation's prefill.
+enum Queued {
+    Predicted {
+        key: WorkerKey,
+        predicted: Predicted,
+        reservation: u64,
+    },
+    Prefilled(u64),
 }
 
 impl Queued {
     /// Its bytes in a batch, at most.
     fn bytes(&self) -> usize {
-        64 + self.key.engine.len() + KEY_BYTES * self.predicted.keys.len()
+        match self {
+            Queued::Predicted { key, predicted, .. } => {
+                128 + key.engine.len() + KEY_BYTES * predicted.keys.len()
+            }
+            Queued::Prefilled(_) => KEY_BYTES,
+        }
     }
 }
 
@@ -126,6 +151,7 @@ pub(super) struct PeerPredictions {
     connections: Arc<Connections>,
     metrics: Arc<Metrics>,
     check: KeyCheck,
+    sender: u64,
 }
 
 impl PeerPredictions {
@@ -143,26 +169,39 @@ impl PeerPredictions {
             connections: Arc::default(),
             metrics,
             check: KeyCheck::of(block_size),
+            sender: rand::random(),
         }
     }
 
-    /// Queues `predicted` on `key` for the peers, if there are any; drops it (counted once
-    /// per peer) when the outbox is full.
-    pub(super) fn share(&self, key: &WorkerKey, predicted: &Predicted) {
+    /// Queues `predicted` on `key`, made by `reservation`, for the peers, if there are any;
+    /// drops it (counted once per peer) when the outbox is full.
+    pub(super) fn share(&self, key: &WorkerKey, predicted: &Predicted, reservation: u64) {
+        self.queue(Queued::Predicted {
+            key: key.clone(),
+            predicted: predicted.clone(),
+            reservation,
+        });
+    }
+
+    /// Queues the end of `reservation`'s prefill (or of the reservation) for the peers.
+    pub(super) fn prefilled(&self, reservation: u64) {
+        self.queue(Queued::Prefilled(reservation));
+    }
+
+    fn queue(&self, queued: Queued) {
         let peers = self.replication.peers().len() as u64;
         if peers == 0 {
             return;
         }
-        let queued = Queued {
-            key: key.clone(),
-            predicted: predicted.clone(),
-        };
         let bytes = queued.bytes();
+        let counted = matches!(queued, Queued::Predicted { .. });
         let before = self.queued_bytes.fetch_add(bytes, Ordering::Relaxed);
         if before + bytes > MAX_QUEUED_BYTES || self.outbox.try_send(queued).is_err() {
             self.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
-            self.metrics
-                .peer_predictions(PeerPrediction::dropped, peers);
+            if counted {
+                self.metrics
+                    .peer_predictions(PeerPrediction::dropped, peers);
+            }
         }
     }
 
@@ -192,19 +231,30 @@ impl PeerPredictions {
 
     /// Posts `batch` to every peer not still busy with the last one.
     fn send(&self, batch: &[Queued], posting: &mut HashMap<String, JoinHandle<()>>) {
-        let records = batch.len() as u64;
-        let body = Batch {
+        let mut body = Batch {
             check: self.check,
-            records: batch
-                .iter()
-                .map(|queued| RecordOut {
-                    engine: &queued.key.engine,
-                    dp_rank: queued.key.dp_rank,
-                    ttl_ms: u64::try_from(queued.predicted.ttl.as_millis()).unwrap_or(u64::MAX),
-                    keys: &queued.predicted.keys,
-                })
-                .collect(),
+            sender: self.sender,
+            records: Vec::with_capacity(batch.len()),
+            prefilled: Vec::new(),
         };
+        for queued in batch {
+            match queued {
+                Queued::Predicted {
+                    key,
+                    predicted,
+                    reservation,
+                } => body.records.push(RecordOut {
+                    engine: &key.engine,
+                    dp_rank: key.dp_rank,
+                    ttl_ms: u64::try_from(predicted.ttl.as_millis()).unwrap_or(u64::MAX),
+                    keys: &predicted.keys,
+                    reservation: *reservation,
+                    prefill_blocks: predicted.prefill_blocks,
+                }),
+                Queued::Prefilled(id) => body.prefilled.push(*id),
+            }
+        }
+        let records = body.records.len() as u64;
         let body = match serde_json::to_vec(&body) {
             Ok(body) => Bytes::from(body),
             Err(err) => {
@@ -312,6 +362,7 @@ pub fn receive(
         });
     }
     let running: HashSet<&WorkerKey> = board.running().map(|rank| &rank.spec.key).collect();
+    let sender = batch.sender;
     let mut received = Received {
         recorded: 0,
         refused: 0,
@@ -326,8 +377,17 @@ pub fn receive(
             continue;
         }
         let ttl = Duration::from_millis(record.ttl_ms);
-        selector.record_peer_prediction(&key, record.keys, ttl);
+        let reserved = PeerReservation {
+            sender,
+            id: record.reservation,
+            prefill_blocks: record.prefill_blocks,
+        };
+        let reserved = record.prefill_blocks.is_finite().then_some(reserved);
+        selector.record_peer_prediction(&key, record.keys, ttl, reserved);
         received.recorded += 1;
+    }
+    for id in batch.prefilled {
+        selector.peer_prefilled(sender, id);
     }
     metrics.peer_predictions(PeerPrediction::received, received.recorded);
     metrics.peer_predictions(PeerPrediction::refused, received.refused);
@@ -343,21 +403,7 @@ mod tests {
         assert_eq!(KeyCheck::of(16), KeyCheck::of(16));
         assert_ne!(KeyCheck::of(16).probe_key, KeyCheck::of(32).probe_key);
         let keys = [1_u64, u64::MAX];
-        let out = Batch {
-            check: KeyCheck::of(16),
-            records: vec![RecordOut {
-                engine: "a",
-                dp_rank: 1,
-                ttl_ms: 2000,
-                keys: &keys,
-            }],
-        };
-        let text = serde_json::to_vec(&out).expect("encodes");
-        let back: Batch<RecordIn> = serde_json::from_slice(&text).expect("reads back");
-        assert_eq!(back.check, KeyCheck::of(16));
-        assert_eq!(back.records[0].keys, keys);
-        assert_eq!(back.records[0].engine, "a");
-        let queued = Queued {
+        let queued = Queued::Predicted {
             key: WorkerKey {
                 engine: "a".into(),
                 dp_rank: 1,
@@ -365,13 +411,33 @@ mod tests {
             predicted: Predicted {
                 keys: Arc::from(keys),
                 ttl: Duration::from_secs(2),
+                prefill_blocks: 1.5e300,
             },
+            reservation: u64::MAX,
         };
-        let empty = Batch::<RecordOut> {
-            check: KeyCheck::of(16),
-            records: Vec::new(),
+        let batch = |records: Vec<RecordOut<'_>>| {
+            let batch = Batch {
+                check: KeyCheck::of(16),
+                sender: u64::MAX,
+                records,
+                prefilled: Vec::new(),
+            };
+            serde_json::to_vec(&batch).expect("encodes")
         };
-        let envelope = serde_json::to_vec(&empty).expect("encodes").len();
+        let text = batch(vec![RecordOut {
+            engine: "a",
+            dp_rank: 1,
+            ttl_ms: 2000,
+            keys: &keys,
+            reservation: u64::MAX,
+            prefill_blocks: 1.5e300,
+        }]);
+        let back: Batch<RecordIn> = serde_json::from_slice(&text).expect("reads back");
+        assert_eq!((back.check, back.sender), (KeyCheck::of(16), u64::MAX));
+        assert_eq!(back.records[0].keys, keys);
+        assert_eq!(back.records[0].engine, "a");
+        assert_eq!(back.records[0].reservation, u64::MAX);
+        let envelope = batch(Vec::new()).len();
         assert!(
             text.len() <= envelope + queued.bytes(),
             "the estimate bounds a record's bytes"

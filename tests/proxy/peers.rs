@@ -11,6 +11,7 @@ use crate::support::free_port;
 use crate::support::http_client::{metric_value, wait_for, Connection, Reply};
 use crate::support::routed::{fleet_toml, MODEL};
 use crate::support::start_service;
+use kv_indexer_sim::indexer_toml::select_table;
 use kv_indexer_sim::openai::OpenAiConfig;
 use kv_indexer_sim::running::RunningService;
 use serde_json::{json, Value};
@@ -89,10 +90,13 @@ fn send_explained(route: SocketAddr, body: &Value) -> Reply {
     )
 }
 
-/// Issue 36: replica A routes a cold prompt to a rank whose engine takes seconds to prefill it;
-/// B, told by A, sees that rank's prediction before the engine publishes a block of it, and
-/// sends the same prompt to the same rank: predicted whole, matched nothing. Without sharing,
-/// B would see both ranks cold (nothing predicted) and pick either.
+/// Issue 36: replica A routes a cold prompt to a rank whose engine takes a second to prefill
+/// it; B, told by A, sees on that rank the prompt predicted and A's prefill under way before the
+/// engine publishes a block of it: predicted whole, matched nothing, A's prefill weighed. So B
+/// sends the same prompt to the idle rank, as one router would (a second prefill of it beside
+/// the first would wait for both), and once A's prefill ends A says so and B weighs it no more
+/// (well before the minute its prediction lives). Without sharing, B would see both ranks cold
+/// and idle.
 #[test]
 fn a_prefix_routed_through_one_replica_is_predicted_on_the_other() {
     let slow = OpenAiConfig {
@@ -100,6 +104,7 @@ fn a_prefix_routed_through_one_replica_is_predicted_on_the_other() {
         ..OpenAiConfig::default()
     };
     let (_fleet, toml, _tokenizers) = fleet_toml(1, 2, slow, "127.0.0.1:0", &[], &|_, e| e);
+    let toml = toml + &select_table(&[("predicted_ttl_s", "60")]);
     let dir = tempfile::tempdir().expect("temp dir");
     let file = with_token(dir.path(), &toml);
     let (a, b) = (start_service(&file), start_service(&file));
@@ -123,22 +128,34 @@ fn a_prefix_routed_through_one_replica_is_predicted_on_the_other() {
     });
     let on_b = explained(&send_explained(b.route_addr().expect("[route]"), &body));
     let on_a = explained(&through_a.join().expect("A's request"));
-    let (chosen_a, chosen_b) = (&on_a["chosen"], &on_b["chosen"]);
-    assert_eq!(
-        (&chosen_b["instance"], &chosen_b["dp_rank"]),
-        (&chosen_a["instance"], &chosen_a["dp_rank"]),
-        "B follows A's prediction: A {on_a}, B {on_b}"
-    );
+    let at = |terms: &Value| (terms["instance"].clone(), terms["dp_rank"].clone());
+    let (chosen_a, on_a_rank) = (&on_a["chosen"], &on_b["runner_up"]);
+    assert_eq!(at(on_a_rank), at(chosen_a), "A: {on_a}, B: {on_b}");
+    assert_ne!(at(&on_b["chosen"]), at(chosen_a), "A: {on_a}, B: {on_b}");
     let blocks = on_b["query_blocks"].as_u64().expect("query_blocks");
     assert!(blocks >= 10, "{on_b}");
-    assert_eq!(chosen_b["predicted_blocks"], blocks, "{on_b}");
+    assert_eq!(on_a_rank["predicted_blocks"], blocks, "{on_b}");
     assert_eq!(
-        chosen_b["matched_blocks"], 0,
+        on_a_rank["matched_blocks"], 0,
         "the engine had published nothing yet: {on_b}"
     );
-    assert_eq!(on_b["runner_up"]["predicted_blocks"], 0, "{on_b}");
+    assert_eq!(
+        on_a_rank["active_prefill_blocks"],
+        json!(blocks as f64),
+        "A's prefill is weighed on B: {on_b}"
+    );
+    assert_eq!(on_b["chosen"]["predicted_blocks"], 0, "{on_b}");
     assert!(count(a.http_addr(), "sent") >= 1.0);
     assert_eq!(count(a.http_addr(), "dropped"), 0.0);
+    wait_for(10, "A's prefill to leave B's load", || {
+        let loads = Connection::open(b.http_addr())
+            .send("GET", "/loads", None)
+            .json();
+        let open: u64 = (loads.as_array()?.iter())
+            .map(|rank| rank["reservations"].as_u64().unwrap_or(0))
+            .sum();
+        (open == 0).then_some(())
+    });
 }
 
 /// A peer that refuses connections and one that accepts and never answers: every request is
