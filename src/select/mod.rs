@@ -29,6 +29,7 @@ mod cached_reports;
 mod clock;
 mod cost;
 mod engine_load;
+mod peers;
 mod policy;
 mod predictions;
 mod reservations;
@@ -57,6 +58,7 @@ pub use clock::Clock;
 pub use cost::{best_first, cost, Candidate, Costed, Load};
 pub use engine_load::{scrape_timeout, EngineLoad, RankFigures};
 use engine_load::{EngineLoads, Own};
+pub use peers::PeerReservation;
 pub use policy::{known as known_policy, names as policy_names, DEFAULT_POLICY};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
@@ -128,16 +130,6 @@ pub struct Predicted {
     pub keys: Arc<[u64]>,
     pub ttl: Duration,
     /// The blocks the chosen rank prefills for it (`Costed::prefill_blocks`).
-    pub prefill_blocks: f64,
-}
-
-/// A peer's reservation as a peer's prediction carries it: who sent it, its id there, and the
-/// blocks its rank prefills for it, weighed here until the peer says the prefill is done, or
-/// for the prediction's time-to-live at most.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PeerReservation {
-    pub sender: u64,
-    pub id: u64,
     pub prefill_blocks: f64,
 }
 
@@ -430,59 +422,6 @@ impl Selector {
             unindexed: gathered[chosen.candidate.position].unindexed,
             predicted,
         })
-    }
-
-    /// A peer's prediction (`proxy::peer_predictions`): `keys` (a prompt's chained block keys,
-    /// as this index makes them) counted as predicted on `key` for `ttl`, at most this
-    /// selector's own `predicted_ttl_s`, exactly as one of its own. At most
-    /// `MAX_PREDICTED_BLOCKS` of them are kept.
-    /// With `reserved`, the peer's reservation is weighed here too, by its prefill blocks
-    /// alone (its decode is the engine's to report), until `peer_prefilled` or `ttl`.
-    pub fn record_peer_prediction(
-        &self,
-        key: &WorkerKey,
-        mut keys: Vec<u64>,
-        ttl: Duration,
-        reserved: Option<PeerReservation>,
-    ) {
-        if keys.is_empty() {
-            return;
-        }
-        keys.truncate(MAX_PREDICTED_BLOCKS);
-        let mut state = self.state.lock();
-        let now = self.clock.now();
-        state.expire(now);
-        let ttl = ttl.min(Duration::from_secs_f64(state.config.predicted_ttl_s));
-        let slot = state.slot(key);
-        state.predictions.record(slot, keys.into(), now + ttl);
-        let Some(reserved) = reserved.filter(|r| r.prefill_blocks > 0.0) else {
-            return;
-        };
-        state
-            .peer_reservations
-            .retain(|_, (_, deadline)| *deadline > now);
-        let local = state.reservations.open(Reservation {
-            rank: slot,
-            prefill_blocks: reserved.prefill_blocks.min(MAX_PREDICTED_BLOCKS as f64),
-            decode_blocks: 0,
-            prefill_complete: false,
-            deadline: now + ttl,
-            predicted_tokens: 0,
-            reported: true,
-        });
-        state
-            .peer_reservations
-            .insert((reserved.sender, reserved.id), (local, now + ttl));
-    }
-
-    /// The peer `sender`'s reservation `id` is prefilled (or gone): its prefill leaves the
-    /// rank's load here. An id not known (never told, or expired) is nothing.
-    pub fn peer_prefilled(&self, sender: u64, id: u64) {
-        let mut state = self.state.lock();
-        state.expire(self.clock.now());
-        if let Some((local, _)) = state.peer_reservations.remove(&(sender, id)) {
-            state.reservations.release(local);
-        }
     }
 
     /// The engine has prefilled reservation `id`; `cached_tokens`, when it says how much of
