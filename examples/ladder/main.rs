@@ -128,6 +128,13 @@ struct Args {
     /// Live: `max_tokens` of every request (its output's length).
     #[arg(long, default_value_t = 4)]
     live_max_tokens: u32,
+    /// Live, set-up `two`: the replicas do not name each other in `peers`, so neither sees
+    /// the other's predictions (as before they were shared).
+    #[arg(long)]
+    live_unshared: bool,
+    /// Live: our front ends' `[select] load_interval_ms` (how often they scrape the engines).
+    #[arg(long, default_value_t = 500)]
+    live_load_interval_ms: u64,
 }
 
 const DEADLINE: Duration = Duration::from_secs(120);

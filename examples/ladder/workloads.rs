@@ -4,6 +4,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
+use std::time::Duration;
 
 use anyhow::Result;
 use kv_indexer_sim::fleet::{load_benchmark_requests, BLOCK_SIZE};
@@ -14,21 +15,12 @@ use crate::{Args, Request, Workload};
 /// What no policy beats: the hit ratio of one cache that holds everything, and the TTFT of the
 /// 99th-percentile prompt prefilled with nothing cached.
 pub fn print_bounds(prefill_tokens_per_s: f64, name: &str, requests: &[Request]) {
-    let block = BLOCK_SIZE as usize;
-    let mut seen = HashSet::new();
-    let (mut hit, mut blocks) = (0u64, 0u64);
-    for request in requests {
-        let mut chain = 0u64;
-        let mut cached = true;
-        for tokens in request.prompt.chunks_exact(block) {
-            let mut hasher = DefaultHasher::new();
-            (chain, tokens).hash(&mut hasher);
-            chain = hasher.finish();
-            cached &= !seen.insert(chain);
-            hit += u64::from(cached);
-            blocks += 1;
-        }
-    }
+    let hits = prefix_hits(requests);
+    let hit: usize = hits.iter().sum();
+    let blocks: usize = requests
+        .iter()
+        .map(|r| r.prompt.len() / BLOCK_SIZE as usize)
+        .sum();
     let mut lengths: Vec<usize> = requests.iter().map(|r| r.prompt.len()).collect();
     lengths.sort_unstable();
     let p99 = lengths[((lengths.len() - 1) as f64 * 0.99) as usize];
@@ -39,6 +31,55 @@ pub fn print_bounds(prefill_tokens_per_s: f64, name: &str, requests: &[Request])
         100.0 * hit as f64 / blocks.max(1) as f64,
         p99 as f64 / prefill_tokens_per_s * 1e3
     );
+}
+
+/// The TTFT floor no policy goes below: each request alone on an idle rank (the engine's
+/// `floor`, then its uncached tokens at `per_token` each, as the simulator times a lone
+/// request), p99 over `requests`, cold and with its best cache hit (every earlier prompt
+/// cached, in whole blocks, the last token always computed as vLLM does).
+pub fn print_floor(floor: Duration, per_token: Duration, name: &str, requests: &[Request]) {
+    let block = BLOCK_SIZE as usize;
+    let alone = |uncached: usize| (floor + per_token * uncached as u32).as_secs_f64() * 1e3;
+    let p99 = |mut ms: Vec<f64>| {
+        ms.sort_by(f64::total_cmp);
+        ms[((ms.len().max(1) - 1) as f64 * 0.99) as usize]
+    };
+    let cold = requests.iter().map(|r| alone(r.prompt.len())).collect();
+    let hot = requests
+        .iter()
+        .zip(prefix_hits(requests))
+        .map(|(r, hit)| {
+            let cached = hit.min(r.prompt.len().saturating_sub(1) / block) * block;
+            alone(r.prompt.len() - cached)
+        })
+        .collect();
+    println!(
+        "{name}: the TTFT floor, each request alone on an idle rank: p99 {:.0} ms cold, {:.0} ms with its best cache hit",
+        p99(cold),
+        p99(hot)
+    );
+}
+
+/// Each request's prefix, in whole blocks, that some earlier request's prompt holds: what one
+/// cache of every earlier prompt would give it.
+fn prefix_hits(requests: &[Request]) -> Vec<usize> {
+    let mut seen = HashSet::new();
+    requests
+        .iter()
+        .map(|request| {
+            let mut chain = 0u64;
+            let mut cached = true;
+            let mut hit = 0;
+            for tokens in request.prompt.chunks_exact(BLOCK_SIZE as usize) {
+                let mut hasher = DefaultHasher::new();
+                (chain, tokens).hash(&mut hasher);
+                chain = hasher.finish();
+                cached &= !seen.insert(chain);
+                hit += usize::from(cached);
+            }
+            hit
+        })
+        .collect()
 }
 
 pub fn trace(args: &Args) -> Result<Workload> {

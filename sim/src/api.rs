@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::{Context, Result};
-use tracing::warn;
 use serde::Deserialize;
+use tracing::warn;
 
 use crate::rank_http::{error_reply, path_of, respond};
 use crate::server::{bind_http, Shared, STOP_POLL};

@@ -86,7 +86,9 @@ impl Fleet {
         count: usize,
         config: impl Fn(usize) -> SimConfig,
     ) -> Result<Fleet> {
-        const ATTEMPTS: usize = 50;
+        // Many: a machine busy with short client connections holds thousands of ports in
+        // TIME_WAIT, which a listener may not take, and a run of 6 free ones is then rare.
+        const ATTEMPTS: usize = 1_000;
         let mut engines = Vec::new();
         for i in 0..count {
             let config = config(i);

@@ -48,11 +48,11 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use kv_indexer::tokenize::Tokenizers;
-use tracing::{debug, warn};
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::runtime::{Handle, Runtime};
 use tokio::sync::watch;
+use tracing::{debug, warn};
 
 use crate::server::{listen_address, url_host, Shared};
 
@@ -257,9 +257,19 @@ struct Listening {
 pub(crate) struct Figures {
     received: AtomicU64,
     served: Mutex<Vec<u64>>,
+    /// Per rank, the KV blocks the requests in flight hold (`vllm:kv_cache_usage_perc`).
+    held_blocks: Mutex<Vec<u64>>,
     open_streams: AtomicUsize,
     disconnects: AtomicU64,
     tokenize_requests: AtomicU64,
+}
+
+impl Figures {
+    /// The KV blocks rank `rank`'s requests in flight hold now.
+    pub(crate) fn held_blocks(&self, rank: u32) -> u64 {
+        let held = self.held_blocks.lock();
+        held.get(rank as usize).copied().unwrap_or(0)
+    }
 }
 
 /// Loads the tokenizer, binds `bind:port` (0: picked by the OS) and starts serving.

@@ -6,8 +6,8 @@
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use tracing::{debug, warn};
 use serde::Deserialize;
+use tracing::{debug, warn};
 
 use crate::server::{Rank, STOP_POLL};
 

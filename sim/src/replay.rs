@@ -12,8 +12,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use tracing::{debug, warn};
 use parking_lot::Mutex;
+use tracing::{debug, warn};
 
 use crate::encode::{replay_end_frames, replay_frames};
 

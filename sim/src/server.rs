@@ -347,10 +347,9 @@ impl Shared {
         self.ranks.lock().len() as u32
     }
 
-    /// The share of `rank`'s GPU cache (`capacity_blocks`) its blocks take, 0 to 1.
-    pub(super) fn cache_usage(&self, rank: u32) -> Result<f64> {
-        let held = self.rank(rank)?.state.lock().cache.len();
-        Ok((held as f64 / self.config.capacity_blocks.max(1) as f64).min(1.0))
+    /// Each rank's GPU cache, in blocks (vLLM's `num_gpu_blocks`).
+    pub(super) fn capacity_blocks(&self) -> usize {
+        self.config.capacity_blocks
     }
 
     pub(super) fn block_size(&self) -> u32 {

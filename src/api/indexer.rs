@@ -14,6 +14,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::health;
+use super::peer_predictions;
 use super::query_body::{parse_query_request, QueryRequest};
 use super::select::{engine_load_json, loads, prefill_complete, release, select};
 use super::snapshot::snapshot;
@@ -115,6 +116,12 @@ static INDEXER_PATHS: &[Entry<Handler<IndexerApi>>] = &[
     },
     Entry {
         verb: Verb::Post,
+        pattern: peer_predictions::PATH,
+        guard: Guard::Secret,
+        handler: Handler::Pool(|api, call| receive_peer_predictions(api, call.body)),
+    },
+    Entry {
+        verb: Verb::Post,
         pattern: "/reload",
         guard: Guard::Secret,
         handler: Handler::Pool(|api, _| reload(api)),
@@ -139,6 +146,17 @@ static INDEXER_PATHS: &[Entry<Handler<IndexerApi>>] = &[
         handler: Handler::Pool(|api, _| metrics(api)),
     },
 ];
+
+/// `POST /peer_predictions`: another route front end's predictions (docs.md "Two routers on
+/// one fleet").
+fn receive_peer_predictions(api: &IndexerApi, body: &[u8]) -> Reply {
+    let board = api.ranks.current();
+    let block_size = api.index.block_size();
+    match peer_predictions::receive(&api.selector, &board, block_size, &api.metrics, body) {
+        Ok(received) => Reply::json(200, &received),
+        Err(refused) => Reply::error(refused.status(), refused),
+    }
+}
 
 fn metrics(api: &IndexerApi) -> Reply {
     Reply::bytes(

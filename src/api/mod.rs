@@ -1,7 +1,8 @@
 //! The APIs answered with whole replies (`docs/design.md`, "Serving"), each a path table for
 //! `crate::serve`'s transport: `indexer` is our own API (docs.md "HTTP API"), `select` its
 //! selection and reservation paths, `snapshot` a rank's snapshot for peer indexers, and
-//! `dynamo` the Dynamo / Mooncake indexer API on its own address. The body parsers are here
+//! `dynamo` the Dynamo / Mooncake indexer API on its own address, `peer_predictions` what
+//! another route front end tells this one (and the form it is sent in). The body parsers are here
 //! too: `query_body` (`/query`'s JSON and binary bodies), `select_body` (what `/select` adds),
 //! `json_fields` (the JSON bodies of both APIs), `form` (query strings) and `bad_body` (the
 //! words of their 400s);
@@ -23,6 +24,7 @@ pub use indexer::{diff_json, IndexerApi, ReloadFn};
 mod json_fields;
 #[cfg(test)]
 mod json_mutation;
+pub(crate) mod peer_predictions;
 mod query_body;
 pub use query_body::{parse_query, QueryRequest};
 mod select;

@@ -45,6 +45,7 @@ pub(crate) struct CandidateJson<'a> {
     active_decode_blocks: u64,
     reservations: u64,
     outside_requests: f64,
+    outside_blocks: f64,
     engine_load: Value,
     cost: f64,
 }
@@ -64,6 +65,7 @@ impl<'a> CandidateJson<'a> {
             active_decode_blocks: load.active_decode_blocks,
             reservations: load.reservations,
             outside_requests: load.outside_requests,
+            outside_blocks: load.outside_blocks,
             engine_load: engine_load_json(&ranked.engine_load),
             cost: costed.cost,
         }
@@ -162,6 +164,7 @@ struct LoadJson<'a> {
     active_prefill_blocks: f64,
     active_decode_blocks: u64,
     outside_requests: f64,
+    outside_blocks: f64,
     predicted_prefixes: u32,
     engine_load: Value,
 }
@@ -178,6 +181,7 @@ pub(super) fn loads(api: &IndexerApi) -> Reply {
             active_prefill_blocks: rank.load.active_prefill_blocks,
             active_decode_blocks: rank.load.active_decode_blocks,
             outside_requests: rank.load.outside_requests,
+            outside_blocks: rank.load.outside_blocks,
             predicted_prefixes: rank.predicted_prefixes,
             engine_load: engine_load_json(&rank.engine_load),
         })
@@ -194,12 +198,15 @@ pub(super) fn engine_load_json(load: &EngineLoad) -> Value {
             age,
             figures,
             outside_requests,
+            outside_blocks,
         } => json!({
             "age_ms": u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
             "running": figures.running,
             "waiting": figures.waiting,
             "kv_usage": figures.kv_usage,
+            "held_tokens": figures.held_tokens,
             "outside_requests": outside_requests,
+            "outside_blocks": outside_blocks,
         }),
         EngineLoad::Stale(why) => Value::String(format!("stale: {why}")),
     }

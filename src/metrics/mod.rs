@@ -76,7 +76,7 @@ pub use labels::{
 use process::ProcessGauges;
 pub use rank::RankMetrics;
 use route::RouteFamilies;
-pub use route::{LoadOnly, PreviousResponse, RouteOutcome, ScrapeOutcome};
+pub use route::{LoadOnly, PeerPrediction, PreviousResponse, RouteOutcome, ScrapeOutcome};
 
 /// `query_duration_seconds` buckets: 1-2-5 steps from 1 µs to 10 ms, where in-process and
 /// loopback queries land; slower ones fall in `+Inf`.

@@ -2,7 +2,7 @@
 //! engine's first byte, open streams, and per rank the ranks in back-off and the live KV ladder:
 //! the cached tokens the selection predicted against those the engine reported, and the share
 //! of prompt tokens the engine found cached; per engine, the scrapes of its load by outcome;
-//! `previous_response_id`s by whether their engine was known.
+//! `previous_response_id`s by whether their engine was known; predictions shared with peers.
 //!
 //! Owns: their names and the closed set of outcomes. Never: imports anything from the crate
 //! but its labels, or decides an outcome (the front end reports it).
@@ -116,6 +116,36 @@ pub enum ScrapeOutcome {
     failed,
 }
 
+/// What became of a prediction shared between route front ends (`proxy::peer_predictions`).
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum PeerPrediction {
+    /// Sent to a peer, which took the batch (counted once per peer).
+    sent,
+    /// Not sent to a peer: the queue was full, the peer was still busy with the last batch,
+    /// or it failed or timed out (counted once per peer).
+    dropped,
+    /// Taken from a peer and recorded as a prediction here.
+    received,
+    /// Taken from a peer and not recorded: its keys disagree with ours (block size or key
+    /// function), or its rank is not running here.
+    refused,
+}
+
+impl PeerPrediction {
+    pub const ALL: [PeerPrediction; 4] = [
+        PeerPrediction::sent,
+        PeerPrediction::dropped,
+        PeerPrediction::received,
+        PeerPrediction::refused,
+    ];
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerPredictionLabels {
+    outcome: PeerPrediction,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ScrapeLabels {
     instance: String,
@@ -157,6 +187,7 @@ pub(super) struct RouteFamilies {
     hit_ratio: Family<RankLabels, RatioGauge>,
     scrapes: Family<ScrapeLabels, Counter>,
     previous_responses: Family<PreviousResponseLabels, Counter>,
+    peer_predictions: Family<PeerPredictionLabels, Counter>,
 }
 
 impl Default for RouteFamilies {
@@ -176,6 +207,7 @@ impl Default for RouteFamilies {
             hit_ratio: Family::default(),
             scrapes: Family::default(),
             previous_responses: Family::default(),
+            peer_predictions: Family::default(),
         };
         // Every outcome from the start, so that the first failure is an increase.
         for outcome in RouteOutcome::ALL {
@@ -188,6 +220,11 @@ impl Default for RouteFamilies {
             let _ = families
                 .previous_responses
                 .get_or_create(&PreviousResponseLabels { outcome });
+        }
+        for outcome in PeerPrediction::ALL {
+            let _ = families
+                .peer_predictions
+                .get_or_create(&PeerPredictionLabels { outcome });
         }
         families
     }
@@ -267,6 +304,11 @@ impl RouteFamilies {
             "/v1/responses requests with a previous_response_id, by whether the engine that \
              created it was known and could take them",
             self.previous_responses.clone(),
+        );
+        r.register(
+            "peer_predictions",
+            "Predictions shared between route front ends (peers), by outcome",
+            self.peer_predictions.clone(),
         );
     }
 
@@ -415,6 +457,14 @@ impl super::Metrics {
             .previous_responses
             .get_or_create(&PreviousResponseLabels { outcome })
             .inc();
+    }
+
+    /// `count` predictions shared with or from a peer ended as `outcome`.
+    pub fn peer_predictions(&self, outcome: PeerPrediction, count: u64) {
+        self.route
+            .peer_predictions
+            .get_or_create(&PeerPredictionLabels { outcome })
+            .inc_by(count);
     }
 
     /// A scrape of engine `instance`'s load ended.

@@ -35,6 +35,7 @@ mod health;
 mod models;
 mod pass_on;
 mod passing;
+pub(crate) mod peer_predictions;
 mod request;
 mod responses;
 mod scrape;
@@ -59,6 +60,7 @@ use tracing::{warn, Instrument};
 use crate::auth::{CurrentSecret, Secret};
 use crate::config::{self, Config};
 use crate::index::{Index, Prompt};
+use crate::listener::Replication;
 use crate::metrics::{Metrics, PreviousResponse, RouteOutcome};
 use crate::plan::WorkerKey;
 use crate::registry::RanksReader;
@@ -69,6 +71,7 @@ use crate::tokenize::SharedTokenizers;
 use answers::{insert, json_response};
 use engine_tokenize::EngineTokenizing;
 use passing::Ticket;
+use peer_predictions::PeerPredictions;
 use request::{with_usage, Kind, OpenAiRequest};
 use responses::Remembered;
 use servers::Servers;
@@ -167,6 +170,8 @@ pub struct Proxy {
     /// `/v1/models` as merged last (`models`).
     listed: models::Listed,
     engine_tokenizing: EngineTokenizing,
+    /// Each reservation's prediction and the end of its prefill, told to the `peers`.
+    peer_predictions: Arc<PeerPredictions>,
 }
 
 /// What the front end reads, handed over by the service.
@@ -176,6 +181,8 @@ pub struct ProxyParts {
     pub ranks: RanksReader,
     pub tokenizers: Arc<SharedTokenizers>,
     pub metrics: Arc<Metrics>,
+    /// The `peers` the predictions are shared with, and the secret they are sent with.
+    pub replication: Arc<Replication>,
 }
 
 impl Proxy {
@@ -188,7 +195,13 @@ impl Proxy {
                 .as_deref()
                 .and_then(Secret::from_file_text),
         );
+        let peer_predictions = Arc::new(PeerPredictions::new(
+            parts.replication,
+            Arc::clone(&parts.metrics),
+            parts.index.block_size(),
+        ));
         Ok(Proxy {
+            peer_predictions,
             index: parts.index,
             selector: parts.selector,
             ranks: parts.ranks,
@@ -245,6 +258,11 @@ impl Proxy {
                 (engine.name.clone(), base)
             })
             .collect()
+    }
+
+    /// Sends the predictions made here to the `peers`, until its task is stopped.
+    pub async fn share_predictions(&self) {
+        self.peer_predictions.run().await;
     }
 
     fn authorized(&self, request: &Request) -> bool {
@@ -417,6 +435,9 @@ impl Proxy {
             if attempt > 0 {
                 self.metrics.route_retry();
             }
+            if let (Some(predicted), Some(id)) = (&selection.predicted, selection.reservation_id) {
+                self.peer_predictions.share(&key, predicted, id);
+            }
             tried.push(server.url.base.clone());
             let span = tracing::Span::current();
             trace::chosen(&span, &selection);
@@ -425,6 +446,10 @@ impl Proxy {
                 metrics: Arc::clone(&self.metrics),
                 key: key.clone(),
                 reservation: selection.reservation_id,
+                peers: selection
+                    .predicted
+                    .is_some()
+                    .then(|| Arc::clone(&self.peer_predictions)),
                 predicted_tokens: selection.predicted_cached_tokens,
                 prefilled: false,
                 // An answer that is not a generation reports no cache hit to weigh.

@@ -23,6 +23,7 @@ use serde::Deserialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
+use super::peer_predictions::PeerPredictions;
 use crate::engine_http::EngineBody;
 use crate::metrics::{Metrics, RouteOutcome};
 use crate::plan::WorkerKey;
@@ -41,6 +42,8 @@ pub(super) struct Ticket {
     pub(super) metrics: Arc<Metrics>,
     pub(super) key: WorkerKey,
     pub(super) reservation: Option<u64>,
+    /// The peers told of the reservation's prediction: told too when its prefill ends.
+    pub(super) peers: Option<Arc<PeerPredictions>>,
     pub(super) predicted_tokens: u64,
     pub(super) prefilled: bool,
     pub(super) reported: bool,
@@ -60,6 +63,14 @@ impl Ticket {
         if let Some(id) = self.reservation {
             // An expired reservation is nothing to complete.
             let _ = self.selector.prefill_complete(id, None);
+            self.tell_peers(id);
+        }
+    }
+
+    /// The peers weigh the reservation's prefill until told it is done.
+    fn tell_peers(&mut self, id: u64) {
+        if let Some(peers) = self.peers.take() {
+            peers.prefilled(id);
         }
     }
 
@@ -92,6 +103,7 @@ impl Ticket {
                 true => self.selector.report_cached_tokens(id, cached),
                 false => self.selector.prefill_complete(id, Some(cached)),
             };
+            self.tell_peers(id);
         }
         self.prefilled = true;
         super::trace::served(&self.span, cached);
@@ -110,6 +122,7 @@ impl Drop for Ticket {
         if let Some(id) = self.reservation {
             // Expired already (past its time-to-live): released all the same.
             let _ = self.selector.release(id);
+            self.tell_peers(id);
         }
     }
 }
@@ -528,6 +541,7 @@ mod tests {
                     dp_rank: 0,
                 },
                 reservation: None,
+                peers: None,
                 predicted_tokens: 0,
                 prefilled: false,
                 reported: false,

@@ -42,6 +42,8 @@ struct Target {
 struct Round {
     targets: Vec<Target>,
     interval: Duration,
+    /// The index's block size: what an engine holds is weighed in its blocks.
+    block_size: u32,
 }
 
 impl Round {
@@ -59,6 +61,7 @@ impl Round {
                 })
                 .collect(),
             interval: Duration::from_millis(config.select.load_interval_ms),
+            block_size: config.block_size,
         }
     }
 }
@@ -160,7 +163,9 @@ impl Scraper {
         let current = |t: &Target| t.engine == target.engine && t.url == target.url;
         if round.targets.iter().any(current) {
             self.metrics.engine_load_scraped(&target.engine, counted);
-            self.selector.record_engine_load(&target.engine, outcome);
+            let block_size = round.block_size;
+            self.selector
+                .record_engine_load(&target.engine, block_size, outcome);
         }
     }
 

@@ -40,6 +40,13 @@ pub(super) struct Server {
     api_key: Option<Secret>,
 }
 
+impl Server {
+    /// A server asked with `key` as its bearer (a peer indexer, with the shared secret).
+    pub(super) fn keyed(url: BaseUrl, key: Option<Secret>) -> Server {
+        Server { url, api_key: key }
+    }
+}
+
 /// Each engine's OpenAI server, from the file.
 pub(super) struct Fleet {
     servers: Vec<(String, Option<Arc<Server>>)>,
@@ -398,14 +405,28 @@ impl Upstream {
         timeout: Duration,
         cap: usize,
     ) -> Result<Bytes, Fetch> {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            hyper::header::CONTENT_TYPE,
-            hyper::header::HeaderValue::from_static("application/json"),
-        );
-        let post = Line::of(&hyper::Method::POST, path, None);
-        whole_answer(&self.connections, server, post, headers, body, timeout, cap).await
+        post_json(&self.connections, server, path, body, timeout, cap).await
     }
+}
+
+/// `POST path` of `server` with the JSON `body` and its key, through `connections`, its whole
+/// answer within `timeout` and `cap` bytes (`Upstream::post_json`; a peer's predictions, with
+/// the shared secret as the key).
+pub(super) async fn post_json(
+    connections: &Arc<Connections>,
+    server: &Server,
+    path: &str,
+    body: Bytes,
+    timeout: Duration,
+    cap: usize,
+) -> Result<Bytes, Fetch> {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    let post = Line::of(&hyper::Method::POST, path, None);
+    whole_answer(connections, server, post, headers, body, timeout, cap).await
 }
 
 /// The path every engine server's health is asked at (vLLM's and SGLang's `GET /health`).

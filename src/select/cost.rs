@@ -23,6 +23,10 @@ pub struct Load {
     /// Requests the engine's last fresh scrape counted running or waiting beyond the
     /// reservations open then (`engine_load`); 0 without one.
     pub outside_requests: f64,
+    /// The KV blocks the engine's last fresh scrape said its running requests hold, beyond
+    /// the decode blocks of the reservations open then; 0 without one, or when it does not
+    /// say.
+    pub outside_blocks: f64,
 }
 
 /// One rank as the cost sees it.
@@ -69,7 +73,7 @@ pub fn cost(query_blocks: u32, candidate: Candidate, weights: &Select) -> Costed
     let prefill_blocks = (f64::from(query_blocks) - overlap_blocks).max(0.0);
     let load = &candidate.load;
     let cost = weights.prefill_weight * (prefill_blocks + load.active_prefill_blocks)
-        + weights.decode_weight * load.active_decode_blocks as f64
+        + weights.decode_weight * (load.active_decode_blocks as f64 + load.outside_blocks)
         + weights.engine_request_weight * load.outside_requests;
     Costed {
         candidate,
@@ -149,6 +153,7 @@ mod tests {
             active_prefill_blocks: 3.0,
             active_decode_blocks: 12,
             outside_requests: 0.0,
+            outside_blocks: 0.0,
         };
         let a = cost(10, a, &weights);
         assert_eq!(a.overlap_blocks, 6.0 + 0.75 * 2.0 + 0.25 * 1.0);
@@ -172,20 +177,26 @@ mod tests {
     }
 
     /// docs.md "Engine load": the worked example's warm rank `a`, its engine running one
-    /// request this router did not send, yields to the idle `b`.
+    /// request this router did not send, holding 2 blocks, yields to the idle `b`; a rank
+    /// holding a 50,000-token prompt from outside weighs its 3,125 blocks.
     #[test]
     fn a_warm_rank_yields_to_an_idle_one_busy_with_others_work() {
         let weights = Select::default();
         let mut a = candidate(0, 4, 5, 6);
         assert_eq!(cost(8, a.clone(), &weights).cost, 3.0);
         a.load.outside_requests = 1.0;
+        a.load.outside_blocks = 2.0;
         let mut sorted = [
             cost(8, a, &weights),
             cost(8, candidate(1, 0, 0, 0), &weights),
         ];
-        assert_eq!((sorted[0].cost, sorted[1].cost), (13.0, 8.0));
+        assert_eq!((sorted[0].cost, sorted[1].cost), (3.0 + 10.0 + 0.2, 8.0));
         sorted.sort_by(best_first);
         assert_eq!(sorted[0].candidate.position, 1, "b is chosen");
+        let mut buried = candidate(2, 0, 0, 0);
+        buried.load.outside_requests = 1.0;
+        buried.load.outside_blocks = 50_000.0 / 16.0;
+        assert_eq!(cost(8, buried, &weights).cost, 8.0 + 10.0 + 312.5);
     }
 
     #[test]

@@ -1,16 +1,17 @@
 //! Selection (docs.md "Selection"): which rank a prompt should go to, from the index, the
-//! load `/select`'s own reservations put on each rank and the requests its engine reports
-//! beyond them, with the blocks a reservation is about to store counted as predicted on its
-//! rank for a short while.
+//! load `/select`'s own reservations put on each rank and the requests and blocks its engine
+//! reports beyond them, with the blocks a reservation is about to store counted as predicted
+//! on its rank for a short while.
 //!
 //! Beside `api`, which calls it: it reads the index (`Index::query_prompt`, the public query
 //! API) and the registry's published rank board, and keeps its own state behind one lock held
 //! for bookkeeping only (the index is read before it is taken). `cost` is the formula, `policy`
 //! the order and the pick (`[select] policy`, `cost` its default), `reservations` the open
 //! reservations and each rank's load, `engine_load` the engines' own load as last scraped
-//! (`route::Scraper` records it; docs.md "Engine load"),
-//! `predictions` the predicted blocks, `clock` the time their time-to-lives are measured on,
-//! `cached_reports` whether each engine reports its answers' cached tokens.
+//! (`route::Scraper` records it; docs.md "Engine load"), `predictions` the predicted blocks
+//! (its own reservations', and those a peer route front end told it of,
+//! `record_peer_prediction`, counted alike), `clock` the time their time-to-lives are measured
+//! on, `cached_reports` whether each engine reports its answers' cached tokens.
 //!
 //! Time: a `Selector` reads the `Clock` it is made with, never `Instant::now` itself. The
 //! service's is `Clock::real()`; a test makes it with `Clock::manual()`, keeps a clone and
@@ -28,6 +29,7 @@ mod cached_reports;
 mod clock;
 mod cost;
 mod engine_load;
+mod peers;
 mod policy;
 mod predictions;
 mod reservations;
@@ -54,8 +56,9 @@ pub use clock::Clock;
 /// The formula and the order, public so that a benchmark's oracle weighs ground truth with
 /// the very same cost (`examples/ladder/main.rs`).
 pub use cost::{best_first, cost, Candidate, Costed, Load};
-use engine_load::EngineLoads;
 pub use engine_load::{scrape_timeout, EngineLoad, RankFigures};
+use engine_load::{EngineLoads, Own};
+pub use peers::PeerReservation;
 pub use policy::{known as known_policy, names as policy_names, DEFAULT_POLICY};
 use predictions::Predictions;
 use reservations::{Reservation, Reservations};
@@ -116,6 +119,18 @@ pub struct Selection {
     /// Why the chosen rank's index was not read, when it was not: it was weighed by load
     /// alone, as a miss.
     pub unindexed: Option<Unindexed>,
+    /// The blocks the reservation predicts on the chosen rank, when it made a prediction.
+    pub predicted: Option<Predicted>,
+}
+
+/// A prediction a reservation made: the prompt's chained block keys (at most
+/// `MAX_PREDICTED_BLOCKS`) and how long they count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Predicted {
+    pub keys: Arc<[u64]>,
+    pub ttl: Duration,
+    /// The blocks the chosen rank prefills for it (`Costed::prefill_blocks`).
+    pub prefill_blocks: f64,
 }
 
 /// Why a rank was weighed by load alone.
@@ -178,6 +193,8 @@ struct SelectState {
     predictions: Predictions,
     backoffs: Backoffs,
     engine_loads: EngineLoads,
+    /// The peers' reservations weighed here: (sender, its id) → (ours, its deadline).
+    peer_reservations: HashMap<(u64, u64), (u64, Instant)>,
     /// Where the next selection's rotation of the board starts: a random rank at first, one
     /// further at each selection.
     rotation: usize,
@@ -209,6 +226,7 @@ impl Selector {
                 predictions: Predictions::default(),
                 backoffs: Backoffs::default(),
                 engine_loads: EngineLoads::default(),
+                peer_reservations: HashMap::new(),
                 rotation,
             }),
             metrics,
@@ -288,12 +306,12 @@ impl Selector {
         let query_blocks =
             u32::try_from(prompt.tokens.len() / block_size.max(1) as usize).unwrap_or(u32::MAX);
         let needs_keys = options.reserve || !self.state.lock().predictions.is_empty();
-        let keys = if needs_keys {
+        let keys: Arc<[u64]> = if needs_keys {
             let mut keys = prompt_keys(prompt, block_size, 0);
             keys.truncate(MAX_PREDICTED_BLOCKS);
-            keys
+            keys.into()
         } else {
-            Vec::new()
+            Arc::from([])
         };
 
         let mut state = self.state.lock();
@@ -331,6 +349,7 @@ impl Selector {
                 predicted_blocks,
                 load: Load {
                     outside_requests: engine_loads[position].outside_requests(),
+                    outside_blocks: engine_loads[position].outside_blocks(),
                     ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
                 },
             };
@@ -370,7 +389,7 @@ impl Selector {
             let config = &state.config;
             state.predictions.record(
                 slot,
-                keys.clone(),
+                Arc::clone(&keys),
                 now + Duration::from_secs_f64(config.predicted_ttl_s),
             );
             state.reservations.open(Reservation {
@@ -382,6 +401,11 @@ impl Selector {
                 predicted_tokens: predicted_cached_tokens,
                 reported: false,
             })
+        });
+        let predicted = (reservation_id.is_some() && !keys.is_empty()).then(|| Predicted {
+            keys,
+            ttl: Duration::from_secs_f64(state.config.predicted_ttl_s),
+            prefill_blocks: chosen.prefill_blocks,
         });
         let shown = match state.config.max_candidates {
             0 => costed.len(),
@@ -396,6 +420,7 @@ impl Selector {
             predicted_cached_tokens,
             candidates: costed[..shown].iter().map(ranked).collect(),
             unindexed: gathered[chosen.candidate.position].unindexed,
+            predicted,
         })
     }
 
@@ -459,6 +484,7 @@ impl Selector {
                     key: rank.spec.key.clone(),
                     load: Load {
                         outside_requests: engine_load.outside_requests(),
+                        outside_blocks: engine_load.outside_blocks(),
                         ..slot.map_or_else(Load::default, |slot| state.reservations.load(slot))
                     },
                     predicted_prefixes: slot.map_or(0, |slot| state.predictions.held(slot)),
@@ -469,10 +495,11 @@ impl Selector {
     }
 
     /// Records the end of a scrape of `engine`'s load: its figures per dp rank, or why there
-    /// are none (docs.md "Engine load").
+    /// are none (docs.md "Engine load"); the index's blocks are of `block_size` tokens.
     pub fn record_engine_load(
         &self,
         engine: &str,
+        block_size: u32,
         scrape: Result<Vec<(u32, RankFigures)>, String>,
     ) {
         let mut state = self.state.lock();
@@ -485,11 +512,17 @@ impl Selector {
                 engine: engine.to_owned(),
                 dp_rank,
             };
-            slots
-                .get(&key)
-                .map_or(0, |&slot| reservations.load(slot).reservations)
+            slots.get(&key).map_or(Own::default(), |&slot| {
+                let load = reservations.load(slot);
+                Own {
+                    reservations: load.reservations,
+                    decode_blocks: load.active_decode_blocks,
+                }
+            })
         };
-        state.engine_loads.record(engine, now, scrape, own);
+        state
+            .engine_loads
+            .record(engine, now, scrape, block_size, own);
     }
 
     /// Forgets the scrapes of engines not in `engines` (gone from the file).

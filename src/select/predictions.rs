@@ -10,6 +10,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::{shrink_sparse, RankSlot};
@@ -17,8 +18,9 @@ use super::{shrink_sparse, RankSlot};
 /// One reserved prompt's blocks on one rank.
 struct Record {
     rank: RankSlot,
-    /// The prompt's chained block keys: a key names its whole prefix.
-    keys: Vec<u64>,
+    /// The prompt's chained block keys: a key names its whole prefix. Shared with the
+    /// selection that made it, which the route front end tells its peers.
+    keys: Arc<[u64]>,
 }
 
 #[derive(Default)]
@@ -39,13 +41,13 @@ impl Predictions {
     }
 
     /// Counts `keys` (a prompt's full blocks) as predicted on `rank` until `deadline`.
-    pub(super) fn record(&mut self, rank: RankSlot, keys: Vec<u64>, deadline: Instant) {
+    pub(super) fn record(&mut self, rank: RankSlot, keys: Arc<[u64]>, deadline: Instant) {
         if keys.is_empty() {
             return;
         }
         self.next_id += 1;
         let id = self.next_id;
-        for key in &keys {
+        for key in keys.iter() {
             self.by_key.entry(*key).or_default().push((rank, id));
         }
         self.records.insert(id, Record { rank, keys });
@@ -127,7 +129,7 @@ impl Predictions {
         let Some(record) = self.records.remove(&id) else {
             return;
         };
-        for key in &record.keys {
+        for key in record.keys.iter() {
             if let Some(holders) = self.by_key.get_mut(key) {
                 holders.retain(|(_, holder)| *holder != id);
                 if holders.is_empty() {
@@ -156,9 +158,9 @@ mod tests {
     fn the_longest_covered_prefix_per_rank_and_expiry() {
         let now = Instant::now();
         let mut predictions = Predictions::default();
-        predictions.record(1, vec![10, 11, 12], now + Duration::from_secs(2));
-        predictions.record(2, vec![10, 11], now + Duration::from_secs(1));
-        predictions.record(3, vec![20], now + Duration::from_secs(1));
+        predictions.record(1, Arc::from([10, 11, 12]), now + Duration::from_secs(2));
+        predictions.record(2, Arc::from([10, 11]), now + Duration::from_secs(1));
+        predictions.record(3, Arc::from([20]), now + Duration::from_secs(1));
         let mut covered = predictions.covered(&[10, 11, 12, 13]);
         covered.sort_unstable();
         assert_eq!(covered, [(1, 3), (2, 2)]);
@@ -180,10 +182,10 @@ mod tests {
     fn a_record_the_index_covers_is_dropped_and_only_that_one() {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut predictions = Predictions::default();
-        predictions.record(1, vec![10, 11], deadline);
-        predictions.record(1, vec![10, 11, 12, 13], deadline);
-        predictions.record(1, vec![10, 30], deadline);
-        predictions.record(2, vec![10, 11], deadline);
+        predictions.record(1, Arc::from([10, 11]), deadline);
+        predictions.record(1, Arc::from([10, 11, 12, 13]), deadline);
+        predictions.record(1, Arc::from([10, 30]), deadline);
+        predictions.record(2, Arc::from([10, 11]), deadline);
         // Rank 1 stored 3 blocks of 10, 11, 12, 13: the 2-block record is done, the 4-block
         // one (beyond the stored prefix) and the diverging one are not; rank 2 is untouched.
         predictions.drop_stored(1, &[10, 11, 12, 13], 3);

@@ -95,7 +95,8 @@ pub struct Service {
     http: HttpServer,
     /// The Dynamo API, when `dynamo_listen` is set.
     dynamo: Option<HttpServer>,
-    /// The route front end, when `[route]` is set, and its engine servers' health checks.
+    /// The route front end, when `[route]` is set, and its task: its engine servers' health
+    /// checks and the predictions it shares with its peers.
     route: Option<(HttpServer, Task)>,
     /// The scrapes of the engines' load (`metrics_url`).
     scrapes: Task,
@@ -245,6 +246,7 @@ impl Service {
                     ranks: ranks.clone(),
                     tokenizers: tokenizers.clone(),
                     metrics: metrics.clone(),
+                    replication: replication.clone(),
                 };
                 Some(Arc::new(Proxy::new(parts, &config, settings)?))
             }
@@ -329,7 +331,11 @@ impl Service {
             (Some(bound), Some(front), Some(settings)) => {
                 let checking = front.clone();
                 let health = Task::spawn(&runtime, |mut stopped| async move {
-                    stopped.unless(checking.check_health()).await;
+                    let both = async {
+                        let sharing = Arc::clone(&checking);
+                        tokio::join!(checking.check_health(), sharing.share_predictions())
+                    };
+                    stopped.unless(both).await;
                 });
                 let server = bound.serve_streams(front, route_limits(settings), &runtime)?;
                 Some((server, health))

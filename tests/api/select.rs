@@ -172,11 +172,11 @@ fn the_worked_example_reservation_load_and_prediction() {
             "candidates": [
                 {"instance": "a", "dp_rank": 0, "matched_blocks": 4, "predicted_blocks": 0,
                  "overlap_blocks": 5.0, "prefill_blocks": 3.0, "active_prefill_blocks": 0.0,
-                 "active_decode_blocks": 0, "reservations": 0, "outside_requests": 0.0,
+                 "active_decode_blocks": 0, "reservations": 0, "outside_requests": 0.0, "outside_blocks": 0.0,
                  "engine_load": null, "cost": 3.0},
                 {"instance": "b", "dp_rank": 0, "matched_blocks": 0, "predicted_blocks": 0,
                  "overlap_blocks": 0.0, "prefill_blocks": 8.0, "active_prefill_blocks": 0.0,
-                 "active_decode_blocks": 0, "reservations": 0, "outside_requests": 0.0,
+                 "active_decode_blocks": 0, "reservations": 0, "outside_requests": 0.0, "outside_blocks": 0.0,
                  "engine_load": null, "cost": 8.0},
             ]
         })
@@ -196,7 +196,7 @@ fn the_worked_example_reservation_load_and_prediction() {
         loads(addr, "a"),
         json!({"instance": "a", "dp_rank": 0, "reservations": 1, "active_prefill_blocks": 3.0,
                "active_decode_blocks": 11, "predicted_prefixes": 1,
-               "outside_requests": 0.0, "engine_load": null})
+               "outside_requests": 0.0, "outside_blocks": 0.0, "engine_load": null})
     );
 
     // A sibling sharing the first 6 blocks: a's prediction covers them, beyond its GPU 4.
@@ -342,7 +342,7 @@ fn reservations_and_predictions_expire_at_their_ttl_and_knobs_reload() {
     let reserved_load = |predicted_prefixes: u32| {
         json!({"instance": chosen, "dp_rank": 0, "reservations": 1, "active_prefill_blocks": 4.0,
                "active_decode_blocks": 5, "predicted_prefixes": predicted_prefixes,
-               "outside_requests": 0.0, "engine_load": null})
+               "outside_requests": 0.0, "outside_blocks": 0.0, "engine_load": null})
     };
 
     setup.clock.advance(Duration::from_secs(3) - tick);
@@ -369,7 +369,7 @@ fn reservations_and_predictions_expire_at_their_ttl_and_knobs_reload() {
         loads(addr, chosen),
         json!({"instance": chosen, "dp_rank": 0, "reservations": 0, "active_prefill_blocks": 0.0,
                "active_decode_blocks": 0, "predicted_prefixes": 0,
-               "outside_requests": 0.0, "engine_load": null})
+               "outside_requests": 0.0, "outside_blocks": 0.0, "engine_load": null})
     );
     let expired = send(addr, "POST", &complete, None, b"");
     assert_eq!(expired.status, 404, "expired: {}", expired.text());

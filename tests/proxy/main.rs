@@ -6,6 +6,7 @@
 mod support;
 
 mod from_urls;
+mod peers;
 mod route;
 mod route_surface;
 mod trace;

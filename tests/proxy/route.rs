@@ -1873,51 +1873,68 @@ fn an_engine_that_never_reports_cached_tokens_is_shown_not_reporting() {
     );
 }
 
-/// docs.md "Engine load": a warm rank keeps its prompt while its engine is lightly loaded from
-/// outside, and yields it to an idle cold rank once the outside load costs more than the
-/// prefill the cache saves (each outside request weighs `engine_request_weight`, 10 blocks).
-#[test]
-fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
-    let slow = OpenAiConfig {
-        inter_token: Duration::from_millis(50),
-        ..OpenAiConfig::default()
-    };
-    let routed = routed(2, 1, slow, &[]);
-    let body = chat("lighthouses", false);
-    routed.warm(0, 0, "/v1/chat/completions", &body);
-    let engine: SocketAddr = routed
-        .server(0)
-        .url()
-        .trim_start_matches("http://")
-        .parse()
-        .expect("an IP:port");
-    let outside = json!({ "model": MODEL, "prompt": "outside traffic", "max_tokens": 20_000, "stream": true });
-    let hold = |streams: usize| -> Vec<Answer> {
+/// A warm rank's engine (sim-0) and the 93-block chat it holds, routed by a front end that
+/// explains its choices, for the tests of docs.md "Engine load".
+struct WarmRank {
+    routed: Routed,
+    engine: SocketAddr,
+    body: Value,
+}
+
+impl WarmRank {
+    fn start() -> WarmRank {
+        let slow = OpenAiConfig {
+            inter_token: Duration::from_millis(50),
+            ..OpenAiConfig::default()
+        };
+        let routed = routed(2, 1, slow, &[]);
+        let body = chat("lighthouses", false);
+        routed.warm(0, 0, "/v1/chat/completions", &body);
+        let engine: SocketAddr = routed
+            .server(0)
+            .url()
+            .trim_start_matches("http://")
+            .parse()
+            .expect("an IP:port");
+        WarmRank {
+            routed,
+            engine,
+            body,
+        }
+    }
+
+    /// `streams` streams of `prompt` held open on sim-0 straight (not routed), once its scrape
+    /// shows them.
+    fn hold(&self, streams: usize, prompt: Value) -> Vec<Answer> {
+        let outside =
+            json!({ "model": MODEL, "prompt": prompt, "max_tokens": 20_000, "stream": true });
         let held: Vec<Answer> = (0..streams)
-            .map(|_| stream(engine, "/v1/completions", &outside))
+            .map(|_| stream(self.engine, "/v1/completions", &outside))
             .collect();
         wait_for(
             20,
             &format!("sim-0's scrape to show {streams} outside streams"),
             || {
-                let rank = rank_load(&routed, 0)?;
+                let rank = rank_load(&self.routed, 0)?;
                 (rank["outside_requests"].as_f64()? == streams as f64).then_some(())
             },
         );
         held
-    };
-    let routed_to = || {
-        let reply = Connection::open(routed.route).send_with(
+    }
+
+    /// The chat routed, with where it went and its choice explained.
+    fn routed_to(&self) -> (String, Value) {
+        let reply = Connection::open(self.routed.route).send_with(
             "POST",
             "/v1/chat/completions",
             &[
                 ("Content-Type", "application/json"),
                 ("x-kv-indexer-explain", "1"),
             ],
-            Some(body.to_string().as_bytes()),
+            Some(self.body.to_string().as_bytes()),
         );
         assert_eq!(reply.status, 200, "{}", reply.text());
-        routed.all_released("the warm prompt");
+        self.routed.all_released("the warm prompt");
         let explained: Value = serde_json::from_str(
             reply
                 .header("x-kv-indexer-explain")
@@ -1929,8 +1946,19 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
             .unwrap_or_default()
             .to_owned();
         (rank, explained)
-    };
+    }
+}
 
+/// docs.md "Engine load": a warm rank keeps its prompt while its engine is lightly loaded from
+/// outside, and yields it to an idle cold rank once the outside load costs more than the
+/// prefill the cache saves (each outside request weighs `engine_request_weight`, 10 blocks,
+/// and each block it holds `decode_weight`, 0.1: "outside traffic" is one block).
+#[test]
+fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
+    let warm = WarmRank::start();
+    let routed = &warm.routed;
+    let hold = |streams: usize| warm.hold(streams, json!("outside traffic"));
+    let routed_to = || warm.routed_to();
     let light = hold(1);
     let (rank, explained) = routed_to();
     assert_eq!(
@@ -1948,7 +1976,16 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
         json!(blocks),
         "{explained}"
     );
-    assert_eq!(explained["chosen"]["cost"], json!(10.0), "{explained}");
+    assert_eq!(
+        explained["chosen"]["outside_blocks"],
+        json!(1.0),
+        "{explained}"
+    );
+    assert_eq!(
+        explained["chosen"]["cost"],
+        json!(10.0 + 0.1 * 1.0),
+        "{explained}"
+    );
     assert_eq!(
         explained["runner_up"]["cost"],
         json!(blocks as f64),
@@ -1956,7 +1993,7 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
     );
     drop(light);
     wait_for(20, "sim-0's outside stream to end", || {
-        (rank_load(&routed, 0)?["outside_requests"].as_f64()? == 0.0).then_some(())
+        (rank_load(routed, 0)?["outside_requests"].as_f64()? == 0.0).then_some(())
     });
 
     // Enough outside requests to cost more than prefilling the whole prompt cold.
@@ -1969,12 +2006,46 @@ fn a_warm_rank_yields_to_an_idle_one_once_its_engine_is_overloaded() {
         json!(blocks as f64),
         "{explained}"
     );
+    let outside = outside_requests as f64;
     assert_eq!(
         explained["runner_up"]["cost"],
-        json!((outside_requests * 10) as f64),
-        "the warm rank's cost is its outside load: {explained}"
+        json!(outside * 10.0 + 0.1 * outside),
+        "the warm rank's cost is its outside load, a block each: {explained}"
     );
     drop(heavy);
+}
+
+/// docs.md "Engine load": one request from outside whose 16,000-token prompt sim-0 holds (1,000
+/// blocks) weighs what it holds, 10 + 0.1 × 1,000 = 110, more than the 93 blocks the warm rank
+/// saves: the chat goes to the cold rank. Weighed by its number alone it would cost 10, and the
+/// chat would stay.
+#[test]
+fn a_warm_rank_yields_to_one_huge_prompt_from_outside() {
+    let warm = WarmRank::start();
+    let huge: Vec<u32> = (0..16_000).map(|at| 100 + at % 5_000).collect();
+    let held = warm.hold(1, json!(huge));
+    let loaded = wait_for(
+        20,
+        "sim-0's scrape to show the prompt's blocks held",
+        || {
+            let rank = rank_load(&warm.routed, 0)?;
+            (rank["outside_blocks"].as_f64()? > 0.0).then_some(rank)
+        },
+    );
+    assert_eq!(loaded["outside_blocks"], json!(1000.0), "{loaded}");
+    let (rank, explained) = warm.routed_to();
+    assert_eq!(rank, rank_name(1, 0), "the warm rank yields: {explained}");
+    assert_eq!(explained["query_blocks"], json!(93), "{explained}");
+    let warm_rank = &explained["runner_up"];
+    assert_eq!(warm_rank["matched_blocks"], json!(93), "{explained}");
+    assert_eq!(
+        (&warm_rank["outside_requests"], &warm_rank["outside_blocks"]),
+        (&json!(1.0), &json!(1000.0)),
+        "{explained}"
+    );
+    assert_eq!(warm_rank["cost"], json!(10.0 + 100.0), "{explained}");
+    assert_eq!(explained["chosen"]["cost"], json!(93.0), "{explained}");
+    drop(held);
 }
 
 /// `routed` with `engines` engines of two ranks each, the indexer given no tokenizer (the

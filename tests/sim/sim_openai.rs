@@ -547,8 +547,10 @@ fn gauge(addr: SocketAddr, name: &str, rank: u32) -> f64 {
 }
 
 /// vLLM's load gauges, one series per rank: a stream open on rank 1 is running there until
-/// its client leaves; the cache a served prompt filled shows as rank 0's usage; a failing
-/// `/metrics` answers the status set.
+/// its client leaves, and its prompt's blocks are rank 1's usage while it runs; the blocks a
+/// served prompt left cached on rank 0 are free (held by no request), as vLLM counts them;
+/// `vllm:cache_config_info` names the cache's size; a failing `/metrics` answers the status
+/// set.
 #[test]
 fn metrics_report_each_ranks_running_requests_and_cache_usage_as_vllm_does() {
     let engine = engine(
@@ -579,15 +581,21 @@ fn metrics_report_each_ranks_running_requests_and_cache_usage_as_vllm_does() {
     answer.next_event().expect("read").expect("an event");
     assert_eq!((running(0), running(1)), (0.0, 1.0));
     assert_eq!(gauge(addr, "vllm:num_requests_waiting", 1), 0.0);
-    let usage = gauge(addr, "vllm:kv_cache_usage_perc", 0);
-    let held = engine.cached_blocks(0).expect("rank 0") as f64;
-    assert!(
-        held > 0.0 && usage == held / SimConfig::default().capacity_blocks as f64,
-        "{usage}"
+    let usage = |rank| gauge(addr, "vllm:kv_cache_usage_perc", rank);
+    assert!(engine.cached_blocks(0).expect("rank 0") > 0);
+    let capacity = SimConfig::default().capacity_blocks;
+    // The stream's 20 prompt tokens take 2 blocks of 16.
+    assert_eq!((usage(0), usage(1)), (0.0, 2.0 / capacity as f64));
+    let info = format!(
+        "vllm:cache_config_info{{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"1\",num_gpu_blocks=\"{capacity}\"}}"
+    );
+    assert_eq!(
+        series_value(&get(addr, "/metrics").text(), &info),
+        Some(1.0)
     );
     drop(answer);
     wait_for(10, "rank 1's stream to end", || {
-        (running(1) == 0.0).then_some(())
+        (running(1) == 0.0 && usage(1) == 0.0).then_some(())
     });
     server.fail_metrics(Some(500));
     assert_eq!(get(addr, "/metrics").status, 500);

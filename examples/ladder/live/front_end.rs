@@ -1,6 +1,7 @@
 //! What one of our route front ends says of itself once a live run's traffic stopped: `GET
 //! /loads`' reservations (waiting for any left open), and its request outcomes, retries,
-//! predicted and reported cached tokens and per-rank hit ratio from `/metrics`.
+//! predicted and reported cached tokens, per-rank hit ratio and the predictions it shared with
+//! its peers from `/metrics`.
 //!
 //! Owns: reading and printing those figures. Never: judges them (the rows do that from the
 //! engines' answers).
@@ -26,6 +27,8 @@ pub struct FrontEnd {
     predicted_metric: f64,
     reported_metric: f64,
     hit_ratio_per_rank: Vec<(String, f64)>,
+    /// `kv_indexer_peer_predictions_total` by outcome, those above 0.
+    peer_predictions: Vec<(String, f64)>,
 }
 
 impl FrontEnd {
@@ -65,6 +68,7 @@ impl FrontEnd {
             predicted_metric: 0.0,
             reported_metric: 0.0,
             hit_ratio_per_rank: Vec::new(),
+            peer_predictions: Vec::new(),
         };
         for line in metrics.lines().filter(|line| !line.starts_with('#')) {
             let Some((series, value)) = line.rsplit_once(' ') else {
@@ -81,6 +85,12 @@ impl FrontEnd {
                     front_end.outcomes.push((outcome.to_string(), value));
                 }
                 "kv_indexer_route_retries_total" => front_end.retries = value,
+                "kv_indexer_peer_predictions_total" if value > 0.0 => {
+                    let outcome = label(labels, "outcome").unwrap_or(labels);
+                    front_end
+                        .peer_predictions
+                        .push((outcome.to_string(), value));
+                }
                 "kv_indexer_route_predicted_cached_tokens_total" => {
                     front_end.predicted_metric += value
                 }
@@ -137,6 +147,17 @@ impl FrontEnd {
             .collect();
         for line in per_rank.chunks(8) {
             println!("    kv_indexer_route_cache_hit_ratio: {}", line.join("  "));
+        }
+        if !self.peer_predictions.is_empty() {
+            let shared: Vec<String> = self
+                .peer_predictions
+                .iter()
+                .map(|(outcome, count)| format!("{outcome} {count}"))
+                .collect();
+            println!(
+                "    kv_indexer_peer_predictions_total: {}",
+                shared.join(", ")
+            );
         }
     }
 }

@@ -8,7 +8,9 @@
 //! - `one`: one route front end (an in-process indexer with `[route]`, `[select] policy` the
 //!   run's policy, scraping the engines' load);
 //! - `two`: two such front ends, each with an indexer of its own watching the same engines,
-//!   taking every other request (two replicas behind one address, each half the clients);
+//!   taking every other request (two replicas behind one address, each half the clients),
+//!   each naming the other in `peers` so that they share their predictions (not with
+//!   `--live-unshared`);
 //! - `bypass`: one front end, `--live-bypass` of the requests (drawn at random) sent straight
 //!   to a random engine with no rank header (the engine picks the rank): traffic the router
 //!   never sees but the engines' gauges show;
@@ -22,7 +24,9 @@
 //! most N in flight for each N of `--live-concurrency`: one waiting for a free client leaves
 //! late, and is counted so (at 1, the run is a closed loop).
 //!
-//! Prints per workload, concurrency, set-up and policy the requests, the failed ones, the late
+//! Prints per workload its bounds and the TTFT floor no policy goes below (each request alone
+//! on an idle rank, cold and with its best cache hit: `workloads::print_floor`), then per
+//! concurrency, set-up and policy the requests, the failed ones, the late
 //! ones, the hit ratio (engine-reported cached tokens over prompt tokens), TTFT p50/p99 of all
 //! requests and the p99 of those a router sent, the imbalance (max/mean requests a rank
 //! served), and for our front ends the predicted cached tokens (the
@@ -49,7 +53,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use kv_indexer::select::policy_names;
 use kv_indexer_sim::fleet::{Fleet, RankRef, BLOCK_SIZE};
-use kv_indexer_sim::indexer_toml::{indexer_toml, route_table, select_table, EngineToml};
+use kv_indexer_sim::indexer_toml::{
+    indexer_toml, replica_keys, route_table, select_table, EngineToml,
+};
 use kv_indexer_sim::openai::OpenAiConfig;
 use kv_indexer_sim::rng::SplitMix64;
 use kv_indexer_sim::running::RunningService;
@@ -63,7 +69,7 @@ use rows::{print_details, print_row, row, LiveRow};
 use send::{client, send, CompletionBody, Outcome, Prompt, StreamOptions};
 use text::TextPrompts;
 
-use crate::workloads::print_bounds;
+use crate::workloads::{print_bounds, print_floor};
 use crate::{engine_config, Args, Request, Workload, DEADLINE};
 
 /// The model the mock engines serve and the requests name.
@@ -179,7 +185,7 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
     let text = args.live_text.then(TextPrompts::new).transpose()?;
     if !args.json {
         println!(
-            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}, {} prompt tokens a step beside the decodes; max_tokens {}, bypass {:.0}%{}",
+            "live: {} engines × {} ranks, {} blocks of cache a rank; a rank alone prefills {prefill_tokens_per_s:.0} uncached tokens/s (+{} ms) and decodes {} ms a token, {} requests a batch, each other one slowing a step {}, {} prompt tokens a step beside the decodes; max_tokens {}, bypass {:.0}%{}{}",
             args.engines,
             args.dp_size,
             args.capacity_blocks,
@@ -192,7 +198,8 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
                 .map_or("all".to_string(), |chunk| chunk.to_string()),
             args.live_max_tokens,
             args.live_bypass * 100.0,
-            if args.live_text { ", prompts as text" } else { "" }
+            if args.live_text { ", prompts as text" } else { "" },
+            if args.live_unshared { ", two replicas' predictions unshared" } else { "" }
         );
     }
     for workload in workloads {
@@ -216,6 +223,12 @@ pub fn run_all(args: &Args, workloads: &[Workload]) -> Result<()> {
                 span / speedup
             );
             print_bounds(prefill_tokens_per_s, workload.name, requests);
+            print_floor(
+                engine.first_token_floor,
+                engine.prefill_per_token,
+                workload.name,
+                requests,
+            );
             println!(
                 "{:<6} {:>4} {:<6} {:<14} {:>6} {:>5} {:>7} {:>8} {:>8} {:>10} {:>9} {:>8}",
                 "",
@@ -313,7 +326,10 @@ impl LiveFleet {
             .collect();
         let toml = indexer_toml(None, BLOCK_SIZE, &tomls)
             + &route_table("127.0.0.1:0", &[])
-            + &select_table(&[("policy", &format!("{policy:?}"))]);
+            + &select_table(&[
+                ("policy", &format!("{policy:?}")),
+                ("load_interval_ms", &args.live_load_interval_ms.to_string()),
+            ]);
         let replicas = if set_up == SetUp::Two { 2 } else { 1 };
         for _ in 0..replicas {
             let running = RunningService::start(&toml)?;
@@ -324,6 +340,21 @@ impl LiveFleet {
                 DEADLINE,
             )?;
             live.ours.push(running);
+        }
+        if set_up == SetUp::Two && !args.live_unshared {
+            for (at, running) in live.ours.iter().enumerate() {
+                let others: Vec<_> = (live.ours.iter().enumerate())
+                    .filter(|(other, _)| *other != at)
+                    .map(|(_, other)| other.http_addr())
+                    .collect();
+                let shared = replica_keys(&others, false, None) + &toml;
+                std::fs::write(running.config_path(), shared)
+                    .with_context(|| format!("writing {}", running.config_path().display()))?;
+                running
+                    .service()
+                    .reload()
+                    .map_err(|error| anyhow!("reloading with peers: {error}"))?;
+            }
         }
         Ok(live)
     }

@@ -15,8 +15,8 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
-use tracing::warn;
 use tokio::time::{Instant, Sleep};
+use tracing::warn;
 
 use super::answer::Generation;
 use super::scheduler::Slot;
@@ -189,6 +189,8 @@ pub(super) struct InFlight {
     figures: Arc<Figures>,
     closed_by_server: Arc<AtomicBool>,
     finished: bool,
+    /// The rank and the KV blocks this request holds there until it ends (`holding`).
+    held: Option<(usize, u64)>,
 }
 
 impl InFlight {
@@ -198,7 +200,23 @@ impl InFlight {
             figures: Arc::clone(figures),
             closed_by_server,
             finished: false,
+            held: None,
         }
+    }
+
+    /// The request holds `blocks` of `rank`'s KV cache until it ends, as vLLM counts a running
+    /// request's blocks in `vllm:kv_cache_usage_perc` (here from its arrival, and its prompt's
+    /// blocks alone).
+    pub(super) fn holding(mut self, rank: u32, blocks: u64) -> InFlight {
+        let rank = rank as usize;
+        let mut held = self.figures.held_blocks.lock();
+        if held.len() <= rank {
+            held.resize(rank + 1, 0);
+        }
+        held[rank] += blocks;
+        drop(held);
+        self.held = Some((rank, blocks));
+        self
     }
 
     /// The answer is complete, or the server ends it: not a disconnect.
@@ -210,6 +228,11 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.figures.open_streams.fetch_sub(1, Ordering::Relaxed);
+        if let Some((rank, blocks)) = self.held {
+            if let Some(held) = self.figures.held_blocks.lock().get_mut(rank) {
+                *held = held.saturating_sub(blocks);
+            }
+        }
         if !self.finished && !self.closed_by_server.load(Ordering::Relaxed) {
             self.figures.disconnects.fetch_add(1, Ordering::Relaxed);
         }

@@ -218,7 +218,8 @@ async fn generate(
         }),
     };
     let slot = inner.scheduler.enter(rank, uncached, asked.max_tokens);
-    let mut flight = InFlight::new(&inner.figures, closed_by_server);
+    let blocks = u64::from(prompt_tokens.div_ceil(block_size.max(1)));
+    let mut flight = InFlight::new(&inner.figures, closed_by_server).holding(rank, blocks);
     if asked.stream {
         let body = AnswerBody::events(generation, break_after, slot, flight);
         let mut response = Response::new(body);

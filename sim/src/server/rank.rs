@@ -13,8 +13,8 @@ use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use tracing::warn;
 use parking_lot::Mutex;
+use tracing::warn;
 
 use super::bind::{bind_http, bind_zmq, offset_port};
 use super::publisher::Publisher;

@@ -1,11 +1,17 @@
 //! The few lines of an engine's Prometheus text exposition that say its load: vLLM's and
-//! SGLang's running and waiting requests and KV-cache usage, per data-parallel rank (vLLM's
-//! `engine` label, SGLang's `dp_rank`; a series with neither is the engine's only rank).
+//! SGLang's running and waiting requests, KV-cache usage and the tokens it holds, per
+//! data-parallel rank (vLLM's `engine` label, SGLang's `dp_rank`; a series with neither is the
+//! engine's only rank, or, for vLLM's cache size, every rank's).
+//!
+//! The tokens a rank holds: SGLang's `sglang:num_used_tokens`, else vLLM's usage times its
+//! cache's size (`vllm:cache_config_info`'s `num_gpu_blocks` × `block_size` labels); unknown
+//! without either.
 //!
 //! Owns: reading those samples (names, labels with their escapes, values) and nothing else of
 //! the format. Never: trusts a value: one that is not a finite number >= 0 is left out, a
-//! count is clamped to `MAX_REQUESTS` and a usage to 0..=1; a rank with two series of one
-//! gauge (SGLang's per tensor-parallel rank) takes the larger, never their sum.
+//! count is clamped to `MAX_REQUESTS`, a usage to 0..=1 and a cache to `MAX_TOKENS`; a rank
+//! with two series of one gauge (SGLang's per tensor-parallel rank) takes the larger, never
+//! their sum.
 
 use std::collections::BTreeMap;
 
@@ -15,6 +21,9 @@ use crate::select::RankFigures;
 
 /// More requests than this on one rank is an engine (or a URL) that lies.
 const MAX_REQUESTS: f64 = 1_000_000.0;
+/// More tokens than this in one rank's KV cache is an engine that lies (2^32: 256 times the
+/// ~16 M tokens of a 192 GB GPU's cache at a small model's 12 KiB a token).
+const MAX_TOKENS: f64 = 4_294_967_296.0;
 /// The most bytes of one line that are read; a longer line is skipped.
 const MAX_LINE_BYTES: usize = 64 << 10;
 
@@ -24,26 +33,39 @@ enum Gauge {
     Running,
     Waiting,
     KvUsage,
+    /// The tokens the KV cache holds for running requests (SGLang).
+    UsedTokens,
+    /// The KV cache's size in tokens, from an info gauge's labels (vLLM).
+    CacheTokens,
 }
 
 /// The gauges read, by name: vLLM v1 (`vllm/v1/metrics/loggers.py`) and SGLang
 /// (`sglang/srt/metrics/collector.py`); `vllm:gpu_cache_usage_perc` is vLLM's name before
 /// 0.10.
-const GAUGES: [(&str, Gauge); 7] = [
+const GAUGES: [(&str, Gauge); 9] = [
     ("vllm:num_requests_running", Gauge::Running),
     ("vllm:num_requests_waiting", Gauge::Waiting),
     ("vllm:kv_cache_usage_perc", Gauge::KvUsage),
     ("vllm:gpu_cache_usage_perc", Gauge::KvUsage),
+    ("vllm:cache_config_info", Gauge::CacheTokens),
     ("sglang:num_running_reqs", Gauge::Running),
     ("sglang:num_queue_reqs", Gauge::Waiting),
     ("sglang:token_usage", Gauge::KvUsage),
+    ("sglang:num_used_tokens", Gauge::UsedTokens),
 ];
 
 /// The labels naming a series' data-parallel rank.
 const RANK_LABELS: [&str; 2] = ["engine", "dp_rank"];
 
-/// A rank's running, waiting and KV usage as read so far.
-type Read = (Option<f64>, Option<f64>, Option<f64>);
+/// A rank's figures as read so far.
+#[derive(Default)]
+struct Read {
+    running: Option<f64>,
+    waiting: Option<f64>,
+    kv_usage: Option<f64>,
+    used_tokens: Option<f64>,
+    cache_tokens: Option<f64>,
+}
 
 /// Why an exposition says no load.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -67,25 +89,30 @@ pub fn parse(text: &str) -> Result<Vec<(Option<u32>, RankFigures)>, ExpositionEr
             continue;
         };
         let figures = ranks.entry(rank).or_default();
-        let slot = match gauge {
-            Gauge::Running => &mut figures.0,
-            Gauge::Waiting => &mut figures.1,
-            Gauge::KvUsage => &mut figures.2,
-        };
-        let value = match gauge {
-            Gauge::KvUsage => value.min(1.0),
-            _ => value.min(MAX_REQUESTS),
+        let (slot, value) = match gauge {
+            Gauge::Running => (&mut figures.running, value.min(MAX_REQUESTS)),
+            Gauge::Waiting => (&mut figures.waiting, value.min(MAX_REQUESTS)),
+            Gauge::KvUsage => (&mut figures.kv_usage, value.min(1.0)),
+            Gauge::UsedTokens => (&mut figures.used_tokens, value.min(MAX_TOKENS)),
+            Gauge::CacheTokens => (&mut figures.cache_tokens, value.min(MAX_TOKENS)),
         };
         *slot = Some(slot.map_or(value, |seen| seen.max(value)));
     }
+    // vLLM's cache size without a rank label is every rank's.
+    let every_rank = ranks.get(&None).and_then(|read| read.cache_tokens);
     let read: Vec<_> = ranks
         .into_iter()
-        .filter(|(_, (running, waiting, _))| running.is_some() || waiting.is_some())
-        .map(|(rank, (running, waiting, kv_usage))| {
+        .filter(|(_, read)| read.running.is_some() || read.waiting.is_some())
+        .map(|(rank, read)| {
+            let cache_tokens = read.cache_tokens.or(every_rank);
+            let held = cache_tokens
+                .zip(read.kv_usage)
+                .map(|(size, usage)| size * usage);
             let figures = RankFigures {
-                running: running.unwrap_or(0.0),
-                waiting: waiting.unwrap_or(0.0),
-                kv_usage,
+                running: read.running.unwrap_or(0.0),
+                waiting: read.waiting.unwrap_or(0.0),
+                kv_usage: read.kv_usage,
+                held_tokens: read.used_tokens.or(held),
             };
             (rank, figures)
         })
@@ -114,6 +141,19 @@ fn sample(line: &str) -> Option<(Gauge, Option<u32>, f64)> {
     if !value.is_finite() || value < 0.0 {
         return None;
     }
+    // An info gauge says its figures in its labels.
+    let value = match gauge {
+        Gauge::CacheTokens => {
+            let label = |name: &str| {
+                let (_, text) = labels.iter().find(|(label, _)| label == name)?;
+                text.parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+            };
+            label("num_gpu_blocks")? * label("block_size")?
+        }
+        _ => value,
+    };
     let rank = match labels
         .iter()
         .find(|(label, _)| RANK_LABELS.contains(&label.as_str()))
@@ -207,7 +247,39 @@ sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
             running,
             waiting,
             kv_usage: Some(kv_usage),
+            held_tokens: None,
         }
+    }
+
+    /// vLLM's usage times its cache's size (one info series per engine, or one for all), and
+    /// SGLang's used tokens as it says them.
+    #[test]
+    fn the_tokens_a_rank_holds_are_its_usage_of_its_cache_or_sglangs_own_count() {
+        let per_engine = format!(
+            "{VLLM}vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"10000\"}} 1.0\n\
+             vllm:cache_config_info{{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"10000\"}} 1.0\n"
+        );
+        let held = |text: &str| -> Vec<Option<f64>> {
+            let read = parse(text).expect("load gauges");
+            read.iter()
+                .map(|(_, figures)| figures.held_tokens)
+                .collect()
+        };
+        assert_eq!(held(&per_engine), [Some(0.4215 * 160_000.0), Some(0.0)]);
+        let for_all = format!(
+            "{VLLM}vllm:cache_config_info{{block_size=\"32\",num_gpu_blocks=\"500\"}} 1.0\n"
+        );
+        assert_eq!(held(&for_all), [Some(0.4215 * 16_000.0), Some(0.0)]);
+        assert_eq!(held(VLLM), [None, None], "no cache size, no tokens");
+        let unlabelled = format!("{VLLM}vllm:cache_config_info{{engine=\"0\"}} 1.0\n");
+        assert_eq!(held(&unlabelled), [None, None]);
+        let sglang =
+            format!("{SGLANG}sglang:num_used_tokens{{dp_rank=\"1\",tp_rank=\"0\"}} 1234.0\n");
+        assert_eq!(held(&sglang), [None, Some(1234.0)]);
+        let lying = format!(
+            "{VLLM}vllm:cache_config_info{{block_size=\"1e300\",num_gpu_blocks=\"1e300\"}} 1\n"
+        );
+        assert_eq!(held(&lying)[0], Some(0.4215 * MAX_TOKENS));
     }
 
     #[test]

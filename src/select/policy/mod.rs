@@ -113,6 +113,7 @@ mod tests {
                 active_prefill_blocks: 0.0,
                 active_decode_blocks: 0,
                 outside_requests: outside,
+                outside_blocks: 0.0,
             },
         };
         cost(8, candidate, &Select::default())
