@@ -694,6 +694,15 @@ impl RoutedProcess {
         answer
     }
 
+    /// SIGTERM, then the drain begun: `/ready` answers 503.
+    fn begin_drain(&mut self) {
+        let api = self.process.address;
+        self.process.signal(libc::SIGTERM).expect("SIGTERM");
+        wait_for(2, "/ready to answer 503", || {
+            (get(api, "/ready").status == 503).then_some(())
+        });
+    }
+
     fn exits_0(&mut self, within: Duration) {
         let (status, _) = self
             .process
@@ -732,11 +741,7 @@ fn sigterm_drains_the_open_stream_then_exits() {
     };
     let mut routed = RoutedProcess::start(slow, &[("drain_s", "30")]);
     let mut answer = routed.open_stream(16);
-    let api = routed.process.address;
-    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
-    wait_for(2, "/ready to answer 503", || {
-        (get(api, "/ready").status == 503).then_some(())
-    });
+    routed.begin_drain();
     wait_for(2, "the route listener to refuse a connection", || {
         let refused = std::net::TcpStream::connect(routed.route)
             .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused);
@@ -844,11 +849,7 @@ fn a_second_sigterm_cuts_the_drain_short() {
     };
     let mut routed = RoutedProcess::start(slow, &[("drain_s", "60")]);
     let mut answer = routed.open_stream(60);
-    let api = routed.process.address;
-    routed.process.signal(libc::SIGTERM).expect("SIGTERM");
-    wait_for(2, "/ready to answer 503", || {
-        (get(api, "/ready").status == 503).then_some(())
-    });
+    routed.begin_drain();
     let again = std::time::Instant::now();
     routed
         .process
