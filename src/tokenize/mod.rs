@@ -21,6 +21,7 @@ pub mod hf_cache;
 mod limit;
 mod model;
 mod pieces;
+mod spans;
 mod template;
 
 use std::collections::{BTreeMap, BTreeSet};
