@@ -658,8 +658,10 @@ fn print_parse_cost(addr: SocketAddr, body: &[u8]) {
 
 /// A 12,000-token chat (a system prompt and turns of generated prose) served on the first
 /// rank, then `/query` with it as `token_ids`, as the same `messages` again and again (every
-/// piece from the tokenizer's cache), and as a conversation whose last user turn is new each
-/// time (what a chat's next request is). Interleaved, one keep-alive client.
+/// piece from the tokenizer's cache), as a conversation whose last user turn is new each
+/// time (what a chat's next request is), as one completion prompt of its turns' text with a
+/// new last turn each time (its spans before the new turn from the cache), and as a prompt of
+/// as many words never seen (tokenized whole). Interleaved, one keep-alive client.
 fn print_chat_cost(fleet: &Fleet, indexer: &mut OverHttp, addr: SocketAddr, dir: &std::path::Path) {
     let tokenizers = Tokenizers::load([(CHAT_MODEL, dir)], &Tokenizers::default())
         .expect("the ChatML tokenizer");
@@ -716,7 +718,20 @@ fn print_chat_cost(fleet: &Fleet, indexer: &mut OverHttp, addr: SocketAddr, dir:
         by_ids.len()
     );
 
+    // The same conversation as one completion prompt: no added token in it, one long piece
+    // cut into spans (docs.md "Prompts as text or chat messages").
+    let contents: Vec<&str> = messages
+        .iter()
+        .filter_map(|message| message["content"].as_str())
+        .collect();
+    let text = contents.join("\n\n");
+    let as_prompt = |text: &str| {
+        json!({"prompt": text, "model": CHAT_MODEL})
+            .to_string()
+            .into_bytes()
+    };
     let (mut as_ids, mut repeated, mut new_turn) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut new_tail, mut all_new) = (Vec::new(), Vec::new());
     let timed = |samples: &mut Vec<Duration>, body: &[u8]| {
         let t = Instant::now();
         query(&agent, addr, QueryForm::Json, body);
@@ -724,25 +739,33 @@ fn print_chat_cost(fleet: &Fleet, indexer: &mut OverHttp, addr: SocketAddr, dir:
     };
     for round in 0..1_200 {
         let mut next = messages.clone();
+        let turn = format!("{} (take {round})", prose(&mut words, 300));
         if let Some(last) = next.last_mut() {
-            last["content"] = json!(format!("{} (take {round})", prose(&mut words, 300)));
+            last["content"] = json!(turn);
         }
         let next = json!({"messages": next, "model": CHAT_MODEL})
             .to_string()
             .into_bytes();
+        let tail = as_prompt(&format!("{text}\n\n{turn}"));
+        let unseen = as_prompt(&prose(&mut words, text.split(' ').count()));
         if round < 200 {
             query(&agent, addr, QueryForm::Json, &by_ids);
             query(&agent, addr, QueryForm::Json, &chat);
+            query(&agent, addr, QueryForm::Json, &tail);
             continue;
         }
         timed(&mut as_ids, &by_ids);
         timed(&mut repeated, &chat);
         timed(&mut new_turn, &next);
+        timed(&mut new_tail, &tail);
+        timed(&mut all_new, &unseen);
     }
     for (what, samples) in [
         ("as token_ids", &mut as_ids),
         ("as messages, repeated", &mut repeated),
         ("as messages, last turn new", &mut new_turn),
+        ("as one prompt, last 300 words new", &mut new_tail),
+        ("as one prompt, all new", &mut all_new),
     ] {
         samples.sort_unstable();
         println!(

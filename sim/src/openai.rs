@@ -24,6 +24,7 @@
 //! runtime of two threads serves them all), a blocking sleep on the runtime, or a buffer that
 //! grows with a slow reader.
 
+mod ahead;
 mod answer;
 mod body;
 mod metrics;
@@ -77,7 +78,7 @@ pub struct OpenAiConfig {
     /// comes this much plus `prefill_per_token` per uncached prompt token after it arrives.
     pub first_token_floor: Duration,
     /// Prefill time per uncached token alone: the rank's prefill throughput is its inverse,
-    /// shared evenly by the prefills in flight.
+    /// given to the prefills in flight one after another, first come, first served.
     pub prefill_per_token: Duration,
     /// Time between two output tokens of a request alone on its rank.
     pub inter_token: Duration,
@@ -215,6 +216,8 @@ struct Inner {
     faults: Mutex<VecDeque<Fault>>,
     figures: Arc<Figures>,
     scheduler: Arc<scheduler::Scheduler>,
+    /// The prompts each rank has taken and not yet prefilled.
+    ahead: Arc<ahead::Ahead>,
     next_rank: AtomicU32,
     next_id: AtomicU64,
     last_request: Mutex<Option<SeenRequest>>,
@@ -327,6 +330,7 @@ pub(crate) fn start(
         faults: Mutex::new(VecDeque::new()),
         figures: Arc::new(Figures::default()),
         scheduler,
+        ahead: Arc::default(),
         next_rank: AtomicU32::new(0),
         next_id: AtomicU64::new(0),
         last_request: Mutex::new(None),

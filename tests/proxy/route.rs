@@ -1322,11 +1322,25 @@ fn a_prompt_past_its_models_context_is_413_naming_the_limit_on_the_route_and_the
 }
 
 /// Sends `count` copies of `body` to `path` on `addr` at once; their answers.
-fn at_once(addr: SocketAddr, path: &'static str, body: &Value, count: usize) -> Vec<Reply> {
-    let body = body.to_string();
-    let sent: Vec<_> = (0..count)
-        .map(|_| {
-            let body = body.clone();
+/// `bytes` of words no two prompts (`seed`) and no two places in one share, so that no span
+/// of one is tokenized from the cache.
+fn unique_prompt(bytes: usize, seed: usize) -> String {
+    let mut prompt = String::with_capacity(bytes + 32);
+    let mut word = 0;
+    while prompt.len() < bytes {
+        prompt.push_str(&format!("w{seed}x{word} "));
+        word += 1;
+    }
+    prompt.truncate(bytes);
+    prompt
+}
+
+/// Each of `bodies` sent at once, each by a client of its own.
+fn at_once(addr: SocketAddr, path: &'static str, bodies: Vec<Value>) -> Vec<Reply> {
+    let sent: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
+            let body = body.to_string();
             std::thread::spawn(move || {
                 let mut connection = Connection::open(addr);
                 connection.set_read_timeout(Duration::from_secs(120));
@@ -1339,8 +1353,9 @@ fn at_once(addr: SocketAddr, path: &'static str, body: &Value, count: usize) -> 
         .collect()
 }
 
-/// Tokenizing admits 2 MiB of prompts at once and a prompt waits for it 2 s: of six 1.5 MiB
-/// prompts at once (each of which takes far longer than 2 s / 6 to tokenize), one is tokenized
+/// Tokenizing admits 2 MiB of prompts at once and a prompt waits for it 2 s: of six distinct
+/// 1.5 MiB prompts at once (each of which takes far longer than 2 s / 6 to tokenize, none from
+/// the cache), one is tokenized
 /// at a time and the last ones are refused 429, saying why, on the route and the API alike. A
 /// prompt over the whole budget is never tokenized: the API answers 413 naming the budget.
 #[test]
@@ -1348,10 +1363,13 @@ fn past_the_tokenizing_budget_prompts_wait_then_get_429_and_a_prompt_over_it_413
     let (running, _dirs) = front_with_context(1_000_000);
     let route = running.route_addr().expect("[route] is set");
     let api = running.http_addr();
-    let prompt = prompt_of(3 << 19);
+    let prompts: Vec<String> = (0..12).map(|seed| unique_prompt(3 << 19, seed)).collect();
 
-    let completion = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1 });
-    let replies = at_once(route, "/v1/completions", &completion, 6);
+    let completions = prompts[..6]
+        .iter()
+        .map(|prompt| json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1 }))
+        .collect();
+    let replies = at_once(route, "/v1/completions", completions);
     let statuses: Vec<u16> = replies.iter().map(|reply| reply.status).collect();
     // A tokenized prompt reaches no engine (5xx); the others wait and are refused.
     let tokenized = statuses.iter().filter(|&&status| status >= 500).count();
@@ -1374,8 +1392,11 @@ fn past_the_tokenizing_budget_prompts_wait_then_get_429_and_a_prompt_over_it_413
         "{message}"
     );
 
-    let query = json!({ "model": MODEL, "prompt": prompt });
-    let replies = at_once(api, "/query", &query, 6);
+    let queries = prompts[6..]
+        .iter()
+        .map(|prompt| json!({ "model": MODEL, "prompt": prompt }))
+        .collect();
+    let replies = at_once(api, "/query", queries);
     let statuses: Vec<u16> = replies.iter().map(|reply| reply.status).collect();
     assert!(
         statuses

@@ -644,10 +644,11 @@ fn all_at_once(addr: SocketAddr, prompts: &[u32], tokens: u32, max_tokens: u32) 
     });
 }
 
-/// Two prompts prefilled at once on one rank share its throughput: each takes about twice
-/// as long as one alone (the rank's own figures; 600 ms of prefill alone).
+/// Two prompts sent at once to one rank prefill first come, first served, as vLLM's scheduler
+/// spends its token budget: one in the time it takes alone, the other after it, in about twice
+/// that (the rank's own figures; 600 ms of prefill alone); neither waits for a place.
 #[test]
-fn concurrent_prefills_on_a_rank_share_its_throughput() {
+fn concurrent_prefills_on_a_rank_run_first_come_first_served() {
     let (_engine, server, addr) = contending(1, Duration::from_millis(1), 256, 0.0);
     all_at_once(addr, &[20_000], 600, 1);
     all_at_once(addr, &[21_000, 22_000], 600, 1);
@@ -655,11 +656,57 @@ fn concurrent_prefills_on_a_rank_share_its_throughput() {
     assert_eq!(timings.len(), 3, "{timings:?}");
     let alone = timings[0].prefill;
     assert!(alone >= Duration::from_millis(600), "{timings:?}");
-    for pair in &timings[1..] {
-        let ratio = pair.prefill.as_secs_f64() / alone.as_secs_f64();
-        assert!(ratio > 1.5 && ratio < 2.5, "{ratio}: {timings:?}");
-        assert!(pair.queued.is_zero(), "{timings:?}");
-    }
+    let mut ratios: Vec<f64> = timings[1..]
+        .iter()
+        .map(|pair| pair.prefill.as_secs_f64() / alone.as_secs_f64())
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    assert!(
+        ratios[0] > 0.8 && ratios[0] < 1.4,
+        "{ratios:?}: {timings:?}"
+    );
+    assert!(
+        ratios[1] > 1.6 && ratios[1] < 2.6,
+        "{ratios:?}: {timings:?}"
+    );
+    assert!(timings.iter().all(|t| t.queued.is_zero()), "{timings:?}");
+}
+
+/// A prompt sent while its rank still prefills the same prefix for another waits for that
+/// prefill and hits it, as vLLM looks a request up when it schedules it: its cached tokens
+/// are the full blocks the two share, though the rank held none of them when it arrived.
+#[test]
+fn a_prompt_behind_its_prefix_in_line_hits_it() {
+    let (_engine, _server, addr) = contending(1, Duration::from_millis(1), 256, 0.0);
+    let first = token_prompt(30_000, 600);
+    let mut second = first.clone();
+    second.extend(token_prompt(90_000, 40));
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| {
+            post(
+                addr,
+                "/v1/completions",
+                &[],
+                &completion(json!(first), json!({})),
+            )
+            .json()
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let mut answer = post(
+            addr,
+            "/v1/completions",
+            &[],
+            &completion(json!(second), json!({})),
+        );
+        assert_eq!(answer.status, 200);
+        assert_eq!(
+            cached_tokens(&answer.json()),
+            592,
+            "600 shared: 37 full blocks"
+        );
+        let first = first.join().expect("the first is answered");
+        assert_eq!(cached_tokens(&first), 0);
+    });
 }
 
 /// With `max_running` 1 a second request waits while the first runs, `/metrics` showing one

@@ -7,7 +7,7 @@
 //! Owns the events' order and text. Never: sleeps (the body and the route wait for the
 //! tokens this names), or reads a socket.
 
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use crate::cache::Request;
 use crate::server::Shared;
 
+use super::ahead::InLine;
 use super::TokensDetails;
 
 /// The simulated output: token `k` is `WORDS[k % WORDS.len()]`.
@@ -45,12 +46,14 @@ pub(super) struct Generation {
     pub(super) prefill: Option<Prefill>,
 }
 
-/// A prompt the rank will have computed at the end of its prefill.
+/// A prompt the rank will have computed at the end of its prefill, and its place in the
+/// rank's line until then.
 pub(super) struct Prefill {
     pub(super) engine: Weak<Shared>,
     pub(super) rank: u32,
-    pub(super) tokens: Vec<u32>,
+    pub(super) tokens: Arc<[u32]>,
     pub(super) cache_salt: Option<String>,
+    pub(super) _in_line: InLine,
 }
 
 /// One server-sent event of a streamed answer.

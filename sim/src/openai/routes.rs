@@ -178,9 +178,15 @@ async fn generate(
     let block_size = engine.block_size();
     drop(engine);
     inner.count_served(rank);
+    let tokens: Arc<[u32]> = asked.tokens.into();
+    let (in_line_hit, in_line) =
+        inner
+            .ahead
+            .join(rank, tokens.clone(), asked.cache_salt.clone(), block_size);
+    let hit_blocks = hit_blocks.max(in_line_hit);
 
     // As vLLM, which recomputes at least the last token of a prompt it holds whole.
-    let prompt_tokens = asked.tokens.len() as u32;
+    let prompt_tokens = tokens.len() as u32;
     let cached_tokens = hit_blocks.min((prompt_tokens - 1) / block_size) * block_size;
     let uncached = prompt_tokens - cached_tokens;
     let config = &inner.config;
@@ -213,8 +219,9 @@ async fn generate(
         prefill: Some(Prefill {
             engine: inner.engine.clone(),
             rank,
-            tokens: asked.tokens,
+            tokens,
             cache_salt: asked.cache_salt,
+            _in_line: in_line,
         }),
     };
     let slot = inner.scheduler.enter(rank, uncached, asked.max_tokens);

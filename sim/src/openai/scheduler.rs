@@ -1,9 +1,10 @@
 //! Each rank's batch, as vLLM's scheduler runs it on one GPU: at most `max_running` requests
 //! in the batch, the others waiting in arrival order (FIFO); a request admitted waits
 //! `first_token_floor`, then computes its uncached tokens at the rank's prefill throughput
-//! (`1 / prefill_per_token`) shared evenly with the other prefills in flight (processor
-//! sharing: n prefills each progress at throughput / n); its first token comes at the end of its
-//! prefill, then one token each decode step of `inter_token × (1 + decode_slowdown × (batch −
+//! (`1 / prefill_per_token`) once the prefills admitted before it have computed theirs (first
+//! come, first served: vLLM's scheduler spends each step's token budget on its requests in the
+//! order it took them, so a prompt behind a long prefill waits for it); its first token comes at
+//! the end of its prefill, then one token each decode step of `inter_token × (1 + decode_slowdown × (batch −
 //! 1))`, the batch being every admitted request of the rank. With a `prefill_chunk`, a step
 //! taken while prefills and decodes are both in flight also computes that many prompt tokens
 //! (vLLM's chunked prefill): it is longer by their time, and the prefills go at the chunk's
@@ -103,7 +104,7 @@ struct Limits {
 struct Rates {
     /// Seconds of a decode step.
     step: f64,
-    /// Seconds of a lone prefill each prefill computes a second.
+    /// Seconds of a lone prefill the rank computes a second (for the first prefill in line).
     prefill: f64,
 }
 
@@ -130,26 +131,22 @@ impl Limits {
         })
     }
 
-    /// The rates with `batch` requests admitted, `prefilling` of them computing their prompt
-    /// and `decoding` making tokens. Prefills share the throughput evenly; with a chunk, a step
-    /// beside prefills also computes a chunk of them (vLLM's chunked prefill), so it is longer
-    /// and the prefills get the chunk's share of it.
+    /// The rates with `batch` requests admitted, `prefilling` of them with their prompt to
+    /// compute and `decoding` making tokens. The prefills take the whole throughput in turn;
+    /// with a chunk, a step beside prefills also computes a chunk of them (vLLM's chunked
+    /// prefill), so it is longer and the prefills get the chunk's share of it.
     fn rates(&self, batch: usize, prefilling: usize, decoding: usize) -> Rates {
         let others = batch.saturating_sub(1) as f64;
         let step = self.inter_token * (1.0 + self.decode_slowdown * others);
-        let shares = prefilling.max(1) as f64;
         match self.chunk {
             Some(chunk) if prefilling > 0 && decoding > 0 => {
                 let step = step + chunk;
                 Rates {
                     step,
-                    prefill: chunk / step / shares,
+                    prefill: chunk / step,
                 }
             }
-            _ => Rates {
-                step,
-                prefill: 1.0 / shares,
-            },
+            _ => Rates { step, prefill: 1.0 },
         }
     }
 }

@@ -1,11 +1,13 @@
 //! One rank's batch and waiting queue, advanced event by event at a cost of O(log n) an event
 //! (n the requests on the rank), however many requests it holds.
 //!
-//! Every prefill in flight computes at the same rate and every decode makes tokens at the same
-//! rate, so each kind has one shared clock (`prefilled`: seconds of a lone prefill each prefill
-//! has computed; `steps`: decode steps taken) and each request is a fixed mark on it (where its
-//! prefill ends, where its last token is made), kept in a set ordered by that mark: the next
-//! event is the first of three sets, and advancing moves two numbers, not every request. The
+//! The prefills in flight compute one after another, first come first served (as vLLM's
+//! scheduler spends its token budget on the requests in the order it took them), and every
+//! decode makes tokens at the same rate, so each kind has one shared clock (`prefilled`: seconds
+//! of a lone prefill the rank has computed; `steps`: decode steps taken) and each request is a
+//! fixed mark on it (where its prefill ends: the end of the one before it plus its own work;
+//! where its last token is made), kept in a set ordered by that mark: the next event is the
+//! first of three sets, and advancing moves two numbers, not every request. The
 //! answers waiting for a decoding request's token are ordered the same way, by the step count
 //! that token is made at.
 //!
@@ -145,7 +147,7 @@ pub(super) struct Rank {
     floors: BTreeSet<(Instant, u64)>,
     prefills: BTreeSet<(Mark, u64)>,
     decodes: BTreeSet<(Mark, u64)>,
-    /// Seconds of a lone prefill each prefill in flight has computed (since there was none).
+    /// Seconds of a lone prefill the rank has computed (since there was no prefill in flight).
     prefilled: f64,
     /// Decode steps taken (since there was no decode).
     steps: f64,
@@ -230,8 +232,9 @@ impl Rank {
         self.admit(now, limits);
     }
 
-    /// Job `id` gone at `at` (the state's clock) before its end: the others go faster, and a
-    /// waiting one may take its place.
+    /// Job `id` gone at `at` (the state's clock) before its end: the others go faster (the
+    /// prefills behind it start sooner by what it had left), and a waiting one may take its
+    /// place.
     pub(super) fn leave(&mut self, id: u64, at: Instant, limits: &Limits) {
         let Some(job) = self.jobs.remove(&id) else {
             return;
@@ -239,7 +242,12 @@ impl Rank {
         match job.phase {
             Phase::Waiting => self.queue.remove(&id),
             Phase::Floor(until) => self.floors.remove(&(until, id)),
-            Phase::Prefill => self.prefills.remove(&(Mark(job.end), id)),
+            Phase::Prefill => {
+                self.prefills.remove(&(Mark(job.end), id));
+                let left = (job.end - self.prefilled).clamp(0.0, job.work);
+                self.move_behind(job.end, left);
+                true
+            }
             Phase::Decode => self.decodes.remove(&(Mark(job.end), id)),
         };
         if let Some(mark) = job.awaits {
@@ -247,6 +255,23 @@ impl Rank {
         }
         self.admit(at, limits);
         self.wake_firsts();
+    }
+
+    /// The prefills that end after `end`, each ending `by` sooner.
+    fn move_behind(&mut self, end: f64, by: f64) {
+        let behind: Vec<(Mark, u64)> = self
+            .prefills
+            .range((Mark(end), u64::MAX)..)
+            .copied()
+            .collect();
+        for (Mark(was), other) in behind {
+            self.prefills.remove(&(Mark(was), other));
+            let moved = was - by;
+            self.prefills.insert((Mark(moved), other));
+            if let Some(job) = self.jobs.get_mut(&other) {
+                job.end = moved;
+            }
+        }
     }
 
     /// Gives the free places of the batch to the first waiting jobs.
@@ -314,9 +339,14 @@ impl Rank {
             self.floors.pop_first();
             #[cfg(test)]
             count_work();
+            // First come, first served: it computes once the prefills before it have.
+            let queue_end = self
+                .prefills
+                .last()
+                .map_or(self.prefilled, |&(Mark(end), _)| end.max(self.prefilled));
             if let Some(job) = self.jobs.get_mut(&id) {
                 job.phase = Phase::Prefill;
-                job.end = self.prefilled + job.work;
+                job.end = queue_end + job.work;
                 self.prefills.insert((Mark(job.end), id));
                 job.wake();
             }

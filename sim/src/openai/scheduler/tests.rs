@@ -52,6 +52,12 @@ impl Model {
             .arrive(id, uncached, max_tokens, now, &self.limits);
     }
 
+    /// Job `id`'s client gone now.
+    fn leave(&mut self, id: u64) {
+        let now = self.rank.clock.expect("the rank has run");
+        self.rank.leave(id, now, &self.limits);
+    }
+
     fn ms(&self, instant: Instant) -> f64 {
         (instant - self.start).as_secs_f64() * 1e3
     }
@@ -127,24 +133,50 @@ fn a_lone_request_keeps_the_fixed_timeline() {
 }
 
 #[test]
-fn concurrent_prefills_share_the_throughput() {
+fn prefills_run_first_come_first_served() {
     let mut model = Model::new(limits(256, 0.0));
     model.arrive(0, 0.0, 100, 1);
     model.arrive(1, 0.0, 100, 1);
     model.run_to(1_000.0);
-    assert_ms("first", model.first_token(0), 210.0);
-    assert_ms("second", model.first_token(1), 210.0);
+    assert_ms("first", model.first_token(0), 110.0);
+    assert_ms("second, after the first", model.first_token(1), 210.0);
 
-    // 0 alone from 10 to 60 ms (50 tokens), then both at half speed: 0's last 50 tokens end at
-    // 160 ms, 1 has done 50 by then and does its last 50 alone.
+    // 1 arrives while 0 prefills: its floor ends at 60 ms, it starts when 0 ends at 110 ms.
     let mut model = Model::new(limits(256, 0.0));
     model.arrive(0, 0.0, 100, 1);
     model.arrive(1, 50.0, 100, 1);
     model.run_to(100.0);
-    assert_ms("0 due at half speed", model.due_ms(0, 0), 160.0);
+    assert_ms("0 due at the whole throughput", model.due_ms(0, 0), 110.0);
+    assert_ms("1 due after it", model.due_ms(1, 0), 210.0);
     model.run_to(1_000.0);
-    assert_ms("first", model.first_token(0), 160.0);
+    assert_ms("first", model.first_token(0), 110.0);
     assert_ms("second", model.first_token(1), 210.0);
+}
+
+/// A prefill whose client goes away gives its turn back: those behind it start sooner by what
+/// it had left.
+#[test]
+fn a_prefill_that_leaves_moves_the_ones_behind_it_up() {
+    let mut model = Model::new(limits(256, 0.0));
+    model.arrive(0, 0.0, 100, 1);
+    model.arrive(1, 0.0, 100, 1);
+    model.arrive(2, 0.0, 100, 1);
+    model.run_to(60.0);
+    model.leave(0);
+    model.run_to(1_000.0);
+    assert_ms("1 starts at 60 ms", model.first_token(1), 160.0);
+    assert_ms("2 after 1", model.first_token(2), 260.0);
+
+    // One behind it that leaves changes nothing for those before it.
+    let mut model = Model::new(limits(256, 0.0));
+    model.arrive(0, 0.0, 100, 1);
+    model.arrive(1, 0.0, 100, 1);
+    model.arrive(2, 0.0, 100, 1);
+    model.run_to(60.0);
+    model.leave(2);
+    model.run_to(1_000.0);
+    assert_ms("0", model.first_token(0), 110.0);
+    assert_ms("1", model.first_token(1), 210.0);
 }
 
 #[test]
@@ -231,7 +263,8 @@ fn a_chunked_prefill_beside_decodes_slows_them_and_goes_at_the_chunks_share() {
     model.arrive(0, 0.0, 100, 1);
     model.arrive(1, 0.0, 100, 1);
     model.run_to(1_000.0);
-    assert_ms("first", model.first_token(0), 210.0);
+    assert_ms("first", model.first_token(0), 110.0);
+    assert_ms("second, after it", model.first_token(1), 210.0);
 }
 
 #[test]
