@@ -250,33 +250,33 @@ fn fixed_ends(tokenizer: &Tokenizer, config: &serde_json::Value) -> Option<Ends>
 }
 
 fn post_processor_is_fixed(processor: &serde_json::Value) -> bool {
-    if processor.is_null() {
-        return true;
-    }
-    match processor["type"].as_str() {
-        Some("Sequence") => processor["processors"]
-            .as_array()
-            .is_some_and(|all| all.iter().all(post_processor_is_fixed)),
-        Some(kind) => [
+    every_step_among(
+        processor,
+        "processors",
+        &[
             "TemplateProcessing",
             "ByteLevel",
             "BertProcessing",
             "RobertaProcessing",
-        ]
-        .contains(&kind),
-        None => false,
-    }
+        ],
+    )
 }
 
 fn pre_tokenizer_is_piecewise(pre_tokenizer: &serde_json::Value) -> bool {
-    if pre_tokenizer.is_null() {
+    every_step_among(pre_tokenizer, "pretokenizers", &PIECEWISE_PRE_TOKENIZERS)
+}
+
+/// Whether `component` of `tokenizer.json` (a normalizer, pre-tokenizer, post-processor) is
+/// absent, of one of `kinds`, or a `Sequence` (its steps under `steps`) of such.
+pub(super) fn every_step_among(component: &serde_json::Value, steps: &str, kinds: &[&str]) -> bool {
+    if component.is_null() {
         return true;
     }
-    match pre_tokenizer["type"].as_str() {
-        Some("Sequence") => pre_tokenizer["pretokenizers"]
+    match component["type"].as_str() {
+        Some("Sequence") => component[steps]
             .as_array()
-            .is_some_and(|all| all.iter().all(pre_tokenizer_is_piecewise)),
-        Some(kind) => PIECEWISE_PRE_TOKENIZERS.contains(&kind),
+            .is_some_and(|all| all.iter().all(|step| every_step_among(step, steps, kinds))),
+        Some(kind) => kinds.contains(&kind),
         None => false,
     }
 }

@@ -15,6 +15,8 @@
 
 use tokenizers::Tokenizer;
 
+use super::pieces::every_step_among;
+
 /// The least a span holds: small enough that a prompt's new part drags little of its shared
 /// prefix along, large enough that looking a span up costs far less than tokenizing it
 /// (docs/performance.md "Big request bodies").
@@ -69,16 +71,7 @@ pub fn cutting_is_exact(tokenizer: &Tokenizer, config: &serde_json::Value) -> bo
 }
 
 fn normalizer_is_local(normalizer: &serde_json::Value) -> bool {
-    if normalizer.is_null() {
-        return true;
-    }
-    match normalizer["type"].as_str() {
-        Some("Sequence") => normalizer["normalizers"]
-            .as_array()
-            .is_some_and(|all| all.iter().all(normalizer_is_local)),
-        Some(kind) => LOCAL_NORMALIZERS.contains(&kind),
-        None => false,
-    }
+    every_step_among(normalizer, "normalizers", &LOCAL_NORMALIZERS)
 }
 
 /// Every pair of fragments and a few sentences, each joined by spaces where a cut falls.

@@ -154,29 +154,26 @@ fn prefills_run_first_come_first_served() {
 }
 
 /// A prefill whose client goes away gives its turn back: those behind it start sooner by what
-/// it had left.
+/// it had left, and those before it are as they were.
 #[test]
 fn a_prefill_that_leaves_moves_the_ones_behind_it_up() {
-    let mut model = Model::new(limits(256, 0.0));
-    model.arrive(0, 0.0, 100, 1);
-    model.arrive(1, 0.0, 100, 1);
-    model.arrive(2, 0.0, 100, 1);
-    model.run_to(60.0);
-    model.leave(0);
-    model.run_to(1_000.0);
-    assert_ms("1 starts at 60 ms", model.first_token(1), 160.0);
-    assert_ms("2 after 1", model.first_token(2), 260.0);
-
-    // One behind it that leaves changes nothing for those before it.
-    let mut model = Model::new(limits(256, 0.0));
-    model.arrive(0, 0.0, 100, 1);
-    model.arrive(1, 0.0, 100, 1);
-    model.arrive(2, 0.0, 100, 1);
-    model.run_to(60.0);
-    model.leave(2);
-    model.run_to(1_000.0);
-    assert_ms("0", model.first_token(0), 110.0);
-    assert_ms("1", model.first_token(1), 210.0);
+    // Three of 100 ms in line from 10 ms; one leaves at 60 ms, the first halfway through.
+    for (leaver, expected) in [(0, [(1, 160.0), (2, 260.0)]), (2, [(0, 110.0), (1, 210.0)])] {
+        let mut model = Model::new(limits(256, 0.0));
+        for id in 0..3 {
+            model.arrive(id, 0.0, 100, 1);
+        }
+        model.run_to(60.0);
+        model.leave(leaver);
+        model.run_to(1_000.0);
+        for (id, at) in expected {
+            assert_ms(
+                &format!("{id} after {leaver} left"),
+                model.first_token(id),
+                at,
+            );
+        }
+    }
 }
 
 #[test]
