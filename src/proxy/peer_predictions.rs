@@ -6,11 +6,12 @@
 //! prefills a hot prefix again beside its first prefill, nor on another rank once one holds it.
 //!
 //! Owns: the outbox, bounded in records and bytes (`share` and `prefilled` only queue: a full
-//! one drops, and counts the predictions it drops); its batches (every `FLUSH_EVERY`, or
-//! `MAX_BATCH_RECORDS` / `MAX_BATCH_BYTES`); one `POST /peer_predictions` per peer and batch,
-//! with the shared secret as its bearer (a peer still busy with the last batch, failing or
-//! slower than `PEER_TIMEOUT` has the batch dropped and counted). Never: makes a request wait
-//! on a peer.
+//! one drops, and counts the predictions it drops); its batches (sent at once, or when the
+//! peers have taken the last one, with what came meanwhile, up to `MAX_BATCH_RECORDS` /
+//! `MAX_BATCH_BYTES`); one `POST /peer_predictions` per peer and batch, with the shared secret
+//! as its bearer (a peer still busy with the last batch after `BUSY_WAIT`, failing or slower
+//! than `PEER_TIMEOUT` has the batch dropped and counted). Never: makes a request wait on a
+//! peer.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,10 +33,12 @@ use crate::metrics::{Metrics, PeerPrediction};
 use crate::plan::WorkerKey;
 use crate::select::Predicted;
 
-/// How long a batch gathers records after its first: short, because two replicas that choose
-/// a rank within it do not yet see each other's choice (on the ladder's burst, 15 ms left
-/// two cold prefills colliding on one rank; 2 ms, one pair in 200 requests).
-const FLUSH_EVERY: Duration = Duration::from_millis(2);
+/// The longest a batch waits for a peer still taking the last one, gathering the records that
+/// come meanwhile; past it, that peer is not sent the batch. A batch leaves at once otherwise:
+/// two replicas that choose a rank before hearing of each other's choice collide (on the
+/// ladder's burst, gathering for 15 ms left two cold prefills on one rank; for 2 ms, a tail's
+/// prefill ahead of a cold prompt in 2 runs of 3).
+const BUSY_WAIT: Duration = Duration::from_millis(50);
 /// A batch is sent at this many records, or at this many bytes, whichever comes first.
 const MAX_BATCH_RECORDS: usize = 64;
 const MAX_BATCH_BYTES: usize = 1 << 20;
@@ -143,16 +146,20 @@ impl PeerPredictions {
         };
         let mut posting: HashMap<String, JoinHandle<()>> = HashMap::new();
         while let Some(first) = inbox.recv().await {
-            let until = Instant::now() + FLUSH_EVERY;
+            // The records queued while the last batch was being taken join this one.
+            let until = Instant::now() + BUSY_WAIT;
+            for post in posting.values_mut().filter(|post| !post.is_finished()) {
+                let _ = tokio::time::timeout_at(until, post).await;
+            }
             let mut bytes = first.bytes();
             let mut batch = vec![first];
             while batch.len() < MAX_BATCH_RECORDS && bytes < MAX_BATCH_BYTES {
-                match tokio::time::timeout_at(until, inbox.recv()).await {
-                    Ok(Some(queued)) => {
+                match inbox.try_recv() {
+                    Ok(queued) => {
                         bytes += queued.bytes();
                         batch.push(queued);
                     }
-                    _ => break,
+                    Err(_) => break,
                 }
             }
             self.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);

@@ -1,10 +1,12 @@
 //! Two route front ends on one fleet sharing their predictions (`peers`, docs.md "Two routers on
 //! one fleet"): a prefix routed through one is predicted on the other before its engine
-//! publishes it; peers that are down or never answer cost requests nothing; a batch whose keys
-//! are not ours, or that comes without the secret, is refused.
+//! publishes it; a peer slow to take a batch loses none; peers that are down or never answer
+//! cost requests nothing; a batch whose keys are not ours, or that comes without the secret,
+//! is refused.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::free_port;
@@ -156,6 +158,58 @@ fn a_prefix_routed_through_one_replica_is_predicted_on_the_other() {
             .sum();
         (open == 0).then_some(())
     });
+}
+
+/// A peer that takes 30 ms over each batch, sent predictions faster than that (requests one
+/// after another, a few ms each): the predictions made while it is busy wait for it and leave
+/// in its next batch, none dropped.
+#[test]
+fn a_peer_slow_to_take_a_batch_loses_no_prediction() {
+    let peer = tiny_http::Server::http("127.0.0.1:0").expect("bind");
+    let peer_addr = peer.server_addr().to_ip().expect("an IP address");
+    let batches: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let taken = Arc::clone(&batches);
+    std::thread::spawn(move || {
+        for mut request in peer.incoming_requests() {
+            let mut body = Vec::new();
+            let _ = request.as_reader().read_to_end(&mut body);
+            let batch: Value = serde_json::from_slice(&body).unwrap_or_default();
+            let records = batch["records"].as_array().map_or(0, Vec::len);
+            std::thread::sleep(Duration::from_millis(30));
+            taken.lock().expect("the batches").push(records);
+            let _ = request.respond(tiny_http::Response::from_string("{}"));
+        }
+    });
+    let (_fleet, toml, _tokenizers) =
+        fleet_toml(1, 2, OpenAiConfig::default(), "127.0.0.1:0", &[], &|_, e| e);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = with_token(dir.path(), &toml);
+    let front = start_service(&file);
+    set_peers(&front, &[peer_addr], &file);
+    let api = front.http_addr();
+    wait_for(30, "the ranks ready", || {
+        (Connection::open(api).send("GET", "/ready", None).status == 200).then_some(())
+    });
+    let route = front.route_addr().expect("[route]");
+    let requests = 20;
+    for at in 0..requests {
+        let reply = Connection::open(route).send(
+            "POST",
+            "/v1/completions",
+            Some(prompt(&format!("patient {at}")).to_string().as_bytes()),
+        );
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    wait_for(10, "every prediction taken by the peer", || {
+        (count(api, "sent") == f64::from(requests)).then_some(())
+    });
+    assert_eq!(count(api, "dropped"), 0.0);
+    let batches = batches.lock().expect("the batches").clone();
+    assert_eq!(
+        batches.iter().sum::<usize>(),
+        requests as usize,
+        "{batches:?}"
+    );
 }
 
 /// A peer that refuses connections and one that accepts and never answers: every request is
