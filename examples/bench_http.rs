@@ -659,9 +659,10 @@ fn print_parse_cost(addr: SocketAddr, body: &[u8]) {
 /// A 12,000-token chat (a system prompt and turns of generated prose) served on the first
 /// rank, then `/query` with it as `token_ids`, as the same `messages` again and again (every
 /// piece from the tokenizer's cache), as a conversation whose last user turn is new each
-/// time (what a chat's next request is), as one completion prompt of its turns' text with a
-/// new last turn each time (its spans before the new turn from the cache), and as a prompt of
-/// as many words never seen (tokenized whole). Interleaved, one keep-alive client.
+/// time (what a chat's next request is), interleaved; then, interleaved in rounds of their own,
+/// as one completion prompt of its turns' text with a new last turn each time (its spans
+/// before the new turn from the cache) and as a prompt of as many words never seen (tokenized
+/// whole). One keep-alive client.
 fn print_chat_cost(fleet: &Fleet, indexer: &mut OverHttp, addr: SocketAddr, dir: &std::path::Path) {
     let tokenizers = Tokenizers::load([(CHAT_MODEL, dir)], &Tokenizers::default())
         .expect("the ChatML tokenizer");
@@ -739,24 +740,31 @@ fn print_chat_cost(fleet: &Fleet, indexer: &mut OverHttp, addr: SocketAddr, dir:
     };
     for round in 0..1_200 {
         let mut next = messages.clone();
-        let turn = format!("{} (take {round})", prose(&mut words, 300));
         if let Some(last) = next.last_mut() {
-            last["content"] = json!(turn);
+            last["content"] = json!(format!("{} (take {round})", prose(&mut words, 300)));
         }
         let next = json!({"messages": next, "model": CHAT_MODEL})
             .to_string()
             .into_bytes();
-        let tail = as_prompt(&format!("{text}\n\n{turn}"));
-        let unseen = as_prompt(&prose(&mut words, text.split(' ').count()));
         if round < 200 {
             query(&agent, addr, QueryForm::Json, &by_ids);
             query(&agent, addr, QueryForm::Json, &chat);
-            query(&agent, addr, QueryForm::Json, &tail);
             continue;
         }
         timed(&mut as_ids, &by_ids);
         timed(&mut repeated, &chat);
         timed(&mut new_turn, &next);
+    }
+    // Apart from the chat's rounds: the prompts never seen fill the tokenizer's cache and would
+    // push the chat's pieces out of it.
+    for round in 0..1_100 {
+        let turn = format!("{} (take {round})", prose(&mut words, 300));
+        let tail = as_prompt(&format!("{text}\n\n{turn}"));
+        if round < 100 {
+            query(&agent, addr, QueryForm::Json, &tail);
+            continue;
+        }
+        let unseen = as_prompt(&prose(&mut words, text.split(' ').count()));
         timed(&mut new_tail, &tail);
         timed(&mut all_new, &unseen);
     }
