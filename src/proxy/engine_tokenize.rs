@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 
 use super::request::{OpenAiRequest, PromptSource};
 use super::tokenizing::{Tokenized, TokensFrom};
-use super::upstream::{Fetch, Server};
+use super::upstream::{post_json, Fetch, Server};
 use super::Proxy;
 use crate::metrics::LoadOnly;
 
@@ -195,10 +195,16 @@ impl Proxy {
         };
         let timeout = self.upstream.settings().engine_tokenize;
         let base = &server.url.base;
-        let answer = self
-            .upstream
-            .post_json(server, "/tokenize", request, timeout, MAX_ANSWER_BYTES)
-            .await;
+        let connections = &self.upstream.connections;
+        let answer = post_json(
+            connections,
+            server,
+            "/tokenize",
+            request,
+            timeout,
+            MAX_ANSWER_BYTES,
+        )
+        .await;
         let why = match answer.map(|bytes| serde_json::from_slice::<TokenizeAnswer>(&bytes)) {
             Ok(Ok(answer)) if !answer.tokens.is_empty() => {
                 return Tokenized::ids(answer.tokens, model, TokensFrom::Engine)

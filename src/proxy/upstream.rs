@@ -207,7 +207,7 @@ pub(super) struct Sent {
 
 /// Every request to an engine goes through here.
 pub(super) struct Upstream {
-    connections: Arc<Connections>,
+    pub(super) connections: Arc<Connections>,
     settings: RwLock<Settings>,
 }
 
@@ -394,24 +394,9 @@ async fn whole_answer(
     }
 }
 
-impl Upstream {
-    /// `POST path` of `server` with the JSON `body` and the engine's key, its whole answer
-    /// within `timeout` and `cap` bytes (an engine's `/tokenize`).
-    pub(super) async fn post_json(
-        &self,
-        server: &Server,
-        path: &str,
-        body: Bytes,
-        timeout: Duration,
-        cap: usize,
-    ) -> Result<Bytes, Fetch> {
-        post_json(&self.connections, server, path, body, timeout, cap).await
-    }
-}
-
 /// `POST path` of `server` with the JSON `body` and its key, through `connections`, its whole
-/// answer within `timeout` and `cap` bytes (`Upstream::post_json`; a peer's predictions, with
-/// the shared secret as the key).
+/// answer within `timeout` and `cap` bytes (an engine's `/tokenize`, through the upstream's
+/// connections; a peer's predictions, with the shared secret as the key).
 pub(super) async fn post_json(
     connections: &Arc<Connections>,
     server: &Server,

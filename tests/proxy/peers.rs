@@ -92,6 +92,47 @@ fn send_explained(route: SocketAddr, body: &Value) -> Reply {
     )
 }
 
+/// A route front end on one engine of 2 ranks (default speed), its ranks ready, sending its
+/// predictions to `peers`.
+struct FrontWithPeers {
+    front: RunningService,
+    _fleet: kv_indexer_sim::fleet::Fleet,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+impl FrontWithPeers {
+    fn start(peers: &[SocketAddr]) -> FrontWithPeers {
+        let (fleet, toml, tokenizers) =
+            fleet_toml(1, 2, OpenAiConfig::default(), "127.0.0.1:0", &[], &|_, e| e);
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = with_token(dir.path(), &toml);
+        let front = start_service(&file);
+        set_peers(&front, peers, &file);
+        let api = front.http_addr();
+        wait_for(30, "the ranks ready", || {
+            (Connection::open(api).send("GET", "/ready", None).status == 200).then_some(())
+        });
+        FrontWithPeers {
+            front,
+            _fleet: fleet,
+            _dirs: (dir, tokenizers),
+        }
+    }
+
+    /// `count` cold prompts on `topic`, one after another, each answered 200.
+    fn send_cold(&self, topic: &str, count: u32) {
+        let route = self.front.route_addr().expect("[route]");
+        for at in 0..count {
+            let reply = Connection::open(route).send(
+                "POST",
+                "/v1/completions",
+                Some(prompt(&format!("{topic} {at}")).to_string().as_bytes()),
+            );
+            assert_eq!(reply.status, 200, "{}", reply.text());
+        }
+    }
+}
+
 /// Issue 36: replica A routes a cold prompt to a rank whose engine takes a second to prefill
 /// it; B, told by A, sees on that rank the prompt predicted and A's prefill under way before the
 /// engine publishes a block of it: predicted whole, matched nothing, A's prefill weighed. So B
@@ -180,26 +221,10 @@ fn a_peer_slow_to_take_a_batch_loses_no_prediction() {
             let _ = request.respond(tiny_http::Response::from_string("{}"));
         }
     });
-    let (_fleet, toml, _tokenizers) =
-        fleet_toml(1, 2, OpenAiConfig::default(), "127.0.0.1:0", &[], &|_, e| e);
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = with_token(dir.path(), &toml);
-    let front = start_service(&file);
-    set_peers(&front, &[peer_addr], &file);
-    let api = front.http_addr();
-    wait_for(30, "the ranks ready", || {
-        (Connection::open(api).send("GET", "/ready", None).status == 200).then_some(())
-    });
-    let route = front.route_addr().expect("[route]");
+    let front = FrontWithPeers::start(&[peer_addr]);
+    let api = front.front.http_addr();
     let requests = 20;
-    for at in 0..requests {
-        let reply = Connection::open(route).send(
-            "POST",
-            "/v1/completions",
-            Some(prompt(&format!("patient {at}")).to_string().as_bytes()),
-        );
-        assert_eq!(reply.status, 200, "{}", reply.text());
-    }
+    front.send_cold("patient", requests);
     wait_for(10, "every prediction taken by the peer", || {
         (count(api, "sent") == f64::from(requests)).then_some(())
     });
@@ -229,27 +254,11 @@ fn peers_that_are_down_or_silent_cost_requests_nothing() {
     let down: SocketAddr = format!("127.0.0.1:{}", free_port())
         .parse()
         .expect("address");
-    let (_fleet, toml, _tokenizers) =
-        fleet_toml(1, 2, OpenAiConfig::default(), "127.0.0.1:0", &[], &|_, e| e);
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = with_token(dir.path(), &toml);
-    let front = start_service(&file);
-    set_peers(&front, &[down, silent_addr], &file);
-    let api = front.http_addr();
-    wait_for(30, "the ranks ready", || {
-        (Connection::open(api).send("GET", "/ready", None).status == 200).then_some(())
-    });
-    let route = front.route_addr().expect("[route]");
+    let front = FrontWithPeers::start(&[down, silent_addr]);
+    let api = front.front.http_addr();
     let requests = 10;
     let started = Instant::now();
-    for at in 0..requests {
-        let reply = Connection::open(route).send(
-            "POST",
-            "/v1/completions",
-            Some(prompt(&format!("quiet {at}")).to_string().as_bytes()),
-        );
-        assert_eq!(reply.status, 200, "{}", reply.text());
-    }
+    front.send_cold("quiet", requests);
     // Were a request to wait for the silent peer, each would take its 500 ms.
     let took = started.elapsed();
     assert!(

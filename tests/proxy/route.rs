@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use crate::support::http_client::{get, metric_value, wait_for, Connection, Reply};
 use crate::support::routed::{
-    fleet_toml, one_answered_and_released, rank_name, raw_engine, routed, routed_with, routing_to,
-    warm_at, Routed, MODEL,
+    addr_of, fleet_toml, one_answered_and_released, rank_name, raw_engine, routed, routed_with,
+    routing_to, warm_at, Routed, MODEL,
 };
 use crate::support::sse_client::{self, Answer};
 use crate::support::start_service_with_select_clock;
@@ -1522,12 +1522,7 @@ fn an_engine_loaded_from_outside_is_avoided() {
         ..OpenAiConfig::default()
     };
     let routed = routed(2, 1, slow, &[]);
-    let engine: SocketAddr = routed
-        .server(0)
-        .url()
-        .trim_start_matches("http://")
-        .parse()
-        .expect("an IP:port");
+    let engine = addr_of(&routed.server(0));
     let long = json!({ "model": MODEL, "prompt": "outside traffic", "max_tokens": 20_000, "stream": true });
     let held: Vec<Answer> = (0..6)
         .map(|_| stream(engine, "/v1/completions", &long))
@@ -1916,12 +1911,7 @@ impl WarmRank {
         let routed = routed(2, 1, slow, &[]);
         let body = chat("lighthouses", false);
         routed.warm(0, 0, "/v1/chat/completions", &body);
-        let engine: SocketAddr = routed
-            .server(0)
-            .url()
-            .trim_start_matches("http://")
-            .parse()
-            .expect("an IP:port");
+        let engine = addr_of(&routed.server(0));
         WarmRank {
             routed,
             engine,

@@ -239,6 +239,15 @@ pub fn routing_to(engine: SocketAddr) -> RunningService {
     super::start_service(&toml)
 }
 
+/// The address `server` listens on, to send it requests directly.
+pub fn addr_of(server: &OpenAiServer) -> SocketAddr {
+    server
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("an IP:port")
+}
+
 /// Serves `body` on rank `rank` of `server` (engine `engine`) directly, and waits until the
 /// index behind `api` shows that rank holding the prompt's blocks (its ids as the engine's
 /// `/tokenize` makes them: the indexer may have no tokenizer of its own).
@@ -250,11 +259,7 @@ pub fn warm_at(
     path: &str,
     body: &Value,
 ) {
-    let addr: SocketAddr = server
-        .url()
-        .trim_start_matches("http://")
-        .parse()
-        .expect("an IP:port");
+    let addr = addr_of(server);
     let rank_header = rank.to_string();
     let reply = Connection::open(addr).send_with(
         "POST",

@@ -1,5 +1,6 @@
 //! One rank's batch and waiting queue, advanced event by event at a cost of O(log n) an event
-//! (n the requests on the rank), however many requests it holds.
+//! (n the requests on the rank), however many requests it holds; a client that leaves while
+//! its prefill is in line moves the k prefills behind it up, O(k log n).
 //!
 //! The prefills in flight compute one after another, first come first served (as vLLM's
 //! scheduler spends its token budget on the requests in the order it took them), and every
