@@ -439,7 +439,23 @@ mod tests {
     }
 
     #[test]
-    fn a_tokenizer_whose_truncation_would_cut_a_prompt_keeps_it_whole() {
+    fn only_a_post_processor_of_fixed_ends_is_laid_around_the_pieces() {
+        let json = |value: &str| serde_json::from_str::<serde_json::Value>(value).expect("JSON");
+        assert!(post_processor_is_fixed(&serde_json::Value::Null));
+        assert!(post_processor_is_fixed(&json(
+            r#"{"type": "Sequence", "processors": [{"type": "ByteLevel"},
+                {"type": "TemplateProcessing"}]}"#
+        )));
+        assert!(!post_processor_is_fixed(&json(
+            r#"{"type": "SomethingNew"}"#
+        )));
+        assert!(!post_processor_is_fixed(&json(
+            r#"{"type": "Sequence", "processors": [{"type": "SomethingNew"}]}"#
+        )));
+    }
+
+    #[test]
+    fn a_tokenizer_whose_truncation_or_padding_would_change_a_prompt_keeps_it_whole() {
         let root = tempfile::tempdir().expect("a temporary directory");
         kv_indexer_sim::tokenizer_dir::write_all(root.path()).expect("tokenizer directories");
         let path = root.path().join("chatml/tokenizer.json");
@@ -447,6 +463,10 @@ mod tests {
         let mut config: serde_json::Value = serde_json::from_str(&text).expect("JSON");
         config["truncation"] = serde_json::json!({
             "direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0
+        });
+        config["padding"] = serde_json::json!({
+            "strategy": {"Fixed": 4096}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "<s>"
         });
         let truncating = Tokenizer::from_bytes(config.to_string().as_bytes()).expect("a tokenizer");
         let pieces = PieceTokenizer::new(truncating, &config).expect("pieces");

@@ -145,6 +145,30 @@ fn gap_with_snapshot_from(url: &str) -> (Fixture, FakeRank, Listener) {
     (fixture, rank, listener)
 }
 
+/// docs/protocol.md "The request": a snapshot answer must be 200. The body that repairs the
+/// rank once answered 200 is refused under any other status (203 here), and the fetch counted
+/// failed.
+#[test]
+fn a_snapshot_answered_other_than_200_is_not_applied() {
+    let snapshot = SnapshotServer::start();
+    snapshot.answer_status(203);
+    snapshot.set(Some(2), 0, &[block_stored(1, 0, 1), block_stored(2, 0, 1)]);
+    let (fixture, _rank, listener) = gap_with_snapshot_from(&snapshot.url);
+    let deadline = Instant::now() + DEADLINE;
+    while !snapshot_fetch_counted_failed(&fixture) {
+        assert!(
+            Instant::now() < deadline,
+            "no failed snapshot fetch counted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_ne!(listener.status().state, State::Active);
+    snapshot.answer_status(200);
+    wait_for(&listener, "repaired by the same body at 200", |status| {
+        status.state == State::Active
+    });
+}
+
 #[test]
 fn a_snapshot_declaring_10_gb_is_refused_without_reading_it() {
     let server = RawHttpServer::start(|stream, stop| {

@@ -7,6 +7,7 @@
 //!
 //! It never asserts what a test expects; a wait fails the test only at its deadline.
 
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -62,10 +63,12 @@ pub fn remove(prompt: u32, block: u32) -> Event {
     })
 }
 
-/// A tiny_http server answering `GET /kv_recover` with whatever body the test sets.
+/// A tiny_http server answering `GET /kv_recover` with whatever body (and status, 200 unless
+/// set) the test sets.
 pub struct SnapshotServer {
     pub url: String,
     body: Arc<Mutex<Vec<u8>>>,
+    status: Arc<AtomicU16>,
     server: Arc<tiny_http::Server>,
     thread: Option<JoinHandle<()>>,
 }
@@ -75,24 +78,34 @@ impl SnapshotServer {
         let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("HTTP server"));
         let port = server.server_addr().to_ip().expect("IP address").port();
         let body: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let status = Arc::new(AtomicU16::new(200));
         let (thread_server, thread_body) = (Arc::clone(&server), Arc::clone(&body));
+        let thread_status = Arc::clone(&status);
         let thread = std::thread::spawn(move || {
             for request in thread_server.incoming_requests() {
                 let body = thread_body.lock().clone();
-                let response = tiny_http::Response::from_data(body).with_header(
-                    "Content-Type: application/json"
-                        .parse::<tiny_http::Header>()
-                        .unwrap(),
-                );
+                let response = tiny_http::Response::from_data(body)
+                    .with_status_code(thread_status.load(Ordering::Relaxed))
+                    .with_header(
+                        "Content-Type: application/json"
+                            .parse::<tiny_http::Header>()
+                            .unwrap(),
+                    );
                 let _ = request.respond(response);
             }
         });
         SnapshotServer {
             url: format!("http://127.0.0.1:{port}/kv_recover"),
             body,
+            status,
             server,
             thread: Some(thread),
         }
+    }
+
+    /// The status the next answers have.
+    pub fn answer_status(&self, status: u16) {
+        self.status.store(status, Ordering::Relaxed);
     }
 
     pub fn set(&self, seq: Option<u64>, dp_rank: u32, events: &[BlockStored]) {
